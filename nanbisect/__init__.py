@@ -1,0 +1,12 @@
+"""nanbisect: find the first operation that breaks a PyTorch training step.
+
+>>> import nanbisect
+>>> guard = nanbisect.Guard(task, entry="train.py:make_task", out="bundles")
+"""
+__version__ = "0.1.0"
+
+from .capture import Guard, StepWatch, capture  # noqa: E402
+from .errors import BadInput, NonFiniteStep  # noqa: E402
+from .task import Task  # noqa: E402
+
+__all__ = ["Task", "capture", "Guard", "StepWatch", "NonFiniteStep", "BadInput", "__version__"]

@@ -1,0 +1,224 @@
+"""Freeze a training step into a bundle: `capture` on demand, `Guard` on failure.
+
+Guarantees: a bundle holds the state *before* its step (parameters, buffers, optimizer state,
+RNG of Python/NumPy/torch CPU/accelerators) plus the batch. `Guard` costs a healthy step one
+snapshot copy of the parameters, buffers and optimizer state (kept on their device), one cheap
+reduction per gradient and per parameter, and one host synchronisation; all exact checks run only
+when that screen trips. Not guaranteed: custom loops that zero gradients *after* the optimizer step
+lose the gradients the guard checks (zero them at the start of the step instead).
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from .bundle import write_bundle
+from .errors import NonFiniteStep
+from .state import RngState, accelerator_types, encode, encode_model, encode_optimizer
+from .task import Task, split_entry
+
+
+def _device_of(model: torch.nn.Module) -> str:
+    t = next(model.parameters(), None)
+    return str(t.device) if t is not None else "cpu"
+
+
+def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: int | None,
+                  observed: dict | None, path: Path) -> tuple[dict, dict]:
+    split_entry(entry)  # fail early on a malformed entry, before anything is written
+    tensors: dict[str, dict] = {"model": {}, "optimizer": {}, "batch": {}, "rng": {}}
+    target = entry.rpartition(":")[0]
+    entry_file = entry_rel = None
+    if target.endswith(".py") and Path(target).is_file():
+        entry_file = str(Path(target).resolve())
+        entry_rel = os.path.relpath(entry_file, Path(path).resolve())
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in task.model.parameters()})
+    manifest = {
+        "entry": entry, "entry_file": entry_file, "entry_file_from_bundle": entry_rel,
+        "step": step, "world_size": 1, "rank": 0,
+        "devices": {"captured_on": _device_of(task.model), "accelerators": accelerator_types()},
+        "dtypes": dtypes,
+        "observed": observed,
+        "model": encode_model(task.model, tensors["model"]),
+        "optimizer": (encode_optimizer(task.optimizer, tensors["optimizer"])
+                      if task.optimizer is not None else None),
+        "batch": encode(batch, "batch", tensors["batch"]),
+        "rng": rng.encode(tensors["rng"]),
+    }
+    return manifest, tensors
+
+
+def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int | None = None
+            ) -> Path:
+    """Write a bundle of the current model, optimizer and RNG state plus ``batch``.
+
+    Call it *before* running the step it should replay.
+
+    >>> capture(task, batch, "step1", entry="train.py:make_task", step=1)
+    PosixPath('step1')
+    """
+    path = Path(path)
+    rng = RngState.get(accelerator_types())
+    manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step, observed=None,
+                                      path=path)
+    return write_bundle(path, manifest, tensors)
+
+
+class _Snapshot:
+    """Pre-step copies of everything an optimizer step or a forward pass may change in place."""
+
+    def __init__(self) -> None:
+        self._copies: list[torch.Tensor] = []
+        self._live: list[torch.Tensor] = []
+        self._opt_state: dict = {}
+        self._groups: list[dict] = []
+
+    def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> None:
+        live = [p.data for p in model.parameters()] + [b for b in model.buffers()]
+        self._opt_state = {}
+        if opt is not None:
+            for p, st in opt.state.items():
+                self._opt_state[p] = {k: v for k, v in st.items()}
+                live += [v for v in st.values() if isinstance(v, torch.Tensor)]
+            self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        if [t.shape for t in live] != [t.shape for t in self._copies] or any(
+                a.dtype != b.dtype or a.device != b.device for a, b in zip(live, self._copies)):
+            self._copies = [torch.empty_like(t) for t in live]
+        if live:
+            torch._foreach_copy_(self._copies, live)
+        self._live = live
+
+    @torch.no_grad()
+    def restore(self, opt: torch.optim.Optimizer | None) -> None:
+        for dst, src in zip(self._live, self._copies):
+            dst.copy_(src)
+        if opt is not None:
+            for p in list(opt.state):
+                if p not in self._opt_state:
+                    del opt.state[p]  # state created by the failing step itself
+            for p, st in self._opt_state.items():
+                opt.state[p] = dict(st)
+            for g, saved in zip(opt.param_groups, self._groups):
+                g.update(saved)
+
+
+@dataclass
+class StepWatch:
+    """Handle yielded by `Guard.watch`; set ``loss`` so the guard can check and record it."""
+
+    loss: torch.Tensor | None = None
+    value: float | None = None
+
+
+def _screen(tensors: list[torch.Tensor]) -> torch.Tensor:
+    # One reduction per tensor: any nan/inf makes the sum non-finite. A finite sum that overflows
+    # trips the screen too; the exact check that follows then clears it.
+    if not tensors:
+        return torch.zeros(())
+    dev = tensors[0].device
+    return torch.stack([t.sum(dtype=torch.float32).to(dev) for t in tensors]).sum().cpu()
+
+
+def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
+    out = {"nan": [], "inf": []}
+    for name, t in named:
+        if torch.isnan(t).any():
+            out["nan"].append(name)
+        elif torch.isinf(t).any():
+            out["inf"].append(name)
+    return out
+
+
+def _kind(x: float) -> str:
+    return "nan" if x != x else ("inf" if abs(x) == float("inf") else "finite")
+
+
+class Guard:
+    """Run training steps and freeze the first non-finite one into a bundle.
+
+    >>> guard = Guard(task, entry="train.py:make_task", out="nanbisect-bundles")
+    >>> for batch in loader:
+    ...     loss = guard.step(batch)        # raises NonFiniteStep(bundle=...) on failure
+    """
+
+    def __init__(self, task: Task, *, entry: str, out: str | Path, start_step: int = 0) -> None:
+        split_entry(entry)
+        self.task, self.entry, self.out = task, entry, Path(out)
+        self.step_index = start_step
+        self._accel = accelerator_types()
+        self._snapshot = _Snapshot()
+
+    def step(self, batch: Any) -> float:
+        """zero_grad, forward via ``loss_fn``, backward, optimizer step; return the loss."""
+        task = self.task
+        with self.watch(batch) as w:
+            if task.optimizer is not None:
+                task.optimizer.zero_grad(set_to_none=True)
+            w.loss = task.loss_fn(task.model, batch)
+            w.loss.backward()
+            if task.optimizer is not None:
+                task.optimizer.step()
+        return w.value
+
+    @contextmanager
+    def watch(self, batch: Any) -> Iterator[StepWatch]:
+        """Guard a step that your own loop runs (forward, backward, optimizer step inside).
+
+        >>> with guard.watch(batch) as w:
+        ...     w.loss = model_loss(model, batch); w.loss.backward(); optimizer.step()
+        """
+        rng = RngState.get(self._accel)
+        self._snapshot.take(self.task.model, self.task.optimizer)
+        w = StepWatch()
+        yield w
+        params = [p for p in self.task.model.parameters()]
+        grads = [p.grad for p in params if p.grad is not None]
+        loss = (w.loss.detach().float().reshape(-1).sum().cpu() if w.loss is not None
+                else torch.zeros(()))
+        # the one host synchronisation of a healthy step
+        loss_v, grad_v, param_v = torch.stack(
+            [loss, _screen(grads), _screen([p.data for p in params])]).tolist()
+        w.value = loss_v
+        if _kind(grad_v) == "finite" and _kind(param_v) == "finite" and _kind(loss_v) == "finite":
+            self.step_index += 1
+            return
+        observed = self._observe(loss_v if w.loss is not None else None)
+        if observed is None:  # the screen overflowed on finite values
+            self.step_index += 1
+            return
+        self._snapshot.restore(self.task.optimizer)
+        path = self._free_path()
+        manifest, tensors = _bundle_parts(self.task, batch, rng, entry=self.entry,
+                                          step=self.step_index, observed=observed, path=path)
+        write_bundle(path, manifest, tensors)
+        raise NonFiniteStep(path, observed)
+
+    def _observe(self, loss: float | None) -> dict | None:
+        named = list(self.task.model.named_parameters())
+        grads = _bad_names([(n, p.grad) for n, p in named if p.grad is not None])
+        params = _bad_names([(n, p.data) for n, p in named])
+        loss_kind = _kind(loss) if loss is not None else "unknown"
+        if loss_kind != "nan" and loss_kind != "inf" and not any(grads.values()) \
+                and not any(params.values()):
+            return None
+        first = ("loss" if loss_kind in ("nan", "inf") else
+                 "grad" if any(grads.values()) else "param")
+        summary = {"loss": loss_kind,
+                   "grads": "nan" if grads["nan"] else "inf" if grads["inf"] else "finite",
+                   "params": "nan" if params["nan"] else "inf" if params["inf"] else "finite"}
+        return {"step": self.step_index, "first": first, "loss": loss if loss_kind != "nan" and
+                loss_kind != "inf" else loss_kind, "summary": summary,
+                "nonfinite_grads": {k: v[:20] for k, v in grads.items()},
+                "nonfinite_params": {k: v[:20] for k, v in params.items()}}
+
+    def _free_path(self) -> Path:
+        base = self.out / f"step{self.step_index:06d}"
+        path, i = base, 1
+        while path.exists():
+            path, i = base.with_name(f"{base.name}-{i}"), i + 1
+        return path

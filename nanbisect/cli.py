@@ -1,0 +1,77 @@
+"""Command line: parses flags, calls the library, prints, exits. Holds no logic of its own.
+
+Exit codes: 0 replay clean, 1 culprit found (or non-finite input), 2 usage or bad input (one line
+on stderr, no traceback, nothing written), 3 the recorded failure did not reproduce.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .errors import BadInput
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Find the first operation that breaks a PyTorch training step.")
+
+
+def _fail(e: BadInput) -> None:
+    typer.echo(f"nanbisect: error: {e}", err=True)
+    raise typer.Exit(2)
+
+
+@app.command()
+def run(
+    ckpt: Path = typer.Option(..., "--ckpt", help="bundle directory to replay"),
+    target: Optional[str] = typer.Option(None, help="device to replay on (default: the capture "
+                                                    "device when present, else cpu)"),
+    reference: Optional[str] = typer.Option(None, help="DEVICE[:DTYPE] or none (default: cpu "
+                                                       "when the target is not cpu, else none)"),
+    inject: Optional[str] = typer.Option(None, help="FILE.py:FUNC whose context manager wraps "
+                                                    "every target-side execution"),
+    out: Optional[Path] = typer.Option(None, help="report directory (default: "
+                                                  "BUNDLE/nanbisect-report)"),
+    entry: Optional[str] = typer.Option(None, help="override the bundle's entry string"),
+    as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
+) -> None:
+    """Replay a bundle, bisect the failure, write report.json and report.md."""
+    from .pipeline import RunOptions, run_bundle
+    from .report import terminal, write_report
+
+    try:
+        report = run_bundle(ckpt, RunOptions(target=target, reference=reference, inject=inject,
+                                             entry=entry))
+    except BadInput as e:
+        _fail(e)
+    out_dir = out or Path(ckpt) / "nanbisect-report"
+    write_report(report, out_dir)
+    if as_json:
+        typer.echo(json.dumps(report.to_json(), indent=1))
+    else:
+        typer.echo(terminal(report, out_dir))
+    raise typer.Exit(report.exit_code)
+
+
+@app.command()
+def inspect(
+    bundle: Path = typer.Argument(..., help="bundle directory"),
+    as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
+) -> None:
+    """Summarise a bundle without importing any user code (safe on untrusted bundles)."""
+    from .bundle_info import summarize, summary_text
+
+    try:
+        info = summarize(bundle)
+    except BadInput as e:
+        _fail(e)
+    typer.echo(json.dumps(info, indent=1) if as_json else summary_text(info))
+
+
+def main() -> None:
+    try:
+        app(prog_name="nanbisect")
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -1,0 +1,33 @@
+"""Exceptions that cross module boundaries.
+
+`BadInput` carries a one-line message that names the problem and the fix; the CLI prints it and
+exits 2 without a traceback. `NonFiniteStep` is what `Guard` raises after writing a bundle.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class BadInput(Exception):
+    """A bundle, path, entry or flag the user gave is unusable.
+
+    The message must say what is wrong and what to do, e.g.
+    ``BadInput("bundle 'x': manifest.json is missing; pass a directory written by nanbisect.capture")``.
+    """
+
+
+class NonFiniteStep(RuntimeError):
+    """A guarded training step produced a non-finite loss, gradient or parameter.
+
+    ``bundle`` is the directory that replays the failing step from its pre-step state;
+    ``observed`` is what the guard saw (also stored in the bundle's manifest).
+    """
+
+    def __init__(self, bundle: Path, observed: dict):
+        self.bundle = Path(bundle)
+        self.observed = observed
+        what = ", ".join(f"{k}={v}" for k, v in observed.get("summary", {}).items())
+        super().__init__(
+            f"non-finite training step {observed.get('step')}: {what or 'see manifest'}; "
+            f"replay it with: nanbisect run --ckpt {self.bundle}"
+        )

@@ -1,0 +1,249 @@
+"""Turn training state into JSON-able metadata plus a flat dict of tensors, and back.
+
+Guarantees: nothing here pickles or evaluates anything; every non-tensor value is encoded as plain
+JSON with explicit tags (``__tuple__``, ``__float__`` for nan/inf, ...). Tied parameters are stored
+once and restored by copying into the model the entry builds, so ties made by the model's own
+constructor survive. Not guaranteed: arbitrary Python objects inside a batch (only tensors, numbers,
+strings, bools, None, lists, tuples and dicts are accepted), or optimizers whose state holds
+non-tensor objects other than those plain values.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import BadInput
+
+Tensors = dict[str, torch.Tensor]
+
+# --------------------------------------------------------------------------------------------
+# plain values and pytrees
+
+
+def _tensor_for_file(t: torch.Tensor) -> torch.Tensor:
+    # NB: safetensors refuses tensors that share storage; a detached contiguous clone never does.
+    return t.detach().to("cpu").contiguous().clone()
+
+
+def encode(obj: Any, key: str, tensors: Tensors) -> Any:
+    """Encode a pytree as JSON, moving its tensors into ``tensors`` under keys below ``key``.
+
+    >>> ts = {}; encode({"x": torch.ones(2), "n": 3}, "batch", ts)
+    {'__dict__': [['x', {'__tensor__': 'batch/x'}], ['n', 3]]}
+    """
+    if isinstance(obj, torch.Tensor):
+        tensors[key] = _tensor_for_file(obj)
+        return {"__tensor__": key, "requires_grad": bool(obj.requires_grad),
+                "device": obj.device.type}
+    if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else {"__float__": repr(obj)}
+    if isinstance(obj, torch.dtype):
+        return {"__dtype__": str(obj).removeprefix("torch.")}
+    if isinstance(obj, torch.device):
+        return {"__device__": str(obj)}
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        items = [encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
+        return items if isinstance(obj, list) else {"__tuple__": items}
+    if isinstance(obj, dict):
+        pairs = []
+        for i, (k, v) in enumerate(obj.items()):
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                raise TypeError(f"{key}: dict key {k!r} is not a plain value")
+            pairs.append([encode(k, f"{key}/k{i}", tensors), encode(v, f"{key}/{k}", tensors)])
+        return {"__dict__": pairs}
+    raise TypeError(
+        f"{key}: cannot store a {type(obj).__name__}; a batch may hold tensors, numbers, strings, "
+        "bools, None, lists, tuples and dicts"
+    )
+
+
+def decode(obj: Any, tensors: Tensors, device: torch.device | str | None = None) -> Any:
+    """Inverse of `encode`; tensors are moved to ``device`` when given."""
+    if isinstance(obj, list):
+        return [decode(v, tensors, device) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    if "__tensor__" in obj:
+        name = obj["__tensor__"]
+        if name not in tensors:
+            raise BadInput(f"tensor '{name}' named in the manifest is missing from the bundle's "
+                           "tensor files; re-capture the bundle")
+        t = tensors[name]
+        if device is not None:
+            t = t.to(device)
+        return t.requires_grad_(True) if obj.get("requires_grad") and t.is_floating_point() else t
+    if "__tuple__" in obj:
+        return tuple(decode(v, tensors, device) for v in obj["__tuple__"])
+    if "__float__" in obj:
+        return float(obj["__float__"])
+    if "__dtype__" in obj:
+        return getattr(torch, obj["__dtype__"])
+    if "__device__" in obj:
+        return torch.device(obj["__device__"])
+    if "__dict__" in obj:
+        return {decode(k, tensors, device): decode(v, tensors, device) for k, v in obj["__dict__"]}
+    raise BadInput(f"unknown tagged value {sorted(obj)} in manifest; was it written by a newer "
+                   "nanbisect? upgrade nanbisect")
+
+
+def iter_tensors(obj: Any, path: str = ""):
+    """Yield ``(path, tensor)`` for every tensor leaf of a pytree (lists, tuples, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        yield path or "batch", obj
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from iter_tensors(v, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from iter_tensors(v, f"{path}[{k!r}]")
+
+
+# --------------------------------------------------------------------------------------------
+# model
+
+
+def model_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, str]]:
+    """Every parameter and buffer as ``(name, tensor, kind)``, tied ones under each name."""
+    out = [(n, p, "param") for n, p in model.named_parameters(remove_duplicate=False)]
+    out += [(n, b, "buffer") for n, b in model.named_buffers(remove_duplicate=False)]
+    return out
+
+
+def encode_model(model: torch.nn.Module, tensors: Tensors) -> dict:
+    """Store each distinct parameter/buffer once under ``model/<name>``; ties become aliases."""
+    canonical: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    names = {"param": [], "buffer": []}
+    for name, t, kind in model_entries(model):
+        names[kind].append(name)
+        if id(t) in canonical:
+            aliases[name] = canonical[id(t)]
+            continue
+        canonical[id(t)] = name
+        tensors[f"model/{name}"] = _tensor_for_file(t)
+    return {"params": names["param"], "buffers": names["buffer"], "aliases": aliases}
+
+
+@torch.no_grad()
+def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: str) -> None:
+    """Copy saved values into ``model`` in place (keeps ties, devices and dtypes of the model)."""
+    entries = model_entries(model)
+    have = {n for n, _, _ in entries}
+    want = set(meta["params"]) | set(meta["buffers"])
+    if have != want:
+        missing, extra = sorted(want - have)[:3], sorted(have - want)[:3]
+        raise BadInput(
+            f"{where}: the model built by the entry does not match the bundle (bundle only: "
+            f"{missing or '-'}; model only: {extra or '-'}); replay with the code that captured it"
+        )
+    for name, t, _ in entries:
+        saved = tensors[f"model/{meta['aliases'].get(name, name)}"]
+        if saved.shape != t.shape:
+            raise BadInput(f"{where}: '{name}' has shape {tuple(saved.shape)} in the bundle but "
+                           f"{tuple(t.shape)} in the model; replay with the code that captured it")
+        t.copy_(saved)
+
+
+# --------------------------------------------------------------------------------------------
+# optimizer
+
+
+def encode_optimizer(opt: torch.optim.Optimizer, tensors: Tensors) -> dict:
+    """Store ``opt.state_dict()``: tensors under ``optim/...``, everything else as JSON."""
+    sd = opt.state_dict()
+    state = {str(i): encode(s, f"optim/state/{i}", tensors) for i, s in sd["state"].items()}
+    groups = [encode(g, f"optim/group/{j}", tensors) for j, g in enumerate(sd["param_groups"])]
+    return {"class": type(opt).__module__ + "." + type(opt).__qualname__,
+            "state": state, "param_groups": groups}
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, where: str) -> None:
+    cls = type(opt).__module__ + "." + type(opt).__qualname__
+    if cls != meta["class"]:
+        raise BadInput(f"{where}: the bundle holds a {meta['class']} state but the entry built a "
+                       f"{cls}; replay with the code that captured it")
+    sd = {"state": {int(i): decode(s, tensors) for i, s in meta["state"].items()},
+          "param_groups": [decode(g, tensors) for g in meta["param_groups"]]}
+    try:
+        opt.load_state_dict(sd)
+    except (ValueError, KeyError) as e:
+        raise BadInput(f"{where}: optimizer state does not fit the entry's optimizer ({e}); "
+                       "replay with the code that captured it") from None
+
+
+# --------------------------------------------------------------------------------------------
+# RNG
+
+
+def accelerator_types() -> list[str]:
+    """Device types other than CPU whose RNG torch exposes on this machine."""
+    out = []
+    for name in ("cuda", "xpu", "npu", "mps"):
+        mod = getattr(torch, name, None)
+        try:
+            if mod is not None and mod.is_available():
+                out.append(name)
+        except Exception:  # noqa: BLE001 - a broken backend simply has no RNG to save
+            pass
+    return out
+
+
+@dataclass(frozen=True)
+class RngState:
+    """The generator states a training step may draw from."""
+
+    python: tuple
+    numpy: tuple
+    torch_cpu: torch.Tensor
+    accel: dict[str, list[torch.Tensor]]
+
+    @staticmethod
+    def get(accel_types: list[str]) -> "RngState":
+        acc = {}
+        for name in accel_types:
+            mod = getattr(torch, name)
+            acc[name] = (mod.get_rng_state_all() if hasattr(mod, "get_rng_state_all")
+                         else [mod.get_rng_state()])
+        return RngState(random.getstate(), np.random.get_state(), torch.get_rng_state(), acc)
+
+    def set(self) -> None:
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+        torch.set_rng_state(self.torch_cpu)
+        for name, states in self.accel.items():
+            mod = getattr(torch, name, None)
+            if mod is None or not mod.is_available():
+                continue  # replaying elsewhere: that device's draws cannot matter
+            if hasattr(mod, "set_rng_state_all") and len(states) == mod.device_count():
+                mod.set_rng_state_all(states)
+            else:
+                mod.set_rng_state(states[0])
+
+    def encode(self, tensors: Tensors) -> dict:
+        version, words, gauss = self.python
+        kind, keys, pos, has_gauss, cached = self.numpy
+        tensors["rng/torch_cpu"] = self.torch_cpu.clone()
+        tensors["rng/numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+        for name, states in self.accel.items():
+            for i, s in enumerate(states):
+                tensors[f"rng/{name}/{i}"] = s.detach().cpu().clone()
+        return {"python": [version, list(words), gauss],
+                "numpy": [kind, int(pos), int(has_gauss), float(cached)],
+                "accel": {name: len(states) for name, states in self.accel.items()}}
+
+    @staticmethod
+    def decode(meta: dict, tensors: Tensors) -> "RngState":
+        version, words, gauss = meta["python"]
+        kind, pos, has_gauss, cached = meta["numpy"]
+        keys = tensors["rng/numpy_keys"].numpy().astype(np.uint32)
+        accel = {name: [tensors[f"rng/{name}/{i}"] for i in range(n)]
+                 for name, n in meta["accel"].items()}
+        return RngState((version, tuple(words), gauss), (kind, keys, pos, has_gauss, cached),
+                        tensors["rng/torch_cpu"], accel)

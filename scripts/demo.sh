@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up, then bisect the shipped forward-NaN bundle and show its culprit.
+# Exits 0 when nanbisect names a culprit (its own exit code 1), non-zero otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit 1
+PY=${PYTHON:-python3}
+"$PY" -m nanbisect run --ckpt fixtures/bundles/forward_nan_behind_mask
+code=$?
+if [ "$code" -ne 1 ]; then
+  echo "demo: expected a culprit (exit 1), nanbisect exited $code" >&2
+  exit 1
+fi
+echo
+cat fixtures/bundles/forward_nan_behind_mask/nanbisect-report/report.md

@@ -1,0 +1,48 @@
+"""Shared helpers: run the real CLI in a subprocess, copy fixture bundles into tmp dirs."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FIXTURES = ROOT / "fixtures" / "bundles"
+TASKS = ROOT / "fixtures" / "tasks"
+TEST_TASKS = Path(__file__).resolve().parent / "tasks"
+
+
+@dataclass
+class CliResult:
+    code: int
+    stdout: str
+    stderr: str
+
+    def report(self, out: Path) -> dict:
+        return json.loads((out / "report.json").read_text())
+
+
+def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 300) -> CliResult:
+    """Run ``python -m nanbisect ARGS`` in a fresh process."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("NANBISECT_TEST")}
+    full_env.update(env or {})
+    p = subprocess.run([sys.executable, "-m", "nanbisect", *map(str, args)], cwd=cwd,
+                       env=full_env, capture_output=True, text=True, timeout=timeout)
+    return CliResult(p.returncode, p.stdout, p.stderr)
+
+
+@pytest.fixture
+def fixture_bundle(tmp_path):
+    """Copy a shipped bundle into tmp_path (so reports never land in the repository)."""
+
+    def copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(FIXTURES / name, dst, ignore=shutil.ignore_patterns("nanbisect-report"))
+        return dst
+
+    return copy
