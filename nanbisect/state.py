@@ -231,16 +231,18 @@ class RngState:
         kind, keys, pos, has_gauss, cached = self.numpy
         tensors["rng/torch_cpu"] = self.torch_cpu.clone()
         tensors["rng/numpy_keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+        tensors["rng/python_words"] = torch.tensor(words, dtype=torch.int64)
         for name, states in self.accel.items():
             for i, s in enumerate(states):
                 tensors[f"rng/{name}/{i}"] = s.detach().cpu().clone()
-        return {"python": [version, list(words), gauss],
+        return {"python": [version, gauss],
                 "numpy": [kind, int(pos), int(has_gauss), float(cached)],
                 "accel": {name: len(states) for name, states in self.accel.items()}}
 
     @staticmethod
     def decode(meta: dict, tensors: Tensors) -> "RngState":
-        version, words, gauss = meta["python"]
+        version, gauss = meta["python"]
+        words = tensors["rng/python_words"].tolist()
         kind, pos, has_gauss, cached = meta["numpy"]
         keys = tensors["rng/numpy_keys"].numpy().astype(np.uint32)
         accel = {name: [tensors[f"rng/{name}/{i}"] for i in range(n)]
