@@ -33,8 +33,8 @@ def _tensor_for_file(t: torch.Tensor) -> torch.Tensor:
 def encode(obj: Any, key: str, tensors: Tensors) -> Any:
     """Encode a pytree as JSON, moving its tensors into ``tensors`` under keys below ``key``.
 
-    >>> ts = {}; encode({"x": torch.ones(2), "n": 3}, "batch", ts)
-    {'__dict__': [['x', {'__tensor__': 'batch/x'}], ['n', 3]]}
+    >>> ts = {}; encode({"x": torch.ones(2), "n": 3}, "batch", ts)["__dict__"][0]
+    ['x', {'__tensor__': 'batch/v0', 'requires_grad': False, 'device': 'cpu'}]
     """
     if isinstance(obj, torch.Tensor):
         tensors[key] = _tensor_for_file(obj)
@@ -56,7 +56,8 @@ def encode(obj: Any, key: str, tensors: Tensors) -> Any:
         for i, (k, v) in enumerate(obj.items()):
             if not isinstance(k, (str, int, float, bool)) and k is not None:
                 raise TypeError(f"{key}: dict key {k!r} is not a plain value")
-            pairs.append([encode(k, f"{key}/k{i}", tensors), encode(v, f"{key}/{k}", tensors)])
+            # NB: name values by position: keys "a/b" and "a" -> "b" would collide as text
+            pairs.append([encode(k, f"{key}/k{i}", tensors), encode(v, f"{key}/v{i}", tensors)])
         return {"__dict__": pairs}
     raise TypeError(
         f"{key}: cannot store a {type(obj).__name__}; a batch may hold tensors, numbers, strings, "
@@ -75,9 +76,9 @@ def decode(obj: Any, tensors: Tensors, device: torch.device | str | None = None)
         if name not in tensors:
             raise BadInput(f"tensor '{name}' named in the manifest is missing from the bundle's "
                            "tensor files; re-capture the bundle")
-        t = tensors[name]
-        if device is not None:
-            t = t.to(device)
+        # NB: always a copy: an optimizer step or an in-place loss_fn must not alter the bundle's
+        # tensors, which every later replay restores from.
+        t = tensors[name].to(device, copy=True) if device is not None else tensors[name].clone()
         return t.requires_grad_(True) if obj.get("requires_grad") and t.is_floating_point() else t
     if "__tuple__" in obj:
         return tuple(decode(v, tensors, device) for v in obj["__tuple__"])

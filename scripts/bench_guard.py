@@ -5,11 +5,12 @@ AdamW step) of a ~5M-parameter GPT-like model on CPU, measured for a plain loop 
 `Guard.step`, interleaved in one process on two identical model copies built from the same seed.
 Each measured round runs one plain and one guarded step on the same batch, alternating which goes
 first, so drift (thermal, other load, allocator warm-up) hits both sides alike. The plain step also
-reads its loss with `.item()`, since `Guard.step` returns the loss as a float. The pieces of Guard
-(RNG state read, pre-step snapshot copy, finite screen) are then timed on their own.
+reads its loss with `.item()`, since `Guard.step` returns the loss as a float. Then the pieces of
+Guard (RNG state read, pre-step snapshot copy, finite screen) are timed alone in a loop, and
+in-step: time spent entering and leaving `Guard.watch` around real training steps.
 
 What they are not: a GPU figure (on an accelerator the snapshot is a device-to-device copy and the
-screen adds a host synchronisation, which cost differently), a figure for other model sizes or
+screen waits on the device, which cost differently), a figure for other model sizes or
 optimizers (snapshot cost scales with parameters plus optimizer state, the step with FLOPs), nor
 the cost of a failing step (which writes a bundle). Medians are the headline; means show outliers.
 
@@ -18,7 +19,6 @@ the cost of a failing step (which writes a bundle). Medians are the headline; me
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import statistics
