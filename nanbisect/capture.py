@@ -2,9 +2,11 @@
 
 Guarantees: a bundle holds the state *before* its step (parameters, buffers, optimizer state,
 RNG of Python/NumPy/torch CPU/accelerators) plus the batch. `Guard` costs a healthy step one
-snapshot copy of the parameters, buffers and optimizer state (kept on their device), one cheap
-reduction per gradient and per parameter, and one host synchronisation; all exact checks run only
-when that screen trips. Not guaranteed: custom loops that zero gradients *after* the optimizer step
+snapshot copy of the parameters, buffers and optimizer state (kept on their device), one sum per
+parameter and one host synchronisation; exact checks of loss, gradients and parameters run only
+when that screen trips. Gradients are not screened on their own: a non-finite gradient becomes a
+non-finite parameter through the update (so it is caught, and classified as a gradient fault by
+the exact check), while a loop whose GradScaler skips an overflowed step stays silent. Not guaranteed: custom loops that zero gradients *after* the optimizer step
 lose the gradients the guard checks (zero them at the start of the step instead).
 """
 from __future__ import annotations
@@ -115,13 +117,14 @@ class StepWatch:
     value: float | None = None
 
 
-def _screen(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # One reduction per tensor: any nan/inf makes the sum non-finite. A finite sum that overflows
-    # trips the screen too; the exact check that follows then clears it.
+def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One float32 sum per tensor, summed: non-finite iff some element is (or the sum overflows).
+
+    A finite sum that overflows trips the screen too; the exact check that follows clears it.
+    """
     if not tensors:
-        return torch.zeros(())
-    dev = tensors[0].device
-    return torch.stack([t.sum(dtype=torch.float32).to(dev) for t in tensors]).sum().cpu()
+        return torch.zeros((), device=device)
+    return torch.stack([t.sum(dtype=torch.float32).to(device) for t in tensors]).sum()
 
 
 def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
@@ -176,15 +179,16 @@ class Guard:
         self._snapshot.take(self.task.model, self.task.optimizer)
         w = StepWatch()
         yield w
-        params = [p for p in self.task.model.parameters()]
-        grads = [p.grad for p in params if p.grad is not None]
-        loss = (w.loss.detach().float().reshape(-1).sum().cpu() if w.loss is not None
-                else torch.zeros(()))
-        # the one host synchronisation of a healthy step
-        loss_v, grad_v, param_v = torch.stack(
-            [loss, _screen(grads), _screen([p.data for p in params])]).tolist()
+        params = [p.data for p in self.task.model.parameters()]
+        dev = params[0].device if params else torch.device("cpu")
+        loss = (w.loss.detach().float().reshape(-1).sum().to(dev) if w.loss is not None
+                else torch.zeros((), device=dev))
+        # NB: gradients are not screened: a non-finite gradient reaches the parameters through
+        # any update with lr > 0, and a loop whose GradScaler skips inf gradients must not trip.
+        # The one host synchronisation of a healthy step:
+        loss_v, param_v = torch.stack([loss, _screen(params, dev)]).tolist()
         w.value = loss_v
-        if _kind(grad_v) == "finite" and _kind(param_v) == "finite" and _kind(loss_v) == "finite":
+        if _kind(param_v) == "finite" and _kind(loss_v) == "finite":
             self.step_index += 1
             return
         observed = self._observe(loss_v if w.loss is not None else None)
@@ -203,9 +207,8 @@ class Guard:
         grads = _bad_names([(n, p.grad) for n, p in named if p.grad is not None])
         params = _bad_names([(n, p.data) for n, p in named])
         loss_kind = _kind(loss) if loss is not None else "unknown"
-        if loss_kind != "nan" and loss_kind != "inf" and not any(grads.values()) \
-                and not any(params.values()):
-            return None
+        if loss_kind not in ("nan", "inf") and not any(params.values()):
+            return None  # only loss and parameters decide; gradients say where it came from
         first = ("loss" if loss_kind in ("nan", "inf") else
                  "grad" if any(grads.values()) else "param")
         summary = {"loss": loss_kind,

@@ -86,14 +86,13 @@ def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
     """Median ms of each piece of a healthy guarded step, timed alone on the guarded model."""
     model, opt = guard.task.model, guard.task.optimizer
     params = list(model.parameters())
-    grads = [p.grad for p in params if p.grad is not None]
     snap, accel = _Snapshot(), accelerator_types()
     snap.take(model, opt)  # allocate the copies once, as a warm Guard has
     pieces = {
         "rng_state_get (alone)": lambda: RngState.get(accel),
         "snapshot copy (alone)": lambda: snap.take(model, opt),
-        "screen: grads+params+loss, 1 sync (alone)": lambda: torch.stack(
-            [torch.zeros(()), _screen(grads), _screen([p.data for p in params])]).tolist(),
+        "screen: params+loss, 1 sync (alone)": lambda: torch.stack(
+            [torch.zeros(()), _screen([p.data for p in params], params[0].device)]).tolist(),
     }
     return {k: 1e3 * statistics.median(timed(f)[0] for _ in range(reps))
             for k, f in pieces.items()}
