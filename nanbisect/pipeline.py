@@ -87,11 +87,10 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions()) -> Report:
     rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
     first: StepOutcome = _guarded(lambda: rep.run(wrap=wrap), "replaying the step on the target")
     observed = m.get("observed")
-    replay = {"original_loss": _num(observed.get("loss")) if isinstance(
-        (observed or {}).get("loss"), float) else (observed or {}).get("loss"),
-        "target_loss": _num(first.loss), "reference_loss": None}
-    if observed and isinstance(observed.get("loss"), float) and first.loss is not None:
-        replay["bit_exact"] = first.loss == observed["loss"]
+    original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
+    replay = {"original_loss": original, "target_loss": _num(first.loss), "reference_loss": None}
+    if isinstance(original, float) and first.loss is not None:
+        replay["bit_exact"] = first.loss == original
 
     ref_outcome = None
     if ref is not None and first.phase not in (None, "input"):

@@ -124,7 +124,10 @@ class Replayer:
                            " optimizer state but the entry's Task "
                            f"{'has' if self.task.optimizer is not None else 'has no'} optimizer; "
                            "replay with the code that captured it")
-        self.task.model.to(device=device, dtype=dtype) if dtype else self.task.model.to(device)
+        if dtype is not None:
+            self.task.model.to(device=device, dtype=dtype)
+        else:
+            self.task.model.to(device)
         self._where = where
 
     def restore(self) -> Any:

@@ -123,7 +123,7 @@ def terminal(r: Report, out: Path) -> str:
                      f"dtypes={c.input_dtypes} shapes={c.input_shapes}")
         if c.source:
             lines.append(f"  source: {c.source}")
-    lines.append(f"  classification: {r.classification}; report: {out / 'report.md'}")
+    lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     return "\n".join(lines)
 
 
