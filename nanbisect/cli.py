@@ -39,15 +39,14 @@ def run(
 ) -> None:
     """Replay a bundle, bisect the failure, write report.json and report.md."""
     from .pipeline import RunOptions, run_bundle
-    from .report import terminal, write_report
+    from .report import terminal
 
+    out_dir = out or Path(ckpt) / "nanbisect-report"
     try:
         report = run_bundle(ckpt, RunOptions(target=target, reference=reference, inject=inject,
-                                             entry=entry))
+                                             entry=entry), out_dir)
     except BadInput as e:
         _fail(e)
-    out_dir = out or Path(ckpt) / "nanbisect-report"
-    write_report(report, out_dir)
     if as_json:
         typer.echo(json.dumps(report.to_json(), indent=1))
     else:

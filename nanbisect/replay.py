@@ -86,7 +86,7 @@ class StepOutcome:
     loss: float | None
     phase: str | None                 # first phase with non-finite values; None = clean
     bad: list[BadValue] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
+    loss_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
     def kind(self) -> str | None:
@@ -159,14 +159,14 @@ class Replayer:
                                        if isinstance(v, torch.Tensor) and v.is_floating_point()))
         return bad
 
-    def run(self, *, forward: Callable[[], ContextManager] = nullcontext,
-            backward: Callable[[], ContextManager] = nullcontext,
+    def run(self, *, phase: Callable[[str], ContextManager] = lambda name: nullcontext(),
             wrap: Callable[[], ContextManager] = nullcontext, stop_after: str = "optimizer"
             ) -> StepOutcome:
         """Replay the step: input checks, forward, backward, optimizer step, in that order.
 
-        ``forward``/``backward`` give context managers around those phases (probes), ``wrap`` one
-        around the whole step (fault injection); ``stop_after`` ends the run after that phase.
+        ``phase(name)`` gives a context manager around each of "forward", "backward" and
+        "optimizer" (probes, recorders); ``wrap()`` one around the whole step (fault injection,
+        op counting); ``stop_after`` ends the run after that phase.
         """
         batch = self.restore()
         bad = self.input_faults(batch)
@@ -174,27 +174,29 @@ class Replayer:
             return StepOutcome(None, "input", bad)
         task = self.task
         with wrap():
-            with forward():
+            with phase("forward"):
                 loss = task.loss_fn(task.model, batch)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise BadInput(f"entry '{self.entry}': loss_fn returned "
                                f"{type(loss).__name__}, not a scalar tensor; return the loss")
             loss_v = float(loss.detach().float().item())
             if not math.isfinite(loss_v):
-                return StepOutcome(loss_v, "forward", _scan("loss", [("loss", loss.detach())]))
+                return StepOutcome(loss_v, "forward", _scan("loss", [("loss", loss.detach())]),
+                                   loss)
             if stop_after == "forward":
-                return StepOutcome(loss_v, None)
-            with backward():
+                return StepOutcome(loss_v, None, loss_tensor=loss)
+            with phase("backward"):
                 loss.backward()
             grads = _scan("grad", ((n, p.grad) for n, p in task.model.named_parameters()
                                    if p.grad is not None))
             if grads:
-                return StepOutcome(loss_v, "backward", grads)
+                return StepOutcome(loss_v, "backward", grads, loss)
             if stop_after == "backward" or task.optimizer is None:
-                return StepOutcome(loss_v, None)
-            task.optimizer.step()
+                return StepOutcome(loss_v, None, loss_tensor=loss)
+            with phase("optimizer"):
+                task.optimizer.step()
         params = _scan("parameter", task.model.named_parameters())
-        return StepOutcome(loss_v, "optimizer" if params else None, params)
+        return StepOutcome(loss_v, "optimizer" if params else None, params, loss)
 
 
 def resolve_entry(bundle: Bundle) -> str:

@@ -9,8 +9,10 @@ from __future__ import annotations
 import json
 import shutil
 import uuid
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 from .bisect import Culprit, TraceRow
 from .replay import BadValue
@@ -36,6 +38,9 @@ class Report:
     backtrace: list[TraceRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     repro: str | None = None
+    repro_result: dict | None = None   # what running repro.py once said
+    inf_origin: dict | None = None     # where the inf the culprit consumed was born
+    context: list[dict] = field(default_factory=list)  # recorded ops just before the culprit
 
     @property
     def exit_code(self) -> int:
@@ -52,7 +57,8 @@ class Report:
             "reference": self.reference, "observed": self.observed,
             "input_nonfinite": [asdict(b) for b in self.input_nonfinite],
             "backtrace": [asdict(r) for r in self.backtrace],
-            "notes": self.notes, "repro": self.repro,
+            "notes": self.notes, "repro": self.repro, "repro_result": self.repro_result,
+            "inf_origin": self.inf_origin, "context": self.context,
         }
 
 
@@ -71,7 +77,8 @@ def headline(r: Report) -> str:
             where += f" (call {c.module_call})"
         if c.parameter:
             where += f", parameter {c.parameter}"
-        return f"{r.kind or 'non-finite'} born in {c.phase} at module {where}"
+        op = f" in {c.op}" if c.op else ""
+        return f"{r.kind or 'non-finite'} born{op} in {c.phase} at module {where}"
     if r.verdict == "input-nonfinite":
         b = r.input_nonfinite[0]
         return (f"non-finite values before the step ran: {b.where} '{b.name}' "
@@ -94,6 +101,27 @@ def to_markdown(r: Report) -> str:
         lines += ["", "## Culprit", "", "| field | value |", "|---|---|"]
         for k, v in asdict(c).items():
             lines.append(f"| {k} | `{v}` |")
+    if r.inf_origin:
+        o = r.inf_origin
+        lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o['op']}` "
+                  f"(op #{o['op_index']}, {o['phase']}, module `{o['module']}` call "
+                  f"{o['module_call']})."]
+    if r.context:
+        lines += ["", "## Ops up to the culprit", "", "| op # | op | module | call | output "
+                  "has nan | output has inf | output absmax |", "|---|---|---|---|---|---|---|"]
+        for c in r.context:
+            mark = "**" if c["culprit"] else ""
+            lines.append(f"| {c['op_index']} | {mark}`{c['op']}`{mark} | `{c['module']}` | "
+                         f"{c['module_call']} | {'yes' if c['out_nan'] else '-'} | "
+                         f"{'yes' if c['out_inf'] else '-'} | {c['out_absmax']:.3g} |")
+    if r.repro:
+        res = r.repro_result or {}
+        said = ("reproduced" if res.get("reproduced") else "did not reproduce"
+                if res.get("ran") else "not run")
+        lines += ["", "## Repro", "", f"`python {r.repro} [--device DEV]` ({said} on "
+                  f"`{r.target}`): needs only torch and safetensors."]
+        if res.get("output"):
+            lines += ["", "```", res["output"], "```"]
     if r.input_nonfinite:
         lines += ["", "## Non-finite values at step start", "",
                   "| where | name | nan | +inf | -inf |", "|---|---|---|---|---|"]
@@ -121,21 +149,30 @@ def terminal(r: Report, out: Path) -> str:
         c = r.culprit
         lines.append(f"  phase={c.phase} module={c.module or '<root>'} call={c.module_call} "
                      f"dtypes={c.input_dtypes} shapes={c.input_shapes}")
+        if c.op:
+            lines.append(f"  op={c.op} op_index={c.op_index}")
         if c.source:
             lines.append(f"  source: {c.source}")
+        if r.inf_origin:
+            lines.append(f"  inf born in: {r.inf_origin['op']} (op #{r.inf_origin['op_index']}, "
+                         f"module {r.inf_origin['module']})")
+        if r.repro:
+            res = r.repro_result or {}
+            lines.append(f"  repro: {out / r.repro}"
+                         + (" (reproduced)" if res.get("reproduced") else ""))
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     return "\n".join(lines)
 
 
-def write_report(r: Report, out: Path) -> Path:
-    """Write report.json and report.md into ``out`` atomically (replacing an older report)."""
+@contextmanager
+def staged(out: Path) -> Iterator[Path]:
+    """A hidden directory beside ``out`` that replaces it only if the block succeeds."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        (tmp / "report.json").write_text(json.dumps(r.to_json(), indent=1, allow_nan=False))
-        (tmp / "report.md").write_text(to_markdown(r))
+        yield tmp
         old = None
         if out.exists():
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
@@ -146,4 +183,9 @@ def write_report(r: Report, out: Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return out
+
+
+def write_report(r: Report, out: Path) -> None:
+    """Write report.json and report.md into ``out`` (a staged directory)."""
+    (out / "report.json").write_text(json.dumps(r.to_json(), indent=1, allow_nan=False))
+    (out / "report.md").write_text(to_markdown(r))

@@ -48,6 +48,8 @@ def encode(obj: Any, key: str, tensors: Tensors) -> Any:
         return {"__dtype__": str(obj).removeprefix("torch.")}
     if isinstance(obj, torch.device):
         return {"__device__": str(obj)}
+    if isinstance(obj, (torch.layout, torch.memory_format)):
+        return {"__torch__": str(obj).removeprefix("torch.")}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
         items = [encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else {"__tuple__": items}
@@ -88,6 +90,8 @@ def decode(obj: Any, tensors: Tensors, device: torch.device | str | None = None)
         return getattr(torch, obj["__dtype__"])
     if "__device__" in obj:
         return torch.device(obj["__device__"])
+    if "__torch__" in obj:
+        return getattr(torch, obj["__torch__"])
     if "__dict__" in obj:
         return {decode(k, tensors, device): decode(v, tensors, device) for k, v in obj["__dict__"]}
     raise BadInput(f"unknown tagged value {sorted(obj)} in manifest; was it written by a newer "

@@ -11,28 +11,37 @@ from conftest import TASKS, cli
 
 import nanbisect
 
-# fixture -> (verdict, phase, module, module_call, exit code); the faults are planted in
+# fixture -> (phase, module, module_call, op, input dtypes); the faults are planted in
 # fixtures/tasks/<name>.py and found by the tool, these are only the expectations.
 EXPECTED = {
-    "forward_nan_behind_mask": ("culprit", "forward", "blocks.1.mlp.act", 2, 1),
-    "backward_nan_custom_function": ("culprit", "backward", "blocks.0.mlp.act", 0, 1),
-    "optimizer_adam_eps0": ("culprit", "optimizer", "embed", None, 1),
+    "forward_nan_behind_mask": ("forward", "blocks.1.mlp.act", 2, "aten.sqrt.default",
+                                ["float32"]),
+    "backward_nan_custom_function": ("backward", "blocks.0.mlp.act", 0, "aten.div.Tensor",
+                                     ["float32", "float32"]),
+    "optimizer_adam_eps0": ("optimizer", "embed", None, "aten.addcdiv_.default",
+                            ["float32"] * 3),
+    "overflow_then_nan": ("forward", "normalize", 0, "aten.div.Tensor", ["float32"] * 2),
+    "moe_unpermute_fp32_probs": ("backward", "moe.combine", 0, "nbfix.unpermute_backward.default",
+                                 ["float32"] * 3),
 }
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_fixture_culprit(name, fixture_bundle, tmp_path):
-    verdict, phase, module, call, code = EXPECTED[name]
+    phase, module, call, op, dtypes = EXPECTED[name]
     bundle = fixture_bundle(name)
     res = cli("run", "--ckpt", bundle, "--json")
-    assert res.code == code, res.stderr
+    assert res.code == 1, res.stderr
     rep = json.loads(res.stdout)
     assert rep == json.loads((bundle / "nanbisect-report" / "report.json").read_text())
-    assert (rep["schema"], rep["verdict"]) == ("nanbisect.report/1", verdict)
+    assert (rep["schema"], rep["verdict"]) == ("nanbisect.report/1", "culprit")
     c = rep["culprit"]
-    assert (c["phase"], c["module"], c["module_call"]) == (phase, module, call)
+    assert (c["phase"], c["module"], c["module_call"], c["op"]) == (phase, module, call, op)
     assert rep["phase"] == phase and rep["kind"] == "nan"
-    assert c["rank"] == 0 and c["input_dtypes"] == ["float32"]
+    assert c["rank"] == 0 and c["input_dtypes"] == dtypes
+    assert isinstance(c["op_index"], int) and c["op_index"] >= 0
+    assert rep["context"][-1]["op"] == op and rep["context"][-1]["culprit"]
+    assert rep["repro"] == "repro/repro.py" and rep["repro_result"]["reproduced"] is True
     assert (bundle / "nanbisect-report" / "report.md").is_file()
 
 
@@ -42,7 +51,10 @@ def test_forward_culprit_details(fixture_bundle):
     assert res.code == 1
     assert "blocks.1.mlp.act" in res.stdout and "call 2" in res.stdout
     rep = json.loads((bundle / "nanbisect-report" / "report.json").read_text())
-    assert rep["culprit"]["source"].endswith("forward_nan_behind_mask.py:23")
+    # the line in SoftClamp.forward that calls torch.sqrt
+    assert rep["culprit"]["source"].endswith("forward_nan_behind_mask.py:24")
+    # the ops before it, in the same module call, were clean
+    assert [r["out_nan"] for r in rep["context"]] == [False] * (len(rep["context"]) - 1) + [True]
     assert rep["culprit"]["input_shapes"] == [[4, 12, 128]]
     # the attention calls before it saw -inf (masks) and were not blamed; calls after propagate
     rows = rep["backtrace"]
@@ -55,9 +67,12 @@ def test_forward_culprit_details(fixture_bundle):
 
 
 def test_backward_culprit_is_custom_function_not_norm(fixture_bundle):
+    """RowNorm's backward divides 0/0 (and masks it) before the custom backward runs."""
     bundle = fixture_bundle("backward_nan_custom_function")
     rep = json.loads(cli("run", "--ckpt", bundle, "--json").stdout)
     assert rep["culprit"]["module"] == "blocks.0.mlp.act"
+    assert rep["culprit"]["source"].endswith("backward_nan_custom_function.py:26")  # the backward
+    assert all(r["phase"] == "backward" for r in rep["context"])
     assert rep["replay"]["original_loss"] == rep["replay"]["target_loss"]  # bit for bit
     assert rep["replay"]["bit_exact"] is True
 
@@ -66,6 +81,41 @@ def test_optimizer_culprit_names_parameter(fixture_bundle):
     rep = json.loads(cli("run", "--ckpt", fixture_bundle("optimizer_adam_eps0"), "--json").stdout)
     assert rep["culprit"]["parameter"] == "embed.weight"
     assert rep["observed"]["summary"] == {"loss": "finite", "grads": "finite", "params": "nan"}
+
+
+def test_overflow_reports_inf_origin(fixture_bundle):
+    rep = json.loads(cli("run", "--ckpt", fixture_bundle("overflow_then_nan"), "--json").stdout)
+    o = rep["inf_origin"]
+    assert (o["op"], o["module"], o["module_call"], o["phase"]) == (
+        "aten.exp.default", "score", 0, "forward")
+    assert o["op_index"] < rep["culprit"]["op_index"]
+
+
+def test_custom_op_backward_is_a_culprit(fixture_bundle):
+    rep = json.loads(cli("run", "--ckpt", fixture_bundle("moe_unpermute_fp32_probs"),
+                         "--json").stdout)
+    assert rep["culprit"]["input_shapes"] == [[6, 16], [6, 16], [6]]
+    assert rep["culprit"]["source"].endswith("moe_unpermute_fp32_probs.py:49")
+
+
+def test_repro_runs_without_nanbisect(fixture_bundle, tmp_path):
+    """The repro needs only torch and safetensors, from any directory: exit 1 = reproduced."""
+    import shutil
+    import subprocess
+
+    bundle = fixture_bundle("forward_nan_behind_mask")
+    assert cli("run", "--ckpt", bundle).code == 1
+    repro = tmp_path / "elsewhere" / "repro"
+    shutil.copytree(bundle / "nanbisect-report" / "repro", repro)
+    assert sorted(p.name for p in repro.iterdir()) == ["inputs.safetensors", "repro.py"]
+    code = ("import sys; sys.modules['nanbisect'] = None\n"
+            "try:\n    import nanbisect\nexcept ImportError:\n    pass\n"
+            "else:\n    raise SystemExit('nanbisect is importable')\n"
+            "import runpy; sys.argv = ['repro.py']\n"
+            f"runpy.run_path({str(repro / 'repro.py')!r}, run_name='__main__')\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "REPRODUCED: aten.sqrt.default" in p.stdout and "nan=0" in p.stdout
 
 
 def test_nan_batch_is_input_nonfinite(fixture_bundle):

@@ -1,0 +1,128 @@
+"""The op-level passes: record the failing phase's ops, trace the failure to its root op, then
+catch that op's inputs in one more, narrow replay and write the standalone repro.
+
+Guarantees: op recording runs only over the failing phase (forward until the loss; backward; the
+optimizer step), with flags on the device read back once; Python stacks are taken only in the
+last pass, and only for the culprit op. The trace starts from what actually failed (the loss, the
+non-finite gradients, the non-finite parameters), so NaN that was masked or zeroed on the way
+is never blamed.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ContextManager
+
+import torch
+
+from .oprecord import OpRecorder
+from .provenance import Root, context, culprit_root, inf_origin
+from .repro import Caught, InputCatcher
+from .replay import Replayer
+from .tracker import ModuleTracker
+
+
+@dataclass(frozen=True)
+class OpFinding:
+    """The root op of the failure, as recorded."""
+
+    op: str
+    op_index: int
+    phase: str
+    module: str | None
+    module_call: int | None
+    input_dtypes: list[str]
+    input_shapes: list[list[int]]
+    parameter: str | None = None
+    context: list[dict] = field(default_factory=list)
+    inf_origin: dict | None = None
+    total_ops: int = 0
+
+
+def _stack(*cms: ContextManager) -> ExitStack:
+    es = ExitStack()
+    for cm in cms:
+        es.enter_context(cm)
+    return es
+
+
+def _phase_setter(rec: OpRecorder) -> Callable[[str], ContextManager]:
+    def enter(name: str) -> ContextManager:
+        rec.phase = name
+        return nullcontext()
+    return enter
+
+
+def _describe(root: Root) -> dict:
+    rec = root.op
+    return {"op": rec.op, "op_index": rec.index, "phase": rec.phase, "module": rec.module,
+            "module_call": rec.module_call}
+
+
+def record_ops(rep: Replayer, phase: str, kind: str,
+               wrap: Callable[[], ContextManager] = nullcontext) -> OpFinding | None:
+    """Second pass: record the ops of ``phase`` and trace the failure back to its root op."""
+    model = rep.task.model
+    tracker = ModuleTracker(model, map_nodes=(phase == "backward"))
+    rec = OpRecorder(tracker, phases={phase})
+    out = rep.run(phase=_phase_setter(rec), wrap=lambda: _stack(wrap(), tracker, rec),
+                  stop_after=phase)
+    names = list(model.named_parameters())
+    if phase == "forward" and out.loss_tensor is not None:
+        rec.mark("loss", out.loss_tensor)
+    elif phase == "backward":
+        for n, p in names:
+            if p.grad is not None:
+                rec.mark(n, p.grad)
+    elif phase == "optimizer":
+        for n, p in names:
+            rec.mark(n, p)
+    table, marks = rec.read()
+    starts = {n: m for n, m in marks.items() if m is not None}
+    root = culprit_root(table, list(starts.values()), kind)
+    if root is None:
+        return None
+    parameter = None
+    if phase == "optimizer":
+        for n, _ in names:  # the first parameter (model order) whose failure leads to the root
+            if n in starts:
+                r = culprit_root(table, [starts[n]], kind)
+                if r is not None and r.op.pos == root.op.pos:
+                    parameter = n
+                    break
+    module, call = root.op.module, root.op.module_call
+    if phase == "optimizer":
+        module, call = (parameter or "").rpartition(".")[0], None
+    ins = root.op.inputs_for(root.op.outputs[root.output])
+    origin = inf_origin(table, root)
+    return OpFinding(op=root.op.op, op_index=root.op.index, phase=root.op.phase,
+                     module=module if module is not None else "", module_call=call,
+                     input_dtypes=[i.dtype for i in ins], input_shapes=[list(i.shape) for i in ins],
+                     parameter=parameter,
+                     context=context(table, root), total_ops=table.total_ops,
+                     inf_origin=_describe(origin) if origin is not None else None)
+
+
+def catch_inputs(rep: Replayer, finding: OpFinding,
+                 wrap: Callable[[], ContextManager] = nullcontext) -> Caught | None:
+    """Last pass: replay up to the culprit's phase and clone the culprit op's arguments."""
+    catcher = InputCatcher(finding.op_index)
+
+    def phase(name: str) -> ContextManager:
+        # anomaly mode makes every autograd node remember the forward line that created it
+        if name == "forward" and finding.phase == "backward":
+            return torch.autograd.set_detect_anomaly(True, check_nan=False)
+        return nullcontext()
+
+    rep.run(phase=phase, wrap=lambda: _stack(wrap(), catcher), stop_after=finding.phase)
+    c = catcher.caught
+    return c if c is not None and c.op == finding.op else None
+
+
+def repro_imports(op: str, entry: str) -> list[str]:
+    """Files the repro must import to have ``op``: the entry file, for non-built-in ops."""
+    if op.split(".", 1)[0] in ("aten", "prims", "quantized"):
+        return []
+    target = entry.rpartition(":")[0]
+    return [str(Path(target).resolve())] if target.endswith(".py") else []

@@ -1,0 +1,234 @@
+"""Op recorder: every aten op of the recorded phases, with dataflow and NaN/inf flags on device.
+
+`OpRecorder` is a `TorchDispatchMode`, so it sees ops below autograd, including the bodies of
+custom `autograd.Function.backward`, backward formulas, optimizer kernels (for-loop, foreach,
+fused) and opaque `torch.library` custom ops. For each op it records its inputs and outputs as
+*values*: a value is a storage at a version, so a view is the same value as its base, and an
+in-place op (``masked_fill_``) makes a new value whose inputs include the old one. Each value gets
+one ``aminmax`` on the device (NaN propagates into both, +inf into the max, -inf into the min);
+all of them are read back once, by `OpRecorder.read`. Ops are counted over the whole step
+(``op_index``) but recorded only in ``phases``. Not recorded: Python-side values that never pass
+through an aten op.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .tracker import ModuleTracker
+
+aten = torch.ops.aten
+# Pure metadata ops: counting them would make op_index depend on Python-side shape queries.
+SKIP = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+        aten.sym_storage_offset.default, aten.is_contiguous.default, aten.size.default,
+        aten.stride.default}
+
+Key = tuple[str, int, int]            # (device, storage pointer, version)
+
+
+def value_key(t: torch.Tensor) -> Key:
+    return (str(t.device), t.untyped_storage().data_ptr(), t._version)
+
+
+def _tensors(values: list[Any]):
+    """Yield ``(tensor, list position)`` for top-level op arguments or results.
+
+    A tensor inside a list argument gets its position, which pairs the lists of foreach ops;
+    anything else gets None.
+    """
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v, None
+        elif isinstance(v, (list, tuple)):
+            for i, t in enumerate(v):
+                if isinstance(t, torch.Tensor):
+                    yield t, i
+
+
+@dataclass(frozen=True)
+class Flags:
+    """What one value held."""
+
+    nan: bool
+    posinf: bool
+    neginf: bool
+    absmax: float
+
+    @property
+    def inf(self) -> bool:
+        return self.posinf or self.neginf
+
+    def bad(self, kind: str) -> bool:
+        return self.nan if kind == "nan" else (self.nan or self.inf)
+
+
+CLEAN = Flags(False, False, False, 0.0)
+
+
+@dataclass(frozen=True)
+class InputRef:
+    producer: int | None   # position in OpTable.ops of the op that made this value, None = outside
+    output: int            # which output of that op
+    flags: Flags
+    elem: int | None       # list position (foreach ops)
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OutputRef:
+    flags: Flags
+    elem: int | None
+
+
+@dataclass(frozen=True)
+class OpRecord:
+    pos: int                         # position among recorded ops
+    index: int                       # position in the step's op sequence (all phases)
+    op: str                          # str() of the overload, e.g. "aten.sqrt.default"
+    phase: str
+    module: str | None               # dotted module name; None when unknown
+    module_call: int | None
+    inputs: tuple[InputRef, ...]
+    outputs: tuple[OutputRef, ...]
+
+    def inputs_for(self, out: OutputRef) -> list[InputRef]:
+        """The inputs that fed one output (the matching list element for foreach ops)."""
+        if out.elem is None:
+            return list(self.inputs)
+        return [i for i in self.inputs if i.elem is None or i.elem == out.elem]
+
+
+@dataclass(frozen=True)
+class OpTable:
+    ops: list[OpRecord]
+    total_ops: int
+
+
+class OpRecorder(TorchDispatchMode):
+    """Record ops of ``phases``; set ``.phase`` as the step moves on.
+
+    >>> rec = OpRecorder(tracker, phases={"forward"})
+    >>> with rec: loss = loss_fn(model, batch)
+    >>> table = rec.read()
+    """
+
+    def __init__(self, tracker: ModuleTracker | None, phases: set[str]) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.phases = phases
+        self.phase = "forward"
+        self.count = 0
+        self._ops: list[dict] = []
+        self._producer: dict[Key, tuple[int, int]] = {}
+        self._ext: dict[Key, int] = {}
+        self._rows: list[torch.Tensor] = []
+        self._marks: dict[str, tuple[int, int] | int] = {}
+
+    # -- recording ------------------------------------------------------------------------
+    def _row(self, t: torch.Tensor) -> int | None:
+        if not t.is_floating_point() or t.numel() == 0:
+            return None
+        lo, hi = torch.aminmax(t.detach())
+        self._rows.append(torch.stack([lo.float(), hi.float()]))
+        return len(self._rows) - 1
+
+    def _where(self) -> tuple[str | None, int | None]:
+        if self.tracker is None:
+            return None, None
+        if self.phase == "backward":
+            call = self.tracker.node_call(torch._C._current_autograd_node())
+        elif self.phase == "forward":
+            call = self.tracker.current()
+            if call is None:
+                return "", None
+        else:
+            return None, None
+        return call if call is not None else (None, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SKIP:
+            return func(*args, **kwargs)
+        index = self.count
+        self.count += 1
+        if self.phase not in self.phases:
+            return func(*args, **kwargs)
+        ins = []
+        in_keys = set()
+        for t, elem in _tensors([*args, *kwargs.values()]):
+            key = value_key(t)
+            in_keys.add(key)
+            if key in self._producer:
+                ins.append((("op",) + self._producer[key], elem, t))
+            else:
+                if key not in self._ext:
+                    self._ext[key] = self._row(t)
+                ins.append((("ext", self._ext[key]), elem, t))
+        out = func(*args, **kwargs)
+        written = list(out) if isinstance(out, tuple) else [out]
+        for a, v in zip(func._schema.arguments, args):
+            if a.alias_info is not None and a.alias_info.is_write:
+                written.append(v)
+        for a in func._schema.arguments[len(args):]:
+            if a.alias_info is not None and a.alias_info.is_write and a.name in kwargs:
+                written.append(kwargs[a.name])
+        # NB: inside the mode the version counter has not been bumped yet (ADInplaceOrView,
+        # above us, does that after we return): a written tensor's new value is version + 1.
+        mutated = {value_key(t)[:2] for t, _ in _tensors(written[1:])}
+        pos = len(self._ops)
+        outs, seen = [], set()
+        for t, elem in _tensors(written):
+            key = value_key(t)
+            if key[:2] in mutated:
+                key = (key[0], key[1], key[2] + 1)
+            if key in in_keys or key in seen:  # a view of an input: the same value
+                continue
+            seen.add(key)
+            self._producer[key] = (pos, len(outs))
+            outs.append((self._row(t), elem))
+        module, call = self._where()
+        self._ops.append({"index": index, "op": str(func), "phase": self.phase, "module": module,
+                          "call": call, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),
+                                                 tuple(t.shape)) for src, elem, t in ins],
+                          "outs": outs})
+        return out
+
+    def mark(self, name: str, t: torch.Tensor) -> None:
+        """Remember which recorded value ``t`` is now (the loss, a gradient, a parameter)."""
+        key = value_key(t)
+        self._marks[name] = self._producer.get(key, -1)
+
+    # -- reading ---------------------------------------------------------------------------
+    def read(self) -> tuple[OpTable, dict[str, tuple[int, int] | None]]:
+        """One transfer of all flags; returns the table and the marked values' producers."""
+        raw = torch.stack([r.cpu() for r in self._rows]).tolist() if self._rows else []
+
+        def flags(row: int | None) -> Flags:
+            if row is None:
+                return CLEAN
+            lo, hi = raw[row]
+            nan = math.isnan(lo) or math.isnan(hi)
+            big = 0.0 if nan else max(abs(lo) if math.isfinite(lo) else 0.0,
+                                      abs(hi) if math.isfinite(hi) else 0.0)
+            return Flags(nan, (not nan) and hi == math.inf, (not nan) and lo == -math.inf, big)
+
+        ops = []
+        for pos, o in enumerate(self._ops):
+            ins = []
+            for src, elem, dtype, shape in o["ins"]:
+                if src[0] == "op":
+                    p, j = src[1], src[2]
+                    ins.append(InputRef(p, j, flags(self._ops[p]["outs"][j][0]), elem, dtype,
+                                        shape))
+                else:
+                    ins.append(InputRef(None, 0, flags(src[1]), elem, dtype, shape))
+            outs = tuple(OutputRef(flags(r), elem) for r, elem in o["outs"])
+            ops.append(OpRecord(pos, o["index"], o["op"], o["phase"], o["module"], o["call"],
+                                tuple(ins), outs))
+        marks = {k: (v if isinstance(v, tuple) else None) for k, v in self._marks.items()}
+        return OpTable(ops, self.count), marks

@@ -1,0 +1,78 @@
+"""Which module call is running: in forward from a hook-maintained stack, in backward exactly.
+
+`ModuleTracker` keeps the stack of active module calls during forward (dotted name as in
+``named_modules()`` plus the call index within the step). For backward it does not trust a stack
+(NB: `torch.utils.module_tracker` keeps stale entries in real models, e.g. GPT-2 dropout modules
+that are never popped in backward). Instead, when a module call returns, every autograd node
+created inside it, and not inside one of its children, is mapped to that call: the walk starts at
+the call's outputs and stops at the nodes of its inputs and at nodes already mapped. During
+backward, `torch._C._current_autograd_node()` then names the node whose backward is running, and
+the map names its module call. Hooks are always removed on exit.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+
+from .state import iter_tensors
+
+CallId = tuple[str, int]   # (module name, call index)
+
+
+class ModuleTracker:
+    """Track module calls of ``model``; optionally map autograd nodes to the calls that made them.
+
+    >>> with ModuleTracker(model, map_nodes=True) as t:
+    ...     loss = loss_fn(model, batch)
+    >>> t.node_call(loss.grad_fn)
+    ('', 0)
+    """
+
+    def __init__(self, model: torch.nn.Module, map_nodes: bool = False) -> None:
+        self.names = {m: n for n, m in model.named_modules(remove_duplicate=True)}
+        self.map_nodes = map_nodes
+        self.stack: list[tuple[CallId, set]] = []
+        self.counts: dict[str, int] = {}
+        self.node_map: dict[object, CallId] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> "ModuleTracker":
+        for m, name in self.names.items():
+            self._handles.append(m.register_forward_pre_hook(partial(self._pre, name),
+                                                             with_kwargs=True))
+            self._handles.append(m.register_forward_hook(partial(self._post, name),
+                                                         with_kwargs=True, always_call=True))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def current(self) -> CallId | None:
+        return self.stack[-1][0] if self.stack else None
+
+    def node_call(self, node) -> CallId | None:
+        return self.node_map.get(node) if node is not None else None
+
+    def _pre(self, name: str, module, args, kwargs):
+        k = self.counts.get(name, 0)
+        self.counts[name] = k + 1
+        boundary = set()
+        if self.map_nodes:
+            boundary = {t.grad_fn for _, t in iter_tensors((args, kwargs)) if t.grad_fn is not None}
+        self.stack.append(((name, k), boundary))
+        return None
+
+    def _post(self, name: str, module, args, kwargs, output):
+        call, boundary = self.stack.pop()
+        if self.map_nodes:
+            todo = [t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None]
+            while todo:
+                node = todo.pop()
+                if node is None or node in boundary or node in self.node_map:
+                    continue
+                self.node_map[node] = call
+                todo.extend(n for n, _ in node.next_functions)
+        return None
