@@ -3,8 +3,10 @@
 `OpRecorder` is a `TorchDispatchMode`, so it sees ops below autograd, including the bodies of
 custom `autograd.Function.backward`, backward formulas, optimizer kernels (for-loop, foreach,
 fused) and opaque `torch.library` custom ops. For each op it records its inputs and outputs as
-*values*: a value is a storage at a version, so a view is the same value as its base, and an
-in-place op (``masked_fill_``) makes a new value whose inputs include the old one. Each value gets
+*values*: a value is a storage at a write count kept by the recorder (NB: not torch's version
+counter, which foreach ops do not bump and which ADInplaceOrView bumps only after the mode
+returns), so a view is the same value as its base, and an in-place op (``masked_fill_``) makes a
+new value whose inputs include the old one. Each value gets
 one ``aminmax`` on the device (NaN propagates into both, +inf into the max, -inf into the min);
 all of them are read back once, by `OpRecorder.read`. Ops are counted over the whole step
 (``op_index``) but recorded only in ``phases``. Not recorded: Python-side values that never pass
@@ -27,11 +29,11 @@ SKIP = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
         aten.sym_storage_offset.default, aten.is_contiguous.default, aten.size.default,
         aten.stride.default}
 
-Key = tuple[str, int, int]            # (device, storage pointer, version)
+Key = tuple[str, int, int]            # (device, storage pointer, writes seen by the recorder)
 
 
-def value_key(t: torch.Tensor) -> Key:
-    return (str(t.device), t.untyped_storage().data_ptr(), t._version)
+def storage_id(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
 
 
 def _tensors(values: list[Any]):
@@ -128,6 +130,11 @@ class OpRecorder(TorchDispatchMode):
         self._ext: dict[Key, int] = {}
         self._rows: list[torch.Tensor] = []
         self._marks: dict[str, tuple[int, int] | int] = {}
+        self._writes: dict[tuple[str, int], int] = {}
+
+    def value_key(self, t: torch.Tensor) -> Key:
+        sid = storage_id(t)
+        return (sid[0], sid[1], self._writes.get(sid, 0))
 
     # -- recording ------------------------------------------------------------------------
     def _row(self, t: torch.Tensor) -> int | None:
@@ -161,7 +168,7 @@ class OpRecorder(TorchDispatchMode):
         ins = []
         in_keys = set()
         for t, elem in _tensors([*args, *kwargs.values()]):
-            key = value_key(t)
+            key = self.value_key(t)
             in_keys.add(key)
             if key in self._producer:
                 ins.append((("op",) + self._producer[key], elem, t))
@@ -170,22 +177,23 @@ class OpRecorder(TorchDispatchMode):
                     self._ext[key] = self._row(t)
                 ins.append((("ext", self._ext[key]), elem, t))
         out = func(*args, **kwargs)
-        written = list(out) if isinstance(out, tuple) else [out]
-        for a, v in zip(func._schema.arguments, args):
-            if a.alias_info is not None and a.alias_info.is_write:
-                written.append(v)
-        for a in func._schema.arguments[len(args):]:
-            if a.alias_info is not None and a.alias_info.is_write and a.name in kwargs:
-                written.append(kwargs[a.name])
-        # NB: inside the mode the version counter has not been bumped yet (ADInplaceOrView,
-        # above us, does that after we return): a written tensor's new value is version + 1.
-        mutated = {value_key(t)[:2] for t, _ in _tensors(written[1:])}
+        returned = list(out) if isinstance(out, tuple) else [out]
+        mutated_args = [v for a, v in zip(func._schema.arguments, args)
+                        if a.alias_info is not None and a.alias_info.is_write]
+        mutated_args += [kwargs[a.name] for a in func._schema.arguments[len(args):]
+                         if a.alias_info is not None and a.alias_info.is_write and a.name in kwargs]
+        written = returned + mutated_args
+        mutated = {storage_id(t) for t, _ in _tensors(mutated_args)}
+        for sid in mutated:
+            self._writes[sid] = self._writes.get(sid, 0) + 1
+        in_storages = {k[:2] for k in in_keys}
         pos = len(self._ops)
         outs, seen = [], set()
         for t, elem in _tensors(written):
-            key = value_key(t)
-            if key[:2] in mutated:
-                key = (key[0], key[1], key[2] + 1)
+            sid = storage_id(t)
+            if sid not in mutated and sid not in in_storages:
+                self._writes[sid] = 0  # fresh memory, perhaps at the address of a dead value
+            key = self.value_key(t)
             if key in in_keys or key in seen:  # a view of an input: the same value
                 continue
             seen.add(key)
@@ -200,7 +208,7 @@ class OpRecorder(TorchDispatchMode):
 
     def mark(self, name: str, t: torch.Tensor) -> None:
         """Remember which recorded value ``t`` is now (the loss, a gradient, a parameter)."""
-        key = value_key(t)
+        key = self.value_key(t)
         self._marks[name] = self._producer.get(key, -1)
 
     # -- reading ---------------------------------------------------------------------------

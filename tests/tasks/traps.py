@@ -1,0 +1,110 @@
+"""Tasks for the provenance traps, one fault each, built for in-process tests."""
+import torch
+import torch.nn as nn
+
+import nanbisect
+
+
+class _NaNGradAtZero(torch.autograd.Function):
+    """Identity forward; backward returns NaN wherever the input is exactly 0."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad.masked_fill(x == 0, float("nan"))
+
+
+class ZeroNaNGrad(nn.Module):
+    """Its backward makes NaN only where its input came out of a relu as 0: relu's backward
+    (threshold_backward) zeroes exactly those, so this NaN never reaches any gradient."""
+
+    def forward(self, x):
+        return _NaNGradAtZero.apply(x)
+
+
+class _BadLogBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return torch.log1p(x.abs())
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * torch.sqrt(x) / (1 + x.abs())     # BUG: sqrt of negative -> NaN
+
+
+class BadLog(nn.Module):
+    def forward(self, x):
+        return _BadLogBackward.apply(x)
+
+
+class ReluMaskedThenReal(nn.Module):
+    """real fault in `early.act` (runs late in backward); masked NaN in `late` (runs early)."""
+
+    def __init__(self):
+        super().__init__()
+        self.early = nn.Sequential(nn.Linear(8, 8), BadLog())
+        self.mid = nn.Linear(8, 8)
+        self.late = ZeroNaNGrad()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(self.late(torch.relu(self.mid(self.early(x))))).squeeze(-1)
+
+
+def relu_masked_then_real():
+    torch.manual_seed(0)
+    model = ReluMaskedThenReal()
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1)).squeeze(-1)
+
+
+def _adam(**kw):
+    torch.manual_seed(0)
+    model = Bag()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=0.0, **kw)
+    return nanbisect.Task(model=model, optimizer=opt,
+                          loss_fn=lambda m, b: nn.functional.mse_loss(m(b), b.float().mean(1)))
+
+
+def adam_foreach():
+    return _adam(foreach=True)
+
+
+def adam_fused():
+    return _adam(fused=True)
+
+
+class DropThenSqrt(nn.Module):
+    """Random op (dropout) right before the culprit; the culprit is sqrt of a negative."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return torch.sqrt(self.drop(self.fc(x)) - 0.1).sum(-1)
+
+
+def drop_then_sqrt():
+    torch.manual_seed(0)
+    model = DropThenSqrt()
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=lambda m, b: m(b).mean())

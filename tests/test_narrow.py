@@ -1,0 +1,105 @@
+"""Op-level bisection in process, on tasks built for one trap each (tests/tasks/traps.py)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import nanbisect
+from conftest import TEST_TASKS
+from nanbisect.bundle import read_bundle
+from nanbisect.narrow import catch_inputs, record_ops
+from nanbisect.pipeline import RunOptions, run_bundle
+from nanbisect.replay import Replayer
+
+TRAPS = TEST_TASKS / "traps.py"
+
+
+def line_of(text: str) -> int:
+    """Line number in traps.py of the first line containing ``text``."""
+    return next(i for i, line in enumerate(TRAPS.read_text().splitlines(), 1) if text in line)
+
+
+def guard_bundle(tmp_path, func: str, batch) -> str:
+    """Run the task under Guard until it fails; return the bundle."""
+    from nanbisect.task import load_task
+
+    entry = f"{TRAPS}:{func}"
+    guard = nanbisect.Guard(load_task(entry), entry=entry, out=tmp_path / "g")
+    with pytest.raises(nanbisect.NonFiniteStep) as e:
+        guard.step(batch)
+    return e.value.bundle
+
+
+def run(bundle, tmp_path):
+    return run_bundle(bundle, RunOptions(), tmp_path / "report")
+
+
+def test_nan_zeroed_by_relu_backward_is_not_blamed(tmp_path):
+    """`late` makes NaN in backward first, but relu's backward zeroes it; the NaN that reaches
+    the gradients is born later in backward order, in `early.1` (sqrt of a negative)."""
+    torch.manual_seed(1)
+    bundle = guard_bundle(tmp_path, "relu_masked_then_real", torch.randn(5, 8))
+    r = run(bundle, tmp_path)
+    c = r.culprit
+    assert (r.verdict, c.phase, c.module, c.module_call, c.op) == (
+        "culprit", "backward", "early.1", 0, "aten.sqrt.default")
+    assert c.source.endswith(f"traps.py:{line_of('BUG: sqrt of negative')}")
+    rows = {(t.module, t.call): t.role for t in r.backtrace}
+    assert rows[("early.1", 0)] == "culprit"
+
+
+@pytest.mark.parametrize("func, op", [
+    ("adam_foreach", "aten._foreach_addcdiv_.ScalarList"),
+    ("adam_fused", "aten._fused_adam_.default"),
+])
+def test_optimizer_phase_whatever_the_implementation(tmp_path, func, op):
+    tokens = torch.randint(0, 16, (8, 5), generator=torch.Generator().manual_seed(0))
+    r = run(guard_bundle(tmp_path, func, tokens), tmp_path)
+    c = r.culprit
+    assert (c.phase, c.module, c.parameter, c.module_call) == (
+        "optimizer", "embed", "embed.weight", None)
+    assert c.op == op
+
+
+def test_op_phases_are_labelled(tmp_path):
+    """Every recorded op carries the phase it ran in: custom backward bodies are backward."""
+    torch.manual_seed(1)
+    bundle = guard_bundle(tmp_path, "relu_masked_then_real", torch.randn(5, 8))
+    rep = Replayer(read_bundle(bundle), torch.device("cpu"))
+    f = record_ops(rep, "backward", "nan")
+    assert f.phase == "backward" and all(c["phase"] == "backward" for c in f.context)
+    assert f.total_ops > f.op_index
+
+
+def test_culprit_inputs_caught_with_rng_state(tmp_path):
+    """The narrow pass clones the culprit's inputs and the generator state just before it."""
+    torch.manual_seed(0)
+    bundle = guard_bundle(tmp_path, "drop_then_sqrt", torch.randn(6, 8))
+    rep = Replayer(read_bundle(bundle), torch.device("cpu"))
+    f = record_ops(rep, "forward", "nan")
+    assert (f.op, f.module) == ("aten.sqrt.default", "")
+    caught = catch_inputs(rep, f)
+    assert caught.op == "aten.sqrt.default" and caught.source.endswith(f"traps.py:{line_of('torch.sqrt(self.drop')}")
+    # the dropout mask drawn in the replay is the one drawn when the guard ran: the caught
+    # input equals what the original forward fed to sqrt
+    model = rep.task.model
+    rep.restore()
+    torch.set_rng_state(caught.rng["rng/cpu"])
+    x = caught.args[0]
+    assert torch.isnan(torch.sqrt(x)).any() and not torch.isnan(x).any()
+    # the saved RNG state is the one right before sqrt: drawing from it repeats the draw
+    # that follows sqrt in the step (none here), and differs from the step-start state
+    assert not torch.equal(caught.rng["rng/cpu"], rep.rng.torch_cpu)
+    assert model is rep.task.model
+
+
+def test_report_json_has_op_fields(tmp_path):
+    torch.manual_seed(1)
+    bundle = guard_bundle(tmp_path, "relu_masked_then_real", torch.randn(5, 8))
+    run(bundle, tmp_path)
+    rep = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert rep["culprit"]["op"] == "aten.sqrt.default"
+    assert rep["repro_result"]["reproduced"] is True
+    assert (tmp_path / "report" / "repro" / "inputs.safetensors").is_file()
