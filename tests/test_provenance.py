@@ -1,0 +1,111 @@
+"""OpRecorder + provenance on hand-written op sequences: values, views, in-place, traps."""
+from __future__ import annotations
+
+import torch
+
+from nanbisect.oprecord import OpRecorder
+from nanbisect.provenance import culprit_root, inf_origin
+
+
+def record(fn):
+    """Run ``fn`` under a forward-phase recorder; return (table, its result marked 'out')."""
+    rec = OpRecorder(None, phases={"forward"})
+    with rec:
+        out = fn()
+        rec.mark("out", out)
+    table, marks = rec.read()
+    return table, marks
+
+
+def root_op(fn, kind="nan"):
+    table, marks = record(fn)
+    r = culprit_root(table, [marks["out"]], kind)
+    return (r.op.op if r else None), table, r
+
+
+def test_first_nan_producer_on_the_path():
+    x = torch.tensor([-1.0, 4.0])
+    op, _, _ = root_op(lambda: (torch.sqrt(x) * 2).sum())
+    assert op == "aten.sqrt.default"
+
+
+def test_masked_fill_removes_nan_so_div_is_not_blamed():
+    """norm-backward style: 0/0 then masked_fill_ away; a later log of a negative is the root."""
+    z = torch.tensor([0.0, 1.0])
+
+    def f():
+        q = z / z                          # NaN at 0: benign
+        q.masked_fill_(z == 0, 0.0)        # ...and masked in place
+        return torch.log(q - 2.0).sum()    # the real NaN
+    op, _, _ = root_op(f)
+    assert op == "aten.log.default"
+
+
+def test_nan_that_never_reaches_the_output_is_ignored():
+    x = torch.tensor([-1.0, 1.0])
+
+    def f():
+        dead = torch.sqrt(x)               # NaN, but unused
+        del dead
+        return torch.sqrt(x - 5.0).sum()
+    op, table, r = root_op(f)
+    assert op == "aten.sqrt.default"
+    assert r.op.pos > 0                    # the second sqrt, not the first
+
+
+def test_views_are_the_same_value():
+    x = torch.tensor([[-1.0, 2.0]])
+
+    def f():
+        s = torch.sqrt(x)                  # root
+        return s.view(-1).t().sum()
+    op, _, _ = root_op(f)
+    assert op == "aten.sqrt.default"
+
+
+def test_in_place_on_a_view_reaches_the_base():
+    base = torch.ones(4)
+
+    def f():
+        b = base.clone()
+        b[:2].mul_(float("nan"))           # NaN written through a view (scalar NaN: a root)
+        return b.sum()
+    op, _, _ = root_op(f)
+    assert op == "aten.mul_.Tensor" or op == "aten.mul_.Scalar"
+
+
+def test_minus_inf_mask_is_legitimate_and_inf_origin_found():
+    scores = torch.tensor([[1.0, 2.0, 3.0]])
+    mask = torch.tensor([[False, True, True]])
+
+    def f():
+        s = scores.masked_fill(mask, float("-inf"))   # legitimate -inf
+        p = torch.softmax(s, -1)                       # finite
+        big = torch.exp(p * 1000.0)                    # overflow: +inf
+        return (big - big).sum()                       # inf - inf = NaN
+    op, table, r = root_op(f)
+    assert op == "aten.sub.Tensor"
+    o = inf_origin(table, r)
+    assert o is not None and o.op.op == "aten.exp.default"
+
+
+def test_foreach_lists_pair_elementwise():
+    a = [torch.ones(2), torch.ones(3)]
+    b = [torch.ones(2), torch.tensor([1.0, 0.0, 1.0])]
+
+    def f():
+        torch._foreach_div_(a, [torch.zeros(2), torch.zeros(3)])   # inf everywhere: no NaN
+        torch._foreach_mul_(a, b)                                  # inf * 0 = NaN in a[1] only
+        return a[1]
+    table, marks = record(f)
+    r = culprit_root(table, [marks["out"]], "nan")
+    assert r.op.op == "aten._foreach_mul_.List"
+    assert r.op.outputs[r.output].elem == 1
+    assert table.ops[r.op.pos].outputs[0].flags.nan is False     # a[0] stayed NaN-free
+
+
+def test_flags_are_read_back_once_and_counts_ops():
+    x = torch.randn(3)
+    table, _ = record(lambda: (x.exp() + 1).sum())
+    assert [o.op for o in table.ops] == ["aten.exp.default", "aten.add.Tensor", "aten.sum.default"]
+    assert [o.index for o in table.ops] == [0, 1, 2] and table.total_ops == 3
