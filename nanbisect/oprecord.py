@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -34,6 +34,20 @@ Key = tuple[str, int, int]            # (device, storage pointer, writes seen by
 
 def storage_id(t: torch.Tensor) -> tuple[str, int]:
     return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _clone(x: Any) -> Any:
+    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+
+
+def written_tensors(func, out: Any, args: tuple, kwargs: dict) -> tuple[list, list]:
+    """(returned values, arguments the op writes to), from the op's schema."""
+    returned = list(out) if isinstance(out, tuple) else [out]
+    mutated = [v for a, v in zip(func._schema.arguments, args)
+               if a.alias_info is not None and a.alias_info.is_write]
+    mutated += [kwargs[a.name] for a in func._schema.arguments[len(args):]
+                if a.alias_info is not None and a.alias_info.is_write and a.name in kwargs]
+    return returned, mutated
 
 
 def _tensors(values: list[Any]):
@@ -119,9 +133,13 @@ class OpRecorder(TorchDispatchMode):
     >>> table = rec.read()
     """
 
-    def __init__(self, tracker: ModuleTracker | None, phases: set[str]) -> None:
+    def __init__(self, tracker: ModuleTracker | None, phases: set[str],
+                 keep: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self.tracker = tracker
+        self.keep = keep
+        # pos -> (args, kwargs, written tensors) cloned, for ops where ``keep()`` was true
+        self.kept: dict[int, tuple[list, dict, list[torch.Tensor]]] = {}
         self.phases = phases
         self.phase = "forward"
         self.count = 0
@@ -165,6 +183,10 @@ class OpRecorder(TorchDispatchMode):
         self.count += 1
         if self.phase not in self.phases:
             return func(*args, **kwargs)
+        keeping = self.keep is not None and self.keep()
+        if keeping:
+            kept_args = torch.utils._pytree.tree_map(_clone, list(args))
+            kept_kwargs = torch.utils._pytree.tree_map(_clone, dict(kwargs))
         ins = []
         in_keys = set()
         for t, elem in _tensors([*args, *kwargs.values()]):
@@ -177,11 +199,7 @@ class OpRecorder(TorchDispatchMode):
                     self._ext[key] = self._row(t)
                 ins.append((("ext", self._ext[key]), elem, t))
         out = func(*args, **kwargs)
-        returned = list(out) if isinstance(out, tuple) else [out]
-        mutated_args = [v for a, v in zip(func._schema.arguments, args)
-                        if a.alias_info is not None and a.alias_info.is_write]
-        mutated_args += [kwargs[a.name] for a in func._schema.arguments[len(args):]
-                         if a.alias_info is not None and a.alias_info.is_write and a.name in kwargs]
+        returned, mutated_args = written_tensors(func, out, args, kwargs)
         written = returned + mutated_args
         mutated = {storage_id(t) for t, _ in _tensors(mutated_args)}
         for sid in mutated:
@@ -199,6 +217,9 @@ class OpRecorder(TorchDispatchMode):
             seen.add(key)
             self._producer[key] = (pos, len(outs))
             outs.append((self._row(t), elem))
+        if keeping:
+            self.kept[pos] = (kept_args, kept_kwargs, [t.detach().clone()
+                                                       for t, _ in _tensors(written)])
         module, call = self._where()
         self._ops.append({"index": index, "op": str(func), "phase": self.phase, "module": module,
                           "call": call, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),

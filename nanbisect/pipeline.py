@@ -13,16 +13,23 @@ from __future__ import annotations
 
 import math
 import traceback
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, ContextManager
 
+import torch
+
 from .bisect import (Culprit, backtrace, backward_producer, culprit_from_call, forward_producer,
                      optimizer_culprit)
+from . import registry
+from .differential import (AlignRandomness, ReferenceKernels, StepState, diverging_call,
+                           first_divergence, isolate_window, step_state)
 from .bundle import read_bundle
 from .errors import BadInput
-from .narrow import catch_inputs, record_ops, repro_imports
+from .isolate import OpCheck, check_op, move, resolve
+from .narrow import OpFinding, catch_inputs, record_ops, repro_imports
+from .oprecord import _tensors, written_tensors
 from .probe import ModuleProbe
 from .replay import Replayer, StepOutcome, parse_device
 from .report import Report, staged, write_report
@@ -98,24 +105,29 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
 
     rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
     probe = ModuleProbe(rep.task.model)
-    first = _guarded(lambda: rep.run(
-        phase=lambda n: probe if n in ("forward", "backward") else nullcontext(), wrap=wrap),
-        "replaying the step on the target")
+    first = _guarded(lambda: rep.run(phase=_probing(probe), wrap=wrap),
+                     "replaying the step on the target")
     observed = m.get("observed")
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
     replay = {"original_loss": original, "target_loss": _num(first.loss), "reference_loss": None}
     if isinstance(original, float) and first.loss is not None:
         replay["bit_exact"] = first.loss == original
 
-    ref_outcome = None
-    if ref is not None and first.phase not in (None, "input"):
-        ref_rep = _guarded(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry),
-                           "building the task on the reference")
-        ref_outcome = _guarded(ref_rep.run, "replaying the step on the reference")
-        replay["reference_loss"] = _num(ref_outcome.loss)
+    side, side_note = None, None
+    if ref is not None and first.phase != "input":
+        registry.load_plugins()
+        side, side_note = _reference_side(bundle, rep, first, ref)
+        if side is not None:
+            replay["reference_loss"] = _num(side.outcome.loss)
 
     common = dict(replay=replay, bundle=str(bundle.path), entry=m["entry"], target=target,
                   reference=reference, observed=observed)
+    pre_notes = [side_note] if side_note else []
+    divergence = None
+    if first.phase is None and not observed and side is not None:
+        divergence = first_divergence(side.target_state, side.state, side.dtype_target)
+    if divergence is not None:
+        return _divergence_report(rep, probe, side, divergence, wrap, out, opts, common)
     if first.phase is None:
         if observed:
             report = Report("not-reproduced", "transient", None, None, None, notes=[
@@ -123,23 +135,127 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
                 "RNG and batch was finite: suspect a transient (hardware, race, unsynchronised "
                 "communication) or state the bundle does not hold"], **common)
         else:
-            report = Report("clean", None, None, None, None, **common)
+            report = Report("clean", None, None, None, None, notes=pre_notes, **common)
     elif first.phase == "input":
         report = Report("input-nonfinite", "data", "input", first.kind, None,
                         input_nonfinite=first.bad, **common)
     else:
-        classification = ("unknown" if ref_outcome is None else
-                          "numerics" if ref_outcome.phase is not None else "device")
-        return _culprit_report(rep, probe, first, classification, wrap, out, opts, common)
+        classification = ("unknown" if side is None else
+                          "numerics" if side.outcome.phase is not None else "device")
+        return _culprit_report(rep, probe, first, classification, wrap, out, opts, common, ref,
+                               pre_notes)
     with staged(out) as tmp:
         write_report(report, tmp)
     return report
 
 
+def _probing(probe: ModuleProbe) -> Callable[[str], ContextManager]:
+    return lambda name: probe if name in ("forward", "backward") else nullcontext()
+
+
+@dataclass
+class _Reference:
+    """The reference replay: its outcome, module table and step state, plus the target's."""
+
+    rep: Replayer
+    device: torch.device
+    dtype: torch.dtype | None
+    outcome: StepOutcome
+    probe: ModuleProbe
+    state: StepState
+    target_state: StepState
+    dtype_target: torch.dtype    # tolerances are the target's dtype's
+
+
+def _reference_side(bundle, rep: Replayer, first: StepOutcome, ref
+                    ) -> tuple["_Reference | None", str | None]:
+    """Replay on the reference; (None, why) when the reference cannot run the step."""
+    t_dtype = next(rep.task.model.parameters()).dtype
+    target_state = step_state(rep, first)
+    ref_rep = _guarded(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry),
+                       "building the task on the reference")
+    probe = ModuleProbe(ref_rep.task.model)
+
+    def wrap() -> ExitStack:
+        es = ExitStack()
+        es.enter_context(ReferenceKernels())
+        if ref[1] not in (None, t_dtype):
+            es.enter_context(AlignRandomness(t_dtype))
+        return es
+
+    try:
+        outcome = _guarded(lambda: ref_rep.run(phase=_probing(probe), wrap=wrap),
+                           "replaying the step on the reference")
+    except BadInput as e:
+        return None, (f"the reference could not replay the step ({e}); register reference "
+                      "implementations with nanbisect.reference_impl for ops it has no kernel "
+                      "for; classification is unknown")
+    return _Reference(ref_rep, ref[0], ref[1], outcome, probe, step_state(ref_rep, outcome),
+                      target_state, t_dtype), None
+
+
+def _catch_and_write(rep: Replayer, finding_like, wrap, tmp: Path, culprit: Culprit, kind: str,
+                     target: str, opts: RunOptions):
+    """Narrow pass + repro; returns (caught, repro path or None, repro result or None)."""
+    caught = _guarded(lambda: catch_inputs(rep, finding_like, wrap), "catching the op's inputs")
+    if caught is None:
+        return None, None, None
+    culprit = replace(culprit, source=caught.source or culprit.source)
+    script = write_repro(tmp / "repro", caught, culprit=culprit.__dict__, kind=kind, target=target,
+                         imports=repro_imports(caught.op, rep.entry))
+    result = run_repro(script, target) if opts.run_repro else None
+    return caught, "repro/repro.py", result
+
+
+def _divergence_report(rep: Replayer, probe: ModuleProbe, side: "_Reference", div, wrap,
+                       out: Path, opts: RunOptions, common: dict) -> Report:
+    phase = div.phase
+    call = None
+    if phase in ("forward", "backward"):
+        call = diverging_call(probe.read(), side.probe.read(), phase, side.dtype_target)
+    call_id = (call.call.module, call.call.call) if call is not None else None
+    iso = _guarded(lambda: isolate_window(rep, phase, call_id, side.device, side.dtype, wrap),
+                   "isolating the target's ops on the reference")
+    notes = [f"target and reference diverge first at {div.what}: "
+             + div.comparison.message().replace("\n", "; ")]
+    if iso.uncomparable:
+        notes.append(f"{len(iso.uncomparable)} op(s) could not be compared (no reference kernel "
+                     "or registered reference_impl): " + ", ".join(sorted({u.op for u in
+                                                                          iso.uncomparable})))
+    with staged(out) as tmp:
+        repro = result = None
+        if iso.culprit is not None:
+            c = iso.culprit
+            culprit = Culprit(phase, iso.module or "", iso.module_call, iso.input_dtypes,
+                              iso.input_shapes, None, op=c.op, op_index=c.op_index)
+            finding = OpFinding(c.op, c.op_index, phase, iso.module, iso.module_call,
+                                iso.input_dtypes, iso.input_shapes)
+            caught, repro, result = _catch_and_write(rep, finding, wrap, tmp, culprit,
+                                                     "mismatch", common["target"], opts)
+            if caught is not None:
+                culprit = replace(culprit, source=caught.source)
+        elif call is not None:
+            culprit = culprit_from_call(rep.task.model, call, phase)
+            notes.append(f"every op inside the diverging module call passed its isolated check "
+                         f"({iso.checked} checked): the divergence comes from the call as a "
+                         "whole (e.g. an op without a comparable reference)")
+        else:
+            culprit = Culprit(phase, "", None, [], [], None)
+            notes.append("no module call or op could be isolated as the first divergence")
+        report = Report("culprit", "device", phase, "mismatch", culprit, notes=notes, repro=repro,
+                        repro_result=result, divergence={"what": div.what,
+                                                         **div.comparison.to_json()},
+                        op_check=iso.culprit.to_json() if iso.culprit else None,
+                        uncomparable=[u.to_json() for u in iso.uncomparable], **common)
+        write_report(report, tmp)
+    return report
+
+
 def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, classification: str,
-                    wrap, out: Path, opts: RunOptions, common: dict) -> Report:
+                    wrap, out: Path, opts: RunOptions, common: dict,
+                    ref: tuple | None = None, pre_notes: list[str] = ()) -> Report:
     model, phase, kind = rep.task.model, first.phase, first.kind or "nan"
-    notes: list[str] = []
+    notes: list[str] = list(pre_notes)
     table = probe.read()
     call, param = None, None
     if phase == "forward":
@@ -154,17 +270,14 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
         culprit = Culprit(phase, "", None, [], [], None)
 
     finding = _guarded(lambda: record_ops(rep, phase, kind, wrap), "recording the step's ops")
-    caught = None
     if finding is None:
         notes.append("op-level provenance found no root op inside the recorded phase; the "
                      "culprit is the module call that produced the value")
     else:
-        caught = _guarded(lambda: catch_inputs(rep, finding, wrap), "catching the op's inputs")
         culprit = Culprit(phase=finding.phase, module=finding.module,
                           module_call=finding.module_call, input_dtypes=finding.input_dtypes,
-                          input_shapes=finding.input_shapes,
-                          source=caught.source if caught else culprit.source, op=finding.op,
-                          op_index=finding.op_index, parameter=finding.parameter)
+                          input_shapes=finding.input_shapes, source=culprit.source,
+                          op=finding.op, op_index=finding.op_index, parameter=finding.parameter)
         if (call is None or (call.call.module, call.call.call) != (finding.module,
                                                                    finding.module_call)):
             match = [c for c in table.calls
@@ -173,20 +286,37 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
     trace = backtrace(table, call, phase, kind) if call is not None and phase != "optimizer" \
         else []
     with staged(out) as tmp:
-        repro, repro_result = None, None
-        if caught is not None:
-            script = write_repro(tmp / "repro", caught, culprit=culprit.__dict__, kind=kind,
-                                 target=common["target"],
-                                 imports=repro_imports(caught.op, rep.entry))
-            repro = "repro/repro.py"
-            if opts.run_repro:
-                repro_result = run_repro(script, common["target"])
-        elif finding is not None:
-            notes.append("the culprit op could not be caught again in a narrow replay (the step "
-                         "is not deterministic); no repro was written")
+        caught = repro = repro_result = op_check = None
+        if finding is not None:
+            caught, repro, repro_result = _catch_and_write(rep, finding, wrap, tmp, culprit, kind,
+                                                           common["target"], opts)
+            if caught is None:
+                notes.append("the culprit op could not be caught again in a narrow replay (the "
+                             "step is not deterministic); no repro was written")
+            else:
+                culprit = replace(culprit, source=caught.source or culprit.source)
+                if ref is not None:
+                    op_check = _guarded(lambda: _check_caught(caught, finding.op_index, rep, ref, wrap),
+                                        "re-running the culprit op").to_json()
+                    if op_check["status"] == "uncomparable":
+                        notes.append(f"{caught.op} cannot run on the reference ({op_check['detail']})"
+                                     "; it is reported as uncomparable, not as correct")
         report = Report("culprit", classification, phase, kind, culprit, backtrace=trace,
                         notes=notes, repro=repro, repro_result=repro_result,
                         inf_origin=finding.inf_origin if finding else None,
-                        context=finding.context if finding else [], **common)
+                        context=finding.context if finding else [], op_check=op_check,
+                        uncomparable=[op_check] if op_check and op_check["status"] == "uncomparable"
+                        else [], **common)
         write_report(report, tmp)
     return report
+
+
+def _check_caught(caught, index: int, rep: Replayer, ref: tuple, wrap) -> OpCheck:
+    """Run the caught op on the target (under its injected context) and judge it on the
+    reference from the same inputs."""
+    args, kwargs = move(caught.args, rep.device), move(caught.kwargs, rep.device)
+    with wrap():
+        out = resolve(caught.op)(*args, **kwargs)
+    returned, mutated = written_tensors(resolve(caught.op), out, tuple(args), kwargs)
+    target_out = [t.detach().cpu() for t, _ in _tensors(returned + mutated)]
+    return check_op(caught.op, index, caught.args, caught.kwargs, target_out, ref[0], ref[1])

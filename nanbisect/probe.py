@@ -22,23 +22,22 @@ import torch
 
 from .state import iter_tensors
 
-STAT_NAN, STAT_POSINF, STAT_NEGINF, STAT_ABSMAX = range(4)
-
-
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """(nan count, +inf count, -inf count, max |finite|) as a float32 tensor on t's device."""
+    """(nan count, +inf count, -inf count, max |finite|, sum |finite|) as float32 on t's device."""
     t = t.detach()
+    if not t.numel():
+        return torch.zeros(5, device=t.device)
+    finite_abs = t.abs().nan_to_num(0.0, 0.0, 0.0)
     return torch.stack([torch.isnan(t).sum().float(), torch.isposinf(t).sum().float(),
-                        torch.isneginf(t).sum().float(),
-                        t.abs().nan_to_num(0.0, 0.0, 0.0).amax().float() if t.numel() else
-                        torch.zeros((), device=t.device)])
+                        torch.isneginf(t).sum().float(), finite_abs.amax().float(),
+                        finite_abs.sum(dtype=torch.float32)])
 
 
 def merge_stats(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     if not ts:
-        return torch.zeros(4, device=device)
-    s = torch.stack([x.to(device) for x in ts])  # (n, 4)
-    return torch.cat([s[:, :3].sum(0), s[:, 3:].amax(0)])
+        return torch.zeros(5, device=device)
+    s = torch.stack([x.to(device) for x in ts])  # (n, 5)
+    return torch.cat([s[:, :3].sum(0), s[:, 3:4].amax(0), s[:, 4:].sum(0)])
 
 
 def _floats(obj: Any) -> list[torch.Tensor]:
@@ -67,6 +66,7 @@ class Stats:
     posinf: int
     neginf: int
     absmax: float
+    abssum: float = 0.0
 
     @property
     def inf(self) -> int:
@@ -174,13 +174,14 @@ class ModuleProbe:
                 if self._stats else [])
 
         def stat(i: int) -> Stats:
-            n, pi, ni, a = rows[i]
-            return Stats(int(n), int(pi), int(ni), float(a))
+            n, pi, ni, a, s = rows[i]
+            return Stats(int(n), int(pi), int(ni), float(a), float(s))
 
         def merged(idx: list[int]) -> Stats:
             parts = [stat(i) for i in idx]
             return Stats(sum(p.nan for p in parts), sum(p.posinf for p in parts),
-                         sum(p.neginf for p in parts), max(p.absmax for p in parts))
+                         sum(p.neginf for p in parts), max(p.absmax for p in parts),
+                         sum(p.abssum for p in parts))
 
         table = []
         for c in self.calls:

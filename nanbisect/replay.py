@@ -44,6 +44,11 @@ def parse_device(spec: str) -> tuple[torch.device, torch.dtype | None]:
     except RuntimeError:
         raise BadInput(f"device '{spec}' is not a torch device string; use e.g. cpu, cuda, "
                        "cuda:1") from None
+    if device.type == "npu":
+        try:  # registers torch.npu
+            import torch_npu  # noqa: F401
+        except ImportError:
+            pass
     if device.type != "cpu":
         mod = getattr(torch, device.type, None)
         ok = mod is not None and hasattr(mod, "is_available") and mod.is_available()

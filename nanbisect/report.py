@@ -41,6 +41,9 @@ class Report:
     repro_result: dict | None = None   # what running repro.py once said
     inf_origin: dict | None = None     # where the inf the culprit consumed was born
     context: list[dict] = field(default_factory=list)  # recorded ops just before the culprit
+    divergence: dict | None = None     # where target and reference first disagree (no NaN)
+    op_check: dict | None = None       # the culprit op judged in isolation on the reference
+    uncomparable: list[dict] = field(default_factory=list)  # ops with no reference to compare
 
     @property
     def exit_code(self) -> int:
@@ -59,6 +62,8 @@ class Report:
             "backtrace": [asdict(r) for r in self.backtrace],
             "notes": self.notes, "repro": self.repro, "repro_result": self.repro_result,
             "inf_origin": self.inf_origin, "context": self.context,
+            "divergence": self.divergence, "op_check": self.op_check,
+            "uncomparable": self.uncomparable,
         }
 
 
@@ -70,6 +75,13 @@ def _fmt_stats(s) -> str:
 
 def headline(r: Report) -> str:
     """One line a person reads first."""
+    if r.verdict == "culprit" and r.culprit and r.kind == "mismatch":
+        c = r.culprit
+        where = f"'{c.module or '<outside any submodule>'}'"
+        if c.module_call is not None:
+            where += f" (call {c.module_call})"
+        return (f"target diverges from the reference first in {c.op or 'a module call'} in "
+                f"{c.phase} at module {where}")
     if r.verdict == "culprit" and r.culprit:
         c = r.culprit
         where = f"'{c.module or '<outside any submodule>'}'"
@@ -106,6 +118,17 @@ def to_markdown(r: Report) -> str:
         lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o['op']}` "
                   f"(op #{o['op_index']}, {o['phase']}, module `{o['module']}` call "
                   f"{o['module_call']})."]
+    if r.op_check:
+        lines += ["", f"## The culprit op in isolation on `{r.reference}`", "",
+                  f"Same inputs on both sides; status **{r.op_check['status']}** "
+                  f"({r.op_check['how'] or '-'} on the reference)."]
+        for c in r.op_check["comparisons"]:
+            if not c["ok"]:
+                lines += ["", "```", c["message"], "```"]
+    if r.uncomparable:
+        lines += ["", "Ops that could not be compared (no reference kernel, no registered "
+                  "`nanbisect.reference_impl`): " + ", ".join(f"`{u['op']}`"
+                                                              for u in r.uncomparable)]
     if r.context:
         lines += ["", "## Ops up to the culprit", "", "| op # | op | module | call | output "
                   "has nan | output has inf | output absmax |", "|---|---|---|---|---|---|---|"]

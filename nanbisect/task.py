@@ -49,6 +49,30 @@ def _user_frame(exc: BaseException) -> str:
     return f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
 
 
+def _import_file(path: Path, shown: str) -> Any:
+    """Import ``path`` once per process, under its own stem when that name is free (so a task
+    file and an inject file that both ``import moe`` share one ``moe``), else a derived name."""
+    for mod in list(sys.modules.values()):
+        f = getattr(mod, "__file__", None)
+        if f and Path(f).resolve() == path:
+            return mod
+    name = path.stem
+    if name in sys.modules or not name.isidentifier():
+        name = "nanbisect_entry_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))  # let the file import its neighbours
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        del sys.modules[name]
+        raise BadInput(f"entry file '{shown}' failed to import: {type(e).__name__}: {e}"
+                       f"{_user_frame(e)}; fix that file or pass another --entry") from None
+    return module
+
+
 def import_target(target: str, search: list[Path] = ()) -> Any:
     """Import a module by dotted name or by file path (tried as given, then under ``search``)."""
     if target.endswith(".py"):
@@ -58,20 +82,7 @@ def import_target(target: str, search: list[Path] = ()) -> Any:
             raise BadInput(f"entry file '{target}' not found (looked in the working directory"
                            f"{' and ' + ', '.join(map(str, search)) if search else ''}); run from "
                            "the directory the entry is relative to, or pass --entry with its path")
-        name = "nanbisect_entry_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-        if name in sys.modules:
-            return sys.modules[name]
-        spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        sys.path.insert(0, str(path.parent))  # let the file import its neighbours
-        try:
-            spec.loader.exec_module(module)
-        except BaseException as e:
-            del sys.modules[name]
-            raise BadInput(f"entry file '{target}' failed to import: {type(e).__name__}: {e}"
-                           f"{_user_frame(e)}; fix that file or pass another --entry") from None
-        return module
+        return _import_file(path, target)
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:

@@ -35,6 +35,7 @@ class ModuleTracker:
         self.stack: list[tuple[CallId, set]] = []
         self.counts: dict[str, int] = {}
         self.node_map: dict[object, CallId] = {}
+        self.parents: dict[CallId, CallId | None] = {}
         self._handles: list = []
 
     def __enter__(self) -> "ModuleTracker":
@@ -56,12 +57,24 @@ class ModuleTracker:
     def node_call(self, node) -> CallId | None:
         return self.node_map.get(node) if node is not None else None
 
+    def within(self, target: CallId, phase: str) -> bool:
+        """Is the running op part of module call ``target`` (itself or a call nested in it)?"""
+        if phase == "forward":
+            return any(call == target for call, _ in self.stack)
+        call = self.node_call(torch._C._current_autograd_node()) if phase == "backward" else None
+        while call is not None:
+            if call == target:
+                return True
+            call = self.parents.get(call)
+        return False
+
     def _pre(self, name: str, module, args, kwargs):
         k = self.counts.get(name, 0)
         self.counts[name] = k + 1
         boundary = set()
         if self.map_nodes:
             boundary = {t.grad_fn for _, t in iter_tensors((args, kwargs)) if t.grad_fn is not None}
+        self.parents[(name, k)] = self.stack[-1][0] if self.stack else None
         self.stack.append(((name, k), boundary))
         return None
 

@@ -1,11 +1,13 @@
 """Regenerate fixtures/bundles/ from the task files in fixtures/tasks/.
 
 Each faulty task is trained under `nanbisect.Guard` until the guard catches its fault and writes a
-bundle; the healthy task is trained a few steps and then captured with `nanbisect.capture`.
-Run from anywhere: ``python scripts/make_fixtures.py``.
+bundle (``moe_unpermute_on_npu``: under the emulated device kernels of fixtures/inject/, as on the
+device where it failed); the healthy tasks are trained a few steps and captured with
+`nanbisect.capture`. Run from anywhere: ``python scripts/make_fixtures.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import shutil
@@ -15,42 +17,52 @@ from pathlib import Path
 import nanbisect
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULTY = ["forward_nan_behind_mask", "backward_nan_custom_function", "nan_batch",
-          "optimizer_adam_eps0", "overflow_then_nan", "moe_unpermute_fp32_probs"]
-HEALTHY_STEPS = 3
+# bundle name -> (task file, context the guarded steps run under)
+FAULTY = {name: (name, None) for name in [
+    "forward_nan_behind_mask", "backward_nan_custom_function", "nan_batch", "optimizer_adam_eps0",
+    "overflow_then_nan", "moe_unpermute_fp32_probs", "fully_masked_row"]}
+FAULTY["moe_unpermute_on_npu"] = ("moe_unpermute", "npu_kernels:npu")
+FAULTY["device_only_op"] = ("device_only_op", "npu_kernels:npu")
+HEALTHY = {"healthy": 3, "deterministic_gpt": 1}   # task -> steps trained before capture
 
 
 def main() -> None:
     os.chdir(ROOT)  # entries are recorded relative to the repository root
     sys.path.insert(0, str(ROOT / "fixtures" / "tasks"))
+    sys.path.insert(0, str(ROOT / "fixtures" / "inject"))
     out = ROOT / "fixtures" / "bundles"
-    for name in FAULTY + ["healthy"]:
+    for name in [*FAULTY, *HEALTHY]:
         if (out / name).exists():
             shutil.rmtree(out / name)
     scratch = out / ".guard-scratch"
     shutil.rmtree(scratch, ignore_errors=True)
-    for name in FAULTY:
-        mod = importlib.import_module(name)
-        entry = f"fixtures/tasks/{name}.py:task"
-        guard = nanbisect.Guard(mod.task(), entry=entry, out=scratch)
+    for name, (task_file, inject) in FAULTY.items():
+        mod = importlib.import_module(task_file)
+        ctx = contextlib.nullcontext
+        if inject:
+            inj_mod, _, inj_fn = inject.partition(":")
+            ctx = getattr(importlib.import_module(inj_mod), inj_fn)
+        guard = nanbisect.Guard(mod.task(), entry=f"fixtures/tasks/{task_file}.py:task",
+                                out=scratch)
         try:
             for batch in mod.batches():
-                guard.step(batch)
+                with ctx():
+                    guard.step(batch)
         except nanbisect.NonFiniteStep as e:
             shutil.move(str(e.bundle), str(out / name))
             print(f"{name}: step {e.observed['step']} {e.observed['summary']} -> {out / name}")
         else:
             raise SystemExit(f"{name}: the guard never fired")
+    for name, steps in HEALTHY.items():
+        mod = importlib.import_module(name)
+        task, batches = mod.task(), mod.batches()
+        guard = nanbisect.Guard(task, entry=f"fixtures/tasks/{name}.py:task", out=scratch)
+        for _ in range(steps):
+            guard.step(next(batches))
+        nanbisect.capture(task, next(batches), out / name, entry=f"fixtures/tasks/{name}.py:task",
+                          step=steps)
+        print(f"{name}: captured at step {steps} -> {out / name}")
     shutil.rmtree(scratch, ignore_errors=True)
-
-    mod = importlib.import_module("healthy")
-    task, batches = mod.task(), mod.batches()
-    guard = nanbisect.Guard(task, entry="fixtures/tasks/healthy.py:task", out=scratch)
-    for _ in range(HEALTHY_STEPS):
-        guard.step(next(batches))
-    nanbisect.capture(task, next(batches), out / "healthy", entry="fixtures/tasks/healthy.py:task",
-                      step=HEALTHY_STEPS)
-    print(f"healthy: captured at step {HEALTHY_STEPS} -> {out / 'healthy'}")
 
 
 if __name__ == "__main__":

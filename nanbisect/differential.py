@@ -1,0 +1,195 @@
+"""Differential replay: where do target and reference part ways, without any NaN?
+
+Guarantees: the step is compared at three points (loss, gradients, updated parameters) with
+`compare.compare_step`; the first point that diverges names the phase. Module calls are aligned by
+(module name, call index), never by op position (op sequences differ across devices: fused
+kernels, decompositions), and the first call whose output (forward) or outgoing gradient
+(backward) diverges is the suspect. Inside it, every op is isolated on the reference with the
+target's own inputs (`isolate.check_op`): the first op that is wrong *given its inputs* is the
+culprit; ops after it that only inherit the error pass their own check and are not blamed.
+A reference in a wider dtype draws its random numbers in the target's dtype (`AlignRandomness`),
+so dropout masks match and upcasting alone never looks like divergence.
+"""
+from __future__ import annotations
+
+from contextlib import ExitStack, nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import registry
+from .compare import Comparison, compare_step, step_rtol
+from .isolate import RANDOM_OR_UNINITIALISED, OpCheck, check_op
+from .oprecord import OpRecorder
+from .probe import CallStats, ProbeTable, Stats
+from .replay import Replayer, StepOutcome
+from .tracker import ModuleTracker
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What a replayed step left behind, on the CPU, for comparison."""
+
+    loss: torch.Tensor | None
+    grads: dict[str, torch.Tensor]
+    params: dict[str, torch.Tensor]
+
+
+def step_state(rep: Replayer, outcome: StepOutcome) -> StepState:
+    model = rep.task.model
+    cpu = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
+    return StepState(cpu(outcome.loss_tensor) if outcome.loss_tensor is not None else None,
+                     {n: cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
+                     {n: cpu(p) for n, p in model.named_parameters()})
+
+
+@dataclass(frozen=True)
+class Divergence:
+    phase: str                 # forward (loss) | backward (a gradient) | optimizer (a parameter)
+    what: str                  # "loss", "grad:<name>", "param:<name>"
+    comparison: Comparison
+
+
+def first_divergence(t: StepState, r: StepState, dtype: torch.dtype) -> Divergence | None:
+    """The first of loss, gradients, updated parameters where target and reference disagree."""
+    if t.loss is not None and r.loss is not None:
+        c = compare_step(t.loss, r.loss, dtype)
+        if not c.ok:
+            return Divergence("forward", "loss", c)
+    for phase, prefix, a, b in (("backward", "grad", t.grads, r.grads),
+                                ("optimizer", "param", t.params, r.params)):
+        for name, x in a.items():
+            if name in b:
+                c = compare_step(x, b[name], dtype)
+                if not c.ok:
+                    return Divergence(phase, f"{prefix}:{name}", c)
+    return None
+
+
+def _differs(a: Stats | None, b: Stats | None, rtol: float) -> bool:
+    if a is None or b is None:
+        return False
+    if (a.nan, a.posinf, a.neginf) != (b.nan, b.posinf, b.neginf):
+        return True
+    for x, y in ((a.absmax, b.absmax), (a.abssum, b.abssum)):
+        if abs(x - y) > rtol * max(abs(y), 1e-30):
+            return True
+    return False
+
+
+def diverging_call(target: ProbeTable, reference: ProbeTable, phase: str,
+                   dtype: torch.dtype) -> CallStats | None:
+    """First call (execution order; innermost first) whose result differs between the sides."""
+    ref = {(c.call.module, c.call.call): c for c in reference.calls}
+    rtol = step_rtol(dtype)
+    if phase == "forward":
+        order = sorted(target.calls, key=lambda c: c.call.end)
+        side = lambda c: c.output  # noqa: E731
+    else:
+        order = sorted((c for c in target.calls if "grad_in" in c.call.grad_events),
+                       key=lambda c: c.call.grad_events["grad_in"])
+        side = lambda c: c.grad_in  # noqa: E731
+    for c in order:
+        r = ref.get((c.call.module, c.call.call))
+        if r is not None and _differs(side(c), side(r), rtol):
+            return c
+    return None
+
+
+@dataclass(frozen=True)
+class IsolationResult:
+    culprit: OpCheck | None
+    module: str | None = None
+    module_call: int | None = None
+    input_dtypes: list[str] = field(default_factory=list)
+    input_shapes: list[list[int]] = field(default_factory=list)
+    checked: int = 0
+    uncomparable: list[OpCheck] = field(default_factory=list)
+
+
+def isolate_window(rep: Replayer, phase: str, call: tuple[str, int] | None,
+                   ref_device: torch.device, ref_dtype: torch.dtype | None,
+                   wrap: Callable[[], ContextManager] = nullcontext) -> IsolationResult:
+    """Record the target's ops inside ``call`` (whole ``phase`` when None), keeping their values,
+    and judge each on the reference in order; stop at the first mismatch."""
+    tracker = ModuleTracker(rep.task.model, map_nodes=(phase == "backward"))
+    rec = OpRecorder(tracker, {phase}, keep=(lambda: tracker.within(call, rec.phase))
+                     if call is not None else (lambda: True))
+
+    def set_phase(name: str) -> ContextManager:
+        rec.phase = name
+        return nullcontext()
+
+    def stack() -> ExitStack:
+        es = ExitStack()
+        for cm in (wrap(), tracker, rec):
+            es.enter_context(cm)
+        return es
+
+    rep.run(phase=set_phase, wrap=stack, stop_after=phase)
+    table, _ = rec.read()
+    uncomparable, checked = [], 0
+    for pos in sorted(rec.kept):
+        args, kwargs, outs = rec.kept[pos]
+        op = table.ops[pos]
+        check = check_op(op.op, op.index, args, kwargs, outs, ref_device, ref_dtype)
+        checked += 1
+        if check.status == "uncomparable":
+            uncomparable.append(check)
+        elif check.status == "mismatch":
+            return IsolationResult(check, op.module, op.module_call,
+                                   [i.dtype for i in op.inputs], [list(i.shape) for i in op.inputs],
+                                   checked, uncomparable)
+    return IsolationResult(None, checked=checked, uncomparable=uncomparable)
+
+
+def _no_kernel(e: Exception) -> bool:
+    return isinstance(e, NotImplementedError) or "Could not run" in str(e)
+
+
+class ReferenceKernels(TorchDispatchMode):
+    """On the reference: an op without a kernel there runs its registered reference_impl."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        try:
+            return func(*args, **kwargs)
+        except (NotImplementedError, RuntimeError) as e:
+            impl = registry.lookup(str(func)) if _no_kernel(e) else None
+            if impl is None:
+                raise
+            return impl(*args, **kwargs)
+
+
+class AlignRandomness(TorchDispatchMode):
+    """On a reference upcast to a wider dtype, draw random numbers in the target's dtype."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        if name not in RANDOM_OR_UNINITIALISED or name.startswith(("empty", "new_empty")):
+            return func(*args, **kwargs)
+        wide = {}
+
+        def down(x):
+            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
+                wide[id(x)] = x.dtype
+                return x.to(self.dtype)
+            return self.dtype if isinstance(x, torch.dtype) and x.is_floating_point else x
+
+        d_args = torch.utils._pytree.tree_map(down, list(args))
+        d_kwargs = torch.utils._pytree.tree_map(down, dict(kwargs))
+        out = func(*d_args, **d_kwargs)
+        if name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+            args[0].copy_(d_args[0])         # in-place draw: write it back, widened
+            return args[0]
+        target = next(iter(wide.values()), torch.float64)
+        return torch.utils._pytree.tree_map(
+            lambda t: t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point()
+            else t, out)

@@ -1,0 +1,716 @@
+"""Benchmark: op-level bisection of a forward NaN in a ~5M-parameter GPT (issue 3).
+
+The workload: a GPT-like pre-norm causal transformer (6 layers, d_model 256, 8 heads, d_ff 1024,
+vocab 1000, 5.3M fp32 parameters, AdamW) trained on 8 x 256 random tokens. Layer 5 (the last) has
+an MLP activation ``gelu(x) * sqrt(1 + x / limit)``; with the fault switched on (``FAULT``, read by
+``make_task``) the limit is 2.5 and a few pre-activations below -2.5 make ``aten.sqrt`` return NaN
+in the forward pass. The same file with ``FAULT = False`` (limit 1e4) is the healthy model with the
+same op sequence. The script trains 3 healthy steps under `nanbisect.Guard` (so AdamW has state),
+plants the fault, lets the Guard write the bundle into a temporary directory, and then measures,
+in one run:
+
+* time: `run_bundle` wall time in this process (no interpreter or import start-up), with the repro
+  subprocess and with ``RunOptions(run_repro=False)``, as a multiple of the median plain training
+  step (zero_grad, forward, backward, AdamW step) of the same model from the same pre-step state;
+  and how that time splits across nanbisect's pieces, timed by wrapping its functions from here
+  (nothing in nanbisect is edited);
+* bytes: the report directory (report.json, report.md, repro/) against a full per-op dump of the
+  same step, i.e. every aten op's outputs in forward + backward + optimizer. The dump is not
+  written: its size is the sum of the outputs' ``nbytes`` seen by a `TorchDispatchMode`;
+* memory: peak RSS (``ru_maxrss``) of separate processes: a baseline that imports torch and
+  nanbisect and builds the model, a plain one that also runs two training steps (the second with
+  AdamW state, as at the bundle's step), and one that runs `run_bundle` (it builds its own model);
+* peers on the same bundle state: ``torch.autograd.detect_anomaly()`` and transformers'
+  ``DebugUnderflowOverflow``. transformers is never installed into the running Python: the script
+  makes a venv with ``--system-site-packages`` (default /tmp/nanbisect-bench-venv), pip-installs
+  transformers there, and runs that peer in the venv's python.
+
+What the numbers are not: GPU figures; figures for backward or optimizer faults (a forward fault
+stops every nanbisect pass after the forward, so no backward is replayed here); cold-start CLI
+times (``nanbisect run`` also pays interpreter start and ``import torch``, ~1-2 s on this machine);
+the cost of a full dump that is actually written (write bandwidth is not measured).
+
+    python scripts/bench_bisect.py [--steps 8] [--reps 3] [--json out.json] [--no-transformers]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import nanbisect
+
+CONFIG = dict(vocab=1000, d_model=256, n_layers=6, n_heads=8, d_ff=1024, seq=256, batch=8,
+              lr=3e-4, weight_decay=0.1, seed=0)
+FAULT = True          # the switch `make_task` reads: True plants the NaN in layer FAULT_LAYER
+FAULT_LAYER = 5       # the last of the 6 layers
+FAULT_LIMIT = 2.5     # pre-activations below -2.5 exist in every step: sqrt(1 + x/2.5) is NaN there
+HEALTHY_LIMIT = 1e4   # far beyond any pre-activation: same ops, no NaN
+WARMUP_STEPS = 3      # healthy guarded steps before the fault is planted (AdamW gets state)
+ENTRY = f"{os.path.relpath(os.path.abspath(__file__))}:make_task"  # scripts/bench_bisect.py:...
+DEFAULT_VENV = Path(tempfile.gettempdir()) / "nanbisect-bench-venv"
+
+
+# ------------------------------------------------------------------------------------------
+# the model and its task
+
+
+class SqrtGate(nn.Module):
+    """GELU scaled by sqrt(1 + x / limit): NaN wherever x < -limit."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, x):
+        return F.gelu(x) * torch.sqrt(1 + x / self.limit)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int, d_ff: int, act: nn.Module) -> None:
+        super().__init__()
+        self.fc, self.act, self.out = nn.Linear(d, d_ff), act, nn.Linear(d_ff, d)
+
+    def forward(self, x):
+        return self.out(self.act(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, d_ff: int, act: nn.Module) -> None:
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads)
+        self.ln2, self.mlp = nn.LayerNorm(d), MLP(d, d_ff, act)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Pre-norm causal transformer: token + learned position embeddings, untied LM head."""
+
+    def __init__(self, cfg: dict, limit: float) -> None:
+        super().__init__()
+        d = cfg["d_model"]
+        self.tok, self.pos = nn.Embedding(cfg["vocab"], d), nn.Embedding(cfg["seq"], d)
+        self.blocks = nn.ModuleList(
+            Block(d, cfg["n_heads"], cfg["d_ff"],
+                  SqrtGate(limit) if i == FAULT_LAYER else nn.GELU())
+            for i in range(cfg["n_layers"]))
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, cfg["vocab"])
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def set_fault(model: GPT, on: bool) -> None:
+    """What ``FAULT`` decides at build time, switched on an existing model."""
+    model.blocks[FAULT_LAYER].mlp.act.limit = FAULT_LIMIT if on else HEALTHY_LIMIT
+
+
+def lm_loss(model, batch):
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+
+
+def make_task(fault: bool | None = None) -> nanbisect.Task:
+    """The entry: ``scripts/bench_bisect.py:make_task``; builds the faulty model when FAULT."""
+    fault = FAULT if fault is None else fault
+    torch.manual_seed(CONFIG["seed"])
+    model = GPT(CONFIG, FAULT_LIMIT if fault else HEALTHY_LIMIT)
+    opt = torch.optim.AdamW(model.parameters(), lr=CONFIG["lr"],
+                            weight_decay=CONFIG["weight_decay"])
+    return nanbisect.Task(model=model, optimizer=opt, loss_fn=lm_loss)
+
+
+def make_batches(n: int = 8) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    # seq+1 tokens per row: the model sees seq tokens and predicts the next seq
+    return [torch.randint(CONFIG["vocab"], (CONFIG["batch"], CONFIG["seq"] + 1), generator=g)
+            for _ in range(n)]
+
+
+def plain_step(task: nanbisect.Task, batch) -> float:
+    task.optimizer.zero_grad(set_to_none=True)
+    loss = task.loss_fn(task.model, batch)
+    loss.backward()
+    task.optimizer.step()
+    return loss.item()
+
+
+def make_bundle(out: Path) -> tuple[Path, dict]:
+    """Healthy guarded steps, then the fault: the Guard writes the failing step's bundle."""
+    task, batches = make_task(fault=False), make_batches()
+    guard = nanbisect.Guard(task, entry=ENTRY, out=out)
+    for i in range(WARMUP_STEPS):
+        guard.step(batches[i])
+    set_fault(task.model, True)
+    try:
+        guard.step(batches[WARMUP_STEPS])
+    except nanbisect.NonFiniteStep as e:
+        return Path(e.bundle), e.observed
+    raise RuntimeError(f"the planted fault did not fire (limit {FAULT_LIMIT}); lower FAULT_LIMIT")
+
+
+def replayer(bundle: Path):
+    """The bundle's task, restorable to the failing step's pre-step state (`.restore()`)."""
+    from nanbisect.bundle import read_bundle
+    from nanbisect.replay import Replayer
+    return Replayer(read_bundle(bundle), torch.device("cpu"))
+
+
+def ms(seconds: float) -> float:
+    return 1e3 * seconds
+
+
+# ------------------------------------------------------------------------------------------
+# time
+
+
+def plain_step_times(rep, n: int) -> dict:
+    """Plain steps from the bundle's pre-step state, healthy and faulty, interleaved."""
+    model = rep.task.model
+    times, losses = {True: [], False: []}, {True: set(), False: set()}
+    for i in range(n + 1):  # round 0 warms the allocator and is not counted
+        for fault in ((True, False) if i % 2 else (False, True)):
+            set_fault(model, fault)
+            batch = rep.restore()
+            t0 = time.perf_counter()
+            loss = plain_step(rep.task, batch)
+            dt = time.perf_counter() - t0
+            if i:
+                times[fault].append(dt)
+                losses[fault].add(repr(loss))
+    set_fault(model, True)
+    return {"healthy_ms": [ms(t) for t in times[False]], "faulty_ms": [ms(t) for t in times[True]],
+            "healthy_median_ms": ms(statistics.median(times[False])),
+            "faulty_median_ms": ms(statistics.median(times[True])),
+            "healthy_losses": sorted(losses[False]), "faulty_losses": sorted(losses[True])}
+
+
+class PieceTimer:
+    """Wrap nanbisect's functions (from here, for the duration of one run) to time its pieces."""
+
+    def __init__(self) -> None:
+        import nanbisect.pipeline as pipeline
+        from nanbisect.replay import Replayer
+        self.pipeline, self.Replayer = pipeline, Replayer
+        self.spans: list[tuple[str, float]] = []
+        self.stage = "pass 1: module stats"
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _wrap(self, owner, name: str, label, stage: str | None = None) -> None:
+        fn = getattr(owner, name)
+        self._saved.append((owner, name, fn))
+
+        def wrapper(*a, **k):
+            outer = self.stage
+            if stage is not None:
+                self.stage = stage
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.spans.append((label(self) if callable(label) else label,
+                                   time.perf_counter() - t0))
+                self.stage = outer
+        setattr(owner, name, wrapper)
+
+    def __enter__(self) -> "PieceTimer":
+        p, R = self.pipeline, self.Replayer
+        self._wrap(p, "read_bundle", "read + sha256-verify bundle")
+        self._wrap(R, "__init__", "build task (import entry, init model), load tensors")
+        self._wrap(R, "restore", "restore pre-step state (all passes)")
+        self._wrap(R, "run", lambda s: f"{s.stage}: replay")
+        self._wrap(p, "record_ops", "pass 2: op recording, total", "pass 2: op recording")
+        self._wrap(p, "catch_inputs", "pass 3: catch inputs, total", "pass 3: catch inputs")
+        self._wrap(p, "write_repro", "write repro/")
+        self._wrap(p, "run_repro", "repro.py subprocess")
+        self._wrap(p, "write_report", "write report.json + report.md")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, name, fn in reversed(self._saved):
+            setattr(owner, name, fn)
+
+    def pieces(self, total: float) -> dict[str, float]:
+        """ms per piece; the replays' restore is split out; 'rest' is what no wrapper saw."""
+        acc: dict[str, float] = defaultdict(float)
+        for label, dt in self.spans:
+            acc[label] += dt
+        restore = acc.get("restore pre-step state (all passes)", 0.0)
+        out = {}
+        for k in ("read + sha256-verify bundle",
+                  "build task (import entry, init model), load tensors",
+                  "restore pre-step state (all passes)"):
+            out[k] = acc.get(k, 0.0)
+        # each replay includes its restore; take it out of pass 1 (restores are ~equal each)
+        n_runs = sum(1 for label, _ in self.spans if label.endswith(": replay"))
+        per_restore = restore / n_runs if n_runs else 0.0
+        p1 = acc.get("pass 1: module stats: replay", 0.0) - per_restore
+        p2_run = acc.get("pass 2: op recording: replay", 0.0)
+        p3_run = acc.get("pass 3: catch inputs: replay", 0.0)
+        out["pass 1: replay with module probe (forward until NaN loss)"] = p1
+        out["pass 2: replay recording every op (forward)"] = p2_run - per_restore
+        out["pass 2: read flags, trace provenance"] = (
+            acc.get("pass 2: op recording, total", 0.0) - p2_run)
+        out["pass 3: replay catching the culprit's inputs (forward)"] = p3_run - per_restore
+        out["write repro/"] = acc.get("write repro/", 0.0)
+        out["repro.py subprocess"] = acc.get("repro.py subprocess", 0.0)
+        out["write report.json + report.md"] = acc.get("write report.json + report.md", 0.0)
+        out["rest (module table, bisect, staging)"] = total - sum(out.values())
+        return {k: ms(v) for k, v in out.items()}
+
+
+def time_run_bundle(bundle: Path, work: Path, reps: int) -> dict:
+    """`run_bundle` wall time, with and without the repro subprocess, alternating."""
+    from nanbisect.pipeline import RunOptions, run_bundle
+    runs = {True: [], False: []}
+    cold = None
+    for i in range(reps + 1):  # run 0 is the cold one (imports the entry file): reported apart
+        for with_repro in ((True, False) if i % 2 == 0 else (False, True)):
+            out = work / f"report-{i}-{int(with_repro)}"
+            with PieceTimer() as timer:
+                t0 = time.perf_counter()
+                report = run_bundle(bundle, RunOptions(run_repro=with_repro), out)
+                dt = time.perf_counter() - t0
+            row = {"total_ms": ms(dt), "pieces_ms": timer.pieces(dt), "out": str(out),
+                   "report": report}
+            if i == 0 and cold is None:
+                cold = row
+            elif i:
+                runs[with_repro].append(row)
+
+    def summary(rows: list[dict]) -> dict:
+        keys = rows[0]["pieces_ms"].keys()
+        return {"total_ms": [r["total_ms"] for r in rows],
+                "median_ms": statistics.median(r["total_ms"] for r in rows),
+                "pieces_median_ms": {k: statistics.median(r["pieces_ms"][k] for r in rows)
+                                     for k in keys}}
+
+    last = runs[True][-1]
+    rep = last["report"]
+    culprit = rep.culprit.__dict__ if rep.culprit is not None else None
+    return {"cold_ms": cold["total_ms"], "cold_with_repro": True,
+            "cold_pieces_ms": cold["pieces_ms"],
+            "with_repro": summary(runs[True]), "without_repro": summary(runs[False]),
+            "verdict": rep.verdict, "phase": rep.phase, "culprit": culprit,
+            "repro_result": rep.repro_result, "report_dir": last["out"],
+            "report_dir_no_repro_run": runs[False][-1]["out"]}
+
+
+# ------------------------------------------------------------------------------------------
+# bytes
+
+
+def dir_bytes(path: Path) -> tuple[int, dict[str, int]]:
+    files = {str(p.relative_to(path)): p.stat().st_size for p in sorted(path.rglob("*"))
+             if p.is_file()}
+    return sum(files.values()), files
+
+
+class OutputBytes(TorchDispatchMode):
+    """Sum ``nbytes`` of every tensor every aten op returns (what a per-op dump would save)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self.ops: dict[str, int] = defaultdict(int)
+        self.all: dict[str, int] = defaultdict(int)
+        self.fresh: dict[str, int] = defaultdict(int)  # outputs that are not views / in-place
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if tensors:
+            self.ops[self.phase] += 1
+            aliases = any(r.alias_info is not None for r in func._schema.returns)
+            n = sum(t.numel() * t.element_size() for t in tensors)
+            self.all[self.phase] += n
+            if not aliases:
+                self.fresh[self.phase] += n
+        return out
+
+
+def full_dump_bytes(rep) -> dict:
+    """Per-op output bytes of the failing step (forward NaN, backward and AdamW still run)."""
+    set_fault(rep.task.model, True)
+    batch = rep.restore()
+    task, mode = rep.task, OutputBytes()
+    with mode:
+        task.optimizer.zero_grad(set_to_none=True)
+        loss = task.loss_fn(task.model, batch)
+        mode.phase = "backward"
+        loss.backward()
+        mode.phase = "optimizer"
+        task.optimizer.step()
+    phases = ("forward", "backward", "optimizer")
+    return {"ops": {p: mode.ops[p] for p in phases},
+            "all_bytes": {p: mode.all[p] for p in phases},
+            "fresh_bytes": {p: mode.fresh[p] for p in phases},
+            "total_all": sum(mode.all.values()), "total_fresh": sum(mode.fresh.values())}
+
+
+# ------------------------------------------------------------------------------------------
+# memory (each mode runs in its own process: python scripts/bench_bisect.py --probe-mem MODE)
+
+
+def maxrss_mib(who=resource.RUSAGE_SELF) -> float:
+    return resource.getrusage(who).ru_maxrss / 1024  # Linux: KiB
+
+
+def vmhwm_mib() -> float:
+    """Peak RSS of this process's current address space (reset by exec), from /proc."""
+    text = Path("/proc/self/status").read_text()
+    return int(re.search(r"VmHWM:\s+(\d+) kB", text).group(1)) / 1024
+
+
+def probe_mem(mode: str, bundle: str | None, out: str | None) -> dict:
+    res = {"mode": mode, "after_imports_mib": maxrss_mib()}
+    if mode == "nanbisect":
+        from nanbisect.pipeline import RunOptions, run_bundle
+        report = run_bundle(bundle, RunOptions(run_repro=True), Path(out))
+        res["verdict"] = report.verdict
+    else:
+        task, batches = make_task(fault=False), make_batches(2)
+        res["after_build_mib"] = maxrss_mib()
+        if mode == "plain":
+            plain_step(task, batches[0])  # creates the AdamW state
+            res["after_step1_mib"] = maxrss_mib()
+            plain_step(task, batches[1])  # a step with AdamW state, as at the bundle's step
+    res["maxrss_mib"], res["vmhwm_mib"] = maxrss_mib(), vmhwm_mib()
+    return res
+
+
+# NB: on Linux a child's ru_maxrss starts from its parent's peak RSS (exec records the peak of
+# the address space it replaces, which vfork shares with the parent). This process is large by
+# now, so every measured process is started by a small launcher without torch, and the launcher
+# reports its only child's peak (RUSAGE_CHILDREN).
+LAUNCHER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:]).returncode; "
+            "print('CHILD_MAXRSS_KIB', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); "
+            "sys.exit(rc)")
+
+
+def launch(cmd: list[str], cwd: Path | None = None) -> tuple[str, float]:
+    """Run ``cmd`` under the launcher; return its stdout and its peak RSS in MiB."""
+    p = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], capture_output=True, text=True,
+                       cwd=cwd)
+    m = re.search(r"^CHILD_MAXRSS_KIB (\d+)$", p.stdout, flags=re.M)
+    if m is None:
+        raise RuntimeError(f"{cmd} failed: {(p.stdout + p.stderr)[-1500:]}")
+    return p.stdout[:m.start()], int(m.group(1)) / 1024
+
+
+def memory(bundle: Path, work: Path, repro: Path) -> dict:
+    out = {}
+    for mode in ("baseline", "plain", "nanbisect"):
+        stdout, peak = launch([sys.executable, os.path.abspath(__file__), "--probe-mem", mode,
+                               "--bundle", str(bundle), "--out", str(work / f"mem-{mode}")])
+        out[mode] = json.loads(stdout.strip().splitlines()[-1]) | {"launcher_mib": peak}
+    # the repro subprocess run_bundle starts, run again on its own (exit 1 = reproduced)
+    out["repro_subprocess_mib"] = launch([sys.executable, str(repro), "--device", "cpu"],
+                                         cwd=repro.parent.parent)[1]
+    base = out["baseline"]["maxrss_mib"]
+    nb, pl = out["nanbisect"]["maxrss_mib"], out["plain"]["maxrss_mib"]
+    out["ratio_raw"] = nb / pl
+    out["ratio_over_baseline"] = (nb - base) / (pl - base)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# peers
+
+
+def _user_frame(text: str) -> str | None:
+    """Last 'file:line (function)' of a traceback text that is not inside torch."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\w+)', text)
+    user = [f for f in frames if "/torch/" not in f[0]]
+    if not user:
+        return None
+    path, line, fn = user[-1]
+    return f"{os.path.relpath(path)}:{line} ({fn})"
+
+
+def anomaly_peer(rep, n: int, plain_ms: float) -> dict:
+    """Faulty step under detect_anomaly (until it raises) and healthy steps under it."""
+    model, faulty, healthy, said = rep.task.model, [], [], None
+    for i in range(n + 1):
+        for fault in ((True, False) if i % 2 else (False, True)):
+            set_fault(model, fault)
+            batch = rep.restore()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                t0 = time.perf_counter()
+                try:
+                    with torch.autograd.detect_anomaly():
+                        plain_step(rep.task, batch)
+                    error = None
+                except RuntimeError as e:
+                    error = str(e)
+                dt = time.perf_counter() - t0
+            if i:
+                (faulty if fault else healthy).append(dt)
+            if fault and said is None:
+                trace = "\n".join(str(w.message) for w in caught
+                                  if "Traceback of forward call" in str(w.message))
+                said = {"error": error, "forward_traceback_user_frame": _user_frame(trace),
+                        "warning_head": trace.splitlines()[0] if trace else None}
+    set_fault(model, True)
+    m = re.search(r"Function '(\w+)' returned nan", said["error"] or "")
+    return {**said, "names": m.group(1) if m else None,
+            "faulty_median_ms": ms(statistics.median(faulty)),
+            "healthy_median_ms": ms(statistics.median(healthy)),
+            "faulty_x_plain": ms(statistics.median(faulty)) / plain_ms,
+            "healthy_x_plain": ms(statistics.median(healthy)) / plain_ms}
+
+
+def duo_peer(bundle: str, n: int) -> dict:
+    """transformers' DebugUnderflowOverflow; runs in the venv (``--probe-duo``)."""
+    import transformers
+    from transformers.debug_utils import DebugUnderflowOverflow
+
+    rep = replayer(Path(bundle))
+    model = rep.task.model
+
+    def steps(fault: bool, count: int) -> list[float]:
+        ts = []
+        for _ in range(count):
+            set_fault(model, fault)
+            batch = rep.restore()
+            t0 = time.perf_counter()
+            plain_step(rep.task, batch)
+            ts.append(time.perf_counter() - t0)
+        return ts
+
+    steps(False, 1)
+    plain = steps(False, n)  # this process's own plain step, for its ratios
+    DebugUnderflowOverflow(model)  # hooks every module for good (it keeps no handles)
+    steps(False, 1)
+    healthy = steps(False, n)
+    faulty, printed, error = [], "", None
+    for _ in range(max(2, n // 2)):
+        for m in model.modules():  # drop the previous instance's hooks: it stays tripped
+            m._forward_hooks.clear()
+        DebugUnderflowOverflow(model)
+        set_fault(model, True)
+        batch = rep.restore()
+        buf = io.StringIO()
+        t0 = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(buf):
+                plain_step(rep.task, batch)
+        except ValueError as e:
+            error = str(e)
+        faulty.append(time.perf_counter() - t0)
+        printed = buf.getvalue()
+    frames = re.findall(r"^ {17} (\S+) (\w+)$", printed, flags=re.M)
+    plain_ms = ms(statistics.median(plain))
+    return {"transformers": transformers.__version__, "plain_median_ms": plain_ms,
+            "healthy_median_ms": ms(statistics.median(healthy)),
+            "faulty_median_ms": ms(statistics.median(faulty)),
+            "healthy_x_plain": ms(statistics.median(healthy)) / plain_ms,
+            "faulty_x_plain": ms(statistics.median(faulty)) / plain_ms,
+            "error": error, "last_frame": list(frames[-1]) if frames else None,
+            "nan_lines": [ln for ln in printed.splitlines() if "has nans" in ln or
+                          "has infs" in ln],
+            "printed_lines": len(printed.splitlines()), "printed_tail": printed.strip()[-1500:]}
+
+
+def ensure_venv(venv: Path) -> Path:
+    """A venv that sees the system torch and has transformers; the system python is untouched."""
+    py = venv / "bin" / "python"
+    if not py.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
+                       check=True)
+    have = subprocess.run([str(py), "-c", "import transformers.debug_utils"],
+                          capture_output=True).returncode == 0
+    if not have:
+        subprocess.run([str(py), "-m", "pip", "install", "-q", "transformers"], check=True)
+    return py
+
+
+def transformers_peer(bundle: Path, venv: Path, n: int) -> dict:
+    py = ensure_venv(venv)
+    p = subprocess.run([str(py), os.path.abspath(__file__), "--probe-duo", "--bundle",
+                        str(bundle), "--steps", str(n)], capture_output=True, text=True)
+    if p.returncode != 0:
+        return {"error_running": (p.stdout + p.stderr)[-2000:]}
+    res = json.loads(p.stdout.strip().splitlines()[-1])
+    res["python"] = str(py)
+    return res
+
+
+# ------------------------------------------------------------------------------------------
+# main
+
+
+def fmt_x(x: float) -> str:
+    return f"{x:.2f}x"
+
+
+def print_tables(res: dict) -> None:
+    plain = res["plain_step"]["healthy_median_ms"]
+    t = res["run_bundle"]
+    c = t["culprit"] or {}
+    print(f"model: {res['n_params']:,} params, AdamW, batch {CONFIG['batch']}x{CONFIG['seq']}, "
+          f"fault: aten.sqrt in blocks.{FAULT_LAYER}.mlp.act | torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads | bundle {res['bundle_bytes'] / 2**20:.1f} MiB\n")
+    print(f"nanbisect says: verdict={t['verdict']} phase={t['phase']} op={c.get('op')} "
+          f"module={c.get('module')} call={c.get('module_call')} source={c.get('source')} "
+          f"op_index={c.get('op_index')}; repro: {t['repro_result']}\n")
+    print("| time | median ms | x plain step | bar |\n|---|---:|---:|---|")
+    ps = res["plain_step"]
+    print(f"| plain step, healthy (same model, same pre-step state) | {plain:.0f} | 1.00x | |")
+    print(f"| plain step, faulty (NaN from layer {FAULT_LAYER} on) | {ps['faulty_median_ms']:.0f}"
+          f" | {fmt_x(ps['faulty_median_ms'] / plain)} | |")
+    for key, name in (("with_repro", "run_bundle, repro subprocess included"),
+                      ("without_repro", "run_bundle, RunOptions(run_repro=False)")):
+        v = t[key]["median_ms"]
+        print(f"| {name} | {v:.0f} | **{fmt_x(v / plain)}** | 5x: "
+              f"{'met' if v / plain <= 5 else 'missed'} |")
+    print(f"| run_bundle, first call in the process (with repro) | {t['cold_ms']:.0f} | "
+          f"{fmt_x(t['cold_ms'] / plain)} | |")
+    print("\n| piece of run_bundle | with repro, ms | x plain | without repro, ms |\n"
+          "|---|---:|---:|---:|")
+    w, wo = t["with_repro"]["pieces_median_ms"], t["without_repro"]["pieces_median_ms"]
+    for k in w:
+        print(f"| {k} | {w[k]:.0f} | {w[k] / plain:.2f} | {wo[k]:.0f} |")
+    b, d = res["bytes"], res["full_dump"]
+    print(f"\n| bytes | bytes | share of full dump |\n|---|---:|---:|")
+    print(f"| report dir (incl. repro/) | {b['report_total']:,} | "
+          f"**{100 * b['report_total'] / d['total_all']:.4f}%** |")
+    for name, size in b["report_files"].items():
+        print(f"| &nbsp; {name} | {size:,} | |")
+    print(f"| full per-op dump, all outputs (fwd {d['ops']['forward']} + bwd "
+          f"{d['ops']['backward']} + opt {d['ops']['optimizer']} ops) | {d['total_all']:,} | "
+          f"100% |")
+    print(f"| full per-op dump, views and in-place outputs left out | {d['total_fresh']:,} | "
+          f"{100 * d['total_fresh'] / d['total_all']:.1f}% |")
+    print(f"| forward-only dump (the failing phase), all outputs | "
+          f"{d['all_bytes']['forward']:,} | {100 * d['all_bytes']['forward'] / d['total_all']:.1f}%"
+          f" |")
+    m = res["memory"]
+    print("\n| peak RSS, own process (ru_maxrss; VmHWM agrees) | MiB |\n|---|---:|")
+    print(f"| baseline: import torch + nanbisect, build model | {m['baseline']['maxrss_mib']:.0f} |")
+    print(f"| plain: baseline + 2 training steps | {m['plain']['maxrss_mib']:.0f} "
+          f"(after step 1: {m['plain']['after_step1_mib']:.0f}) |")
+    print(f"| nanbisect: import + run_bundle (builds its model) | "
+          f"{m['nanbisect']['maxrss_mib']:.0f} |")
+    print(f"| repro.py, run on its own (run_bundle's subprocess) | "
+          f"{m['repro_subprocess_mib']:.0f} |")
+    print(f"\nmemory ratio nanbisect/plain: raw **{m['ratio_raw']:.2f}x**, above baseline "
+          f"**{m['ratio_over_baseline']:.2f}x** (bar 1.5x)\n")
+    a, h = res["peers"]["detect_anomaly"], res["peers"].get("transformers", {})
+    print("| peer | names | right op? | right module? | faulty step, x plain | "
+          "healthy step, x plain |\n|---|---|---|---|---:|---:|")
+    print(f"| nanbisect run_bundle | `{c.get('op')}` in `{c.get('module')}` ({c.get('source')}) | "
+          f"{c.get('op') == 'aten.sqrt.default'} | {c.get('module') == f'blocks.{FAULT_LAYER}.mlp.act'} | "
+          f"{fmt_x(t['with_repro']['median_ms'] / plain)} | Guard, see issue 2 |")
+    print(f"| detect_anomaly() | `{a['names']}`, forward line {a['forward_traceback_user_frame']}"
+          f" | {a['names'] == 'SqrtBackward0'} | no module | {fmt_x(a['faulty_x_plain'])} | "
+          f"{fmt_x(a['healthy_x_plain'])} |")
+    if "error_running" in h:
+        print(f"| DebugUnderflowOverflow | failed to run: {h['error_running'][-200:]} | | | | |")
+    elif h:
+        last = h["last_frame"] or ["?", "?"]
+        print(f"| DebugUnderflowOverflow ({h['transformers']}) | last frame `{last[0]}` "
+              f"({last[1]}), {h['nan_lines']} | no op | "
+              f"{last[0] == f'blocks.{FAULT_LAYER}.mlp.act'} | {fmt_x(h['faulty_x_plain'])} | "
+              f"{fmt_x(h['healthy_x_plain'])} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8, help="measured plain steps per variant")
+    ap.add_argument("--reps", type=int, default=3, help="measured run_bundle calls per variant")
+    ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV,
+                    help="venv for the transformers peer (made with --system-site-packages)")
+    ap.add_argument("--no-transformers", action="store_true", help="skip that peer")
+    ap.add_argument("--keep", metavar="DIR", help="work in DIR (kept) instead of a temp dir")
+    ap.add_argument("--probe-mem", choices=("baseline", "plain", "nanbisect"),
+                    help=argparse.SUPPRESS)
+    ap.add_argument("--probe-duo", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--bundle", help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.probe_mem:
+        print(json.dumps(probe_mem(args.probe_mem, args.bundle, args.out)))
+        return
+    if args.probe_duo:
+        print(json.dumps(duo_peer(args.bundle, args.steps)))
+        return
+
+    with contextlib.ExitStack() as stack:
+        if args.keep:
+            work = Path(args.keep)
+            work.mkdir(parents=True, exist_ok=True)
+        else:
+            work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench_bisect-")))
+        bundle, observed = make_bundle(work / "bundles")
+        rep = replayer(bundle)
+        res = {"config": CONFIG, "fault": {"layer": FAULT_LAYER, "limit": FAULT_LIMIT},
+               "n_params": sum(p.numel() for p in rep.task.model.parameters()),
+               "torch": torch.__version__, "threads": torch.get_num_threads(),
+               "python": platform.python_version(), "platform": platform.platform(),
+               "bundle": str(bundle), "bundle_bytes": dir_bytes(bundle)[0], "observed": observed}
+        print("timing plain steps ...", file=sys.stderr)
+        res["plain_step"] = plain_step_times(rep, args.steps)
+        plain = res["plain_step"]["healthy_median_ms"]
+        print("timing run_bundle ...", file=sys.stderr)
+        res["run_bundle"] = time_run_bundle(bundle, work, args.reps)
+        total, files = dir_bytes(Path(res["run_bundle"]["report_dir"]))
+        res["bytes"] = {"report_total": total, "report_files": files}
+        print("counting a full per-op dump ...", file=sys.stderr)
+        res["full_dump"] = full_dump_bytes(rep)
+        print("detect_anomaly ...", file=sys.stderr)
+        res["peers"] = {"detect_anomaly": anomaly_peer(rep, max(2, args.steps // 2), plain)}
+        del rep
+        print("memory (3 subprocesses) ...", file=sys.stderr)
+        res["memory"] = memory(bundle, work, Path(res["run_bundle"]["report_dir"]) / "repro" / "repro.py")
+        if not args.no_transformers:
+            print(f"DebugUnderflowOverflow (venv {args.venv}) ...", file=sys.stderr)
+            res["peers"]["transformers"] = transformers_peer(bundle, args.venv,
+                                                             max(2, args.steps // 2))
+    print_tables(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2, default=str)
+
+
+if __name__ == "__main__":
+    main()
