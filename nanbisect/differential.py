@@ -7,8 +7,8 @@ kernels, decompositions), and the first call whose output (forward) or outgoing 
 (backward) diverges is the suspect. Inside it, every op is isolated on the reference with the
 target's own inputs (`isolate.check_op`): the first op that is wrong *given its inputs* is the
 culprit; ops after it that only inherit the error pass their own check and are not blamed.
-A reference in a wider dtype draws its random numbers in the target's dtype (`AlignRandomness`),
-so dropout masks match and upcasting alone never looks like divergence.
+Random ops on the reference return what the target drew (`RandomTape` / `RandomReplay`), so
+dropout masks and noise match across devices and dtypes and never look like divergence.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import registry
 from .compare import Comparison, compare_step, step_rtol
 from .isolate import RANDOM_OR_UNINITIALISED, OpCheck, check_op
-from .oprecord import OpRecorder
+from .oprecord import OpRecorder, _tensors, written_tensors
 from .probe import CallStats, ProbeTable, Stats
 from .replay import Replayer, StepOutcome
 from .tracker import ModuleTracker
@@ -163,33 +163,47 @@ class ReferenceKernels(TorchDispatchMode):
             return impl(*args, **kwargs)
 
 
-class AlignRandomness(TorchDispatchMode):
-    """On a reference upcast to a wider dtype, draw random numbers in the target's dtype."""
+def _random(func) -> bool:
+    name = func.overloadpacket.__name__
+    return name in RANDOM_OR_UNINITIALISED and not name.startswith(("empty", "new_empty"))
 
-    def __init__(self, dtype: torch.dtype) -> None:
+
+class RandomTape(TorchDispatchMode):
+    """On the target: keep (on the CPU) what every random op produced, in order."""
+
+    def __init__(self) -> None:
         super().__init__()
-        self.dtype = dtype
+        self.values: list[list[torch.Tensor]] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func.overloadpacket.__name__
-        if name not in RANDOM_OR_UNINITIALISED or name.startswith(("empty", "new_empty")):
-            return func(*args, **kwargs)
-        wide = {}
+        out = func(*args, **kwargs)
+        if _random(func):
+            returned, mutated = written_tensors(func, out, args, kwargs)
+            self.values.append([t.detach().to("cpu", copy=True)
+                                for t, _ in _tensors(returned + mutated)])
+        return out
 
-        def down(x):
-            if isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != self.dtype:
-                wide[id(x)] = x.dtype
-                return x.to(self.dtype)
-            return self.dtype if isinstance(x, torch.dtype) and x.is_floating_point else x
 
-        d_args = torch.utils._pytree.tree_map(down, list(args))
-        d_kwargs = torch.utils._pytree.tree_map(down, dict(kwargs))
-        out = func(*d_args, **d_kwargs)
-        if name.endswith("_") and args and isinstance(args[0], torch.Tensor):
-            args[0].copy_(d_args[0])         # in-place draw: write it back, widened
-            return args[0]
-        target = next(iter(wide.values()), torch.float64)
-        return torch.utils._pytree.tree_map(
-            lambda t: t.to(target) if isinstance(t, torch.Tensor) and t.is_floating_point()
-            else t, out)
+class RandomReplay(TorchDispatchMode):
+    """On the reference: every random op gives what the target's drew (moved, cast), so dropout
+    masks and noise match across devices and dtypes and never look like divergence."""
+
+    def __init__(self, tape: RandomTape) -> None:
+        super().__init__()
+        self.tape = tape
+        self.i = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if _random(func) and self.i < len(self.tape.values):
+            returned, mutated = written_tensors(func, out, args, kwargs)
+            mine = [t for t, _ in _tensors(returned + mutated)]
+            theirs = self.tape.values[self.i]
+            self.i += 1
+            if [t.shape for t in mine] == [t.shape for t in theirs]:
+                with torch.no_grad():
+                    for m, t in zip(mine, theirs):
+                        m.copy_(t)
+        return out

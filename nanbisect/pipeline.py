@@ -23,8 +23,8 @@ import torch
 from .bisect import (Culprit, backtrace, backward_producer, culprit_from_call, forward_producer,
                      optimizer_culprit)
 from . import registry
-from .differential import (AlignRandomness, ReferenceKernels, StepState, diverging_call,
-                           first_divergence, isolate_window, step_state)
+from .differential import (RandomReplay, RandomTape, ReferenceKernels, StepState,
+                           diverging_call, first_divergence, isolate_window, step_state)
 from .bundle import read_bundle
 from .errors import BadInput
 from .isolate import OpCheck, check_op, move, resolve
@@ -105,7 +105,16 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
 
     rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
     probe = ModuleProbe(rep.task.model)
-    first = _guarded(lambda: rep.run(phase=_probing(probe), wrap=wrap),
+    tape = RandomTape()
+
+    def first_wrap() -> ExitStack:  # the injected context first: the tape sees what it returns
+        es = ExitStack()
+        es.enter_context(wrap())
+        if ref is not None:
+            es.enter_context(tape)
+        return es
+
+    first = _guarded(lambda: rep.run(phase=_probing(probe), wrap=first_wrap),
                      "replaying the step on the target")
     observed = m.get("observed")
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
@@ -116,7 +125,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     side, side_note = None, None
     if ref is not None and first.phase != "input":
         registry.load_plugins()
-        side, side_note = _reference_side(bundle, rep, first, ref)
+        side, side_note = _reference_side(bundle, rep, first, ref, tape)
         if side is not None:
             replay["reference_loss"] = _num(side.outcome.loss)
 
@@ -167,7 +176,7 @@ class _Reference:
     dtype_target: torch.dtype    # tolerances are the target's dtype's
 
 
-def _reference_side(bundle, rep: Replayer, first: StepOutcome, ref
+def _reference_side(bundle, rep: Replayer, first: StepOutcome, ref, tape: RandomTape
                     ) -> tuple["_Reference | None", str | None]:
     """Replay on the reference; (None, why) when the reference cannot run the step."""
     t_dtype = next(rep.task.model.parameters()).dtype
@@ -179,8 +188,7 @@ def _reference_side(bundle, rep: Replayer, first: StepOutcome, ref
     def wrap() -> ExitStack:
         es = ExitStack()
         es.enter_context(ReferenceKernels())
-        if ref[1] not in (None, t_dtype):
-            es.enter_context(AlignRandomness(t_dtype))
+        es.enter_context(RandomReplay(tape))
         return es
 
     try:

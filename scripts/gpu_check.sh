@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On a machine with CUDA: run every shipped fixture bundle with --target cuda --reference cpu and
+# check each verdict, then run the test suite (its CUDA test runs there). Exits non-zero on any
+# surprise. Usage: bash scripts/gpu_check.sh [OUT_DIR]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+out=${1:-$(mktemp -d)}
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
+  echo "gpu_check: no CUDA device here" >&2; exit 2; }
+"$PY" -c "import torch; print('torch', torch.__version__, 'on', torch.cuda.get_device_name())"
+fail=0
+# bundle, expected exit code, extra flags
+while read -r name want flags; do
+  [ -z "$name" ] && continue
+  mkdir -p "$out/$name"
+  # shellcheck disable=SC2086
+  "$PY" -m nanbisect run --ckpt "fixtures/bundles/$name" --target cuda --reference cpu \
+      --out "$out/$name" $flags > "$out/$name.txt" 2>&1
+  code=$?
+  printf '%-30s exit %s (want %s)  %s\n' "$name" "$code" "$want" "$(head -1 "$out/$name.txt")"
+  [ "$code" = "$want" ] || fail=1
+done <<'LIST'
+forward_nan_behind_mask 1
+backward_nan_custom_function 1
+optimizer_adam_eps0 1
+overflow_then_nan 1
+moe_unpermute_fp32_probs 1
+fully_masked_row 1
+nan_batch 1
+healthy 0
+deterministic_gpt 0
+moe_unpermute_on_npu 1 --inject fixtures/inject/npu_kernels.py:npu
+deterministic_gpt 1 --inject fixtures/inject/matmul_off.py:matmul_off
+LIST
+"$PY" -m pytest -q tests/test_differential.py -k cuda || fail=1
+exit $fail
