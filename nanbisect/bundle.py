@@ -113,6 +113,18 @@ class Bundle:
             out.update(self.tensors(role))
         return out
 
+    @property
+    def world_size(self) -> int:
+        return int(self.manifest.get("world_size") or 1)
+
+    @property
+    def multi_rank(self) -> bool:
+        return self.manifest.get("kind") == "multi-rank"
+
+    def part(self, rank: int) -> "Bundle":
+        """The verified part of one rank of a multi-rank bundle."""
+        return read_bundle(self.path / self.manifest["ranks"][str(rank)]["dir"])
+
 
 def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
     """Open and verify a bundle directory; raise `BadInput` naming the problem and the fix.
@@ -148,6 +160,8 @@ def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
     if version > SCHEMA_VERSION:
         raise BadInput(f"bundle '{p}' uses schema {version}, newer than this nanbisect "
                        f"({__version__}, schema {SCHEMA_VERSION}) reads; upgrade nanbisect")
+    if manifest.get("kind") == "multi-rank":
+        return _read_multi(p, manifest, verify)
     for key in ("entry", "files", "model", "batch", "rng"):
         if key not in manifest:
             raise BadInput(f"bundle '{p}': manifest.json lacks '{key}'; re-capture the bundle")
@@ -160,4 +174,25 @@ def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
             if _sha256(f) != info.get("sha256"):
                 raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
                                "(truncated or altered); copy the bundle again or re-capture it")
+    return Bundle(p, manifest)
+
+
+def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
+    """A multi-rank bundle: the top manifest names one verified part per rank."""
+    ranks = manifest.get("ranks")
+    world = manifest.get("world_size")
+    if not isinstance(ranks, dict) or not isinstance(world, int) or sorted(ranks) != sorted(
+            str(r) for r in range(world)):
+        raise BadInput(f"bundle '{p}': the top manifest does not list one part per rank of its "
+                       f"world size {world}; re-capture the bundle")
+    if verify:
+        for r, info in ranks.items():
+            m = p / info["dir"] / MANIFEST
+            if Path(info["dir"]).name != info["dir"] or not m.is_file():
+                raise BadInput(f"bundle '{p}': the part of rank {r} ({info['dir']}) is missing; "
+                               "copy the whole bundle directory or re-capture it")
+            if _sha256(m) != info.get("manifest_sha256"):
+                raise BadInput(f"bundle '{p}': the manifest of rank {r} does not match its "
+                               "sha256 in the top manifest; re-capture the bundle")
+            read_bundle(p / info["dir"], verify=True)
     return Bundle(p, manifest)

@@ -38,6 +38,14 @@ def summarize(path: str | Path) -> dict:
     """
     b = read_bundle(path)
     m = b.manifest
+    if b.multi_rank:
+        parts = {str(r): summarize(b.path / info["dir"]) for r, info in m["ranks"].items()}
+        first = parts["0"]
+        return {**first, "bundle": str(b.path), "world_size": m["world_size"], "rank": "all",
+                "backend": m.get("backend"), "process_groups": m.get("process_groups"),
+                "observed": {r: p["observed"] for r, p in parts.items()},
+                "files": {f"rank{r}/{n}": f for r, p in parts.items()
+                          for n, f in p["files"].items()}}
     files = {}
     for name, info in m["files"].items():
         head = _header(b.path / name)
@@ -71,9 +79,16 @@ def summary_text(info: dict) -> str:
              f"buffers, dtypes {info['dtypes']}" + (f", tied {info['model']['tied']}"
                                                     if info['model']['tied'] else ""),
              f"optimizer {info['optimizer']['class'] if info['optimizer'] else '-'}",
-             "observed  " + (json.dumps(obs.get("summary")) + f" (first bad: {obs.get('first')})"
-                             if obs else "- (captured on demand, no failure recorded)")]
+             "observed  " + _observed_text(obs)]
     for name, f in info["files"].items():
         lines.append(f"  {name:<22} {f['bytes']:>10} bytes  {f['tensors']:>4} tensors  "
                      f"{f['dtypes']}")
     return "\n".join(lines)
+
+
+def _observed_text(obs) -> str:
+    if not obs:
+        return "- (captured on demand, no failure recorded)"
+    if "summary" not in obs:  # multi-rank: one entry per rank
+        return "; ".join(f"rank {r}: {_observed_text(o)}" for r, o in obs.items())
+    return json.dumps(obs.get("summary")) + f" (first bad: {obs.get('first')})"

@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import torch
 
 from .bundle import write_bundle
+from .distributed import any_rank, broadcast_str, rank_info, write_all_ranks
 from .errors import NonFiniteStep
 from .state import RngState, accelerator_types, encode, encode_model, encode_optimizer
 from .task import Task, split_entry
@@ -42,7 +43,7 @@ def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: in
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in task.model.parameters()})
     manifest = {
         "entry": entry, "entry_file": entry_file, "entry_file_from_bundle": entry_rel,
-        "step": step, "world_size": 1, "rank": 0,
+        "step": step, "world_size": rank_info().world_size, "rank": rank_info().rank,
         "devices": {"captured_on": _device_of(task.model), "accelerators": accelerator_types()},
         "dtypes": dtypes,
         "observed": observed,
@@ -59,13 +60,20 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
             ) -> Path:
     """Write a bundle of the current model, optimizer and RNG state plus ``batch``.
 
-    Call it *before* running the step it should replay.
+    Call it *before* running the step it should replay. Under torch.distributed, call it on
+    every rank: each writes its part of one bundle.
 
     >>> capture(task, batch, "step1", entry="train.py:make_task", step=1)
     PosixPath('step1')
     """
     path = Path(path)
     rng = RngState.get(accelerator_types())
+    if rank_info().distributed:  # every rank writes its part of one bundle
+        def part(p: Path) -> None:
+            manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
+                                              observed=None, path=p)
+            write_bundle(p, manifest, tensors)
+        return write_all_ranks(path, part, {"entry": entry, "step": step})
     manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step, observed=None,
                                       path=path)
     return write_bundle(path, manifest, tensors)
@@ -155,6 +163,7 @@ class Guard:
         self.step_index = start_step
         self._accel = accelerator_types()
         self._snapshot = _Snapshot()
+        self._rank = rank_info()
 
     def step(self, batch: Any) -> float:
         """zero_grad, forward via ``loss_fn``, backward, optimizer step; return the loss."""
@@ -185,21 +194,48 @@ class Guard:
                 else torch.zeros((), device=dev))
         # NB: gradients are not screened: a non-finite gradient reaches the parameters through
         # any update with lr > 0, and a loop whose GradScaler skips inf gradients must not trip.
-        # The one host synchronisation of a healthy step:
-        loss_v, param_v = torch.stack([loss, _screen(params, dev)]).tolist()
+        # The one host synchronisation of a healthy step (under torch.distributed, after one
+        # all-reduce of a one-element flag, so that all ranks agree on a failure):
+        vals = torch.stack([loss, _screen(params, dev)])
+        if self._rank.distributed:
+            flag = (~torch.isfinite(vals)).any().float().reshape(1)
+            flag = any_rank(flag.cpu() if self._rank.backend == "gloo" else flag)
+            vals = torch.cat([vals, flag.to(dev)])
+        loss_v, param_v, *flag_v = vals.tolist()
         w.value = loss_v
-        if _kind(param_v) == "finite" and _kind(loss_v) == "finite":
+        tripped = flag_v[0] > 0 if flag_v else not (_kind(param_v) == "finite" and
+                                                    _kind(loss_v) == "finite")
+        if not tripped:
             self.step_index += 1
             return
         observed = self._observe(loss_v if w.loss is not None else None)
-        if observed is None:  # the screen overflowed on finite values
+        if self._rank.distributed:  # does any rank confirm it with the exact check?
+            confirmed = any_rank(torch.tensor([float(observed is not None)]))
+            if confirmed.item() == 0:
+                self.step_index += 1
+                return
+            observed = observed or {"step": self.step_index, "first": "other-rank",
+                                    "loss": loss_v, "summary": {"local": "finite"}}
+        elif observed is None:  # the screen overflowed on finite values
             self.step_index += 1
             return
         self._snapshot.restore(self.task.optimizer)
         path = self._free_path()
-        manifest, tensors = _bundle_parts(self.task, batch, rng, entry=self.entry,
-                                          step=self.step_index, observed=observed, path=path)
-        write_bundle(path, manifest, tensors)
+        if self._rank.distributed:
+            path = Path(broadcast_str(str(path)))
+            observed["rank"] = self._rank.rank
+
+            def part(p: Path) -> None:
+                manifest, tensors = _bundle_parts(self.task, batch, rng, entry=self.entry,
+                                                  step=self.step_index, observed=observed,
+                                                  path=p)
+                write_bundle(p, manifest, tensors)
+
+            write_all_ranks(path, part, {"entry": self.entry, "step": self.step_index})
+        else:
+            manifest, tensors = _bundle_parts(self.task, batch, rng, entry=self.entry,
+                                              step=self.step_index, observed=observed, path=path)
+            write_bundle(path, manifest, tensors)
         raise NonFiniteStep(path, observed)
 
     def _observe(self, loss: float | None) -> dict | None:

@@ -107,6 +107,7 @@ class IsolationResult:
     input_shapes: list[list[int]] = field(default_factory=list)
     checked: int = 0
     uncomparable: list[OpCheck] = field(default_factory=list)
+    occurrence: int = 0          # calls of the same op before it in its phase
 
 
 def isolate_window(rep: Replayer, phase: str, call: tuple[str, int] | None,
@@ -139,9 +140,10 @@ def isolate_window(rep: Replayer, phase: str, call: tuple[str, int] | None,
         if check.status == "uncomparable":
             uncomparable.append(check)
         elif check.status == "mismatch":
+            occurrence = sum(1 for r in table.ops[:pos] if r.op == op.op and r.phase == op.phase)
             return IsolationResult(check, op.module, op.module_call,
                                    [i.dtype for i in op.inputs], [list(i.shape) for i in op.inputs],
-                                   checked, uncomparable)
+                                   checked, uncomparable, occurrence)
     return IsolationResult(None, checked=checked, uncomparable=uncomparable)
 
 

@@ -38,6 +38,7 @@ class OpFinding:
     context: list[dict] = field(default_factory=list)
     inf_origin: dict | None = None
     total_ops: int = 0
+    occurrence: int = 0     # how many calls of the same op came before it in its phase
 
 
 def _stack(*cms: ContextManager) -> ExitStack:
@@ -81,6 +82,10 @@ def record_ops(rep: Replayer, phase: str, kind: str,
     table, marks = rec.read()
     starts = {n: m for n, m in marks.items() if m is not None}
     root = culprit_root(table, list(starts.values()), kind)
+    if root is None and phase == "backward":
+        # the failed gradients were written outside the recorded ops (e.g. by DDP's reducer
+        # after its collective): start from the values that left the recorded backward instead
+        root = culprit_root(table, table.leaves(), kind)
     if root is None:
         return None
     parameter = None
@@ -96,7 +101,10 @@ def record_ops(rep: Replayer, phase: str, kind: str,
         module, call = (parameter or "").rpartition(".")[0], None
     ins = root.op.inputs_for(root.op.outputs[root.output])
     origin = inf_origin(table, root)
+    occurrence = sum(1 for r in table.ops[:root.op.pos] if r.op == root.op.op
+                     and r.phase == root.op.phase)
     return OpFinding(op=root.op.op, op_index=root.op.index, phase=root.op.phase,
+                     occurrence=occurrence,
                      module=module if module is not None else "", module_call=call,
                      input_dtypes=[i.dtype for i in ins], input_shapes=[list(i.shape) for i in ins],
                      parameter=parameter,
@@ -107,9 +115,10 @@ def record_ops(rep: Replayer, phase: str, kind: str,
 def catch_inputs(rep: Replayer, finding: OpFinding,
                  wrap: Callable[[], ContextManager] = nullcontext) -> Caught | None:
     """Last pass: replay up to the culprit's phase and clone the culprit op's arguments."""
-    catcher = InputCatcher(finding.op_index)
+    catcher = InputCatcher(finding.op, finding.phase, finding.occurrence)
 
     def phase(name: str) -> ContextManager:
+        catcher.phase = name
         # anomaly mode makes every autograd node remember the forward line that created it
         if name == "forward" and finding.phase == "backward":
             return torch.autograd.set_detect_anomaly(True, check_nan=False)

@@ -124,6 +124,13 @@ class OpTable:
     ops: list[OpRecord]
     total_ops: int
 
+    def leaves(self) -> list[tuple[int, int]]:
+        """Values no recorded op consumed: what left the recorded window (or was dropped)."""
+        used = {(i.producer, i.output) for op in self.ops for i in op.inputs
+                if i.producer is not None}
+        return [(op.pos, j) for op in self.ops for j in range(len(op.outputs))
+                if (op.pos, j) not in used]
+
 
 class OpRecorder(TorchDispatchMode):
     """Record ops of ``phases``; set ``.phase`` as the step moves on.

@@ -28,6 +28,7 @@ from .differential import (RandomReplay, RandomTape, ReferenceKernels, StepState
 from .bundle import read_bundle
 from .errors import BadInput
 from .isolate import OpCheck, check_op, move, resolve
+from .launcher import run_multirank
 from .narrow import OpFinding, catch_inputs, record_ops, repro_imports
 from .oprecord import _tensors, written_tensors
 from .probe import ModuleProbe
@@ -99,6 +100,13 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     out = Path(out) if out is not None else bundle.path / "nanbisect-report"
     target = opts.target or _default_target(m)
     t_dev, t_dtype = parse_device(target)
+    if bundle.multi_rank:
+        if opts.reference not in (None, "none"):
+            raise BadInput("--reference is not supported for multi-rank bundles yet; replay "
+                           "with --reference none")
+        if opts.inject:
+            load_inject(opts.inject)  # a bad --inject fails here, before any rank starts
+        return run_multirank(bundle, target, opts.inject, out, opts.run_repro)
     reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
     ref = None if reference == "none" else parse_device(reference)
     wrap = load_inject(opts.inject) if opts.inject else nullcontext
@@ -237,7 +245,7 @@ def _divergence_report(rep: Replayer, probe: ModuleProbe, side: "_Reference", di
             culprit = Culprit(phase, iso.module or "", iso.module_call, iso.input_dtypes,
                               iso.input_shapes, None, op=c.op, op_index=c.op_index)
             finding = OpFinding(c.op, c.op_index, phase, iso.module, iso.module_call,
-                                iso.input_dtypes, iso.input_shapes)
+                                iso.input_dtypes, iso.input_shapes, occurrence=iso.occurrence)
             caught, repro, result = _catch_and_write(rep, finding, wrap, tmp, culprit,
                                                      "mismatch", common["target"], opts)
             if caught is not None:

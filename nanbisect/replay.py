@@ -122,6 +122,9 @@ class Replayer:
         self.entry = entry or resolve_entry(bundle)
         self.task = task or load_task(self.entry, [bundle.path])
         self.tensors = bundle.all_tensors()
+        # NB: under torch.distributed every rank must run every collective of the step, so a
+        # lockstep replay never stops early; it runs the whole step and reports its first failure
+        self.lockstep = False
         self.rng = RngState.decode(m["rng"], self.tensors)
         where = f"bundle '{bundle.path}'"
         if (m.get("optimizer") is None) != (self.task.optimizer is None):
@@ -178,6 +181,7 @@ class Replayer:
         if bad:
             return StepOutcome(None, "input", bad)
         task = self.task
+        failed: StepOutcome | None = None   # the first failure, when running in lockstep
         with wrap():
             with phase("forward"):
                 loss = task.loss_fn(task.model, batch)
@@ -186,21 +190,27 @@ class Replayer:
                                f"{type(loss).__name__}, not a scalar tensor; return the loss")
             loss_v = float(loss.detach().float().item())
             if not math.isfinite(loss_v):
-                return StepOutcome(loss_v, "forward", _scan("loss", [("loss", loss.detach())]),
-                                   loss)
-            if stop_after == "forward":
+                failed = StepOutcome(loss_v, "forward", _scan("loss", [("loss", loss.detach())]),
+                                     loss)
+                if not self.lockstep:
+                    return failed
+            if stop_after == "forward" and not self.lockstep:
                 return StepOutcome(loss_v, None, loss_tensor=loss)
             with phase("backward"):
                 loss.backward()
             grads = _scan("grad", ((n, p.grad) for n, p in task.model.named_parameters()
                                    if p.grad is not None))
-            if grads:
-                return StepOutcome(loss_v, "backward", grads, loss)
-            if stop_after == "backward" or task.optimizer is None:
-                return StepOutcome(loss_v, None, loss_tensor=loss)
+            if grads and failed is None:
+                failed = StepOutcome(loss_v, "backward", grads, loss)
+                if not self.lockstep:
+                    return failed
+            if (stop_after == "backward" and not self.lockstep) or task.optimizer is None:
+                return failed or StepOutcome(loss_v, None, loss_tensor=loss)
             with phase("optimizer"):
                 task.optimizer.step()
         params = _scan("parameter", task.model.named_parameters())
+        if failed is not None:
+            return failed
         return StepOutcome(loss_v, "optimizer" if params else None, params, loss)
 
 

@@ -44,6 +44,7 @@ class Report:
     divergence: dict | None = None     # where target and reference first disagree (no NaN)
     op_check: dict | None = None       # the culprit op judged in isolation on the reference
     uncomparable: list[dict] = field(default_factory=list)  # ops with no reference to compare
+    ranks: list[dict] = field(default_factory=list)  # multi-rank: what each rank saw
 
     @property
     def exit_code(self) -> int:
@@ -63,7 +64,7 @@ class Report:
             "notes": self.notes, "repro": self.repro, "repro_result": self.repro_result,
             "inf_origin": self.inf_origin, "context": self.context,
             "divergence": self.divergence, "op_check": self.op_check,
-            "uncomparable": self.uncomparable,
+            "uncomparable": self.uncomparable, "ranks": self.ranks,
         }
 
 
@@ -118,6 +119,18 @@ def to_markdown(r: Report) -> str:
         lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o['op']}` "
                   f"(op #{o['op_index']}, {o['phase']}, module `{o['module']}` call "
                   f"{o['module_call']})."]
+    if r.ranks:
+        lines += ["", "## Ranks", "", "| rank | first bad phase | loss | into reduction bad | "
+                  "out of reduction bad | culprit module call on this rank (in nan / out nan) |",
+                  "|---|---|---|---|---|---|"]
+        for k in r.ranks:
+            ms = k.get("module_stats") or {}
+            cell = "-"
+            if ms:
+                io = (ms.get("inputs"), ms.get("output"))
+                cell = " / ".join(str(x["nan"]) if x else "-" for x in io)
+            lines.append(f"| {k['rank']} | {k['phase'] or '-'} | {k['loss']} | "
+                         f"{k['reduction_in_bad']} | {k['reduction_out_bad']} | {cell} |")
     if r.op_check:
         lines += ["", f"## The culprit op in isolation on `{r.reference}`", "",
                   f"Same inputs on both sides; status **{r.op_check['status']}** "

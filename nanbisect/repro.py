@@ -1,7 +1,7 @@
 """The standalone repro: catch the culprit op's inputs, write ``repro/``, run it once.
 
-`InputCatcher` replays the step counting ops exactly as `OpRecorder` does and, at the culprit's
-``op_index``, clones the op's arguments, the RNG state (for dropout, ``rand_like``, ...) and the
+`InputCatcher` replays the step and, at the culprit (the same op, at the same occurrence among
+calls of that op in its phase), clones the op's arguments, the RNG state (for dropout, ``rand_like``, ...) and the
 user source line: the innermost frame outside torch and nanbisect; for a backward formula, the
 line in forward that created its autograd node (anomaly mode records it during this pass only).
 `write_repro` renders ``repro.py`` from a template and saves the inputs, with the call's non-tensor
@@ -64,21 +64,27 @@ class Caught:
 
 
 class InputCatcher(TorchDispatchMode):
-    """Clone the arguments of the op at ``index`` (counted as `OpRecorder` counts)."""
+    """Clone the arguments of the ``occurrence``-th call of ``op`` in ``phase``.
 
-    def __init__(self, index: int) -> None:
+    NB: matched by op and occurrence within the phase, not by the step-wide op index: a wrapper
+    with per-iteration state (DDP rebuilds its buckets on its second iteration) adds ops between
+    replays, which shifts global indices but not the culprit's place among its own kind.
+    """
+
+    def __init__(self, op: str, phase: str, occurrence: int) -> None:
         super().__init__()
-        self.index = index
-        self.count = 0
+        self.op, self.target_phase, self.occurrence = op, phase, occurrence
+        self.phase = "forward"
+        self.seen = 0
         self.caught: Caught | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SKIP:
-            return func(*args, **kwargs)
-        if self.count == self.index:
-            self._catch(func, args, kwargs)
-        self.count += 1
+        if (self.caught is None and self.phase == self.target_phase and func not in SKIP
+                and str(func) == self.op):
+            if self.seen == self.occurrence:
+                self._catch(func, args, kwargs)
+            self.seen += 1
         return func(*args, **kwargs)
 
     def _catch(self, func, args, kwargs) -> None:

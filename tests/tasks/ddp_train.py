@@ -1,0 +1,87 @@
+"""Tasks and a training script for multi-rank tests; run under torchrun:
+
+    torchrun --nproc-per-node 2 tests/tasks/ddp_train.py FUNC OUT_DIR
+
+trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails. Faults:
+- comm_corrupt: a DDP comm hook of the user's that corrupts the *reduced* gradients (NaN);
+- rank1_nan: rank 1's data makes its forward take sqrt of a negative number;
+- crash_on_replay: healthy while training, fails on rank 1 when CRASH_ON_REPLAY=1 (replay).
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import nanbisect
+
+
+class SqrtNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.sqrt(self.fc(x) + x.sum(-1, keepdim=True))).squeeze(-1)
+
+
+def _task(hook=None):
+    torch.manual_seed(0)
+    model = DDP(SqrtNet())
+    if hook is not None:
+        model.register_comm_hook(None, hook)
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                          loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
+def _corrupting_allreduce(state, bucket):
+    """The user's hook: averages, then (bug) writes NaN into the reduced gradients."""
+    buf = bucket.buffer().div_(dist.get_world_size())
+    fut = dist.all_reduce(buf, async_op=True).get_future()
+    return fut.then(lambda f: f.value()[0].mul_(float("nan")))
+
+
+def comm_corrupt():
+    return _task(_corrupting_allreduce)
+
+
+def rank1_nan():
+    return _task()
+
+
+def crash_on_replay():
+    if os.environ.get("CRASH_ON_REPLAY") == "1" and dist.get_rank() == 1:
+        raise RuntimeError("rank 1 cannot build its model on replay")
+    return _task()
+
+
+def batch(func: str, step: int):
+    g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
+    x = torch.rand(6, 4, generator=g) + 1.0            # positive: sqrt is fine
+    if func == "rank1_nan" and dist.get_rank() == 1 and step == 1:
+        x[2] = -50.0                                     # rank 1's bad sample
+    return x
+
+
+def main():
+    func, out = sys.argv[1], sys.argv[2]
+    dist.init_process_group("gloo")
+    task = globals()[func]()
+    guard = nanbisect.Guard(task, entry=f"{os.path.abspath(__file__)}:{func}", out=out)
+    try:
+        for step in range(3):
+            guard.step(batch(func, step))
+        if func == "crash_on_replay":   # healthy: capture the next step on every rank
+            print("BUNDLE", nanbisect.capture(task, batch(func, 3), f"{out}/captured",
+                                              entry=guard.entry, step=3))
+    except nanbisect.NonFiniteStep as e:
+        if dist.get_rank() == 0:
+            print("BUNDLE", e.bundle)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Multi-rank capture and replay with real processes: torchrun, 2 ranks, gloo, CPU."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import TEST_TASKS, cli
+
+TRAIN = TEST_TASKS / "ddp_train.py"
+
+
+def torchrun_capture(func: str, out: Path) -> Path:
+    """Train ``func``'s task under Guard on 2 ranks; return the bundle the ranks wrote."""
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                        "--nproc-per-node=2", "--rdzv-backend=c10d",
+                        "--rdzv-endpoint=127.0.0.1:0", str(TRAIN), func, str(out)],
+                       capture_output=True, text=True, timeout=240)
+    lines = [line.split(" ", 1)[1] for line in p.stdout.splitlines() if line.startswith("BUNDLE")]
+    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-2000:]
+    return Path(lines[0])
+
+
+def rankworkers() -> list[str]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if "nanbisect.rankworker" in cmd:
+                out.append(cmd)
+    return out
+
+
+def test_comm_hook_corrupting_reduced_grads_is_communication(tmp_path):
+    bundle = torchrun_capture("comm_corrupt", tmp_path / "g")
+    top = json.loads((bundle / "manifest.json").read_text())
+    assert (top["kind"], top["world_size"], top["backend"]) == ("multi-rank", 2, "gloo")
+    assert sorted(top["ranks"]) == ["0", "1"]
+    assert (bundle / "rank0" / "model.safetensors").is_file()
+    assert (bundle / "rank1" / "batch.safetensors").is_file()
+    res = cli("run", "--ckpt", bundle, "--json", timeout=300)
+    assert res.code == 1, res.stderr
+    rep = json.loads(res.stdout)
+    assert (rep["verdict"], rep["phase"], rep["classification"]) == (
+        "culprit", "grad-reduce", "communication")
+    assert rep["culprit"]["phase"] == "grad-reduce"
+    assert [(r["reduction_in_bad"], r["reduction_out_bad"]) for r in rep["ranks"]] == [
+        (False, True), (False, True)]
+
+
+def test_rank_that_computes_nan_locally_is_named(tmp_path):
+    bundle = torchrun_capture("rank1_nan", tmp_path / "g")
+    top = json.loads((bundle / "manifest.json").read_text())
+    assert top["ranks"]["1"]["observed"]["first"] == "loss"       # rank 1 failed alone...
+    assert top["ranks"]["0"]["observed"]["summary"]["loss"] == "finite"   # ...rank 0 wrote too
+    res = cli("run", "--ckpt", bundle, "--json", timeout=300)
+    assert res.code == 1, res.stderr
+    rep = json.loads(res.stdout)
+    c = rep["culprit"]
+    assert (c["rank"], c["phase"], c["op"], c["module"], c["module_call"]) == (
+        1, "forward", "aten.sqrt.default", "module", 0)
+    r0, r1 = rep["ranks"]
+    assert (r0["reduction_in_bad"], r0["reduction_out_bad"]) == (False, True)  # received it
+    assert r1["reduction_in_bad"] is True                                    # sent it
+    # the same module call on the other rank: clean in, clean out -> computed on rank 1
+    assert r0["module_stats"]["output"]["nan"] == 0 and r1["module_stats"]["output"]["nan"] > 0
+    assert any("received it through the gradient reduction" in n for n in rep["notes"])
+    assert rep["repro_result"]["reproduced"] is True
+
+
+def test_rank_crash_during_replay_is_named_and_leaves_no_process(tmp_path):
+    bundle = torchrun_capture("crash_on_replay", tmp_path / "g")
+    t0 = time.monotonic()
+    res = cli("run", "--ckpt", bundle, env={"CRASH_ON_REPLAY": "1",
+                                            "NANBISECT_RANK_TIMEOUT": "60"}, timeout=200)
+    took = time.monotonic() - t0
+    assert res.code == 2, res.stdout + res.stderr
+    assert "rank 1 failed during replay" in res.stderr and "Traceback" not in res.stderr
+    assert took < 60
+    time.sleep(1)
+    assert rankworkers() == []
+    assert not (bundle / "nanbisect-report").exists()
