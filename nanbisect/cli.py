@@ -69,6 +69,40 @@ def inspect(
     typer.echo(json.dumps(info, indent=1) if as_json else summary_text(info))
 
 
+@app.command()
+def triage(
+    dirs: list[Path] = typer.Argument(..., help="directories to search for bundles"),
+    out: Path = typer.Option(Path("nanbisect-triage"), help="where triage.json/.md and the "
+                                                             "cache go"),
+    jobs: Optional[int] = typer.Option(None, help="parallel workers (default: by cores and "
+                                                  "free memory)"),
+    known: Optional[Path] = typer.Option(None, help="a previous triage.json or a file of "
+                                                    "known signatures, one a line"),
+    target: Optional[str] = typer.Option(None, help="device to replay on"),
+    as_json: bool = typer.Option(False, "--json", help="print triage.json"),
+) -> None:
+    """Replay every bundle under DIRS in parallel and group failures by culprit signature.
+
+    Exit: 0 all clean, 1 known signatures only, 3 new signatures, 2 errors only."""
+    from .triage import load_known, to_markdown
+    from .triage import triage as run_triage
+
+    try:
+        known_set = load_known(known) if known else set()
+        res = run_triage(dirs, jobs=jobs, known=known_set, cache=out / "cache",
+                         options={"target": target} if target else None)
+    except BadInput as e:
+        _fail(e)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "triage.json").write_text(json.dumps(res.data, indent=1))
+    (out / "triage.md").write_text(to_markdown(res.data))
+    if as_json:
+        typer.echo(json.dumps(res.data, indent=1))
+    else:
+        typer.echo(to_markdown(res.data).rstrip())
+    raise typer.Exit(res.exit_code)
+
+
 def main() -> None:
     try:
         app(prog_name="nanbisect")
