@@ -103,6 +103,37 @@ def triage(
     raise typer.Exit(res.exit_code)
 
 
+@app.command()
+def pack(
+    src: Path = typer.Argument(..., help="a bundle (after `run`) or a report directory"),
+    output: Path = typer.Option(Path("nanbisect-ticket.tar.gz"), "-o", "--output"),
+    full: bool = typer.Option(False, help="include the model and optimizer state"),
+) -> None:
+    """One archive for a ticket: report, repro, manifest(s), environment (under 10 MB)."""
+    from .pack import pack as do_pack
+
+    try:
+        dest = do_pack(src, output, full=full)
+    except BadInput as e:
+        _fail(e)
+    typer.echo(f"nanbisect: wrote {dest} ({dest.stat().st_size} bytes)")
+
+
+@app.command()
+def unpack(
+    archive: Path = typer.Argument(..., help="an archive written by nanbisect pack"),
+    dest: Path = typer.Argument(..., help="directory to extract into"),
+) -> None:
+    """Extract a ticket archive safely (no absolute paths, no '..', no links)."""
+    from .pack import unpack as do_unpack
+
+    try:
+        do_unpack(archive, dest)
+    except BadInput as e:
+        _fail(e)
+    typer.echo(f"nanbisect: extracted into {dest}")
+
+
 def main() -> None:
     try:
         app(prog_name="nanbisect")

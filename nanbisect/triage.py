@@ -3,7 +3,8 @@ grouped by culprit signature, for nightly jobs.
 
 Guarantees: bundles are replayed by joblib in at most ``jobs`` worker processes (default: as many
 as cores and free memory allow, counting each bundle's files three times over); each analysis is
-cached by the bundle's content hash (its manifest, which holds every file's sha256), the options
+cached by the bundle's content hash (its manifest, which holds every file's sha256, checked
+against the files before each lookup), the options
 and the nanbisect version with `joblib.Memory`, so a rerun recomputes nothing that did not
 change. One bad bundle is reported in ``errors`` and does not stop the others.
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import __version__
-from .bundle import MANIFEST
+from .bundle import MANIFEST, read_bundle
 from .errors import BadInput
 
 SCHEMA = "nanbisect.triage/1"
@@ -122,9 +123,10 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     digests = {}
     for b in bundles:
         try:
+            read_bundle(b)  # NB: checksums first: the cache key trusts the manifest's sha256s
             digests[b] = content_hash(b)
-        except OSError as e:
-            errors.append({"bundle": str(b), "error": f"unreadable manifest: {e}"})
+        except BadInput as e:
+            errors.append({"bundle": str(b), "error": str(e)})
     todo = [b for b in bundles if b in digests]
 
     def guarded(b: Path):
