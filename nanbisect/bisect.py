@@ -160,3 +160,18 @@ def backtrace(table: ProbeTable, culprit: CallStats, phase: str, kind: str,
                 else "producer" if _bad(a, kind) else "clean")
         rows.append(TraceRow(i + max(0, pos - before), c.call.module, c.call.call, role, b, a))
     return rows
+
+
+def timeline(table: ProbeTable, phase: str) -> list[dict]:
+    """Every module call in execution order with the NaN/inf counts and abs-max of its output
+    (forward) or outgoing gradient (backward), for the report's plot."""
+    if phase == "forward":
+        rows = [(c, c.output) for c in sorted(table.calls, key=lambda c: c.call.end)]
+    elif phase == "backward":
+        rows = [(c, c.grad_in) for c in sorted(
+            (c for c in table.calls if "grad_in" in c.call.grad_events),
+            key=lambda c: c.call.grad_events["grad_in"])]
+    else:
+        return []
+    return [{"module": c.call.module, "call": c.call.call, "nan": s.nan, "inf": s.inf,
+             "absmax": s.absmax} for c, s in rows if s is not None]

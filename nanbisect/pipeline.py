@@ -21,7 +21,7 @@ from typing import Callable, ContextManager
 import torch
 
 from .bisect import (Culprit, backtrace, backward_producer, culprit_from_call, forward_producer,
-                     optimizer_culprit)
+                     optimizer_culprit, timeline)
 from . import registry
 from .differential import (RandomReplay, RandomTape, ReferenceKernels, StepState,
                            diverging_call, first_divergence, isolate_window, step_state)
@@ -259,6 +259,7 @@ def _divergence_report(rep: Replayer, probe: ModuleProbe, side: "_Reference", di
             culprit = Culprit(phase, "", None, [], [], None)
             notes.append("no module call or op could be isolated as the first divergence")
         report = Report("culprit", "device", phase, "mismatch", culprit, notes=notes, repro=repro,
+                        timeline=timeline(probe.read(), phase),
                         repro_result=result, divergence={"what": div.what,
                                                          **div.comparison.to_json()},
                         op_check=iso.culprit.to_json() if iso.culprit else None,
@@ -318,6 +319,7 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
                         notes.append(f"{caught.op} cannot run on the reference ({op_check['detail']})"
                                      "; it is reported as uncomparable, not as correct")
         report = Report("culprit", classification, phase, kind, culprit, backtrace=trace,
+                        timeline=timeline(table, phase),
                         notes=notes, repro=repro, repro_result=repro_result,
                         inf_origin=finding.inf_origin if finding else None,
                         context=finding.context if finding else [], op_check=op_check,

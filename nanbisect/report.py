@@ -1,6 +1,7 @@
 """The result of a run: `Report`, its JSON form (``nanbisect.report/1``), markdown and terminal text.
 
-Guarantees: the JSON carries every field of the user contract (``culprit`` is null unless the
+Guarantees: report.json, report.md and a self-contained report.html (`html`) are written
+together; the JSON carries every field of the user contract (``culprit`` is null unless the
 verdict is ``culprit``); the report directory is written atomically (built beside its final place,
 then renamed). Exit codes: 0 clean, 1 culprit or input-nonfinite, 3 not reproduced.
 """
@@ -45,6 +46,7 @@ class Report:
     op_check: dict | None = None       # the culprit op judged in isolation on the reference
     uncomparable: list[dict] = field(default_factory=list)  # ops with no reference to compare
     ranks: list[dict] = field(default_factory=list)  # multi-rank: what each rank saw
+    timeline: list[dict] = field(default_factory=list)  # every module call, execution order
 
     @property
     def exit_code(self) -> int:
@@ -65,6 +67,7 @@ class Report:
             "inf_origin": self.inf_origin, "context": self.context,
             "divergence": self.divergence, "op_check": self.op_check,
             "uncomparable": self.uncomparable, "ranks": self.ranks,
+            "timeline": self.timeline,
         }
 
 
@@ -222,6 +225,10 @@ def staged(out: Path) -> Iterator[Path]:
 
 
 def write_report(r: Report, out: Path) -> None:
-    """Write report.json and report.md into ``out`` (a staged directory)."""
-    (out / "report.json").write_text(json.dumps(r.to_json(), indent=1, allow_nan=False))
-    (out / "report.md").write_text(to_markdown(r))
+    """Write report.json, report.md and report.html into ``out`` (a staged directory)."""
+    from .html import to_html
+
+    data, md = r.to_json(), to_markdown(r)
+    (out / "report.json").write_text(json.dumps(data, indent=1, allow_nan=False))
+    (out / "report.md").write_text(md)
+    (out / "report.html").write_text(to_html(data, md))

@@ -1,0 +1,95 @@
+"""report.html: a self-contained page (no script, no external file) with the report and a plot of
+per-module-call NaN/inf counts and abs-max along the step's execution order, the culprit marked.
+
+The plot is an inline SVG drawn here: bars are the NaN (red) and inf (orange) counts of each
+module call's output (forward) or outgoing gradient (backward), on a log scale; the line is the
+largest finite magnitude, on its own log scale; a dashed line marks the culprit call.
+"""
+from __future__ import annotations
+
+import html
+import json
+import math
+
+W, H, PAD_L, PAD_R, PAD_T, PAD_B = 960, 320, 60, 60, 30, 60
+
+
+def _log(x: float) -> float:
+    return math.log10(1.0 + max(x, 0.0))
+
+
+def plot_svg(timeline: list[dict], culprit: tuple[str, int | None] | None, phase: str) -> str:
+    """SVG of ``timeline`` rows ({module, call, nan, inf, absmax}) in execution order."""
+    if not timeline:
+        return "<p>(no module calls recorded)</p>"
+    n = len(timeline)
+    pw, ph = W - PAD_L - PAD_R, H - PAD_T - PAD_B
+    bw = pw / n
+    top_count = max(max(_log(r["nan"]), _log(r["inf"])) for r in timeline) or 1.0
+    top_mag = max(_log(r["absmax"]) for r in timeline) or 1.0
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
+           f'viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="11">',
+           f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
+           f'<line x1="{PAD_L}" y1="{PAD_T + ph}" x2="{PAD_L + pw}" y2="{PAD_T + ph}" '
+           'stroke="#333"/>',
+           f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{PAD_T + ph}" stroke="#333"/>']
+    points = []
+    for i, r in enumerate(timeline):
+        x = PAD_L + i * bw
+        for j, (key, colour) in enumerate((("nan", "#d62728"), ("inf", "#ff7f0e"))):
+            h = ph * _log(r[key]) / top_count
+            if h > 0:
+                out.append(f'<rect x="{x + j * bw / 2:.1f}" y="{PAD_T + ph - h:.1f}" '
+                           f'width="{max(bw / 2 - 0.5, 0.5):.1f}" height="{h:.1f}" '
+                           f'fill="{colour}"><title>{html.escape(r["module"] or "<root>")} '
+                           f'call {r["call"]}: {key} {r[key]}</title></rect>')
+        points.append(f"{x + bw / 2:.1f},{PAD_T + ph - ph * _log(r['absmax']) / top_mag:.1f}")
+        if culprit and (r["module"], r["call"]) == culprit:
+            cx = x + bw / 2
+            out.append(f'<line x1="{cx:.1f}" y1="{PAD_T - 5}" x2="{cx:.1f}" y2="{PAD_T + ph}" '
+                       'stroke="#1f77b4" stroke-width="2" stroke-dasharray="5,3"/>')
+            label = html.escape(f"culprit: {r['module'] or '<root>'} (call {r['call']})")
+            anchor = "end" if cx > W / 2 else "start"
+            out.append(f'<text x="{cx + (-4 if anchor == "end" else 4):.1f}" y="{PAD_T + 8}" '
+                       f'text-anchor="{anchor}" fill="#1f77b4" font-weight="bold">{label}</text>')
+    out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="#2ca02c" '
+               'stroke-width="1.5"/>')
+    side = "output" if phase == "forward" else "outgoing gradient"
+    out += [f'<text x="{PAD_L + pw / 2}" y="{H - 25}" text-anchor="middle">module calls in '
+            f'{html.escape(phase)} execution order (1 .. {n})</text>',
+            f'<text x="15" y="{PAD_T + ph / 2}" transform="rotate(-90 15 {PAD_T + ph / 2})" '
+            f'text-anchor="middle">NaN / inf count of the {side} (log)</text>',
+            f'<text x="{W - 15}" y="{PAD_T + ph / 2}" transform="rotate(90 {W - 15} '
+            f'{PAD_T + ph / 2})" text-anchor="middle" fill="#2ca02c">abs-max (log)</text>',
+            f'<rect x="{PAD_L}" y="{H - 18}" width="10" height="10" fill="#d62728"/>'
+            f'<text x="{PAD_L + 14}" y="{H - 9}">NaN</text>',
+            f'<rect x="{PAD_L + 60}" y="{H - 18}" width="10" height="10" fill="#ff7f0e"/>'
+            f'<text x="{PAD_L + 74}" y="{H - 9}">inf</text>',
+            f'<line x1="{PAD_L + 115}" y1="{H - 13}" x2="{PAD_L + 135}" y2="{H - 13}" '
+            f'stroke="#2ca02c" stroke-width="2"/><text x="{PAD_L + 139}" y="{H - 9}">abs-max'
+            '</text>', "</svg>"]
+    return "\n".join(out)
+
+
+def to_html(report_json: dict, markdown: str) -> str:
+    c = report_json.get("culprit") or {}
+    culprit = (c.get("module"), c.get("module_call")) if c else None
+    svg = plot_svg(report_json.get("timeline") or [], culprit, report_json.get("phase") or "")
+    head = html.escape(markdown.splitlines()[2].strip("*") if len(markdown.splitlines()) > 2
+                       else report_json["verdict"])
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>nanbisect: {html.escape(report_json['verdict'])}</title>
+<style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}}
+pre{{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}}
+.verdict{{font-size:1.3em;font-weight:bold}}</style></head>
+<body>
+<h1>nanbisect report</h1>
+<p class="verdict">{head}</p>
+<h2>Module calls along the step</h2>
+{svg}
+<h2>Report</h2>
+<pre>{html.escape(markdown)}</pre>
+<h2>report.json</h2>
+<pre>{html.escape(json.dumps(report_json, indent=1))}</pre>
+</body></html>
+"""
