@@ -134,6 +134,29 @@ def unpack(
     typer.echo(f"nanbisect: extracted into {dest}")
 
 
+@app.command()
+def selftest(
+    device: str = typer.Option("cpu", help="device to plant and find the faults on"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Plant built-in faults, catch them with Guard, bisect them; exit 1 if one is missed."""
+    from .replay import parse_device
+    from .selftest import run
+
+    try:
+        parse_device(device)
+        rows = run(device)
+    except BadInput as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+    else:
+        for r in rows:
+            typer.echo(f"{'ok  ' if r['ok'] else 'MISS'} {r['case']:<45} {r['seconds']:>6}s  "
+                       + ("" if r["ok"] else f"expected {r['expected']}, found {r['found']}"))
+    raise typer.Exit(0 if all(r["ok"] for r in rows) else 1)
+
+
 def main() -> None:
     try:
         app(prog_name="nanbisect")
