@@ -5,8 +5,10 @@ on stderr, no traceback, nothing written), 3 the recorded failure did not reprod
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Optional
 
@@ -16,6 +18,42 @@ from .errors import BadInput
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find the first operation that breaks a PyTorch training step.")
+
+
+@contextlib.contextmanager
+def _progress(delay: float = 2.0):
+    """A spinner with the current pass on stderr, shown only on a terminal and only once the run
+    has taken ``delay`` seconds; yields the callback the pipeline reports its passes to."""
+    if not sys.stderr.isatty():
+        yield lambda msg: None
+        return
+    from rich.console import Console
+
+    state = {"msg": "starting", "status": None}
+    lock = threading.Lock()
+
+    def show():
+        with lock:
+            if state["status"] is None:
+                state["status"] = Console(stderr=True).status(state["msg"])
+                state["status"].start()
+
+    timer = threading.Timer(delay, show)
+    timer.daemon = True
+    timer.start()
+
+    def update(msg: str) -> None:
+        with lock:
+            state["msg"] = msg
+            if state["status"] is not None:
+                state["status"].update(msg)
+    try:
+        yield update
+    finally:
+        timer.cancel()
+        with lock:
+            if state["status"] is not None:
+                state["status"].stop()
 
 
 def _fail(e: BadInput) -> None:
@@ -43,8 +81,9 @@ def run(
 
     out_dir = out or Path(ckpt) / "nanbisect-report"
     try:
-        report = run_bundle(ckpt, RunOptions(target=target, reference=reference, inject=inject,
-                                             entry=entry), out_dir)
+        with _progress() as progress:
+            report = run_bundle(ckpt, RunOptions(target=target, reference=reference,
+                                                 inject=inject, entry=entry), out_dir, progress)
     except BadInput as e:
         _fail(e)
     if as_json:

@@ -86,8 +86,8 @@ def _guarded(fn, what: str):
                        "code fails on this bundle, fix it or pass --entry") from None
 
 
-def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | None = None
-               ) -> Report:
+def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | None = None,
+               progress: Callable[[str], None] = lambda msg: None) -> Report:
     """Replay a bundle, bisect its failure down to an op, write the report directory.
 
     ``out`` defaults to ``BUNDLE/nanbisect-report``; it is replaced atomically.
@@ -111,6 +111,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     ref = None if reference == "none" else parse_device(reference)
     wrap = load_inject(opts.inject) if opts.inject else nullcontext
 
+    progress("building the task")
     rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
     probe = ModuleProbe(rep.task.model)
     tape = RandomTape()
@@ -122,6 +123,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
             es.enter_context(tape)
         return es
 
+    progress(f"pass 1/3: replaying the step on {target} with module statistics")
     first = _guarded(lambda: rep.run(phase=_probing(probe), wrap=first_wrap),
                      "replaying the step on the target")
     observed = m.get("observed")
@@ -133,6 +135,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     side, side_note = None, None
     if ref is not None and first.phase != "input":
         registry.load_plugins()
+        progress(f"replaying the step on the reference ({reference})")
         side, side_note = _reference_side(bundle, rep, first, ref, tape)
         if side is not None:
             replay["reference_loss"] = _num(side.outcome.loss)
@@ -144,6 +147,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     if first.phase is None and not observed and side is not None:
         divergence = first_divergence(side.target_state, side.state, side.dtype_target)
     if divergence is not None:
+        progress("isolating the target's ops on the reference")
         return _divergence_report(rep, probe, side, divergence, wrap, out, opts, common)
     if first.phase is None:
         if observed:
@@ -159,8 +163,9 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     else:
         classification = ("unknown" if side is None else
                           "numerics" if side.outcome.phase is not None else "device")
+        progress(f"pass 2/3: recording the {first.phase} phase's ops")
         return _culprit_report(rep, probe, first, classification, wrap, out, opts, common, ref,
-                               pre_notes)
+                               pre_notes, progress)
     with staged(out) as tmp:
         write_report(report, tmp)
     return report
@@ -270,7 +275,8 @@ def _divergence_report(rep: Replayer, probe: ModuleProbe, side: "_Reference", di
 
 def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, classification: str,
                     wrap, out: Path, opts: RunOptions, common: dict,
-                    ref: tuple | None = None, pre_notes: list[str] = ()) -> Report:
+                    ref: tuple | None = None, pre_notes: list[str] = (),
+                    progress: Callable[[str], None] = lambda msg: None) -> Report:
     model, phase, kind = rep.task.model, first.phase, first.kind or "nan"
     notes: list[str] = list(pre_notes)
     table = probe.read()
@@ -305,6 +311,7 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
     with staged(out) as tmp:
         caught = repro = repro_result = op_check = None
         if finding is not None:
+            progress("pass 3/3: catching the culprit's inputs; running the repro")
             caught, repro, repro_result = _catch_and_write(rep, finding, wrap, tmp, culprit, kind,
                                                            common["target"], opts)
             if caught is None:
