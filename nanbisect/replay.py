@@ -91,6 +91,8 @@ class StepOutcome:
     loss: float | None
     phase: str | None                 # first phase with non-finite values; None = clean
     bad: list[BadValue] = field(default_factory=list)
+    # detached: it names the loss value (and its storage, for provenance) without keeping the
+    # step's autograd graph, and every activation it holds, alive after the run
     loss_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -189,29 +191,29 @@ class Replayer:
                 raise BadInput(f"entry '{self.entry}': loss_fn returned "
                                f"{type(loss).__name__}, not a scalar tensor; return the loss")
             loss_v = float(loss.detach().float().item())
+            kept = loss.detach()
             if not math.isfinite(loss_v):
-                failed = StepOutcome(loss_v, "forward", _scan("loss", [("loss", loss.detach())]),
-                                     loss)
+                failed = StepOutcome(loss_v, "forward", _scan("loss", [("loss", kept)]), kept)
                 if not self.lockstep:
                     return failed
             if stop_after == "forward" and not self.lockstep:
-                return StepOutcome(loss_v, None, loss_tensor=loss)
+                return StepOutcome(loss_v, None, loss_tensor=kept)
             with phase("backward"):
                 loss.backward()
             grads = _scan("grad", ((n, p.grad) for n, p in task.model.named_parameters()
                                    if p.grad is not None))
             if grads and failed is None:
-                failed = StepOutcome(loss_v, "backward", grads, loss)
+                failed = StepOutcome(loss_v, "backward", grads, kept)
                 if not self.lockstep:
                     return failed
             if (stop_after == "backward" and not self.lockstep) or task.optimizer is None:
-                return failed or StepOutcome(loss_v, None, loss_tensor=loss)
+                return failed or StepOutcome(loss_v, None, loss_tensor=kept)
             with phase("optimizer"):
                 task.optimizer.step()
         params = _scan("parameter", task.model.named_parameters())
         if failed is not None:
             return failed
-        return StepOutcome(loss_v, "optimizer" if params else None, params, loss)
+        return StepOutcome(loss_v, "optimizer" if params else None, params, kept)
 
 
 def resolve_entry(bundle: Bundle) -> str:
