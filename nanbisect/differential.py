@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from . import registry
 from .compare import Comparison, compare_step, step_rtol
 from .isolate import RANDOM_OR_UNINITIALISED, OpCheck, check_op
-from .oprecord import OpRecorder, _tensors, written_tensors
+from .oprecord import OpRecorder, tensor_args, written_tensors
 from .probe import CallStats, ProbeTable, Stats
 from .replay import Replayer, StepOutcome
 from .tracker import ModuleTracker
@@ -183,7 +183,7 @@ class RandomTape(TorchDispatchMode):
         if _random(func):
             returned, mutated = written_tensors(func, out, args, kwargs)
             self.values.append([t.detach().to("cpu", copy=True)
-                                for t, _ in _tensors(returned + mutated)])
+                                for t, _ in tensor_args(returned + mutated)])
         return out
 
 
@@ -201,7 +201,7 @@ class RandomReplay(TorchDispatchMode):
         out = func(*args, **kwargs)
         if _random(func) and self.i < len(self.tape.values):
             returned, mutated = written_tensors(func, out, args, kwargs)
-            mine = [t for t, _ in _tensors(returned + mutated)]
+            mine = [t for t, _ in tensor_args(returned + mutated)]
             theirs = self.tape.values[self.i]
             self.i += 1
             if [t.shape for t in mine] == [t.shape for t in theirs]:

@@ -16,7 +16,7 @@ import torch
 
 from . import registry
 from .compare import Comparison, compare_op
-from .oprecord import _tensors, written_tensors
+from .oprecord import tensor_args, written_tensors
 
 RANDOM_OR_UNINITIALISED = {
     "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
@@ -74,9 +74,9 @@ def _call(op: str, args: list, kwargs: dict) -> tuple[Any, str]:
 def _written(op: str, out: Any, args: list, kwargs: dict, how: str) -> list[torch.Tensor]:
     """What the call returned and wrote; a registered implementation only returns."""
     if how != "kernel":
-        return [t for t, _ in _tensors(list(out) if isinstance(out, tuple) else [out])]
+        return [t for t, _ in tensor_args(list(out) if isinstance(out, tuple) else [out])]
     returned, mutated = written_tensors(resolve(op), out, tuple(args), kwargs)
-    return [t for t, _ in _tensors(returned + mutated)]
+    return [t for t, _ in tensor_args(returned + mutated)]
 
 
 def check_op(op: str, index: int, args: list, kwargs: dict, target_out: list[torch.Tensor],

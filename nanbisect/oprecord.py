@@ -50,7 +50,7 @@ def written_tensors(func, out: Any, args: tuple, kwargs: dict) -> tuple[list, li
     return returned, mutated
 
 
-def _tensors(values: list[Any]):
+def tensor_args(values: list[Any]):
     """Yield ``(tensor, list position)`` for top-level op arguments or results.
 
     A tensor inside a list argument gets its position, which pairs the lists of foreach ops;
@@ -196,7 +196,7 @@ class OpRecorder(TorchDispatchMode):
             kept_kwargs = torch.utils._pytree.tree_map(_clone, dict(kwargs))
         ins = []
         in_keys = set()
-        for t, elem in _tensors([*args, *kwargs.values()]):
+        for t, elem in tensor_args([*args, *kwargs.values()]):
             key = self.value_key(t)
             in_keys.add(key)
             if key in self._producer:
@@ -208,13 +208,13 @@ class OpRecorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         returned, mutated_args = written_tensors(func, out, args, kwargs)
         written = returned + mutated_args
-        mutated = {storage_id(t) for t, _ in _tensors(mutated_args)}
+        mutated = {storage_id(t) for t, _ in tensor_args(mutated_args)}
         for sid in mutated:
             self._writes[sid] = self._writes.get(sid, 0) + 1
         in_storages = {k[:2] for k in in_keys}
         pos = len(self._ops)
         outs, seen = [], set()
-        for t, elem in _tensors(written):
+        for t, elem in tensor_args(written):
             sid = storage_id(t)
             if sid not in mutated and sid not in in_storages:
                 self._writes[sid] = 0  # fresh memory, perhaps at the address of a dead value
@@ -226,7 +226,7 @@ class OpRecorder(TorchDispatchMode):
             outs.append((self._row(t), elem))
         if keeping:
             self.kept[pos] = (kept_args, kept_kwargs, [t.detach().clone()
-                                                       for t, _ in _tensors(written)])
+                                                       for t, _ in tensor_args(written)])
         module, call = self._where()
         self._ops.append({"index": index, "op": str(func), "phase": self.phase, "module": module,
                           "call": call, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),

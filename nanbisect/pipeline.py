@@ -30,7 +30,7 @@ from .errors import BadInput
 from .isolate import OpCheck, check_op, move, resolve
 from .launcher import run_multirank
 from .narrow import OpFinding, catch_inputs, record_ops, repro_imports
-from .oprecord import _tensors, written_tensors
+from .oprecord import tensor_args, written_tensors
 from .probe import ModuleProbe
 from .replay import Replayer, StepOutcome, parse_device
 from .report import Report, staged, write_report
@@ -343,5 +343,5 @@ def _check_caught(caught, index: int, rep: Replayer, ref: tuple, wrap) -> OpChec
     with wrap():
         out = resolve(caught.op)(*args, **kwargs)
     returned, mutated = written_tensors(resolve(caught.op), out, tuple(args), kwargs)
-    target_out = [t.detach().cpu() for t, _ in _tensors(returned + mutated)]
+    target_out = [t.detach().cpu() for t, _ in tensor_args(returned + mutated)]
     return check_op(caught.op, index, caught.args, caught.kwargs, target_out, ref[0], ref[1])
