@@ -30,7 +30,7 @@ stops every nanbisect pass after the forward, so no backward is replayed here); 
 times (``nanbisect run`` also pays interpreter start and ``import torch``, ~1-2 s on this machine);
 the cost of a full dump that is actually written (write bandwidth is not measured).
 
-    python scripts/bench_bisect.py [--steps 8] [--reps 3] [--json out.json] [--no-transformers]
+    python scripts/bench_bisect.py [--steps 8] [--reps 5] [--json out.json] [--no-transformers]
 """
 from __future__ import annotations
 
@@ -197,29 +197,37 @@ def ms(seconds: float) -> float:
     return 1e3 * seconds
 
 
+def timed_step(rep, fault: bool, step=plain_step) -> tuple[float, object]:
+    """Restore the bundle's pre-step state (untimed), then time ``step``: (ms, its result)."""
+    set_fault(rep.task.model, fault)
+    batch = rep.restore()
+    t0 = time.perf_counter()
+    out = step(rep.task, batch)
+    return ms(time.perf_counter() - t0), out
+
+
 # ------------------------------------------------------------------------------------------
 # time
 
 
 def plain_step_times(rep, n: int) -> dict:
-    """Plain steps from the bundle's pre-step state, healthy and faulty, interleaved."""
-    model = rep.task.model
-    times, losses = {True: [], False: []}, {True: set(), False: set()}
+    """Plain steps from the bundle's pre-step state (healthy, faulty) and a healthy forward alone,
+    interleaved; the state is restored (untimed) before each."""
+    variants = {"healthy": (False, plain_step), "faulty": (True, plain_step),
+                "forward": (False, lambda task, batch: task.loss_fn(task.model, batch).item())}
+    times, losses = defaultdict(list), defaultdict(set)
     for i in range(n + 1):  # round 0 warms the allocator and is not counted
-        for fault in ((True, False) if i % 2 else (False, True)):
-            set_fault(model, fault)
-            batch = rep.restore()
-            t0 = time.perf_counter()
-            loss = plain_step(rep.task, batch)
-            dt = time.perf_counter() - t0
+        for name in (list(variants) if i % 2 else list(variants)[::-1]):
+            dt, loss = timed_step(rep, *variants[name])
             if i:
-                times[fault].append(dt)
-                losses[fault].add(repr(loss))
-    set_fault(model, True)
-    return {"healthy_ms": [ms(t) for t in times[False]], "faulty_ms": [ms(t) for t in times[True]],
-            "healthy_median_ms": ms(statistics.median(times[False])),
-            "faulty_median_ms": ms(statistics.median(times[True])),
-            "healthy_losses": sorted(losses[False]), "faulty_losses": sorted(losses[True])}
+                times[name].append(dt)
+                losses[name].add(repr(loss))
+    out = {}
+    for name in variants:
+        out[f"{name}_ms"] = times[name]
+        out[f"{name}_median_ms"] = statistics.median(times[name])
+        out[f"{name}_losses"] = sorted(losses[name])
+    return out
 
 
 class PieceTimer:
@@ -255,6 +263,7 @@ class PieceTimer:
         self._wrap(p, "read_bundle", "read + sha256-verify bundle")
         self._wrap(R, "__init__", "build task (import entry, init model), load tensors")
         self._wrap(R, "restore", "restore pre-step state (all passes)")
+        self._wrap(R, "input_faults", "input checks: scan batch, params, AdamW state (all passes)")
         self._wrap(R, "run", lambda s: f"{s.stage}: replay")
         self._wrap(p, "record_ops", "pass 2: op recording, total", "pass 2: op recording")
         self._wrap(p, "catch_inputs", "pass 3: catch inputs, total", "pass 3: catch inputs")
@@ -268,39 +277,35 @@ class PieceTimer:
             setattr(owner, name, fn)
 
     def pieces(self, total: float) -> dict[str, float]:
-        """ms per piece; the replays' restore is split out; 'rest' is what no wrapper saw."""
+        """ms per piece. Every replay restores the state and scans the inputs first: those are
+        split out of the passes (as a per-replay average); 'rest' is what no wrapper saw."""
         acc: dict[str, float] = defaultdict(float)
         for label, dt in self.spans:
             acc[label] += dt
-        restore = acc.get("restore pre-step state (all passes)", 0.0)
-        out = {}
-        for k in ("read + sha256-verify bundle",
-                  "build task (import entry, init model), load tensors",
-                  "restore pre-step state (all passes)"):
-            out[k] = acc.get(k, 0.0)
-        # each replay includes its restore; take it out of pass 1 (restores are ~equal each)
+        shared = ("restore pre-step state (all passes)",
+                  "input checks: scan batch, params, AdamW state (all passes)")
+        out = {k: acc[k] for k in ("read + sha256-verify bundle",
+                                   "build task (import entry, init model), load tensors") + shared}
         n_runs = sum(1 for label, _ in self.spans if label.endswith(": replay"))
-        per_restore = restore / n_runs if n_runs else 0.0
-        p1 = acc.get("pass 1: module stats: replay", 0.0) - per_restore
-        p2_run = acc.get("pass 2: op recording: replay", 0.0)
-        p3_run = acc.get("pass 3: catch inputs: replay", 0.0)
-        out["pass 1: replay with module probe (forward until NaN loss)"] = p1
-        out["pass 2: replay recording every op (forward)"] = p2_run - per_restore
-        out["pass 2: read flags, trace provenance"] = (
-            acc.get("pass 2: op recording, total", 0.0) - p2_run)
-        out["pass 3: replay catching the culprit's inputs (forward)"] = p3_run - per_restore
-        out["write repro/"] = acc.get("write repro/", 0.0)
-        out["repro.py subprocess"] = acc.get("repro.py subprocess", 0.0)
-        out["write report.json + report.md"] = acc.get("write report.json + report.md", 0.0)
+        per_run = sum(acc[k] for k in shared) / n_runs if n_runs else 0.0
+        p2_run = acc["pass 2: op recording: replay"]
+        out["pass 1: forward with module probe, until the NaN loss"] = (
+            acc["pass 1: module stats: replay"] - per_run)
+        out["pass 2: forward recording every op"] = p2_run - per_run
+        out["pass 2: read flags, trace provenance"] = acc["pass 2: op recording, total"] - p2_run
+        out["pass 3: forward catching the culprit's inputs"] = (
+            acc["pass 3: catch inputs: replay"] - per_run)
+        for k in ("write repro/", "repro.py subprocess", "write report.json + report.md"):
+            out[k] = acc[k]
         out["rest (module table, bisect, staging)"] = total - sum(out.values())
         return {k: ms(v) for k, v in out.items()}
 
 
-def time_run_bundle(bundle: Path, work: Path, reps: int) -> dict:
-    """`run_bundle` wall time, with and without the repro subprocess, alternating."""
+def time_run_bundle(bundle: Path, work: Path, reps: int, rep) -> dict:
+    """`run_bundle` wall time, with and without the repro subprocess, alternating; after each
+    call one plain step (on ``rep``), so the ratio's denominator comes from the same minutes."""
     from nanbisect.pipeline import RunOptions, run_bundle
-    runs = {True: [], False: []}
-    cold = None
+    runs, plain, cold = {True: [], False: []}, [], None
     for i in range(reps + 1):  # run 0 is the cold one (imports the entry file): reported apart
         for with_repro in ((True, False) if i % 2 == 0 else (False, True)):
             out = work / f"report-{i}-{int(with_repro)}"
@@ -314,6 +319,7 @@ def time_run_bundle(bundle: Path, work: Path, reps: int) -> dict:
                 cold = row
             elif i:
                 runs[with_repro].append(row)
+                plain.append(timed_step(rep, False)[0])
 
     def summary(rows: list[dict]) -> dict:
         keys = rows[0]["pieces_ms"].keys()
@@ -325,7 +331,8 @@ def time_run_bundle(bundle: Path, work: Path, reps: int) -> dict:
     last = runs[True][-1]
     rep = last["report"]
     culprit = rep.culprit.__dict__ if rep.culprit is not None else None
-    return {"cold_ms": cold["total_ms"], "cold_with_repro": True,
+    return {"plain_ms": plain, "plain_median_ms": statistics.median(plain),
+            "cold_ms": cold["total_ms"], "cold_with_repro": True,
             "cold_pieces_ms": cold["pieces_ms"],
             "with_repro": summary(runs[True]), "without_repro": summary(runs[False]),
             "verdict": rep.verdict, "phase": rep.phase, "culprit": culprit,
@@ -404,7 +411,7 @@ def probe_mem(mode: str, bundle: str | None, out: str | None) -> dict:
     if mode == "nanbisect":
         from nanbisect.pipeline import RunOptions, run_bundle
         report = run_bundle(bundle, RunOptions(run_repro=True), Path(out))
-        res["verdict"] = report.verdict
+        res["verdict"], res["op"] = report.verdict, report.culprit.op
     else:
         task, batches = make_task(fault=False), make_batches(2)
         res["after_build_mib"] = maxrss_mib()
@@ -425,29 +432,38 @@ LAUNCHER = ("import resource, subprocess, sys; rc = subprocess.run(sys.argv[1:])
             "sys.exit(rc)")
 
 
-def launch(cmd: list[str], cwd: Path | None = None) -> tuple[str, float]:
+def launch(cmd: list[str], cwd: Path | None = None, env: dict | None = None
+           ) -> tuple[str, float]:
     """Run ``cmd`` under the launcher; return its stdout and its peak RSS in MiB."""
     p = subprocess.run([sys.executable, "-c", LAUNCHER, *cmd], capture_output=True, text=True,
-                       cwd=cwd)
+                       cwd=cwd, env=None if env is None else {**os.environ, **env})
     m = re.search(r"^CHILD_MAXRSS_KIB (\d+)$", p.stdout, flags=re.M)
     if m is None:
         raise RuntimeError(f"{cmd} failed: {(p.stdout + p.stderr)[-1500:]}")
     return p.stdout[:m.start()], int(m.group(1)) / 1024
 
 
+MEM_MODES = ("baseline", "plain", "nanbisect")
+# glibc's default mmap threshold adapts upwards, after which freed blocks of tens of MB stay in
+# the heap (RSS) instead of going back to the OS; a fixed threshold shows live memory instead.
+ALLOCATORS = {"default": None, "mmap_threshold_128k": {"MALLOC_MMAP_THRESHOLD_": "131072"}}
+
+
 def memory(bundle: Path, work: Path, repro: Path) -> dict:
     out = {}
-    for mode in ("baseline", "plain", "nanbisect"):
-        stdout, peak = launch([sys.executable, os.path.abspath(__file__), "--probe-mem", mode,
-                               "--bundle", str(bundle), "--out", str(work / f"mem-{mode}")])
-        out[mode] = json.loads(stdout.strip().splitlines()[-1]) | {"launcher_mib": peak}
+    for alloc, env in ALLOCATORS.items():
+        res = out[alloc] = {}
+        for mode in MEM_MODES:
+            stdout, peak = launch([sys.executable, os.path.abspath(__file__), "--probe-mem", mode,
+                                   "--bundle", str(bundle), "--out",
+                                   str(work / f"mem-{alloc}-{mode}")], env=env)
+            res[mode] = json.loads(stdout.strip().splitlines()[-1]) | {"launcher_mib": peak}
+        base, pl = res["baseline"]["maxrss_mib"], res["plain"]["maxrss_mib"]
+        nb = res["nanbisect"]["maxrss_mib"]
+        res["ratio_raw"], res["ratio_over_baseline"] = nb / pl, (nb - base) / (pl - base)
     # the repro subprocess run_bundle starts, run again on its own (exit 1 = reproduced)
     out["repro_subprocess_mib"] = launch([sys.executable, str(repro), "--device", "cpu"],
                                          cwd=repro.parent.parent)[1]
-    base = out["baseline"]["maxrss_mib"]
-    nb, pl = out["nanbisect"]["maxrss_mib"], out["plain"]["maxrss_mib"]
-    out["ratio_raw"] = nb / pl
-    out["ratio_over_baseline"] = (nb - base) / (pl - base)
     return out
 
 
@@ -465,37 +481,48 @@ def _user_frame(text: str) -> str | None:
     return f"{os.path.relpath(path)}:{line} ({fn})"
 
 
-def anomaly_peer(rep, n: int, plain_ms: float) -> dict:
-    """Faulty step under detect_anomaly (until it raises) and healthy steps under it."""
-    model, faulty, healthy, said = rep.task.model, [], [], None
-    for i in range(n + 1):
-        for fault in ((True, False) if i % 2 else (False, True)):
-            set_fault(model, fault)
-            batch = rep.restore()
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                t0 = time.perf_counter()
-                try:
-                    with torch.autograd.detect_anomaly():
-                        plain_step(rep.task, batch)
-                    error = None
-                except RuntimeError as e:
-                    error = str(e)
-                dt = time.perf_counter() - t0
-            if i:
-                (faulty if fault else healthy).append(dt)
-            if fault and said is None:
+def anomaly_step(said: dict):
+    """A plain step under detect_anomaly; what it raised and warned goes into ``said``."""
+    def step(task, batch):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                with torch.autograd.detect_anomaly():
+                    plain_step(task, batch)
+            except RuntimeError as e:
                 trace = "\n".join(str(w.message) for w in caught
                                   if "Traceback of forward call" in str(w.message))
-                said = {"error": error, "forward_traceback_user_frame": _user_frame(trace),
-                        "warning_head": trace.splitlines()[0] if trace else None}
-    set_fault(model, True)
-    m = re.search(r"Function '(\w+)' returned nan", said["error"] or "")
-    return {**said, "names": m.group(1) if m else None,
-            "faulty_median_ms": ms(statistics.median(faulty)),
-            "healthy_median_ms": ms(statistics.median(healthy)),
-            "faulty_x_plain": ms(statistics.median(faulty)) / plain_ms,
-            "healthy_x_plain": ms(statistics.median(healthy)) / plain_ms}
+                said.update(error=str(e), forward_traceback_user_frame=_user_frame(trace),
+                            warning_head=trace.splitlines()[0] if trace else None)
+    return step
+
+
+def interleaved(rep, variants: dict, n: int) -> dict[str, list[float]]:
+    """``n`` timed rounds (after one warm-up round) of every variant, alternating the order."""
+    times = defaultdict(list)
+    for i in range(n + 1):
+        for name in (list(variants) if i % 2 else list(variants)[::-1]):
+            fault, step = variants[name]
+            dt, _ = timed_step(rep, fault, step)
+            if i:
+                times[name].append(dt)
+    return times
+
+
+def ratios(times: dict[str, list[float]]) -> dict:
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"ms": dict(times), "median_ms": med,
+            "x_plain": {k: v / med["plain"] for k, v in med.items()}}
+
+
+def anomaly_peer(rep, n: int) -> dict:
+    """Plain step, healthy step under detect_anomaly, faulty step under it (until it raises)."""
+    said: dict = {}
+    times = interleaved(rep, {"plain": (False, plain_step),
+                              "healthy": (False, anomaly_step({})),
+                              "faulty": (True, anomaly_step(said))}, n)
+    m = re.search(r"Function '(\w+)' returned nan", said.get("error") or "")
+    return {**said, "names": m.group(1) if m else None, **ratios(times)}
 
 
 def duo_peer(bundle: str, n: int) -> dict:
@@ -503,48 +530,32 @@ def duo_peer(bundle: str, n: int) -> dict:
     import transformers
     from transformers.debug_utils import DebugUnderflowOverflow
 
-    rep = replayer(Path(bundle))
-    model = rep.task.model
+    rep, said = replayer(Path(bundle)), {}
 
-    def steps(fault: bool, count: int) -> list[float]:
-        ts = []
-        for _ in range(count):
-            set_fault(model, fault)
-            batch = rep.restore()
-            t0 = time.perf_counter()
-            plain_step(rep.task, batch)
-            ts.append(time.perf_counter() - t0)
-        return ts
-
-    steps(False, 1)
-    plain = steps(False, n)  # this process's own plain step, for its ratios
-    DebugUnderflowOverflow(model)  # hooks every module for good (it keeps no handles)
-    steps(False, 1)
-    healthy = steps(False, n)
-    faulty, printed, error = [], "", None
-    for _ in range(max(2, n // 2)):
-        for m in model.modules():  # drop the previous instance's hooks: it stays tripped
+    def unhook(model):  # DebugUnderflowOverflow keeps no hook handles, and stays tripped
+        for m in model.modules():
             m._forward_hooks.clear()
-        DebugUnderflowOverflow(model)
-        set_fault(model, True)
-        batch = rep.restore()
+
+    def plain(task, batch):
+        unhook(task.model)
+        return plain_step(task, batch)
+
+    def under_duo(task, batch):
+        unhook(task.model)
+        DebugUnderflowOverflow(task.model)  # hooks every module's forward
         buf = io.StringIO()
-        t0 = time.perf_counter()
         try:
             with contextlib.redirect_stdout(buf):
-                plain_step(rep.task, batch)
+                plain_step(task, batch)
         except ValueError as e:
-            error = str(e)
-        faulty.append(time.perf_counter() - t0)
-        printed = buf.getvalue()
+            said.update(error=str(e), printed=buf.getvalue())
+
+    times = interleaved(rep, {"plain": (False, plain), "healthy": (False, under_duo),
+                              "faulty": (True, under_duo)}, n)
+    printed = said.get("printed", "")
     frames = re.findall(r"^ {17} (\S+) (\w+)$", printed, flags=re.M)
-    plain_ms = ms(statistics.median(plain))
-    return {"transformers": transformers.__version__, "plain_median_ms": plain_ms,
-            "healthy_median_ms": ms(statistics.median(healthy)),
-            "faulty_median_ms": ms(statistics.median(faulty)),
-            "healthy_x_plain": ms(statistics.median(healthy)) / plain_ms,
-            "faulty_x_plain": ms(statistics.median(faulty)) / plain_ms,
-            "error": error, "last_frame": list(frames[-1]) if frames else None,
+    return {"transformers": transformers.__version__, **ratios(times),
+            "error": said.get("error"), "last_frame": list(frames[-1]) if frames else None,
             "nan_lines": [ln for ln in printed.splitlines() if "has nans" in ln or
                           "has infs" in ln],
             "printed_lines": len(printed.splitlines()), "printed_tail": printed.strip()[-1500:]}
@@ -583,32 +594,37 @@ def fmt_x(x: float) -> str:
 
 
 def print_tables(res: dict) -> None:
-    plain = res["plain_step"]["healthy_median_ms"]
-    t = res["run_bundle"]
+    ps, t = res["plain_step"], res["run_bundle"]
+    plain, plain_rb = ps["healthy_median_ms"], t["plain_median_ms"]
     c = t["culprit"] or {}
     print(f"model: {res['n_params']:,} params, AdamW, batch {CONFIG['batch']}x{CONFIG['seq']}, "
           f"fault: aten.sqrt in blocks.{FAULT_LAYER}.mlp.act | torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads | bundle {res['bundle_bytes'] / 2**20:.1f} MiB\n")
+          f"{torch.get_num_threads()} threads | bundle {res['bundle_bytes'] / 2**20:.1f} MiB | "
+          f"load average at start {res['loadavg_start'][0]:.2f}, end {res['loadavg_end'][0]:.2f}\n")
     print(f"nanbisect says: verdict={t['verdict']} phase={t['phase']} op={c.get('op')} "
           f"module={c.get('module')} call={c.get('module_call')} source={c.get('source')} "
           f"op_index={c.get('op_index')}; repro: {t['repro_result']}\n")
     print("| time | median ms | x plain step | bar |\n|---|---:|---:|---|")
-    ps = res["plain_step"]
-    print(f"| plain step, healthy (same model, same pre-step state) | {plain:.0f} | 1.00x | |")
-    print(f"| plain step, faulty (NaN from layer {FAULT_LAYER} on) | {ps['faulty_median_ms']:.0f}"
-          f" | {fmt_x(ps['faulty_median_ms'] / plain)} | |")
+    print(f"| plain step, healthy, from the bundle's pre-step state | {plain:.0f} | 1.00x | |")
+    for key, name in (("faulty", f"plain step, faulty (NaN from layer {FAULT_LAYER} on)"),
+                      ("forward", "plain forward alone, healthy (loss_fn only)")):
+        v = ps[f"{key}_median_ms"]
+        print(f"| {name} | {v:.0f} | {fmt_x(v / plain)} | |")
+    print(f"| plain step, healthy, timed between the run_bundle calls | {plain_rb:.0f} | "
+          f"{fmt_x(plain_rb / plain)} | |")
     for key, name in (("with_repro", "run_bundle, repro subprocess included"),
                       ("without_repro", "run_bundle, RunOptions(run_repro=False)")):
         v = t[key]["median_ms"]
-        print(f"| {name} | {v:.0f} | **{fmt_x(v / plain)}** | 5x: "
-              f"{'met' if v / plain <= 5 else 'missed'} |")
+        print(f"| {name} | {v:.0f} | **{fmt_x(v / plain_rb)}** | 5x: "
+              f"{'met' if v / plain_rb <= 5 else 'missed'} |")
     print(f"| run_bundle, first call in the process (with repro) | {t['cold_ms']:.0f} | "
-          f"{fmt_x(t['cold_ms'] / plain)} | |")
-    print("\n| piece of run_bundle | with repro, ms | x plain | without repro, ms |\n"
+          f"{fmt_x(t['cold_ms'] / plain_rb)} | |")
+    print("\n(run_bundle rows: x the plain steps timed between the run_bundle calls)\n")
+    print("| piece of run_bundle | with repro, ms | x plain | without repro, ms |\n"
           "|---|---:|---:|---:|")
     w, wo = t["with_repro"]["pieces_median_ms"], t["without_repro"]["pieces_median_ms"]
     for k in w:
-        print(f"| {k} | {w[k]:.0f} | {w[k] / plain:.2f} | {wo[k]:.0f} |")
+        print(f"| {k} | {w[k]:.0f} | {w[k] / plain_rb:.2f} | {wo[k]:.0f} |")
     b, d = res["bytes"], res["full_dump"]
     print(f"\n| bytes | bytes | share of full dump |\n|---|---:|---:|")
     print(f"| report dir (incl. repro/) | {b['report_total']:,} | "
@@ -624,46 +640,52 @@ def print_tables(res: dict) -> None:
           f"{d['all_bytes']['forward']:,} | {100 * d['all_bytes']['forward'] / d['total_all']:.1f}%"
           f" |")
     m = res["memory"]
-    print("\n| peak RSS, own process (ru_maxrss; VmHWM agrees) | MiB |\n|---|---:|")
-    print(f"| baseline: import torch + nanbisect, build model | {m['baseline']['maxrss_mib']:.0f} |")
-    print(f"| plain: baseline + 2 training steps | {m['plain']['maxrss_mib']:.0f} "
-          f"(after step 1: {m['plain']['after_step1_mib']:.0f}) |")
-    print(f"| nanbisect: import + run_bundle (builds its model) | "
-          f"{m['nanbisect']['maxrss_mib']:.0f} |")
-    print(f"| repro.py, run on its own (run_bundle's subprocess) | "
-          f"{m['repro_subprocess_mib']:.0f} |")
-    print(f"\nmemory ratio nanbisect/plain: raw **{m['ratio_raw']:.2f}x**, above baseline "
-          f"**{m['ratio_over_baseline']:.2f}x** (bar 1.5x)\n")
+    md, mm = m["default"], m["mmap_threshold_128k"]
+    print("\n| peak RSS of its own process, MiB (ru_maxrss) | glibc default | "
+          "MALLOC_MMAP_THRESHOLD_=131072 |\n|---|---:|---:|")
+    rows = (("baseline", "baseline: import torch + nanbisect, build model"),
+            ("plain", "plain: baseline + 2 training steps"),
+            ("nanbisect", "nanbisect: import + run_bundle (builds its own model)"))
+    for key, name in rows:
+        print(f"| {name} | {md[key]['maxrss_mib']:.0f} | {mm[key]['maxrss_mib']:.0f} |")
+    print(f"| repro.py on its own (run_bundle's subprocess) | {m['repro_subprocess_mib']:.0f} | |")
+    print(f"| nanbisect / plain: raw; above baseline (bar 1.5x) | {md['ratio_raw']:.2f}x; "
+          f"**{md['ratio_over_baseline']:.2f}x** | {mm['ratio_raw']:.2f}x; "
+          f"**{mm['ratio_over_baseline']:.2f}x** |")
+    print()
     a, h = res["peers"]["detect_anomaly"], res["peers"].get("transformers", {})
-    print("| peer | names | right op? | right module? | faulty step, x plain | "
+    right_module = f"blocks.{FAULT_LAYER}.mlp.act"
+    print("| tool | what it names | right op? | right module? | faulty step, x plain | "
           "healthy step, x plain |\n|---|---|---|---|---:|---:|")
-    print(f"| nanbisect run_bundle | `{c.get('op')}` in `{c.get('module')}` ({c.get('source')}) | "
-          f"{c.get('op') == 'aten.sqrt.default'} | {c.get('module') == f'blocks.{FAULT_LAYER}.mlp.act'} | "
-          f"{fmt_x(t['with_repro']['median_ms'] / plain)} | Guard, see issue 2 |")
-    print(f"| detect_anomaly() | `{a['names']}`, forward line {a['forward_traceback_user_frame']}"
-          f" | {a['names'] == 'SqrtBackward0'} | no module | {fmt_x(a['faulty_x_plain'])} | "
-          f"{fmt_x(a['healthy_x_plain'])} |")
+    print(f"| nanbisect run_bundle | `{c.get('op')}` in `{c.get('module')}` call "
+          f"{c.get('module_call')}, {c.get('source')} | {c.get('op') == 'aten.sqrt.default'} | "
+          f"{c.get('module') == right_module} | {fmt_x(t['with_repro']['median_ms'] / plain_rb)}"
+          f" ({fmt_x(t['without_repro']['median_ms'] / plain_rb)} without repro) | "
+          f"Guard: see issue 2 |")
+    ax = a["x_plain"]
+    print(f"| torch.autograd.detect_anomaly() | `{a.get('names')}`, forward line "
+          f"{a.get('forward_traceback_user_frame')} | {a.get('names') == 'SqrtBackward0'} | "
+          f"(no modules) | {fmt_x(ax['faulty'])} | {fmt_x(ax['healthy'])} |")
     if "error_running" in h:
         print(f"| DebugUnderflowOverflow | failed to run: {h['error_running'][-200:]} | | | | |")
     elif h:
-        last = h["last_frame"] or ["?", "?"]
-        print(f"| DebugUnderflowOverflow ({h['transformers']}) | last frame `{last[0]}` "
-              f"({last[1]}), {h['nan_lines']} | no op | "
-              f"{last[0] == f'blocks.{FAULT_LAYER}.mlp.act'} | {fmt_x(h['faulty_x_plain'])} | "
-              f"{fmt_x(h['healthy_x_plain'])} |")
+        last, hx = h["last_frame"] or ["?", "?"], h["x_plain"]
+        print(f"| transformers {h['transformers']} DebugUnderflowOverflow | last frame "
+              f"`{last[0]}` ({last[1]}), {'; '.join(h['nan_lines'])} | (no ops) | "
+              f"{last[0] == right_module} | {fmt_x(hx['faulty'])} | {fmt_x(hx['healthy'])} |")
+    print("\n(peer rows: x plain steps interleaved with that peer's steps, in its own process)")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8, help="measured plain steps per variant")
-    ap.add_argument("--reps", type=int, default=3, help="measured run_bundle calls per variant")
+    ap.add_argument("--reps", type=int, default=5, help="measured run_bundle calls per variant")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV,
                     help="venv for the transformers peer (made with --system-site-packages)")
     ap.add_argument("--no-transformers", action="store_true", help="skip that peer")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (kept) instead of a temp dir")
-    ap.add_argument("--probe-mem", choices=("baseline", "plain", "nanbisect"),
-                    help=argparse.SUPPRESS)
+    ap.add_argument("--probe-mem", choices=MEM_MODES, help=argparse.SUPPRESS)
     ap.add_argument("--probe-duo", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--bundle", help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
@@ -687,25 +709,27 @@ def main() -> None:
                "n_params": sum(p.numel() for p in rep.task.model.parameters()),
                "torch": torch.__version__, "threads": torch.get_num_threads(),
                "python": platform.python_version(), "platform": platform.platform(),
-               "bundle": str(bundle), "bundle_bytes": dir_bytes(bundle)[0], "observed": observed}
+               "loadavg_start": os.getloadavg(), "bundle": str(bundle),
+               "bundle_bytes": dir_bytes(bundle)[0], "observed": observed}
         print("timing plain steps ...", file=sys.stderr)
         res["plain_step"] = plain_step_times(rep, args.steps)
-        plain = res["plain_step"]["healthy_median_ms"]
         print("timing run_bundle ...", file=sys.stderr)
-        res["run_bundle"] = time_run_bundle(bundle, work, args.reps)
+        res["run_bundle"] = time_run_bundle(bundle, work, args.reps, rep)
         total, files = dir_bytes(Path(res["run_bundle"]["report_dir"]))
         res["bytes"] = {"report_total": total, "report_files": files}
         print("counting a full per-op dump ...", file=sys.stderr)
         res["full_dump"] = full_dump_bytes(rep)
         print("detect_anomaly ...", file=sys.stderr)
-        res["peers"] = {"detect_anomaly": anomaly_peer(rep, max(2, args.steps // 2), plain)}
+        res["peers"] = {"detect_anomaly": anomaly_peer(rep, max(2, args.steps // 2))}
         del rep
-        print("memory (3 subprocesses) ...", file=sys.stderr)
-        res["memory"] = memory(bundle, work, Path(res["run_bundle"]["report_dir"]) / "repro" / "repro.py")
+        print("memory (subprocesses) ...", file=sys.stderr)
+        repro = Path(res["run_bundle"]["report_dir"]) / "repro" / "repro.py"
+        res["memory"] = memory(bundle, work, repro)
         if not args.no_transformers:
             print(f"DebugUnderflowOverflow (venv {args.venv}) ...", file=sys.stderr)
             res["peers"]["transformers"] = transformers_peer(bundle, args.venv,
                                                              max(2, args.steps // 2))
+    res["loadavg_end"] = os.getloadavg()
     print_tables(res)
     if args.json:
         with open(args.json, "w") as f:
