@@ -11,23 +11,30 @@ in one run:
 
 * time: `run_bundle` wall time in this process (no interpreter or import start-up), with the repro
   subprocess and with ``RunOptions(run_repro=False)``, as a multiple of the median plain training
-  step (zero_grad, forward, backward, AdamW step) of the same model from the same pre-step state;
-  and how that time splits across nanbisect's pieces, timed by wrapping its functions from here
-  (nothing in nanbisect is edited);
-* bytes: the report directory (report.json, report.md, repro/) against a full per-op dump of the
+  step (zero_grad, forward, backward, AdamW step) of the same model from the same pre-step state,
+  timed between the `run_bundle` calls (so a busy machine slows both alike); and how that time
+  splits across nanbisect's pieces, timed by wrapping its functions from here (nothing in
+  nanbisect is edited);
+* bytes: the report directory (report.json/.md/.html, repro/) against a full per-op dump of the
   same step, i.e. every aten op's outputs in forward + backward + optimizer. The dump is not
   written: its size is the sum of the outputs' ``nbytes`` seen by a `TorchDispatchMode`;
-* memory: peak RSS (``ru_maxrss``) of separate processes: a baseline that imports torch and
-  nanbisect and builds the model, a plain one that also runs two training steps (the second with
-  AdamW state, as at the bundle's step), and one that runs `run_bundle` (it builds its own model);
+* memory: peak RSS (``ru_maxrss``) of separate processes, each started by a small launcher
+  without torch (a child's ``ru_maxrss`` starts from its parent's peak on Linux): a baseline that
+  imports torch and nanbisect and builds the model, a plain one that also runs two training steps
+  (the second with AdamW state, as at the bundle's step), and one that runs `run_bundle` (it builds
+  its own model); each with glibc's default allocator settings and with a fixed mmap threshold
+  (``MALLOC_MMAP_THRESHOLD_``), which shows live memory rather than freed memory glibc keeps;
 * peers on the same bundle state: ``torch.autograd.detect_anomaly()`` and transformers'
-  ``DebugUnderflowOverflow``. transformers is never installed into the running Python: the script
-  makes a venv with ``--system-site-packages`` (default /tmp/nanbisect-bench-venv), pip-installs
-  transformers there, and runs that peer in the venv's python.
+  ``DebugUnderflowOverflow``: what each names, and the cost of the faulty step (until it raises)
+  and of a healthy step under it, against plain steps interleaved with them. transformers is
+  never installed into the running Python: the script makes a venv with
+  ``--system-site-packages`` (default /tmp/nanbisect-bench-venv), pip-installs transformers there,
+  and runs that peer in the venv's python.
 
 What the numbers are not: GPU figures; figures for backward or optimizer faults (a forward fault
 stops every nanbisect pass after the forward, so no backward is replayed here); cold-start CLI
-times (``nanbisect run`` also pays interpreter start and ``import torch``, ~1-2 s on this machine);
+times (``nanbisect run`` also pays interpreter start, ``import torch`` and torch's lazy import of
+``torch._dynamo`` on the first optimizer built, ~3 s together on the 2-core machine);
 the cost of a full dump that is actually written (write bandwidth is not measured).
 
     python scripts/bench_bisect.py [--steps 8] [--reps 5] [--json out.json] [--no-transformers]
@@ -269,7 +276,7 @@ class PieceTimer:
         self._wrap(p, "catch_inputs", "pass 3: catch inputs, total", "pass 3: catch inputs")
         self._wrap(p, "write_repro", "write repro/")
         self._wrap(p, "run_repro", "repro.py subprocess")
-        self._wrap(p, "write_report", "write report.json + report.md")
+        self._wrap(p, "write_report", "write report files (json, md, html)")
         return self
 
     def __exit__(self, *exc) -> None:
@@ -295,7 +302,7 @@ class PieceTimer:
         out["pass 2: read flags, trace provenance"] = acc["pass 2: op recording, total"] - p2_run
         out["pass 3: forward catching the culprit's inputs"] = (
             acc["pass 3: catch inputs: replay"] - per_run)
-        for k in ("write repro/", "repro.py subprocess", "write report.json + report.md"):
+        for k in ("write repro/", "repro.py subprocess", "write report files (json, md, html)"):
             out[k] = acc[k]
         out["rest (module table, bisect, staging)"] = total - sum(out.values())
         return {k: ms(v) for k, v in out.items()}
