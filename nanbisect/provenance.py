@@ -76,6 +76,8 @@ def context(table: OpTable, root: Root, n: int = 5) -> list[dict]:
                      "module_call": rec.module_call, "phase": rec.phase,
                      "out_nan": any(o.flags.nan for o in rec.outputs),
                      "out_inf": any(o.flags.inf for o in rec.outputs),
-                     "out_absmax": max((o.flags.absmax for o in rec.outputs), default=0.0),
+                     # None: a view (no new value) or only NaN (no finite magnitude)
+                     "out_absmax": max((o.flags.absmax for o in rec.outputs
+                                        if not o.flags.nan), default=None),
                      "culprit": rec is root.op})
     return rows

@@ -152,7 +152,8 @@ def to_markdown(r: Report) -> str:
             mark = "**" if c["culprit"] else ""
             lines.append(f"| {c['op_index']} | {mark}`{c['op']}`{mark} | `{c['module']}` | "
                          f"{c['module_call']} | {'yes' if c['out_nan'] else '-'} | "
-                         f"{'yes' if c['out_inf'] else '-'} | {c['out_absmax']:.3g} |")
+                         f"{'yes' if c['out_inf'] else '-'} | "
+                         f"{'-' if c['out_absmax'] is None else format(c['out_absmax'], '.3g')} |")
     if r.repro:
         res = r.repro_result or {}
         said = ("reproduced" if res.get("reproduced") else "did not reproduce"
