@@ -154,7 +154,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
             report = Report("not-reproduced", "transient", None, None, None, notes=[
                 "the manifest records a non-finite step, but the replay from the same state, "
                 "RNG and batch was finite: suspect a transient (hardware, race, unsynchronised "
-                "communication) or state the bundle does not hold"], **common)
+                "communication) or state the bundle does not hold", *pre_notes], **common)
         else:
             report = Report("clean", None, None, None, None, notes=pre_notes, **common)
     elif first.phase == "input":
