@@ -10,16 +10,13 @@ non-finite step it writes the bundle, keeps its path in ``.bundle`` and sets
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from transformers import TrainerCallback
 
 from ..capture import Guard
-from ..errors import NonFiniteStep
 from ..task import Task
-
-log = logging.getLogger("nanbisect")
+from . import close_step
 
 
 def hf_loss(model, batch: dict):
@@ -55,11 +52,9 @@ class NanbisectTrainerCallback(TrainerCallback):
         if self._cm is None:
             return
         cm, self._cm = self._cm, None
-        try:
-            cm.__exit__(None, None, None)
-        except NonFiniteStep as e:
-            self.bundle = e.bundle
-            log.error("nanbisect: %s", e)
+        bundle = close_step(cm)
+        if bundle is not None:
+            self.bundle = bundle
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):

@@ -9,16 +9,13 @@ LightningModule with one optimizer. Automatic optimisation only (one optimizer s
 """
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import lightning as L
 
 from ..capture import Guard
-from ..errors import NonFiniteStep
 from ..task import Task
-
-log = logging.getLogger("nanbisect")
+from . import close_step
 
 
 def lightning_loss(module: L.LightningModule, batch) -> "torch.Tensor":  # noqa: F821
@@ -59,9 +56,7 @@ class NanbisectCallback(L.Callback):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         self._w.loss = loss
         cm, self._cm = self._cm, None
-        try:
-            cm.__exit__(None, None, None)
-        except NonFiniteStep as e:
-            self.bundle = e.bundle
-            log.error("nanbisect: %s", e)
+        bundle = close_step(cm)
+        if bundle is not None:
+            self.bundle = bundle
             trainer.should_stop = True
