@@ -135,3 +135,39 @@ def repro_imports(op: str, entry: str) -> list[str]:
         return []
     target = entry.rpartition(":")[0]
     return [str(Path(target).resolve())] if target.endswith(".py") else []
+
+
+@dataclass
+class ModuleCaught:
+    """A forward module call's inputs, the module's own state and the RNG state at its start."""
+
+    module: str
+    call: int
+    args: list
+    kwargs: dict
+    state: dict[str, torch.Tensor]
+    rng: dict[str, torch.Tensor]
+
+
+def catch_module_call(rep: Replayer, module: str, call: int,
+                      wrap: Callable[[], ContextManager] = nullcontext) -> ModuleCaught | None:
+    """Replay the forward and clone what the ``call``-th call of ``module`` started from."""
+    sub = rep.task.model.get_submodule(module)
+    seen, out = [0], []
+
+    def pre(mod, args, kwargs):
+        if seen[0] == call:
+            clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa
+            out.append(ModuleCaught(
+                module, call, torch.utils._pytree.tree_map(clone, list(args)),
+                torch.utils._pytree.tree_map(clone, dict(kwargs)),
+                {k: v.detach().clone() for k, v in mod.state_dict(keep_vars=True).items()},
+                {"rng/cpu": torch.get_rng_state()}))
+        seen[0] += 1
+
+    handle = sub.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        rep.run(wrap=wrap, stop_after="forward")
+    finally:
+        handle.remove()
+    return out[0] if out else None

@@ -29,12 +29,12 @@ from .bundle import read_bundle
 from .errors import BadInput
 from .isolate import OpCheck, check_op, move, resolve
 from .launcher import run_multirank
-from .narrow import OpFinding, catch_inputs, record_ops, repro_imports
+from .narrow import OpFinding, catch_inputs, catch_module_call, record_ops, repro_imports
 from .oprecord import tensor_args, written_tensors
 from .probe import ModuleProbe
 from .replay import Replayer, StepOutcome, parse_device
 from .report import Report, staged, write_report
-from .repro import run_repro, write_repro
+from .repro import run_repro, write_module_repro, write_repro
 from .task import import_target, split_entry
 
 
@@ -309,7 +309,7 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
     trace = backtrace(table, call, phase, kind) if call is not None and phase != "optimizer" \
         else []
     with staged(out) as tmp:
-        caught = repro = repro_result = op_check = None
+        caught = repro = repro_result = op_check = module_repro = None
         if finding is not None:
             progress("pass 3/3: catching the culprit's inputs; running the repro")
             caught, repro, repro_result = _catch_and_write(rep, finding, wrap, tmp, culprit, kind,
@@ -319,6 +319,18 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
                              "step is not deterministic); no repro was written")
             else:
                 culprit = replace(culprit, source=caught.source or culprit.source)
+                if (repro_result and not repro_result["reproduced"] and phase == "forward"
+                        and culprit.module and culprit.module_call is not None):
+                    progress("the op alone did not reproduce: catching its module call")
+                    module_repro = _module_fallback(rep, culprit, kind, common["target"], wrap,
+                                                    tmp, opts)
+                    notes.append("the culprit op alone did not reproduce (it depends on state "
+                                 "outside its inputs); module_repro replays its module call "
+                                 "with the module's state: " + ("reproduced" if module_repro
+                                                                and module_repro["result"] and
+                                                                module_repro["result"]
+                                                                ["reproduced"] else
+                                                                "did not reproduce either"))
                 if ref is not None:
                     op_check = _guarded(lambda: _check_caught(caught, finding.op_index, rep, ref, wrap),
                                         "re-running the culprit op").to_json()
@@ -330,10 +342,24 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
                         notes=notes, repro=repro, repro_result=repro_result,
                         inf_origin=finding.inf_origin if finding else None,
                         context=finding.context if finding else [], op_check=op_check,
+                        module_repro=module_repro,
                         uncomparable=[op_check] if op_check and op_check["status"] == "uncomparable"
                         else [], **common)
         write_report(report, tmp)
     return report
+
+
+def _module_fallback(rep: Replayer, culprit: Culprit, kind: str, target: str, wrap, tmp: Path,
+                     opts: RunOptions) -> dict | None:
+    """Write (and run once) a repro of the culprit's whole module call, with its state."""
+    mc = _guarded(lambda: catch_module_call(rep, culprit.module, culprit.module_call, wrap),
+                  "catching the culprit's module call")
+    if mc is None:
+        return None
+    script = write_module_repro(tmp / "repro", mc, culprit=culprit.__dict__, kind=kind,
+                                target=target, entry=rep.entry)
+    return {"script": "repro/module_repro.py",
+            "result": run_repro(script, target) if opts.run_repro else None}
 
 
 def _check_caught(caught, index: int, rep: Replayer, ref: tuple, wrap) -> OpCheck:

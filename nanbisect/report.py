@@ -47,6 +47,7 @@ class Report:
     uncomparable: list[dict] = field(default_factory=list)  # ops with no reference to compare
     ranks: list[dict] = field(default_factory=list)  # multi-rank: what each rank saw
     timeline: list[dict] = field(default_factory=list)  # every module call, execution order
+    module_repro: dict | None = None   # fallback repro of the culprit's module call, when used
 
     @property
     def exit_code(self) -> int:
@@ -67,7 +68,7 @@ class Report:
             "inf_origin": self.inf_origin, "context": self.context,
             "divergence": self.divergence, "op_check": self.op_check,
             "uncomparable": self.uncomparable, "ranks": self.ranks,
-            "timeline": self.timeline,
+            "timeline": self.timeline, "module_repro": self.module_repro,
         }
 
 

@@ -147,3 +147,25 @@ def run_repro(script: Path, device: str, timeout: int = 300) -> dict:
     tail = (p.stdout + p.stderr).strip().splitlines()[-6:]
     return {"ran": True, "reproduced": p.returncode == 1, "exit_code": p.returncode,
             "output": "\n".join(tail)}
+
+
+def write_module_repro(out: Path, mc, *, culprit: dict, kind: str, target: str,
+                       entry: str) -> Path:
+    """Write ``out/module_repro.py`` and ``out/module_inputs.safetensors`` (the fallback)."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    meta = {"args": encode(mc.args, "args", tensors), "kwargs": encode(mc.kwargs, "kwargs",
+                                                                         tensors)}
+    tensors.update({f"state/{k}": v.contiguous() for k, v in mc.state.items()})
+    tensors.update({k: v.contiguous() for k, v in mc.rng.items()})
+    save_file(tensors, str(out / "module_inputs.safetensors"),
+              metadata={"nanbisect": json.dumps(meta)})
+    target_file, _, func = entry.rpartition(":")
+    template = string.Template(
+        resources.files("nanbisect").joinpath("templates/module_repro.py.tmpl").read_text())
+    text = template.substitute(
+        version=__version__, op=culprit["op"], phase=culprit["phase"], module=mc.module,
+        module_call=mc.call, kind=kind, target=target, entry=entry,
+        entry_file=repr(str(Path(target_file).resolve())), entry_func=repr(func))
+    (out / "module_repro.py").write_text(text)
+    return out / "module_repro.py"

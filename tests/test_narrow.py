@@ -103,3 +103,16 @@ def test_report_json_has_op_fields(tmp_path):
     assert rep["culprit"]["op"] == "aten.sqrt.default"
     assert rep["repro_result"]["reproduced"] is True
     assert (tmp_path / "report" / "repro" / "inputs.safetensors").is_file()
+
+
+def test_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
+    """The op alone does not reproduce (a scale set outside its inputs); the module call does."""
+    torch.manual_seed(0)
+    bundle = guard_bundle(tmp_path, "hidden_state", torch.randn(5, 8))
+    r = run(bundle, tmp_path)
+    c = r.culprit
+    assert (c.op, c.module, c.module_call) == ("nbtrap.scaled.default", "hidden", 0)
+    assert r.repro_result["reproduced"] is False
+    assert r.module_repro["script"] == "repro/module_repro.py"
+    assert r.module_repro["result"]["reproduced"] is True, r.module_repro
+    assert (tmp_path / "report" / "repro" / "module_inputs.safetensors").is_file()

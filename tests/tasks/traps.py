@@ -108,3 +108,58 @@ def drop_then_sqrt():
     model = DropThenSqrt()
     return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                           loss_fn=lambda m, b: m(b).mean())
+
+
+SCALE = [1.0]   # state outside any op's inputs: set by HiddenScale.forward, read by the op
+
+
+def _define_scaled():
+    try:
+        return torch.ops.nbtrap.scaled
+    except (AttributeError, RuntimeError):
+        pass
+
+    @torch.library.custom_op("nbtrap::scaled", mutates_args=())
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * SCALE[0]
+
+    @scaled.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    scaled.register_autograd(lambda ctx, grad: grad * SCALE[0],
+                             setup_context=lambda ctx, inputs, output: None)
+    return torch.ops.nbtrap.scaled
+
+
+SCALED = _define_scaled()
+
+
+class HiddenScale(nn.Module):
+    """Its op multiplies by a module-level scale this module sets first (inf: a bad config), so
+    0 * inf = NaN; the op alone, from its saved inputs, sees the default scale and is fine."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = float("inf")
+
+    def forward(self, x):
+        SCALE[0] = self.scale
+        return SCALED(torch.relu(x))
+
+
+class HiddenStateNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.hidden = HiddenScale()
+
+    def forward(self, x):
+        return self.hidden(self.fc(x)).sum(-1)
+
+
+def hidden_state():
+    torch.manual_seed(0)
+    model = HiddenStateNet()
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=lambda m, b: m(b).mean())
