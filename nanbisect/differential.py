@@ -12,7 +12,7 @@ dropout masks and noise match across devices and dtypes and never look like dive
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
@@ -24,7 +24,7 @@ from .compare import Comparison, compare_step, step_rtol
 from .isolate import RANDOM_OR_UNINITIALISED, OpCheck, check_op
 from .oprecord import OpRecorder, tensor_args, written_tensors
 from .probe import CallStats, ProbeTable, Stats
-from .replay import Replayer, StepOutcome
+from .replay import Replayer, StepOutcome, stacked
 from .tracker import ModuleTracker
 
 
@@ -119,17 +119,7 @@ def isolate_window(rep: Replayer, phase: str, call: tuple[str, int] | None,
     rec = OpRecorder(tracker, {phase}, keep=(lambda: tracker.within(call, rec.phase))
                      if call is not None else (lambda: True))
 
-    def set_phase(name: str) -> ContextManager:
-        rec.phase = name
-        return nullcontext()
-
-    def stack() -> ExitStack:
-        es = ExitStack()
-        for cm in (wrap(), tracker, rec):
-            es.enter_context(cm)
-        return es
-
-    rep.run(phase=set_phase, wrap=stack, stop_after=phase)
+    rep.run(phase=rec.follow, wrap=lambda: stacked(wrap(), tracker, rec), stop_after=phase)
     table, _ = rec.read()
     uncomparable, checked = [], 0
     for pos in sorted(rec.kept):

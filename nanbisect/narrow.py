@@ -9,7 +9,7 @@ is never blamed.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -19,7 +19,7 @@ import torch
 from .oprecord import OpRecorder
 from .provenance import Root, context, culprit_root, inf_origin
 from .repro import Caught, InputCatcher
-from .replay import Replayer
+from .replay import Replayer, stacked
 from .tracker import ModuleTracker
 
 
@@ -41,20 +41,6 @@ class OpFinding:
     occurrence: int = 0     # how many calls of the same op came before it in its phase
 
 
-def _stack(*cms: ContextManager) -> ExitStack:
-    es = ExitStack()
-    for cm in cms:
-        es.enter_context(cm)
-    return es
-
-
-def _phase_setter(rec: OpRecorder) -> Callable[[str], ContextManager]:
-    def enter(name: str) -> ContextManager:
-        rec.phase = name
-        return nullcontext()
-    return enter
-
-
 def _describe(root: Root) -> dict:
     rec = root.op
     return {"op": rec.op, "op_index": rec.index, "phase": rec.phase, "module": rec.module,
@@ -67,8 +53,7 @@ def record_ops(rep: Replayer, phase: str, kind: str,
     model = rep.task.model
     tracker = ModuleTracker(model, map_nodes=(phase == "backward"))
     rec = OpRecorder(tracker, phases={phase})
-    out = rep.run(phase=_phase_setter(rec), wrap=lambda: _stack(wrap(), tracker, rec),
-                  stop_after=phase)
+    out = rep.run(phase=rec.follow, wrap=lambda: stacked(wrap(), tracker, rec), stop_after=phase)
     names = list(model.named_parameters())
     if phase == "forward" and out.loss_tensor is not None:
         rec.mark("loss", out.loss_tensor)
@@ -124,7 +109,7 @@ def catch_inputs(rep: Replayer, finding: OpFinding,
             return torch.autograd.set_detect_anomaly(True, check_nan=False)
         return nullcontext()
 
-    rep.run(phase=phase, wrap=lambda: _stack(wrap(), catcher), stop_after=finding.phase)
+    rep.run(phase=phase, wrap=lambda: stacked(wrap(), catcher), stop_after=finding.phase)
     c = catcher.caught
     return c if c is not None and c.op == finding.op else None
 

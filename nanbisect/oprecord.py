@@ -15,6 +15,7 @@ through an aten op.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -233,6 +234,11 @@ class OpRecorder(TorchDispatchMode):
                                                  tuple(t.shape)) for src, elem, t in ins],
                           "outs": outs})
         return out
+
+    def follow(self, phase: str) -> nullcontext:
+        """For `Replayer.run`'s ``phase``: label the ops that follow with ``phase``."""
+        self.phase = phase
+        return nullcontext()
 
     def mark(self, name: str, t: torch.Tensor) -> None:
         """Remember which recorded value ``t`` is now (the loss, a gradient, a parameter)."""

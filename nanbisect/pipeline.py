@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import traceback
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -31,8 +31,8 @@ from .isolate import OpCheck, check_op, move, resolve
 from .launcher import run_multirank
 from .narrow import OpFinding, catch_inputs, catch_module_call, record_ops, repro_imports
 from .oprecord import tensor_args, written_tensors
-from .probe import ModuleProbe
-from .replay import Replayer, StepOutcome, parse_device
+from .probe import ModuleProbe, probing
+from .replay import Replayer, StepOutcome, parse_device, stacked
 from .report import Report, staged, write_report
 from .repro import run_repro, write_module_repro, write_repro
 from .task import import_target, split_entry
@@ -116,15 +116,10 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     probe = ModuleProbe(rep.task.model)
     tape = RandomTape()
 
-    def first_wrap() -> ExitStack:  # the injected context first: the tape sees what it returns
-        es = ExitStack()
-        es.enter_context(wrap())
-        if ref is not None:
-            es.enter_context(tape)
-        return es
-
     progress(f"pass 1/3: replaying the step on {target} with module statistics")
-    first = _guarded(lambda: rep.run(phase=_probing(probe), wrap=first_wrap),
+    # the injected context first: the tape, inside it, sees what it returns
+    first = _guarded(lambda: rep.run(phase=probing(probe), wrap=lambda: stacked(
+        wrap(), *([tape] if ref is not None else []))),
                      "replaying the step on the target")
     observed = m.get("observed")
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
@@ -171,15 +166,10 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     return report
 
 
-def _probing(probe: ModuleProbe) -> Callable[[str], ContextManager]:
-    return lambda name: probe if name in ("forward", "backward") else nullcontext()
-
-
 @dataclass
 class _Reference:
     """The reference replay: its outcome, module table and step state, plus the target's."""
 
-    rep: Replayer
     device: torch.device
     dtype: torch.dtype | None
     outcome: StepOutcome
@@ -198,20 +188,15 @@ def _reference_side(bundle, rep: Replayer, first: StepOutcome, ref, tape: Random
                        "building the task on the reference")
     probe = ModuleProbe(ref_rep.task.model)
 
-    def wrap() -> ExitStack:
-        es = ExitStack()
-        es.enter_context(ReferenceKernels())
-        es.enter_context(RandomReplay(tape))
-        return es
-
     try:
-        outcome = _guarded(lambda: ref_rep.run(phase=_probing(probe), wrap=wrap),
+        outcome = _guarded(lambda: ref_rep.run(
+            phase=probing(probe), wrap=lambda: stacked(ReferenceKernels(), RandomReplay(tape))),
                            "replaying the step on the reference")
     except BadInput as e:
         return None, (f"the reference could not replay the step ({e}); register reference "
                       "implementations with nanbisect.reference_impl for ops it has no kernel "
                       "for; classification is unknown")
-    return _Reference(ref_rep, ref[0], ref[1], outcome, probe, step_state(ref_rep, outcome),
+    return _Reference(ref[0], ref[1], outcome, probe, step_state(ref_rep, outcome),
                       target_state, t_dtype), None
 
 

@@ -14,9 +14,10 @@ its input gradient. Hooks are always removed on exit.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -194,6 +195,11 @@ class ModuleProbe:
         params = [ParamGrad(n, stat(r), order, n.rpartition(".")[0])
                   for n, r, order in self.param_rows]
         return ProbeTable(table, params)
+
+
+def probing(probe: "ModuleProbe") -> Callable[[str], ContextManager]:
+    """For `Replayer.run`'s ``phase``: the probe around forward and backward, nothing else."""
+    return lambda name: probe if name in ("forward", "backward") else nullcontext()
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,9 @@ from .bundle import read_bundle
 from .errors import BadInput
 from .distributed import ReductionObserver, observe_default_hook, observing_comm_hooks
 from .narrow import catch_inputs, record_ops, repro_imports
-from .probe import ModuleProbe
+from .probe import ModuleProbe, probing
 from .replay import Replayer, parse_device
 from .repro import write_repro
-
-
-def _probing(probe):
-    return lambda name: probe if name in ("forward", "backward") else nullcontext()
 
 
 def decide(summaries: list[dict]) -> dict:
@@ -93,7 +89,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     else:
         wrap = nullcontext
     probe = ModuleProbe(model)
-    first = rep.run(phase=_probing(probe), wrap=wrap)
+    first = rep.run(phase=probing(probe), wrap=wrap)
     buckets = observer.read()
     observer.active = False
     summary = {"rank": rank, "phase": first.phase, "loss": first.loss if first.loss is None or

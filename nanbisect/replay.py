@@ -9,7 +9,7 @@ thread counts or library versions (that is what the reference comparison is for)
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
@@ -214,6 +214,14 @@ class Replayer:
         if failed is not None:
             return failed
         return StepOutcome(loss_v, "optimizer" if params else None, params, kept)
+
+
+def stacked(*cms: ContextManager) -> ExitStack:
+    """Enter ``cms`` in order (the last entered is innermost) as one context manager."""
+    es = ExitStack()
+    for cm in cms:
+        es.enter_context(cm)
+    return es
 
 
 def resolve_entry(bundle: Bundle) -> str:

@@ -12,13 +12,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import lightning as L
+import torch
 
 from ..capture import Guard
 from ..task import Task
 from . import close_step
 
 
-def lightning_loss(module: L.LightningModule, batch) -> "torch.Tensor":  # noqa: F821
+def lightning_loss(module: L.LightningModule, batch) -> torch.Tensor:
     """The loss a LightningModule's ``training_step`` returns (a tensor or {"loss": ...})."""
     out = module.training_step(batch, 0)
     return out["loss"] if isinstance(out, dict) else out
