@@ -21,7 +21,8 @@ def torchrun_capture(func: str, out: Path) -> Path:
                         "--nproc-per-node=2", "--rdzv-backend=c10d",
                         "--rdzv-endpoint=127.0.0.1:0", str(TRAIN), func, str(out)],
                        capture_output=True, text=True, timeout=240)
-    lines = [line.split(" ", 1)[1] for line in p.stdout.splitlines() if line.startswith("BUNDLE")]
+    lines = [line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()
+             if line.startswith("BUNDLE ")]
     assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-2000:]
     return Path(lines[0])
 

@@ -66,6 +66,14 @@ def batch(func: str, step: int):
     return x
 
 
+def _say_bundle(path) -> None:
+    """Rank 0 alone reports the bundle, in one write: torchrun's children may run unbuffered, and
+    two ranks printing piecewise interleave ("BUNDLEBUNDLE  /path")."""
+    if dist.get_rank() == 0:
+        sys.stdout.write(f"BUNDLE {path}\n")
+        sys.stdout.flush()
+
+
 def main():
     func, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -75,11 +83,11 @@ def main():
         for step in range(3):
             guard.step(batch(func, step))
         if func == "crash_on_replay":   # healthy: capture the next step on every rank
-            print("BUNDLE", nanbisect.capture(task, batch(func, 3), f"{out}/captured",
-                                              entry=guard.entry, step=3))
+            path = nanbisect.capture(task, batch(func, 3), f"{out}/captured",
+                                     entry=guard.entry, step=3)
+            _say_bundle(path)
     except nanbisect.NonFiniteStep as e:
-        if dist.get_rank() == 0:
-            print("BUNDLE", e.bundle)
+        _say_bundle(e.bundle)
     dist.destroy_process_group()
 
 
