@@ -24,11 +24,25 @@ import torch
 from .state import iter_tensors
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
-    """(nan count, +inf count, -inf count, max |finite|, sum |finite|) as float32 on t's device."""
+    """(nan count, +inf count, -inf count, max |finite|, sum |finite|) as float32 on t's device.
+
+    On the CPU the common case is cheap: a sum of magnitudes is finite exactly when every element
+    is (a NaN or an inf makes it non-finite, and magnitudes cannot cancel), and reading a CPU
+    scalar is no device synchronisation, so a finite tensor costs one abs, one sum and one amax
+    instead of the three counting passes (about 10x less, see docs/BENCHMARKS.md). The sum can
+    also overflow on finite values; that falls through to the exact path, which is always right.
+    On accelerators everything stays on the device, with no host read.
+    """
     t = t.detach()
     if not t.numel():
         return torch.zeros(5, device=t.device)
-    finite_abs = t.abs().nan_to_num(0.0, 0.0, 0.0)
+    mags = t.abs()
+    if t.device.type == "cpu":
+        total = mags.sum(dtype=torch.float32)
+        if bool(torch.isfinite(total)):
+            zero = total.new_zeros(())
+            return torch.stack([zero, zero, zero, mags.amax().float(), total])
+    finite_abs = mags.nan_to_num(0.0, 0.0, 0.0)
     return torch.stack([torch.isnan(t).sum().float(), torch.isposinf(t).sum().float(),
                         torch.isneginf(t).sum().float(), finite_abs.amax().float(),
                         finite_abs.sum(dtype=torch.float32)])
