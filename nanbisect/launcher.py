@@ -82,6 +82,11 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
     return sorted(results, key=lambda r: r["rank"])
 
 
+def _where(root: dict) -> str:
+    return (f" in {root['module'] or '<root>'} call {root['module_call']}"
+            if root.get("module_call") is not None else "")
+
+
 def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                   run_repro_once: bool = True) -> Report:
     """Replay all ranks, then write one report for the job."""
@@ -104,7 +109,8 @@ def _report(bundle: Bundle, results: list[dict], target: str, out: Path,
         ranks.append({"rank": res["rank"], "phase": s.get("phase"), "loss": s.get("loss"),
                       "reduction_in_bad": s.get("reduce_in_bad"),
                       "reduction_out_bad": s.get("reduce_out_bad"),
-                      "buckets": s.get("buckets", []), "module_stats": res.get("module_stats")})
+                      "buckets": s.get("buckets", []), "module_stats": res.get("module_stats"),
+                      "root": res.get("root")})
     common = dict(replay={"original_loss": None, "target_loss": results[0]["summary"].get("loss"),
                           "reference_loss": None}, bundle=str(bundle.path), entry=m["entry"],
                   target=target, reference="none", observed=observed)
@@ -132,16 +138,37 @@ def _report(bundle: Bundle, results: list[dict], target: str, out: Path,
             report = Report("culprit", "communication", "grad-reduce",
                             "nan" if bad and bad[0]["out_nan"] else "inf", culprit, notes=notes,
                             ranks=ranks, **common)
+        elif plan.get("through_collective"):
+            root = results[culprit_rank]["root"]
+            culprit = Culprit(phase, root["module"] or "", root["module_call"],
+                              root["input_dtypes"], root["input_shapes"], None, op=root["op"],
+                              op_index=root["op_index"], rank=culprit_rank)
+            where = _where(root)
+            notes.append(f"on every rank that failed ({[r['rank'] for r in ranks if r['root']]}) "
+                         f"the failure traces back to the output of {root['op']}{where}, whose "
+                         "inputs were finite on every rank: no rank computed it, the collective "
+                         "(or the code around it) is at fault")
+            report = Report("culprit", "communication", phase, results[culprit_rank]["summary"]
+                            .get("kind") or "nan", culprit, notes=notes, ranks=ranks, **common)
         else:
             own = results[culprit_rank]
             c = own.get("culprit") or {}
             culprit = Culprit(**c) if c else Culprit(phase, "", None, [], [], None,
                                                      rank=culprit_rank)
-            others = [r["rank"] for r in ranks if r["rank"] != culprit_rank
-                      and (r["phase"] is not None)]
-            notes.append(f"rank {culprit_rank} computed the failure locally; "
-                         + (f"rank(s) {others} received it through the gradient reduction"
-                            if others else "the other ranks stayed finite"))
+            others = [r for r in ranks if r["rank"] != culprit_rank and r["phase"] is not None]
+            via_op = [r for r in others if r["root"] and r["root"]["collective"]]
+            via_reduce = [r["rank"] for r in others if r not in via_op]
+            note = f"rank {culprit_rank} computed the failure locally; "
+            if via_op:
+                root = via_op[0]["root"]
+                note += (f"rank(s) {[r['rank'] for r in via_op]} received it through "
+                         f"{root['op']}{_where(root)} (finite inputs, non-finite output there)")
+            if via_reduce:
+                note += ("; " if via_op else "") + (f"rank(s) {via_reduce} received it through "
+                                                    "the gradient reduction")
+            if not others:
+                note += "the other ranks stayed finite"
+            notes.append(note)
             if own.get("repro"):
                 src = Path(own["repro"]).parent
                 shutil.copytree(src, tmp / "repro")

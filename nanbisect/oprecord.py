@@ -11,6 +11,13 @@ one ``aminmax`` on the device (NaN propagates into both, +inf into the max, -inf
 all of them are read back once, by `OpRecorder.read`. Ops are counted over the whole step
 (``op_index``) but recorded only in ``phases``. Not recorded: Python-side values that never pass
 through an aten op.
+
+Collectives (``c10d::*``, ``_c10d_functional::*``, e.g. the all-reduce inside a tensor-parallel
+layer) write their tensors in place without saying so in their schema and may finish after they
+return. The recorder treats what a ``c10d`` op writes as a new value, produced by the collective,
+and reads its flags at the next op (by then a blocking call has waited; an unsynchronised one
+shows what the next op reads). A functional collective is waited for before its flags are taken
+(its result may not be used before that wait anyway).
 """
 from __future__ import annotations
 
@@ -31,6 +38,24 @@ SKIP = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
         aten.stride.default}
 
 Key = tuple[str, int, int]            # (device, storage pointer, writes seen by the recorder)
+
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
+# c10d arguments a collective writes into (their schemas carry no alias annotation)
+_C10D_WRITES = ("tensors", "output_tensors", "output_tensor", "output")
+
+
+def is_collective(op: str) -> bool:
+    """``op`` is ``str()`` of an overload, e.g. "c10d.allreduce_.default"."""
+    return op.split(".", 1)[0] in COLLECTIVE_NAMESPACES
+
+
+def collective_writes(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors a ``c10d`` collective writes into (nested lists flattened)."""
+    if func.namespace != "c10d" or func._schema.name.endswith("::send"):
+        return []
+    vals = [v for a, v in zip(func._schema.arguments, args) if a.name in _C10D_WRITES]
+    vals += [kwargs[n] for n in _C10D_WRITES if n in kwargs]
+    return [t for t in torch.utils._pytree.tree_leaves(vals) if isinstance(t, torch.Tensor)]
 
 
 def storage_id(t: torch.Tensor) -> tuple[str, int]:
@@ -157,18 +182,29 @@ class OpRecorder(TorchDispatchMode):
         self._rows: list[torch.Tensor] = []
         self._marks: dict[str, tuple[int, int] | int] = {}
         self._writes: dict[tuple[str, int], int] = {}
+        self._pending: list[tuple[int, torch.Tensor]] = []   # collective outputs, flags not read
 
     def value_key(self, t: torch.Tensor) -> Key:
         sid = storage_id(t)
         return (sid[0], sid[1], self._writes.get(sid, 0))
 
     # -- recording ------------------------------------------------------------------------
-    def _row(self, t: torch.Tensor) -> int | None:
+    def _row(self, t: torch.Tensor, later: bool = False) -> int | None:
         if not t.is_floating_point() or t.numel() == 0:
             return None
+        if later:   # a collective's output: its flags are taken at the next op (see _settle)
+            self._rows.append(None)
+            self._pending.append((len(self._rows) - 1, t.detach()))
+            return len(self._rows) - 1
         lo, hi = torch.aminmax(t.detach())
         self._rows.append(torch.stack([lo.float(), hi.float()]))
         return len(self._rows) - 1
+
+    def _settle(self) -> None:
+        for row, t in self._pending:
+            lo, hi = torch.aminmax(t)
+            self._rows[row] = torch.stack([lo.float(), hi.float()])
+        self._pending.clear()
 
     def _where(self) -> tuple[str | None, int | None]:
         if self.tracker is None:
@@ -187,6 +223,8 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in SKIP:
             return func(*args, **kwargs)
+        if self._pending:
+            self._settle()
         index = self.count
         self.count += 1
         if self.phase not in self.phases:
@@ -208,6 +246,13 @@ class OpRecorder(TorchDispatchMode):
                 ins.append((("ext", self._ext[key]), elem, t))
         out = func(*args, **kwargs)
         returned, mutated_args = written_tensors(func, out, args, kwargs)
+        c10d = func.namespace == "c10d"
+        if c10d:
+            mutated_args = mutated_args + [collective_writes(func, args, kwargs)]
+        elif func.namespace in COLLECTIVE_NAMESPACES and func._schema.name.split("::")[-1] != \
+                "wait_tensor":
+            for t, _ in tensor_args(returned):
+                torch.ops._c10d_functional.wait_tensor(t)
         written = returned + mutated_args
         mutated = {storage_id(t) for t, _ in tensor_args(mutated_args)}
         for sid in mutated:
@@ -224,7 +269,7 @@ class OpRecorder(TorchDispatchMode):
                 continue
             seen.add(key)
             self._producer[key] = (pos, len(outs))
-            outs.append((self._row(t), elem))
+            outs.append((self._row(t, later=c10d), elem))
         if keeping:
             self.kept[pos] = (kept_args, kept_kwargs, [t.detach().clone()
                                                        for t, _ in tensor_args(written)])
@@ -248,6 +293,7 @@ class OpRecorder(TorchDispatchMode):
     # -- reading ---------------------------------------------------------------------------
     def read(self) -> tuple[OpTable, dict[str, tuple[int, int] | None]]:
         """One transfer of all flags; returns the table and the marked values' producers."""
+        self._settle()
         raw = torch.stack([r.cpu() for r in self._rows]).tolist() if self._rows else []
 
         def flags(row: int | None) -> Flags:

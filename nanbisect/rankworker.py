@@ -31,6 +31,7 @@ from .bundle import read_bundle
 from .errors import BadInput
 from .distributed import ReductionObserver, observe_default_hook, observing_comm_hooks
 from .narrow import catch_inputs, record_ops, repro_imports
+from .oprecord import is_collective
 from .probe import ModuleProbe, probing
 from .replay import Replayer, parse_device
 from .repro import write_repro
@@ -103,6 +104,13 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if phase in ("forward", "backward", "optimizer") and culprit_rank is not None:
         kind = everyone[culprit_rank]["kind"] or "nan"
         finding = record_ops(rep, phase, kind, wrap)          # every rank: same passes
+        roots: list = [None] * dist.get_world_size()
+        dist.all_gather_object(roots, _root(finding))
+        culprit_rank, through = choose_rank(roots, culprit_rank)
+        plan = {**plan, "rank": culprit_rank, "through_collective": through}
+        result.update(plan=plan, root=roots[rank], roots=roots)
+        if through:   # every rank's root is a collective: nobody computed it, it was received
+            return result
         spec = [None]
         if rank == culprit_rank and finding is not None:
             spec = [(finding.module, finding.module_call, finding.occurrence, finding.op)]
@@ -134,6 +142,31 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
                 culprit = Culprit(**{**culprit.__dict__, "rank": rank})
             result["culprit"] = asdict(culprit)
     return result
+
+
+def _root(finding) -> dict | None:
+    """What one rank's op recording traced its failure to, for the other ranks."""
+    if finding is None:
+        return None
+    return {"op": finding.op, "module": finding.module, "module_call": finding.module_call,
+            "input_dtypes": finding.input_dtypes, "input_shapes": finding.input_shapes,
+            "op_index": finding.op_index, "collective": is_collective(finding.op)}
+
+
+def choose_rank(roots: list[dict | None], planned: int) -> tuple[int, bool]:
+    """(culprit rank, whether the failure only came out of a collective), the same on every rank.
+
+    A rank whose failure traces back to a computation (not to a collective's output) computed it
+    locally; the first such rank is the culprit. When every rank that failed traces it to a
+    collective whose inputs were finite, no rank computed it: the collective is at fault.
+    """
+    local = [r for r, root in enumerate(roots) if root is not None and not root["collective"]]
+    if local:
+        return local[0], False
+    received = [r for r, root in enumerate(roots) if root is not None]
+    if received:
+        return received[0], True
+    return planned, False
 
 
 class _Other:

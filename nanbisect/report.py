@@ -125,16 +125,23 @@ def to_markdown(r: Report) -> str:
                   f"{o['module_call']})."]
     if r.ranks:
         lines += ["", "## Ranks", "", "| rank | first bad phase | loss | into reduction bad | "
-                  "out of reduction bad | culprit module call on this rank (in nan / out nan) |",
-                  "|---|---|---|---|---|---|"]
+                  "out of reduction bad | culprit module call on this rank (in nan / out nan) | "
+                  "failure traced to (op, module call) |",
+                  "|---|---|---|---|---|---|---|"]
         for k in r.ranks:
             ms = k.get("module_stats") or {}
             cell = "-"
             if ms:
                 io = (ms.get("inputs"), ms.get("output"))
                 cell = " / ".join(str(x["nan"]) if x else "-" for x in io)
+            root = k.get("root")
+            traced = (f"`{root['op']}` in `{root['module'] or '<root>'}` call "
+                      f"{root['module_call']}" + (" (a collective: received)"
+                                                  if root["collective"] else " (computed here)")
+                      if root else "-")
             lines.append(f"| {k['rank']} | {k['phase'] or '-'} | {k['loss']} | "
-                         f"{k['reduction_in_bad']} | {k['reduction_out_bad']} | {cell} |")
+                         f"{k['reduction_in_bad']} | {k['reduction_out_bad']} | {cell} | "
+                         f"{traced} |")
     if r.op_check:
         lines += ["", f"## The culprit op in isolation on `{r.reference}`", "",
                   f"Same inputs on both sides; status **{r.op_check['status']}** "

@@ -89,3 +89,40 @@ def test_rank_crash_during_replay_is_named_and_leaves_no_process(tmp_path):
     time.sleep(1)
     assert rankworkers() == []
     assert not (bundle / "nanbisect-report").exists()
+
+
+def test_tensor_parallel_nan_computed_on_one_rank_is_told_from_received(tmp_path):
+    # The row-parallel layer all-reduces inside its forward: on both ranks the same module call
+    # has clean inputs and a NaN output; only rank 1 computed the NaN (sqrt of its shard).
+    bundle = torchrun_capture("tp_rank1_nan", tmp_path / "g")
+    res = cli("run", "--ckpt", bundle, "--json", timeout=300)
+    assert res.code == 1, res.stderr
+    rep = json.loads(res.stdout)
+    c = rep["culprit"]
+    assert (rep["verdict"], rep["phase"]) == ("culprit", "forward")
+    assert (c["rank"], c["op"], c["module"], c["module_call"]) == (
+        1, "aten.sqrt.default", "row", 0)
+    r0, r1 = rep["ranks"]
+    for r in (r0, r1):   # module level alone cannot tell them apart...
+        assert r["module_stats"]["inputs"]["nan"] == 0 and r["module_stats"]["output"]["nan"] > 0
+    # ...op level can: rank 0's NaN first appears at the all-reduce's output
+    assert (r0["root"]["op"], r0["root"]["module"], r0["root"]["collective"]) == (
+        "c10d.allreduce_.default", "row", True)
+    assert r1["root"]["collective"] is False
+    assert any("rank(s) [0] received it through c10d.allreduce_.default in row call 0" in n
+               for n in rep["notes"])
+    assert rep["repro_result"]["reproduced"] is True
+
+
+def test_collective_that_returns_nan_from_finite_inputs_is_communication(tmp_path):
+    bundle = torchrun_capture("tp_healthy", tmp_path / "g")
+    assert cli("run", "--ckpt", bundle, "--json", timeout=300).code == 0   # healthy as captured
+    inject = f"{TEST_TASKS / 'corrupt_allreduce.py'}:corrupt_allreduce"
+    res = cli("run", "--ckpt", bundle, "--json", "--inject", inject, "--out",
+              tmp_path / "rep", timeout=300)
+    assert res.code == 1, res.stderr
+    rep = json.loads(res.stdout)
+    assert (rep["verdict"], rep["classification"], rep["phase"]) == (
+        "culprit", "communication", "forward")
+    assert (rep["culprit"]["op"], rep["culprit"]["module"]) == ("c10d.allreduce_.default", "row")
+    assert all(r["root"]["collective"] for r in rep["ranks"])

@@ -5,7 +5,13 @@
 trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails. Faults:
 - comm_corrupt: a DDP comm hook of the user's that corrupts the *reduced* gradients (NaN);
 - rank1_nan: rank 1's data makes its forward take sqrt of a negative number;
-- crash_on_replay: healthy while training, fails on rank 1 when CRASH_ON_REPLAY=1 (replay).
+- crash_on_replay: healthy while training, fails on rank 1 when CRASH_ON_REPLAY=1 (replay);
+- tp_rank1_nan: tensor parallel, no DDP: a row-parallel layer whose shard on rank 1 takes sqrt of
+  a negative number; its partial sums are all-reduced *inside* the layer, so on every rank the
+  same module call has clean inputs and a NaN output: only op level tells rank 1 computed it;
+- tp_healthy: the same layer with healthy shards; captures step 3 on every rank. Replayed with
+  `--inject tests/tasks/corrupt_allreduce.py:corrupt_allreduce` (an all-reduce that returns NaN
+  from finite inputs) it is the collective's fault, seen by every rank.
 """
 import os
 import sys
@@ -58,7 +64,65 @@ def crash_on_replay():
     return _task()
 
 
+class _ReduceFromTP(torch.autograd.Function):
+    """Megatron's "reduce from the tensor-parallel region": all-reduce forward, identity back."""
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class RowParallel(nn.Module):
+    """Holds columns [4r, 4r+4) of an 8-wide input on rank r; sums partial outputs over ranks."""
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((4,), 0.5))
+        self.scale = nn.Parameter(torch.tensor(scale))
+
+    def forward(self, h):
+        r = dist.get_rank()
+        local = h[:, 4 * r:4 * r + 4]
+        part = torch.sqrt(self.scale * local.abs() + 0.1) * self.weight
+        return _ReduceFromTP.apply(part.sum(-1, keepdim=True))
+
+
+class TPNet(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.row = RowParallel(scale)
+        self.head = nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.head(self.row(torch.tanh(self.fc(x)))).squeeze(-1)
+
+
+def _tp_task(scale: float):
+    torch.manual_seed(0)   # the replicated layers start equal on every rank
+    model = TPNet(scale)
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                          loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
+def tp_rank1_nan():
+    return _tp_task(-5.0 if dist.get_rank() == 1 else 1.0)   # rank 1's shard is corrupt
+
+
+def tp_healthy():
+    return _tp_task(1.0)
+
+
 def batch(func: str, step: int):
+    if func.startswith("tp_"):    # tensor parallel: every rank sees the same batch
+        g = torch.Generator().manual_seed(step)
+        return torch.rand(6, 4, generator=g) + 1.0
     g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
     x = torch.rand(6, 4, generator=g) + 1.0            # positive: sqrt is fine
     if func == "rank1_nan" and dist.get_rank() == 1 and step == 1:
@@ -82,7 +146,7 @@ def main():
     try:
         for step in range(3):
             guard.step(batch(func, step))
-        if func == "crash_on_replay":   # healthy: capture the next step on every rank
+        if func in ("crash_on_replay", "tp_healthy"):  # healthy: capture the next step on every rank
             path = nanbisect.capture(task, batch(func, 3), f"{out}/captured",
                                      entry=guard.entry, step=3)
             _say_bundle(path)
