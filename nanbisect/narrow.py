@@ -124,7 +124,10 @@ def repro_imports(op: str, entry: str) -> list[str]:
 
 @dataclass
 class ModuleCaught:
-    """A forward module call's inputs, the module's own state and the RNG state at its start."""
+    """A module call's inputs, the module's own state and the RNG state at its start; for a
+    backward culprit also the gradient that arrived at each of its outputs (None: no gradient,
+    or not a floating tensor), in the order of the output's tensors (lists, tuples, dict values).
+    """
 
     module: str
     call: int
@@ -132,13 +135,17 @@ class ModuleCaught:
     kwargs: dict
     state: dict[str, torch.Tensor]
     rng: dict[str, torch.Tensor]
+    grad_out: list | None = None
 
 
 def catch_module_call(rep: Replayer, module: str, call: int,
-                      wrap: Callable[[], ContextManager] = nullcontext) -> ModuleCaught | None:
-    """Replay the forward and clone what the ``call``-th call of ``module`` started from."""
+                      wrap: Callable[[], ContextManager] = nullcontext,
+                      backward: bool = False) -> ModuleCaught | None:
+    """Replay and clone what the ``call``-th call of ``module`` started from (for ``backward``,
+    replay backward too and clone the gradients arriving at the call's outputs)."""
     sub = rep.task.model.get_submodule(module)
     seen, out = [0], []
+    grads: list = []
 
     def pre(mod, args, kwargs):
         if seen[0] == call:
@@ -150,9 +157,24 @@ def catch_module_call(rep: Replayer, module: str, call: int,
                 {"rng/cpu": torch.get_rng_state()}))
         seen[0] += 1
 
-    handle = sub.register_forward_pre_hook(pre, with_kwargs=True)
+    def post(mod, args, kwargs, output):
+        if seen[0] - 1 != call or not backward:
+            return
+        leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        grads.extend([None] * len(leaves))
+        for i, t in enumerate(leaves):
+            if t.is_floating_point() and t.requires_grad:
+                def keep(g, i=i):
+                    grads[i] = g.detach().clone()
+                t.register_hook(keep)
+
+    handles = [sub.register_forward_pre_hook(pre, with_kwargs=True),
+               sub.register_forward_hook(post, with_kwargs=True)]
     try:
-        rep.run(wrap=wrap, stop_after="forward")
+        rep.run(wrap=wrap, stop_after="backward" if backward else "forward")
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
+    if out and backward:
+        out[0].grad_out = grads
     return out[0] if out else None

@@ -304,7 +304,13 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
                              "step is not deterministic); no repro was written")
             else:
                 culprit = replace(culprit, source=caught.source or culprit.source)
-                if (repro_result and not repro_result["reproduced"] and phase == "forward"
+                if repro_result and not repro_result["reproduced"] and opts.inject:
+                    notes.append(f"the repro did not reproduce on {common['target']}: it runs "
+                                 f"the op without --inject {opts.inject}, which emulated the "
+                                 "fault here; run repro/repro.py on the device that has the "
+                                 "faulty kernel")
+                elif (repro_result and not repro_result["reproduced"]
+                        and phase in ("forward", "backward")
                         and culprit.module and culprit.module_call is not None):
                     progress("the op alone did not reproduce: catching its module call")
                     module_repro = _module_fallback(rep, culprit, kind, common["target"], wrap,
@@ -337,7 +343,8 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
 def _module_fallback(rep: Replayer, culprit: Culprit, kind: str, target: str, wrap, tmp: Path,
                      opts: RunOptions) -> dict | None:
     """Write (and run once) a repro of the culprit's whole module call, with its state."""
-    mc = _guarded(lambda: catch_module_call(rep, culprit.module, culprit.module_call, wrap),
+    mc = _guarded(lambda: catch_module_call(rep, culprit.module, culprit.module_call, wrap,
+                                            backward=culprit.phase == "backward"),
                   "catching the culprit's module call")
     if mc is None:
         return None

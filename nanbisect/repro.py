@@ -155,7 +155,9 @@ def write_module_repro(out: Path, mc, *, culprit: dict, kind: str, target: str,
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     meta = {"args": encode(mc.args, "args", tensors), "kwargs": encode(mc.kwargs, "kwargs",
-                                                                         tensors)}
+                                                                         tensors),
+            "grad_out": (encode(mc.grad_out, "grad_out", tensors) if mc.grad_out is not None
+                         else None)}
     tensors.update({f"state/{k}": v.contiguous() for k, v in mc.state.items()})
     tensors.update({k: v.contiguous() for k, v in mc.rng.items()})
     save_file(tensors, str(out / "module_inputs.safetensors"),

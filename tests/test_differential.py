@@ -31,6 +31,9 @@ def test_fused_op_backward_nan_only_on_device(fixture_bundle, reference):
     assert rep["classification"] == "device"
     assert rep["op_check"]["status"] == "mismatch"
     assert rep["op_check"]["comparisons"][0]["nonfinite_new"] == 96
+    # the repro runs the op without the injected kernel: it cannot reproduce here, and says why
+    assert rep["repro_result"]["reproduced"] is False
+    assert any("without --inject" in n for n in rep["notes"]) and rep["module_repro"] is None
 
 
 def test_same_bundle_without_the_device_does_not_reproduce(fixture_bundle):

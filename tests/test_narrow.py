@@ -116,3 +116,22 @@ def test_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
     assert r.module_repro["script"] == "repro/module_repro.py"
     assert r.module_repro["result"]["reproduced"] is True, r.module_repro
     assert (tmp_path / "report" / "repro" / "module_inputs.safetensors").is_file()
+
+
+def test_backward_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
+    """A backward op that reads a scale set in forward: alone it does not reproduce; the module
+    call run forward and backward from the gradient that arrived at its output does."""
+    torch.manual_seed(0)
+    bundle = guard_bundle(tmp_path, "hidden_grad_state", torch.randn(5, 8))
+    r = run(bundle, tmp_path)
+    c = r.culprit
+    assert (r.phase, c.op, c.module, c.module_call) == (
+        "backward", "nbtrap.gradscaled.default", "hidden", 0)
+    assert r.repro_result["reproduced"] is False
+    assert r.module_repro["result"]["reproduced"] is True, r.module_repro
+    assert "forward + backward" in r.module_repro["result"]["output"]
+    # the saved gradient is the one that arrived at the call's output: finite
+    from safetensors.torch import load_file
+    saved = load_file(tmp_path / "report" / "repro" / "module_inputs.safetensors")
+    grads = [v for k, v in saved.items() if k.startswith("grad_out")]
+    assert grads and all(torch.isfinite(g).all() for g in grads)

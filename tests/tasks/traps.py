@@ -163,3 +163,69 @@ def hidden_state():
     model = HiddenStateNet()
     return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                           loss_fn=lambda m, b: m(b).mean())
+
+
+BSCALE = [1.0]   # the backward twin of SCALE: set in forward, read by an op that runs in backward
+
+
+def _define_gradscaled():
+    try:
+        return torch.ops.nbtrap.gradscaled
+    except (AttributeError, RuntimeError):
+        pass
+
+    @torch.library.custom_op("nbtrap::gradscaled", mutates_args=())
+    def gradscaled(g: torch.Tensor) -> torch.Tensor:
+        return g * BSCALE[0]
+
+    @gradscaled.register_fake
+    def _(g):
+        return torch.empty_like(g)
+
+    return torch.ops.nbtrap.gradscaled
+
+
+GRADSCALED = _define_gradscaled()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; backward scales the gradient with the opaque op above."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return GRADSCALED(grad)
+
+
+class HiddenGradScale(nn.Module):
+    """Sets the gradient scale in forward (NaN: a bad config); the gradient only goes bad in
+    backward, inside an op whose saved inputs alone are fine (it reads the scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.grad_scale = float("nan")
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        BSCALE[0] = self.grad_scale
+        return _ScaleGrad.apply(self.fc(x))
+
+
+class HiddenGradNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.hidden = HiddenGradScale()
+
+    def forward(self, x):
+        return self.hidden(torch.relu(self.inp(x))).sum(-1)
+
+
+def hidden_grad_state():
+    torch.manual_seed(0)
+    model = HiddenGradNet()
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=lambda m, b: m(b).mean())
