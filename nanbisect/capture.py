@@ -22,7 +22,7 @@ import torch
 from .bundle import write_bundle
 from .distributed import any_rank, broadcast_str, rank_info, write_all_ranks
 from .errors import NonFiniteStep
-from .state import RngState, accelerator_types, encode, encode_model, encode_optimizer
+from .state import RngState, accelerator_types, encode, encode_model, encode_optimizer, local
 from .task import Task, split_entry
 
 
@@ -89,12 +89,12 @@ class _Snapshot:
         self._groups: list[dict] = []
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> None:
-        live = [p.data for p in model.parameters()] + [b for b in model.buffers()]
+        live = [local(p.data) for p in model.parameters()] + [local(b) for b in model.buffers()]
         self._opt_state = {}
         if opt is not None:
             for p, st in opt.state.items():
                 self._opt_state[p] = {k: v for k, v in st.items()}
-                live += [v for v in st.values() if isinstance(v, torch.Tensor)]
+                live += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
             self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         if [t.shape for t in live] != [t.shape for t in self._copies] or any(
                 a.dtype != b.dtype or a.device != b.device for a, b in zip(live, self._copies)):
@@ -132,12 +132,13 @@ def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """
     if not tensors:
         return torch.zeros((), device=device)
-    return torch.stack([t.sum(dtype=torch.float32).to(device) for t in tensors]).sum()
+    return torch.stack([local(t).sum(dtype=torch.float32).to(device) for t in tensors]).sum()
 
 
 def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
     out = {"nan": [], "inf": []}
     for name, t in named:
+        t = local(t)
         if torch.isnan(t).any():
             out["nan"].append(name)
         elif torch.isinf(t).any():
@@ -188,9 +189,9 @@ class Guard:
         self._snapshot.take(self.task.model, self.task.optimizer)
         w = StepWatch()
         yield w
-        params = [p.data for p in self.task.model.parameters()]
+        params = [local(p.data) for p in self.task.model.parameters()]
         dev = params[0].device if params else torch.device("cpu")
-        loss = (w.loss.detach().float().reshape(-1).sum().to(dev) if w.loss is not None
+        loss = (local(w.loss).detach().float().reshape(-1).sum().to(dev) if w.loss is not None
                 else torch.zeros((), device=dev))
         # NB: gradients are not screened: a non-finite gradient reaches the parameters through
         # any update with lr > 0, and a loop whose GradScaler skips inf gradients must not trip.

@@ -148,6 +148,9 @@ def _report(bundle: Bundle, results: list[dict], target: str, out: Path,
                          f"the failure traces back to the output of {root['op']}{where}, whose "
                          "inputs were finite on every rank: no rank computed it, the collective "
                          "(or the code around it) is at fault")
+            if phase == "backward":   # a collective in backward reduces gradients
+                phase = "grad-reduce"
+                culprit = Culprit(**{**culprit.__dict__, "phase": phase})
             report = Report("culprit", "communication", phase, results[culprit_rank]["summary"]
                             .get("kind") or "nan", culprit, notes=notes, ranks=ranks, **common)
         else:

@@ -12,12 +12,14 @@ all of them are read back once, by `OpRecorder.read`. Ops are counted over the w
 (``op_index``) but recorded only in ``phases``. Not recorded: Python-side values that never pass
 through an aten op.
 
-Collectives (``c10d::*``, ``_c10d_functional::*``, e.g. the all-reduce inside a tensor-parallel
-layer) write their tensors in place without saying so in their schema and may finish after they
-return. The recorder treats what a ``c10d`` op writes as a new value, produced by the collective,
-and reads its flags at the next op (by then a blocking call has waited; an unsynchronised one
-shows what the next op reads). A functional collective is waited for before its flags are taken
-(its result may not be used before that wait anyway).
+Collectives (``c10d::*``, ``_c10d_functional::*``: the all-reduce inside a tensor-parallel layer,
+FSDP's all-gather and reduce-scatter) write their tensors in place without saying so in their
+schema and may finish after they return. The recorder waits for each one before reading its
+flags (so the recording pass is synchronous: a bug that reads a collective's output before
+waiting for it shows in the first pass, not in this one) and treats what it writes as a new
+value produced by the collective; its output buffers are not inputs. Values of ops that return
+uninitialised memory (``empty``) are clean by definition, and ``copy_``/``fill_``/``zero_`` do
+not read their destination.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from typing import Any, Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .state import local
 from .tracker import ModuleTracker
 
 aten = torch.ops.aten
@@ -39,9 +42,17 @@ SKIP = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
 
 Key = tuple[str, int, int]            # (device, storage pointer, writes seen by the recorder)
 
+# Ops whose output is uninitialised memory: its bits (NaN or not) mean nothing until written.
+UNINITIALISED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
+                 aten.new_empty.default, aten.new_empty_strided.default}
+# In-place ops that overwrite their first argument without reading it.
+OVERWRITE = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
-# c10d arguments a collective writes into (their schemas carry no alias annotation)
+# c10d arguments a collective writes into (their schemas carry no alias annotation); of these,
+# only "tensors" (in-place collectives: all-reduce, broadcast) is also read
 _C10D_WRITES = ("tensors", "output_tensors", "output_tensor", "output")
+_C10D_WRITE_ONLY = ("output_tensors", "output_tensor", "output")
 
 
 def is_collective(op: str) -> bool:
@@ -55,15 +66,16 @@ def collective_writes(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         return []
     vals = [v for a, v in zip(func._schema.arguments, args) if a.name in _C10D_WRITES]
     vals += [kwargs[n] for n in _C10D_WRITES if n in kwargs]
-    return [t for t in torch.utils._pytree.tree_leaves(vals) if isinstance(t, torch.Tensor)]
+    return [local(t) for t in torch.utils._pytree.tree_leaves(vals) if isinstance(t, torch.Tensor)]
 
 
 def storage_id(t: torch.Tensor) -> tuple[str, int]:
+    t = local(t)
     return (str(t.device), t.untyped_storage().data_ptr())
 
 
 def _clone(x: Any) -> Any:
-    return x.detach().clone() if isinstance(x, torch.Tensor) else x
+    return local(x).detach().clone() if isinstance(x, torch.Tensor) else x
 
 
 def written_tensors(func, out: Any, args: tuple, kwargs: dict) -> tuple[list, list]:
@@ -76,6 +88,42 @@ def written_tensors(func, out: Any, args: tuple, kwargs: dict) -> tuple[list, li
     return returned, mutated
 
 
+def _wait(out: Any) -> None:
+    """Wait for the Work objects a c10d op returned: until then its output is not written (gloo
+    even finishes some collectives with a copy at wait time)."""
+    for x in torch.utils._pytree.tree_leaves(out):
+        if isinstance(x, torch.ScriptObject) and hasattr(x, "wait"):
+            x.wait()
+
+
+def _storage_view(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s whole storage as a flat tensor of ``t``'s dtype (``t`` itself when it is that)."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    if n == t.numel() and t.is_contiguous():
+        return t
+    return t.as_strided((n,), (1,), 0)
+
+
+def _whole(t: Any) -> bool:
+    if not isinstance(t, torch.Tensor):
+        return False
+    t = local(t)
+    return t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
+def read_args(func, args: tuple, kwargs: dict) -> list[Any]:
+    """The arguments whose values an op reads: all but a collective's output buffers and the
+    destination of an op that overwrites all of it (``copy_``, ``fill_``, ``zero_`` into a whole
+    storage; into a slice, the rest of the storage still carries what it held)."""
+    if func in OVERWRITE and _whole(args[0]):
+        return [*args[1:], *kwargs.values()]
+    if func.namespace == "c10d":
+        names = [a.name for a in func._schema.arguments]
+        return [v for n, v in zip(names, args) if n not in _C10D_WRITE_ONLY] + [
+            v for n, v in kwargs.items() if n not in _C10D_WRITE_ONLY]
+    return [*args, *kwargs.values()]
+
+
 def tensor_args(values: list[Any]):
     """Yield ``(tensor, list position)`` for top-level op arguments or results.
 
@@ -84,11 +132,11 @@ def tensor_args(values: list[Any]):
     """
     for v in values:
         if isinstance(v, torch.Tensor):
-            yield v, None
+            yield local(v), None
         elif isinstance(v, (list, tuple)):
             for i, t in enumerate(v):
                 if isinstance(t, torch.Tensor):
-                    yield t, i
+                    yield local(t), i
 
 
 @dataclass(frozen=True)
@@ -182,29 +230,19 @@ class OpRecorder(TorchDispatchMode):
         self._rows: list[torch.Tensor] = []
         self._marks: dict[str, tuple[int, int] | int] = {}
         self._writes: dict[tuple[str, int], int] = {}
-        self._pending: list[tuple[int, torch.Tensor]] = []   # collective outputs, flags not read
 
     def value_key(self, t: torch.Tensor) -> Key:
         sid = storage_id(t)
         return (sid[0], sid[1], self._writes.get(sid, 0))
 
     # -- recording ------------------------------------------------------------------------
-    def _row(self, t: torch.Tensor, later: bool = False) -> int | None:
+    def _row(self, t: torch.Tensor) -> int | None:
         if not t.is_floating_point() or t.numel() == 0:
             return None
-        if later:   # a collective's output: its flags are taken at the next op (see _settle)
-            self._rows.append(None)
-            self._pending.append((len(self._rows) - 1, t.detach()))
-            return len(self._rows) - 1
         lo, hi = torch.aminmax(t.detach())
         self._rows.append(torch.stack([lo.float(), hi.float()]))
         return len(self._rows) - 1
 
-    def _settle(self) -> None:
-        for row, t in self._pending:
-            lo, hi = torch.aminmax(t)
-            self._rows[row] = torch.stack([lo.float(), hi.float()])
-        self._pending.clear()
 
     def _where(self) -> tuple[str | None, int | None]:
         if self.tracker is None:
@@ -223,8 +261,6 @@ class OpRecorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in SKIP:
             return func(*args, **kwargs)
-        if self._pending:
-            self._settle()
         index = self.count
         self.count += 1
         if self.phase not in self.phases:
@@ -235,19 +271,19 @@ class OpRecorder(TorchDispatchMode):
             kept_kwargs = torch.utils._pytree.tree_map(_clone, dict(kwargs))
         ins = []
         in_keys = set()
-        for t, elem in tensor_args([*args, *kwargs.values()]):
+        for t, elem in tensor_args(read_args(func, args, kwargs)):
             key = self.value_key(t)
             in_keys.add(key)
             if key in self._producer:
                 ins.append((("op",) + self._producer[key], elem, t))
             else:
                 if key not in self._ext:
-                    self._ext[key] = self._row(t)
+                    self._ext[key] = self._row(_storage_view(t))   # the value: all of it
                 ins.append((("ext", self._ext[key]), elem, t))
         out = func(*args, **kwargs)
         returned, mutated_args = written_tensors(func, out, args, kwargs)
-        c10d = func.namespace == "c10d"
-        if c10d:
+        if func.namespace == "c10d":
+            _wait(out)
             mutated_args = mutated_args + [collective_writes(func, args, kwargs)]
         elif func.namespace in COLLECTIVE_NAMESPACES and func._schema.name.split("::")[-1] != \
                 "wait_tensor":
@@ -269,7 +305,9 @@ class OpRecorder(TorchDispatchMode):
                 continue
             seen.add(key)
             self._producer[key] = (pos, len(outs))
-            outs.append((self._row(t, later=c10d), elem))
+            # a write through a view makes a new value of the whole storage: flag all of it
+            outs.append((None if func in UNINITIALISED else
+                         self._row(_storage_view(t) if sid in mutated else t), elem))
         if keeping:
             self.kept[pos] = (kept_args, kept_kwargs, [t.detach().clone()
                                                        for t, _ in tensor_args(written)])
@@ -293,7 +331,6 @@ class OpRecorder(TorchDispatchMode):
     # -- reading ---------------------------------------------------------------------------
     def read(self) -> tuple[OpTable, dict[str, tuple[int, int] | None]]:
         """One transfer of all flags; returns the table and the marked values' producers."""
-        self._settle()
         raw = torch.stack([r.cpu() for r in self._rows]).tolist() if self._rows else []
 
         def flags(row: int | None) -> Flags:

@@ -21,7 +21,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .state import iter_tensors
+from .state import iter_tensors, local
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     """(nan count, +inf count, -inf count, max |finite|, sum |finite|) as float32 on t's device.
@@ -33,7 +33,7 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     also overflow on finite values; that falls through to the exact path, which is always right.
     On accelerators everything stays on the device, with no host read.
     """
-    t = t.detach()
+    t = local(t).detach()
     if not t.numel():
         return torch.zeros(5, device=t.device)
     mags = t.abs()

@@ -18,7 +18,7 @@ import torch
 
 from .bundle import Bundle
 from .errors import BadInput
-from .state import RngState, decode, iter_tensors, restore_model, restore_optimizer
+from .state import RngState, decode, iter_tensors, local, restore_model, restore_optimizer
 from .task import Task, load_task
 
 PHASES = ("input", "forward", "backward", "optimizer")
@@ -104,7 +104,7 @@ def _scan(where: str, named) -> list[BadValue]:
     out = []
     for name, t in named:
         if isinstance(t, torch.Tensor):
-            n, p, m = nonfinite(t.detach())
+            n, p, m = nonfinite(local(t).detach())
             if n or p or m:
                 out.append(BadValue(where, name, n, p, m))
     return out
@@ -190,7 +190,7 @@ class Replayer:
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise BadInput(f"entry '{self.entry}': loss_fn returned "
                                f"{type(loss).__name__}, not a scalar tensor; return the loss")
-            loss_v = float(loss.detach().float().item())
+            loss_v = float(local(loss).detach().float().item())
             kept = loss.detach()
             if not math.isfinite(loss_v):
                 failed = StepOutcome(loss_v, "forward", _scan("loss", [("loss", kept)]), kept)

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import __version__
 from .oprecord import SKIP
-from .state import encode
+from .state import encode, local
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -90,7 +90,7 @@ class InputCatcher(TorchDispatchMode):
     def _catch(self, func, args, kwargs) -> None:
         def clone(x):
             if isinstance(x, torch.Tensor):
-                return x.detach().clone()
+                return local(x).detach().clone()   # a DTensor's shard: what the kernel ran on
             return None if isinstance(x, torch.Generator) else x
 
         c = Caught(op=str(func))

@@ -25,9 +25,21 @@ Tensors = dict[str, torch.Tensor]
 # plain values and pytrees
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2, tensor parallel), else ``t`` itself.
+
+    The shard shares storage with the DTensor, so writing into it writes the DTensor. Everything
+    nanbisect reads or writes per rank goes through here: a DTensor-level op (``isnan().any()``,
+    ``sum``) could issue a collective, which must never happen outside the step.
+    """
+    if type(t) is not torch.Tensor and hasattr(t, "to_local") and hasattr(t, "placements"):
+        return t.to_local()
+    return t
+
+
 def _tensor_for_file(t: torch.Tensor) -> torch.Tensor:
     # NB: safetensors refuses tensors that share storage; a detached contiguous clone never does.
-    return t.detach().to("cpu").contiguous().clone()
+    return local(t).detach().to("cpu").contiguous().clone()
 
 
 def encode(obj: Any, key: str, tensors: Tensors) -> Any:
@@ -150,6 +162,7 @@ def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: s
         )
     for name, t, _ in entries:
         saved = tensors[f"model/{meta['aliases'].get(name, name)}"]
+        t = local(t)
         if saved.shape != t.shape:
             raise BadInput(f"{where}: '{name}' has shape {tuple(saved.shape)} in the bundle but "
                            f"{tuple(t.shape)} in the model; replay with the code that captured it")
@@ -181,6 +194,23 @@ def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, 
     except (ValueError, KeyError) as e:
         raise BadInput(f"{where}: optimizer state does not fit the entry's optimizer ({e}); "
                        "replay with the code that captured it") from None
+    _shard_state_like_params(opt)
+
+
+def _shard_state_like_params(opt: torch.optim.Optimizer) -> None:
+    """A DTensor parameter's state was saved as this rank's shard: make it a DTensor again,
+    laid out like the parameter (what the optimizer built for it during training)."""
+    for p, st in opt.state.items():
+        if local(p) is p:
+            continue
+        from torch.distributed.tensor import DTensor
+
+        shard = local(p)
+        for k, v in list(st.items()):
+            if isinstance(v, torch.Tensor) and local(v) is v and v.shape == shard.shape \
+                    and v.dim() > 0:
+                st[k] = DTensor.from_local(v.to(shard.device), p.device_mesh, p.placements,
+                                           run_check=False, shape=p.shape, stride=p.stride())
 
 
 # --------------------------------------------------------------------------------------------

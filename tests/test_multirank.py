@@ -126,3 +126,37 @@ def test_collective_that_returns_nan_from_finite_inputs_is_communication(tmp_pat
         "culprit", "communication", "forward")
     assert (rep["culprit"]["op"], rep["culprit"]["module"]) == ("c10d.allreduce_.default", "row")
     assert all(r["root"]["collective"] for r in rep["ranks"])
+
+
+def test_fsdp2_backward_nan_on_one_rank_is_told_from_the_reduce_scatter(tmp_path):
+    # FSDP2 (fully_shard): parameters and AdamW state are DTensor shards, the bundle holds each
+    # rank's shard; rank 1's gate backward computes NaN, the reduce-scatter hands it to rank 0
+    bundle = torchrun_capture("fsdp_rank1_backward_nan", tmp_path / "g")
+    top = json.loads((bundle / "manifest.json").read_text())
+    assert top["ranks"]["1"]["observed"]["summary"]["grads"] == "nan"
+    res = cli("run", "--ckpt", bundle, "--json", timeout=300)
+    assert res.code == 1, res.stderr
+    rep = json.loads(res.stdout)
+    c = rep["culprit"]
+    assert (rep["phase"], c["rank"], c["op"], c["module"], c["module_call"]) == (
+        "backward", 1, "aten.sqrt.default", "gate", 0)
+    r0, r1 = rep["ranks"]
+    assert (r0["root"]["op"], r0["root"]["collective"]) == ("c10d._reduce_scatter_base_.default",
+                                                            True)
+    assert any("rank(s) [0] received it through c10d._reduce_scatter_base_" in n
+               for n in rep["notes"])
+    assert rep["repro_result"]["reproduced"] is True
+
+
+def test_fsdp2_reduce_scatter_returning_nan_is_communication(tmp_path):
+    bundle = torchrun_capture("fsdp_healthy", tmp_path / "g")
+    first = cli("run", "--ckpt", bundle, "--json", timeout=300)
+    assert first.code == 0, first.stderr       # the shards restore and replay healthy
+    inject = f"{TEST_TASKS / 'corrupt_allreduce.py'}:corrupt_reduce_scatter"
+    res = cli("run", "--ckpt", bundle, "--json", "--inject", inject, "--out",
+              tmp_path / "rep", timeout=300)
+    assert res.code == 1, res.stderr
+    rep = json.loads(res.stdout)
+    assert (rep["verdict"], rep["classification"], rep["phase"]) == (
+        "culprit", "communication", "grad-reduce")
+    assert rep["culprit"]["op"] == "c10d._reduce_scatter_base_.default"

@@ -109,3 +109,29 @@ def test_flags_are_read_back_once_and_counts_ops():
     table, _ = record(lambda: (x.exp() + 1).sum())
     assert [o.op for o in table.ops] == ["aten.exp.default", "aten.add.Tensor", "aten.sum.default"]
     assert [o.index for o in table.ops] == [0, 1, 2] and table.total_ops == 3
+
+
+def test_copy_into_a_slice_keeps_the_rest_of_the_buffer_as_input():
+    """copy_ into part of a buffer whose other part holds NaN from sqrt: sqrt is the root."""
+    x = torch.tensor([-1.0, 4.0])
+
+    def f():
+        buf = torch.zeros(2, 2)
+        buf[0].copy_(torch.sqrt(x))        # row 0: NaN from sqrt
+        buf[1].copy_(torch.ones(2))        # row 1 overwritten: the NaN in row 0 stays
+        return buf.sum()
+    op, _, _ = root_op(f)
+    assert op == "aten.sqrt.default"
+
+
+def test_whole_overwrite_does_not_read_its_destination():
+    """copy_ over all of a buffer that held NaN (from full): the NaN that reaches the output is
+    the log's; the buffer's old NaN was overwritten, never read."""
+    y = torch.tensor([-1.0, 2.0])
+
+    def f():
+        buf = torch.full((2,), float("nan"))
+        buf.copy_(torch.log(y))            # the whole storage
+        return buf.sum()
+    op, _, _ = root_op(f)
+    assert op == "aten.log.default"

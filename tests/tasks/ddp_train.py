@@ -11,7 +11,12 @@ trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails
   same module call has clean inputs and a NaN output: only op level tells rank 1 computed it;
 - tp_healthy: the same layer with healthy shards; captures step 3 on every rank. Replayed with
   `--inject tests/tasks/corrupt_allreduce.py:corrupt_allreduce` (an all-reduce that returns NaN
-  from finite inputs) it is the collective's fault, seen by every rank.
+  from finite inputs) it is the collective's fault, seen by every rank;
+- fsdp_rank1_backward_nan: FSDP2 (fully_shard), parameters are DTensor shards; a gate whose
+  backward takes sqrt of rank 1's negative feature sum: rank 1 computes a NaN gradient, the
+  reduce-scatter hands every rank NaN in its shard;
+- fsdp_healthy: the same model, healthy; captures step 3. Replayed with `--inject
+  tests/tasks/corrupt_allreduce.py:corrupt_reduce_scatter` the reduce-scatter is at fault.
 """
 import os
 import sys
@@ -119,13 +124,64 @@ def tp_healthy():
     return _tp_task(1.0)
 
 
+class _SqrtGrad(torch.autograd.Function):
+    """Identity on h; backward scales h's gradient by sqrt of each row's feature sum (a bug:
+    negative sums give NaN)."""
+
+    @staticmethod
+    def forward(ctx, h, x):
+        ctx.save_for_backward(x)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * torch.sqrt(x.sum(-1, keepdim=True)), None
+
+
+class Gate(nn.Module):
+    def forward(self, h, x):
+        return _SqrtGrad.apply(h, x)
+
+
+class FSDPNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.gate = Gate()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.gate(self.fc(x), x))).sum(-1)
+
+
+def _fsdp_task():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = FSDPNet()
+    fully_shard(model.fc)
+    fully_shard(model.head)
+    fully_shard(model)
+    return nanbisect.Task(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                          loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
+def fsdp_rank1_backward_nan():
+    return _fsdp_task()
+
+
+def fsdp_healthy():
+    return _fsdp_task()
+
+
 def batch(func: str, step: int):
     if func.startswith("tp_"):    # tensor parallel: every rank sees the same batch
         g = torch.Generator().manual_seed(step)
         return torch.rand(6, 4, generator=g) + 1.0
     g = torch.Generator().manual_seed(100 * dist.get_rank() + step)
     x = torch.rand(6, 4, generator=g) + 1.0            # positive: sqrt is fine
-    if func == "rank1_nan" and dist.get_rank() == 1 and step == 1:
+    if func in ("rank1_nan", "fsdp_rank1_backward_nan") and dist.get_rank() == 1 and step == 1:
         x[2] = -50.0                                     # rank 1's bad sample
     return x
 
@@ -146,7 +202,7 @@ def main():
     try:
         for step in range(3):
             guard.step(batch(func, step))
-        if func in ("crash_on_replay", "tp_healthy"):  # healthy: capture the next step on every rank
+        if func in ("crash_on_replay", "tp_healthy", "fsdp_healthy"):  # capture step 3, all ranks
             path = nanbisect.capture(task, batch(func, 3), f"{out}/captured",
                                      entry=guard.entry, step=3)
             _say_bundle(path)
