@@ -55,6 +55,31 @@ def broadcast_str(value: str) -> str:
     return box[0]
 
 
+def process_groups() -> dict[str, list[int]]:
+    """The process groups this rank belongs to: torch's group name -> global ranks."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    out = {}
+    for pg, name in list(world.pg_names.items()):
+        desc = getattr(pg, "group_desc", None)   # new_group(..., group_desc="tp") names it
+        key = desc if desc and desc not in ("undefined", "default_pg") else name
+        out[key] = sorted(int(g) for g in world.pg_group_ranks.get(pg, {}))
+    return out
+
+
+def _merge_groups(per_rank: list[dict], world_size: int) -> dict[str, list[int]]:
+    """One layout from every rank's view (a rank knows only the groups it is in): "world" plus
+    every other group (tensor/data-parallel groups, a device mesh's, FSDP's) under torch's name."""
+    everyone = list(range(world_size))
+    merged: dict[str, list[int]] = {"world": everyone}
+    for groups in per_rank:
+        for name, ranks in (groups or {}).items():
+            if ranks != everyone or name != "0":
+                merged.setdefault(name, ranks)
+    return merged
+
+
 def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -69,7 +94,8 @@ def write_all_ranks(final: Path, write_part: Callable[[Path], None], manifest: d
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     write_part(tmp / f"rank{info.rank}")
-    dist.barrier()
+    groups: list = [None] * info.world_size
+    dist.all_gather_object(groups, process_groups())   # also the barrier after the parts
     if info.rank == 0:
         parts = {}
         for r in range(info.world_size):
@@ -78,7 +104,7 @@ def write_all_ranks(final: Path, write_part: Callable[[Path], None], manifest: d
                              "observed": json.loads(m.read_text()).get("observed")}
         top = {"schema": SCHEMA, "kind": "multi-rank", "environment": environment(),
                **manifest, "world_size": info.world_size, "backend": info.backend,
-               "process_groups": {"world": list(range(info.world_size))}, "ranks": parts,
+               "process_groups": _merge_groups(groups, info.world_size), "ranks": parts,
                "files": {}}
         with open(tmp / MANIFEST, "w") as f:
             f.write(json.dumps(top, indent=1, allow_nan=False))

@@ -95,6 +95,8 @@ def test_tensor_parallel_nan_computed_on_one_rank_is_told_from_received(tmp_path
     # The row-parallel layer all-reduces inside its forward: on both ranks the same module call
     # has clean inputs and a NaN output; only rank 1 computed the NaN (sqrt of its shard).
     bundle = torchrun_capture("tp_rank1_nan", tmp_path / "g")
+    top = json.loads((bundle / "manifest.json").read_text())
+    assert top["process_groups"] == {"world": [0, 1], "tp": [0, 1]}   # the layout, named
     res = cli("run", "--ckpt", bundle, "--json", timeout=300)
     assert res.code == 1, res.stderr
     rep = json.loads(res.stdout)

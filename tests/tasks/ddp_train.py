@@ -73,14 +73,14 @@ class _ReduceFromTP(torch.autograd.Function):
     """Megatron's "reduce from the tensor-parallel region": all-reduce forward, identity back."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
         x = x.clone()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
     def backward(ctx, g):
-        return g
+        return g, None
 
 
 class RowParallel(nn.Module):
@@ -90,12 +90,13 @@ class RowParallel(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.full((4,), 0.5))
         self.scale = nn.Parameter(torch.tensor(scale))
+        self.group = dist.new_group(list(range(dist.get_world_size())), group_desc="tp")
 
     def forward(self, h):
         r = dist.get_rank()
         local = h[:, 4 * r:4 * r + 4]
         part = torch.sqrt(self.scale * local.abs() + 0.1) * self.weight
-        return _ReduceFromTP.apply(part.sum(-1, keepdim=True))
+        return _ReduceFromTP.apply(part.sum(-1, keepdim=True), self.group)
 
 
 class TPNet(nn.Module):
