@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .state import local
@@ -40,7 +41,8 @@ SKIP = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
         aten.sym_storage_offset.default, aten.is_contiguous.default, aten.size.default,
         aten.stride.default}
 
-Key = tuple[str, int, int]            # (device, storage pointer, writes seen by the recorder)
+Sid = tuple[str, int, int]            # (device, storage address, generation at that address)
+Key = tuple[str, int, int, int]       # a Sid + the writes the recorder saw to that storage
 
 # Ops whose output is uninitialised memory: its bits (NaN or not) mean nothing until written.
 UNINITIALISED = {aten.empty.memory_format, aten.empty_strided.default, aten.empty_like.default,
@@ -67,11 +69,6 @@ def collective_writes(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     vals = [v for a, v in zip(func._schema.arguments, args) if a.name in _C10D_WRITES]
     vals += [kwargs[n] for n in _C10D_WRITES if n in kwargs]
     return [local(t) for t in torch.utils._pytree.tree_leaves(vals) if isinstance(t, torch.Tensor)]
-
-
-def storage_id(t: torch.Tensor) -> tuple[str, int]:
-    t = local(t)
-    return (str(t.device), t.untyped_storage().data_ptr())
 
 
 def _clone(x: Any) -> Any:
@@ -229,11 +226,27 @@ class OpRecorder(TorchDispatchMode):
         self._ext: dict[Key, int] = {}
         self._rows: list[torch.Tensor] = []
         self._marks: dict[str, tuple[int, int] | int] = {}
-        self._writes: dict[tuple[str, int], int] = {}
+        self._writes: dict[Sid, int] = {}
+        self._gen: dict[tuple[str, int], int] = {}
+        self._alive: dict[tuple[str, int], StorageWeakRef] = {}
+
+    def _sid(self, t: torch.Tensor) -> Sid:
+        """(device, address, generation): the generation moves on when the storage last seen
+        at that address has died, so memory that C++ code (a collective, a kernel's scratch)
+        allocated unseen at a dead value's address is never taken for that value."""
+        t = local(t)
+        st = t.untyped_storage()
+        addr = (str(t.device), st.data_ptr())
+        ref = self._alive.get(addr)
+        if ref is None or ref.expired():
+            if ref is not None:
+                self._gen[addr] = self._gen.get(addr, 0) + 1
+            self._alive[addr] = StorageWeakRef(st)
+        return addr + (self._gen.get(addr, 0),)
 
     def value_key(self, t: torch.Tensor) -> Key:
-        sid = storage_id(t)
-        return (sid[0], sid[1], self._writes.get(sid, 0))
+        sid = self._sid(t)
+        return sid + (self._writes.get(sid, 0),)
 
     # -- recording ------------------------------------------------------------------------
     def _row(self, t: torch.Tensor) -> int | None:
@@ -290,14 +303,14 @@ class OpRecorder(TorchDispatchMode):
             for t, _ in tensor_args(returned):
                 torch.ops._c10d_functional.wait_tensor(t)
         written = returned + mutated_args
-        mutated = {storage_id(t) for t, _ in tensor_args(mutated_args)}
+        mutated = {self._sid(t) for t, _ in tensor_args(mutated_args)}
         for sid in mutated:
             self._writes[sid] = self._writes.get(sid, 0) + 1
-        in_storages = {k[:2] for k in in_keys}
+        in_storages = {k[:3] for k in in_keys}
         pos = len(self._ops)
         outs, seen = [], set()
         for t, elem in tensor_args(written):
-            sid = storage_id(t)
+            sid = self._sid(t)
             if sid not in mutated and sid not in in_storages:
                 self._writes[sid] = 0  # fresh memory, perhaps at the address of a dead value
             key = self.value_key(t)

@@ -1,6 +1,7 @@
 """OpRecorder + provenance on hand-written op sequences: values, views, in-place, traps."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from nanbisect.oprecord import OpRecorder
@@ -135,3 +136,30 @@ def test_whole_overwrite_does_not_read_its_destination():
         return buf.sum()
     op, _, _ = root_op(f)
     assert op == "aten.log.default"
+
+
+def test_memory_allocated_unseen_at_a_dead_values_address_is_not_that_value():
+    """A buffer made outside the recorded ops (C++ scratch, a collective's internals) can land at
+    the address of a recorded value that has died; it must not inherit that value's history."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    rec = OpRecorder(None, phases={"forward"})
+    with rec:
+        for _ in range(200):
+            src = torch.full((4096,), -1.0)
+            dead = torch.sqrt(src)                                # NaN, recorded
+            addr = dead.untyped_storage().data_ptr()
+            del dead
+            with _disable_current_modes():                       # unseen by the recorder
+                unseen = torch.full((4096,), float("nan"))
+            if unseen.untyped_storage().data_ptr() == addr:
+                break
+        else:
+            pytest.skip("the allocator never reused the address")
+        out = (unseen * 2).sum()
+        rec.mark("out", out)
+    table, marks = rec.read()
+    mul = [o for o in table.ops if o.op == "aten.mul.Tensor"][-1]
+    assert mul.inputs[0].producer is None          # an outside value, not the dead sqrt output
+    r = culprit_root(table, [marks["out"]], "nan")
+    assert r is None or r.op.op != "aten.sqrt.default"
