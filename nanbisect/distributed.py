@@ -12,6 +12,7 @@ the gradient going into the collective and what came out. Not covered: FSDP's re
 from __future__ import annotations
 
 import contextlib
+import datetime as _dt
 import hashlib
 import json
 import os
@@ -102,7 +103,9 @@ def write_all_ranks(final: Path, write_part: Callable[[Path], None], manifest: d
             m = tmp / f"rank{r}" / MANIFEST
             parts[str(r)] = {"dir": f"rank{r}", "manifest_sha256": _sha256(m),
                              "observed": json.loads(m.read_text()).get("observed")}
-        top = {"schema": SCHEMA, "kind": "multi-rank", "environment": environment(),
+        top = {"schema": SCHEMA, "kind": "multi-rank",
+               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+               "environment": environment(),
                **manifest, "world_size": info.world_size, "backend": info.backend,
                "process_groups": _merge_groups(groups, info.world_size), "ranks": parts,
                "files": {}}

@@ -175,10 +175,16 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
 
 
 def _created(bundle: Path) -> str | None:
-    try:
-        return json.loads((bundle / MANIFEST).read_text()).get("created")
-    except (OSError, ValueError):
-        return None
+    """When the bundle was written (a multi-rank bundle written before the top manifest carried
+    it: rank 0's part)."""
+    for m in (bundle / MANIFEST, bundle / "rank0" / MANIFEST):
+        try:
+            created = json.loads(m.read_text()).get("created")
+        except (OSError, ValueError):
+            continue
+        if created:
+            return created
+    return None
 
 
 def load_known(path: Path) -> set[str]:
