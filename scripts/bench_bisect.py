@@ -651,7 +651,7 @@ def print_tables(res: dict) -> None:
     for k in w:
         print(f"| {k} | {w[k]:.0f} | {w[k] / plain_rb:.2f} | {wo[k]:.0f} |")
     b, d = res["bytes"], res["full_dump"]
-    print(f"\n| bytes | bytes | share of full dump |\n|---|---:|---:|")
+    print("\n| bytes | bytes | share of full dump |\n|---|---:|---:|")
     print(f"| report dir (incl. repro/) | {b['report_total']:,} | "
           f"**{100 * b['report_total'] / d['total_all']:.4f}%** |")
     for name, size in b["report_files"].items():

@@ -27,7 +27,7 @@ def run(n: int, tmp: Path) -> dict:
                         "rank1_nan", str(tmp / f"g{n}")], capture_output=True, text=True)
     capture_s = time.monotonic() - t0
     bundle = Path(next(line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()
-                       if line.startswith("BUNDLE "))))
+                       if line.startswith("BUNDLE ")))
     sizes = {d.name: sum(f.stat().st_size for f in d.rglob("*") if f.is_file())
              for d in bundle.iterdir() if d.is_dir()}
     t0 = time.monotonic()

@@ -5,7 +5,6 @@ import json
 import sys
 
 import pytest
-import torch
 
 from conftest import TASKS, cli
 

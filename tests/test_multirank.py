@@ -2,13 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-
-import pytest
 
 from conftest import TEST_TASKS, cli
 
