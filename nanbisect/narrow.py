@@ -17,7 +17,7 @@ from typing import Callable, ContextManager
 import torch
 
 from .oprecord import OpRecorder
-from .provenance import Root, context, culprit_root, inf_origin
+from .provenance import Root, context, culprit_root, inf_origin, reaches_outside
 from .repro import Caught, InputCatcher
 from .replay import Replayer, stacked
 from .tracker import ModuleTracker
@@ -39,6 +39,8 @@ class OpFinding:
     inf_origin: dict | None = None
     total_ops: int = 0
     occurrence: int = 0     # how many calls of the same op came before it in its phase
+    recorded: int = 0       # ops recorded (all of the phase, or only the scoped call's)
+    scope: tuple[str, int] | None = None   # the module call recording was limited to
 
 
 def _describe(root: Root) -> dict:
@@ -48,12 +50,38 @@ def _describe(root: Root) -> dict:
 
 
 def record_ops(rep: Replayer, phase: str, kind: str,
-               wrap: Callable[[], ContextManager] = nullcontext) -> OpFinding | None:
-    """Second pass: record the ops of ``phase`` and trace the failure back to its root op."""
+               wrap: Callable[[], ContextManager] = nullcontext,
+               scope: tuple[str, int] | None = None) -> OpFinding | None:
+    """Second pass: record the ops of ``phase`` and trace the failure back to its root op.
+
+    With ``scope`` (the forward module call that the first pass found producing the failure from
+    clean inputs) recording starts when that call starts: the ops before it are not recorded,
+    their values enter as outside values with their flags. A root found that way is sound (an op
+    on the failure's path with clean inputs and a bad output). When the trace runs into a bad
+    outside value instead (the failure came from before the call), finds no root, or the root
+    consumed an inf born before the call (``inf_origin`` needs those ops), the whole phase is
+    recorded: one more replay. NB: multi-rank replays pass no scope, so that every rank runs the
+    same passes.
+    """
+    if scope is not None and phase == "forward":
+        found = _record(rep, phase, kind, wrap, scope)
+        if found is not None:
+            return found
+    return _record(rep, phase, kind, wrap, None)
+
+
+def _record(rep: Replayer, phase: str, kind: str, wrap, scope) -> OpFinding | None:
     model = rep.task.model
     tracker = ModuleTracker(model, map_nodes=(phase == "backward"))
-    rec = OpRecorder(tracker, phases={phase})
-    out = rep.run(phase=rec.follow, wrap=lambda: stacked(wrap(), tracker, rec), stop_after=phase)
+    started = [scope is None]
+    rec = OpRecorder(tracker, phases={phase}, scope=None if scope is None else lambda: started[0])
+    handles = _start_at_call(model, scope, started) if scope else []
+    try:
+        out = rep.run(phase=rec.follow, wrap=lambda: stacked(wrap(), tracker, rec),
+                      stop_after=phase)
+    finally:
+        for h in handles:
+            h.remove()
     names = list(model.named_parameters())
     if phase == "forward" and out.loss_tensor is not None:
         rec.mark("loss", out.loss_tensor)
@@ -73,6 +101,8 @@ def record_ops(rep: Replayer, phase: str, kind: str,
         root = culprit_root(table, table.leaves(), kind)
     if root is None:
         return None
+    if scope and reaches_outside(table, list(starts.values()), kind):
+        return None         # part of the failure comes from before the recorded window
     parameter = None
     if phase == "optimizer":
         for n, _ in names:  # the first parameter (model order) whose failure leads to the root
@@ -86,15 +116,29 @@ def record_ops(rep: Replayer, phase: str, kind: str,
         module, call = (parameter or "").rpartition(".")[0], None
     ins = root.op.inputs_for(root.op.outputs[root.output])
     origin = inf_origin(table, root)
-    occurrence = sum(1 for r in table.ops[:root.op.pos] if r.op == root.op.op
-                     and r.phase == root.op.phase)
+    if scope and origin is None and any(i.flags.inf for i in ins):
+        return None         # the inf came from before the call: record the whole phase
     return OpFinding(op=root.op.op, op_index=root.op.index, phase=root.op.phase,
-                     occurrence=occurrence,
+                     occurrence=root.op.occurrence,
                      module=module if module is not None else "", module_call=call,
                      input_dtypes=[i.dtype for i in ins], input_shapes=[list(i.shape) for i in ins],
                      parameter=parameter,
                      context=context(table, root), total_ops=table.total_ops,
-                     inf_origin=_describe(origin) if origin is not None else None)
+                     inf_origin=_describe(origin) if origin is not None else None,
+                     recorded=len(table.ops), scope=scope)
+
+
+def _start_at_call(model: torch.nn.Module, scope: tuple[str, int], started: list) -> list:
+    """A hook that sets ``started[0]`` when call ``scope`` of its module begins."""
+    sub = model.get_submodule(scope[0])
+    calls = [0]
+
+    def pre(mod, args):
+        if calls[0] == scope[1]:
+            started[0] = True
+        calls[0] += 1
+
+    return [sub.register_forward_pre_hook(pre)]
 
 
 def catch_inputs(rep: Replayer, finding: OpFinding,

@@ -182,6 +182,8 @@ class OpRecord:
     module_call: int | None
     inputs: tuple[InputRef, ...]
     outputs: tuple[OutputRef, ...]
+    occurrence: int = 0              # calls of the same op before it in its phase (all of them,
+                                     # recorded or outside the scope)
 
     def inputs_for(self, out: OutputRef) -> list[InputRef]:
         """The inputs that fed one output (the matching list element for foreach ops)."""
@@ -212,10 +214,13 @@ class OpRecorder(TorchDispatchMode):
     """
 
     def __init__(self, tracker: ModuleTracker | None, phases: set[str],
-                 keep: Callable[[], bool] | None = None) -> None:
+                 keep: Callable[[], bool] | None = None,
+                 scope: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self.tracker = tracker
         self.keep = keep
+        self.scope = scope      # when given, only ops for which scope() is true are recorded
+        self._occ: dict[tuple[str, str], int] = {}
         # pos -> (args, kwargs, written tensors) cloned, for ops where ``keep()`` was true
         self.kept: dict[int, tuple[list, dict, list[torch.Tensor]]] = {}
         self.phases = phases
@@ -278,6 +283,11 @@ class OpRecorder(TorchDispatchMode):
         self.count += 1
         if self.phase not in self.phases:
             return func(*args, **kwargs)
+        occ_key = (self.phase, str(func))
+        occurrence = self._occ.get(occ_key, 0)
+        self._occ[occ_key] = occurrence + 1
+        if self.scope is not None and not self.scope():
+            return func(*args, **kwargs)
         keeping = self.keep is not None and self.keep()
         if keeping:
             kept_args = torch.utils._pytree.tree_map(_clone, list(args))
@@ -326,6 +336,7 @@ class OpRecorder(TorchDispatchMode):
                                                        for t, _ in tensor_args(written)])
         module, call = self._where()
         self._ops.append({"index": index, "op": str(func), "phase": self.phase, "module": module,
+                          "occurrence": occurrence,
                           "call": call, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),
                                                  tuple(t.shape)) for src, elem, t in ins],
                           "outs": outs})
@@ -367,6 +378,6 @@ class OpRecorder(TorchDispatchMode):
                     ins.append(InputRef(None, 0, flags(src[1]), elem, dtype, shape))
             outs = tuple(OutputRef(flags(r), elem) for r, elem in o["outs"])
             ops.append(OpRecord(pos, o["index"], o["op"], o["phase"], o["module"], o["call"],
-                                tuple(ins), outs))
+                                tuple(ins), outs, o["occurrence"]))
         marks = {k: (v if isinstance(v, tuple) else None) for k, v in self._marks.items()}
         return OpTable(ops, self.count), marks

@@ -277,7 +277,10 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
     else:
         culprit = Culprit(phase, "", None, [], [], None)
 
-    finding = _guarded(lambda: record_ops(rep, phase, kind, wrap), "recording the step's ops")
+    scope = (call.call.module, call.call.call) if phase == "forward" and call is not None \
+        else None
+    finding = _guarded(lambda: record_ops(rep, phase, kind, wrap, scope),
+                       "recording the step's ops")
     if finding is None:
         notes.append("op-level provenance found no root op inside the recorded phase; the "
                      "culprit is the module call that produced the value")
@@ -334,6 +337,11 @@ def _culprit_report(rep: Replayer, probe: ModuleProbe, first: StepOutcome, class
                         inf_origin=finding.inf_origin if finding else None,
                         context=finding.context if finding else [], op_check=op_check,
                         module_repro=module_repro,
+                        op_recording=({"scope": ({"module": finding.scope[0],
+                                                  "module_call": finding.scope[1]}
+                                                 if finding.scope else None),
+                                       "phase": finding.phase, "recorded_ops": finding.recorded,
+                                       "step_ops": finding.total_ops} if finding else None),
                         uncomparable=[op_check] if op_check and op_check["status"] == "uncomparable"
                         else [], **common)
         write_report(report, tmp)

@@ -56,6 +56,26 @@ def trace(table: OpTable, starts: list[tuple[int, int]], bad: Pred) -> Root | No
     return best
 
 
+def reaches_outside(table: OpTable, starts: list[tuple[int, int]], kind: str) -> bool:
+    """Does the backward walk from ``starts`` meet a bad value that no recorded op produced
+    (one from before the recorded window)?"""
+    bad = _pred(kind)
+    ops = table.ops
+    seen: set[tuple[int, int]] = set()
+    todo = [s for s in starts if bad(ops[s[0]].outputs[s[1]].flags)]
+    while todo:
+        p, j = todo.pop()
+        if (p, j) in seen:
+            continue
+        seen.add((p, j))
+        for i in ops[p].inputs_for(ops[p].outputs[j]):
+            if bad(i.flags):
+                if i.producer is None:
+                    return True
+                todo.append((i.producer, i.output))
+    return False
+
+
 def culprit_root(table: OpTable, starts: list[tuple[int, int]], kind: str) -> Root | None:
     return trace(table, starts, _pred(kind))
 

@@ -48,6 +48,7 @@ class Report:
     ranks: list[dict] = field(default_factory=list)  # multi-rank: what each rank saw
     timeline: list[dict] = field(default_factory=list)  # every module call, execution order
     module_repro: dict | None = None   # fallback repro of the culprit's module call, when used
+    op_recording: dict | None = None   # what the op-recording pass covered (scope, op counts)
 
     @property
     def exit_code(self) -> int:
@@ -69,6 +70,7 @@ class Report:
             "divergence": self.divergence, "op_check": self.op_check,
             "uncomparable": self.uncomparable, "ranks": self.ranks,
             "timeline": self.timeline, "module_repro": self.module_repro,
+            "op_recording": self.op_recording,
         }
 
 

@@ -135,3 +135,18 @@ def test_backward_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
     saved = load_file(tmp_path / "report" / "repro" / "module_inputs.safetensors")
     grads = [v for k, v in saved.items() if k.startswith("grad_out")]
     assert grads and all(torch.isfinite(g).all() for g in grads)
+
+
+def test_forward_recording_is_scoped_to_the_producing_module_call(tmp_path):
+    """Pass 2 starts recording at the producing module call (the ops before it are not
+    recorded); an inf born before the call makes it record the whole phase (for inf_origin)."""
+    from conftest import ROOT
+
+    r = run_bundle(str(ROOT / "fixtures" / "bundles" / "forward_nan_behind_mask"),
+                   RunOptions(run_repro=False), tmp_path / "a")
+    rec = r.op_recording
+    assert rec["scope"] == {"module": r.culprit.module, "module_call": r.culprit.module_call}
+    assert 0 < rec["recorded_ops"] < rec["step_ops"] / 2
+    r = run_bundle(str(ROOT / "fixtures" / "bundles" / "overflow_then_nan"),
+                   RunOptions(run_repro=False), tmp_path / "b")
+    assert r.op_recording["scope"] is None and r.inf_origin["op"] == "aten.exp.default"
