@@ -311,7 +311,7 @@ class PieceTimer:
         p2_run = acc["pass 2: op recording: replay"]
         out["pass 1: forward with module probe, until the NaN loss"] = (
             acc["pass 1: module stats: replay"] - per_run)
-        out["pass 2: forward recording every op"] = p2_run - per_run
+        out["pass 2: forward, recording ops (from the producing call on)"] = p2_run - per_run
         out["pass 2: read flags, trace provenance"] = acc["pass 2: op recording, total"] - p2_run
         out["pass 3: forward catching the culprit's inputs"] = (
             acc["pass 3: catch inputs: replay"] - per_run)
