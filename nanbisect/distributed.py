@@ -7,7 +7,8 @@ its part (``rank{r}/``) of one bundle; rank 0 adds the top manifest (world size,
 process-group layout, each part's checksum) and renames the directory into place only after a
 barrier, so a bundle that exists is complete. `ReductionObserver` wraps DDP's communication hook
 (the user's own hook when one is registered, else the built-in all-reduce) and records, per bucket,
-the gradient going into the collective and what came out. Not covered: FSDP's reduce-scatter.
+the gradient going into the collective and what came out. FSDP2's reduce-scatter is not hooked
+here: it is a dispatched collective, which the op recorder sees (`oprecord`, `rankworker`).
 """
 from __future__ import annotations
 

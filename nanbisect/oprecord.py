@@ -261,7 +261,6 @@ class OpRecorder(TorchDispatchMode):
         self._rows.append(torch.stack([lo.float(), hi.float()]))
         return len(self._rows) - 1
 
-
     def _where(self) -> tuple[str | None, int | None]:
         if self.tracker is None:
             return None, None
