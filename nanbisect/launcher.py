@@ -32,6 +32,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# errors a rank sees when a peer died or left: consequences, not causes
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote worker crashing", "NCCL communicator was aborted")
+
+
 def _kill_session(p: subprocess.Popen) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
@@ -64,7 +69,7 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
         _kill_session(p)
         log = ""
     _kill_session(p)  # workers that outlived their launcher, if any
-    results, missing = [], []
+    results, missing, errors = [], [], {}
     for r in range(world):
         f = partial / f"rank{r}.json"
         if not f.is_file():
@@ -72,13 +77,27 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
             continue
         res = json.loads(f.read_text())
         if "error" in res:
-            raise BadInput(f"rank {r} failed during replay: {res['error']}")
-        results.append(res)
+            errors[r] = res["error"]
+        else:
+            results.append(res)
+    # a rank that fails makes its peers fail too ("connection closed by peer"): name the cause
+    primary = [r for r, e in errors.items() if not any(s in e for s in _PEER_GONE)]
+    if primary:
+        r = primary[0]
+        hint = ("; a collective timed out: the ranks probably took different control paths "
+                "(one skipped or added a collective)" if "imed out" in errors[r] else "")
+        raise BadInput(f"rank {r} failed during replay: {errors[r]}{hint}")
     if missing:
         tail = " | ".join(line for line in log.strip().splitlines()[-3:]) if log else ""
+        then = (f"; rank(s) {sorted(errors)} then lost their peers" if errors else "")
         raise BadInput(f"rank(s) {missing} ended without a result within {timeout:.0f}s "
-                       f"(crashed, exited or hung; launcher exit {p.returncode}{': ' + tail if tail else ''}"
-                       "); run those ranks' code alone, or raise NANBISECT_RANK_TIMEOUT")
+                       "(crashed, exited, or waited in a collective the other ranks never joined: "
+                       f"a different control path){then} (launcher exit {p.returncode}"
+                       f"{': ' + tail if tail else ''}); run those ranks' code alone, or raise "
+                       "NANBISECT_RANK_TIMEOUT")
+    if errors:
+        r = min(errors)
+        raise BadInput(f"rank {r} failed during replay: {errors[r]}")
     return sorted(results, key=lambda r: r["rank"])
 
 

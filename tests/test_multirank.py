@@ -159,3 +159,19 @@ def test_fsdp2_reduce_scatter_returning_nan_is_communication(tmp_path):
     assert (rep["verdict"], rep["classification"], rep["phase"]) == (
         "culprit", "communication", "grad-reduce")
     assert rep["culprit"]["op"] == "c10d._reduce_scatter_base_.default"
+
+
+def test_rank_taking_a_different_control_path_ends_within_the_timeout(tmp_path):
+    # rank 1 skips a collective that rank 0 waits in: a hang without the watchdog
+    bundle = torchrun_capture("tp_healthy", tmp_path / "g")
+    t0 = time.monotonic()
+    res = cli("run", "--ckpt", bundle, env={"DIVERGE_ON_REPLAY": "1",
+                                             "NANBISECT_RANK_TIMEOUT": "20"}, timeout=200)
+    took = time.monotonic() - t0
+    assert res.code == 2, res.stdout + res.stderr
+    assert "control path" in res.stderr and "Traceback" not in res.stderr
+    assert len(res.stderr.strip().splitlines()) <= 2
+    assert took < 20 + 60
+    time.sleep(1)
+    assert rankworkers() == []
+    assert not (bundle / "nanbisect-report").exists()

@@ -9,7 +9,8 @@ trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails
 - tp_rank1_nan: tensor parallel, no DDP: a row-parallel layer whose shard on rank 1 takes sqrt of
   a negative number; its partial sums are all-reduced *inside* the layer, so on every rank the
   same module call has clean inputs and a NaN output: only op level tells rank 1 computed it;
-- tp_healthy: the same layer with healthy shards; captures step 3 on every rank. Replayed with
+- tp_healthy: the same layer with healthy shards; captures step 3 on every rank (replayed with
+  DIVERGE_ON_REPLAY=1, rank 1 skips the all-reduce: a different control path). Replayed with
   `--inject tests/tasks/corrupt_allreduce.py:corrupt_allreduce` (an all-reduce that returns NaN
   from finite inputs) it is the collective's fault, seen by every rank;
 - fsdp_rank1_backward_nan: FSDP2 (fully_shard), parameters are DTensor shards; a gate whose
@@ -96,6 +97,8 @@ class RowParallel(nn.Module):
         r = dist.get_rank()
         local = h[:, 4 * r:4 * r + 4]
         part = torch.sqrt(self.scale * local.abs() + 0.1) * self.weight
+        if os.environ.get("DIVERGE_ON_REPLAY") == "1" and r == 1:
+            return part.sum(-1, keepdim=True)      # rank 1 skips the all-reduce: ranks diverge
         return _ReduceFromTP.apply(part.sum(-1, keepdim=True), self.group)
 
 
