@@ -80,6 +80,9 @@ def summary_text(info: dict) -> str:
                                                     if info['model']['tied'] else ""),
              f"optimizer {info['optimizer']['class'] if info['optimizer'] else '-'}",
              "observed  " + _observed_text(obs)]
+    groups = info.get("process_groups")
+    if groups and len(groups) > 1:   # more than the world: the job's layout
+        lines.append("groups    " + "; ".join(f"{n}: {r}" for n, r in groups.items()))
     for name, f in info["files"].items():
         lines.append(f"  {name:<22} {f['bytes']:>10} bytes  {f['tensors']:>4} tensors  "
                      f"{f['dtypes']}")

@@ -94,6 +94,8 @@ def test_tensor_parallel_nan_computed_on_one_rank_is_told_from_received(tmp_path
     bundle = torchrun_capture("tp_rank1_nan", tmp_path / "g")
     top = json.loads((bundle / "manifest.json").read_text())
     assert top["process_groups"] == {"world": [0, 1], "tp": [0, 1]}   # the layout, named
+    shown = cli("inspect", bundle)
+    assert shown.code == 0 and "groups    world: [0, 1]; tp: [0, 1]" in shown.stdout
     res = cli("run", "--ckpt", bundle, "--json", timeout=300)
     assert res.code == 1, res.stderr
     rep = json.loads(res.stdout)
