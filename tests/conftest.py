@@ -36,6 +36,13 @@ def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 30
     return CliResult(p.returncode, p.stdout, p.stderr)
 
 
+def run_json(bundle, *flags, env: dict | None = None, code: int = 1) -> dict:
+    """``nanbisect run --ckpt BUNDLE --json FLAGS``: assert the exit code, return report.json."""
+    res = cli("run", "--ckpt", bundle, "--json", *flags, env=env)
+    assert res.code == code, res.stdout[-2000:] + res.stderr
+    return json.loads(res.stdout)
+
+
 @pytest.fixture
 def fixture_bundle(tmp_path):
     """Copy a shipped bundle into tmp_path (so reports never land in the repository)."""

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from conftest import TASKS, cli
+from conftest import TASKS, cli, run_json
 
 import nanbisect
 
@@ -29,9 +29,7 @@ EXPECTED = {
 def test_fixture_culprit(name, fixture_bundle, tmp_path):
     phase, module, call, op, dtypes = EXPECTED[name]
     bundle = fixture_bundle(name)
-    res = cli("run", "--ckpt", bundle, "--json")
-    assert res.code == 1, res.stderr
-    rep = json.loads(res.stdout)
+    rep = run_json(bundle)
     assert rep == json.loads((bundle / "nanbisect-report" / "report.json").read_text())
     assert (rep["schema"], rep["verdict"]) == ("nanbisect.report/1", "culprit")
     c = rep["culprit"]
@@ -121,9 +119,7 @@ def test_repro_runs_without_nanbisect(fixture_bundle, tmp_path):
 
 def test_nan_batch_is_input_nonfinite(fixture_bundle):
     bundle = fixture_bundle("nan_batch")
-    res = cli("run", "--ckpt", bundle, "--json")
-    assert res.code == 1
-    rep = json.loads(res.stdout)
+    rep = run_json(bundle)
     assert (rep["verdict"], rep["classification"], rep["phase"]) == (
         "input-nonfinite", "data", "input")
     assert rep["culprit"] is None
@@ -173,9 +169,7 @@ def test_not_reproduced(tmp_path, monkeypatch):
                             out=tmp_path / "g")
     with pytest.raises(nanbisect.NonFiniteStep) as e:
         guard.step(transient.batch())
-    res = cli("run", "--ckpt", e.value.bundle, "--json")  # cli() drops NANBISECT_TEST_* vars
-    assert res.code == 3, res.stderr
-    rep = json.loads(res.stdout)
+    rep = run_json(e.value.bundle, code=3)  # cli() drops NANBISECT_TEST_* vars
     assert (rep["verdict"], rep["classification"], rep["culprit"]) == (
         "not-reproduced", "transient", None)
 

@@ -1,22 +1,14 @@
 """Cross-device differential replay on CPU: target-only faults come in through --inject."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from conftest import ROOT, cli
+from conftest import ROOT, cli, run_json
 
 NPU = f"{ROOT / 'fixtures' / 'inject' / 'npu_kernels.py'}:npu"
 MATMUL_OFF = f"{ROOT / 'fixtures' / 'inject' / 'matmul_off.py'}:matmul_off"
 NBDEV_IMPLS = str(ROOT / "fixtures" / "reference" / "nbdev_impls.py")
-
-
-def run_json(bundle, *flags, env=None, code=1):
-    res = cli("run", "--ckpt", bundle, "--json", *flags, env=env)
-    assert res.code == code, res.stdout[-2000:] + res.stderr
-    return json.loads(res.stdout)
 
 
 @pytest.mark.parametrize("reference", ["cpu", "cpu:float64"])

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import TEST_TASKS, cli
+from conftest import TEST_TASKS, cli, run_json
 
 TRAIN = TEST_TASKS / "ddp_train.py"
 
@@ -22,6 +22,20 @@ def torchrun_capture(func: str, out: Path) -> Path:
              if line.startswith("BUNDLE ")]
     assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-2000:]
     return Path(lines[0])
+
+
+def failing_replay(bundle: Path, env: dict) -> tuple:
+    """Run a replay that must fail: exit 2, no traceback, no report, no rank process left.
+    Returns the result and its wall time."""
+    t0 = time.monotonic()
+    res = cli("run", "--ckpt", bundle, env=env, timeout=200)
+    took = time.monotonic() - t0
+    assert res.code == 2, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    time.sleep(1)
+    assert rankworkers() == []
+    assert not (bundle / "nanbisect-report").exists()
+    return res, took
 
 
 def rankworkers() -> list[str]:
@@ -44,9 +58,7 @@ def test_comm_hook_corrupting_reduced_grads_is_communication(tmp_path):
     assert sorted(top["ranks"]) == ["0", "1"]
     assert (bundle / "rank0" / "model.safetensors").is_file()
     assert (bundle / "rank1" / "batch.safetensors").is_file()
-    res = cli("run", "--ckpt", bundle, "--json", timeout=300)
-    assert res.code == 1, res.stderr
-    rep = json.loads(res.stdout)
+    rep = run_json(bundle)
     assert (rep["verdict"], rep["phase"], rep["classification"]) == (
         "culprit", "grad-reduce", "communication")
     assert rep["culprit"]["phase"] == "grad-reduce"
@@ -59,9 +71,7 @@ def test_rank_that_computes_nan_locally_is_named(tmp_path):
     top = json.loads((bundle / "manifest.json").read_text())
     assert top["ranks"]["1"]["observed"]["first"] == "loss"       # rank 1 failed alone...
     assert top["ranks"]["0"]["observed"]["summary"]["loss"] == "finite"   # ...rank 0 wrote too
-    res = cli("run", "--ckpt", bundle, "--json", timeout=300)
-    assert res.code == 1, res.stderr
-    rep = json.loads(res.stdout)
+    rep = run_json(bundle)
     c = rep["culprit"]
     assert (c["rank"], c["phase"], c["op"], c["module"], c["module_call"]) == (
         1, "forward", "aten.sqrt.default", "module", 0)
@@ -76,16 +86,9 @@ def test_rank_that_computes_nan_locally_is_named(tmp_path):
 
 def test_rank_crash_during_replay_is_named_and_leaves_no_process(tmp_path):
     bundle = torchrun_capture("crash_on_replay", tmp_path / "g")
-    t0 = time.monotonic()
-    res = cli("run", "--ckpt", bundle, env={"CRASH_ON_REPLAY": "1",
-                                            "NANBISECT_RANK_TIMEOUT": "60"}, timeout=200)
-    took = time.monotonic() - t0
-    assert res.code == 2, res.stdout + res.stderr
-    assert "rank 1 failed during replay" in res.stderr and "Traceback" not in res.stderr
+    res, took = failing_replay(bundle, {"CRASH_ON_REPLAY": "1", "NANBISECT_RANK_TIMEOUT": "60"})
+    assert "rank 1 failed during replay" in res.stderr
     assert took < 60
-    time.sleep(1)
-    assert rankworkers() == []
-    assert not (bundle / "nanbisect-report").exists()
 
 
 def test_tensor_parallel_nan_computed_on_one_rank_is_told_from_received(tmp_path):
@@ -96,9 +99,7 @@ def test_tensor_parallel_nan_computed_on_one_rank_is_told_from_received(tmp_path
     assert top["process_groups"] == {"world": [0, 1], "tp": [0, 1]}   # the layout, named
     shown = cli("inspect", bundle)
     assert shown.code == 0 and "groups    world: [0, 1]; tp: [0, 1]" in shown.stdout
-    res = cli("run", "--ckpt", bundle, "--json", timeout=300)
-    assert res.code == 1, res.stderr
-    rep = json.loads(res.stdout)
+    rep = run_json(bundle)
     c = rep["culprit"]
     assert (rep["verdict"], rep["phase"]) == ("culprit", "forward")
     assert (c["rank"], c["op"], c["module"], c["module_call"]) == (
@@ -117,12 +118,9 @@ def test_tensor_parallel_nan_computed_on_one_rank_is_told_from_received(tmp_path
 
 def test_collective_that_returns_nan_from_finite_inputs_is_communication(tmp_path):
     bundle = torchrun_capture("tp_healthy", tmp_path / "g")
-    assert cli("run", "--ckpt", bundle, "--json", timeout=300).code == 0   # healthy as captured
+    run_json(bundle, code=0)                    # healthy as captured
     inject = f"{TEST_TASKS / 'corrupt_allreduce.py'}:corrupt_allreduce"
-    res = cli("run", "--ckpt", bundle, "--json", "--inject", inject, "--out",
-              tmp_path / "rep", timeout=300)
-    assert res.code == 1, res.stderr
-    rep = json.loads(res.stdout)
+    rep = run_json(bundle, "--inject", inject, "--out", tmp_path / "rep")
     assert (rep["verdict"], rep["classification"], rep["phase"]) == (
         "culprit", "communication", "forward")
     assert (rep["culprit"]["op"], rep["culprit"]["module"]) == ("c10d.allreduce_.default", "row")
@@ -135,9 +133,7 @@ def test_fsdp2_backward_nan_on_one_rank_is_told_from_the_reduce_scatter(tmp_path
     bundle = torchrun_capture("fsdp_rank1_backward_nan", tmp_path / "g")
     top = json.loads((bundle / "manifest.json").read_text())
     assert top["ranks"]["1"]["observed"]["summary"]["grads"] == "nan"
-    res = cli("run", "--ckpt", bundle, "--json", timeout=300)
-    assert res.code == 1, res.stderr
-    rep = json.loads(res.stdout)
+    rep = run_json(bundle)
     c = rep["culprit"]
     assert (rep["phase"], c["rank"], c["op"], c["module"], c["module_call"]) == (
         "backward", 1, "aten.sqrt.default", "gate", 0)
@@ -151,13 +147,9 @@ def test_fsdp2_backward_nan_on_one_rank_is_told_from_the_reduce_scatter(tmp_path
 
 def test_fsdp2_reduce_scatter_returning_nan_is_communication(tmp_path):
     bundle = torchrun_capture("fsdp_healthy", tmp_path / "g")
-    first = cli("run", "--ckpt", bundle, "--json", timeout=300)
-    assert first.code == 0, first.stderr       # the shards restore and replay healthy
+    run_json(bundle, code=0)                    # the shards restore and replay healthy
     inject = f"{TEST_TASKS / 'corrupt_allreduce.py'}:corrupt_reduce_scatter"
-    res = cli("run", "--ckpt", bundle, "--json", "--inject", inject, "--out",
-              tmp_path / "rep", timeout=300)
-    assert res.code == 1, res.stderr
-    rep = json.loads(res.stdout)
+    rep = run_json(bundle, "--inject", inject, "--out", tmp_path / "rep")
     assert (rep["verdict"], rep["classification"], rep["phase"]) == (
         "culprit", "communication", "grad-reduce")
     assert rep["culprit"]["op"] == "c10d._reduce_scatter_base_.default"
@@ -166,14 +158,7 @@ def test_fsdp2_reduce_scatter_returning_nan_is_communication(tmp_path):
 def test_rank_taking_a_different_control_path_ends_within_the_timeout(tmp_path):
     # rank 1 skips a collective that rank 0 waits in: a hang without the watchdog
     bundle = torchrun_capture("tp_healthy", tmp_path / "g")
-    t0 = time.monotonic()
-    res = cli("run", "--ckpt", bundle, env={"DIVERGE_ON_REPLAY": "1",
-                                             "NANBISECT_RANK_TIMEOUT": "20"}, timeout=200)
-    took = time.monotonic() - t0
-    assert res.code == 2, res.stdout + res.stderr
-    assert "control path" in res.stderr and "Traceback" not in res.stderr
+    res, took = failing_replay(bundle, {"DIVERGE_ON_REPLAY": "1", "NANBISECT_RANK_TIMEOUT": "20"})
+    assert "control path" in res.stderr
     assert len(res.stderr.strip().splitlines()) <= 2
     assert took < 20 + 60
-    time.sleep(1)
-    assert rankworkers() == []
-    assert not (bundle / "nanbisect-report").exists()
