@@ -93,26 +93,23 @@ def _wait(out: Any) -> None:
             x.wait()
 
 
+def _whole(t: torch.Tensor) -> bool:
+    """Does ``t`` cover all of its storage, contiguously?"""
+    return t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+
+
 def _storage_view(t: torch.Tensor) -> torch.Tensor:
     """``t``'s whole storage as a flat tensor of ``t``'s dtype (``t`` itself when it is that)."""
-    n = t.untyped_storage().nbytes() // t.element_size()
-    if n == t.numel() and t.is_contiguous():
+    if _whole(t):
         return t
-    return t.as_strided((n,), (1,), 0)
-
-
-def _whole(t: Any) -> bool:
-    if not isinstance(t, torch.Tensor):
-        return False
-    t = local(t)
-    return t.is_contiguous() and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    return t.as_strided((t.untyped_storage().nbytes() // t.element_size(),), (1,), 0)
 
 
 def read_args(func, args: tuple, kwargs: dict) -> list[Any]:
     """The arguments whose values an op reads: all but a collective's output buffers and the
     destination of an op that overwrites all of it (``copy_``, ``fill_``, ``zero_`` into a whole
     storage; into a slice, the rest of the storage still carries what it held)."""
-    if func in OVERWRITE and _whole(args[0]):
+    if func in OVERWRITE and isinstance(args[0], torch.Tensor) and _whole(local(args[0])):
         return [*args[1:], *kwargs.values()]
     if func.namespace == "c10d":
         names = [a.name for a in func._schema.arguments]
@@ -249,8 +246,8 @@ class OpRecorder(TorchDispatchMode):
             self._alive[addr] = StorageWeakRef(st)
         return addr + (self._gen.get(addr, 0),)
 
-    def value_key(self, t: torch.Tensor) -> Key:
-        sid = self._sid(t)
+    def value_key(self, t: torch.Tensor, sid: Sid | None = None) -> Key:
+        sid = sid or self._sid(t)
         return sid + (self._writes.get(sid, 0),)
 
     # -- recording ------------------------------------------------------------------------
@@ -322,7 +319,7 @@ class OpRecorder(TorchDispatchMode):
             sid = self._sid(t)
             if sid not in mutated and sid not in in_storages:
                 self._writes[sid] = 0  # fresh memory, perhaps at the address of a dead value
-            key = self.value_key(t)
+            key = self.value_key(t, sid)
             if key in in_keys or key in seen:  # a view of an input: the same value
                 continue
             seen.add(key)
