@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
+import sys
 import threading
 import traceback
 from contextlib import nullcontext
@@ -209,8 +211,16 @@ def main() -> None:
         os._exit(1)
     finally:
         watchdog.cancel()
+    # The replayed model is garbage now; FSDP2 modules keep the process group in reference
+    # cycles, and freeing them at interpreter shutdown can abort the process ("terminate called
+    # without an active exception"). Free them while torch is alive; skip shutdown altogether:
+    # the result is written.
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
