@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,12 +23,6 @@ from .report import Report, staged, write_report
 from .repro import run_repro
 
 DEFAULT_TIMEOUT = float(os.environ.get("NANBISECT_RANK_TIMEOUT", "600"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # errors a rank sees when a peer died or left: consequences, not causes
@@ -56,7 +49,7 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
     world = bundle.world_size
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
            f"--nproc-per-node={world}", "--max-restarts=0", "--rdzv-backend=c10d",
-           f"--rdzv-endpoint=127.0.0.1:{_free_port()}", "-m", "nanbisect.rankworker",
+           "--rdzv-endpoint=127.0.0.1:0", "-m", "nanbisect.rankworker",
            str(bundle.path.resolve()), str(partial), "--target", target,
            "--timeout", str(timeout)]
     if inject:
