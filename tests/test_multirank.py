@@ -33,20 +33,21 @@ def failing_replay(bundle: Path, env: dict) -> tuple:
     assert res.code == 2, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
     time.sleep(1)
-    assert rankworkers() == []
+    assert rankworkers(bundle) == []
     assert not (bundle / "nanbisect-report").exists()
     return res, took
 
 
-def rankworkers() -> list[str]:
-    out = []
+def rankworkers(bundle: Path) -> list[str]:
+    """Rank workers still replaying ``bundle`` (not those of another test session's replay)."""
+    key, out = str(Path(bundle).resolve()), []
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "nanbisect.rankworker" in cmd:
+            if "nanbisect.rankworker" in cmd and key in cmd:
                 out.append(cmd)
     return out
 
