@@ -113,26 +113,29 @@ def drop_then_sqrt():
 SCALE = [1.0]   # state outside any op's inputs: set by HiddenScale.forward, read by the op
 
 
-def _define_scaled():
+def _scaling_op(name: str, box: list, differentiable: bool):
+    """``torch.ops.nbtrap.<name>(x) = x * box[0]``, defined once per process: the scale is state
+    outside the op's inputs. ``differentiable``: its gradient is scaled the same way."""
     try:
-        return torch.ops.nbtrap.scaled
+        return getattr(torch.ops.nbtrap, name)
     except (AttributeError, RuntimeError):
         pass
 
-    @torch.library.custom_op("nbtrap::scaled", mutates_args=())
-    def scaled(x: torch.Tensor) -> torch.Tensor:
-        return x * SCALE[0]
+    @torch.library.custom_op(f"nbtrap::{name}", mutates_args=())
+    def op(x: torch.Tensor) -> torch.Tensor:
+        return x * box[0]
 
-    @scaled.register_fake
+    @op.register_fake
     def _(x):
         return torch.empty_like(x)
 
-    scaled.register_autograd(lambda ctx, grad: grad * SCALE[0],
+    if differentiable:
+        op.register_autograd(lambda ctx, grad: grad * box[0],
                              setup_context=lambda ctx, inputs, output: None)
-    return torch.ops.nbtrap.scaled
+    return getattr(torch.ops.nbtrap, name)
 
 
-SCALED = _define_scaled()
+SCALED = _scaling_op("scaled", SCALE, differentiable=True)
 
 
 class HiddenScale(nn.Module):
@@ -168,24 +171,7 @@ def hidden_state():
 BSCALE = [1.0]   # the backward twin of SCALE: set in forward, read by an op that runs in backward
 
 
-def _define_gradscaled():
-    try:
-        return torch.ops.nbtrap.gradscaled
-    except (AttributeError, RuntimeError):
-        pass
-
-    @torch.library.custom_op("nbtrap::gradscaled", mutates_args=())
-    def gradscaled(g: torch.Tensor) -> torch.Tensor:
-        return g * BSCALE[0]
-
-    @gradscaled.register_fake
-    def _(g):
-        return torch.empty_like(g)
-
-    return torch.ops.nbtrap.gradscaled
-
-
-GRADSCALED = _define_gradscaled()
+GRADSCALED = _scaling_op("gradscaled", BSCALE, differentiable=False)
 
 
 class _ScaleGrad(torch.autograd.Function):
