@@ -11,9 +11,9 @@ makes a NaN root: for a NaN failure only NaN counts as bad. When the culprit's i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
-from .oprecord import Flags, OpRecord, OpTable
+from .oprecord import Flags, InputRef, OpRecord, OpTable
 
 Pred = Callable[[Flags], bool]
 
@@ -29,16 +29,14 @@ def _pred(kind: str) -> Pred:
     return (lambda f: f.nan) if kind == "nan" else (lambda f: f.nan or f.inf)
 
 
-def trace(table: OpTable, starts: list[tuple[int, int]], bad: Pred) -> Root | None:
-    """Earliest op reachable backwards from ``starts`` whose inputs are clean and output bad.
-
-    ``starts`` are ``(op position, output)`` pairs of values known to be bad. Iterative (backward
-    graphs can be thousands of ops deep).
-    """
+def _walk(table: OpTable, starts: list[tuple[int, int]], bad: Pred
+          ) -> Iterator[tuple[int, int, list[InputRef]]]:
+    """Every bad value reachable backwards from ``starts`` through bad inputs, once each, as
+    ``(op position, output, the bad inputs that fed it)``. Iterative (backward graphs can be
+    thousands of ops deep); inputs no recorded op produced are yielded, not followed."""
     ops = table.ops
     seen: set[tuple[int, int]] = set()
     todo = [s for s in starts if bad(ops[s[0]].outputs[s[1]].flags)]
-    best: Root | None = None
     while todo:
         p, j = todo.pop()
         if (p, j) in seen:
@@ -46,34 +44,27 @@ def trace(table: OpTable, starts: list[tuple[int, int]], bad: Pred) -> Root | No
         seen.add((p, j))
         rec = ops[p]
         bad_inputs = [i for i in rec.inputs_for(rec.outputs[j]) if bad(i.flags)]
-        if not bad_inputs:
-            if best is None or p < best.op.pos:
-                best = Root(rec, j)
-            continue
-        for i in bad_inputs:
-            if i.producer is not None:
-                todo.append((i.producer, i.output))
+        yield p, j, bad_inputs
+        todo.extend((i.producer, i.output) for i in bad_inputs if i.producer is not None)
+
+
+def trace(table: OpTable, starts: list[tuple[int, int]], bad: Pred) -> Root | None:
+    """Earliest op reachable backwards from ``starts`` whose inputs are clean and output bad.
+
+    ``starts`` are ``(op position, output)`` pairs of values known to be bad.
+    """
+    best: Root | None = None
+    for p, j, bad_inputs in _walk(table, starts, bad):
+        if not bad_inputs and (best is None or p < best.op.pos):
+            best = Root(table.ops[p], j)
     return best
 
 
 def reaches_outside(table: OpTable, starts: list[tuple[int, int]], kind: str) -> bool:
     """Does the backward walk from ``starts`` meet a bad value that no recorded op produced
     (one from before the recorded window)?"""
-    bad = _pred(kind)
-    ops = table.ops
-    seen: set[tuple[int, int]] = set()
-    todo = [s for s in starts if bad(ops[s[0]].outputs[s[1]].flags)]
-    while todo:
-        p, j = todo.pop()
-        if (p, j) in seen:
-            continue
-        seen.add((p, j))
-        for i in ops[p].inputs_for(ops[p].outputs[j]):
-            if bad(i.flags):
-                if i.producer is None:
-                    return True
-                todo.append((i.producer, i.output))
-    return False
+    return any(i.producer is None for _, _, bad_inputs in _walk(table, starts, _pred(kind))
+               for i in bad_inputs)
 
 
 def culprit_root(table: OpTable, starts: list[tuple[int, int]], kind: str) -> Root | None:
