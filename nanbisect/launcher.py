@@ -152,17 +152,15 @@ def _report(bundle: Bundle, results: list[dict], target: str, out: Path,
                             ranks=ranks, **common)
         elif plan.get("through_collective"):
             root = results[culprit_rank]["root"]
+            if phase == "backward":   # a collective in backward reduces gradients
+                phase = "grad-reduce"
             culprit = Culprit(phase, root["module"] or "", root["module_call"],
                               root["input_dtypes"], root["input_shapes"], None, op=root["op"],
                               op_index=root["op_index"], rank=culprit_rank)
-            where = _where(root)
             notes.append(f"on every rank that failed ({[r['rank'] for r in ranks if r['root']]}) "
-                         f"the failure traces back to the output of {root['op']}{where}, whose "
-                         "inputs were finite on every rank: no rank computed it, the collective "
-                         "(or the code around it) is at fault")
-            if phase == "backward":   # a collective in backward reduces gradients
-                phase = "grad-reduce"
-                culprit = Culprit(**{**culprit.__dict__, "phase": phase})
+                         f"the failure traces back to the output of {root['op']}{_where(root)}, "
+                         "whose inputs were finite on every rank: no rank computed it, the "
+                         "collective (or the code around it) is at fault")
             report = Report("culprit", "communication", phase, results[culprit_rank]["summary"]
                             .get("kind") or "nan", culprit, notes=notes, ranks=ranks, **common)
         else:
