@@ -1,3 +1,3 @@
-from .cli import main
+from nanbisect.cli import main
 
 main()

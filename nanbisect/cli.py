@@ -14,7 +14,7 @@ from typing import Optional
 
 import typer
 
-from .errors import BadInput
+from nanbisect.errors import BadInput
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Find the first operation that breaks a PyTorch training step.")
@@ -76,8 +76,8 @@ def run(
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
 ) -> None:
     """Replay a bundle, bisect the failure, write report.json and report.md."""
-    from .pipeline import RunOptions, run_bundle
-    from .report import terminal
+    from nanbisect.pipeline import RunOptions, run_bundle
+    from nanbisect.report.text import terminal
 
     out_dir = out or Path(ckpt) / "nanbisect-report"
     try:
@@ -99,7 +99,7 @@ def inspect(
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """Summarise a bundle without importing any user code (safe on untrusted bundles)."""
-    from .bundle_info import summarize, summary_text
+    from nanbisect.bundle.summary import summarize, summary_text
 
     try:
         info = summarize(bundle)
@@ -123,8 +123,8 @@ def triage(
     """Replay every bundle under DIRS in parallel and group failures by culprit signature.
 
     Exit: 0 all clean, 1 known signatures only, 3 new signatures, 2 errors only."""
-    from .triage import load_known, to_markdown
-    from .triage import triage as run_triage
+    from nanbisect.triage import load_known, to_markdown
+    from nanbisect.triage import triage as run_triage
 
     try:
         known_set = load_known(known) if known else set()
@@ -149,7 +149,7 @@ def pack(
     full: bool = typer.Option(False, help="include the model and optimizer state"),
 ) -> None:
     """One archive for a ticket: report, repro, manifest(s), environment (under 10 MB)."""
-    from .pack import pack as do_pack
+    from nanbisect.bundle.pack import pack as do_pack
 
     try:
         dest = do_pack(src, output, full=full)
@@ -164,7 +164,7 @@ def unpack(
     dest: Path = typer.Argument(..., help="directory to extract into"),
 ) -> None:
     """Extract a ticket archive safely (no absolute paths, no '..', no links)."""
-    from .pack import unpack as do_unpack
+    from nanbisect.bundle.pack import unpack as do_unpack
 
     try:
         do_unpack(archive, dest)
@@ -179,8 +179,8 @@ def selftest(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Plant built-in faults, catch them with Guard, bisect them; exit 1 if one is missed."""
-    from .replay import parse_device
-    from .selftest import run
+    from nanbisect.replay.replayer import parse_device
+    from nanbisect.selftest import run
 
     try:
         parse_device(device)

@@ -16,26 +16,28 @@ import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, ContextManager
+from typing import Callable
 
 import torch
 
-from .bisect import (Culprit, backtrace, backward_producer, culprit_from_call, forward_producer,
+from nanbisect.locate.producers import (Culprit, backtrace, backward_producer, culprit_from_call, forward_producer,
                      optimizer_culprit, timeline)
-from . import registry
-from .differential import (RandomReplay, RandomTape, ReferenceKernels, StepState,
+from nanbisect.reference import kernels as registry
+from nanbisect.reference.differential import (RandomReplay, RandomTape, ReferenceKernels, StepState,
                            diverging_call, first_divergence, isolate_window, step_state)
-from .bundle import read_bundle
-from .errors import BadInput
-from .isolate import OpCheck, check_op, move, resolve
-from .launcher import run_multirank
-from .narrow import OpFinding, catch_inputs, catch_module_call, record_ops, repro_imports
-from .oprecord import tensor_args, written_tensors
-from .probe import ModuleProbe, probing
-from .replay import Replayer, StepOutcome, parse_device, stacked
-from .report import Report, staged, write_report
-from .repro import run_repro, write_module_repro, write_repro
-from .task import import_target, split_entry
+from nanbisect.bundle.format import read_bundle
+from nanbisect.errors import BadInput
+from nanbisect.reference.opcheck import OpCheck, check_op, move, resolve
+from nanbisect.multirank.launcher import run_multirank
+from nanbisect.locate.catch import catch_inputs, catch_module_call
+from nanbisect.locate.ops import OpFinding, record_ops
+from nanbisect.replay.recorder import tensor_args, written_tensors
+from nanbisect.replay.probe import ModuleProbe, probing
+from nanbisect.replay.replayer import Replayer, StepOutcome, parse_device, stacked
+from nanbisect.report.model import Report
+from nanbisect.report.write import staged, write_report
+from nanbisect.report.repro import repro_imports, run_repro, write_module_repro, write_repro
+from nanbisect.task import load_inject
 
 
 def _num(x: float | None):
@@ -44,15 +46,6 @@ def _num(x: float | None):
         return x
     return repr(float(x))
 
-
-def load_inject(spec: str) -> Callable[[], ContextManager]:
-    """``FILE.py:FUNC`` -> FUNC, a factory of the context manager wrapped around target runs."""
-    target, func = split_entry(spec)
-    fn = getattr(import_target(target), func, None)
-    if not callable(fn):
-        raise BadInput(f"--inject '{spec}': '{func}' is not a function in {target}; name a "
-                       "function that returns a context manager")
-    return fn
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .capture import Guard
-from .errors import NonFiniteStep
-from .task import Task
+from nanbisect.guard import Guard
+from nanbisect.errors import NonFiniteStep
+from nanbisect.task import Task
 
 
 class _Mask(nn.Module):
@@ -114,8 +114,8 @@ def cases() -> list[Case]:
 
 def run(device: str = "cpu") -> list[dict]:
     """Run every case on ``device``; one row per case with what was expected and found."""
-    from .pipeline import RunOptions, run_bundle
-    from .task import load_task
+    from nanbisect.pipeline import RunOptions, run_bundle
+    from nanbisect.task import load_task
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="nanbisect-selftest-") as d:

@@ -14,11 +14,11 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ContextManager
 
 import torch
 
-from .errors import BadInput
+from nanbisect.errors import BadInput
 
 
 @dataclass
@@ -116,3 +116,13 @@ def load_task(entry: str, search: list[Path] = ()) -> Task:
         raise BadInput(f"entry '{entry}': Task.model must be an nn.Module and Task.loss_fn "
                        "callable; fix the entry function")
     return task
+
+
+def load_inject(spec: str) -> Callable[[], ContextManager]:
+    """``FILE.py:FUNC`` -> FUNC, a factory of the context manager wrapped around target runs."""
+    target, func = split_entry(spec)
+    fn = getattr(import_target(target), func, None)
+    if not callable(fn):
+        raise BadInput(f"--inject '{spec}': '{func}' is not a function in {target}; name a "
+                       "function that returns a context manager")
+    return fn

@@ -24,9 +24,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
-from .bundle import MANIFEST, read_bundle
-from .errors import BadInput
+from nanbisect import __version__
+from nanbisect.bundle.format import MANIFEST, read_bundle
+from nanbisect.errors import BadInput
 
 SCHEMA = "nanbisect.triage/1"
 EXIT_CLEAN, EXIT_KNOWN, EXIT_ERRORS, EXIT_NEW = 0, 1, 2, 3
@@ -81,7 +81,7 @@ def content_hash(bundle: Path) -> str:
 def _analyse(digest: str, options: dict, version: str, bundle: str) -> dict:
     """One bundle -> its report as JSON (runs in a worker; cached by digest, options and
     version, not by path: a moved bundle is still a hit)."""
-    from .pipeline import RunOptions, run_bundle
+    from nanbisect.pipeline import RunOptions, run_bundle
 
     report = run_bundle(bundle, RunOptions(**options))
     return report.to_json()

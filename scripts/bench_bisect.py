@@ -208,8 +208,8 @@ def make_bundle(out: Path) -> tuple[Path, dict]:
 
 def replayer(bundle: Path):
     """The bundle's task, restorable to the failing step's pre-step state (`.restore()`)."""
-    from nanbisect.bundle import read_bundle
-    from nanbisect.replay import Replayer
+    from nanbisect.bundle.format import read_bundle
+    from nanbisect.replay.replayer import Replayer
     return Replayer(read_bundle(bundle), torch.device("cpu"))
 
 
@@ -255,7 +255,7 @@ class PieceTimer:
 
     def __init__(self) -> None:
         import nanbisect.pipeline as pipeline
-        from nanbisect.replay import Replayer
+        from nanbisect.replay.replayer import Replayer
         self.pipeline, self.Replayer = pipeline, Replayer
         self.spans: list[tuple[str, float]] = []
         self.stage = "pass 1: module stats"

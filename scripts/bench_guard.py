@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 import nanbisect
-from nanbisect.capture import _screen, _Snapshot
-from nanbisect.state import RngState, accelerator_types
+from nanbisect.guard import _screen, _Snapshot
+from nanbisect.bundle.state import RngState, accelerator_types
 
 CONFIG = dict(vocab=1000, d_model=256, n_layers=6, n_heads=8, d_ff=1024, seq=256, batch=8,
               lr=3e-4, weight_decay=0.1, dropout=0.0, seed=0)

@@ -21,8 +21,8 @@ from safetensors.torch import load_file, save_file
 
 import nanbisect
 from nanbisect import BadInput, Task, capture
-from nanbisect.bundle import SCHEMA, read_bundle
-from nanbisect.state import RngState, decode, encode, restore_model, restore_optimizer
+from nanbisect.bundle.format import SCHEMA, read_bundle
+from nanbisect.bundle.state import RngState, decode, encode, restore_model, restore_optimizer
 
 ENTRY = "not_imported_here.py:task"  # capture only checks the entry's form, never imports it
 VOCAB, DIM = 11, 6
@@ -403,7 +403,7 @@ class Boom(Exception):
 
 @pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
 def test_write_is_atomic(tmp_path, trained, monkeypatch, exc):
-    import nanbisect.bundle as bundle_mod
+    import nanbisect.bundle.format as bundle_mod
 
     real = bundle_mod.save_file
     calls = []

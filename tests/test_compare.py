@@ -3,7 +3,7 @@ import math
 
 import torch
 
-from nanbisect.compare import compare_op, compare_step
+from nanbisect.reference.compare import compare_op, compare_step
 
 
 def test_identical_passes_and_message():

@@ -52,11 +52,11 @@ def test_matmul_off_for_one_shape(fixture_bundle, reference):
 def test_ops_after_the_wrong_matmul_are_not_blamed(monkeypatch):
     """Judge *every* forward op in isolation: only the injected matmul fails; the ops after
     it, which inherit its error, pass their own checks."""
-    from nanbisect.bundle import read_bundle
-    from nanbisect.differential import isolate_window
-    from nanbisect import differential
-    from nanbisect.pipeline import load_inject
-    from nanbisect.replay import Replayer
+    from nanbisect.bundle.format import read_bundle
+    from nanbisect.reference.differential import isolate_window
+    from nanbisect.reference import differential
+    from nanbisect.task import load_inject
+    from nanbisect.replay.replayer import Replayer
 
     checks = []
     real = differential.check_op

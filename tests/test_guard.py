@@ -14,9 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from nanbisect import Guard, NonFiniteStep, Task, capture
-from nanbisect.bundle import read_bundle
-from nanbisect.replay import Replayer
-from nanbisect.state import decode
+from nanbisect.bundle.format import read_bundle
+from nanbisect.replay.replayer import Replayer
+from nanbisect.bundle.state import decode
 from nanbisect.task import import_target, load_task
 
 REPO = Path(__file__).resolve().parents[1]

@@ -47,7 +47,7 @@ def rankworkers(bundle: Path) -> list[str]:
                 cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode()
             except OSError:
                 continue
-            if "nanbisect.rankworker" in cmd and key in cmd:
+            if "nanbisect.multirank.worker" in cmd and key in cmd:
                 out.append(cmd)
     return out
 

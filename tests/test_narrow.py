@@ -8,10 +8,11 @@ import torch
 
 import nanbisect
 from conftest import TEST_TASKS
-from nanbisect.bundle import read_bundle
-from nanbisect.narrow import catch_inputs, record_ops
+from nanbisect.bundle.format import read_bundle
+from nanbisect.locate.catch import catch_inputs
+from nanbisect.locate.ops import record_ops
 from nanbisect.pipeline import RunOptions, run_bundle
-from nanbisect.replay import Replayer
+from nanbisect.replay.replayer import Replayer
 
 TRAPS = TEST_TASKS / "traps.py"
 

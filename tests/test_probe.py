@@ -1,7 +1,7 @@
 """The module probe's per-tensor statistics: the CPU fast path agrees with exact counting."""
 import torch
 
-from nanbisect.probe import tensor_stats
+from nanbisect.replay.probe import tensor_stats
 
 INF, NAN = float("inf"), float("nan")
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanbisect.oprecord import OpRecorder
-from nanbisect.provenance import culprit_root, inf_origin
+from nanbisect.replay.recorder import OpRecorder
+from nanbisect.locate.provenance import culprit_root, inf_origin
 
 
 def record(fn):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..errors import NonFiniteStep
+from nanbisect.errors import NonFiniteStep
 
 log = logging.getLogger("nanbisect")
 

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from ..capture import Guard
-from ..task import Task
-from . import close_step
+from nanbisect.guard import Guard
+from nanbisect.task import Task
+from nanbisect.integrations import close_step
 
 
 def hf_loss(model, batch: dict):

@@ -14,9 +14,9 @@ from pathlib import Path
 import lightning as L
 import torch
 
-from ..capture import Guard
-from ..task import Task
-from . import close_step
+from nanbisect.guard import Guard
+from nanbisect.task import Task
+from nanbisect.integrations import close_step
 
 
 def lightning_loss(module: L.LightningModule, batch) -> torch.Tensor:

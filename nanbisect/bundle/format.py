@@ -22,9 +22,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from . import __version__
-from .errors import BadInput
-from .state import Tensors
+from nanbisect import __version__
+from nanbisect.errors import BadInput
+from nanbisect.bundle.state import Tensors
 
 SCHEMA = "nanbisect.bundle/1"
 SCHEMA_VERSION = 1

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import BadInput
+from nanbisect.errors import BadInput
 
 Tensors = dict[str, torch.Tensor]
 

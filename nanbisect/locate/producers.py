@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .probe import CallStats, ProbeTable, Stats
+from nanbisect.replay.probe import CallStats, ProbeTable, Stats
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .state import local
-from .tracker import ModuleTracker
+from nanbisect.bundle.state import local
+from nanbisect.replay.tracker import ModuleTracker
 
 aten = torch.ops.aten
 # Pure metadata ops: counting them would make op_index depend on Python-side shape queries.

@@ -9,8 +9,8 @@ import json
 import struct
 from pathlib import Path
 
-from .bundle import read_bundle
-from .errors import BadInput
+from nanbisect.bundle.format import read_bundle
+from nanbisect.errors import BadInput
 
 
 def _header(path: Path) -> dict:

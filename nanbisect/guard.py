@@ -19,11 +19,11 @@ from typing import Any, Iterator
 
 import torch
 
-from .bundle import write_bundle
-from .distributed import any_rank, broadcast_str, rank_info, write_all_ranks
-from .errors import NonFiniteStep
-from .state import RngState, accelerator_types, encode, encode_model, encode_optimizer, local
-from .task import Task, split_entry
+from nanbisect.bundle.format import write_bundle
+from nanbisect.multirank.coord import any_rank, broadcast_str, rank_info, write_all_ranks
+from nanbisect.errors import NonFiniteStep
+from nanbisect.bundle.state import RngState, accelerator_types, encode, encode_model, encode_optimizer, local
+from nanbisect.task import Task, split_entry
 
 
 def _device_of(model: torch.nn.Module) -> str:

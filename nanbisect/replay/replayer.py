@@ -16,10 +16,10 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .bundle import Bundle
-from .errors import BadInput
-from .state import RngState, decode, iter_tensors, local, restore_model, restore_optimizer
-from .task import Task, load_task
+from nanbisect.bundle.format import Bundle
+from nanbisect.errors import BadInput
+from nanbisect.bundle.state import RngState, decode, iter_tensors, local, restore_model, restore_optimizer
+from nanbisect.task import Task, load_task
 
 PHASES = ("input", "forward", "backward", "optimizer")
 

@@ -1,9 +1,8 @@
-"""The op-level passes: record the failing phase's ops, trace the failure to its root op, then
-catch that op's inputs in one more, narrow replay and write the standalone repro.
+"""The op recording pass: record the failing phase's ops and trace the failure to its root op.
 
 Guarantees: op recording runs only over the failing phase (forward until the loss; backward; the
-optimizer step), with flags on the device read back once; Python stacks are taken only in the
-last pass, and only for the culprit op. The trace starts from what actually failed (the loss, the
+optimizer step), with flags on the device read back once; no Python stack is taken here (only in
+`locate.catch`, for the culprit op). The trace starts from what actually failed (the loss, the
 non-finite gradients, the non-finite parameters), so NaN that was masked or zeroed on the way
 is never blamed.
 """
@@ -11,16 +10,14 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, ContextManager
 
 import torch
 
-from .oprecord import OpRecorder
-from .provenance import Root, context, culprit_root, inf_origin, reaches_outside
-from .repro import Caught, InputCatcher
-from .replay import Replayer, stacked
-from .tracker import ModuleTracker
+from nanbisect.replay.recorder import OpRecorder
+from nanbisect.locate.provenance import Root, context, culprit_root, inf_origin, reaches_outside
+from nanbisect.replay.replayer import Replayer, stacked
+from nanbisect.replay.tracker import ModuleTracker
 
 
 @dataclass(frozen=True)
@@ -139,86 +136,3 @@ def _start_at_call(model: torch.nn.Module, scope: tuple[str, int], started: list
         calls[0] += 1
 
     return [sub.register_forward_pre_hook(pre)]
-
-
-def catch_inputs(rep: Replayer, finding: OpFinding,
-                 wrap: Callable[[], ContextManager] = nullcontext) -> Caught | None:
-    """Last pass: replay up to the culprit's phase and clone the culprit op's arguments."""
-    catcher = InputCatcher(finding.op, finding.phase, finding.occurrence)
-
-    def phase(name: str) -> ContextManager:
-        catcher.phase = name
-        # anomaly mode makes every autograd node remember the forward line that created it
-        if name == "forward" and finding.phase == "backward":
-            return torch.autograd.set_detect_anomaly(True, check_nan=False)
-        return nullcontext()
-
-    rep.run(phase=phase, wrap=lambda: stacked(wrap(), catcher), stop_after=finding.phase)
-    c = catcher.caught
-    return c if c is not None and c.op == finding.op else None
-
-
-def repro_imports(op: str, entry: str) -> list[str]:
-    """Files the repro must import to have ``op``: the entry file, for non-built-in ops."""
-    if op.split(".", 1)[0] in ("aten", "prims", "quantized"):
-        return []
-    target = entry.rpartition(":")[0]
-    return [str(Path(target).resolve())] if target.endswith(".py") else []
-
-
-@dataclass
-class ModuleCaught:
-    """A module call's inputs, the module's own state and the RNG state at its start; for a
-    backward culprit also the gradient that arrived at each of its outputs (None: no gradient,
-    or not a floating tensor), in the order of the output's tensors (lists, tuples, dict values).
-    """
-
-    module: str
-    call: int
-    args: list
-    kwargs: dict
-    state: dict[str, torch.Tensor]
-    rng: dict[str, torch.Tensor]
-    grad_out: list | None = None
-
-
-def catch_module_call(rep: Replayer, module: str, call: int,
-                      wrap: Callable[[], ContextManager] = nullcontext,
-                      backward: bool = False) -> ModuleCaught | None:
-    """Replay and clone what the ``call``-th call of ``module`` started from (for ``backward``,
-    replay backward too and clone the gradients arriving at the call's outputs)."""
-    sub = rep.task.model.get_submodule(module)
-    seen, out = [0], []
-    grads: list = []
-
-    def pre(mod, args, kwargs):
-        if seen[0] == call:
-            clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa
-            out.append(ModuleCaught(
-                module, call, torch.utils._pytree.tree_map(clone, list(args)),
-                torch.utils._pytree.tree_map(clone, dict(kwargs)),
-                {k: v.detach().clone() for k, v in mod.state_dict(keep_vars=True).items()},
-                {"rng/cpu": torch.get_rng_state()}))
-        seen[0] += 1
-
-    def post(mod, args, kwargs, output):
-        if seen[0] - 1 != call or not backward:
-            return
-        leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
-        grads.extend([None] * len(leaves))
-        for i, t in enumerate(leaves):
-            if t.is_floating_point() and t.requires_grad:
-                def keep(g, i=i):
-                    grads[i] = g.detach().clone()
-                t.register_hook(keep)
-
-    handles = [sub.register_forward_pre_hook(pre, with_kwargs=True),
-               sub.register_forward_hook(post, with_kwargs=True)]
-    try:
-        rep.run(wrap=wrap, stop_after="backward" if backward else "forward")
-    finally:
-        for h in handles:
-            h.remove()
-    if out and backward:
-        out[0].grad_out = grads
-    return out[0] if out else None

@@ -16,11 +16,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .bisect import Culprit
-from .bundle import Bundle
-from .errors import BadInput
-from .report import Report, staged, write_report
-from .repro import run_repro
+from nanbisect.locate.producers import Culprit
+from nanbisect.bundle.format import Bundle
+from nanbisect.errors import BadInput
+from nanbisect.report.model import Report
+from nanbisect.report.write import staged, write_report
+from nanbisect.report.repro import run_repro
 
 DEFAULT_TIMEOUT = float(os.environ.get("NANBISECT_RANK_TIMEOUT", "600"))
 
@@ -49,7 +50,7 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
     world = bundle.world_size
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
            f"--nproc-per-node={world}", "--max-restarts=0", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", "-m", "nanbisect.rankworker",
+           "--rdzv-endpoint=127.0.0.1:0", "-m", "nanbisect.multirank.worker",
            str(bundle.path.resolve()), str(partial), "--target", target,
            "--timeout", str(timeout)]
     if inject:

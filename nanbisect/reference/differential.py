@@ -19,13 +19,13 @@ from typing import Callable, ContextManager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import registry
-from .compare import Comparison, compare_step, step_rtol
-from .isolate import RANDOM_OR_UNINITIALISED, OpCheck, check_op
-from .oprecord import OpRecorder, tensor_args, written_tensors
-from .probe import CallStats, ProbeTable, Stats
-from .replay import Replayer, StepOutcome, stacked
-from .tracker import ModuleTracker
+from nanbisect.reference import kernels as registry
+from nanbisect.reference.compare import Comparison, compare_step, step_rtol
+from nanbisect.reference.opcheck import RANDOM_OR_UNINITIALISED, OpCheck, check_op
+from nanbisect.replay.recorder import OpRecorder, tensor_args, written_tensors
+from nanbisect.replay.probe import CallStats, ProbeTable, Stats
+from nanbisect.replay.replayer import Replayer, StepOutcome, stacked
+from nanbisect.replay.tracker import ModuleTracker
 
 
 @dataclass(frozen=True)

@@ -18,9 +18,9 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from . import __version__
-from .bundle import MANIFEST
-from .errors import BadInput
+from nanbisect import __version__
+from nanbisect.bundle.format import MANIFEST
+from nanbisect.errors import BadInput
 
 LIMIT = 10 * 1024 * 1024
 OPTIONAL = ("rng.safetensors", "batch.safetensors")   # kept while the pack stays under LIMIT

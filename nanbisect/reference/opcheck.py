@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from . import registry
-from .compare import Comparison, compare_op
-from .oprecord import tensor_args, written_tensors
+from nanbisect.reference import kernels as registry
+from nanbisect.reference.compare import Comparison, compare_op
+from nanbisect.replay.recorder import tensor_args, written_tensors
 
 RANDOM_OR_UNINITIALISED = {
     "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",

@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from .state import iter_tensors
+from nanbisect.bundle.state import iter_tensors
 
 CallId = tuple[str, int]   # (module name, call index)
 

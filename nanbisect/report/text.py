@@ -1,77 +1,10 @@
-"""The result of a run: `Report`, its JSON form (``nanbisect.report/1``), markdown and terminal text.
-
-Guarantees: report.json, report.md and a self-contained report.html (`html`) are written
-together; the JSON carries every field of the user contract (``culprit`` is null unless the
-verdict is ``culprit``); the report directory is written atomically (built beside its final place,
-then renamed). Exit codes: 0 clean, 1 culprit or input-nonfinite, 3 not reproduced.
-"""
+"""The report as text people read: the headline, report.md and the CLI's terminal summary."""
 from __future__ import annotations
 
-import json
-import shutil
-import uuid
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
-from typing import Iterator
 
-from .bisect import Culprit, TraceRow
-from .replay import BadValue
-
-SCHEMA = "nanbisect.report/1"
-EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
-
-
-@dataclass(frozen=True)
-class Report:
-    verdict: str                 # culprit | clean | not-reproduced | input-nonfinite
-    classification: str | None   # device | numerics | data | transient | communication | unknown
-    phase: str | None            # first phase with a non-finite value
-    kind: str | None             # "nan" | "inf"
-    culprit: Culprit | None
-    replay: dict
-    bundle: str
-    entry: str
-    target: str
-    reference: str
-    observed: dict | None = None
-    input_nonfinite: list[BadValue] = field(default_factory=list)
-    backtrace: list[TraceRow] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    repro: str | None = None
-    repro_result: dict | None = None   # what running repro.py once said
-    inf_origin: dict | None = None     # where the inf the culprit consumed was born
-    context: list[dict] = field(default_factory=list)  # recorded ops just before the culprit
-    divergence: dict | None = None     # where target and reference first disagree (no NaN)
-    op_check: dict | None = None       # the culprit op judged in isolation on the reference
-    uncomparable: list[dict] = field(default_factory=list)  # ops with no reference to compare
-    ranks: list[dict] = field(default_factory=list)  # multi-rank: what each rank saw
-    timeline: list[dict] = field(default_factory=list)  # every module call, execution order
-    module_repro: dict | None = None   # fallback repro of the culprit's module call, when used
-    op_recording: dict | None = None   # what the op-recording pass covered (scope, op counts)
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT[self.verdict]
-
-    def to_json(self) -> dict:
-        culprit = None
-        if self.culprit is not None and self.verdict == "culprit":
-            culprit = asdict(self.culprit)
-        return {
-            "schema": SCHEMA, "verdict": self.verdict, "classification": self.classification,
-            "phase": self.phase, "kind": self.kind, "culprit": culprit, "replay": self.replay,
-            "bundle": self.bundle, "entry": self.entry, "target": self.target,
-            "reference": self.reference, "observed": self.observed,
-            "input_nonfinite": [asdict(b) for b in self.input_nonfinite],
-            "backtrace": [asdict(r) for r in self.backtrace],
-            "notes": self.notes, "repro": self.repro, "repro_result": self.repro_result,
-            "inf_origin": self.inf_origin, "context": self.context,
-            "divergence": self.divergence, "op_check": self.op_check,
-            "uncomparable": self.uncomparable, "ranks": self.ranks,
-            "timeline": self.timeline, "module_repro": self.module_repro,
-            "op_recording": self.op_recording,
-        }
+from nanbisect.report.model import Report
 
 
 def _fmt_stats(s) -> str:
@@ -212,34 +145,3 @@ def terminal(r: Report, out: Path) -> str:
                          + (" (reproduced)" if res.get("reproduced") else ""))
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     return "\n".join(lines)
-
-
-@contextmanager
-def staged(out: Path) -> Iterator[Path]:
-    """A hidden directory beside ``out`` that replaces it only if the block succeeds."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        yield tmp
-        old = None
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
-            out.rename(old)
-        tmp.rename(out)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def write_report(r: Report, out: Path) -> None:
-    """Write report.json, report.md and report.html into ``out`` (a staged directory)."""
-    from .html import to_html
-
-    data, md = r.to_json(), to_markdown(r)
-    (out / "report.json").write_text(json.dumps(data, indent=1, allow_nan=False))
-    (out / "report.md").write_text(md)
-    (out / "report.html").write_text(to_html(data, md))

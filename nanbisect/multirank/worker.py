@@ -8,7 +8,7 @@ whether every rank's input to the reduction was finite and its output was not (`
 Each rank writes ``PARTIAL/rank{r}.json``; a watchdog ends the process after the timeout, so a
 hung collective never leaves an orphan.
 
-Usage (internal): ``python -m nanbisect.rankworker BUNDLE PARTIAL --target DEV [--inject F:f]
+Usage (internal): ``python -m nanbisect.multirank.worker BUNDLE PARTIAL --target DEV [--inject F:f]
 [--timeout S]``.
 """
 from __future__ import annotations
@@ -28,32 +28,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .bisect import Culprit, culprit_from_call, forward_producer
-from .bundle import read_bundle
-from .errors import BadInput
-from .distributed import ReductionObserver, observe_default_hook, observing_comm_hooks
-from .narrow import catch_inputs, record_ops, repro_imports
-from .oprecord import is_collective
-from .probe import ModuleProbe, probing
-from .replay import Replayer, parse_device
-from .repro import write_repro
-
-
-def decide(summaries: list[dict]) -> dict:
-    """The same plan on every rank, from every rank's first-pass summary."""
-    fwd = [s["rank"] for s in summaries if s["phase"] == "forward"]
-    if fwd:
-        return {"rank": min(fwd), "phase": "forward"}
-    local_bwd = [s["rank"] for s in summaries if s["reduce_in_bad"] or (
-        s["phase"] == "backward" and not s["buckets"])]
-    if local_bwd:
-        return {"rank": min(local_bwd), "phase": "backward"}
-    if any(s["reduce_out_bad"] for s in summaries):
-        return {"rank": None, "phase": "grad-reduce"}
-    opt = [s["rank"] for s in summaries if s["phase"] == "optimizer"]
-    if opt:
-        return {"rank": min(opt), "phase": "optimizer"}
-    return {"rank": None, "phase": None}
+from nanbisect.locate.producers import Culprit, culprit_from_call, forward_producer
+from nanbisect.bundle.format import read_bundle
+from nanbisect.errors import BadInput
+from nanbisect.locate.catch import catch_inputs
+from nanbisect.locate.ops import record_ops
+from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
+from nanbisect.multirank.verdict import choose_rank, decide
+from nanbisect.replay.recorder import is_collective
+from nanbisect.replay.probe import ModuleProbe, probing
+from nanbisect.replay.replayer import Replayer, parse_device
+from nanbisect.report.repro import repro_imports, write_repro
+from nanbisect.task import load_inject
 
 
 def _call_stats(table, module: str, call: int | None) -> dict | None:
@@ -87,7 +73,6 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         return {"rank": rank, "plan": {"rank": r, "phase": "input"},
                 "summary": {"rank": rank, "input_nonfinite": bad_inputs}}
     if inject:
-        from .pipeline import load_inject
         wrap = load_inject(inject)
     else:
         wrap = nullcontext
@@ -153,22 +138,6 @@ def _root(finding) -> dict | None:
     return {"op": finding.op, "module": finding.module, "module_call": finding.module_call,
             "input_dtypes": finding.input_dtypes, "input_shapes": finding.input_shapes,
             "op_index": finding.op_index, "collective": is_collective(finding.op)}
-
-
-def choose_rank(roots: list[dict | None], planned: int) -> tuple[int, bool]:
-    """(culprit rank, whether the failure only came out of a collective), the same on every rank.
-
-    A rank whose failure traces back to a computation (not to a collective's output) computed it
-    locally; the first such rank is the culprit. When every rank that failed traces it to a
-    collective whose inputs were finite, no rank computed it: the collective is at fault.
-    """
-    local = [r for r, root in enumerate(roots) if root is not None and not root["collective"]]
-    if local:
-        return local[0], False
-    received = [r for r, root in enumerate(roots) if root is not None]
-    if received:
-        return received[0], True
-    return planned, False
 
 
 class _Other:

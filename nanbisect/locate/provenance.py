@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from .oprecord import Flags, InputRef, OpRecord, OpTable
+from nanbisect.replay.recorder import Flags, InputRef, OpRecord, OpTable
 
 Pred = Callable[[Flags], bool]
 

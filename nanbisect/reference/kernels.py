@@ -55,7 +55,7 @@ def load_plugins() -> None:
     _loaded_entry_points = True
     for ep in entry_points(group="nanbisect.reference_impls"):
         ep.load()
-    from .task import import_target
+    from nanbisect.task import import_target
 
     for f in filter(None, os.environ.get("NANBISECT_REFERENCE_IMPLS", "").split(os.pathsep)):
         import_target(str(Path(f)))

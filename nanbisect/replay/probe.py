@@ -21,7 +21,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from .state import iter_tensors, local
+from nanbisect.bundle.state import iter_tensors, local
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     """(nan count, +inf count, -inf count, max |finite|, sum |finite|) as float32 on t's device.

@@ -1,0 +1,91 @@
+"""Watching DDP's gradient reduction: `ReductionObserver` wraps DDP's communication hook (the
+user's own hook when one is registered, else the built-in all-reduce) and records, per bucket,
+whether the gradient going into the collective and what came out held NaN/inf.
+
+FSDP2's reduce-scatter is not hooked here: it is a dispatched collective, which the op recorder
+sees (`nanbisect.replay.recorder`, `nanbisect.multirank.worker`).
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+
+
+@dataclass
+class BucketRecord:
+    index: int
+    params: list[str]
+    before: torch.Tensor        # (nan, inf) counts of the bucket going into the collective
+    after: torch.Tensor | None  # (nan, inf) counts of what came out
+
+
+def _counts(t: torch.Tensor) -> torch.Tensor:
+    return torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]).float()
+
+
+class ReductionObserver:
+    """Wraps a DDP comm hook; records per bucket what went in and what came out."""
+
+    def __init__(self, names: dict[torch.Tensor, str]) -> None:
+        self.names = names
+        self.records: list[BucketRecord] = []
+        self.active = True
+
+    def wrap(self, hook: Callable) -> Callable:
+        def observed(state, bucket):  # NB: no annotations: DDP checks them against its own
+            if not self.active:
+                return hook(state, bucket)
+            rec = BucketRecord(bucket.index(), [self.names.get(p, "?") for p in
+                                                bucket.parameters()], _counts(bucket.buffer()),
+                               None)
+            self.records.append(rec)
+
+            def after(fut):
+                value = fut.value()
+                out = value[0] if isinstance(value, list) else value
+                rec.after = _counts(out)
+                return out
+            return hook(state, bucket).then(after)
+        observed.__qualname__ = getattr(hook, "__qualname__", "hook")
+        return observed
+
+    def read(self) -> list[dict]:
+        out = []
+        for r in self.records:
+            b = r.before.tolist()
+            a = r.after.tolist() if r.after is not None else [0.0, 0.0]
+            out.append({"bucket": r.index, "params": r.params, "in_nan": int(b[0]),
+                        "in_inf": int(b[1]), "out_nan": int(a[0]), "out_inf": int(a[1])})
+        return out
+
+
+@contextlib.contextmanager
+def observing_comm_hooks(observer: ReductionObserver) -> Iterator[None]:
+    """While building the task, wrap any comm hook the user registers on a DDP model."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    original = DDP.register_comm_hook
+
+    def register(self, state, hook):
+        self._nanbisect_observed = True
+        return original(self, state, observer.wrap(hook))
+
+    DDP.register_comm_hook = register
+    try:
+        yield
+    finally:
+        DDP.register_comm_hook = original
+
+
+def observe_default_hook(model: torch.nn.Module, observer: ReductionObserver) -> None:
+    """A DDP model with no comm hook of the user's gets the built-in all-reduce, observed."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if isinstance(model, DDP) and not getattr(model, "_nanbisect_observed", False):
+        DDP.register_comm_hook(model, model.process_group, observer.wrap(
+            default_hooks.allreduce_hook))
+        model._nanbisect_observed = True
