@@ -25,7 +25,7 @@ def _progress(delay: float = 2.0):
     """A spinner with the current pass on stderr, shown only on a terminal and only once the run
     has taken ``delay`` seconds; yields the callback the pipeline reports its passes to."""
     if not sys.stderr.isatty():
-        yield lambda msg: None
+        yield lambda key, msg: None
         return
     from rich.console import Console
 
@@ -42,7 +42,7 @@ def _progress(delay: float = 2.0):
     timer.daemon = True
     timer.start()
 
-    def update(msg: str) -> None:
+    def update(key: str, msg: str) -> None:
         with lock:
             state["msg"] = msg
             if state["status"] is not None:

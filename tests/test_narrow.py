@@ -70,7 +70,7 @@ def test_op_phases_are_labelled(tmp_path):
     bundle = guard_bundle(tmp_path, "relu_masked_then_real", torch.randn(5, 8))
     rep = Replayer(read_bundle(bundle), torch.device("cpu"))
     f = record_ops(rep, "backward", "nan")
-    assert f.phase == "backward" and all(c["phase"] == "backward" for c in f.context)
+    assert f.phase == "backward" and all(c.phase == "backward" for c in f.context)
     assert f.total_ops > f.op_index
 
 
@@ -81,7 +81,7 @@ def test_culprit_inputs_caught_with_rng_state(tmp_path):
     rep = Replayer(read_bundle(bundle), torch.device("cpu"))
     f = record_ops(rep, "forward", "nan")
     assert (f.op, f.module) == ("aten.sqrt.default", "")
-    caught = catch_inputs(rep, f)
+    caught = catch_inputs(rep, f.site)
     assert caught.op == "aten.sqrt.default" and caught.source.endswith(f"traps.py:{line_of('torch.sqrt(self.drop')}")
     # the dropout mask drawn in the replay is the one drawn when the guard ran: the caught
     # input equals what the original forward fed to sqrt
@@ -113,9 +113,9 @@ def test_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
     r = run(bundle, tmp_path)
     c = r.culprit
     assert (c.op, c.module, c.module_call) == ("nbtrap.scaled.default", "hidden", 0)
-    assert r.repro_result["reproduced"] is False
-    assert r.module_repro["script"] == "repro/module_repro.py"
-    assert r.module_repro["result"]["reproduced"] is True, r.module_repro
+    assert r.repro_result.reproduced is False
+    assert r.module_repro.script == "repro/module_repro.py"
+    assert r.module_repro.result.reproduced is True, r.module_repro
     assert (tmp_path / "report" / "repro" / "module_inputs.safetensors").is_file()
 
 
@@ -128,9 +128,9 @@ def test_backward_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
     c = r.culprit
     assert (r.phase, c.op, c.module, c.module_call) == (
         "backward", "nbtrap.gradscaled.default", "hidden", 0)
-    assert r.repro_result["reproduced"] is False
-    assert r.module_repro["result"]["reproduced"] is True, r.module_repro
-    assert "forward + backward" in r.module_repro["result"]["output"]
+    assert r.repro_result.reproduced is False
+    assert r.module_repro.result.reproduced is True, r.module_repro
+    assert "forward + backward" in r.module_repro.result.output
     # the saved gradient is the one that arrived at the call's output: finite
     from safetensors.torch import load_file
     saved = load_file(tmp_path / "report" / "repro" / "module_inputs.safetensors")
@@ -146,8 +146,8 @@ def test_forward_recording_is_scoped_to_the_producing_module_call(tmp_path):
     r = run_bundle(str(ROOT / "fixtures" / "bundles" / "forward_nan_behind_mask"),
                    RunOptions(run_repro=False), tmp_path / "a")
     rec = r.op_recording
-    assert rec["scope"] == {"module": r.culprit.module, "module_call": r.culprit.module_call}
-    assert 0 < rec["recorded_ops"] < rec["step_ops"] / 2
+    assert rec.scope == (r.culprit.module, r.culprit.module_call)
+    assert 0 < rec.recorded_ops < rec.step_ops / 2
     r = run_bundle(str(ROOT / "fixtures" / "bundles" / "overflow_then_nan"),
                    RunOptions(run_repro=False), tmp_path / "b")
-    assert r.op_recording["scope"] is None and r.inf_origin["op"] == "aten.exp.default"
+    assert r.op_recording.scope is None and r.inf_origin.op == "aten.exp.default"

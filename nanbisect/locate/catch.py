@@ -2,10 +2,11 @@
 state and user source line at that moment), or the whole module call's inputs and state.
 
 `InputCatcher` replays the step and, at the culprit (the same op, at the same occurrence among
-calls of that op in its phase), clones the op's arguments, the RNG state (for dropout,
-``rand_like``, ...) and the user source line: the innermost frame outside torch and nanbisect;
-for a backward formula, the line in forward that created its autograd node (anomaly mode records
-it during this pass only). Python stacks are taken here only, and only for the culprit op.
+calls of that op in its phase: an `OpSite`), clones the op's arguments, the RNG state (for
+dropout, ``rand_like``, ...) and the user source line: the innermost frame outside torch and
+nanbisect; for a backward formula, the line in forward that created its autograd node (anomaly
+mode records it during this pass only). Python stacks are taken here only, and only for the
+culprit op.
 """
 from __future__ import annotations
 
@@ -13,24 +14,19 @@ import os
 import re
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager
+from typing import Callable, ContextManager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.bundle.state import local
-from nanbisect.locate.ops import OpFinding
+from nanbisect.records import CallId, Caught, ModuleCaught, OpSite
 from nanbisect.replay.recorder import SKIP
 from nanbisect.replay.replayer import Replayer, stacked
-
+from nanbisect.replay.tracker import ModuleTracker
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-
-
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nanbisect/
-
-
 _FRAME = re.compile(r'File "(.+)", line (\d+)')
 
 
@@ -46,130 +42,104 @@ def _short(path: str, line: int) -> str:
 
 
 def user_frame(frames: list[tuple[str, int]]) -> str | None:
-    """'file:line' of the innermost frame outside torch, nanbisect and the standard library."""
+    """'file:line' of the innermost frame outside torch, nanbisect and the standard library.
+
+    >>> user_frame([("/srv/train.py", 10), (torch.__file__, 3)])
+    '/srv/train.py:10'
+    """
     for path, line in reversed(frames):
         if _is_user(path):
             return _short(path, line)
     return None
 
 
-@dataclass
-class Caught:
-    op: str = ""
-    args: Any = None
-    kwargs: Any = None
-    mutated: list[int] = field(default_factory=list)
-    rng: dict[str, torch.Tensor] = field(default_factory=dict)
-    source: str | None = None
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return local(x).detach().clone()   # a DTensor's shard: what the kernel ran on
+    return None if isinstance(x, torch.Generator) else x
 
 
 class InputCatcher(TorchDispatchMode):
-    """Clone the arguments of the ``occurrence``-th call of ``op`` in ``phase``.
+    """Clone the arguments of the op at ``site``; set ``.phase`` as the step moves on.
 
     NB: matched by op and occurrence within the phase, not by the step-wide op index: a wrapper
     with per-iteration state (DDP rebuilds its buckets on its second iteration) adds ops between
     replays, which shifts global indices but not the culprit's place among its own kind.
     """
 
-    def __init__(self, op: str, phase: str, occurrence: int) -> None:
+    def __init__(self, site: OpSite) -> None:
         super().__init__()
-        self.op, self.target_phase, self.occurrence = op, phase, occurrence
+        self.site = site
         self.phase = "forward"
         self.seen = 0
         self.caught: Caught | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (self.caught is None and self.phase == self.target_phase and func not in SKIP
-                and str(func) == self.op):
-            if self.seen == self.occurrence:
-                self._catch(func, args, kwargs)
+        if (self.caught is None and self.phase == self.site.phase and func not in SKIP
+                and str(func) == self.site.op):
+            if self.seen == self.site.occurrence:
+                self.caught = self._catch(func, args, kwargs)
             self.seen += 1
         return func(*args, **kwargs)
 
-    def _catch(self, func, args, kwargs) -> None:
-        def clone(x):
-            if isinstance(x, torch.Tensor):
-                return local(x).detach().clone()   # a DTensor's shard: what the kernel ran on
-            return None if isinstance(x, torch.Generator) else x
-
-        c = Caught(op=str(func))
-        c.args = torch.utils._pytree.tree_map(clone, list(args))
-        c.kwargs = torch.utils._pytree.tree_map(clone, dict(kwargs))
-        c.mutated = [i for i, a in enumerate(func._schema.arguments[:len(args)])
-                     if a.alias_info is not None and a.alias_info.is_write]
-        c.rng["rng/cpu"] = torch.get_rng_state()
+    @staticmethod
+    def _catch(func, args, kwargs) -> Caught:
+        rng = {"rng/cpu": torch.get_rng_state()}
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
                 mod = getattr(torch, t.device.type, None)
                 if mod is not None and hasattr(mod, "get_rng_state"):
-                    c.rng[f"rng/{t.device.type}"] = mod.get_rng_state(t.device)
+                    rng[f"rng/{t.device.type}"] = mod.get_rng_state(t.device)
                 break
-        stack = [(f.filename, f.lineno) for f in traceback.extract_stack()]
-        c.source = user_frame(stack)
+        source = user_frame([(f.filename, f.lineno) for f in traceback.extract_stack()])
         node = torch._C._current_autograd_node()
-        if node is not None and c.source is None:  # a backward formula: where forward made it
+        if node is not None and source is None:  # a backward formula: where forward made it
             tb = (node.metadata or {}).get("traceback_") or []
-            frames = [(m.group(1), int(m.group(2))) for line in tb
-                      for m in [_FRAME.search(line)] if m]
-            c.source = user_frame(frames)
-        self.caught = c
+            source = user_frame([(m.group(1), int(m.group(2))) for line in tb
+                                 for m in [_FRAME.search(line)] if m])
+        return Caught(op=str(func), args=torch.utils._pytree.tree_map(_clone, list(args)),
+                      kwargs=torch.utils._pytree.tree_map(_clone, dict(kwargs)),
+                      mutated=[i for i, a in enumerate(func._schema.arguments[:len(args)])
+                               if a.alias_info is not None and a.alias_info.is_write],
+                      rng=rng, source=source)
 
 
-def catch_inputs(rep: Replayer, finding: OpFinding,
+def catch_inputs(rep: Replayer, site: OpSite,
                  wrap: Callable[[], ContextManager] = nullcontext) -> Caught | None:
     """Last pass: replay up to the culprit's phase and clone the culprit op's arguments."""
-    catcher = InputCatcher(finding.op, finding.phase, finding.occurrence)
+    catcher = InputCatcher(site)
 
     def phase(name: str) -> ContextManager:
         catcher.phase = name
         # anomaly mode makes every autograd node remember the forward line that created it
-        if name == "forward" and finding.phase == "backward":
+        if name == "forward" and site.phase == "backward":
             return torch.autograd.set_detect_anomaly(True, check_nan=False)
         return nullcontext()
 
-    rep.run(phase=phase, wrap=lambda: stacked(wrap(), catcher), stop_after=finding.phase)
-    c = catcher.caught
-    return c if c is not None and c.op == finding.op else None
+    rep.run(phase=phase, wrap=lambda: stacked(wrap(), catcher), stop_after=site.phase)
+    return catcher.caught
 
 
-@dataclass
-class ModuleCaught:
-    """A module call's inputs, the module's own state and the RNG state at its start; for a
-    backward culprit also the gradient that arrived at each of its outputs (None: no gradient,
-    or not a floating tensor), in the order of the output's tensors (lists, tuples, dict values).
-    """
-
-    module: str
-    call: int
-    args: list
-    kwargs: dict
-    state: dict[str, torch.Tensor]
-    rng: dict[str, torch.Tensor]
-    grad_out: list | None = None
-
-
-def catch_module_call(rep: Replayer, module: str, call: int,
+def catch_module_call(rep: Replayer, target: CallId,
                       wrap: Callable[[], ContextManager] = nullcontext,
                       backward: bool = False) -> ModuleCaught | None:
-    """Replay and clone what the ``call``-th call of ``module`` started from (for ``backward``,
-    replay backward too and clone the gradients arriving at the call's outputs)."""
-    sub = rep.task.model.get_submodule(module)
-    seen, out = [0], []
+    """Replay and clone what module call ``target`` started from (for ``backward``, replay
+    backward too and clone the gradients arriving at the call's outputs)."""
+    out: list[dict] = []
     grads: list = []
 
-    def pre(mod, args, kwargs):
-        if seen[0] == call:
+    def enter(call, mod, args, kwargs):
+        if call == target:
             clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa
-            out.append(ModuleCaught(
-                module, call, torch.utils._pytree.tree_map(clone, list(args)),
-                torch.utils._pytree.tree_map(clone, dict(kwargs)),
-                {k: v.detach().clone() for k, v in mod.state_dict(keep_vars=True).items()},
-                {"rng/cpu": torch.get_rng_state()}))
-        seen[0] += 1
+            out.append(dict(call=call, args=torch.utils._pytree.tree_map(clone, list(args)),
+                            kwargs=torch.utils._pytree.tree_map(clone, dict(kwargs)),
+                            state={k: v.detach().clone()
+                                   for k, v in mod.state_dict(keep_vars=True).items()},
+                            rng={"rng/cpu": torch.get_rng_state()}))
 
-    def post(mod, args, kwargs, output):
-        if seen[0] - 1 != call or not backward:
+    def leave(call, mod, args, kwargs, output):
+        if call != target or not backward:
             return
         leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
         grads.extend([None] * len(leaves))
@@ -179,13 +149,9 @@ def catch_module_call(rep: Replayer, module: str, call: int,
                     grads[i] = g.detach().clone()
                 t.register_hook(keep)
 
-    handles = [sub.register_forward_pre_hook(pre, with_kwargs=True),
-               sub.register_forward_hook(post, with_kwargs=True)]
-    try:
-        rep.run(wrap=wrap, stop_after="backward" if backward else "forward")
-    finally:
-        for h in handles:
-            h.remove()
-    if out and backward:
-        out[0].grad_out = grads
-    return out[0] if out else None
+    tracker = ModuleTracker(rep.task.model).listen(enter, leave)
+    rep.run(wrap=lambda: stacked(wrap(), tracker),
+            stop_after="backward" if backward else "forward")
+    if not out:
+        return None
+    return ModuleCaught(**out[0], grad_out=grads if backward else None)

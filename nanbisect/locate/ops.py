@@ -9,46 +9,18 @@ is never blamed.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from typing import Callable, ContextManager
 
-import torch
-
+from nanbisect.locate.provenance import context, culprit_root, inf_origin, op_ref, reaches_outside
+from nanbisect.records import CallId, OpFinding, OpSite
 from nanbisect.replay.recorder import OpRecorder
-from nanbisect.locate.provenance import Root, context, culprit_root, inf_origin, reaches_outside
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
 
 
-@dataclass(frozen=True)
-class OpFinding:
-    """The root op of the failure, as recorded."""
-
-    op: str
-    op_index: int
-    phase: str
-    module: str | None
-    module_call: int | None
-    input_dtypes: list[str]
-    input_shapes: list[list[int]]
-    parameter: str | None = None
-    context: list[dict] = field(default_factory=list)
-    inf_origin: dict | None = None
-    total_ops: int = 0
-    occurrence: int = 0     # how many calls of the same op came before it in its phase
-    recorded: int = 0       # ops recorded (all of the phase, or only the scoped call's)
-    scope: tuple[str, int] | None = None   # the module call recording was limited to
-
-
-def _describe(root: Root) -> dict:
-    rec = root.op
-    return {"op": rec.op, "op_index": rec.index, "phase": rec.phase, "module": rec.module,
-            "module_call": rec.module_call}
-
-
 def record_ops(rep: Replayer, phase: str, kind: str,
                wrap: Callable[[], ContextManager] = nullcontext,
-               scope: tuple[str, int] | None = None) -> OpFinding | None:
+               scope: CallId | None = None) -> OpFinding | None:
     """Second pass: record the ops of ``phase`` and trace the failure back to its root op.
 
     With ``scope`` (the forward module call that the first pass found producing the failure from
@@ -67,18 +39,18 @@ def record_ops(rep: Replayer, phase: str, kind: str,
     return _record(rep, phase, kind, wrap, None)
 
 
-def _record(rep: Replayer, phase: str, kind: str, wrap, scope) -> OpFinding | None:
+def _record(rep: Replayer, phase: str, kind: str, wrap, scope: CallId | None
+            ) -> OpFinding | None:
     model = rep.task.model
     tracker = ModuleTracker(model, map_nodes=(phase == "backward"))
     started = [scope is None]
+    if scope is not None:
+        def start(call, *_):
+            if call == scope:
+                started[0] = True
+        tracker.listen(enter=start)
     rec = OpRecorder(tracker, phases={phase}, scope=None if scope is None else lambda: started[0])
-    handles = _start_at_call(model, scope, started) if scope else []
-    try:
-        out = rep.run(phase=rec.follow, wrap=lambda: stacked(wrap(), tracker, rec),
-                      stop_after=phase)
-    finally:
-        for h in handles:
-            h.remove()
+    out = rep.run(phase=rec.follow, wrap=lambda: stacked(wrap(), tracker, rec), stop_after=phase)
     names = list(model.named_parameters())
     if phase == "forward" and out.loss_tensor is not None:
         rec.mark("loss", out.loss_tensor)
@@ -115,24 +87,10 @@ def _record(rep: Replayer, phase: str, kind: str, wrap, scope) -> OpFinding | No
     origin = inf_origin(table, root)
     if scope and origin is None and any(i.flags.inf for i in ins):
         return None         # the inf came from before the call: record the whole phase
-    return OpFinding(op=root.op.op, op_index=root.op.index, phase=root.op.phase,
-                     occurrence=root.op.occurrence,
-                     module=module if module is not None else "", module_call=call,
-                     input_dtypes=[i.dtype for i in ins], input_shapes=[list(i.shape) for i in ins],
-                     parameter=parameter,
+    return OpFinding(site=OpSite(root.op.op, root.op.phase, root.op.occurrence),
+                     op_index=root.op.index, module=module if module is not None else "",
+                     module_call=call, input_dtypes=[i.dtype for i in ins],
+                     input_shapes=[list(i.shape) for i in ins], parameter=parameter,
                      context=context(table, root), total_ops=table.total_ops,
-                     inf_origin=_describe(origin) if origin is not None else None,
+                     inf_origin=op_ref(origin) if origin is not None else None,
                      recorded=len(table.ops), scope=scope)
-
-
-def _start_at_call(model: torch.nn.Module, scope: tuple[str, int], started: list) -> list:
-    """A hook that sets ``started[0]`` when call ``scope`` of its module begins."""
-    sub = model.get_submodule(scope[0])
-    calls = [0]
-
-    def pre(mod, args):
-        if calls[0] == scope[1]:
-            started[0] = True
-        calls[0] += 1
-
-    return [sub.register_forward_pre_hook(pre)]

@@ -14,64 +14,35 @@ from __future__ import annotations
 
 import inspect
 import os
-from dataclasses import dataclass
 
 import torch
 
-from nanbisect.replay.probe import CallStats, ProbeTable, Stats
-
-
-@dataclass(frozen=True)
-class Culprit:
-    """The producing module call (or parameter update) of the failure."""
-
-    phase: str
-    module: str
-    module_call: int | None
-    input_dtypes: list[str]
-    input_shapes: list[list[int]]
-    source: str | None
-    op: str | None = None
-    op_index: int | None = None
-    rank: int = 0
-    parameter: str | None = None
-
-
-@dataclass(frozen=True)
-class TraceRow:
-    """One line of the backtrace table in report.md."""
-
-    order: int
-    module: str
-    call: int
-    role: str            # "clean" | "culprit" | "encloses culprit" | "producer" | "propagator"
-    before: Stats        # inputs (forward) or gradient arriving from the outputs (backward)
-    after: Stats | None  # output (forward) or gradient leaving towards the inputs (backward)
+from nanbisect.records import Culprit, OpFinding, Stats, TimelineRow, TraceRow
+from nanbisect.replay.probe import CallStats, ProbeTable
 
 
 def _bad(s: Stats | None, kind: str) -> bool:
     return s is not None and s.bad(kind)
 
 
-def _ancestors(c: CallStats, by_index: dict[int, CallStats]):
-    p = c.call.parent
-    while p is not None:
-        yield by_index[p]
-        p = by_index[p].call.parent
-
-
-def _innermost(cands: list[CallStats], by_index: dict[int, CallStats]) -> list[CallStats]:
-    enclosing = {a.call.index for c in cands for a in _ancestors(c, by_index)}
-    return [c for c in cands if c.call.index not in enclosing]
+def _innermost(table: ProbeTable, cands: list[CallStats]) -> list[CallStats]:
+    enclosing = {a.call for c in cands for a in table.ancestors(c)}
+    return [c for c in cands if c.call not in enclosing]
 
 
 def forward_producer(table: ProbeTable, kind: str) -> CallStats | None:
-    """The innermost, earliest-finishing call that turned clean inputs into bad outputs."""
-    by_index = {c.call.index: c for c in table.calls}
+    """The innermost, earliest-finishing call that turned clean inputs into bad outputs.
+
+    >>> from nanbisect.records import CallId
+    >>> ok, nan = Stats(0, 0, 0, 1.0), Stats(3, 0, 0, 1.0)
+    >>> outer = CallStats(CallId("", 0), None, [], [], 1, None, ok, nan, None, None)
+    >>> inner = CallStats(CallId("act", 0), CallId("", 0), [], [], 0, None, ok, nan, None, None)
+    >>> forward_producer(ProbeTable([outer, inner], []), "nan").call
+    CallId(module='act', call=0)
+    """
     cands = [c for c in table.calls if not c.inputs.bad(kind) and _bad(c.output, kind)
-             and all(_bad(a.output, kind) for a in _ancestors(c, by_index))]
-    cands = _innermost(cands, by_index)
-    return min(cands, key=lambda c: c.call.end, default=None)
+             and all(_bad(a.output, kind) for a in table.ancestors(c))]
+    return min(_innermost(table, cands), key=lambda c: c.end, default=None)
 
 
 def backward_producer(table: ProbeTable, kind: str) -> tuple[CallStats | None, str | None]:
@@ -80,7 +51,6 @@ def backward_producer(table: ProbeTable, kind: str) -> tuple[CallStats | None, s
     Returns the call and, when the bad value surfaced only in a parameter gradient, that
     parameter's name.
     """
-    by_index = {c.call.index: c for c in table.calls}
     bad_params: dict[str, tuple[int, str]] = {}
     for pg in table.params:
         if pg.stats.bad(kind) and pg.module not in bad_params:
@@ -91,17 +61,17 @@ def backward_producer(table: ProbeTable, kind: str) -> tuple[CallStats | None, s
             continue
         events = []
         if _bad(c.grad_in, kind):
-            events.append((c.call.grad_events.get("grad_in", 1 << 30), None))
+            events.append((c.grad_in_order if c.grad_in_order is not None else 1 << 30, None))
         if c.call.module in bad_params:
             events.append(bad_params[c.call.module])
         if events:
             cands.append(c)
-            order[c.call.index] = min(events)
-    cands = _innermost(cands, by_index)
+            order[c.call] = min(events)
+    cands = _innermost(table, cands)
     if not cands:
         return None, None
-    best = min(cands, key=lambda c: order[c.call.index])
-    return best, order[best.call.index][1]
+    best = min(cands, key=lambda c: order[c.call])
+    return best, order[best.call][1]
 
 
 def source_of(model: torch.nn.Module, module_name: str) -> str | None:
@@ -120,58 +90,69 @@ def source_of(model: torch.nn.Module, module_name: str) -> str | None:
     return f"{path}:{line}"
 
 
-def culprit_from_call(model: torch.nn.Module, c: CallStats, phase: str,
-                      parameter: str | None = None) -> Culprit:
-    return Culprit(phase=phase, module=c.call.module, module_call=c.call.call,
-                   input_dtypes=c.call.input_dtypes, input_shapes=c.call.input_shapes,
-                   source=source_of(model, c.call.module), parameter=parameter)
-
-
-def optimizer_culprit(model: torch.nn.Module, params: list[str]) -> Culprit:
-    """The first parameter (in model order) the optimizer step made non-finite."""
+def first_bad_parameter(model: torch.nn.Module, params: list[str]) -> str:
+    """The first of ``params`` in model order (the parameter an optimizer culprit names)."""
     order = {n: i for i, (n, _) in enumerate(model.named_parameters())}
-    name = min(params, key=lambda n: order.get(n, 1 << 30))
-    p = model.get_parameter(name)
-    module = name.rpartition(".")[0]
-    return Culprit(phase="optimizer", module=module, module_call=None,
-                   input_dtypes=[str(p.dtype).removeprefix("torch.")],
-                   input_shapes=[list(p.shape)], source=None, parameter=name)
+    return min(params, key=lambda n: order.get(n, 1 << 30))
 
 
 def backtrace(table: ProbeTable, culprit: CallStats, phase: str, kind: str,
               before: int = 6, after: int = 3) -> list[TraceRow]:
     """The calls around the culprit in execution order, like a debugger's backtrace."""
+    seq = table.in_order(phase)
     if phase == "forward":
-        seq = sorted(table.calls, key=lambda c: c.call.end)
         pairs = [(c, c.inputs, c.output) for c in seq]
     else:
-        seq = sorted((c for c in table.calls if "grad_in" in c.call.grad_events),
-                     key=lambda c: c.call.grad_events["grad_in"])
         pairs = [(c, c.grad_out or Stats(0, 0, 0, 0.0), c.grad_in) for c in seq]
-    pos = next((i for i, (c, _, _) in enumerate(pairs) if c is culprit), None)
+    pos = next((i for i, (c, _, _) in enumerate(pairs) if c.call == culprit.call), None)
     if pos is None:
         return []
-    by_index = {c.call.index: c for c in table.calls}
-    enclosing = {a.call.index for a in _ancestors(culprit, by_index)}
+    enclosing = {a.call for a in table.ancestors(culprit)}
     rows = []
     for i, (c, b, a) in enumerate(pairs[max(0, pos - before): pos + after + 1]):
-        role = ("culprit" if c is culprit else "encloses culprit" if c.call.index in enclosing
-                else "propagator" if b.bad(kind) and _bad(a, kind)
+        role = ("culprit" if c.call == culprit.call else "encloses culprit"
+                if c.call in enclosing else "propagator" if b.bad(kind) and _bad(a, kind)
                 else "producer" if _bad(a, kind) else "clean")
         rows.append(TraceRow(i + max(0, pos - before), c.call.module, c.call.call, role, b, a))
     return rows
 
 
-def timeline(table: ProbeTable, phase: str) -> list[dict]:
+def timeline(table: ProbeTable, phase: str) -> list[TimelineRow]:
     """Every module call in execution order with the NaN/inf counts and abs-max of its output
     (forward) or outgoing gradient (backward), for the report's plot."""
-    if phase == "forward":
-        rows = [(c, c.output) for c in sorted(table.calls, key=lambda c: c.call.end)]
-    elif phase == "backward":
-        rows = [(c, c.grad_in) for c in sorted(
-            (c for c in table.calls if "grad_in" in c.call.grad_events),
-            key=lambda c: c.call.grad_events["grad_in"])]
-    else:
-        return []
-    return [{"module": c.call.module, "call": c.call.call, "nan": s.nan, "inf": s.inf,
-             "absmax": s.absmax} for c, s in rows if s is not None]
+    side = (lambda c: c.output) if phase == "forward" else (lambda c: c.grad_in)
+    return [TimelineRow(c.call.module, c.call.call, s.nan, s.inf, s.absmax)
+            for c in table.in_order(phase) for s in [side(c)] if s is not None]
+
+
+def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | None = None,
+                 call: CallStats | None = None, parameter: str | None = None,
+                 source: str | None = None, rank: int = 0) -> Culprit:
+    """The culprit, built once from what the passes found, most precise first: the root op
+    (``finding``: its module call, dtypes and shapes), else the producing module call, else
+    the parameter an optimizer step made non-finite, else only the phase. ``source`` is the
+    user line the narrow pass caught; without it, a module call's ``forward``.
+
+    >>> make_culprit(torch.nn.Linear(2, 2), "optimizer", parameter="weight").input_shapes
+    [[2, 2]]
+    """
+    if finding is not None:
+        module, module_call = finding.module, finding.module_call
+        if source is None and finding.module and phase != "optimizer":
+            source = source_of(model, finding.module)
+        return Culprit(phase=finding.phase, module=module, module_call=module_call,
+                       input_dtypes=finding.input_dtypes, input_shapes=finding.input_shapes,
+                       source=source, op=finding.op, op_index=finding.op_index, rank=rank,
+                       parameter=finding.parameter or parameter)
+    if call is not None:
+        return Culprit(phase=phase, module=call.call.module, module_call=call.call.call,
+                       input_dtypes=call.input_dtypes, input_shapes=call.input_shapes,
+                       source=source or source_of(model, call.call.module), rank=rank,
+                       parameter=parameter)
+    if parameter is not None:
+        p = model.get_parameter(parameter)
+        return Culprit(phase=phase, module=parameter.rpartition(".")[0], module_call=None,
+                       input_dtypes=[str(p.dtype).removeprefix("torch.")],
+                       input_shapes=[list(p.shape)], source=source, rank=rank,
+                       parameter=parameter)
+    return Culprit(phase, "", None, [], [], source, rank=rank)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from nanbisect.records import ContextRow, OpRef
 from nanbisect.replay.recorder import Flags, InputRef, OpRecord, OpTable
 
 Pred = Callable[[Flags], bool]
@@ -79,16 +80,20 @@ def inf_origin(table: OpTable, root: Root) -> Root | None:
     return trace(table, starts, lambda f: f.nan or f.inf) if starts else None
 
 
-def context(table: OpTable, root: Root, n: int = 5) -> list[dict]:
+def context(table: OpTable, root: Root, n: int = 5) -> list[ContextRow]:
     """The ``n`` recorded ops before the culprit, with what their outputs held."""
-    rows = []
-    for rec in table.ops[max(0, root.op.pos - n): root.op.pos + 1]:
-        rows.append({"op_index": rec.index, "op": rec.op, "module": rec.module,
-                     "module_call": rec.module_call, "phase": rec.phase,
-                     "out_nan": any(o.flags.nan for o in rec.outputs),
-                     "out_inf": any(o.flags.inf for o in rec.outputs),
-                     # None: a view (no new value) or only NaN (no finite magnitude)
-                     "out_absmax": max((o.flags.absmax for o in rec.outputs
-                                        if not o.flags.nan), default=None),
-                     "culprit": rec is root.op})
-    return rows
+    return [ContextRow(op_index=rec.index, op=rec.op, module=rec.module,
+                       module_call=rec.module_call, phase=rec.phase,
+                       out_nan=any(o.flags.nan for o in rec.outputs),
+                       out_inf=any(o.flags.inf for o in rec.outputs),
+                       # None: a view (no new value) or only NaN (no finite magnitude)
+                       out_absmax=max((o.flags.absmax for o in rec.outputs if not o.flags.nan),
+                                      default=None),
+                       culprit=rec is root.op)
+            for rec in table.ops[max(0, root.op.pos - n): root.op.pos + 1]]
+
+
+def op_ref(root: Root) -> OpRef:
+    """The report's name for a root op."""
+    rec = root.op
+    return OpRef(rec.op, rec.index, rec.phase, rec.module, rec.module_call)

@@ -13,6 +13,8 @@ from typing import Callable, Iterator
 
 import torch
 
+from nanbisect.records import Bucket
+
 
 @dataclass
 class BucketRecord:
@@ -52,13 +54,12 @@ class ReductionObserver:
         observed.__qualname__ = getattr(hook, "__qualname__", "hook")
         return observed
 
-    def read(self) -> list[dict]:
+    def read(self) -> list[Bucket]:
         out = []
         for r in self.records:
             b = r.before.tolist()
             a = r.after.tolist() if r.after is not None else [0.0, 0.0]
-            out.append({"bucket": r.index, "params": r.params, "in_nan": int(b[0]),
-                        "in_inf": int(b[1]), "out_nan": int(a[0]), "out_inf": int(a[1])})
+            out.append(Bucket(r.index, r.params, int(b[0]), int(b[1]), int(a[0]), int(a[1])))
         return out
 
 

@@ -14,14 +14,16 @@ import signal
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from nanbisect.locate.producers import Culprit
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
+from nanbisect.multirank.verdict import job_report
+from nanbisect.records import Losses, RankResult, RunFacts
 from nanbisect.report.model import Report
-from nanbisect.report.write import staged, write_report
 from nanbisect.report.repro import run_repro
+from nanbisect.report.write import staged, write_report
 
 DEFAULT_TIMEOUT = float(os.environ.get("NANBISECT_RANK_TIMEOUT", "600"))
 
@@ -45,7 +47,7 @@ def _kill_session(p: subprocess.Popen) -> None:
 
 
 def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
-           timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
+           timeout: float = DEFAULT_TIMEOUT) -> list[RankResult]:
     """Run every rank; return their results, or raise BadInput naming the rank that failed."""
     world = bundle.world_size
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
@@ -69,9 +71,9 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
         if not f.is_file():
             missing.append(r)
             continue
-        res = json.loads(f.read_text())
-        if "error" in res:
-            errors[r] = res["error"]
+        res = RankResult.from_json(json.loads(f.read_text()))
+        if res.error is not None:
+            errors[r] = res.error
         else:
             results.append(res)
     # a rank that fails makes its peers fail too ("connection closed by peer"): name the cause
@@ -92,12 +94,7 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
     if errors:
         r = min(errors)
         raise BadInput(f"rank {r} failed during replay: {errors[r]}")
-    return sorted(results, key=lambda r: r["rank"])
-
-
-def _where(root: dict) -> str:
-    return (f" in {root['module'] or '<root>'} call {root['module_call']}"
-            if root.get("module_call") is not None else "")
+    return sorted(results, key=lambda r: r.rank)
 
 
 def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
@@ -106,92 +103,21 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
     partial = Path(tempfile.mkdtemp(prefix="nanbisect-ranks-"))
     try:
         results = launch(bundle, target, inject, partial)
-        return _report(bundle, results, target, out, run_repro_once)
+        m = bundle.manifest
+        first = results[0].summary
+        facts = RunFacts(str(bundle.path), m["entry"], target, "none",
+                         {r: info.get("observed") for r, info in m["ranks"].items()},
+                         Losses(None, first.loss if first else None))
+        report = job_report(facts, bundle.world_size, m.get("backend"), results)
+        with staged(out) as tmp:
+            own = next((r for r in results if report.culprit is not None
+                        and r.rank == report.culprit.rank and r.repro), None)
+            if own is not None and report.classification == "unknown":
+                shutil.copytree(Path(own.repro).parent, tmp / "repro")
+                result = run_repro(tmp / "repro" / "repro.py", target) if run_repro_once \
+                    else None
+                report = replace(report, repro="repro/repro.py", repro_result=result)
+            write_report(report, tmp)
+        return report
     finally:
         shutil.rmtree(partial, ignore_errors=True)
-
-
-def _report(bundle: Bundle, results: list[dict], target: str, out: Path,
-            run_repro_once: bool) -> Report:
-    m = bundle.manifest
-    plan = results[0]["plan"]
-    observed = {r: info.get("observed") for r, info in m["ranks"].items()}
-    ranks = []
-    for res in results:
-        s = res["summary"]
-        ranks.append({"rank": res["rank"], "phase": s.get("phase"), "loss": s.get("loss"),
-                      "reduction_in_bad": s.get("reduce_in_bad"),
-                      "reduction_out_bad": s.get("reduce_out_bad"),
-                      "buckets": s.get("buckets", []), "module_stats": res.get("module_stats"),
-                      "root": res.get("root")})
-    common = dict(replay={"original_loss": None, "target_loss": results[0]["summary"].get("loss"),
-                          "reference_loss": None}, bundle=str(bundle.path), entry=m["entry"],
-                  target=target, reference="none", observed=observed)
-    phase, culprit_rank = plan["phase"], plan["rank"]
-    notes = [f"replayed with world size {bundle.world_size} ({m.get('backend')})"]
-    with staged(out) as tmp:
-        repro = result = None
-        if phase is None:
-            report = Report("not-reproduced" if any(observed.values()) else "clean",
-                            "transient" if any(observed.values()) else None, None, None, None,
-                            notes=notes, ranks=ranks, **common)
-        elif phase == "input":
-            report = Report("input-nonfinite", "data", "input", None, None, notes=notes +
-                            [f"rank {culprit_rank} holds non-finite values before the step"],
-                            ranks=ranks, **common)
-        elif phase == "grad-reduce":
-            bad = [b for r in ranks for b in r["buckets"] if b["out_nan"] or b["out_inf"]]
-            params = bad[0]["params"] if bad else []
-            culprit = Culprit("grad-reduce", (params[0].rpartition(".")[0] if params else ""),
-                              None, [], [], None, op=None, op_index=None, rank=ranks[0]["rank"],
-                              parameter=params[0] if params else None)
-            notes.append("every rank's gradients were finite going into the reduction and "
-                         "non-finite coming out of it: the collective (or the comm hook around "
-                         f"it) is at fault; first bad bucket holds {params[:4]}")
-            report = Report("culprit", "communication", "grad-reduce",
-                            "nan" if bad and bad[0]["out_nan"] else "inf", culprit, notes=notes,
-                            ranks=ranks, **common)
-        elif plan.get("through_collective"):
-            root = results[culprit_rank]["root"]
-            if phase == "backward":   # a collective in backward reduces gradients
-                phase = "grad-reduce"
-            culprit = Culprit(phase, root["module"] or "", root["module_call"],
-                              root["input_dtypes"], root["input_shapes"], None, op=root["op"],
-                              op_index=root["op_index"], rank=culprit_rank)
-            notes.append(f"on every rank that failed ({[r['rank'] for r in ranks if r['root']]}) "
-                         f"the failure traces back to the output of {root['op']}{_where(root)}, "
-                         "whose inputs were finite on every rank: no rank computed it, the "
-                         "collective (or the code around it) is at fault")
-            report = Report("culprit", "communication", phase, results[culprit_rank]["summary"]
-                            .get("kind") or "nan", culprit, notes=notes, ranks=ranks, **common)
-        else:
-            own = results[culprit_rank]
-            c = own.get("culprit") or {}
-            culprit = Culprit(**c) if c else Culprit(phase, "", None, [], [], None,
-                                                     rank=culprit_rank)
-            others = [r for r in ranks if r["rank"] != culprit_rank and r["phase"] is not None]
-            via_op = [r for r in others if r["root"] and r["root"]["collective"]]
-            via_reduce = [r["rank"] for r in others if r not in via_op]
-            note = f"rank {culprit_rank} computed the failure locally; "
-            if via_op:
-                root = via_op[0]["root"]
-                note += (f"rank(s) {[r['rank'] for r in via_op]} received it through "
-                         f"{root['op']}{_where(root)} (finite inputs, non-finite output there)")
-            if via_reduce:
-                note += ("; " if via_op else "") + (f"rank(s) {via_reduce} received it through "
-                                                    "the gradient reduction")
-            if not others:
-                note += "the other ranks stayed finite"
-            notes.append(note)
-            if own.get("repro"):
-                src = Path(own["repro"]).parent
-                shutil.copytree(src, tmp / "repro")
-                repro = "repro/repro.py"
-                if run_repro_once:
-                    result = run_repro(tmp / "repro" / "repro.py", target)
-            report = Report("culprit", "unknown", phase, results[culprit_rank]["summary"]
-                            .get("kind") or "nan", culprit, notes=notes, ranks=ranks,
-                            context=own.get("context", []), inf_origin=own.get("inf_origin"),
-                            repro=repro, repro_result=result, **common)
-        write_report(report, tmp)
-    return report

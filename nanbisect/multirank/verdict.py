@@ -1,39 +1,132 @@
-"""The multi-rank decisions, the same on every rank: which phase and rank to bisect after the
-first pass, and which rank computed the failure once every rank has traced it to a root op.
+"""The multi-rank decisions: which phase and rank to bisect after the first pass (`decide`, the
+same on every rank), which rank computed the failure once every rank has traced it to a root op
+(`choose_rank`), and the job's report from every rank's result (`job_report`).
 
-Pure functions over what the ranks exchanged; no torch.distributed, no tensors.
+Pure functions over the records the ranks exchanged; no torch.distributed, no tensors, no files,
+so every verdict can be tested in-process without torchrun.
 """
 from __future__ import annotations
 
+from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, RankSummary,
+                               RunFacts)
+from nanbisect.report.model import Report
 
-def decide(summaries: list[dict]) -> dict:
-    """The same plan on every rank, from every rank's first-pass summary."""
-    fwd = [s["rank"] for s in summaries if s["phase"] == "forward"]
+
+def decide(summaries: list[RankSummary]) -> Plan:
+    """The same plan on every rank, from every rank's first-pass summary.
+
+    >>> ok = RankSummary(0, None, 1.0, None)
+    >>> decide([ok, RankSummary(1, "forward", "nan", "nan")])
+    Plan(phase='forward', rank=1, through_collective=False)
+    """
+    bad_input = [s.rank for s in summaries if s.phase == "input"]
+    if bad_input:
+        return Plan("input", min(bad_input))
+    fwd = [s.rank for s in summaries if s.phase == "forward"]
     if fwd:
-        return {"rank": min(fwd), "phase": "forward"}
-    local_bwd = [s["rank"] for s in summaries if s["reduce_in_bad"] or (
-        s["phase"] == "backward" and not s["buckets"])]
+        return Plan("forward", min(fwd))
+    local_bwd = [s.rank for s in summaries if s.reduce_in_bad or (
+        s.phase == "backward" and not s.buckets)]
     if local_bwd:
-        return {"rank": min(local_bwd), "phase": "backward"}
-    if any(s["reduce_out_bad"] for s in summaries):
-        return {"rank": None, "phase": "grad-reduce"}
-    opt = [s["rank"] for s in summaries if s["phase"] == "optimizer"]
+        return Plan("backward", min(local_bwd))
+    if any(s.reduce_out_bad for s in summaries):
+        return Plan("grad-reduce", None)
+    opt = [s.rank for s in summaries if s.phase == "optimizer"]
     if opt:
-        return {"rank": min(opt), "phase": "optimizer"}
-    return {"rank": None, "phase": None}
+        return Plan("optimizer", min(opt))
+    return Plan(None, None)
 
 
-def choose_rank(roots: list[dict | None], planned: int) -> tuple[int, bool]:
+def choose_rank(roots: list[RankRoot | None], planned: int) -> tuple[int, bool]:
     """(culprit rank, whether the failure only came out of a collective), the same on every rank.
 
     A rank whose failure traces back to a computation (not to a collective's output) computed it
     locally; the first such rank is the culprit. When every rank that failed traces it to a
     collective whose inputs were finite, no rank computed it: the collective is at fault.
+
+    >>> mm = RankRoot("aten.sqrt.default", 7, "row", 0, ["float32"], [[4]], collective=False)
+    >>> ar = RankRoot("c10d.allreduce_.default", 9, "row", 0, ["float32"], [[4]], True)
+    >>> choose_rank([ar, mm], planned=0), choose_rank([ar, ar], planned=0)
+    ((1, False), (0, True))
     """
-    local = [r for r, root in enumerate(roots) if root is not None and not root["collective"]]
+    local = [r for r, root in enumerate(roots) if root is not None and not root.collective]
     if local:
         return local[0], False
     received = [r for r, root in enumerate(roots) if root is not None]
     if received:
         return received[0], True
     return planned, False
+
+
+def _where(root: RankRoot) -> str:
+    return (f" in {root.module or '<root>'} call {root.module_call}"
+            if root.module_call is not None else "")
+
+
+def job_report(facts: RunFacts, world_size: int, backend: str | None,
+               results: list[RankResult]) -> Report:
+    """One report for the job from every rank's result (sorted by rank); the repro, which only
+    the culprit rank wrote, is the launcher's to add."""
+    plan = results[0].plan
+    phase, culprit_rank = plan.phase, plan.rank
+    by_rank = {r.rank: r for r in results}
+    notes = [f"replayed with world size {world_size} ({backend})"]
+    observed = facts.observed or {}
+    common = dict(facts=facts, ranks=results)
+    if phase is None:
+        failed = any(observed.values())
+        return Report("not-reproduced" if failed else "clean", "transient" if failed else None,
+                      None, None, None, notes=notes, **common)
+    if phase == "input":
+        bad: list[BadValue] = [
+            BadValue(b.where, f"rank {r.rank}: {b.name}", b.nan, b.posinf, b.neginf)
+            for r in results if r.summary for b in r.summary.input_nonfinite]
+        holders = sorted({r.rank for r in results if r.summary and r.summary.input_nonfinite})
+        return Report("input-nonfinite", "data", "input", bad[0].kind if bad else None, None,
+                      input_nonfinite=bad, notes=notes + [
+                          f"rank(s) {holders} hold non-finite values before the step"],
+                      **common)
+    if phase == "grad-reduce":
+        buckets = [b for r in results if r.summary for b in r.summary.buckets if b.out_bad]
+        params = buckets[0].params if buckets else []
+        culprit = Culprit("grad-reduce", (params[0].rpartition(".")[0] if params else ""),
+                          None, [], [], None, rank=results[0].rank,
+                          parameter=params[0] if params else None)
+        notes.append("every rank's gradients were finite going into the reduction and "
+                     "non-finite coming out of it: the collective (or the comm hook around "
+                     f"it) is at fault; first bad bucket holds {params[:4]}")
+        return Report("culprit", "communication", "grad-reduce",
+                      "nan" if buckets and buckets[0].out_nan else "inf", culprit, notes=notes,
+                      **common)
+    own = by_rank[culprit_rank]
+    kind = (own.summary.kind if own.summary else None) or "nan"
+    if plan.through_collective:
+        root = own.root
+        if phase == "backward":   # a collective in backward reduces gradients
+            phase = "grad-reduce"
+        culprit = Culprit(phase, root.module or "", root.module_call, root.input_dtypes,
+                          root.input_shapes, None, op=root.op, op_index=root.op_index,
+                          rank=culprit_rank)
+        notes.append(f"on every rank that failed ({[r.rank for r in results if r.root]}) "
+                     f"the failure traces back to the output of {root.op}{_where(root)}, "
+                     "whose inputs were finite on every rank: no rank computed it, the "
+                     "collective (or the code around it) is at fault")
+        return Report("culprit", "communication", phase, kind, culprit, notes=notes, **common)
+    culprit = own.culprit or Culprit(phase, "", None, [], [], None, rank=culprit_rank)
+    others = [r for r in results if r.rank != culprit_rank and r.summary
+              and r.summary.phase is not None]
+    via_op = [r for r in others if r.root and r.root.collective]
+    via_reduce = [r.rank for r in others if r not in via_op]
+    note = f"rank {culprit_rank} computed the failure locally; "
+    if via_op:
+        root = via_op[0].root
+        note += (f"rank(s) {[r.rank for r in via_op]} received it through "
+                 f"{root.op}{_where(root)} (finite inputs, non-finite output there)")
+    if via_reduce:
+        note += ("; " if via_op else "") + (f"rank(s) {via_reduce} received it through "
+                                            "the gradient reduction")
+    if not others:
+        note += "the other ranks stayed finite"
+    notes.append(note)
+    return Report("culprit", "unknown", phase, kind, culprit, notes=notes,
+                  context=own.context, inf_origin=own.inf_origin, **common)

@@ -22,36 +22,45 @@ import sys
 import threading
 import traceback
 from contextlib import nullcontext
-from dataclasses import asdict
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from nanbisect.locate.producers import Culprit, culprit_from_call, forward_producer
 from nanbisect.bundle.format import read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
+from nanbisect.locate.producers import forward_producer, make_culprit
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
 from nanbisect.multirank.verdict import choose_rank, decide
+from nanbisect.records import (CallId, OpFinding, RankResult, RankRoot, RankSummary, Stats,
+                               json_number)
 from nanbisect.replay.recorder import is_collective
-from nanbisect.replay.probe import ModuleProbe, probing
+from nanbisect.replay.probe import ModuleProbe, ProbeTable, probing
 from nanbisect.replay.replayer import Replayer, parse_device
 from nanbisect.report.repro import repro_imports, write_repro
 from nanbisect.task import load_inject
 
 
-def _call_stats(table, module: str, call: int | None) -> dict | None:
-    for c in table.calls:
-        if (c.call.module, c.call.call) == (module, call):
-            pick = lambda s: asdict(s) if s is not None else None  # noqa: E731
-            return {"inputs": pick(c.inputs), "output": pick(c.output),
-                    "grad_arriving": pick(c.grad_out), "grad_leaving": pick(c.grad_in)}
-    return None
+def _call_stats(table: ProbeTable, call: CallId) -> dict[str, Stats | None] | None:
+    c = table.get(call)
+    if c is None:
+        return None
+    return {"inputs": c.inputs, "output": c.output, "grad_arriving": c.grad_out,
+            "grad_leaving": c.grad_in}
 
 
-def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None) -> dict:
+def _gather(obj):
+    """Every rank's ``obj``, in rank order (pickled between our own ranks, never from a file)."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obj)
+    return everyone
+
+
+def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None
+                ) -> RankResult:
     rank = dist.get_rank()
     top = read_bundle(bundle_path)
     part = top.part(rank)
@@ -65,86 +74,61 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     observer.names.update({p: n for n, p in model.named_parameters()})
     observe_default_hook(model, observer)
     rep.lockstep = True
-    everyone: list = [None] * dist.get_world_size()
-    bad_inputs = [b.__dict__ for b in rep.input_faults(rep.restore())]
-    dist.all_gather_object(everyone, bad_inputs)   # agree before any collective of the step
-    if any(everyone):
-        r = min(i for i, b in enumerate(everyone) if b)
-        return {"rank": rank, "plan": {"rank": r, "phase": "input"},
-                "summary": {"rank": rank, "input_nonfinite": bad_inputs}}
-    if inject:
-        wrap = load_inject(inject)
-    else:
-        wrap = nullcontext
+    bad_inputs = rep.input_faults(rep.restore())
+    if any(_gather(bool(bad_inputs))):   # agree before any collective of the step
+        summary = RankSummary(rank, "input" if bad_inputs else None, None, None,
+                              input_nonfinite=bad_inputs)
+        return RankResult(rank, plan=decide(_gather(summary)), summary=summary)
+    wrap = load_inject(inject) if inject else nullcontext
     probe = ModuleProbe(model)
     first = rep.run(phase=probing(probe), wrap=wrap)
-    buckets = observer.read()
     observer.active = False
-    summary = {"rank": rank, "phase": first.phase, "loss": first.loss if first.loss is None or
-               first.loss == first.loss else "nan", "kind": first.kind, "buckets": buckets,
-               "reduce_in_bad": any(b["in_nan"] or b["in_inf"] for b in buckets),
-               "reduce_out_bad": any(b["out_nan"] or b["out_inf"] for b in buckets)}
-    dist.all_gather_object(everyone, summary)
+    summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
+                          buckets=observer.read())
+    everyone = _gather(summary)
     plan = decide(everyone)
-    result = {"rank": rank, "summary": summary, "plan": plan, "all": everyone}
-    phase, culprit_rank = plan["phase"], plan["rank"]
-    if phase in ("forward", "backward", "optimizer") and culprit_rank is not None:
-        kind = everyone[culprit_rank]["kind"] or "nan"
-        finding = record_ops(rep, phase, kind, wrap)          # every rank: same passes
-        roots: list = [None] * dist.get_world_size()
-        dist.all_gather_object(roots, _root(finding))
-        culprit_rank, through = choose_rank(roots, culprit_rank)
-        plan = {**plan, "rank": culprit_rank, "through_collective": through}
-        result.update(plan=plan, root=roots[rank], roots=roots)
-        if through:   # every rank's root is a collective: nobody computed it, it was received
-            return result
-        spec = [None]
-        if rank == culprit_rank and finding is not None:
-            spec = [(finding.module, finding.module_call, finding.occurrence, finding.op)]
-        dist.broadcast_object_list(spec, src=culprit_rank)
-        caught = None
-        if spec[0] is not None:
-            caught = catch_inputs(rep, finding, wrap) if rank == culprit_rank and finding \
-                else catch_inputs(rep, _Other(spec[0][3], phase, spec[0][2]), wrap)
-        table = probe.read()
-        if spec[0] is not None:
-            result["module_stats"] = _call_stats(table, spec[0][0], spec[0][1])
-        if rank == culprit_rank:
-            if finding is not None:
-                culprit = Culprit(phase, finding.module or "", finding.module_call,
-                                  finding.input_dtypes, finding.input_shapes,
-                                  caught.source if caught else None, op=finding.op,
-                                  op_index=finding.op_index, rank=rank,
-                                  parameter=finding.parameter)
-                result.update(context=finding.context, inf_origin=finding.inf_origin)
-                if caught is not None and caught.op == finding.op:
-                    write_repro(partial / f"rank{rank}" / "repro", caught,
-                                culprit=culprit.__dict__, kind=kind, target=target,
-                                imports=repro_imports(caught.op, rep.entry))
-                    result["repro"] = str(partial / f"rank{rank}" / "repro" / "repro.py")
-            else:
-                call = forward_producer(table, kind) if phase == "forward" else None
-                culprit = (culprit_from_call(model, call, phase) if call is not None
-                           else Culprit(phase, "", None, [], [], None))
-                culprit = Culprit(**{**culprit.__dict__, "rank": rank})
-            result["culprit"] = asdict(culprit)
-    return result
+    result = RankResult(rank, plan=plan, summary=summary)
+    phase, culprit_rank = plan.phase, plan.rank
+    if phase not in ("forward", "backward", "optimizer") or culprit_rank is None:
+        return result
+    kind = everyone[culprit_rank].kind or "nan"
+    finding = record_ops(rep, phase, kind, wrap)          # every rank: same passes
+    roots = _gather(_root(finding))
+    culprit_rank, through = choose_rank(roots, culprit_rank)
+    plan = replace(plan, rank=culprit_rank, through_collective=through)
+    result = replace(result, plan=plan, root=roots[rank])
+    if through:   # every rank's root is a collective: nobody computed it, it was received
+        return result
+    # the culprit rank's op, caught on every rank (the catch pass runs the step's collectives)
+    spec = [(finding.site, CallId(finding.module, finding.module_call))
+            if rank == culprit_rank and finding is not None else None]
+    dist.broadcast_object_list(spec, src=culprit_rank)
+    caught = catch_inputs(rep, spec[0][0], wrap) if spec[0] is not None else None
+    table = probe.read()
+    if spec[0] is not None:
+        result = replace(result, module_stats=_call_stats(table, spec[0][1]))
+    if rank != culprit_rank:
+        return result
+    call = forward_producer(table, kind) if phase == "forward" and finding is None else None
+    culprit = make_culprit(model, phase, finding=finding, call=call, rank=rank,
+                           source=caught.source if caught else None)
+    if finding is None:
+        return replace(result, culprit=culprit)
+    result = replace(result, culprit=culprit, context=finding.context,
+                     inf_origin=finding.inf_origin)
+    if caught is None:
+        return result
+    script = write_repro(partial / f"rank{rank}" / "repro", caught, culprit=culprit, kind=kind,
+                         target=target, imports=repro_imports(caught.op, rep.entry))
+    return replace(result, repro=str(script))
 
 
-def _root(finding) -> dict | None:
+def _root(finding: OpFinding | None) -> RankRoot | None:
     """What one rank's op recording traced its failure to, for the other ranks."""
     if finding is None:
         return None
-    return {"op": finding.op, "module": finding.module, "module_call": finding.module_call,
-            "input_dtypes": finding.input_dtypes, "input_shapes": finding.input_shapes,
-            "op_index": finding.op_index, "collective": is_collective(finding.op)}
-
-
-class _Other:
-    """What `catch_inputs` needs on ranks that only keep step with the culprit rank."""
-
-    def __init__(self, op: str, phase: str, occurrence: int) -> None:
-        self.op, self.phase, self.occurrence = op, phase, occurrence
+    return RankRoot(finding.op, finding.op_index, finding.module, finding.module_call,
+                    finding.input_dtypes, finding.input_shapes, is_collective(finding.op))
 
 
 def main() -> None:
@@ -166,7 +150,7 @@ def main() -> None:
         dist.init_process_group(backend=backend,
                                 timeout=datetime.timedelta(seconds=max(a.timeout - 5, 5)))
         result = replay_rank(Path(a.bundle), Path(a.partial), a.target, a.inject)
-        out.write_text(json.dumps(result, default=str))
+        out.write_text(json.dumps(result.to_json()))
         dist.barrier()
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which names the rank
         if isinstance(e, BadInput):  # already names the problem and the fix
@@ -176,7 +160,7 @@ def main() -> None:
             where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
             msg = (f"{type(e).__name__}: {str(e)[:300]}{where}; fix the entry's code for that "
                    "rank or re-capture the bundle")
-        out.write_text(json.dumps({"rank": rank, "error": msg}))
+        out.write_text(json.dumps(RankResult(rank, error=msg).to_json()))
         os._exit(1)
     finally:
         watchdog.cancel()

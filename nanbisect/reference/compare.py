@@ -27,9 +27,11 @@ Not guaranteed: detecting an error smaller than the reference device's own error
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
+
+from nanbisect.records import Comparison
 
 OP_TOL = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5),
           torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
@@ -46,52 +48,6 @@ def op_tol(dtype: torch.dtype) -> tuple[float, float]:
 
 def step_rtol(dtype: torch.dtype) -> float:
     return STEP_RTOL.get(dtype, 0.0)
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """The outcome of comparing one target tensor with its reference."""
-
-    ok: bool
-    numel: int
-    mismatched: int
-    worst_abs: float
-    worst_index: tuple[int, ...] | None
-    worst_target: float | None
-    worst_expected: float | None
-    max_rel: float
-    cosine: float
-    share_off: float          # share of elements with relative error beyond SHARE_REL[dtype]
-    nonfinite_new: int = 0    # non-finite in the target where the expected value is finite
-    reason: str = ""
-
-    def message(self) -> str:
-        """assert_close-style text, e.g. 'Mismatched elements: 3 / 4096 (0.1%) ...'."""
-        if self.ok:
-            return "within tolerance"
-        pct = 100.0 * self.mismatched / max(self.numel, 1)
-        lines = [f"Mismatched elements: {self.mismatched} / {self.numel} ({pct:.3g}%)"]
-        if self.worst_index is not None:
-            lines.append(f"Greatest absolute difference: {self.worst_abs:.4g} at index "
-                         f"{self.worst_index} (target {self.worst_target:.6g}, expected "
-                         f"{self.worst_expected:.6g})")
-        lines.append(f"Greatest relative difference: {self.max_rel:.4g}; cosine similarity "
-                     f"{self.cosine:.6f}; share off by more than the dtype's threshold "
-                     f"{100 * self.share_off:.3g}%")
-        if self.nonfinite_new:
-            lines.append(f"Non-finite in target where expected is finite: {self.nonfinite_new}")
-        if self.reason:
-            lines.append(self.reason)
-        return "\n".join(lines)
-
-    def to_json(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        for k in ("worst_abs", "max_rel", "cosine", "worst_target", "worst_expected"):
-            if isinstance(d[k], float) and not math.isfinite(d[k]):
-                d[k] = repr(d[k])
-        d["worst_index"] = list(d["worst_index"]) if d["worst_index"] is not None else None
-        d["message"] = self.message()
-        return d
 
 
 def _summary(t: torch.Tensor, e: torch.Tensor, off: torch.Tensor, dtype: torch.dtype,
@@ -147,7 +103,7 @@ def compare_op(target: torch.Tensor, reference: torch.Tensor | None, truth: torc
     gross = bool((err > GROSS * bound).any())
     fail = n_off > 0 and (gross or n_off > MAX_SHARE * max(t.numel(), 1))
     c = _summary(t, e, off, dtype)
-    return Comparison(**{**c.__dict__, "ok": not fail})
+    return replace(c, ok=not fail)
 
 
 def compare_step(target: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> Comparison:
@@ -167,4 +123,4 @@ def compare_step(target: torch.Tensor, reference: torch.Tensor, dtype: torch.dty
         torch.isfinite(t) != torch.isfinite(e))
     c = _summary(t, e, off, dtype, reason=(f"relative L2 error {rel_l2:.3g} > {step_rtol(dtype)}"
                                            if bad else ""))
-    return Comparison(**{**c.__dict__, "ok": not bad})
+    return replace(c, ok=not bad)

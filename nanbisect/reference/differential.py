@@ -13,18 +13,19 @@ dropout masks and noise match across devices and dtypes and never look like dive
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, ContextManager
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.reference import kernels as registry
-from nanbisect.reference.compare import Comparison, compare_step, step_rtol
-from nanbisect.reference.opcheck import RANDOM_OR_UNINITIALISED, OpCheck, check_op
+from nanbisect.records import CallId, Divergence, OpCheck, OpFinding, OpSite, Stats, StepOutcome
+from nanbisect.reference.compare import compare_step, step_rtol
+from nanbisect.reference.opcheck import RANDOM_OR_UNINITIALISED, check_op
 from nanbisect.replay.recorder import OpRecorder, tensor_args, written_tensors
-from nanbisect.replay.probe import CallStats, ProbeTable, Stats
-from nanbisect.replay.replayer import Replayer, StepOutcome, stacked
+from nanbisect.replay.probe import CallStats, ProbeTable
+from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
 
 
@@ -43,13 +44,6 @@ def step_state(rep: Replayer, outcome: StepOutcome) -> StepState:
     return StepState(cpu(outcome.loss_tensor) if outcome.loss_tensor is not None else None,
                      {n: cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
                      {n: cpu(p) for n, p in model.named_parameters()})
-
-
-@dataclass(frozen=True)
-class Divergence:
-    phase: str                 # forward (loss) | backward (a gradient) | optimizer (a parameter)
-    what: str                  # "loss", "grad:<name>", "param:<name>"
-    comparison: Comparison
 
 
 def first_divergence(t: StepState, r: StepState, dtype: torch.dtype) -> Divergence | None:
@@ -82,39 +76,24 @@ def _differs(a: Stats | None, b: Stats | None, rtol: float) -> bool:
 def diverging_call(target: ProbeTable, reference: ProbeTable, phase: str,
                    dtype: torch.dtype) -> CallStats | None:
     """First call (execution order; innermost first) whose result differs between the sides."""
-    ref = {(c.call.module, c.call.call): c for c in reference.calls}
     rtol = step_rtol(dtype)
-    if phase == "forward":
-        order = sorted(target.calls, key=lambda c: c.call.end)
-        side = lambda c: c.output  # noqa: E731
-    else:
-        order = sorted((c for c in target.calls if "grad_in" in c.call.grad_events),
-                       key=lambda c: c.call.grad_events["grad_in"])
-        side = lambda c: c.grad_in  # noqa: E731
-    for c in order:
-        r = ref.get((c.call.module, c.call.call))
+    side = (lambda c: c.output) if phase == "forward" else (lambda c: c.grad_in)
+    for c in target.in_order(phase):
+        r = reference.get(c.call)
         if r is not None and _differs(side(c), side(r), rtol):
             return c
     return None
 
 
-@dataclass(frozen=True)
-class IsolationResult:
-    culprit: OpCheck | None
-    module: str | None = None
-    module_call: int | None = None
-    input_dtypes: list[str] = field(default_factory=list)
-    input_shapes: list[list[int]] = field(default_factory=list)
-    checked: int = 0
-    uncomparable: list[OpCheck] = field(default_factory=list)
-    occurrence: int = 0          # calls of the same op before it in its phase
-
-
-def isolate_window(rep: Replayer, phase: str, call: tuple[str, int] | None,
+def isolate_window(rep: Replayer, phase: str, call: CallId | None,
                    ref_device: torch.device, ref_dtype: torch.dtype | None,
-                   wrap: Callable[[], ContextManager] = nullcontext) -> IsolationResult:
+                   wrap: Callable[[], ContextManager] = nullcontext
+                   ) -> tuple[OpFinding | None, OpCheck | None, int, list[OpCheck]]:
     """Record the target's ops inside ``call`` (whole ``phase`` when None), keeping their values,
-    and judge each on the reference in order; stop at the first mismatch."""
+    and judge each on the reference in order; stop at the first mismatch.
+
+    Returns the first op wrong given its inputs (as a finding) and its check, how many ops were
+    checked, and the ops that could not be compared."""
     tracker = ModuleTracker(rep.task.model, map_nodes=(phase == "backward"))
     rec = OpRecorder(tracker, {phase}, keep=(lambda: tracker.within(call, rec.phase))
                      if call is not None else (lambda: True))
@@ -130,11 +109,13 @@ def isolate_window(rep: Replayer, phase: str, call: tuple[str, int] | None,
         if check.status == "uncomparable":
             uncomparable.append(check)
         elif check.status == "mismatch":
-            occurrence = sum(1 for r in table.ops[:pos] if r.op == op.op and r.phase == op.phase)
-            return IsolationResult(check, op.module, op.module_call,
-                                   [i.dtype for i in op.inputs], [list(i.shape) for i in op.inputs],
-                                   checked, uncomparable, occurrence)
-    return IsolationResult(None, checked=checked, uncomparable=uncomparable)
+            finding = OpFinding(site=OpSite(op.op, op.phase, op.occurrence), op_index=op.index,
+                                module=op.module or "", module_call=op.module_call,
+                                input_dtypes=[i.dtype for i in op.inputs],
+                                input_shapes=[list(i.shape) for i in op.inputs],
+                                total_ops=table.total_ops, recorded=len(table.ops))
+            return finding, check, checked, uncomparable
+    return None, None, checked, uncomparable
 
 
 def _no_kernel(e: Exception) -> bool:

@@ -9,13 +9,13 @@ uninitialised memory cannot be compared value by value and are ``skipped``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from nanbisect.reference import kernels as registry
-from nanbisect.reference.compare import Comparison, compare_op
+from nanbisect.records import OpCheck
+from nanbisect.reference.compare import compare_op
 from nanbisect.replay.recorder import tensor_args, written_tensors
 
 RANDOM_OR_UNINITIALISED = {
@@ -40,23 +40,6 @@ def move(obj: Any, device: torch.device, dtype: torch.dtype | None = None) -> An
             return device
         return x
     return torch.utils._pytree.tree_map(one, obj)
-
-
-@dataclass(frozen=True)
-class OpCheck:
-    """The verdict on one op, judged in isolation."""
-
-    op: str
-    op_index: int
-    status: str                  # "ok" | "mismatch" | "uncomparable" | "skipped"
-    how: str | None = None       # "kernel" | "registered": what ran on the reference
-    comparisons: list[Comparison] = field(default_factory=list)
-    detail: str = ""
-
-    def to_json(self) -> dict:
-        return {"op": self.op, "op_index": self.op_index, "status": self.status,
-                "how": self.how, "detail": self.detail,
-                "comparisons": [c.to_json() for c in self.comparisons]}
 
 
 def _call(op: str, args: list, kwargs: dict) -> tuple[Any, str]:

@@ -1,9 +1,10 @@
 """Module-level probe: per-call statistics of inputs, outputs and gradients, kept on the device.
 
-`ModuleProbe` hooks every submodule of a model for one replayed step. For each module *call* it
-records NaN/+inf/-inf counts and the largest finite magnitude of the call's floating inputs and
-outputs (forward) and of the gradients flowing into and out of the call (backward). Statistics stay
-on the device as small tensors and are read back once, by `ModuleProbe.read`.
+`ModuleProbe` listens to a `ModuleTracker` (which names each call) for one replayed step. For
+each module *call* it records NaN/+inf/-inf counts and the largest finite magnitude of the call's
+floating inputs and outputs (forward) and of the gradients flowing into and out of the call
+(backward). Statistics stay on the device as small tensors and are read back once, by
+`ModuleProbe.read`; `ProbeTable.in_order` gives the calls in forward or backward order.
 
 How backward is observed: a forward pre-hook hands the module an identity view of each floating
 input that requires grad and hooks that view, so the hook sees exactly the gradient *this call*
@@ -22,6 +23,9 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from nanbisect.bundle.state import iter_tensors, local
+from nanbisect.records import CallId, Stats
+from nanbisect.replay.tracker import ModuleTracker
+
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     """(nan count, +inf count, -inf count, max |finite|, sum |finite|) as float32 on t's device.
@@ -60,13 +64,11 @@ def _floats(obj: Any) -> list[torch.Tensor]:
 
 
 @dataclass
-class Call:
-    """One call of one module during the replayed step (mutable only while recording)."""
+class _Call:
+    """One call while it is being recorded (the frozen `CallStats` is made by `read`)."""
 
-    index: int                       # position in start order
-    module: str                      # dotted name as in named_modules(); "" = the root
-    call: int                        # which call of this module in the step, from 0
-    parent: int | None               # index of the enclosing call
+    call: CallId
+    parent: CallId | None
     input_dtypes: list[str]
     input_shapes: list[list[int]]
     end: int = -1                    # position in completion (post-)order
@@ -75,39 +77,23 @@ class Call:
     grad_events: dict[str, int] = field(default_factory=dict)  # side -> first firing order
 
 
-@dataclass(frozen=True)
-class Stats:
-    nan: int
-    posinf: int
-    neginf: int
-    absmax: float
-    abssum: float = 0.0
-
-    @property
-    def inf(self) -> int:
-        return self.posinf + self.neginf
-
-    def bad(self, kind: str) -> bool:
-        return self.nan > 0 if kind == "nan" else (self.nan + self.inf) > 0
-
-
 class ModuleProbe:
     """Record per-call stats for every submodule of ``model`` while used as a context manager.
 
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
     >>> with ModuleProbe(model) as probe:
-    ...     loss = loss_fn(model, batch); loss.backward()
-    >>> table = probe.read()
+    ...     model(torch.ones(1, 2)).sum().backward()
+    >>> [(c.call.module, c.output.nan) for c in probe.read().in_order("forward")]
+    [('0', 0), ('1', 0), ('', 0)]
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.names = {m: n for n, m in model.named_modules(remove_duplicate=True)}
+        self.tracker = ModuleTracker(model).listen(self._pre, self._post)
         self.param_names = {p: n for n, p in model.named_parameters()}
-        self.calls: list[Call] = []
+        self.calls: dict[CallId, _Call] = {}
         self.param_rows: list[tuple[str, int, int]] = []   # (param name, row, firing order)
         self._stats: list[torch.Tensor] = []
-        self._stack: list[int] = []
-        self._counts: dict[str, int] = {}
         self._ends = 0
         self._events = 0
         self._handles: list = []
@@ -115,17 +101,14 @@ class ModuleProbe:
 
     # -- recording ------------------------------------------------------------------------
     def __enter__(self) -> "ModuleProbe":
-        for m, name in self.names.items():
-            self._handles.append(m.register_forward_pre_hook(partial(self._pre, name),
-                                                             with_kwargs=True))
-            self._handles.append(m.register_forward_hook(partial(self._post, name),
-                                                         with_kwargs=True, always_call=True))
+        self.tracker.__enter__()
         for p in self.param_names:
             if p.requires_grad:
                 self._handles.append(p.register_hook(partial(self._param_grad, p)))
         return self
 
     def __exit__(self, *exc) -> None:
+        self.tracker.__exit__(*exc)
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -134,15 +117,12 @@ class ModuleProbe:
         self._stats.append(stats)
         return len(self._stats) - 1
 
-    def _pre(self, name: str, module, args, kwargs):
-        k = self._counts.get(name, 0)
-        self._counts[name] = k + 1
+    def _pre(self, call: CallId, module, args, kwargs):
         ins = _floats((args, kwargs))
-        c = Call(len(self.calls), name, k, self._stack[-1] if self._stack else None,
-                 [str(t.dtype).removeprefix("torch.") for t in ins], [list(t.shape) for t in ins])
+        c = _Call(call, self.tracker.parents[call],
+                  [str(t.dtype).removeprefix("torch.") for t in ins], [list(t.shape) for t in ins])
         c.rows["in"] = self._row(merge_stats([tensor_stats(t) for t in ins], self._device))
-        self.calls.append(c)
-        self._stack.append(c.index)
+        self.calls[call] = c
         if not torch.is_grad_enabled():
             return None
         swap = {}
@@ -151,27 +131,25 @@ class ModuleProbe:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
                 if id(t) not in swap:
                     v = t.view_as(t)
-                    v.register_hook(partial(self._grad, c.index, "grad_in"))
+                    v.register_hook(partial(self._grad, call, "grad_in"))
                     swap[id(t)] = v
                 return swap[id(t)]
             return t
 
         return torch.utils._pytree.tree_map(view, (args, kwargs))
 
-    def _post(self, name: str, module, args, kwargs, output):
-        index = self._stack.pop()
-        c = self.calls[index]
+    def _post(self, call: CallId, module, args, kwargs, output):
+        c = self.calls[call]
         c.end, self._ends = self._ends, self._ends + 1
         outs = _floats(output)
         c.rows["out"] = self._row(merge_stats([tensor_stats(t) for t in outs], self._device))
         if torch.is_grad_enabled():
             for t in outs:
                 if t.requires_grad:
-                    t.register_hook(partial(self._grad, index, "grad_out"))
-        return None
+                    t.register_hook(partial(self._grad, call, "grad_out"))
 
-    def _grad(self, index: int, side: str, grad: torch.Tensor):
-        c = self.calls[index]
+    def _grad(self, call: CallId, side: str, grad: torch.Tensor):
+        c = self.calls[call]
         c.grad_events.setdefault(side, self._events)
         self._events += 1
         c.grad_rows.setdefault(side, []).append(self._row(tensor_stats(grad)))
@@ -192,20 +170,19 @@ class ModuleProbe:
             n, pi, ni, a, s = rows[i]
             return Stats(int(n), int(pi), int(ni), float(a), float(s))
 
-        def merged(idx: list[int]) -> Stats:
+        def merged(idx: list[int] | None) -> Stats | None:
+            if not idx:
+                return None
             parts = [stat(i) for i in idx]
             return Stats(sum(p.nan for p in parts), sum(p.posinf for p in parts),
                          sum(p.neginf for p in parts), max(p.absmax for p in parts),
                          sum(p.abssum for p in parts))
 
-        table = []
-        for c in self.calls:
-            rec = {"in": stat(c.rows["in"]), "out": stat(c.rows["out"]) if "out" in c.rows else
-                   None}
-            for side in ("grad_in", "grad_out"):
-                idx = c.grad_rows.get(side)
-                rec[side] = merged(idx) if idx else None
-            table.append(CallStats(c, rec["in"], rec["out"], rec["grad_in"], rec["grad_out"]))
+        table = [CallStats(c.call, c.parent, c.input_dtypes, c.input_shapes, c.end,
+                           c.grad_events.get("grad_in"), stat(c.rows["in"]),
+                           stat(c.rows["out"]) if "out" in c.rows else None,
+                           merged(c.grad_rows.get("grad_in")), merged(c.grad_rows.get("grad_out")))
+                 for c in self.calls.values()]
         params = [ParamGrad(n, stat(r), order, n.rpartition(".")[0])
                   for n, r, order in self.param_rows]
         return ProbeTable(table, params)
@@ -218,7 +195,14 @@ def probing(probe: "ModuleProbe") -> Callable[[str], ContextManager]:
 
 @dataclass(frozen=True)
 class CallStats:
-    call: Call
+    """One module call of the step and the statistics of its four sides."""
+
+    call: CallId
+    parent: CallId | None            # the enclosing call
+    input_dtypes: list[str]
+    input_shapes: list[list[int]]
+    end: int                         # position in completion order (forward execution order)
+    grad_in_order: int | None        # when its input gradient was computed (backward order)
     inputs: Stats
     output: Stats | None
     grad_in: Stats | None     # gradient this call produced for its inputs
@@ -235,5 +219,28 @@ class ParamGrad:
 
 @dataclass(frozen=True)
 class ProbeTable:
-    calls: list[CallStats]
+    calls: list[CallStats]           # in start order
     params: list[ParamGrad]
+
+    def get(self, call: CallId) -> CallStats | None:
+        return next((c for c in self.calls if c.call == call), None)
+
+    def ancestors(self, c: CallStats) -> list[CallStats]:
+        """The calls enclosing ``c``, innermost first."""
+        by_id = {x.call: x for x in self.calls}
+        out, p = [], c.parent
+        while p is not None:
+            out.append(by_id[p])
+            p = by_id[p].parent
+        return out
+
+    def in_order(self, phase: str) -> list[CallStats]:
+        """The calls in the order ``phase`` finished them: forward by completion; backward by
+        when each produced the gradient for its inputs (calls that produced none are left out);
+        no module calls in other phases."""
+        if phase == "forward":
+            return sorted(self.calls, key=lambda c: c.end)
+        if phase == "backward":
+            return sorted((c for c in self.calls if c.grad_in_order is not None),
+                          key=lambda c: c.grad_in_order)
+        return []

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from contextlib import ExitStack, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -18,6 +17,7 @@ import torch
 
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
+from nanbisect.records import BadValue, StepOutcome
 from nanbisect.bundle.state import RngState, decode, iter_tensors, local, restore_model, restore_optimizer
 from nanbisect.task import Task, load_task
 
@@ -67,37 +67,6 @@ def nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     s = torch.stack([torch.isnan(t).sum(), torch.isposinf(t).sum(), torch.isneginf(t).sum()])
     n, p, m = s.tolist()
     return int(n), int(p), int(m)
-
-
-@dataclass(frozen=True)
-class BadValue:
-    """A named tensor (batch leaf, parameter, gradient, ...) holding non-finite values."""
-
-    where: str      # "batch" | "parameter" | "buffer" | "optimizer" | "grad" | "loss"
-    name: str
-    nan: int
-    posinf: int
-    neginf: int
-
-    @property
-    def kind(self) -> str:
-        return "nan" if self.nan else "inf"
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What one replay of the step showed."""
-
-    loss: float | None
-    phase: str | None                 # first phase with non-finite values; None = clean
-    bad: list[BadValue] = field(default_factory=list)
-    # detached: it names the loss value (and its storage, for provenance) without keeping the
-    # step's autograd graph, and every activation it holds, alive after the run
-    loss_tensor: torch.Tensor | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def kind(self) -> str | None:
-        return None if not self.bad else ("nan" if any(b.nan for b in self.bad) else "inf")
 
 
 def _scan(where: str, named) -> list[BadValue]:

@@ -1,32 +1,44 @@
 """Which module call is running: in forward from a hook-maintained stack, in backward exactly.
 
-`ModuleTracker` keeps the stack of active module calls during forward (dotted name as in
-``named_modules()`` plus the call index within the step). For backward it does not trust a stack
-(NB: `torch.utils.module_tracker` keeps stale entries in real models, e.g. GPT-2 dropout modules
-that are never popped in backward). Instead, when a module call returns, every autograd node
-created inside it, and not inside one of its children, is mapped to that call: the walk starts at
-the call's outputs and stops at the nodes of its inputs and at nodes already mapped. During
-backward, `torch._C._current_autograd_node()` then names the node whose backward is running, and
-the map names its module call. Hooks are always removed on exit.
+`ModuleTracker` is the one place that counts module calls: "the k-th call of module M in this
+step" (`CallId`) is what it says, for every pass (the module probe, the op recorder, the scoped
+recording start, the module-call catch all listen to it instead of counting for themselves).
+During forward it keeps the stack of active calls (dotted name as in ``named_modules()`` plus the
+call index within the step). For backward it does not trust a stack (NB:
+`torch.utils.module_tracker` keeps stale entries in real models, e.g. GPT-2 dropout modules that
+are never popped in backward). Instead, when a module call returns, every autograd node created
+inside it, and not inside one of its children, is mapped to that call: the walk starts at the
+call's outputs and stops at the nodes of its inputs and at nodes already mapped. During backward,
+`torch._C._current_autograd_node()` then names the node whose backward is running, and the map
+names its module call. Hooks are always removed on exit.
 """
 from __future__ import annotations
 
 from functools import partial
+from typing import Any, Callable
 
 import torch
 
 from nanbisect.bundle.state import iter_tensors
+from nanbisect.records import CallId
 
-CallId = tuple[str, int]   # (module name, call index)
+# enter(call, module, args, kwargs) -> None, or (args, kwargs) to hand the module instead
+Enter = Callable[[CallId, torch.nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
+# exit(call, module, args, kwargs, output) -> None
+Exit = Callable[[CallId, torch.nn.Module, tuple, dict, Any], None]
 
 
 class ModuleTracker:
     """Track module calls of ``model``; optionally map autograd nodes to the calls that made them.
 
+    ``listen(enter, exit)`` adds callbacks run at the start of every call (after the call is on
+    the stack) and at its end (before it leaves the stack).
+
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh())
     >>> with ModuleTracker(model, map_nodes=True) as t:
-    ...     loss = loss_fn(model, batch)
-    >>> t.node_call(loss.grad_fn)
-    ('', 0)
+    ...     y = model(torch.ones(1, 2))
+    >>> t.node_call(y.grad_fn), t.counts
+    (CallId(module='1', call=0), {'': 1, '0': 1, '1': 1})
     """
 
     def __init__(self, model: torch.nn.Module, map_nodes: bool = False) -> None:
@@ -36,7 +48,16 @@ class ModuleTracker:
         self.counts: dict[str, int] = {}
         self.node_map: dict[object, CallId] = {}
         self.parents: dict[CallId, CallId | None] = {}
+        self._enter: list[Enter] = []
+        self._exit: list[Exit] = []
         self._handles: list = []
+
+    def listen(self, enter: Enter | None = None, exit: Exit | None = None) -> "ModuleTracker":
+        if enter is not None:
+            self._enter.append(enter)
+        if exit is not None:
+            self._exit.append(exit)
+        return self
 
     def __enter__(self) -> "ModuleTracker":
         for m, name in self.names.items():
@@ -71,15 +92,26 @@ class ModuleTracker:
     def _pre(self, name: str, module, args, kwargs):
         k = self.counts.get(name, 0)
         self.counts[name] = k + 1
+        call = CallId(name, k)
         boundary = set()
         if self.map_nodes:
             boundary = {t.grad_fn for _, t in iter_tensors((args, kwargs)) if t.grad_fn is not None}
-        self.parents[(name, k)] = self.stack[-1][0] if self.stack else None
-        self.stack.append(((name, k), boundary))
-        return None
+        self.parents[call] = self.current()
+        self.stack.append((call, boundary))
+        replaced = None
+        for fn in self._enter:
+            new = fn(call, module, args, kwargs)
+            if new is not None:
+                args, kwargs = replaced = new
+        return replaced
 
     def _post(self, name: str, module, args, kwargs, output):
-        call, boundary = self.stack.pop()
+        call, boundary = self.stack[-1]
+        try:
+            for fn in self._exit:
+                fn(call, module, args, kwargs, output)
+        finally:
+            self.stack.pop()
         if self.map_nodes:
             todo = [t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None]
             while todo:

@@ -1,15 +1,18 @@
-"""The result of a run: `Report` and its JSON form (``nanbisect.report/1``).
+"""The result of a run: `Report`, made of the records the stages produced, and its JSON form
+(``nanbisect.report/1``).
 
 Guarantees: the JSON carries every field of the user contract (``culprit`` is null unless the
 verdict is ``culprit``). Exit codes: 0 clean, 1 culprit or input-nonfinite, 3 not reproduced.
-Text renderings are in `report.text`, the page in `report.page`, the directory in `report.write`.
+Renderers read the `Report` itself, never its JSON: text in `report.text`, the page in
+`report.page`; the directory is written by `report.write`.
 """
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from nanbisect.locate.producers import Culprit, TraceRow
-from nanbisect.replay.replayer import BadValue
+from nanbisect.records import (BadValue, ContextRow, Culprit, Divergence, ModuleRepro, OpCheck,
+                               OpRecording, OpRef, RankResult, ReproResult, RunFacts,
+                               TimelineRow, TraceRow)
 
 SCHEMA = "nanbisect.report/1"
 EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
@@ -17,51 +20,56 @@ EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
 
 @dataclass(frozen=True)
 class Report:
+    """What a run found.
+
+    >>> from nanbisect.records import Losses
+    >>> facts = RunFacts("b", "t.py:task", "cpu", "none", None, Losses(1.5, 1.5))
+    >>> Report("clean", None, None, None, None, facts).to_json()["replay"]["target_loss"]
+    1.5
+    """
+
     verdict: str                 # culprit | clean | not-reproduced | input-nonfinite
     classification: str | None   # device | numerics | data | transient | communication | unknown
     phase: str | None            # first phase with a non-finite value
-    kind: str | None             # "nan" | "inf"
+    kind: str | None             # "nan" | "inf" | "mismatch"
     culprit: Culprit | None
-    replay: dict
-    bundle: str
-    entry: str
-    target: str
-    reference: str
-    observed: dict | None = None
+    facts: RunFacts
     input_nonfinite: list[BadValue] = field(default_factory=list)
     backtrace: list[TraceRow] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     repro: str | None = None
-    repro_result: dict | None = None   # what running repro.py once said
-    inf_origin: dict | None = None     # where the inf the culprit consumed was born
-    context: list[dict] = field(default_factory=list)  # recorded ops just before the culprit
-    divergence: dict | None = None     # where target and reference first disagree (no NaN)
-    op_check: dict | None = None       # the culprit op judged in isolation on the reference
-    uncomparable: list[dict] = field(default_factory=list)  # ops with no reference to compare
-    ranks: list[dict] = field(default_factory=list)  # multi-rank: what each rank saw
-    timeline: list[dict] = field(default_factory=list)  # every module call, execution order
-    module_repro: dict | None = None   # fallback repro of the culprit's module call, when used
-    op_recording: dict | None = None   # what the op-recording pass covered (scope, op counts)
+    repro_result: ReproResult | None = None   # what running repro.py once said
+    inf_origin: OpRef | None = None           # where the inf the culprit consumed was born
+    context: list[ContextRow] = field(default_factory=list)  # recorded ops up to the culprit
+    divergence: Divergence | None = None      # where target and reference first disagree
+    op_check: OpCheck | None = None           # the culprit op judged alone on the reference
+    uncomparable: list[OpCheck] = field(default_factory=list)  # ops with no reference
+    ranks: list[RankResult] = field(default_factory=list)  # multi-rank: what each rank saw
+    timeline: list[TimelineRow] = field(default_factory=list)  # every module call, in order
+    module_repro: ModuleRepro | None = None   # fallback repro of the culprit's module call
+    op_recording: OpRecording | None = None   # what the op-recording pass covered
 
     @property
     def exit_code(self) -> int:
         return EXIT[self.verdict]
 
     def to_json(self) -> dict:
-        culprit = None
-        if self.culprit is not None and self.verdict == "culprit":
-            culprit = asdict(self.culprit)
+        f = self.facts
+        opt = lambda r: r.to_json() if r is not None else None  # noqa: E731
         return {
             "schema": SCHEMA, "verdict": self.verdict, "classification": self.classification,
-            "phase": self.phase, "kind": self.kind, "culprit": culprit, "replay": self.replay,
-            "bundle": self.bundle, "entry": self.entry, "target": self.target,
-            "reference": self.reference, "observed": self.observed,
+            "phase": self.phase, "kind": self.kind,
+            "culprit": opt(self.culprit) if self.verdict == "culprit" else None,
+            "replay": f.losses.to_json(), "bundle": f.bundle, "entry": f.entry,
+            "target": f.target, "reference": f.reference, "observed": f.observed,
             "input_nonfinite": [asdict(b) for b in self.input_nonfinite],
             "backtrace": [asdict(r) for r in self.backtrace],
-            "notes": self.notes, "repro": self.repro, "repro_result": self.repro_result,
-            "inf_origin": self.inf_origin, "context": self.context,
-            "divergence": self.divergence, "op_check": self.op_check,
-            "uncomparable": self.uncomparable, "ranks": self.ranks,
-            "timeline": self.timeline, "module_repro": self.module_repro,
-            "op_recording": self.op_recording,
+            "notes": list(self.notes), "repro": self.repro,
+            "repro_result": opt(self.repro_result), "inf_origin": opt(self.inf_origin),
+            "context": [c.to_json() for c in self.context],
+            "divergence": opt(self.divergence), "op_check": opt(self.op_check),
+            "uncomparable": [u.to_json() for u in self.uncomparable],
+            "ranks": [r.row() for r in self.ranks],
+            "timeline": [asdict(t) for t in self.timeline],
+            "module_repro": opt(self.module_repro), "op_recording": opt(self.op_recording),
         }

@@ -11,6 +11,10 @@ import html
 import json
 import math
 
+from nanbisect.records import TimelineRow
+from nanbisect.report.model import Report
+from nanbisect.report.text import headline, to_markdown
+
 W, H, PAD_L, PAD_R, PAD_T, PAD_B = 960, 320, 60, 60, 30, 60
 
 
@@ -18,15 +22,16 @@ def _log(x: float) -> float:
     return math.log10(1.0 + max(x, 0.0))
 
 
-def plot_svg(timeline: list[dict], culprit: tuple[str, int | None] | None, phase: str) -> str:
-    """SVG of ``timeline`` rows ({module, call, nan, inf, absmax}) in execution order."""
+def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None,
+             phase: str) -> str:
+    """SVG of ``timeline`` rows in execution order, the ``culprit`` call marked."""
     if not timeline:
         return "<p>(no module calls recorded)</p>"
     n = len(timeline)
     pw, ph = W - PAD_L - PAD_R, H - PAD_T - PAD_B
     bw = pw / n
-    top_count = max(max(_log(r["nan"]), _log(r["inf"])) for r in timeline) or 1.0
-    top_mag = max(_log(r["absmax"]) for r in timeline) or 1.0
+    top_count = max(max(_log(r.nan), _log(r.inf)) for r in timeline) or 1.0
+    top_mag = max(_log(r.absmax) for r in timeline) or 1.0
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
            f'viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="11">',
            f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
@@ -37,18 +42,18 @@ def plot_svg(timeline: list[dict], culprit: tuple[str, int | None] | None, phase
     for i, r in enumerate(timeline):
         x = PAD_L + i * bw
         for j, (key, colour) in enumerate((("nan", "#d62728"), ("inf", "#ff7f0e"))):
-            h = ph * _log(r[key]) / top_count
+            h = ph * _log(getattr(r, key)) / top_count
             if h > 0:
                 out.append(f'<rect x="{x + j * bw / 2:.1f}" y="{PAD_T + ph - h:.1f}" '
                            f'width="{max(bw / 2 - 0.5, 0.5):.1f}" height="{h:.1f}" '
-                           f'fill="{colour}"><title>{html.escape(r["module"] or "<root>")} '
-                           f'call {r["call"]}: {key} {r[key]}</title></rect>')
-        points.append(f"{x + bw / 2:.1f},{PAD_T + ph - ph * _log(r['absmax']) / top_mag:.1f}")
-        if culprit and (r["module"], r["call"]) == culprit:
+                           f'fill="{colour}"><title>{html.escape(r.module or "<root>")} '
+                           f'call {r.call}: {key} {getattr(r, key)}</title></rect>')
+        points.append(f"{x + bw / 2:.1f},{PAD_T + ph - ph * _log(r.absmax) / top_mag:.1f}")
+        if culprit and (r.module, r.call) == culprit:
             cx = x + bw / 2
             out.append(f'<line x1="{cx:.1f}" y1="{PAD_T - 5}" x2="{cx:.1f}" y2="{PAD_T + ph}" '
                        'stroke="#1f77b4" stroke-width="2" stroke-dasharray="5,3"/>')
-            label = html.escape(f"culprit: {r['module'] or '<root>'} (call {r['call']})")
+            label = html.escape(f"culprit: {r.module or '<root>'} (call {r.call})")
             anchor = "end" if cx > W / 2 else "start"
             out.append(f'<text x="{cx + (-4 if anchor == "end" else 4):.1f}" y="{PAD_T + 8}" '
                        f'text-anchor="{anchor}" fill="#1f77b4" font-weight="bold">{label}</text>')
@@ -71,12 +76,14 @@ def plot_svg(timeline: list[dict], culprit: tuple[str, int | None] | None, phase
     return "\n".join(out)
 
 
-def to_html(report_json: dict, markdown: str) -> str:
-    c = report_json.get("culprit") or {}
-    culprit = (c.get("module"), c.get("module_call")) if c else None
-    svg = plot_svg(report_json.get("timeline") or [], culprit, report_json.get("phase") or "")
-    head = html.escape(markdown.splitlines()[2].strip("*") if len(markdown.splitlines()) > 2
-                       else report_json["verdict"])
+def to_html(r: Report) -> str:
+    """The page for ``r``: headline, the plot, report.md and report.json, self-contained."""
+    c = r.culprit if r.verdict == "culprit" else None
+    culprit = (c.module, c.module_call) if c else None
+    svg = plot_svg(r.timeline, culprit, r.phase or "")
+    head = html.escape(headline(r))
+    markdown = to_markdown(r)
+    report_json = r.to_json()
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>nanbisect: {html.escape(report_json['verdict'])}</title>
 <style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}}

@@ -2,6 +2,8 @@
 
 `write_repro` renders ``repro.py`` from a template and saves the inputs, with the call's non-tensor
 arguments as JSON in the safetensors metadata. The repro needs only torch and safetensors.
+`write_module_repro` does the same for a whole module call (it rebuilds the model from the entry,
+so it needs that code). `run_repro` runs a script once in a fresh interpreter.
 """
 from __future__ import annotations
 
@@ -11,19 +13,33 @@ import subprocess
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
 from nanbisect import __version__
 from nanbisect.bundle.state import encode
-
-if TYPE_CHECKING:
-    from nanbisect.locate.catch import Caught
+from nanbisect.records import Caught, Culprit, ModuleCaught, ReproResult
 
 
-def write_repro(out: Path, caught: Caught, *, culprit: dict, kind: str, target: str,
+def _template(name: str) -> string.Template:
+    return string.Template(
+        resources.files("nanbisect.report").joinpath(f"templates/{name}").read_text())
+
+
+def repro_imports(op: str, entry: str) -> list[str]:
+    """Files the repro must import to have ``op``: the entry file, for non-built-in ops.
+
+    >>> repro_imports("aten.sqrt.default", "train.py:task")
+    []
+    """
+    if op.split(".", 1)[0] in ("aten", "prims", "quantized"):
+        return []
+    target = entry.rpartition(":")[0]
+    return [str(Path(target).resolve())] if target.endswith(".py") else []
+
+
+def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, target: str,
                 imports: list[str]) -> Path:
     """Write ``out/repro.py`` and ``out/inputs.safetensors``; return the script's path."""
     out.mkdir(parents=True, exist_ok=True)
@@ -32,31 +48,27 @@ def write_repro(out: Path, caught: Caught, *, culprit: dict, kind: str, target: 
             "kwargs": encode(caught.kwargs, "kwargs", tensors), "mutated": caught.mutated}
     tensors.update({k: v.contiguous() for k, v in caught.rng.items()})
     save_file(tensors, str(out / "inputs.safetensors"), metadata={"nanbisect": json.dumps(meta)})
-    template = string.Template(
-        resources.files("nanbisect.report").joinpath("templates/repro.py.tmpl").read_text())
-    text = template.substitute(
-        version=__version__, op=caught.op, phase=culprit["phase"], module=culprit["module"],
-        module_call=culprit["module_call"], op_index=culprit["op_index"],
-        source=culprit.get("source"), kind=kind, target=target, imports=repr(imports))
+    text = _template("repro.py.tmpl").substitute(
+        version=__version__, op=caught.op, phase=culprit.phase, module=culprit.module,
+        module_call=culprit.module_call, op_index=culprit.op_index, source=culprit.source,
+        kind=kind, target=target, imports=repr(imports))
     (out / "repro.py").write_text(text)
     return out / "repro.py"
 
 
-def run_repro(script: Path, device: str, timeout: int = 300) -> dict:
+def run_repro(script: Path, device: str, timeout: int = 300) -> ReproResult:
     """Run the repro once in a fresh interpreter, from another directory; report what it said."""
     try:
         p = subprocess.run([sys.executable, str(script.resolve()), "--device", device],
                            cwd=str(script.parent.parent), capture_output=True, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"ran": True, "reproduced": False, "exit_code": None,
-                "output": f"timed out after {timeout}s"}
+        return ReproResult(False, None, f"timed out after {timeout}s")
     tail = (p.stdout + p.stderr).strip().splitlines()[-6:]
-    return {"ran": True, "reproduced": p.returncode == 1, "exit_code": p.returncode,
-            "output": "\n".join(tail)}
+    return ReproResult(p.returncode == 1, p.returncode, "\n".join(tail))
 
 
-def write_module_repro(out: Path, mc, *, culprit: dict, kind: str, target: str,
+def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: str, target: str,
                        entry: str) -> Path:
     """Write ``out/module_repro.py`` and ``out/module_inputs.safetensors`` (the fallback)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -70,19 +82,9 @@ def write_module_repro(out: Path, mc, *, culprit: dict, kind: str, target: str,
     save_file(tensors, str(out / "module_inputs.safetensors"),
               metadata={"nanbisect": json.dumps(meta)})
     target_file, _, func = entry.rpartition(":")
-    template = string.Template(
-        resources.files("nanbisect.report").joinpath("templates/module_repro.py.tmpl").read_text())
-    text = template.substitute(
-        version=__version__, op=culprit["op"], phase=culprit["phase"], module=mc.module,
-        module_call=mc.call, kind=kind, target=target, entry=entry,
+    text = _template("module_repro.py.tmpl").substitute(
+        version=__version__, op=culprit.op, phase=culprit.phase, module=mc.call.module,
+        module_call=mc.call.call, kind=kind, target=target, entry=entry,
         entry_file=repr(str(Path(target_file).resolve())), entry_func=repr(func))
     (out / "module_repro.py").write_text(text)
     return out / "module_repro.py"
-
-
-def repro_imports(op: str, entry: str) -> list[str]:
-    """Files the repro must import to have ``op``: the entry file, for non-built-in ops."""
-    if op.split(".", 1)[0] in ("aten", "prims", "quantized"):
-        return []
-    target = entry.rpartition(":")[0]
-    return [str(Path(target).resolve())] if target.endswith(".py") else []

@@ -4,10 +4,11 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
+from nanbisect.records import Stats
 from nanbisect.report.model import Report
 
 
-def _fmt_stats(s) -> str:
+def _fmt_stats(s: Stats | None) -> str:
     if s is None:
         return "-"
     return f"{s.nan:>6} | {s.posinf + s.neginf:>6} | {s.absmax:.3g}"
@@ -32,9 +33,12 @@ def headline(r: Report) -> str:
         op = f" in {c.op}" if c.op else ""
         return f"{r.kind or 'non-finite'} born{op} in {c.phase} at module {where}"
     if r.verdict == "input-nonfinite":
+        if not r.input_nonfinite:
+            return "non-finite values before the step ran (see the ranks' notes)"
         b = r.input_nonfinite[0]
+        more = f" and {len(r.input_nonfinite) - 1} more" if len(r.input_nonfinite) > 1 else ""
         return (f"non-finite values before the step ran: {b.where} '{b.name}' "
-                f"(nan={b.nan}, +inf={b.posinf}, -inf={b.neginf})")
+                f"(nan={b.nan}, +inf={b.posinf}, -inf={b.neginf}){more}")
     if r.verdict == "not-reproduced":
         return "the recorded failure did not reproduce on replay (transient or hardware?)"
     return "the step replays clean: no non-finite loss, gradient or parameter"
@@ -42,12 +46,11 @@ def headline(r: Report) -> str:
 
 def to_markdown(r: Report) -> str:
     lines = [f"# nanbisect report: {r.verdict}", "", f"**{headline(r)}**", "",
-             f"- bundle: `{r.bundle}`", f"- entry: `{r.entry}`",
-             f"- target: `{r.target}`, reference: `{r.reference}`",
+             f"- bundle: `{r.facts.bundle}`", f"- entry: `{r.facts.entry}`",
+             f"- target: `{r.facts.target}`, reference: `{r.facts.reference}`",
              f"- classification: {r.classification or '-'}", f"- first bad phase: {r.phase or '-'}"]
-    rp = r.replay
-    lines.append(f"- loss: original {rp.get('original_loss')}, target {rp.get('target_loss')}, "
-                 f"reference {rp.get('reference_loss')}")
+    rp = r.facts.losses
+    lines.append(f"- loss: original {rp.original}, target {rp.target}, reference {rp.reference}")
     if r.culprit and r.verdict == "culprit":
         c = r.culprit
         lines += ["", "## Culprit", "", "| field | value |", "|---|---|"]
@@ -55,56 +58,52 @@ def to_markdown(r: Report) -> str:
             lines.append(f"| {k} | `{v}` |")
     if r.inf_origin:
         o = r.inf_origin
-        lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o['op']}` "
-                  f"(op #{o['op_index']}, {o['phase']}, module `{o['module']}` call "
-                  f"{o['module_call']})."]
+        lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o.op}` "
+                  f"(op #{o.op_index}, {o.phase}, module `{o.module}` call {o.module_call})."]
     if r.ranks:
         lines += ["", "## Ranks", "", "| rank | first bad phase | loss | into reduction bad | "
                   "out of reduction bad | culprit module call on this rank (in nan / out nan) | "
                   "failure traced to (op, module call) |",
                   "|---|---|---|---|---|---|---|"]
         for k in r.ranks:
-            ms = k.get("module_stats") or {}
+            ms, s, root = k.module_stats or {}, k.summary, k.root
             cell = "-"
             if ms:
                 io = (ms.get("inputs"), ms.get("output"))
-                cell = " / ".join(str(x["nan"]) if x else "-" for x in io)
-            root = k.get("root")
-            traced = (f"`{root['op']}` in `{root['module'] or '<root>'}` call "
-                      f"{root['module_call']}" + (" (a collective: received)"
-                                                  if root["collective"] else " (computed here)")
+                cell = " / ".join(str(x.nan) if x else "-" for x in io)
+            traced = (f"`{root.op}` in `{root.module or '<root>'}` call {root.module_call}"
+                      + (" (a collective: received)" if root.collective else " (computed here)")
                       if root else "-")
-            lines.append(f"| {k['rank']} | {k['phase'] or '-'} | {k['loss']} | "
-                         f"{k['reduction_in_bad']} | {k['reduction_out_bad']} | {cell} | "
-                         f"{traced} |")
+            lines.append(f"| {k.rank} | {(s.phase if s else None) or '-'} | "
+                         f"{s.loss if s else None} | {s.reduce_in_bad if s else None} | "
+                         f"{s.reduce_out_bad if s else None} | {cell} | {traced} |")
     if r.op_check:
-        lines += ["", f"## The culprit op in isolation on `{r.reference}`", "",
-                  f"Same inputs on both sides; status **{r.op_check['status']}** "
-                  f"({r.op_check['how'] or '-'} on the reference)."]
-        for c in r.op_check["comparisons"]:
-            if not c["ok"]:
-                lines += ["", "```", c["message"], "```"]
+        lines += ["", f"## The culprit op in isolation on `{r.facts.reference}`", "",
+                  f"Same inputs on both sides; status **{r.op_check.status}** "
+                  f"({r.op_check.how or '-'} on the reference)."]
+        for c in r.op_check.comparisons:
+            if not c.ok:
+                lines += ["", "```", c.message(), "```"]
     if r.uncomparable:
         lines += ["", "Ops that could not be compared (no reference kernel, no registered "
-                  "`nanbisect.reference_impl`): " + ", ".join(f"`{u['op']}`"
-                                                              for u in r.uncomparable)]
+                  "`nanbisect.reference_impl`): " + ", ".join(f"`{u.op}`" for u in r.uncomparable)]
     if r.context:
         lines += ["", "## Ops up to the culprit", "", "| op # | op | module | call | output "
                   "has nan | output has inf | output absmax |", "|---|---|---|---|---|---|---|"]
         for c in r.context:
-            mark = "**" if c["culprit"] else ""
-            lines.append(f"| {c['op_index']} | {mark}`{c['op']}`{mark} | `{c['module']}` | "
-                         f"{c['module_call']} | {'yes' if c['out_nan'] else '-'} | "
-                         f"{'yes' if c['out_inf'] else '-'} | "
-                         f"{'-' if c['out_absmax'] is None else format(c['out_absmax'], '.3g')} |")
+            mark = "**" if c.culprit else ""
+            lines.append(f"| {c.op_index} | {mark}`{c.op}`{mark} | `{c.module}` | "
+                         f"{c.module_call} | {'yes' if c.out_nan else '-'} | "
+                         f"{'yes' if c.out_inf else '-'} | "
+                         f"{'-' if c.out_absmax is None else format(c.out_absmax, '.3g')} |")
     if r.repro:
-        res = r.repro_result or {}
-        said = ("reproduced" if res.get("reproduced") else "did not reproduce"
-                if res.get("ran") else "not run")
+        res = r.repro_result
+        said = ("not run" if res is None or not res.ran else
+                "reproduced" if res.reproduced else "did not reproduce")
         lines += ["", "## Repro", "", f"`python {r.repro} [--device DEV]` ({said} on "
-                  f"`{r.target}`): needs only torch and safetensors."]
-        if res.get("output"):
-            lines += ["", "```", res["output"], "```"]
+                  f"`{r.facts.target}`): needs only torch and safetensors."]
+        if res is not None and res.output:
+            lines += ["", "```", res.output, "```"]
     if r.input_nonfinite:
         lines += ["", "## Non-finite values at step start", "",
                   "| where | name | nan | +inf | -inf |", "|---|---|---|---|---|"]
@@ -137,11 +136,11 @@ def terminal(r: Report, out: Path) -> str:
         if c.source:
             lines.append(f"  source: {c.source}")
         if r.inf_origin:
-            lines.append(f"  inf born in: {r.inf_origin['op']} (op #{r.inf_origin['op_index']}, "
-                         f"module {r.inf_origin['module']})")
+            o = r.inf_origin
+            lines.append(f"  inf born in: {o.op} (op #{o.op_index}, module {o.module})")
         if r.repro:
-            res = r.repro_result or {}
             lines.append(f"  repro: {out / r.repro}"
-                         + (" (reproduced)" if res.get("reproduced") else ""))
+                         + (" (reproduced)" if r.repro_result and r.repro_result.reproduced
+                            else ""))
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     return "\n".join(lines)

@@ -37,7 +37,6 @@ def staged(out: Path) -> Iterator[Path]:
 
 def write_report(r: Report, out: Path) -> None:
     """Write report.json, report.md and report.html into ``out`` (a staged directory)."""
-    data, md = r.to_json(), to_markdown(r)
-    (out / "report.json").write_text(json.dumps(data, indent=1, allow_nan=False))
-    (out / "report.md").write_text(md)
-    (out / "report.html").write_text(to_html(data, md))
+    (out / "report.json").write_text(json.dumps(r.to_json(), indent=1, allow_nan=False))
+    (out / "report.md").write_text(to_markdown(r))
+    (out / "report.html").write_text(to_html(r))
