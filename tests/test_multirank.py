@@ -85,6 +85,17 @@ def test_rank_that_computes_nan_locally_is_named(tmp_path):
     assert rep["repro_result"]["reproduced"] is True
 
 
+def test_nan_in_one_ranks_batch_is_input_nonfinite_naming_the_rank(tmp_path):
+    bundle = torchrun_capture("rank1_nan_batch", tmp_path / "g")
+    rep = run_json(bundle)
+    assert (rep["verdict"], rep["classification"], rep["phase"], rep["culprit"]) == (
+        "input-nonfinite", "data", "input", None)
+    assert rep["input_nonfinite"] == [
+        {"where": "batch", "name": "rank 1: batch", "nan": 1, "posinf": 0, "neginf": 0}]
+    md = (bundle / "nanbisect-report" / "report.md").read_text()
+    assert "before the step ran: batch 'rank 1: batch'" in md
+
+
 def test_rank_crash_during_replay_is_named_and_leaves_no_process(tmp_path):
     bundle = torchrun_capture("crash_on_replay", tmp_path / "g")
     res, took = failing_replay(bundle, {"CRASH_ON_REPLAY": "1", "NANBISECT_RANK_TIMEOUT": "60"})

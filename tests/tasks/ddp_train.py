@@ -5,6 +5,7 @@
 trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails. Faults:
 - comm_corrupt: a DDP comm hook of the user's that corrupts the *reduced* gradients (NaN);
 - rank1_nan: rank 1's data makes its forward take sqrt of a negative number;
+- rank1_nan_batch: rank 1's batch holds a NaN (the data, not the model);
 - crash_on_replay: healthy while training, fails on rank 1 when CRASH_ON_REPLAY=1 (replay);
 - tp_rank1_nan: tensor parallel, no DDP: a row-parallel layer whose shard on rank 1 takes sqrt of
   a negative number; its partial sums are all-reduced *inside* the layer, so on every rank the
@@ -62,6 +63,10 @@ def comm_corrupt():
 
 
 def rank1_nan():
+    return _task()
+
+
+def rank1_nan_batch():
     return _task()
 
 
@@ -188,6 +193,8 @@ def batch(func: str, step: int):
     x = torch.rand(6, 4, generator=g) + 1.0            # positive: sqrt is fine
     if func in ("rank1_nan", "fsdp_rank1_backward_nan") and dist.get_rank() == 1 and step == 1:
         x[2] = -50.0                                     # rank 1's bad sample
+    if func == "rank1_nan_batch" and dist.get_rank() == 1 and step == 1:
+        x[3, 1] = float("nan")                           # rank 1's corrupt sample
     return x
 
 

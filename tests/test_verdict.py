@@ -1,0 +1,245 @@
+"""The pure deciders and renderers, in-process and in milliseconds: the multi-rank plan, rank choice
+and job report, the module-level producers, the triage signature, and the headline, markdown,
+terminal text and page of every verdict. Built from records, with no torch.distributed and no
+replay, so a renderer that breaks on one verdict is caught without a torchrun job."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from nanbisect.locate.producers import backtrace, backward_producer, forward_producer, timeline
+from nanbisect.multirank.verdict import choose_rank, decide, job_report
+from nanbisect.records import (BadValue, Bucket, CallId, Comparison, ContextRow, Culprit,
+                               Divergence, Losses, OpCheck, OpRef, Plan, RankResult, RankRoot,
+                               RankSummary, ReproResult, RunFacts, Stats)
+from nanbisect.replay.probe import CallStats, ParamGrad, ProbeTable
+from nanbisect.report.model import Report
+from nanbisect.report.page import to_html
+from nanbisect.report.text import headline, terminal, to_markdown
+from nanbisect.triage import signature
+
+OK, NAN, NEGINF = Stats(0, 0, 0, 1.0), Stats(4, 0, 0, 2.0), Stats(0, 0, 6, 3.0)
+
+
+def facts(observed=None) -> RunFacts:
+    return RunFacts("b", "train.py:task", "cpu", "none", observed, Losses(1.0, "nan"))
+
+
+# ------------------------------------------------------------------------------------------
+# multi-rank
+
+
+def summary(rank, phase=None, buckets=(), bad=()):
+    return RankSummary(rank, phase, "nan" if phase else 1.0, "nan" if phase else None,
+                       list(buckets), list(bad))
+
+
+def bucket(in_nan=0, out_nan=0):
+    return Bucket(0, ["fc.weight", "fc.bias"], in_nan, 0, out_nan, 0)
+
+
+@pytest.mark.parametrize("summaries, plan", [
+    ([summary(0), summary(1)], Plan(None, None)),
+    ([summary(0), summary(1, "input", bad=[BadValue("batch", "x", 1, 0, 0)])], Plan("input", 1)),
+    ([summary(0, "backward"), summary(1, "forward")], Plan("forward", 1)),
+    # rank 1's gradients went into the reduction bad: it computed them
+    ([summary(0, "backward", [bucket(0, 3)]), summary(1, "backward", [bucket(3, 3)])],
+     Plan("backward", 1)),
+    # nobody's went in bad, everyone's came out bad: the reduction
+    ([summary(0, "backward", [bucket(0, 3)]), summary(1, "backward", [bucket(0, 3)])],
+     Plan("grad-reduce", None)),
+    ([summary(0), summary(1, "optimizer")], Plan("optimizer", 1)),
+])
+def test_decide(summaries, plan):
+    assert decide(summaries) == plan
+
+
+def root(op="aten.sqrt.default", collective=False):
+    return RankRoot(op, 12, "row", 0, ["float32"], [[4]], collective)
+
+
+def test_choose_rank():
+    ar = root("c10d.allreduce_.default", True)
+    assert choose_rank([ar, root()], 0) == (1, False)           # rank 1 computed it
+    assert choose_rank([ar, ar], 0) == (0, True)                 # only received: communication
+    assert choose_rank([None, None], 1) == (1, False)            # nothing traced: the plan's
+
+
+def rank_result(rank, plan, phase=None, **kw):
+    return RankResult(rank, plan=plan, summary=summary(rank, phase, kw.pop("buckets", ()),
+                                                       kw.pop("bad", ())), **kw)
+
+
+def job(results, observed=None):
+    return job_report(facts(observed), len(results), "gloo", results)
+
+
+def render_all(r: Report) -> str:
+    """Every renderer, as the CLI and the report directory use them; JSON must serialise."""
+    json.dumps(r.to_json(), allow_nan=False)
+    to_html(r)
+    terminal(r, Path("out"))
+    return headline(r) + "\n" + to_markdown(r)
+
+
+def test_job_input_nonfinite_names_the_rank_and_renders():
+    plan = Plan("input", 1)
+    r = job([rank_result(0, plan), rank_result(1, plan, "input",
+                                               bad=[BadValue("batch", "x", 2, 0, 0)])])
+    assert (r.verdict, r.classification, r.culprit) == ("input-nonfinite", "data", None)
+    assert [b.name for b in r.input_nonfinite] == ["rank 1: x"]
+    text = render_all(r)
+    assert "before the step ran: batch 'rank 1: x' (nan=2" in text
+
+
+def test_job_not_reproduced_and_clean():
+    plan = Plan(None, None)
+    results = [rank_result(0, plan), rank_result(1, plan)]
+    r = job(results, observed={"0": None, "1": {"first": "loss"}})
+    assert (r.verdict, r.classification) == ("not-reproduced", "transient")
+    render_all(r)
+    assert job(results, observed={"0": None, "1": None}).verdict == "clean"
+
+
+def test_job_grad_reduce_is_communication():
+    plan = Plan("grad-reduce", None)
+    bad = [bucket(0, 3)]
+    r = job([rank_result(0, plan, "backward", buckets=bad),
+             rank_result(1, plan, "backward", buckets=bad)])
+    assert (r.verdict, r.classification, r.phase) == ("culprit", "communication", "grad-reduce")
+    assert (r.culprit.parameter, r.culprit.module) == ("fc.weight", "fc")
+    assert "the collective (or the comm hook around it) is at fault" in render_all(r)
+
+
+def test_job_collective_root_everywhere_is_communication():
+    plan = Plan("backward", 0, through_collective=True)
+    ar = root("c10d._reduce_scatter_base_.default", True)
+    r = job([rank_result(0, plan, "backward", root=ar), rank_result(1, plan, "backward", root=ar)])
+    assert (r.classification, r.phase, r.culprit.op) == (
+        "communication", "grad-reduce", "c10d._reduce_scatter_base_.default")
+    render_all(r)
+
+
+def test_job_local_culprit_and_received_elsewhere():
+    plan = Plan("forward", 1)
+    culprit = Culprit("forward", "row", 0, ["float32"], [[4]], "m.py:3", "aten.sqrt.default", 12,
+                      rank=1)
+    r = job([rank_result(0, plan, "forward", root=root("c10d.allreduce_.default", True)),
+             rank_result(1, plan, "forward", root=root(), culprit=culprit,
+                         module_stats={"inputs": OK, "output": NAN, "grad_arriving": None,
+                                       "grad_leaving": None})])
+    assert r.culprit == culprit and r.classification == "unknown"
+    text = render_all(r)
+    assert "rank(s) [0] received it through c10d.allreduce_.default in row call 0" in text
+    assert "| 1 | forward | nan |" in text
+
+
+def test_rank_results_survive_the_json_the_workers_write():
+    res = rank_result(1, Plan("forward", 1), "forward", root=root(),
+                      culprit=Culprit("forward", "", None, [], [], None, rank=1),
+                      module_stats={"inputs": OK, "output": None, "grad_arriving": None,
+                                    "grad_leaving": None},
+                      context=[ContextRow(3, "aten.sqrt.default", "", None, "forward", True,
+                                          False, None, True)],
+                      inf_origin=OpRef("aten.exp.default", 1, "forward", "", None),
+                      buckets=[bucket(1, 1)], bad=[BadValue("batch", "x", 1, 0, 0)])
+    back = RankResult.from_json(json.loads(json.dumps(res.to_json())))
+    assert back == res
+    error = RankResult(2, error="rank 2 raised")
+    assert RankResult.from_json(json.loads(json.dumps(error.to_json()))) == error
+
+
+# ------------------------------------------------------------------------------------------
+# module-level producers
+
+
+def call(name, k, parent, end, inputs, output, grad_in=None, grad_out=None, order=None):
+    return CallStats(CallId(name, k), parent, ["float32"], [[2]], end, order, inputs, output,
+                     grad_in, grad_out)
+
+
+def test_forward_producer_is_innermost_and_skips_absorbed_neg_inf():
+    root_ = CallId("", 0)
+    table = ProbeTable([
+        call("", 0, None, 4, OK, NAN),
+        call("attn", 0, root_, 0, OK, OK),               # -inf inside, absorbed: clean
+        call("attn.mask", 0, CallId("attn", 0), 1, OK, NEGINF),
+        call("mlp", 0, root_, 3, OK, NAN),
+        call("mlp.act", 0, CallId("mlp", 0), 2, OK, NAN),  # the producer
+    ], [])
+    assert forward_producer(table, "nan").call == CallId("mlp.act", 0)
+    assert forward_producer(table, "inf") is None or \
+        forward_producer(table, "inf").call != CallId("attn.mask", 0)
+    rows = backtrace(table, table.get(CallId("mlp.act", 0)), "forward", "nan")
+    assert {r.module: r.role for r in rows}["mlp"] == "encloses culprit"
+    assert [t.module for t in timeline(table, "forward")] == ["attn", "attn.mask", "mlp.act",
+                                                              "mlp", ""]
+
+
+def test_backward_producer_names_a_parameter_when_only_its_gradient_went_bad():
+    table = ProbeTable([call("", 0, None, 1, OK, OK, OK, OK, 9),
+                        call("fc", 0, CallId("", 0), 0, OK, OK, OK, OK, 8)],
+                       [ParamGrad("fc.weight", NAN, 5, "fc")])
+    c, param = backward_producer(table, "nan")
+    assert (c.call, param) == (CallId("fc", 0), "fc.weight")
+
+
+# ------------------------------------------------------------------------------------------
+# every verdict renders
+
+
+def comparison(ok=False):
+    return Comparison(ok, 16, 3, 0.5, (1, 2), 1.5, 1.0, 0.5, 0.99, 0.1)
+
+
+CULPRIT = Culprit("forward", "blocks.0.act", 1, ["float32"], [[4, 8]], "model.py:12",
+                  "aten.sqrt.default", 40)
+REPORTS = {
+    "clean": Report("clean", None, None, None, None, facts()),
+    "not-reproduced": Report("not-reproduced", "transient", None, None, None,
+                             facts({"loss": "nan"})),
+    "input-nonfinite": Report("input-nonfinite", "data", "input", "nan", None, facts(),
+                              input_nonfinite=[BadValue("batch", "[0]", 1, 0, 0)]),
+    "culprit": Report("culprit", "device", "forward", "nan", CULPRIT, facts(),
+                      repro="repro/repro.py", repro_result=ReproResult(True, 1, "REPRODUCED"),
+                      inf_origin=OpRef("aten.exp.default", 30, "forward", "blocks.0", 0),
+                      context=[ContextRow(40, "aten.sqrt.default", "blocks.0.act", 1, "forward",
+                                          True, False, None, True)],
+                      op_check=OpCheck("aten.sqrt.default", 40, "mismatch", "kernel",
+                                       [comparison()])),
+    "mismatch": Report("culprit", "device", "forward", "mismatch", CULPRIT, facts(),
+                       divergence=Divergence("forward", "loss", comparison()),
+                       uncomparable=[OpCheck("npu.fused.default", 3, "uncomparable")]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REPORTS))
+def test_every_verdict_renders(name):
+    r = REPORTS[name]
+    text = render_all(r)
+    assert text.startswith(headline(r)) and f"# nanbisect report: {r.verdict}" in text
+    data = r.to_json()
+    assert data["schema"] == "nanbisect.report/1" and data["verdict"] == r.verdict
+    assert (data["culprit"] is None) == (r.verdict != "culprit")
+
+
+def test_headlines_say_what_happened():
+    assert headline(REPORTS["culprit"]) == (
+        "nan born in aten.sqrt.default in forward at module 'blocks.0.act' (call 1)")
+    assert headline(REPORTS["mismatch"]).startswith(
+        "target diverges from the reference first in aten.sqrt.default")
+    assert "batch '[0]'" in headline(REPORTS["input-nonfinite"])
+
+
+# ------------------------------------------------------------------------------------------
+# triage signature
+
+
+def test_signature_normalises_layers_and_names_non_culprits():
+    data = REPORTS["culprit"].to_json()
+    assert signature(data) == "aten.sqrt.default · blocks.N.act · forward · float32 · device"
+    assert signature(REPORTS["input-nonfinite"].to_json()) == "input-nonfinite · data"
+    assert signature(REPORTS["not-reproduced"].to_json()) == "not-reproduced · transient"
+    assert signature(REPORTS["clean"].to_json()) is None
