@@ -1,14 +1,35 @@
 """nanbisect: find the first operation that breaks a PyTorch training step.
 
+The public names load on first use (PEP 562), so ``nanbisect --help`` and ``--version`` never
+import torch.
+
 >>> import nanbisect
->>> guard = nanbisect.Guard(task, entry="train.py:make_task", out="bundles")
+>>> nanbisect.Task.__name__, nanbisect.__version__ == __import__("nanbisect").__version__
+('Task', True)
 """
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 __version__ = "0.1.0"
 
-from nanbisect.guard import Guard, StepWatch, capture  # noqa: E402
-from nanbisect.errors import BadInput, NonFiniteStep  # noqa: E402
-from nanbisect.reference.kernels import reference_impl  # noqa: E402
-from nanbisect.task import Task  # noqa: E402
+# public name -> module that defines it
+_LAZY = {"Task": "nanbisect.task", "capture": "nanbisect.guard", "Guard": "nanbisect.guard",
+         "StepWatch": "nanbisect.guard", "NonFiniteStep": "nanbisect.errors",
+         "BadInput": "nanbisect.errors", "reference_impl": "nanbisect.reference.kernels"}
 
 __all__ = ["Task", "capture", "Guard", "StepWatch", "NonFiniteStep", "BadInput", "reference_impl",
            "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value     # later lookups do not come back here
+        return value
+    raise AttributeError(f"module 'nanbisect' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -17,7 +17,22 @@ import typer
 from nanbisect.errors import BadInput
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="Find the first operation that breaks a PyTorch training step.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from nanbisect import __version__
+
+        typer.echo(f"nanbisect {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="print the version and exit")) -> None:
+    """Find the first operation that breaks a PyTorch training step."""
 
 
 @contextlib.contextmanager
@@ -63,7 +78,10 @@ def _fail(e: BadInput) -> None:
 
 @app.command()
 def run(
-    ckpt: Path = typer.Option(..., "--ckpt", help="bundle directory to replay"),
+    bundle: Optional[Path] = typer.Argument(None, show_default=False,
+                                            help="bundle directory to replay"),
+    ckpt: Optional[Path] = typer.Option(None, "--ckpt", show_default=False,
+                                        help="the bundle, as a flag (same as BUNDLE)"),
     target: Optional[str] = typer.Option(None, help="device to replay on (default: the capture "
                                                     "device when present, else cpu)"),
     reference: Optional[str] = typer.Option(None, help="DEVICE[:DTYPE] or none (default: cpu "
@@ -75,14 +93,23 @@ def run(
     entry: Optional[str] = typer.Option(None, help="override the bundle's entry string"),
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
 ) -> None:
-    """Replay a bundle, bisect the failure, write report.json and report.md."""
+    """Replay a bundle, bisect the failure, write report.json, report.md and report.html.
+
+    Runs the entry's code (it rebuilds the model and replays the step), as running the training
+    script would; `nanbisect inspect` never runs any."""
+    if bundle is not None and ckpt is not None and bundle != ckpt:
+        _fail(BadInput(f"run: two bundles given ('{bundle}' and --ckpt '{ckpt}'); pass one"))
+    path = bundle if bundle is not None else ckpt
+    if path is None:
+        _fail(BadInput("run: no bundle given; pass it as `nanbisect run BUNDLE` (or --ckpt "
+                       "BUNDLE)"))
     from nanbisect.pipeline import RunOptions, run_bundle
     from nanbisect.report.text import terminal
 
-    out_dir = out or Path(ckpt) / "nanbisect-report"
+    out_dir = out or Path(path) / "nanbisect-report"
     try:
         with _progress() as progress:
-            report = run_bundle(ckpt, RunOptions(target=target, reference=reference,
+            report = run_bundle(path, RunOptions(target=target, reference=reference,
                                                  inject=inject, entry=entry), out_dir, progress)
     except BadInput as e:
         _fail(e)

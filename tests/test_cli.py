@@ -1,0 +1,55 @@
+"""The command line itself: help and version without torch, the bundle as a plain argument."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, invoke
+
+
+def imported_modules(*args: str) -> set[str]:
+    """Top-level modules a fresh ``python -m nanbisect ARGS`` imports (``-X importtime``)."""
+    p = subprocess.run([sys.executable, "-X", "importtime", "-m", "nanbisect", *args],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip().split(".")[0] for line in p.stderr.splitlines()
+            if line.startswith("import time:") and "|" in line}
+
+
+@pytest.mark.parametrize("args", [["--help"], ["-h"], ["--version"], ["run", "--help"]])
+def test_help_and_version_do_not_import_torch(args):
+    mods = imported_modules(*args)
+    assert "nanbisect" in mods and "typer" in mods    # the probe sees imports at all
+    assert "torch" not in mods
+
+
+def test_version_and_short_help():
+    from nanbisect import __version__
+
+    assert invoke("--version").stdout.strip() == f"nanbisect {__version__}"
+    short, long = invoke("-h"), invoke("--help")
+    assert short.code == long.code == 0 and short.stdout == long.stdout
+    assert "report.html" in invoke("run", "-h").stdout
+
+
+def test_public_names_load_lazily():
+    code = ("import sys, nanbisect\nassert 'torch' not in sys.modules\n"
+            "assert nanbisect.Guard.__name__ == 'Guard' and 'torch' in sys.modules\n"
+            "assert set(nanbisect.__all__) <= set(dir(nanbisect))\n"
+            "try:\n    nanbisect.nope\nexcept AttributeError as e:\n    print(e)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert "has no attribute 'nope'" in p.stdout
+
+
+def test_bundle_as_argument_or_flag(fixture_bundle, tmp_path):
+    bundle = fixture_bundle("healthy")
+    a, b = invoke("run", bundle, "--out", tmp_path / "a"), invoke("run", "--ckpt", bundle,
+                                                                   "--out", tmp_path / "b")
+    assert a.code == b.code == 0, a.stderr + b.stderr
+    assert (tmp_path / "a" / "report.json").read_text().replace(str(tmp_path / "a"), "") == \
+        (tmp_path / "b" / "report.json").read_text().replace(str(tmp_path / "b"), "")
+    same = invoke("run", bundle, "--ckpt", bundle, "--out", tmp_path / "c")
+    assert same.code == 0
