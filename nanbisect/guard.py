@@ -63,8 +63,13 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
     Call it *before* running the step it should replay. Under torch.distributed, call it on
     every rank: each writes its part of one bundle.
 
-    >>> capture(task, batch, "step1", entry="train.py:make_task", step=1)
-    PosixPath('step1')
+    >>> import tempfile
+    >>> model = torch.nn.Linear(2, 1)
+    >>> task = Task(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum())
+    >>> path = capture(task, torch.ones(3, 2), Path(tempfile.mkdtemp()) / "step1",
+    ...                entry="train.py:make_task", step=1)
+    >>> (path / "manifest.json").is_file()
+    True
     """
     path = Path(path)
     rng = RngState.get(accelerator_types())
@@ -153,9 +158,18 @@ def _kind(x: float) -> str:
 class Guard:
     """Run training steps and freeze the first non-finite one into a bundle.
 
-    >>> guard = Guard(task, entry="train.py:make_task", out="nanbisect-bundles")
-    >>> for batch in loader:
-    ...     loss = guard.step(batch)        # raises NonFiniteStep(bundle=...) on failure
+    >>> import tempfile
+    >>> model = torch.nn.Linear(2, 1)
+    >>> _ = torch.nn.init.ones_(model.weight), torch.nn.init.zeros_(model.bias)
+    >>> task = Task(model, torch.optim.SGD(model.parameters(), lr=0.1),
+    ...             lambda m, b: m(b).log().sum())      # log of a negative output: NaN
+    >>> guard = Guard(task, entry="train.py:make_task", out=tempfile.mkdtemp())
+    >>> try:
+    ...     for batch in [torch.ones(3, 2), -torch.ones(3, 2), torch.ones(3, 2)]:
+    ...         loss = guard.step(batch)
+    ... except NonFiniteStep as e:
+    ...     print(e.bundle.name, e.observed["first"])
+    step000001 loss
     """
 
     def __init__(self, task: Task, *, entry: str, out: str | Path, start_step: int = 0) -> None:
@@ -182,8 +196,15 @@ class Guard:
     def watch(self, batch: Any) -> Iterator[StepWatch]:
         """Guard a step that your own loop runs (forward, backward, optimizer step inside).
 
-        >>> with guard.watch(batch) as w:
-        ...     w.loss = model_loss(model, batch); w.loss.backward(); optimizer.step()
+        >>> model = torch.nn.Linear(2, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> guard = Guard(Task(model, opt, lambda m, b: m(b).sum()), entry="train.py:task",
+        ...               out="unused-while-finite")
+        >>> with guard.watch(torch.ones(3, 2)) as w:
+        ...     opt.zero_grad(); w.loss = model(torch.ones(3, 2)).sum(); w.loss.backward()
+        ...     opt.step()
+        >>> isinstance(w.value, float)
+        True
         """
         rng = RngState.get(self._accel)
         self._snapshot.take(self.task.model, self.task.optimizer)

@@ -27,7 +27,9 @@ class Task:
 
     ``loss_fn(model, batch)`` returns a scalar loss tensor; the model is built on CPU.
 
-    >>> Task(model=torch.nn.Linear(2, 1), optimizer=None, loss_fn=lambda m, b: m(b).sum())
+    >>> task = Task(model=torch.nn.Linear(2, 1), optimizer=None, loss_fn=lambda m, b: m(b).sum())
+    >>> task.loss_fn(task.model, torch.ones(3, 2)).shape
+    torch.Size([])
     """
 
     model: torch.nn.Module
@@ -96,7 +98,8 @@ def import_target(target: str, search: list[Path] = ()) -> Any:
 def load_task(entry: str, search: list[Path] = ()) -> Task:
     """Import the entry and call it; check that it returned a usable `Task`.
 
-    >>> load_task("fixtures/tasks/healthy.py:task").model
+    >>> type(load_task("fixtures/tasks/healthy.py:task").model).__name__
+    'TinyGPT'
     """
     target, func = split_entry(entry)
     module = import_target(target, list(search))

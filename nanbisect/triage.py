@@ -110,8 +110,12 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
            cache: Path | None = None, options: dict | None = None) -> TriageResult:
     """Triage every bundle under ``roots``.
 
-    >>> triage([Path("fixtures/bundles")]).data["signatures"][0]["count"]
-    1
+    >>> import shutil, tempfile
+    >>> night = Path(tempfile.mkdtemp())
+    >>> _ = shutil.copytree("fixtures/bundles/nan_batch", night / "job1" / "step5",
+    ...                     ignore=shutil.ignore_patterns("nanbisect-report"))
+    >>> [(g["signature"], g["count"]) for g in triage([night], jobs=1).data["signatures"]]
+    [('input-nonfinite · data', 1)]
     """
     from joblib import Memory, Parallel, delayed
 
@@ -129,10 +133,14 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
             errors.append({"bundle": str(b), "error": str(e)})
     todo = [b for b in bundles if b in digests]
 
+    # what the cache already holds, asked before the workers run (triage.json says, per bundle)
+    cached = {b: analyse.check_call_in_cache(digests[b], options, __version__, bundle=str(b))
+              for b in todo}
+
     def guarded(b: Path):
         try:
             return {"bundle": str(b), "report": analyse(digests[b], options, __version__,
-                                                         bundle=str(b))}
+                                                         bundle=str(b)), "cached": cached[b]}
         except BadInput as e:
             return {"bundle": str(b), "error": str(e)}
         except Exception as e:  # noqa: BLE001 - one broken bundle must not stop the night
@@ -160,7 +168,8 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     data = {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
             "nanbisect": __version__, "roots": [str(r) for r in roots],
             "bundles": [{"bundle": r["bundle"], "verdict": r["report"]["verdict"],
-                         "signature": signature(r["report"])} for r in results],
+                         "signature": signature(r["report"]), "cached": r["cached"]}
+                        for r in results],
             "signatures": sigs, "errors": errors}
     if any(not g["known"] for g in sigs):
         code = EXIT_NEW

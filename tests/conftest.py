@@ -1,4 +1,5 @@
-"""Shared helpers: run the real CLI in a subprocess, copy fixture bundles into tmp dirs."""
+"""Shared helpers: run the real CLI in a subprocess (or in-process), copy fixture bundles into tmp
+dirs."""
 from __future__ import annotations
 
 import json
@@ -34,6 +35,18 @@ def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 30
     p = subprocess.run([sys.executable, "-m", "nanbisect", *map(str, args)], cwd=cwd,
                        env=full_env, capture_output=True, text=True, timeout=timeout)
     return CliResult(p.returncode, p.stdout, p.stderr)
+
+
+def invoke(*args: str) -> CliResult:
+    """The CLI in this process (typer's CliRunner): for errors where a subprocess adds nothing."""
+    from typer.testing import CliRunner
+
+    from nanbisect.cli import app
+
+    r = CliRunner().invoke(app, [str(a) for a in args], prog_name="nanbisect")
+    if r.exception is not None and not isinstance(r.exception, SystemExit):
+        raise r.exception
+    return CliResult(r.exit_code, r.stdout, r.stderr)
 
 
 def run_json(bundle, *flags, env: dict | None = None, code: int = 1) -> dict:

@@ -1,5 +1,6 @@
 """Bad input through the CLI: exit 2, one or two lines naming the problem and the fix, no
-traceback, nothing written."""
+traceback, nothing written. In-process (`invoke`) where a subprocess adds nothing; a few end to
+end through `python -m nanbisect` (`cli`)."""
 from __future__ import annotations
 
 import json
@@ -7,7 +8,7 @@ import shutil
 
 import pytest
 
-from conftest import TEST_TASKS, cli
+from conftest import TEST_TASKS, cli, invoke
 
 
 def assert_clean_error(res, *needles):
@@ -31,19 +32,19 @@ def test_missing_path(tmp_path):
 def test_file_not_dir(tmp_path):
     f = tmp_path / "f"
     f.write_text("x")
-    assert_clean_error(cli("run", "--ckpt", f), "is a file")
+    assert_clean_error(invoke("run", "--ckpt", f), "is a file")
 
 
 def test_missing_manifest(tmp_path):
     (tmp_path / "b").mkdir()
-    assert_clean_error(cli("run", "--ckpt", tmp_path / "b"), "no manifest.json")
+    assert_clean_error(invoke("run", tmp_path / "b"), "no manifest.json")
     _no_report(tmp_path / "b")
 
 
 def test_garbage_manifest(fixture_bundle):
     b = fixture_bundle("healthy")
     (b / "manifest.json").write_text("{not json")
-    assert_clean_error(cli("run", "--ckpt", b), "not valid JSON")
+    assert_clean_error(invoke("run", b), "not valid JSON")
     _no_report(b)
 
 
@@ -51,7 +52,7 @@ def test_truncated_tensor_file(fixture_bundle):
     b = fixture_bundle("healthy")
     data = (b / "model.safetensors").read_bytes()
     (b / "model.safetensors").write_bytes(data[: len(data) // 2])
-    assert_clean_error(cli("run", "--ckpt", b), "model.safetensors", "sha256")
+    assert_clean_error(invoke("run", "--ckpt", b), "model.safetensors", "sha256")
     _no_report(b)
 
 
@@ -60,7 +61,7 @@ def test_altered_tensor_file(fixture_bundle):
     data = bytearray((b / "batch.safetensors").read_bytes())
     data[-1] ^= 0xFF
     (b / "batch.safetensors").write_bytes(bytes(data))
-    assert_clean_error(cli("inspect", b), "batch.safetensors", "sha256")
+    assert_clean_error(invoke("inspect", b), "batch.safetensors", "sha256")
 
 
 def test_future_schema(fixture_bundle):
@@ -68,7 +69,7 @@ def test_future_schema(fixture_bundle):
     m = json.loads((b / "manifest.json").read_text())
     m["schema"] = "nanbisect.bundle/7"
     (b / "manifest.json").write_text(json.dumps(m))
-    assert_clean_error(cli("run", "--ckpt", b), "schema 7", "upgrade nanbisect")
+    assert_clean_error(invoke("run", b), "schema 7", "upgrade nanbisect")
     _no_report(b)
 
 
@@ -86,25 +87,30 @@ def test_bad_entry(fixture_bundle, entry, needle):
     m = json.loads((b / "manifest.json").read_text())
     m["entry"], m["entry_file"], m["entry_file_from_bundle"] = entry, None, None
     (b / "manifest.json").write_text(json.dumps(m))
-    assert_clean_error(cli("run", "--ckpt", b), needle)
+    assert_clean_error(invoke("run", "--ckpt", b), needle)
     _no_report(b)
 
 
 def test_entry_override_that_does_not_match_model(fixture_bundle):
     b = fixture_bundle("healthy")
-    res = cli("run", "--ckpt", b, "--entry", f"{TEST_TASKS / 'transient.py'}:task")
+    res = invoke("run", "--ckpt", b, "--entry", f"{TEST_TASKS / 'transient.py'}:task")
     assert_clean_error(res, "does not match")
     _no_report(b)
 
 
 def test_unavailable_device(fixture_bundle):
-    assert_clean_error(cli("run", "--ckpt", fixture_bundle("healthy"), "--target", "cuda:7"),
+    assert_clean_error(invoke("run", "--ckpt", fixture_bundle("healthy"), "--target", "cuda:7"),
                        "not available")
 
 
 def test_usage_error_exit_2():
     res = cli("run")
-    assert res.code == 2 and "--ckpt" in res.stderr
+    assert res.code == 2 and "nanbisect run BUNDLE" in res.stderr and "--ckpt" in res.stderr
+    assert "Traceback" not in res.stderr
+
+
+def test_two_different_bundles_are_refused(tmp_path):
+    assert_clean_error(invoke("run", tmp_path / "a", "--ckpt", tmp_path / "b"), "two bundles")
 
 
 def test_inspect_imports_no_user_code(fixture_bundle, tmp_path):
@@ -123,7 +129,7 @@ def test_inspect_imports_no_user_code(fixture_bundle, tmp_path):
 
 
 def test_inspect_json(fixture_bundle):
-    res = cli("inspect", fixture_bundle("optimizer_adam_eps0"), "--json")
+    res = invoke("inspect", fixture_bundle("optimizer_adam_eps0"), "--json")
     info = json.loads(res.stdout)
     assert info["optimizer"]["class"] == "torch.optim.adam.Adam"
     assert info["observed"]["first"] == "param"

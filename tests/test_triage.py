@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import time
 
 from conftest import FIXTURES, cli
 
@@ -29,12 +28,16 @@ def test_normalise_module():
     assert normalise_module("fc1") == "fc1"
 
 
+def cache_entries(out) -> dict[str, float]:
+    """What joblib's cache holds: one directory per cached call, with its output's mtime."""
+    return {str(f.parent.relative_to(out)): f.stat().st_mtime
+            for f in (out / "cache").rglob("output.pkl")}
+
+
 def test_triage_groups_counts_errors_and_cache(tmp_path):
     root = make_tree(tmp_path / "night")
     out = tmp_path / "t"
-    t0 = time.monotonic()
     res = cli("triage", root, "--out", out, "--jobs", "2")
-    first = time.monotonic() - t0
     assert res.code == 3, res.stdout + res.stderr                  # new signatures
     data = json.loads((out / "triage.json").read_text())
     sigs = {g["signature"]: g for g in data["signatures"]}
@@ -49,13 +52,18 @@ def test_triage_groups_counts_errors_and_cache(tmp_path):
     md = (out / "triage.md").read_text()
     assert "| 2 | `aten.sqrt.default" in md and "corrupted" in md
 
+    # one cache entry per distinct bundle content (same_fault is a copy: it shares its entry)
+    assert not any(b["cached"] for b in data["bundles"])
+    entries = cache_entries(out)
+    assert len(entries) == len(data["bundles"]) - 1
+
     # second run: the cache answers, and with every signature known the exit code says so
     (tmp_path / "known.json").write_text((out / "triage.json").read_text())
-    t0 = time.monotonic()
     res2 = cli("triage", root, "--out", out, "--known", tmp_path / "known.json", "--jobs", "2")
-    second = time.monotonic() - t0
     assert res2.code == 2, res2.stdout                 # known only, but an error remains
-    assert second < first
+    again = json.loads((out / "triage.json").read_text())
+    assert all(b["cached"] for b in again["bundles"]) and len(again["bundles"]) == 5
+    assert cache_entries(out) == entries               # nothing recomputed, nothing rewritten
     shutil.rmtree(root / "corrupted")
     assert cli("triage", root, "--out", out, "--known", tmp_path / "known.json").code == 1
 

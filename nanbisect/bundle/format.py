@@ -61,8 +61,11 @@ def environment() -> dict:
 def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors]) -> Path:
     """Write ``tensors`` (role -> flat tensor dict) and ``manifest`` atomically to ``path``.
 
-    >>> write_bundle(Path("b"), {"entry": "m:f"}, {"batch": {"batch": torch.ones(2)}})
-    PosixPath('b')
+    >>> import tempfile
+    >>> path = write_bundle(Path(tempfile.mkdtemp()) / "b", {"entry": "m:f"},
+    ...                     {"batch": {"batch": torch.ones(2)}})
+    >>> sorted(p.name for p in path.iterdir())
+    ['batch.safetensors', 'manifest.json']
     """
     path = Path(path)
     if path.exists():

@@ -75,8 +75,11 @@ def _members(src: Path, full: bool) -> list[tuple[Path, str]]:
 def pack(src: str | Path, dest: str | Path, full: bool = False) -> Path:
     """Write ``dest`` (.tar.gz) for a ticket; refuse to exceed `LIMIT` unless ``full``.
 
-    >>> pack("fixtures/bundles/forward_nan_behind_mask", "ticket.tar.gz")
-    PosixPath('ticket.tar.gz')
+    >>> import tempfile; from nanbisect.pipeline import RunOptions, run_bundle
+    >>> d = Path(tempfile.mkdtemp())
+    >>> _ = run_bundle("fixtures/bundles/nan_batch", RunOptions(), d / "report")
+    >>> pack(d / "report", d / "ticket.tar.gz").name
+    'ticket.tar.gz'
     """
     src, dest = Path(src), Path(dest)
     if not src.is_dir():

@@ -1,6 +1,6 @@
 """Hugging Face Trainer: `NanbisectTrainerCallback` puts `Guard` around every optimizer step.
 
->>> trainer = Trainer(..., callbacks=[NanbisectTrainerCallback(entry="train.py:task")])
+    trainer = Trainer(..., callbacks=[NanbisectTrainerCallback(entry="train.py:task")])
 
 The Trainer hands callbacks no batch, so the callback takes it from the model's first forward
 call of each step (a forward pre-hook), and opens the guard there, before anything changed. On a

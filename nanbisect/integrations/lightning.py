@@ -1,6 +1,6 @@
 """PyTorch Lightning: `NanbisectCallback` puts `Guard` around every training batch.
 
->>> trainer = L.Trainer(callbacks=[NanbisectCallback(entry="train.py:task", out="bundles")])
+    trainer = L.Trainer(callbacks=[NanbisectCallback(entry="train.py:task", out="bundles")])
 
 On a non-finite step the callback writes the bundle, keeps its path in ``.bundle``, logs it, and
 asks the trainer to stop (``trainer.should_stop``) instead of raising from inside a hook. The

@@ -3,9 +3,12 @@
 Device-only fused ops (``torch_npu`` kernels, vendor custom ops) cannot run on the CPU reference.
 Register a plain-PyTorch implementation so such an op can still be isolated and compared:
 
+>>> import nanbisect
 >>> @nanbisect.reference_impl("npu::npu_fused_unpermute")
 ... def unpermute(expert_out, probs):
 ...     return expert_out * probs[:, None]
+>>> lookup("npu.npu_fused_unpermute.default") is unpermute
+True
 
 Packages can also publish implementations through the entry point group
 ``nanbisect.reference_impls`` (each entry point loads a module that registers them on import),

@@ -205,9 +205,14 @@ class OpTable:
 class OpRecorder(TorchDispatchMode):
     """Record ops of ``phases``; set ``.phase`` as the step moves on.
 
+    >>> model = torch.nn.Linear(2, 1)
+    >>> tracker = ModuleTracker(model)
     >>> rec = OpRecorder(tracker, phases={"forward"})
-    >>> with rec: loss = loss_fn(model, batch)
-    >>> table = rec.read()
+    >>> with tracker, rec:
+    ...     loss = (model(torch.ones(3, 2)) - 1e3).sqrt().sum()
+    >>> table, _ = rec.read()
+    >>> [(op.op, op.outputs[0].flags.nan) for op in table.ops if op.op == "aten.sqrt.default"]
+    [('aten.sqrt.default', True)]
     """
 
     def __init__(self, tracker: ModuleTracker | None, phases: set[str],

@@ -82,8 +82,10 @@ def _scan(where: str, named) -> list[BadValue]:
 class Replayer:
     """A bundle's task, built once and restored to the pre-step state before each run.
 
-    >>> r = Replayer(read_bundle("b"), torch.device("cpu"))
-    >>> r.run().loss
+    >>> from nanbisect.bundle.format import read_bundle
+    >>> r = Replayer(read_bundle("fixtures/bundles/healthy"), torch.device("cpu"))
+    >>> r.run().loss == r.run().loss     # each run from the same pre-step state and RNG
+    True
     """
 
     def __init__(self, bundle: Bundle, device: torch.device, dtype: torch.dtype | None = None,
