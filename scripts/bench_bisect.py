@@ -1,9 +1,10 @@
 """Benchmark: op-level bisection of a forward NaN in a ~5M-parameter GPT (issue 3).
 
-The workload: a GPT-like pre-norm causal transformer (6 layers, d_model 256, 8 heads, d_ff 1024,
-vocab 1000, 5.3M fp32 parameters, AdamW) trained on 8 x 256 random tokens. Layer 5 (the last) has
+The workload: the tests' GPT (fixtures/tasks/tinygpt.py) built bigger: a pre-norm causal
+transformer (6 layers, d_model 256, 8 heads, MLP 1024, vocab 1000 with tied embedding and head,
+5.0M fp32 parameters, AdamW) trained on 8 x 256 random tokens. Layer 5 (the last) has
 an MLP activation ``gelu(x) * sqrt(1 + x / limit)``; with the fault switched on (``FAULT``, read by
-``make_task``) the limit is 2.5 and a few pre-activations below -2.5 make ``aten.sqrt`` return NaN
+``make_task``) the limit is 2 and a few pre-activations below -2 make ``aten.sqrt`` return NaN
 in the forward pass. The same file with ``FAULT = False`` (limit 1e4) is the healthy model with the
 same op sequence. The script trains 3 healthy steps under `nanbisect.Guard` (so AdamW has state),
 plants the fault, lets the Guard write the bundle into a temporary directory, and then measures,
@@ -13,8 +14,7 @@ in one run:
   subprocess and with ``RunOptions(run_repro=False)``, as a multiple of the median plain training
   step (zero_grad, forward, backward, AdamW step) of the same model from the same pre-step state,
   timed between the `run_bundle` calls (so a busy machine slows both alike); and how that time
-  splits across nanbisect's pieces, timed by wrapping its functions from here (nothing in
-  nanbisect is edited);
+  splits across the passes, from the progress callback `run_bundle` reports each pass to;
 * bytes: the report directory (report.json/.md/.html, repro/) against a full per-op dump of the
   same step, i.e. every aten op's outputs in forward + backward + optimizer. The dump is not
   written: its size is the sum of the outputs' ``nbytes`` seen by a `TorchDispatchMode`;
@@ -65,11 +65,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import nanbisect
 
-CONFIG = dict(vocab=1000, d_model=256, n_layers=6, n_heads=8, d_ff=1024, seq=256, batch=8,
-              lr=3e-4, weight_decay=0.1, seed=0)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "tasks"))
+import tinygpt  # noqa: E402  (the tests' GPT, built bigger; its plain_step is the baseline)
+from tinygpt import plain_step  # noqa: E402
+
+CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-4,
+              weight_decay=0.1, seed=0)
 FAULT = True          # the switch `make_task` reads: True plants the NaN in layer FAULT_LAYER
 FAULT_LAYER = 5       # the last of the 6 layers
-FAULT_LIMIT = 2.5     # pre-activations below -2.5 exist in every step: sqrt(1 + x/2.5) is NaN there
+FAULT_LIMIT = 2.0     # pre-activations below -2 exist in every step: sqrt(1 + x/2) is NaN there
 HEALTHY_LIMIT = 1e4   # far beyond any pre-activation: same ops, no NaN
 WARMUP_STEPS = 3      # healthy guarded steps before the fault is planted (AdamW gets state)
 ENTRY = f"{os.path.relpath(os.path.abspath(__file__))}:make_task"  # scripts/bench_bisect.py:...
@@ -104,92 +108,27 @@ class SqrtGate(nn.Module):
         return F.gelu(x) * torch.sqrt(1 + x / self.limit)
 
 
-class Attention(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(b, t, d))
-
-
-class MLP(nn.Module):
-    def __init__(self, d: int, d_ff: int, act: nn.Module) -> None:
-        super().__init__()
-        self.fc, self.act, self.out = nn.Linear(d, d_ff), act, nn.Linear(d_ff, d)
-
-    def forward(self, x):
-        return self.out(self.act(self.fc(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int, d_ff: int, act: nn.Module) -> None:
-        super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads)
-        self.ln2, self.mlp = nn.LayerNorm(d), MLP(d, d_ff, act)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-
-class GPT(nn.Module):
-    """Pre-norm causal transformer: token + learned position embeddings, untied LM head."""
-
-    def __init__(self, cfg: dict, limit: float) -> None:
-        super().__init__()
-        d = cfg["d_model"]
-        self.tok, self.pos = nn.Embedding(cfg["vocab"], d), nn.Embedding(cfg["seq"], d)
-        self.blocks = nn.ModuleList(
-            Block(d, cfg["n_heads"], cfg["d_ff"],
-                  SqrtGate(limit) if i == FAULT_LAYER else nn.GELU())
-            for i in range(cfg["n_layers"]))
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, cfg["vocab"])
-
-    def forward(self, idx):
-        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-
-def set_fault(model: GPT, on: bool) -> None:
+def set_fault(model: nn.Module, on: bool) -> None:
     """What ``FAULT`` decides at build time, switched on an existing model."""
     model.blocks[FAULT_LAYER].mlp.act.limit = FAULT_LIMIT if on else HEALTHY_LIMIT
-
-
-def lm_loss(model, batch):
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
 
 def make_task(fault: bool | None = None) -> nanbisect.Task:
     """The entry: ``scripts/bench_bisect.py:make_task``; builds the faulty model when FAULT."""
     fault = FAULT if fault is None else fault
     torch.manual_seed(CONFIG["seed"])
-    model = GPT(CONFIG, FAULT_LIMIT if fault else HEALTHY_LIMIT)
+    acts = [SqrtGate(FAULT_LIMIT if fault else HEALTHY_LIMIT) if i == FAULT_LAYER else nn.GELU()
+            for i in range(CONFIG["n_layers"])]
+    model = tinygpt.TinyGPT(acts, vocab=CONFIG["vocab"], dim=CONFIG["dim"],
+                            heads=CONFIG["heads"])
     opt = torch.optim.AdamW(model.parameters(), lr=CONFIG["lr"],
                             weight_decay=CONFIG["weight_decay"])
-    return nanbisect.Task(model=model, optimizer=opt, loss_fn=lm_loss)
+    return nanbisect.Task(model=model, optimizer=opt, loss_fn=tinygpt.lm_loss)
 
 
-def make_batches(n: int = 8) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    # seq+1 tokens per row: the model sees seq tokens and predicts the next seq
-    return [torch.randint(CONFIG["vocab"], (CONFIG["batch"], CONFIG["seq"] + 1), generator=g)
-            for _ in range(n)]
-
-
-def plain_step(task: nanbisect.Task, batch) -> float:
-    task.optimizer.zero_grad(set_to_none=True)
-    loss = task.loss_fn(task.model, batch)
-    loss.backward()
-    task.optimizer.step()
-    return loss.item()
+def make_batches(n: int = 8) -> list[dict]:
+    return [tinygpt.make_batch(1 + i, pad=0, batch=CONFIG["batch"], seq=CONFIG["seq"],
+                               vocab=CONFIG["vocab"]) for i in range(n)]
 
 
 def make_bundle(out: Path) -> tuple[Path, dict]:
@@ -250,75 +189,29 @@ def plain_step_times(rep, n: int) -> dict:
     return out
 
 
-class PieceTimer:
-    """Wrap nanbisect's functions (from here, for the duration of one run) to time its pieces."""
+class StageClock:
+    """`run_bundle`'s progress callback: when each pass began, so its time is up to the next."""
 
     def __init__(self) -> None:
-        import nanbisect.pipeline as pipeline
-        from nanbisect.replay.replayer import Replayer
-        self.pipeline, self.Replayer = pipeline, Replayer
-        self.spans: list[tuple[str, float]] = []
-        self.stage = "pass 1: module stats"
-        self._saved: list[tuple[object, str, object]] = []
+        self.t0 = time.perf_counter()
+        self.marks: list[tuple[str, float]] = []
 
-    def _wrap(self, owner, name: str, label, stage: str | None = None) -> None:
-        fn = getattr(owner, name)
-        self._saved.append((owner, name, fn))
+    def __call__(self, key: str, text: str) -> None:
+        self.marks.append((key, time.perf_counter()))
 
-        def wrapper(*a, **k):
-            outer = self.stage
-            if stage is not None:
-                self.stage = stage
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                self.spans.append((label(self) if callable(label) else label,
-                                   time.perf_counter() - t0))
-                self.stage = outer
-        setattr(owner, name, wrapper)
+    def pieces(self, end: float) -> dict[str, float]:
+        """ms per pass; before the first pass: reading and verifying the bundle."""
+        out = {"read + verify bundle": ms(self.marks[0][1] - self.t0) if self.marks else 0.0}
+        for (key, t), nxt in zip(self.marks, [m[1] for m in self.marks[1:]] + [end]):
+            out[PASS_NAMES.get(key, key)] = out.get(PASS_NAMES.get(key, key), 0.0) + ms(nxt - t)
+        return out
 
-    def __enter__(self) -> "PieceTimer":
-        p, R = self.pipeline, self.Replayer
-        self._wrap(p, "read_bundle", "read + sha256-verify bundle")
-        self._wrap(R, "__init__", "build task (import entry, init model), load tensors")
-        self._wrap(R, "restore", "restore pre-step state (all passes)")
-        self._wrap(R, "input_faults", "input checks: scan batch, params, AdamW state (all passes)")
-        self._wrap(R, "run", lambda s: f"{s.stage}: replay")
-        self._wrap(p, "record_ops", "pass 2: op recording, total", "pass 2: op recording")
-        self._wrap(p, "catch_inputs", "pass 3: catch inputs, total", "pass 3: catch inputs")
-        self._wrap(p, "write_repro", "write repro/")
-        self._wrap(p, "run_repro", "repro.py subprocess")
-        self._wrap(p, "write_report", "write report files (json, md, html)")
-        return self
 
-    def __exit__(self, *exc) -> None:
-        for owner, name, fn in reversed(self._saved):
-            setattr(owner, name, fn)
-
-    def pieces(self, total: float) -> dict[str, float]:
-        """ms per piece. Every replay restores the state and scans the inputs first: those are
-        split out of the passes (as a per-replay average); 'rest' is what no wrapper saw."""
-        acc: dict[str, float] = defaultdict(float)
-        for label, dt in self.spans:
-            acc[label] += dt
-        shared = ("restore pre-step state (all passes)",
-                  "input checks: scan batch, params, AdamW state (all passes)")
-        out = {k: acc[k] for k in ("read + sha256-verify bundle",
-                                   "build task (import entry, init model), load tensors") + shared}
-        n_runs = sum(1 for label, _ in self.spans if label.endswith(": replay"))
-        per_run = sum(acc[k] for k in shared) / n_runs if n_runs else 0.0
-        p2_run = acc["pass 2: op recording: replay"]
-        out["pass 1: forward with module probe, until the NaN loss"] = (
-            acc["pass 1: module stats: replay"] - per_run)
-        out["pass 2: forward, recording ops (from the producing call on)"] = p2_run - per_run
-        out["pass 2: read flags, trace provenance"] = acc["pass 2: op recording, total"] - p2_run
-        out["pass 3: forward catching the culprit's inputs"] = (
-            acc["pass 3: catch inputs: replay"] - per_run)
-        for k in ("write repro/", "repro.py subprocess", "write report files (json, md, html)"):
-            out[k] = acc[k]
-        out["rest (module table, bisect, staging)"] = total - sum(out.values())
-        return {k: ms(v) for k, v in out.items()}
+# run_bundle's progress keys (nanbisect.pipeline.STAGES) as the tables name them
+PASS_NAMES = {"build": "task build (import entry, init model, load tensors)",
+              "module-pass": "pass 1: module statistics", "op-recording": "pass 2: op recording",
+              "input-catch": "pass 3: input catch", "repro": "repro verification (subprocess)",
+              "report": "report writing (json, md, html)"}
 
 
 def time_run_bundle(bundle: Path, work: Path, reps: int, rep) -> dict:
@@ -329,11 +222,10 @@ def time_run_bundle(bundle: Path, work: Path, reps: int, rep) -> dict:
     for i in range(reps + 1):  # run 0 is the cold one (imports the entry file): reported apart
         for with_repro in ((True, False) if i % 2 == 0 else (False, True)):
             out = work / f"report-{i}-{int(with_repro)}"
-            with PieceTimer() as timer:
-                t0 = time.perf_counter()
-                report = run_bundle(bundle, RunOptions(run_repro=with_repro), out)
-                dt = time.perf_counter() - t0
-            row = {"total_ms": ms(dt), "pieces_ms": timer.pieces(dt), "out": str(out),
+            clock = StageClock()
+            report = run_bundle(bundle, RunOptions(run_repro=with_repro), out, clock)
+            end = time.perf_counter()
+            row = {"total_ms": ms(end - clock.t0), "pieces_ms": clock.pieces(end), "out": str(out),
                    "report": report}
             if i == 0 and cold is None:
                 cold = row
@@ -342,10 +234,10 @@ def time_run_bundle(bundle: Path, work: Path, reps: int, rep) -> dict:
                 plain.append(timed_step(rep, False)[0])
 
     def summary(rows: list[dict]) -> dict:
-        keys = rows[0]["pieces_ms"].keys()
+        keys = list(dict.fromkeys(k for r in rows for k in r["pieces_ms"]))
         return {"total_ms": [r["total_ms"] for r in rows],
                 "median_ms": statistics.median(r["total_ms"] for r in rows),
-                "pieces_median_ms": {k: statistics.median(r["pieces_ms"][k] for r in rows)
+                "pieces_median_ms": {k: statistics.median(r["pieces_ms"].get(k, 0.0) for r in rows)
                                      for k in keys}}
 
     last = runs[True][-1]
@@ -649,7 +541,7 @@ def print_tables(res: dict) -> None:
           "|---|---:|---:|---:|")
     w, wo = t["with_repro"]["pieces_median_ms"], t["without_repro"]["pieces_median_ms"]
     for k in w:
-        print(f"| {k} | {w[k]:.0f} | {w[k] / plain_rb:.2f} | {wo[k]:.0f} |")
+        print(f"| {k} | {w[k]:.0f} | {w[k] / plain_rb:.2f} | {wo.get(k, 0.0):.0f} |")
     b, d = res["bytes"], res["full_dump"]
     print("\n| bytes | bytes | share of full dump |\n|---|---:|---:|")
     print(f"| report dir (incl. repro/) | {b['report_total']:,} | "

@@ -1,8 +1,8 @@
 """Benchmark: per-step overhead of `nanbisect.Guard` against a plain training loop (issue 2).
 
 What the numbers are: wall-clock time of one full training step (zero_grad, forward, backward,
-AdamW step) of a ~5M-parameter GPT-like model on CPU, measured for a plain loop and for
-`Guard.step`, interleaved in one process on two identical model copies built from the same seed.
+AdamW step) of a ~5M-parameter GPT on CPU (fixtures/tasks/tinygpt.py: the tests' GPT, built
+bigger; its ``plain_step`` is the plain loop), measured for a plain loop and for `Guard.step`, interleaved in one process on two identical model copies built from the same seed.
 Each measured round runs one plain and one guarded step on the same batch, alternating which goes
 first, so drift (thermal, other load, allocator warm-up) hits both sides alike. The plain step also
 reads its loss with `.item()`, since `Guard.step` returns the loss as a float. Then the pieces of
@@ -22,58 +22,31 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 import nanbisect
 from nanbisect.guard import _screen, _Snapshot
 from nanbisect.bundle.state import RngState, accelerator_types
 
-CONFIG = dict(vocab=1000, d_model=256, n_layers=6, n_heads=8, d_ff=1024, seq=256, batch=8,
-              lr=3e-4, weight_decay=0.1, dropout=0.0, seed=0)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "tasks"))
+import tinygpt  # noqa: E402  (the tests' GPT, built bigger; its plain_step is the baseline)
+from tinygpt import plain_step  # noqa: E402
 
-
-class TinyGPT(torch.nn.Module):
-    """Pre-norm causal transformer: token + learned position embeddings, untied LM head."""
-
-    def __init__(self, vocab, d_model, n_layers, n_heads, d_ff, seq, dropout):
-        super().__init__()
-        self.tok, self.pos = torch.nn.Embedding(vocab, d_model), torch.nn.Embedding(seq, d_model)
-        layer = torch.nn.TransformerEncoderLayer(d_model, n_heads, d_ff, dropout,
-                                                 activation="gelu", batch_first=True,
-                                                 norm_first=True)
-        self.blocks = torch.nn.TransformerEncoder(layer, n_layers, enable_nested_tensor=False)
-        self.norm, self.head = torch.nn.LayerNorm(d_model), torch.nn.Linear(d_model, vocab)
-
-    def forward(self, idx):
-        t = idx.shape[1]
-        mask = torch.nn.Transformer.generate_square_subsequent_mask(t)
-        x = self.tok(idx) + self.pos(torch.arange(t))
-        return self.head(self.norm(self.blocks(x, mask=mask, is_causal=True)))
-
-
-def lm_loss(model, batch):
-    logits = model(batch[:, :-1])
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-4,
+              weight_decay=0.1, seed=0)
 
 
 def make_task(cfg: dict = CONFIG) -> nanbisect.Task:
     torch.manual_seed(cfg["seed"])
-    model = TinyGPT(cfg["vocab"], cfg["d_model"], cfg["n_layers"], cfg["n_heads"], cfg["d_ff"],
-                    cfg["seq"], cfg["dropout"])
+    model = tinygpt.TinyGPT([torch.nn.GELU() for _ in range(cfg["n_layers"])],
+                            vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    return nanbisect.Task(model=model, optimizer=opt, loss_fn=lm_loss)
-
-
-def plain_step(task: nanbisect.Task, batch) -> float:
-    task.optimizer.zero_grad(set_to_none=True)
-    loss = task.loss_fn(task.model, batch)
-    loss.backward()
-    task.optimizer.step()
-    return loss.item()
+    return nanbisect.Task(model=model, optimizer=opt, loss_fn=tinygpt.lm_loss)
 
 
 def timed(fn) -> tuple[float, object]:
@@ -139,10 +112,8 @@ def main() -> None:
     assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(),
                                                  guarded.model.parameters()))
     n_params = sum(p.numel() for p in plain.model.parameters())
-    g = torch.Generator().manual_seed(1)
-    # seq+1 tokens per row: the model sees seq tokens and predicts the next seq
-    batches = [torch.randint(cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), generator=g)
-               for _ in range(8)]
+    batches = [tinygpt.make_batch(1 + i, pad=0, batch=cfg["batch"], seq=cfg["seq"],
+                                  vocab=cfg["vocab"]) for i in range(8)]
 
     t_plain, t_guard, same_loss = [], [], True
     with tempfile.TemporaryDirectory() as out:

@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURES = ROOT / "fixtures" / "bundles"
 TASKS = ROOT / "fixtures" / "tasks"
 TEST_TASKS = Path(__file__).resolve().parent / "tasks"
+sys.path.insert(0, str(TASKS))   # the fixture tasks' modules (tinygpt: the GPT and plain_step)
 
 
 @dataclass

@@ -18,6 +18,7 @@ from nanbisect.bundle.format import read_bundle
 from nanbisect.replay.replayer import Replayer
 from nanbisect.bundle.state import decode
 from nanbisect.task import import_target, load_task
+from tinygpt import plain_step  # the plain training step the benchmarks measure against too
 
 REPO = Path(__file__).resolve().parents[1]
 HEALTHY = REPO / "fixtures" / "tasks" / "healthy.py"
@@ -101,14 +102,6 @@ def late_task() -> Task:
 
 # --------------------------------------------------------------------------------------------
 # helpers
-
-
-def plain_step(task: Task, batch) -> float:
-    task.optimizer.zero_grad(set_to_none=True)
-    loss = task.loss_fn(task.model, batch)
-    loss.backward()
-    task.optimizer.step()
-    return loss.item()
 
 
 def clone_state(model: nn.Module) -> dict[str, torch.Tensor]:
