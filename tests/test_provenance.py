@@ -163,3 +163,33 @@ def test_memory_allocated_unseen_at_a_dead_values_address_is_not_that_value():
     assert mul.inputs[0].producer is None          # an outside value, not the dead sqrt output
     r = culprit_root(table, [marks["out"]], "nan")
     assert r is None or r.op.op != "aten.sqrt.default"
+
+
+def test_memory_reused_at_the_address_of_a_storage_freed_by_resize_is_not_that_value():
+    """FSDP2 frees an unsharded parameter's memory with ``untyped_storage().resize_(0)``: the
+    storage lives on, its address is free. A buffer made outside the recorded ops there (gloo's
+    reduce-scatter scratch, copied into the output when the caller waits) is not that value."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    rec = OpRecorder(None, phases={"forward"})
+    kept = []
+    with rec:
+        for _ in range(200):
+            param = torch.full((4096,), 2.0) * 1.0                   # clean, recorded
+            addr = param.untyped_storage().data_ptr()
+            param.untyped_storage().resize_(0)                       # freed, storage alive
+            kept.append(param)
+            with _disable_current_modes():                           # unseen by the recorder
+                unseen = torch.full((4096,), float("nan"))
+            if unseen.untyped_storage().data_ptr() == addr:
+                break
+        else:
+            pytest.skip("the allocator never reused the address")
+        out = torch.empty(4096)
+        out.copy_(unseen)
+        rec.mark("out", out)
+    table, marks = rec.read()
+    copy = [o for o in table.ops if o.op == "aten.copy_.default"][-1]
+    assert copy.inputs[0].producer is None         # an outside value, not the freed parameter
+    assert copy.inputs[0].flags.nan
+    assert culprit_root(table, [marks["out"]], "nan") is None   # the NaN came from outside

@@ -238,14 +238,17 @@ class OpRecorder(TorchDispatchMode):
         self._alive: dict[tuple[str, int], StorageWeakRef] = {}
 
     def _sid(self, t: torch.Tensor) -> Sid:
-        """(device, address, generation): the generation moves on when the storage last seen
-        at that address has died, so memory that C++ code (a collective, a kernel's scratch)
-        allocated unseen at a dead value's address is never taken for that value."""
+        """(device, address, generation): the generation moves on when the storage at that
+        address is not the one last seen there, so memory that C++ code (a collective, a
+        kernel's scratch) allocated unseen at an old value's address is never taken for that
+        value. Not only when that storage died: FSDP2 frees an unsharded parameter's memory with
+        ``untyped_storage().resize_(0)``, and the storage lives on while its address is reused.
+        (The weak reference pins the storage object, so its ``cdata`` names no other storage.)"""
         t = local(t)
         st = t.untyped_storage()
         addr = (str(t.device), st.data_ptr())
         ref = self._alive.get(addr)
-        if ref is None or ref.expired():
+        if ref is None or ref.expired() or ref.cdata != st._cdata:
             if ref is not None:
                 self._gen[addr] = self._gen.get(addr, 0) + 1
             self._alive[addr] = StorageWeakRef(st)
