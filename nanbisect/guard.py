@@ -1,17 +1,28 @@
 """Freeze a training step into a bundle: `capture` on demand, `Guard` on failure.
 
 Guarantees: a bundle holds the state *before* its step (parameters, buffers, optimizer state,
-RNG of Python/NumPy/torch CPU/accelerators) plus the batch. `Guard` costs a healthy step one
-snapshot copy of the parameters, buffers and optimizer state (kept on their device), one sum per
-parameter and one host synchronisation; exact checks of loss, gradients and parameters run only
-when that screen trips. Gradients are not screened on their own: a non-finite gradient becomes a
-non-finite parameter through the update (so it is caught, and classified as a gradient fault by
-the exact check), while a loop whose GradScaler skips an overflowed step stays silent. Not guaranteed: custom loops that zero gradients *after* the optimizer step
-lose the gradients the guard checks (zero them at the start of the step instead).
+the GradScaler's scale and growth tracker, every module's train/eval mode, every parameter's
+``requires_grad``, RNG of Python/NumPy/torch CPU/accelerators), the batch, what the step looks
+like (`Task.describe`) and the sha256 of the entry file and every user source file the process
+imported. `Guard.step` runs the Task's whole step (`nanbisect.step.run_step`: micro-batches,
+scaler, clipping), the same code every replay runs. A healthy step costs one snapshot copy of the
+parameters, buffers and optimizer state (kept on their device), one sum per parameter and one host
+synchronisation; exact checks run only when that screen trips. Gradients are not screened on
+their own: a non-finite gradient becomes a non-finite parameter through the update (so it is
+caught, and classified as a gradient fault by the exact check). A step the GradScaler skips is
+normal; ``max_scaler_skips`` skips in a row is a failure (the scaler has stalled), bundled as the
+last skipped step. With ``clip_grad_norm``, the gradients' kind (NaN or inf) is the one the total
+norm had before clipping turned it into NaN. Not guaranteed: custom loops (`Guard.watch`) are
+replayed through the Task, not through the loop: what the loop does beyond the Task's fields is
+not in the bundle.
 """
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
+import sys
+import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,11 +30,16 @@ from typing import Any, Iterator
 
 import torch
 
+from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.format import write_bundle
+from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_model,
+                                    encode_optimizer, local)
+from nanbisect.errors import BadInput, NonFiniteStep
 from nanbisect.multirank.coord import any_rank, broadcast_str, rank_info, write_all_ranks
-from nanbisect.errors import NonFiniteStep
-from nanbisect.bundle.state import RngState, accelerator_types, encode, encode_model, encode_optimizer, local
+from nanbisect.step import run_step
 from nanbisect.task import Task, split_entry
+
+LISTED = 20     # names listed per kind in `observed`; the counts say how many there were
 
 
 def _device_of(model: torch.nn.Module) -> str:
@@ -31,29 +47,114 @@ def _device_of(model: torch.nn.Module) -> str:
     return str(t.device) if t is not None else "cpu"
 
 
+def resolve_entry_file(entry: str) -> str | None:
+    """Check that ``entry`` names a function that exists, without running any code; return the
+    absolute path of a file entry. Raises `BadInput` naming the fix."""
+    target, func = split_entry(entry)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise BadInput(f"entry '{entry}': {target} does not exist (from {os.getcwd()}); "
+                           "give the path of the file that defines the entry function")
+        source = path
+    else:
+        mod = sys.modules.get(target)
+        if mod is not None:
+            if not callable(getattr(mod, func, None)):
+                raise BadInput(f"entry '{entry}': module {target} has no function '{func}'; "
+                               "name the function that returns nanbisect.Task")
+            return None
+        try:
+            spec = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            raise BadInput(f"entry '{entry}': module {target} cannot be found; install it, add "
+                           "its directory to PYTHONPATH, or give the entry as path/to/file.py:func")
+        if not spec.origin or not spec.origin.endswith(".py"):
+            return None
+        source = Path(spec.origin)
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError, ValueError) as e:
+        raise BadInput(f"entry '{entry}': {source} cannot be read as Python ({e}); fix it")
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    if func not in names:
+        raise BadInput(f"entry '{entry}': {source} defines no '{func}'; name the function that "
+                       "returns nanbisect.Task")
+    return str(source.resolve()) if target.endswith(".py") else None
+
+
+def _check_out(out: Path) -> None:
+    """Bundles can be written into ``out``: create it and write (then remove) a probe file."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".nanbisect-probe-"):
+            pass
+    except OSError as e:
+        raise BadInput(f"Guard(out='{out}'): bundles cannot be written there ({e.strerror}); "
+                       "pass a directory you can write to") from None
+
+
 def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: int | None,
-                  observed: dict | None, path: Path) -> tuple[dict, dict]:
-    split_entry(entry)  # fail early on a malformed entry, before anything is written
+                  observed: dict | None, path: Path, entry_file: str | None,
+                  sources: dict[str, str], scaler_state: dict | None) -> tuple[dict, dict]:
     tensors: dict[str, dict] = {"model": {}, "optimizer": {}, "batch": {}, "rng": {}}
-    target = entry.rpartition(":")[0]
-    entry_file = entry_rel = None
-    if target.endswith(".py") and Path(target).is_file():
-        entry_file = str(Path(target).resolve())
-        entry_rel = os.path.relpath(entry_file, Path(path).resolve())
-    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in task.model.parameters()})
+    entry_rel = os.path.relpath(entry_file, Path(path).resolve()) if entry_file else None
+    model = task.model
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    meta = encode_model(model, tensors["model"])
+    meta["training"] = {n: m.training for n, m in model.named_modules()}
+    meta["frozen"] = [n for n, p in model.named_parameters() if not p.requires_grad]
     manifest = {
         "entry": entry, "entry_file": entry_file, "entry_file_from_bundle": entry_rel,
         "step": step, "world_size": rank_info().world_size, "rank": rank_info().rank,
-        "devices": {"captured_on": _device_of(task.model), "accelerators": accelerator_types()},
+        "devices": {"captured_on": _device_of(model), "accelerators": accelerator_types()},
         "dtypes": dtypes,
         "observed": observed,
-        "model": encode_model(task.model, tensors["model"]),
+        "task": task.describe(),
+        "grad_scaler": scaler_state,
+        "code": {"entry_file": entry_file, "sources": sources},
+        "model": meta,
         "optimizer": (encode_optimizer(task.optimizer, tensors["optimizer"])
                       if task.optimizer is not None else None),
         "batch": encode(batch, "batch", tensors["batch"]),
         "rng": rng.encode(tensors["rng"]),
     }
     return manifest, tensors
+
+
+def _scaler_state(task: Task) -> dict | None:
+    """The scaler's state (scale, growth tracker, factors) as the bundle stores it."""
+    s = task.grad_scaler
+    if s is None:
+        return None
+    d = s.state_dict()    # the scale is read back once, here, at capture
+    return {k: (float(v) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
+           entry_file: str | None, step: int | None, observed: dict | None,
+           sources: dict[str, str], scaler_state: dict | None) -> Path:
+    """Write the bundle (every rank its part, under torch.distributed)."""
+    def part(p: Path) -> None:
+        manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
+                                          observed=observed, path=p, entry_file=entry_file,
+                                          sources=sources, scaler_state=scaler_state)
+        write_bundle(p, manifest, tensors)
+
+    if rank_info().distributed:
+        return write_all_ranks(path, part, {"entry": entry, "step": step})
+    part(path)
+    return path
 
 
 def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int | None = None
@@ -64,24 +165,17 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
     every rank: each writes its part of one bundle.
 
     >>> import tempfile
-    >>> model = torch.nn.Linear(2, 1)
-    >>> task = Task(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum())
-    >>> path = capture(task, torch.ones(3, 2), Path(tempfile.mkdtemp()) / "step1",
-    ...                entry="train.py:make_task", step=1)
+    >>> from nanbisect.task import import_target
+    >>> tasks = import_target("fixtures/tasks/healthy.py")
+    >>> path = capture(tasks.task(), next(tasks.batches()), Path(tempfile.mkdtemp()) / "step1",
+    ...                entry="fixtures/tasks/healthy.py:task", step=1)
     >>> (path / "manifest.json").is_file()
     True
     """
-    path = Path(path)
-    rng = RngState.get(accelerator_types())
-    if rank_info().distributed:  # every rank writes its part of one bundle
-        def part(p: Path) -> None:
-            manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
-                                              observed=None, path=p)
-            write_bundle(p, manifest, tensors)
-        return write_all_ranks(path, part, {"entry": entry, "step": step})
-    manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step, observed=None,
-                                      path=path)
-    return write_bundle(path, manifest, tensors)
+    entry_file = resolve_entry_file(entry)
+    return _write(task, batch, RngState.get(accelerator_types()), Path(path), entry=entry,
+                  entry_file=entry_file, step=step, observed=None,
+                  sources=user_sources(entry_file), scaler_state=_scaler_state(task))
 
 
 class _Snapshot:
@@ -93,7 +187,8 @@ class _Snapshot:
         self._opt_state: dict = {}
         self._groups: list[dict] = []
 
-    def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None) -> None:
+    def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
+             scaler=None) -> None:
         live = [local(p.data) for p in model.parameters()] + [local(b) for b in model.buffers()]
         self._opt_state = {}
         if opt is not None:
@@ -101,6 +196,8 @@ class _Snapshot:
                 self._opt_state[p] = {k: v for k, v in st.items()}
                 live += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
             self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        if scaler is not None and getattr(scaler, "_scale", None) is not None:
+            live += [scaler._scale, scaler._growth_tracker]   # two 1-element tensors
         if [t.shape for t in live] != [t.shape for t in self._copies] or any(
                 a.dtype != b.dtype or a.device != b.device for a, b in zip(live, self._copies)):
             self._copies = [torch.empty_like(t) for t in live]
@@ -124,10 +221,13 @@ class _Snapshot:
 
 @dataclass
 class StepWatch:
-    """Handle yielded by `Guard.watch`; set ``loss`` so the guard can check and record it."""
+    """Handle yielded by `Guard.watch`; set ``loss`` so the guard can check and record it.
+    ``batch`` is what the bundle stores as the step's batch (the one given to ``watch``; a loop
+    that learns its micro-batches as it goes may set it before the block ends)."""
 
     loss: torch.Tensor | None = None
     value: float | None = None
+    batch: Any = None
 
 
 def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -155,82 +255,131 @@ def _kind(x: float) -> str:
     return "nan" if x != x else ("inf" if abs(x) == float("inf") else "finite")
 
 
+def _listed(names: dict) -> dict:
+    """Names per kind, at most `LISTED` each, with the full counts."""
+    return {**{k: v[:LISTED] for k, v in names.items()},
+            **{f"{k}_count": len(v) for k, v in names.items()}}
+
+
 class Guard:
     """Run training steps and freeze the first non-finite one into a bundle.
 
     >>> import tempfile
-    >>> model = torch.nn.Linear(2, 1)
-    >>> _ = torch.nn.init.ones_(model.weight), torch.nn.init.zeros_(model.bias)
-    >>> task = Task(model, torch.optim.SGD(model.parameters(), lr=0.1),
-    ...             lambda m, b: m(b).log().sum())      # log of a negative output: NaN
-    >>> guard = Guard(task, entry="train.py:make_task", out=tempfile.mkdtemp())
+    >>> from nanbisect.task import import_target
+    >>> adam_eps0 = import_target("fixtures/tasks/optimizer_adam_eps0.py")
+    >>> guard = Guard(adam_eps0.task(), entry="fixtures/tasks/optimizer_adam_eps0.py:task",
+    ...               out=tempfile.mkdtemp())
     >>> try:
-    ...     for batch in [torch.ones(3, 2), -torch.ones(3, 2), torch.ones(3, 2)]:
+    ...     for batch in adam_eps0.batches():
     ...         loss = guard.step(batch)
     ... except NonFiniteStep as e:
     ...     print(e.bundle.name, e.observed["first"])
-    step000001 loss
+    step000000 param
     """
 
-    def __init__(self, task: Task, *, entry: str, out: str | Path, start_step: int = 0) -> None:
-        split_entry(entry)
+    def __init__(self, task: Task, *, entry: str, out: str | Path, start_step: int = 0,
+                 max_scaler_skips: int = 10) -> None:
+        if not isinstance(task, Task):
+            raise BadInput(f"Guard: got a {type(task).__name__}, not a nanbisect.Task; pass "
+                           "Task(model=..., optimizer=..., loss_fn=...)")
+        self._entry_file = resolve_entry_file(entry)
         self.task, self.entry, self.out = task, entry, Path(out)
+        _check_out(self.out)
+        if max_scaler_skips < 1:
+            raise BadInput(f"Guard(max_scaler_skips={max_scaler_skips}): give a count >= 1")
+        self.max_scaler_skips = max_scaler_skips
         self.step_index = start_step
+        self.scaler_skips = 0               # steps in a row the scaler skipped
         self._accel = accelerator_types()
         self._snapshot = _Snapshot()
         self._rank = rank_info()
+        self._sources = user_sources(self._entry_file)   # the code as training started
 
     def step(self, batch: Any) -> float:
-        """zero_grad, forward via ``loss_fn``, backward, optimizer step; return the loss."""
+        """Run the Task's step (micro-batches, scaler, clipping, optimizer); return its loss
+        (unscaled: the mean over micro-batches)."""
         task = self.task
-        with self.watch(batch) as w:
-            if task.optimizer is not None:
-                task.optimizer.zero_grad(set_to_none=True)
-            w.loss = task.loss_fn(task.model, batch)
-            w.loss.backward()
-            if task.optimizer is not None:
-                task.optimizer.step()
-        return w.value
+        rng = self._begin()
+        if task.optimizer is not None:
+            task.optimizer.zero_grad(set_to_none=True)
+        last = None
+        for last in run_step(task, batch):
+            pass
+        self._end(batch, rng, last.total if last is not None else None,
+                  grad_norm=last.grad_norm, skipped=last.skipped)
+        return self._value
 
     @contextmanager
     def watch(self, batch: Any) -> Iterator[StepWatch]:
         """Guard a step that your own loop runs (forward, backward, optimizer step inside).
 
+        The bundle replays through the Task (its loss_fn, scaler, clipping and accumulation),
+        not through your loop: a loop that does more than the Task describes replays as
+        ``replay-mismatch``.
+
+        >>> import tempfile
         >>> model = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> guard = Guard(Task(model, opt, lambda m, b: m(b).sum()), entry="train.py:task",
-        ...               out="unused-while-finite")
+        >>> guard = Guard(Task(model, opt, lambda m, b: m(b).sum()),
+        ...               entry="fixtures/tasks/healthy.py:task", out=tempfile.mkdtemp())
         >>> with guard.watch(torch.ones(3, 2)) as w:
         ...     opt.zero_grad(); w.loss = model(torch.ones(3, 2)).sum(); w.loss.backward()
         ...     opt.step()
         >>> isinstance(w.value, float)
         True
         """
-        rng = RngState.get(self._accel)
-        self._snapshot.take(self.task.model, self.task.optimizer)
-        w = StepWatch()
+        rng = self._begin()
+        w = StepWatch(batch=batch)
         yield w
+        self._value = None
+        try:
+            self._end(w.batch, rng, w.loss)
+        finally:
+            w.value = self._value
+
+    # -- the step's two halves -----------------------------------------------------------
+    def _begin(self) -> RngState:
+        rng = RngState.get(self._accel)
+        scaler = self.task.grad_scaler
+        self._scaler_fresh = scaler is not None and getattr(scaler, "_scale", 0) is None
+        self._snapshot.take(self.task.model, self.task.optimizer, scaler)
+        return rng
+
+    def _end(self, batch: Any, rng: RngState, loss: torch.Tensor | None,
+             grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None) -> None:
         params = [local(p.data) for p in self.task.model.parameters()]
         dev = params[0].device if params else torch.device("cpu")
-        loss = (local(w.loss).detach().float().reshape(-1).sum().to(dev) if w.loss is not None
-                else torch.zeros((), device=dev))
+        loss_t = (local(loss).detach().float().reshape(-1).sum().to(dev) if loss is not None
+                  else torch.zeros((), device=dev))
+        extra = [t.detach().float().reshape(()).to(dev) for t in (grad_norm, skipped)
+                 if t is not None]
         # NB: gradients are not screened: a non-finite gradient reaches the parameters through
-        # any update with lr > 0, and a loop whose GradScaler skips inf gradients must not trip.
+        # any update with lr > 0, and a step the GradScaler skips must not trip the guard.
         # The one host synchronisation of a healthy step (under torch.distributed, after one
         # all-reduce of a one-element flag, so that all ranks agree on a failure):
-        vals = torch.stack([loss, _screen(params, dev)])
+        vals = torch.stack([loss_t, _screen(params, dev), *extra])
+        stall_next = self.scaler_skips + 1 >= self.max_scaler_skips
         if self._rank.distributed:
-            flag = (~torch.isfinite(vals)).any().float().reshape(1)
-            flag = any_rank(flag.cpu() if self._rank.backend == "gloo" else flag)
+            flag = (~torch.isfinite(vals[:2])).any()
+            if skipped is not None and stall_next:
+                flag = flag | (skipped.reshape(()).to(dev) > 0)
+            flag = any_rank(flag.float().reshape(1).cpu() if self._rank.backend == "gloo"
+                            else flag.float().reshape(1))
             vals = torch.cat([vals, flag.to(dev)])
-        loss_v, param_v, *flag_v = vals.tolist()
-        w.value = loss_v
-        tripped = flag_v[0] > 0 if flag_v else not (_kind(param_v) == "finite" and
-                                                    _kind(loss_v) == "finite")
+        got = vals.tolist()
+        loss_v, param_v = got[0], got[1]
+        norm_v = got[2] if grad_norm is not None else None
+        skip_v = got[2 + (grad_norm is not None)] if skipped is not None else None
+        self._value = loss_v if loss is not None else None
+        if skip_v is not None:
+            self.scaler_skips = self.scaler_skips + 1 if skip_v > 0 else 0
+        stalled = self.scaler_skips >= self.max_scaler_skips
+        tripped = (got[-1] > 0 if self._rank.distributed else
+                   _kind(param_v) != "finite" or _kind(loss_v) != "finite" or stalled)
         if not tripped:
             self.step_index += 1
             return
-        observed = self._observe(loss_v if w.loss is not None else None)
+        observed = self._observe(loss_v if loss is not None else None, norm_v, stalled)
         if self._rank.distributed:  # does any rank confirm it with the exact check?
             confirmed = any_rank(torch.tensor([float(observed is not None)]))
             if confirmed.item() == 0:
@@ -242,40 +391,47 @@ class Guard:
             self.step_index += 1
             return
         self._snapshot.restore(self.task.optimizer)
+        scaler = self.task.grad_scaler
+        if self._scaler_fresh and getattr(scaler, "_scale", None) is not None:
+            scaler._scale.fill_(getattr(scaler, "_init_scale", 1.0))   # as before its first step
+            scaler._growth_tracker.zero_()
+            self._scaler_fresh = False
         path = self._free_path()
         if self._rank.distributed:
             path = Path(broadcast_str(str(path)))
             observed["rank"] = self._rank.rank
-
-            def part(p: Path) -> None:
-                manifest, tensors = _bundle_parts(self.task, batch, rng, entry=self.entry,
-                                                  step=self.step_index, observed=observed,
-                                                  path=p)
-                write_bundle(p, manifest, tensors)
-
-            write_all_ranks(path, part, {"entry": self.entry, "step": self.step_index})
-        else:
-            manifest, tensors = _bundle_parts(self.task, batch, rng, entry=self.entry,
-                                              step=self.step_index, observed=observed, path=path)
-            write_bundle(path, manifest, tensors)
+        sources = {**self._sources, **user_sources(self._entry_file)}
+        path = _write(self.task, batch, rng, path, entry=self.entry, entry_file=self._entry_file,
+                      step=self.step_index, observed=observed, sources=sources,
+                      scaler_state=_scaler_state(self.task))
         raise NonFiniteStep(path, observed)
 
-    def _observe(self, loss: float | None) -> dict | None:
+    def _observe(self, loss: float | None, grad_norm: float | None,
+                 stalled: bool = False) -> dict | None:
         named = list(self.task.model.named_parameters())
         grads = _bad_names([(n, p.grad) for n, p in named if p.grad is not None])
         params = _bad_names([(n, p.data) for n, p in named])
         loss_kind = _kind(loss) if loss is not None else "unknown"
-        if loss_kind not in ("nan", "inf") and not any(params.values()):
+        if loss_kind not in ("nan", "inf") and not any(params.values()) and not stalled:
             return None  # only loss and parameters decide; gradients say where it came from
+        grads_kind = "nan" if grads["nan"] else "inf" if grads["inf"] else "finite"
+        if grad_norm is not None and _kind(grad_norm) != "finite":
+            # clipping multiplied the gradients by max_norm / norm: an inf gradient became NaN.
+            # The norm before clipping has the kind the gradients had after backward.
+            grads_kind = _kind(grad_norm)
         first = ("loss" if loss_kind in ("nan", "inf") else
-                 "grad" if any(grads.values()) else "param")
-        summary = {"loss": loss_kind,
-                   "grads": "nan" if grads["nan"] else "inf" if grads["inf"] else "finite",
+                 "grad" if grads_kind != "finite" else "scaler" if stalled else "param")
+        summary = {"loss": loss_kind, "grads": grads_kind,
                    "params": "nan" if params["nan"] else "inf" if params["inf"] else "finite"}
-        return {"step": self.step_index, "first": first, "loss": loss if loss_kind != "nan" and
-                loss_kind != "inf" else loss_kind, "summary": summary,
-                "nonfinite_grads": {k: v[:20] for k, v in grads.items()},
-                "nonfinite_params": {k: v[:20] for k, v in params.items()}}
+        out = {"step": self.step_index, "first": first,
+               "loss": loss if loss_kind not in ("nan", "inf") else loss_kind,
+               "summary": summary, "nonfinite_grads": _listed(grads),
+               "nonfinite_params": _listed(params)}
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm if _kind(grad_norm) == "finite" else _kind(grad_norm)
+        if stalled:
+            out["scaler_skips"] = self.scaler_skips
+        return out
 
     def _free_path(self) -> Path:
         base = self.out / f"step{self.step_index:06d}"

@@ -27,13 +27,16 @@ from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_parameter,
                                         forward_producer, make_culprit, timeline)
 from nanbisect.multirank.launcher import run_multirank
-from nanbisect.records import (CallId, Caught, Culprit, Divergence, Losses, ModuleRepro,
-                               OpCheck, OpRecording, RunFacts, StepOutcome, json_number)
+from nanbisect.records import (CallId, Caught, Culprit, Divergence, Fidelity, Losses,
+                               ModuleRepro, OpCheck, OpRecording, RunFacts, StepOutcome,
+                               json_number)
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.differential import (RandomReplay, RandomTape, ReferenceKernels,
                                               StepState, diverging_call, first_divergence,
                                               isolate_window, step_state)
 from nanbisect.reference.opcheck import check_op, move, resolve
+from nanbisect.replay.fidelity import check as fidelity_check
+from nanbisect.replay.fidelity import match_threads
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.recorder import tensor_args, written_tensors
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
@@ -121,8 +124,10 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     ref = None if reference == "none" else parse_device(reference)
     wrap = load_inject(opts.inject) if opts.inject else nullcontext
 
+    notes = [n for n in [match_threads(bundle, t_dev)] if n]
     progress("build", "building the task")
     rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
+    notes += rep.notes
     probe = ModuleProbe(rep.task.model)
     tape = RandomTape()
 
@@ -136,8 +141,12 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     losses = Losses(original, json_number(first.loss), None,
                     first.loss == original if isinstance(original, float)
                     and first.loss is not None else None)
+    captured = torch.device(str((m.get("devices") or {}).get("captured_on", "cpu")))
+    fidelity = fidelity_check(bundle, rep.entry, original, first.loss,
+                              same_setup=captured.type == t_dev.type and t_dtype is None)
+    notes += _fidelity_notes(fidelity)
 
-    side, notes = None, []
+    side = None
     if ref is not None and first.phase != "input":
         registry.load_plugins()
         progress("reference", f"replaying the step on the reference ({reference})")
@@ -146,7 +155,8 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
         if side is not None:
             losses = replace(losses, reference=json_number(side.outcome.loss))
 
-    facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses)
+    facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
+                     fidelity)
     run = _Run(rep, probe, wrap, opts, facts, progress, notes)
     with staged(out) as tmp:
         report = _decide(run, first, side, ref, tmp)
@@ -164,19 +174,91 @@ def _decide(run: _Run, first: StepOutcome, side: "_Reference | None", ref, tmp: 
     if divergence is not None:
         run.progress("isolate", "isolating the target's ops on the reference")
         return _divergence_report(run, side, divergence, tmp)
+    fid = facts.fidelity
     if first.phase is None:
         if observed:
-            return Report("not-reproduced", "transient", None, None, None, facts, notes=[
-                "the manifest records a non-finite step, but the replay from the same state, "
-                "RNG and batch was finite: suspect a transient (hardware, race, unsynchronised "
-                "communication) or state the bundle does not hold", *run.notes])
-        return Report("clean", None, None, None, None, facts, notes=run.notes)
+            return _not_reproduced(run)
+        return Report("clean", "replay-mismatch" if fid and fid.mismatch else None, None, None,
+                      None, facts, notes=run.notes)
     if first.phase == "input":
         return Report("input-nonfinite", "data", "input", first.kind, None, facts,
                       input_nonfinite=first.bad)
-    classification = ("unknown" if side is None else
-                      "numerics" if side.outcome.phase is not None else "device")
-    return _culprit_report(run, first, classification, ref, tmp)
+    return _culprit_report(run, first, side, ref, tmp)
+
+
+def _fidelity_notes(f: Fidelity) -> list[str]:
+    notes = []
+    if f.code_changed:
+        notes.append("the code differs from the capture's: " + ", ".join(f.code_changed)
+                     + "; the replay runs today's code")
+    if f.code_missing:
+        notes.append("source files the capture ran are not here, so the code cannot be "
+                     "compared: " + ", ".join(f.code_missing[:5])
+                     + (f" and {len(f.code_missing) - 5} more" if len(f.code_missing) > 5 else ""))
+    if f.environment_changed:
+        notes.append("the environment differs from the capture's: "
+                     + "; ".join(f.environment_changed))
+    if f.mismatch:
+        notes.append("the replay does not compute the captured step: on the capture device and "
+                     "dtype its loss differs from the captured one (bit_exact false); likely "
+                     f"causes: {f.causes()}")
+    return notes
+
+
+def _not_reproduced(run: _Run) -> Report:
+    """The recorded failure did not come back: say why that is, as far as the evidence goes."""
+    f, facts = run.facts.fidelity, run.facts
+    if f is not None and f.code_changed:
+        classification, why = "code-changed", (
+            "the replay ran different code from the capture's (listed above): the edit, not the "
+            "hardware, is the first suspect; replay with the captured code to tell")
+    elif f is not None and f.mismatch:
+        classification, why = "replay-mismatch", (
+            "the replay does not compute the captured step, so it cannot tell whether the "
+            "failure would come back; make the Task describe the loop")
+    elif f is not None and f.faithful is None and not f.same_setup:
+        classification, why = "unknown", (
+            f"the replay ran on {facts.target}, not on the capture device: a fault of that "
+            "device or its kernels would not show here; replay on the capture device")
+    elif f is not None and f.code_missing:
+        classification, why = "unknown", (
+            "source files of the capture are missing here (listed above), so the replay may not "
+            "run the captured code; replay where the training code is")
+    else:
+        classification, why = "transient", (
+            "the replay ran the captured code from the same state, RNG and batch"
+            + (", with the captured loss bit for bit," if f is not None and f.faithful else "")
+            + " and was finite: suspect a transient (hardware, race, unsynchronised "
+            "communication)")
+    return Report("not-reproduced", classification, None, None, None, facts,
+                  notes=[f"the manifest records a non-finite step, but {why}", *run.notes])
+
+
+def _classify(side: "_Reference | None", op_check: OpCheck | None) -> tuple[str, str | None]:
+    """The classification of a NaN/inf culprit and, when it needs one, why.
+
+    ``device`` only when the op, given the same inputs at the same dtype, is wrong on the target
+    and right on the reference (`op_check`); a whole-step reference that stays finite is not
+    enough (a float64 reference does not overflow where float32 does)."""
+    if side is None:
+        return "unknown", None
+    if side.outcome.phase is not None:
+        return "numerics", ("the reference fails too: the failure follows from the arithmetic, "
+                            "not from the target device")
+    if op_check is None or op_check.status in ("uncomparable", "skipped"):
+        return "unknown", ("the reference step stays finite, but the culprit op could not be "
+                           "re-run on the reference from the same inputs, so the device is not "
+                           "proven at fault")
+    if op_check.status == "mismatch":
+        return "device", None
+    if side.dtype is not None and side.dtype != side.dtype_target:
+        return "numerics", (f"given the same inputs at {str(side.dtype_target)[6:]}, the "
+                            f"reference computes the same non-finite result: the "
+                            f"{str(side.dtype)[6:]} reference avoided it by its wider dtype, "
+                            "not by a correct kernel")
+    return "unknown", ("the culprit op computes the same on the reference from the same inputs, "
+                       "yet the reference step stays finite: the op's inputs already differed "
+                       "(an earlier divergence); replay without NaN to find it")
 
 
 @dataclass
@@ -230,7 +312,7 @@ def _divergence_report(run: _Run, side: "_Reference", div: Divergence, tmp: Path
         call = diverging_call(run.probe.read(), side.probe.read(), phase, side.dtype_target)
     finding, check, checked, uncomparable = _guarded(
         lambda: isolate_window(rep, phase, call.call if call is not None else None, side.device,
-                               side.dtype, run.wrap),
+                               run.wrap),
         "isolating the target's ops on the reference")
     notes = [f"target and reference diverge first at {div.what}: "
              + div.comparison.message().replace("\n", "; ")]
@@ -253,12 +335,15 @@ def _divergence_report(run: _Run, side: "_Reference", div: Divergence, tmp: Path
                            source=caught.source if caught else None)
     if caught is not None:
         repro, result = _write_repro(run, caught, culprit, "mismatch", tmp)
-    return Report("culprit", "device", phase, "mismatch", culprit, run.facts, notes=notes,
+    classification = "device" if check is not None else "unknown"
+    if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
+        classification = "replay-mismatch"
+    return Report("culprit", classification, phase, "mismatch", culprit, run.facts, notes=notes,
                   repro=repro, timeline=timeline(run.probe.read(), phase), repro_result=result,
                   divergence=div, op_check=check, uncomparable=uncomparable)
 
 
-def _culprit_report(run: _Run, first: StepOutcome, classification: str, ref,
+def _culprit_report(run: _Run, first: StepOutcome, side: "_Reference | None", ref,
                     tmp: Path) -> Report:
     rep, opts, target = run.rep, run.opts, run.facts.target
     model, phase, kind = rep.task.model, first.phase, first.kind or "nan"
@@ -291,9 +376,9 @@ def _culprit_report(run: _Run, first: StepOutcome, classification: str, ref,
                          "step is not deterministic); no repro was written")
     trace = backtrace(table, call, phase, kind) if call is not None and phase != "optimizer" \
         else []
-    culprit = make_culprit(model, phase, finding=finding, call=call,
-                           parameter=parameter if finding is None else None,
-                           source=caught.source if caught else None)
+    culprit = make_culprit(model, phase, finding=finding, call=call, parameter=parameter,
+                           source=caught.source if caught else None,
+                           micro_batch=first.micro_batch)
 
     repro = repro_result = op_check = module_repro = None
     if caught is not None:
@@ -321,6 +406,13 @@ def _culprit_report(run: _Run, first: StepOutcome, classification: str, ref,
             if op_check.status == "uncomparable":
                 notes.append(f"{caught.op} cannot run on the reference ({op_check.detail})"
                              "; it is reported as uncomparable, not as correct")
+    classification, why = _classify(side, op_check)
+    if why:
+        notes.append(why)
+    if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
+        classification = "replay-mismatch"
+        notes.append("the culprit above is where the replay failed; the replay does not compute "
+                     "the captured step, so it may not be where the training run failed")
     return Report(
         "culprit", classification, phase, kind, culprit, run.facts, backtrace=trace,
         timeline=timeline(table, phase), notes=notes, repro=repro, repro_result=repro_result,
@@ -353,4 +445,4 @@ def _check_caught(caught: Caught, index: int, rep: Replayer, ref: tuple, wrap) -
         out = resolve(caught.op)(*args, **kwargs)
     returned, mutated = written_tensors(resolve(caught.op), out, tuple(args), kwargs)
     target_out = [t.detach().cpu() for t, _ in tensor_args(returned + mutated)]
-    return check_op(caught.op, index, caught.args, caught.kwargs, target_out, ref[0], ref[1])
+    return check_op(caught.op, index, caught.args, caught.kwargs, target_out, ref[0])

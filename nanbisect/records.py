@@ -91,6 +91,7 @@ class StepOutcome:
     # detached: it names the loss value (and its storage, for provenance) without keeping the
     # step's autograd graph, and every activation it holds, alive after the run
     loss_tensor: "torch.Tensor | None" = field(default=None, repr=False, compare=False)
+    micro_batch: int | None = None    # the micro-batch where it failed (or stopped)
 
     @property
     def kind(self) -> str | None:
@@ -114,7 +115,8 @@ class Culprit:
     op: str | None = None
     op_index: int | None = None
     rank: int = 0
-    parameter: str | None = None
+    parameter: str | None = None      # the parameter whose gradient or update went bad
+    micro_batch: int | None = None    # which micro-batch of the step (Task.accumulate)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -201,6 +203,7 @@ class OpFinding:
     total_ops: int = 0
     recorded: int = 0             # ops recorded (all of the phase, or only the scoped call's)
     scope: CallId | None = None   # the module call recording started at
+    micro_batch: int = 0          # the micro-batch the op ran in (Task.accumulate)
 
     @property
     def op(self) -> str:
@@ -386,6 +389,52 @@ class Losses:
 
 
 @dataclass(frozen=True)
+class Fidelity:
+    """Whether the replay computes the captured step (see `nanbisect.replay.fidelity`)."""
+
+    code_changed: list[str]          # user source files that differ from the capture's
+    environment_changed: list[str]   # versions/settings that differ, e.g. "torch 2.4 at ..."
+    same_setup: bool                 # replayed on the capture device at the capture dtype
+    bit_exact: bool | None           # the loss equals the captured one (None: not decidable)
+    code_missing: list[str] = field(default_factory=list)   # recorded files not found now
+
+    @property
+    def mismatch(self) -> bool:
+        """The replay does not compute the captured step: same device and dtype, other loss."""
+        return self.same_setup and self.bit_exact is False
+
+    def causes(self) -> str:
+        """The likely reasons for a mismatch, most likely first."""
+        out = []
+        if self.code_changed:
+            out.append("the code changed since the capture: " + ", ".join(self.code_changed[:5])
+                       + (f" and {len(self.code_changed) - 5} more"
+                          if len(self.code_changed) > 5 else ""))
+        if self.environment_changed:
+            out.append("the environment changed: " + "; ".join(self.environment_changed))
+        out += ["the training loop does something the Task does not describe (its own loss "
+                "scaling, an extra forward, a hook, clipping or accumulation not given to Task)",
+                "autocast (or another mode) entered outside loss_fn, so the replay runs at "
+                "another precision",
+                "state outside the model, optimizer and RNG (a global, a data-dependent "
+                "schedule)"]
+        return "; ".join(out)
+
+    @property
+    def faithful(self) -> bool | None:
+        """True: same code and a bit-exact loss; False: other code or another loss; None: the
+        loss cannot tell (not finite at capture, or replayed elsewhere) and the code is the same."""
+        if self.code_changed or self.mismatch:
+            return False
+        return True if self.bit_exact and not self.code_missing else None
+
+    def to_json(self) -> dict:
+        return {"faithful": self.faithful, "code_changed": list(self.code_changed),
+                "code_missing": list(self.code_missing),
+                "environment_changed": list(self.environment_changed)}
+
+
+@dataclass(frozen=True)
 class RunFacts:
     """What every report of one run states, whatever the verdict."""
 
@@ -395,6 +444,7 @@ class RunFacts:
     reference: str
     observed: Any                    # the manifest's `observed` (one rank's, or rank -> its)
     losses: Losses
+    fidelity: Fidelity | None = None
 
 
 # ------------------------------------------------------------------------------------------

@@ -23,9 +23,14 @@ from nanbisect.errors import BadInput
 
 @dataclass
 class Task:
-    """What one training step needs.
+    """What one training step is: the whole of it, so that a replay computes what the loop did.
 
-    ``loss_fn(model, batch)`` returns a scalar loss tensor; the model is built on CPU.
+    ``loss_fn(model, batch)`` returns a scalar loss tensor (put autocast inside it); the model is
+    built on CPU. The step (`nanbisect.step.run_step`) is the AMP recipe: per micro-batch,
+    forward and backward of the loss divided by ``accumulate`` (scaled by ``grad_scaler``); then
+    ``unscale_``, ``clip_grad_norm_`` of the model's parameters to ``clip_grad_norm``, and the
+    optimizer step (through the scaler, which skips steps whose gradients are not finite).
+    With ``accumulate=K`` a step's batch is a list of K micro-batches.
 
     >>> task = Task(model=torch.nn.Linear(2, 1), optimizer=None, loss_fn=lambda m, b: m(b).sum())
     >>> task.loss_fn(task.model, torch.ones(3, 2)).shape
@@ -35,6 +40,43 @@ class Task:
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
     loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    grad_scaler: Any = None              # torch.amp.GradScaler (or torch.cuda.amp's)
+    clip_grad_norm: float | None = None  # max norm for torch.nn.utils.clip_grad_norm_
+    accumulate: int = 1                  # micro-batches per optimizer step
+    # extensions (README): loss_fn already averages over the whole accumulated batch, so each
+    # micro-batch's loss is not divided by `accumulate` (HF Trainer with num_items_in_batch)
+    loss_normalized: bool = False
+    # forward under torch.autocast at this dtype ("bfloat16", "float16"), as a precision plugin
+    # does around loss_fn; None: loss_fn handles precision itself
+    autocast: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) \
+                or self.accumulate < 1:
+            raise ValueError(f"Task(accumulate={self.accumulate!r}): give the number of "
+                             "micro-batches per optimizer step, an int >= 1")
+        if self.clip_grad_norm is not None and not (
+                isinstance(self.clip_grad_norm, (int, float)) and self.clip_grad_norm > 0):
+            raise ValueError(f"Task(clip_grad_norm={self.clip_grad_norm!r}): give the max norm, "
+                             "a number > 0, or None")
+        if self.grad_scaler is not None and not all(
+                hasattr(self.grad_scaler, a) for a in ("scale", "unscale_", "step", "update")):
+            raise ValueError(f"Task(grad_scaler=...) got a {type(self.grad_scaler).__name__}; "
+                             "pass a torch.amp.GradScaler")
+        if self.grad_scaler is not None and self.optimizer is None:
+            raise ValueError("Task(grad_scaler=...) needs an optimizer to step")
+        if self.autocast is not None and not isinstance(getattr(torch, str(self.autocast), None),
+                                                        torch.dtype):
+            raise ValueError(f"Task(autocast={self.autocast!r}): give a dtype name such as "
+                             "'bfloat16' or 'float16', or None")
+
+    def describe(self) -> dict:
+        """The step's shape as the bundle records it (JSON); a replay applies it to the entry's
+        Task (an integration fills it from the trainer's settings, which the entry cannot know).
+        """
+        return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm,
+                "grad_scaler": self.grad_scaler is not None,
+                "loss_normalized": self.loss_normalized, "autocast": self.autocast}
 
 
 def split_entry(entry: str) -> tuple[str, str]:
@@ -88,11 +130,11 @@ def import_target(target: str, search: list[Path] = ()) -> Any:
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:
-        raise BadInput(f"entry module '{target}' cannot be imported ({e}); install it or add its "
-                       "directory to PYTHONPATH") from None
+        raise BadInput(f"entry module '{target}' cannot be imported ({e}); install it, add its "
+                       "directory to PYTHONPATH, or pass --entry") from None
     except BaseException as e:
         raise BadInput(f"entry module '{target}' failed to import: {type(e).__name__}: {e}"
-                       f"{_user_frame(e)}; fix that module") from None
+                       f"{_user_frame(e)}; fix that module or pass --entry") from None
 
 
 def load_task(entry: str, search: list[Path] = ()) -> Task:
@@ -105,19 +147,19 @@ def load_task(entry: str, search: list[Path] = ()) -> Task:
     module = import_target(target, list(search))
     fn = getattr(module, func, None)
     if not callable(fn):
-        raise BadInput(f"entry '{entry}': '{func}' is not a function in {target}; name the "
-                       "function that returns nanbisect.Task")
+        raise BadInput(f"entry '{entry}': '{func}' is not a function in {target}; pass --entry "
+                       "naming the function that returns nanbisect.Task")
     try:
         task = fn()
     except BaseException as e:
         raise BadInput(f"entry '{entry}' raised {type(e).__name__}: {e}{_user_frame(e)}; fix the "
-                       "entry function") from None
+                       "entry function or pass --entry") from None
     if not isinstance(task, Task):
         raise BadInput(f"entry '{entry}' returned {type(task).__name__}, not nanbisect.Task; "
-                       "return Task(model=..., optimizer=..., loss_fn=...)")
+                       "return Task(model=..., optimizer=..., loss_fn=...) or pass --entry")
     if not isinstance(task.model, torch.nn.Module) or not callable(task.loss_fn):
         raise BadInput(f"entry '{entry}': Task.model must be an nn.Module and Task.loss_fn "
-                       "callable; fix the entry function")
+                       "callable; fix the entry function or pass --entry")
     return task
 
 

@@ -14,7 +14,8 @@ screen waits on the device, which cost differently), a figure for other model si
 optimizers (snapshot cost scales with parameters plus optimizer state, the step with FLOPs), nor
 the cost of a failing step (which writes a bundle). Medians are the headline; means show outliers.
 
-    python scripts/bench_guard.py [--steps 30] [--batch 8] [--seq 256] [--json out.json]
+    python scripts/bench_guard.py [--steps 30] [--batch 8] [--seq 256] [--scaler] [--clip 1.0]
+                                  [--json out.json]
 """
 from __future__ import annotations
 
@@ -46,7 +47,9 @@ def make_task(cfg: dict = CONFIG) -> nanbisect.Task:
     model = tinygpt.TinyGPT([torch.nn.GELU() for _ in range(cfg["n_layers"])],
                             vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    return nanbisect.Task(model=model, optimizer=opt, loss_fn=tinygpt.lm_loss)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if cfg.get("scaler") else None
+    return nanbisect.Task(model=model, optimizer=opt, loss_fn=tinygpt.lm_loss,
+                          grad_scaler=scaler, clip_grad_norm=cfg.get("clip"))
 
 
 def timed(fn) -> tuple[float, object]:
@@ -103,9 +106,13 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps per side")
     ap.add_argument("--batch", type=int, default=CONFIG["batch"])
     ap.add_argument("--seq", type=int, default=CONFIG["seq"], help="tokens per sequence")
+    ap.add_argument("--scaler", action="store_true",
+                    help="a GradScaler on both sides (the plain loop runs the AMP recipe)")
+    ap.add_argument("--clip", type=float, default=None, metavar="MAX",
+                    help="clip_grad_norm_ to MAX on both sides")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args()
-    cfg = dict(CONFIG, batch=args.batch, seq=args.seq)
+    cfg = dict(CONFIG, batch=args.batch, seq=args.seq, scaler=args.scaler, clip=args.clip)
 
     plain = make_task(cfg)
     guarded = make_task(cfg)  # same seed: identical weights

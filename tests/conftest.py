@@ -17,6 +17,7 @@ FIXTURES = ROOT / "fixtures" / "bundles"
 TASKS = ROOT / "fixtures" / "tasks"
 TEST_TASKS = Path(__file__).resolve().parent / "tasks"
 sys.path.insert(0, str(TASKS))   # the fixture tasks' modules (tinygpt: the GPT and plain_step)
+sys.path.insert(0, str(TEST_TASKS))   # the tests' own task modules (loops, traps, ...)
 
 
 @dataclass

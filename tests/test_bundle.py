@@ -10,6 +10,7 @@ import json
 import math
 import random
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,7 +25,7 @@ from nanbisect import BadInput, Task, capture
 from nanbisect.bundle.format import SCHEMA, read_bundle
 from nanbisect.bundle.state import RngState, decode, encode, restore_model, restore_optimizer
 
-ENTRY = "not_imported_here.py:task"  # capture only checks the entry's form, never imports it
+ENTRY = f"{Path(__file__).resolve()}:make_model"  # capture checks that it exists, never imports it
 VOCAB, DIM = 11, 6
 
 

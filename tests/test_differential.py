@@ -69,7 +69,7 @@ def test_ops_after_the_wrong_matmul_are_not_blamed(monkeypatch):
     monkeypatch.setattr(differential, "check_op", record)
     rep = Replayer(read_bundle(ROOT / "fixtures" / "bundles" / "deterministic_gpt"),
                    torch.device("cpu"))
-    isolate_window(rep, "forward", None, torch.device("cpu"), None, load_inject(MATMUL_OFF))
+    isolate_window(rep, "forward", None, torch.device("cpu"), load_inject(MATMUL_OFF))
     bad = [c for c in checks if c.status == "mismatch"]
     assert [c.op for c in bad] == ["aten.mm.default"]
     assert len([c for c in checks if c.status == "ok"]) > 50

@@ -23,7 +23,7 @@ from tinygpt import plain_step  # the plain training step the benchmarks measure
 REPO = Path(__file__).resolve().parents[1]
 HEALTHY = REPO / "fixtures" / "tasks" / "healthy.py"
 ADAM_EPS0 = REPO / "fixtures" / "tasks" / "optimizer_adam_eps0.py"
-ENTRY = "not_imported_here.py:task"  # Guard only checks the entry's form
+ENTRY = f"{Path(__file__).resolve()}:flaky_task"  # Guard checks that it exists, never imports it
 CPU = torch.device("cpu")
 
 
@@ -170,7 +170,7 @@ def test_healthy_steps_match_plain_loop_and_write_nothing(tmp_path, opt):
     # the guard leaves no trace on the training itself
     assert_tensors_identical(clone_state(guarded.model), clone_state(plain.model))
     assert_opt_state_equal(guarded.optimizer.state_dict(), plain.optimizer.state_dict())
-    assert not out.exists() or list(out.iterdir()) == []
+    assert list(out.iterdir()) == []
     assert list(tmp_path.iterdir()) in ([], [out])
 
 
@@ -184,7 +184,7 @@ def test_large_finite_values_are_not_a_failure(tmp_path):
     guard = Guard(task, entry=ENTRY, out=out)
     assert guard.step(torch.ones(3)) == 3.0
     assert guard.step_index == 1
-    assert not out.exists()
+    assert list(out.iterdir()) == []   # the directory is made (and probed) at construction
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,7 +347,7 @@ def test_watch_custom_loop(tmp_path):
             opt.step()
         assert type(w.value) is float and w.value == w.loss.item()
         assert w.value == plain_step(plain, flaky_batch(s))
-    assert not out.exists()
+    assert list(out.iterdir()) == []
     assert guard.step_index == 3
 
     pre = clone_state(model)

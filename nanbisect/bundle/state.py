@@ -169,6 +169,27 @@ def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: s
         t.copy_(saved)
 
 
+def restore_modes(model: torch.nn.Module, meta: dict, where: str) -> None:
+    """Set every module's train/eval mode and every parameter's ``requires_grad`` as captured
+    (a frozen backbone in eval mode inside a training model). Bundles written before these were
+    recorded leave the model as the entry built it."""
+    training = meta.get("training")
+    if training is not None:
+        modules = dict(model.named_modules())
+        unknown = sorted(set(training) - set(modules))[:3]
+        if unknown:
+            raise BadInput(f"{where}: the bundle records modules the entry's model lacks "
+                           f"({unknown}); replay with the code that captured it")
+        for name, mod in modules.items():
+            if name in training:
+                mod.training = bool(training[name])
+    frozen = meta.get("frozen")
+    if frozen is not None:
+        frozen = set(frozen)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in frozen)
+
+
 # --------------------------------------------------------------------------------------------
 # optimizer
 

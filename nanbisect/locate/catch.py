@@ -10,6 +10,7 @@ culprit op.
 """
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import traceback
@@ -30,10 +31,26 @@ _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nanbis
 _FRAME = re.compile(r'File "(.+)", line (\d+)')
 
 
+def _where(path: str) -> str:
+    """Whose a frame is: "own" (nanbisect), "torch", "lib" (the standard library, frozen and
+    generated code) or "user" (anything else: the user's files and installed model code)."""
+    path = os.path.abspath(path) if not path.startswith("<") else path
+    if path.startswith(_OWN_DIR):
+        return "own"
+    if path.startswith(_TORCH_DIR):
+        return "torch"
+    if path.startswith("<") or "/lib/python3" in path and "site-packages" not in path:
+        return "lib"
+    return "user"
+
+
 def _is_user(path: str) -> bool:
-    path = os.path.abspath(path)
-    return not (path.startswith(_TORCH_DIR) or path.startswith(_OWN_DIR) or path.startswith("<")
-                or "/lib/python3" in path and "site-packages" not in path)
+    return _where(path) == "user"
+
+
+# where an optimizer-phase op's own code lives (unscale_, clip_grad_norm_, the update)
+_OPTIMIZER_CODE = tuple(os.path.join(_TORCH_DIR, d) for d in ("optim", "amp",
+                                                              os.path.join("nn", "utils")))
 
 
 def _short(path: str, line: int) -> str:
@@ -53,6 +70,40 @@ def user_frame(frames: list[tuple[str, int]]) -> str | None:
     return None
 
 
+def calling_frame(frames: list[tuple[str, int]]) -> str | None:
+    """The user line that called the running op, from the stack at the op (outermost first):
+    the innermost user frame *before the stack leaves the user's code* back into nanbisect's
+    (the replay that called ``loss.backward()`` or ``optimizer.step()``). None when no user
+    code is between them (a built-in backward formula, an optimizer kernel): the frames beyond
+    are the tool's own callers (its CLI), never the op's source.
+
+    >>> T = torch.__file__
+    >>> calling_frame([("/srv/cli.py", 1), (__file__, 2), ("/srv/model.py", 3), (T, 4), (__file__, 5)])
+    '/srv/model.py:3'
+    >>> calling_frame([("/srv/cli.py", 1), (__file__, 2), (T, 3), (__file__, 4)]) is None
+    True
+    """
+    left_own = False
+    for path, line in reversed(frames):
+        where = _where(path)
+        if where == "user":
+            return _short(path, line)
+        if where == "own" and left_own:
+            return None
+        left_own = left_own or where != "own"
+    return None
+
+
+def optimizer_frame(frames: list[tuple[str, int]], extra: tuple[str, ...] = ()) -> str | None:
+    """The innermost frame in optimizer code (torch.optim, torch.amp, clip_grad, or the files in
+    ``extra``: a custom optimizer's), for an op of the optimizer phase."""
+    for path, line in reversed(frames):
+        p = os.path.abspath(path)
+        if p.startswith(_OPTIMIZER_CODE) or p in extra:
+            return _short(p, line)
+    return None
+
+
 def _clone(x):
     if isinstance(x, torch.Tensor):
         return local(x).detach().clone()   # a DTensor's shard: what the kernel ran on
@@ -67,9 +118,10 @@ class InputCatcher(TorchDispatchMode):
     replays, which shifts global indices but not the culprit's place among its own kind.
     """
 
-    def __init__(self, site: OpSite) -> None:
+    def __init__(self, site: OpSite, optimizer_files: tuple[str, ...] = ()) -> None:
         super().__init__()
         self.site = site
+        self.optimizer_files = optimizer_files
         self.phase = "forward"
         self.seen = 0
         self.caught: Caught | None = None
@@ -79,12 +131,12 @@ class InputCatcher(TorchDispatchMode):
         if (self.caught is None and self.phase == self.site.phase and func not in SKIP
                 and str(func) == self.site.op):
             if self.seen == self.site.occurrence:
-                self.caught = self._catch(func, args, kwargs)
+                self.caught = self._catch(func, args, kwargs, self.phase, self.optimizer_files)
             self.seen += 1
         return func(*args, **kwargs)
 
     @staticmethod
-    def _catch(func, args, kwargs) -> Caught:
+    def _catch(func, args, kwargs, phase: str, optimizer_files: tuple[str, ...]) -> Caught:
         rng = {"rng/cpu": torch.get_rng_state()}
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
@@ -92,7 +144,10 @@ class InputCatcher(TorchDispatchMode):
                 if mod is not None and hasattr(mod, "get_rng_state"):
                     rng[f"rng/{t.device.type}"] = mod.get_rng_state(t.device)
                 break
-        source = user_frame([(f.filename, f.lineno) for f in traceback.extract_stack()])
+        stack = [(f.filename, f.lineno) for f in traceback.extract_stack()]
+        source = calling_frame(stack)
+        if source is None and phase == "optimizer":    # the optimizer's own code
+            source = optimizer_frame(stack, optimizer_files)
         node = torch._C._current_autograd_node()
         if node is not None and source is None:  # a backward formula: where forward made it
             tb = (node.metadata or {}).get("traceback_") or []
@@ -108,7 +163,14 @@ class InputCatcher(TorchDispatchMode):
 def catch_inputs(rep: Replayer, site: OpSite,
                  wrap: Callable[[], ContextManager] = nullcontext) -> Caught | None:
     """Last pass: replay up to the culprit's phase and clone the culprit op's arguments."""
-    catcher = InputCatcher(site)
+    opt = rep.task.optimizer
+    files = ()
+    if opt is not None:
+        try:
+            files = (os.path.abspath(inspect.getsourcefile(type(opt)) or ""),)
+        except TypeError:
+            pass
+    catcher = InputCatcher(site, files)
 
     def phase(name: str) -> ContextManager:
         catcher.phase = name

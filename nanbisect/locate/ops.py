@@ -80,6 +80,9 @@ def _record(rep: Replayer, phase: str, kind: str, wrap, scope: CallId | None
                 if r is not None and r.op.pos == root.op.pos:
                     parameter = n
                     break
+    elif phase == "backward":   # the root op wrote a parameter's gradient itself
+        parameter = next((n for n, _ in names if starts.get(n) == (root.op.pos, root.output)),
+                         None)
     module, call = root.op.module, root.op.module_call
     if phase == "optimizer":
         module, call = (parameter or "").rpartition(".")[0], None
@@ -93,4 +96,4 @@ def _record(rep: Replayer, phase: str, kind: str, wrap, scope: CallId | None
                      input_shapes=[list(i.shape) for i in ins], parameter=parameter,
                      context=context(table, root), total_ops=table.total_ops,
                      inf_origin=op_ref(origin) if origin is not None else None,
-                     recorded=len(table.ops), scope=scope)
+                     recorded=len(table.ops), scope=scope, micro_batch=root.op.micro)

@@ -127,7 +127,8 @@ def timeline(table: ProbeTable, phase: str) -> list[TimelineRow]:
 
 def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | None = None,
                  call: CallStats | None = None, parameter: str | None = None,
-                 source: str | None = None, rank: int = 0) -> Culprit:
+                 source: str | None = None, rank: int = 0,
+                 micro_batch: int | None = None) -> Culprit:
     """The culprit, built once from what the passes found, most precise first: the root op
     (``finding``: its module call, dtypes and shapes), else the producing module call, else
     the parameter an optimizer step made non-finite, else only the phase. ``source`` is the
@@ -143,16 +144,17 @@ def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | Non
         return Culprit(phase=finding.phase, module=module, module_call=module_call,
                        input_dtypes=finding.input_dtypes, input_shapes=finding.input_shapes,
                        source=source, op=finding.op, op_index=finding.op_index, rank=rank,
-                       parameter=finding.parameter or parameter)
+                       parameter=finding.parameter or parameter,
+                       micro_batch=None if phase == "optimizer" else finding.micro_batch)
     if call is not None:
         return Culprit(phase=phase, module=call.call.module, module_call=call.call.call,
                        input_dtypes=call.input_dtypes, input_shapes=call.input_shapes,
                        source=source or source_of(model, call.call.module), rank=rank,
-                       parameter=parameter)
+                       parameter=parameter, micro_batch=micro_batch)
     if parameter is not None:
         p = model.get_parameter(parameter)
         return Culprit(phase=phase, module=parameter.rpartition(".")[0], module_call=None,
                        input_dtypes=[str(p.dtype).removeprefix("torch.")],
                        input_shapes=[list(p.shape)], source=source, rank=rank,
-                       parameter=parameter)
-    return Culprit(phase, "", None, [], [], source, rank=rank)
+                       parameter=parameter, micro_batch=micro_batch)
+    return Culprit(phase, "", None, [], [], source, rank=rank, micro_batch=micro_batch)

@@ -85,8 +85,7 @@ def diverging_call(target: ProbeTable, reference: ProbeTable, phase: str,
     return None
 
 
-def isolate_window(rep: Replayer, phase: str, call: CallId | None,
-                   ref_device: torch.device, ref_dtype: torch.dtype | None,
+def isolate_window(rep: Replayer, phase: str, call: CallId | None, ref_device: torch.device,
                    wrap: Callable[[], ContextManager] = nullcontext
                    ) -> tuple[OpFinding | None, OpCheck | None, int, list[OpCheck]]:
     """Record the target's ops inside ``call`` (whole ``phase`` when None), keeping their values,
@@ -104,7 +103,7 @@ def isolate_window(rep: Replayer, phase: str, call: CallId | None,
     for pos in sorted(rec.kept):
         args, kwargs, outs = rec.kept[pos]
         op = table.ops[pos]
-        check = check_op(op.op, op.index, args, kwargs, outs, ref_device, ref_dtype)
+        check = check_op(op.op, op.index, args, kwargs, outs, ref_device)
         checked += 1
         if check.status == "uncomparable":
             uncomparable.append(check)

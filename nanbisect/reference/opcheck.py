@@ -1,8 +1,8 @@
 """Isolate one op: re-execute it on the reference with the target's own inputs and compare.
 
 Accumulated rounding is never blamed on an op: each op is judged from the *same* inputs on both
-sides (moved to the reference device, upcast when the reference asks for a wider dtype), against a
-float64 ground truth of those inputs (see `compare.compare_op`). An op the reference device has no
+sides, at the same dtype (moved to the reference device), against a float64 ground truth of those
+inputs (see `compare.compare_op`). An op the reference device has no
 kernel for runs through `registry.reference_impl` when one is registered; otherwise it is
 ``uncomparable`` and reported as such, never taken as correct. Random ops and ops that return
 uninitialised memory cannot be compared value by value and are ``skipped``.
@@ -63,31 +63,42 @@ def _written(op: str, out: Any, args: list, kwargs: dict, how: str) -> list[torc
 
 
 def check_op(op: str, index: int, args: list, kwargs: dict, target_out: list[torch.Tensor],
-             ref_device: torch.device, ref_dtype: torch.dtype | None) -> OpCheck:
+             ref_device: torch.device) -> OpCheck:
     """Judge ``op`` given the target's inputs ``args``/``kwargs`` and its outputs ``target_out``
-    (the tensors it returned and wrote, in `written_tensors` order)."""
+    (the tensors it returned and wrote, in `written_tensors` order).
+
+    NB: the reference runs the op at the *target's* dtype, whatever dtype the reference replay
+    used: only the same inputs at the same dtype tell a wrong kernel from arithmetic that fails
+    at that dtype on any device (an fp32 underflow is not the device's fault because float64 does
+    not underflow). A float64 run of the same inputs is the ground truth the error is measured
+    against.
+
+    >>> x = [torch.tensor([4.0, -1.0])]
+    >>> check_op("aten.sqrt.default", 0, x, {}, [torch.sqrt(x[0])], torch.device("cpu")).status
+    'ok'
+    >>> wrong = torch.tensor([2.5, float("nan")])       # sqrt(4) is not 2.5
+    >>> check_op("aten.sqrt.default", 0, x, {}, [wrong], torch.device("cpu")).status
+    'mismatch'
+    """
     if op.split(".")[1] in RANDOM_OR_UNINITIALISED:
         return OpCheck(op, index, "skipped", detail="random or uninitialised output")
-    r_args, r_kwargs = move(args, ref_device, ref_dtype), move(kwargs, ref_device, ref_dtype)
+    r_args, r_kwargs = move(args, ref_device), move(kwargs, ref_device)
     try:
         ref_out, how = _call(op, r_args, r_kwargs)
     except LookupError as e:
         return OpCheck(op, index, "uncomparable", detail=str(e))
     ref_w = _written(op, ref_out, r_args, r_kwargs, how)
-    truth_w = ref_w
-    if ref_dtype != torch.float64:
-        e_args, e_kwargs = move(args, ref_device, torch.float64), move(kwargs, ref_device,
-                                                                       torch.float64)
-        try:
-            truth, how_e = _call(op, e_args, e_kwargs)
-            truth_w = _written(op, truth, e_args, e_kwargs, how_e)
-        except (LookupError, RuntimeError, TypeError):
-            truth_w = ref_w  # the op has no float64 path: judge against the reference itself
+    e_args, e_kwargs = move(args, ref_device, torch.float64), move(kwargs, ref_device,
+                                                                   torch.float64)
+    try:
+        truth, how_e = _call(op, e_args, e_kwargs)
+        truth_w = _written(op, truth, e_args, e_kwargs, how_e)
+    except (LookupError, RuntimeError, TypeError):
+        truth_w = ref_w  # the op has no float64 path: judge against the reference itself
     comps = []
     for t, r, e in zip(target_out, ref_w, truth_w):
         if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
             continue
-        same_dtype = r.dtype == t.dtype and truth_w is not ref_w
-        comps.append(compare_op(t, r if same_dtype else None, e, t.dtype))
+        comps.append(compare_op(t, r if r.dtype == t.dtype else None, e, t.dtype))
     status = "ok" if all(c.ok for c in comps) else "mismatch"
     return OpCheck(op, index, status, how, comps)

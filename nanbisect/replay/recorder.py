@@ -181,6 +181,7 @@ class OpRecord:
     outputs: tuple[OutputRef, ...]
     occurrence: int = 0              # calls of the same op before it in its phase (all of them,
                                      # recorded or outside the scope)
+    micro: int = 0                   # the micro-batch it ran in (Task.accumulate)
 
     def inputs_for(self, out: OutputRef) -> list[InputRef]:
         """The inputs that fed one output (the matching list element for foreach ops)."""
@@ -227,6 +228,7 @@ class OpRecorder(TorchDispatchMode):
         self.kept: dict[int, tuple[list, dict, list[torch.Tensor]]] = {}
         self.phases = phases
         self.phase = "forward"
+        self.micro = -1                  # becomes 0 when the first forward starts
         self.count = 0
         self._ops: list[dict] = []
         self._producer: dict[Key, tuple[int, int]] = {}
@@ -260,10 +262,19 @@ class OpRecorder(TorchDispatchMode):
 
     # -- recording ------------------------------------------------------------------------
     def _row(self, t: torch.Tensor) -> int | None:
+        """One row of flags for a value: (min, max, largest finite magnitude or NaN when that
+        is max(|min|, |max|)). On the CPU, reading min and max costs no device synchronisation,
+        so the finite magnitude is computed only for values that hold inf or NaN (a masked
+        attention score); on accelerators it is always computed, on the device."""
         if not t.is_floating_point() or t.numel() == 0:
             return None
-        lo, hi = torch.aminmax(t.detach())
-        self._rows.append(torch.stack([lo.float(), hi.float()]))
+        t = t.detach()
+        lo, hi = torch.aminmax(t)
+        if t.device.type == "cpu" and math.isfinite(lo.item()) and math.isfinite(hi.item()):
+            fin = torch.full((), math.nan)
+        else:
+            fin = torch.where(torch.isfinite(t), t.abs(), 0).amax()
+        self._rows.append(torch.stack([lo.float(), hi.float(), fin.float().to(lo.device)]))
         return len(self._rows) - 1
 
     def _where(self) -> tuple[str | None, int | None]:
@@ -340,15 +351,18 @@ class OpRecorder(TorchDispatchMode):
                                                        for t, _ in tensor_args(written)])
         module, call = self._where()
         self._ops.append({"index": index, "op": str(func), "phase": self.phase, "module": module,
-                          "occurrence": occurrence,
+                          "occurrence": occurrence, "micro": max(self.micro, 0),
                           "call": call, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),
                                                  tuple(t.shape)) for src, elem, t in ins],
                           "outs": outs})
         return out
 
     def follow(self, phase: str) -> nullcontext:
-        """For `Replayer.run`'s ``phase``: label the ops that follow with ``phase``."""
+        """For `Replayer.run`'s ``phase``: label the ops that follow with ``phase`` (each
+        forward starts the next micro-batch)."""
         self.phase = phase
+        if phase == "forward":
+            self.micro += 1
         return nullcontext()
 
     def mark(self, name: str, t: torch.Tensor) -> None:
@@ -364,10 +378,10 @@ class OpRecorder(TorchDispatchMode):
         def flags(row: int | None) -> Flags:
             if row is None:
                 return CLEAN
-            lo, hi = raw[row]
+            lo, hi, fin = raw[row]
             nan = math.isnan(lo) or math.isnan(hi)
-            big = 0.0 if nan else max(abs(lo) if math.isfinite(lo) else 0.0,
-                                      abs(hi) if math.isfinite(hi) else 0.0)
+            big = max(abs(lo), abs(hi)) if math.isnan(fin) and not nan else \
+                (0.0 if math.isnan(fin) else fin)
             return Flags(nan, (not nan) and hi == math.inf, (not nan) and lo == -math.inf, big)
 
         ops = []
@@ -382,6 +396,6 @@ class OpRecorder(TorchDispatchMode):
                     ins.append(InputRef(None, 0, flags(src[1]), elem, dtype, shape))
             outs = tuple(OutputRef(flags(r), elem) for r, elem in o["outs"])
             ops.append(OpRecord(pos, o["index"], o["op"], o["phase"], o["module"], o["call"],
-                                tuple(ins), outs, o["occurrence"]))
+                                tuple(ins), outs, o["occurrence"], o["micro"]))
         marks = {k: (v if isinstance(v, tuple) else None) for k, v in self._marks.items()}
         return OpTable(ops, self.count), marks

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from contextlib import ExitStack, nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, ContextManager
 
@@ -18,7 +19,9 @@ import torch
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
 from nanbisect.records import BadValue, StepOutcome
-from nanbisect.bundle.state import RngState, decode, iter_tensors, local, restore_model, restore_optimizer
+from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, restore_model,
+                                    restore_modes, restore_optimizer)
+from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
 
 PHASES = ("input", "forward", "backward", "optimizer")
@@ -110,10 +113,16 @@ class Replayer:
         else:
             self.task.model.to(device)
         self._where = where
+        self.notes = apply_step_shape(self.task, m.get("task"), device, dtype)
 
     def restore(self) -> Any:
-        """Reset model, optimizer and RNG to the pre-step state; return the batch on the device."""
-        restore_model(self.task.model, self.bundle.manifest["model"], self.tensors, self._where)
+        """Reset model, optimizer, scaler, train/eval modes, ``requires_grad`` and RNG to the
+        pre-step state; return the batch on the device."""
+        m = self.bundle.manifest
+        restore_model(self.task.model, m["model"], self.tensors, self._where)
+        restore_modes(self.task.model, m["model"], self._where)
+        if self.task.grad_scaler is not None and m.get("grad_scaler"):
+            self.task.grad_scaler.load_state_dict(dict(m["grad_scaler"]))
         if self.task.optimizer is not None:
             restore_optimizer(self.task.optimizer, self.bundle.manifest["optimizer"],
                               self.tensors, self._where)
@@ -141,50 +150,101 @@ class Replayer:
         return bad
 
     def run(self, *, phase: Callable[[str], ContextManager] = lambda name: nullcontext(),
-            wrap: Callable[[], ContextManager] = nullcontext, stop_after: str = "optimizer"
-            ) -> StepOutcome:
-        """Replay the step: input checks, forward, backward, optimizer step, in that order.
+            wrap: Callable[[], ContextManager] = nullcontext, stop_after: str = "optimizer",
+            micro: int | None = None) -> StepOutcome:
+        """Replay the step (`nanbisect.step.run_step`: the Task's micro-batches, scaler,
+        clipping, optimizer) after the input checks; stop at the first non-finite value.
 
-        ``phase(name)`` gives a context manager around each of "forward", "backward" and
+        ``phase(name)`` gives a context manager around each "forward", "backward" and
         "optimizer" (probes, recorders); ``wrap()`` one around the whole step (fault injection,
-        op counting); ``stop_after`` ends the run after that phase.
+        op counting); ``stop_after`` ends the run after that phase of micro-batch ``micro``
+        (default: the last). A failure in backward lets the remaining micro-batches run, so
+        the step's loss is complete; a failure in forward ends the run there.
         """
         batch = self.restore()
+        task = self.task
+        try:
+            mbs = micro_batches(task, batch)
+        except BadInput as e:
+            raise BadInput(f"bundle '{self.bundle.path}': {e}") from None
         bad = self.input_faults(batch)
         if bad:
             return StepOutcome(None, "input", bad)
-        task = self.task
-        failed: StepOutcome | None = None   # the first failure, when running in lockstep
+        last = len(mbs) - 1
+        stop_micro = last if micro is None else micro
+        failed: StepOutcome | None = None   # the first failure
+        total = kept = None
         with wrap():
-            with phase("forward"):
-                loss = task.loss_fn(task.model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise BadInput(f"entry '{self.entry}': loss_fn returned "
-                               f"{type(loss).__name__}, not a scalar tensor; return the loss")
-            loss_v = float(local(loss).detach().float().item())
-            kept = loss.detach()
-            if not math.isfinite(loss_v):
-                failed = StepOutcome(loss_v, "forward", _scan("loss", [("loss", kept)]), kept)
-                if not self.lockstep:
-                    return failed
-            if stop_after == "forward" and not self.lockstep:
-                return StepOutcome(loss_v, None, loss_tensor=kept)
-            with phase("backward"):
-                loss.backward()
-            grads = _scan("grad", ((n, p.grad) for n, p in task.model.named_parameters()
-                                   if p.grad is not None))
-            if grads and failed is None:
-                failed = StepOutcome(loss_v, "backward", grads, kept)
-                if not self.lockstep:
-                    return failed
-            if (stop_after == "backward" and not self.lockstep) or task.optimizer is None:
-                return failed or StepOutcome(loss_v, None, loss_tensor=kept)
-            with phase("optimizer"):
-                task.optimizer.step()
-        params = _scan("parameter", task.model.named_parameters())
+            try:
+                for ev in run_step(task, batch, phase):
+                    total = ev.total if ev.total is not None else total
+                    if ev.phase == "forward":
+                        kept = ev.loss.detach()
+                        loss_v = float(local(kept).float().item())
+                        if not math.isfinite(loss_v) and failed is None:
+                            failed = StepOutcome(loss_v, "forward", _scan("loss", [("loss", kept)]),
+                                                 kept, micro_batch=ev.micro)
+                            if not self.lockstep:
+                                return failed
+                    elif ev.phase == "backward" and failed is None:
+                        grads = _scan("grad", ((n, p.grad) for n, p in
+                                               task.model.named_parameters() if p.grad is not None))
+                        if grads:
+                            failed = StepOutcome(None, "backward", grads, kept,
+                                                 micro_batch=ev.micro)
+                    if ev.phase == "backward" and failed is not None and ev.micro == last \
+                            and not self.lockstep:
+                        break       # the step's loss is complete; the optimizer cannot help
+                    if (ev.phase == stop_after != "optimizer" and ev.micro == stop_micro
+                            and failed is None and not self.lockstep):
+                        return StepOutcome(self._value(total), None, loss_tensor=kept,
+                                           micro_batch=ev.micro)
+            except BadInput as e:
+                raise BadInput(f"entry '{self.entry}': {e}") from None
+        loss_v = self._value(total)
         if failed is not None:
-            return failed
+            return replace(failed, loss=loss_v if failed.phase != "forward" else failed.loss)
+        params = _scan("parameter", task.model.named_parameters())
         return StepOutcome(loss_v, "optimizer" if params else None, params, kept)
+
+    @staticmethod
+    def _value(total: torch.Tensor | None) -> float | None:
+        """The step's loss as Guard records it (a float of the unscaled total)."""
+        return None if total is None else float(local(total).detach().float().item())
+
+
+def apply_step_shape(task: Task, shape: dict | None, device: torch.device,
+                     dtype: torch.dtype | None) -> list[str]:
+    """Make the entry's Task run the step the bundle recorded (accumulation, clipping, scaler,
+    loss normalisation, autocast): the recording is the step that failed, and an integration
+    filled it from trainer settings the entry cannot know. Returns notes on what it changed. A
+    reference at a wider dtype runs without autocast (it is there to compute wider)."""
+    if not shape:
+        return []
+    changed = []
+    for key in ("accumulate", "clip_grad_norm", "loss_normalized", "autocast"):
+        if key in shape and getattr(task, key) != shape[key]:
+            changed.append(f"{key}={shape[key]!r} (the entry's Task says {getattr(task, key)!r})")
+            setattr(task, key, shape[key])
+    if shape.get("grad_scaler") and task.grad_scaler is None:
+        task.grad_scaler = torch.amp.GradScaler(device.type)
+        changed.append("a GradScaler (the entry's Task has none)")
+    elif task.grad_scaler is not None and getattr(task.grad_scaler, "_device",
+                                                  device.type) != device.type:
+        # a scaler made for the capture device, replayed elsewhere: the same one, here (the
+        # bundle's state, loaded at each restore, sets its scale)
+        old = task.grad_scaler
+        task.grad_scaler = torch.amp.GradScaler(
+            device.type, growth_factor=old.get_growth_factor(),
+            backoff_factor=old.get_backoff_factor(), growth_interval=old.get_growth_interval(),
+            enabled=old.is_enabled())
+    elif "grad_scaler" in shape and not shape["grad_scaler"] and task.grad_scaler is not None:
+        task.grad_scaler = None
+        changed.append("no GradScaler (the entry's Task has one)")
+    if dtype is not None:
+        task.autocast = None
+    return ([f"the step is replayed as the bundle recorded it: {'; '.join(changed)}"]
+            if changed else [])
 
 
 def stacked(*cms: ContextManager) -> ExitStack:

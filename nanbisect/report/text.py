@@ -40,7 +40,17 @@ def headline(r: Report) -> str:
         return (f"non-finite values before the step ran: {b.where} '{b.name}' "
                 f"(nan={b.nan}, +inf={b.posinf}, -inf={b.neginf}){more}")
     if r.verdict == "not-reproduced":
-        return "the recorded failure did not reproduce on replay (transient or hardware?)"
+        f = r.facts.fidelity
+        if r.classification == "code-changed" and f is not None:
+            return (f"the recorded failure did not reproduce with today's code "
+                    f"({len(f.code_changed)} file(s) changed since the capture)")
+        if r.classification == "replay-mismatch":
+            return ("the recorded failure did not reproduce, but the replay does not compute the "
+                    "captured step (its loss differs)")
+        if r.classification == "transient":
+            return ("the recorded failure did not reproduce on a faithful replay: transient "
+                    "(hardware, race)?")
+        return "the recorded failure did not reproduce on replay"
     return "the step replays clean: no non-finite loss, gradient or parameter"
 
 
@@ -109,6 +119,9 @@ def to_markdown(r: Report) -> str:
                   "| where | name | nan | +inf | -inf |", "|---|---|---|---|---|"]
         lines += [f"| {b.where} | `{b.name}` | {b.nan} | {b.posinf} | {b.neginf} |"
                   for b in r.input_nonfinite[:20]]
+        if len(r.input_nonfinite) > 20:
+            lines.append(f"| ... | {len(r.input_nonfinite) - 20} more (all in report.json) "
+                         "| | | |")
     if r.backtrace:
         side = "inputs" if r.phase == "forward" else "grad arriving"
         out = "output" if r.phase == "forward" else "grad leaving"

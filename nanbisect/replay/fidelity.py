@@ -1,0 +1,54 @@
+"""Is the replay the captured step? What a verdict of "transient" or "device" must first rule out.
+
+A replay is faithful when it runs the captured code (the entry file and every user source file,
+by sha256: `bundle.code`), and, where the captured loss was finite and the replay runs on the
+capture device at the capture dtype, gives that loss bit for bit. `check` gathers the evidence;
+`Fidelity.causes` names the likely reasons when the loss differs. On the CPU the replay also runs
+with the intra-op thread count of the capture (`match_threads`): reductions split by threads
+round differently.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanbisect.bundle.code import changed_sources, relocation
+from nanbisect.bundle.format import Bundle, environment
+from nanbisect.records import Fidelity
+
+# versions and settings whose change can alter a step's numbers
+_COMPARED = ("torch", "python", "nanbisect", "numpy", "torch_threads")
+
+
+def match_threads(bundle: Bundle, device: torch.device) -> str | None:
+    """On the CPU, use the capture's intra-op thread count; say so when it changes anything."""
+    want = (bundle.manifest.get("environment") or {}).get("torch_threads")
+    have = torch.get_num_threads()
+    if device.type != "cpu" or not isinstance(want, int) or want < 1 or want == have:
+        return None
+    torch.set_num_threads(want)
+    return f"replayed with {want} intra-op threads as captured (this machine's default: {have})"
+
+
+def check(bundle: Bundle, entry: str, original, replayed: float | None, same_setup: bool
+          ) -> Fidelity:
+    """The evidence: changed code, changed environment, and whether the loss is bit-exact.
+
+    ``original`` is the manifest's observed loss (a float, "nan"/"inf", or None); ``same_setup``
+    says whether the replay ran on the capture device at the capture dtype."""
+    m = bundle.manifest
+    code = m.get("code") or {}
+    captured_entry = code.get("entry_file") or m.get("entry_file")
+    now_entry = entry.rpartition(":")[0]
+    moved = relocation(captured_entry, now_entry if now_entry.endswith(".py") else None)
+    changed, missing = changed_sources(code.get("sources") or {}, moved)
+    then, now = m.get("environment") or {}, environment()
+    env = [f"{k} {then[k]} at capture, {now[k]} now" for k in _COMPARED
+           if k in then and str(then[k]) != str(now[k])
+           and not (k == "torch_threads" and same_setup and _cpu(m))]
+    bit_exact = (replayed == original if isinstance(original, float) and replayed is not None
+                 else None)
+    return Fidelity(changed, env, same_setup, bit_exact, missing)
+
+
+def _cpu(manifest: dict) -> bool:
+    return str((manifest.get("devices") or {}).get("captured_on", "cpu")).startswith("cpu")

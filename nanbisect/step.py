@@ -1,0 +1,118 @@
+"""The training step a `Task` describes, written once: `Guard.step` runs it, and so does every
+replay, so a replay computes what the guarded loop computed.
+
+The order is the AMP recipe's: for each of the ``accumulate`` micro-batches, forward through
+``loss_fn`` (under autocast when the Task says so) and backward of the loss divided by
+``accumulate`` (scaled by the ``grad_scaler`` when there is one); then, as the optimizer phase, ``scaler.unscale_``, ``clip_grad_norm_``,
+``scaler.step`` (which skips the update when the gradients are not finite) and
+``scaler.update``, or a plain ``optimizer.step()``. The step is a generator of `Event`s, one after
+each micro-batch's forward and backward and one after the optimizer phase, so a replay can look
+at the values in between and stop early; ``phase(name)`` wraps each phase's code (probes,
+recorders). What it does not know: anything a custom loop does outside these fields (see
+`Guard.watch`).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Iterator
+
+import torch
+
+from nanbisect.errors import BadInput
+from nanbisect.task import Task
+
+
+@dataclass
+class Event:
+    """Where the step is: after ``phase`` ("forward", "backward", "optimizer") of ``micro``."""
+
+    phase: str
+    micro: int
+    loss: torch.Tensor | None = None        # forward: this micro-batch's loss_fn output
+    total: torch.Tensor | None = None       # the step's loss so far (unscaled, detached)
+    grad_norm: torch.Tensor | None = None   # optimizer: total gradient norm before clipping
+    skipped: torch.Tensor | None = None     # optimizer: the scaler found inf/NaN (1 = skipped)
+
+
+def micro_batches(task: Task, batch: Any) -> list:
+    """The step's micro-batches: ``[batch]``, or the ``accumulate`` items of ``batch``."""
+    k = task.accumulate
+    if k == 1:
+        return [batch]
+    if not isinstance(batch, (list, tuple)) or len(batch) != k:
+        what = f"a {type(batch).__name__}" + (f" of {len(batch)}" if hasattr(batch, "__len__")
+                                              else "")
+        raise BadInput(f"Task(accumulate={k}) needs each step's batch to be a list of {k} "
+                       f"micro-batches, got {what}; pass [micro_batch_1, ..., micro_batch_{k}]")
+    return list(batch)
+
+
+def found_inf(scaler, optimizer) -> torch.Tensor:
+    """The scaler's verdict on this step's gradients, on the device, without a host sync."""
+    per_device = scaler._found_inf_per_device(optimizer)   # NB: private, stable since torch 1.6
+    return torch.stack([v.reshape(()).float() for v in per_device.values()]).sum() \
+        if per_device else torch.zeros(())
+
+
+def add_loss(task: Task, total: torch.Tensor | None, loss: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(what backward runs on, the step's loss so far): the micro-batch's loss divided by
+    ``accumulate`` (unless ``loss_normalized``), summed detached over the micro-batches in order.
+    Integrations that see the micro-batch losses of a trainer's step sum them here too, so the
+    loss they record is the one a replay computes."""
+    k = task.accumulate
+    part = loss / k if k > 1 and not task.loss_normalized else loss
+    return part, (part.detach() if total is None else total + part.detach())
+
+
+def _autocast(task: Task) -> ContextManager:
+    if task.autocast is None:
+        return nullcontext()
+    p = next(task.model.parameters(), None)
+    device = p.device.type if p is not None else "cpu"
+    return torch.autocast(device, dtype=getattr(torch, task.autocast))
+
+
+def run_step(task: Task, batch: Any,
+             phase: Callable[[str], ContextManager] = lambda name: nullcontext()
+             ) -> Iterator[Event]:
+    """Run the step; yield after each micro-batch's forward and backward and after the
+    optimizer. The caller zeroes gradients first (``optimizer.zero_grad``) and may stop early.
+
+    >>> model = torch.nn.Linear(2, 1)
+    >>> task = Task(model, torch.optim.SGD(model.parameters(), lr=0.1),
+    ...             lambda m, b: m(b).pow(2).mean(), accumulate=2, clip_grad_norm=1.0)
+    >>> [(e.phase, e.micro) for e in run_step(task, [torch.ones(3, 2), torch.zeros(3, 2)])]
+    [('forward', 0), ('backward', 0), ('forward', 1), ('backward', 1), ('optimizer', 1)]
+    """
+    mbs = micro_batches(task, batch)
+    scaler, opt = task.grad_scaler, task.optimizer
+    total = None
+    for i, mb in enumerate(mbs):
+        with phase("forward"), _autocast(task):
+            loss = task.loss_fn(task.model, mb)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise BadInput(f"loss_fn returned {type(loss).__name__}"
+                           f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
+                           ", not a scalar tensor; return the loss")
+        part, total = add_loss(task, total, loss)
+        yield Event("forward", i, loss=loss, total=total)
+        with phase("backward"):
+            (scaler.scale(part) if scaler is not None else part).backward()
+        yield Event("backward", i, total=total)
+    if opt is None:
+        return
+    norm = skipped = None
+    with phase("optimizer"):
+        if scaler is not None:
+            scaler.unscale_(opt)
+        if task.clip_grad_norm is not None:   # as loops write it: all of the model's parameters
+            norm = torch.nn.utils.clip_grad_norm_(task.model.parameters(), task.clip_grad_norm)
+        if scaler is not None:
+            skipped = found_inf(scaler, opt)
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+    yield Event("optimizer", len(mbs) - 1, total=total, grad_norm=norm, skipped=skipped)

@@ -1,0 +1,203 @@
+"""Verdicts that are earned: a replay that is not the captured step says so (code-changed,
+replay-mismatch), never transient or device; device only from the same inputs at the same dtype;
+what the report says about sources, parameters and magnitudes is true. Real bundles from Guard,
+replayed through the CLI in a subprocess."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+
+import pytest
+import torch
+
+import loops
+from conftest import ROOT, TEST_TASKS, run_json
+
+from nanbisect import Guard, NonFiniteStep
+from nanbisect.task import import_target
+
+FLAKY = '''
+import torch
+import torch.nn as nn
+import nanbisect
+from helper import shift                     # a user module next to the entry
+
+
+class Act(nn.Module):
+    def forward(self, x):
+        return torch.sqrt(x - shift())          # NaN below shift()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.act = Act()
+
+    def forward(self, x):
+        return self.act(self.fc(x)).sum()
+
+
+def task():
+    torch.manual_seed(0)
+    m = Net()
+    return nanbisect.Task(m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, b: m(b))
+'''
+
+
+def guard_failure(tmp_path, fix_by_editing: str, monkeypatch):
+    """Capture a forward NaN from a task in tmp_path (entry + helper module); then edit one."""
+    monkeypatch.delitem(sys.modules, "helper", raising=False)   # this test's helper, not another's
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "job.py").write_text(FLAKY)
+    (src / "helper.py").write_text("def shift():\n    return 5.0\n")
+    mod = import_target(str(src / "job.py"))
+    guard = Guard(mod.task(), entry=f"{src / 'job.py'}:task", out=tmp_path / "out")
+    with pytest.raises(NonFiniteStep) as e:
+        guard.step(torch.ones(2, 4))
+    if fix_by_editing == "entry":
+        (src / "job.py").write_text(FLAKY.replace("x - shift()", "(x - shift()).abs()"))
+    elif fix_by_editing == "helper":
+        (src / "helper.py").write_text("def shift():\n    return -5.0\n")
+    return e.value.bundle, src
+
+
+@pytest.mark.parametrize("edited", ["entry", "helper"])
+def test_an_edit_that_fixes_the_bug_is_code_changed_not_transient(tmp_path, edited,
+                                                                 monkeypatch):
+    bundle, src = guard_failure(tmp_path, edited, monkeypatch)
+    m = json.loads((bundle / "manifest.json").read_text())
+    assert str(src / "helper.py") in m["code"]["sources"]     # imported user module, hashed
+    rep = run_json(bundle, code=3)
+    name = "job.py" if edited == "entry" else "helper.py"
+    assert (rep["verdict"], rep["classification"]) == ("not-reproduced", "code-changed")
+    assert [f.rsplit("/", 1)[1] for f in rep["replay"]["code_changed"]] == [name]
+    assert any(name in n for n in rep["notes"]) and rep["replay"]["faithful"] is False
+
+
+def test_a_moved_checkout_is_compared_file_by_file(tmp_path, monkeypatch):
+    bundle, src = guard_failure(tmp_path, "nothing", monkeypatch)
+    moved = src.rename(tmp_path / "elsewhere")                 # the whole checkout moved
+    rep = run_json(bundle, "--entry", f"{moved / 'job.py'}:task")
+    assert rep["verdict"] == "culprit" and rep["culprit"]["module"] == "act"
+    assert (rep["replay"]["code_changed"], rep["replay"]["code_missing"]) == ([], [])
+    assert rep["replay"]["faithful"] is None            # a NaN loss cannot be compared
+
+
+def test_unchanged_code_that_does_not_fail_again_is_transient(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANBISECT_TEST_FLAKY", "1")
+    import transient
+
+    guard = Guard(transient.task(), entry=f"{transient.__file__}:task", out=tmp_path / "g")
+    with pytest.raises(NonFiniteStep) as e:
+        guard.step(transient.batch())
+    rep = run_json(e.value.bundle, code=3)       # the env flag is gone in the replay
+    assert (rep["classification"], rep["replay"]["code_changed"]) == ("transient", [])
+
+
+def test_a_loop_the_task_does_not_describe_is_replay_mismatch(tmp_path):
+    """The loop doubles the loss before backward; the Task's loss_fn does not. The backward NaN
+    still shows, but the replay is not the captured step: never device, never transient."""
+    task = loops.scaled()
+    task.grad_scaler = None
+    guard = Guard(task, entry=f"{TEST_TASKS / 'loops.py'}:scaled", out=tmp_path)
+    b = loops.pos_batch(0)
+    with pytest.raises(NonFiniteStep) as e:
+        with guard.watch(b) as w:
+            task.optimizer.zero_grad()
+            w.loss = 2.0 * task.loss_fn(task.model, b)        # not what the Task says
+            w.loss.backward()
+            task.optimizer.step()
+    for reference in ("none", "cpu", "cpu:float64"):
+        rep = run_json(e.value.bundle, "--reference", reference, "--out", tmp_path / reference)
+        assert rep["classification"] == "replay-mismatch", (reference, rep["notes"])
+        assert rep["replay"]["bit_exact"] is False and rep["replay"]["faithful"] is False
+        assert any("does not describe" in n for n in rep["notes"])
+
+
+# ------------------------------------------------------------------------------------------
+# device only from the same inputs at the same dtype
+
+
+def test_float32_underflow_with_a_float64_reference_is_numerics(tmp_path):
+    task = loops.underflow()
+    guard = Guard(task, entry=f"{TEST_TASKS / 'loops.py'}:underflow", out=tmp_path)
+    with pytest.raises(NonFiniteStep) as e:
+        for s in range(3):
+            guard.step(loops.batch(s))
+    rep = run_json(e.value.bundle, "--reference", "cpu:float64")
+    c = rep["culprit"]
+    assert (c["op"], c["module"], rep["replay"]["reference_loss"] is not None) == (
+        "aten.div.Tensor", "norm", True)
+    assert rep["classification"] == "numerics", rep["notes"]
+    assert rep["op_check"]["status"] == "ok"      # float32 on the reference: the same 0/0
+    assert any("wider dtype" in n for n in rep["notes"])
+
+
+def test_injected_kernel_fault_with_a_float64_reference_is_device(fixture_bundle):
+    npu = f"{ROOT / 'fixtures' / 'inject' / 'npu_kernels.py'}:npu"
+    rep = run_json(fixture_bundle("moe_unpermute_on_npu"), "--inject", npu,
+                   "--reference", "cpu:float64")
+    assert (rep["classification"], rep["op_check"]["status"]) == ("device", "mismatch")
+
+
+def test_an_overflow_to_the_same_inf_on_both_sides_is_not_a_mismatch():
+    from nanbisect.reference.opcheck import check_op
+
+    x = [torch.tensor([100.0, 1.0])]                     # exp(100) overflows float32
+    check = check_op("aten.exp.default", 0, x, {}, [torch.exp(x[0])], torch.device("cpu"))
+    assert check.status == "ok", check.comparisons[0].message()
+
+
+# ------------------------------------------------------------------------------------------
+# what the report says
+
+
+def test_optimizer_culprit_source_is_the_optimizers_code(fixture_bundle):
+    rep = run_json(fixture_bundle("optimizer_adam_eps0"))
+    src = rep["culprit"]["source"]
+    assert "torch/optim/" in src and src.endswith(tuple(f":{i}" for i in range(1, 10000)))
+    assert "typer" not in src and "nanbisect" not in src
+
+
+def test_builtin_backward_op_source_is_the_forward_line(tmp_path):
+    task = loops.scaled()
+    task.grad_scaler = None
+    guard = Guard(task, entry=f"{TEST_TASKS / 'loops.py'}:scaled", out=tmp_path)
+    with pytest.raises(NonFiniteStep) as e:
+        guard.step(loops.pos_batch(0))
+    rep = run_json(e.value.bundle)          # through the CLI: typer's frames are on the stack
+    text = (TEST_TASKS / "loops.py").read_text().splitlines()
+    want = next(i for i, t in enumerate(text, 1) if "BUG: d sqrt" in t)
+    assert rep["culprit"]["phase"] == "backward"
+    assert rep["culprit"]["source"].endswith(f"loops.py:{want}"), rep["culprit"]["source"]
+
+
+def test_absmax_of_a_masked_output_is_its_largest_finite_magnitude():
+    """A masked score row holds -inf and finite values; its largest finite magnitude here is
+    that of a negative value (min and max alone would say 1)."""
+    from nanbisect.replay.recorder import OpRecorder
+
+    scores = torch.tensor([[-5.0, 1.0, 0.5]])
+    mask = torch.tensor([[False, False, True]])
+    with OpRecorder(None, {"forward"}) as rec:
+        scores.masked_fill(mask, float("-inf"))
+    table, _ = rec.read()
+    (out,) = table.ops[-1].outputs
+    assert (out.flags.neginf, out.flags.nan, out.flags.absmax) == (True, False, 5.0)
+
+
+def test_long_lists_of_bad_parameters_are_counted(tmp_path):
+    model = torch.nn.Sequential(*[torch.nn.Linear(2, 2) for _ in range(30)])
+    from nanbisect import Task
+
+    task = Task(model, torch.optim.SGD(model.parameters(), lr=float("nan")),
+                lambda m, b: m(b).sum())
+    guard = Guard(task, entry=f"{TEST_TASKS / 'loops.py'}:scaled", out=tmp_path)
+    with pytest.raises(NonFiniteStep) as e:
+        guard.step(torch.ones(1, 2))
+    bad = e.value.observed["nonfinite_params"]
+    assert len(bad["nan"]) == 20 and bad["nan_count"] == 60
+    shutil.rmtree(e.value.bundle)
