@@ -53,3 +53,58 @@ def test_hf_trainer_callback(tmp_path, monkeypatch):
     c = rep["culprit"]
     assert (c["op"], c["module"], c["phase"]) == ("aten.sqrt.default", "transformer.h.0.mlp.act",
                                                   "forward")
+
+
+def test_lightning_clipping_accumulation_and_precision_replay_the_trainers_step(tmp_path,
+                                                                              monkeypatch):
+    L = pytest.importorskip("lightning")
+    import lit_task
+
+    from nanbisect.integrations.lightning import NanbisectCallback
+
+    cb = NanbisectCallback(entry=f"{TEST_TASKS / 'lit_task.py'}:bag_task", out=tmp_path / "b")
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb],
+                        gradient_clip_val=0.5, accumulate_grad_batches=2,
+                        precision="bf16-mixed")
+    trainer.fit(lit_task.LitBag(), torch.utils.data.DataLoader(lit_task.bag_data(),
+                                                               batch_size=4))
+    assert cb.bundle is not None
+    m = json.loads((cb.bundle / "manifest.json").read_text())
+    assert m["task"] == {"accumulate": 2, "clip_grad_norm": 0.5, "grad_scaler": False,
+                         "loss_normalized": False, "autocast": "bfloat16"}
+    rep = json.loads(cli("run", cb.bundle, "--json").stdout)
+    assert rep["replay"]["bit_exact"] is True, rep["replay"]          # the trainer's loss
+    assert (rep["phase"], rep["culprit"]["parameter"]) == ("optimizer", "embed.weight")
+
+
+def test_hf_clipping_and_accumulation_replay_the_trainers_step(tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    import hf_task
+
+    from nanbisect.integrations.hf import NanbisectTrainerCallback
+
+    task = hf_task.task_eps0()
+    cb = NanbisectTrainerCallback(entry=f"{TEST_TASKS / 'hf_task.py'}:task_eps0",
+                                  out=tmp_path / "b")
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=2,
+                             per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                             max_grad_norm=0.5, report_to=[], use_cpu=True, save_strategy="no",
+                             logging_strategy="no", learning_rate=1e-3,
+                             lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
+                             optim="adamw_torch", disable_tqdm=True)
+    trainer = Trainer(model=task.model, args=args, train_dataset=hf_task.dataset_low_tokens(),
+                      callbacks=[cb], optimizers=(task.optimizer, None))
+    trainer.train()
+    assert cb.bundle is not None
+    m = json.loads((cb.bundle / "manifest.json").read_text())
+    assert (m["task"]["accumulate"], m["task"]["clip_grad_norm"]) == (2, 0.5)
+    rep = json.loads(cli("run", cb.bundle, "--json").stdout)
+    assert rep["replay"]["bit_exact"] is True, rep["replay"]          # the trainer's loss
+    # the position embeddings: sequences of 8 leave rows 8..15 without gradient (the token
+    # embedding is tied to the LM head, which gives every row one)
+    assert (rep["phase"], rep["culprit"]["parameter"]) == ("optimizer",
+                                                           "transformer.wpe.weight")

@@ -2,11 +2,16 @@
 
     trainer = Trainer(..., callbacks=[NanbisectTrainerCallback(entry="train.py:task")])
 
-The Trainer hands callbacks no batch, so the callback takes it from the model's first forward
-call of each step (a forward pre-hook), and opens the guard there, before anything changed. On a
+The Task it guards is filled from the Trainer's own settings, so the bundle replays the Trainer's
+real step: ``max_grad_norm`` (clipping, on by default in the Trainer), ``gradient_accumulation_steps``
+(each step's batch is its micro-batches; a loss the model already normalises over the whole
+accumulation with ``num_items_in_batch`` is not divided again), ``fp16``/``bf16`` (autocast,
+and fp16's GradScaler from the accelerator). The Trainer hands callbacks no batch, so the
+callback takes each micro-batch from the model's forward calls (a forward pre-hook) and its loss
+from the forward's output, and opens the guard at the first one, before anything changed. On a
 non-finite step it writes the bundle, keeps its path in ``.bundle`` and sets
 ``control.should_training_stop``. The entry must rebuild the same model and optimizer, with
-``loss_fn = hf_loss``. Needs ``gradient_accumulation_steps == 1`` (one batch per step).
+``loss_fn = hf_loss``; the step's shape comes from the bundle.
 """
 from __future__ import annotations
 
@@ -15,8 +20,9 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from nanbisect.guard import Guard
-from nanbisect.task import Task
 from nanbisect.integrations import close_step
+from nanbisect.step import add_loss
+from nanbisect.task import Task
 
 
 def hf_loss(model, batch: dict):
@@ -29,34 +35,59 @@ class NanbisectTrainerCallback(TrainerCallback):
         self.entry, self.out = entry, Path(out)
         self.guard: Guard | None = None
         self.bundle: Path | None = None
-        self._cm = self._w = self._hook = None
+        self._cm = self._w = None
+        self._hooks: list = []
+        self._mbs: list = []
+        self._total = None
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
-        if args.gradient_accumulation_steps != 1:
-            raise ValueError("NanbisectTrainerCallback needs gradient_accumulation_steps=1; set "
-                             "it, or guard the step yourself with Guard.watch")
+        scaler = getattr(optimizer, "scaler", None)     # accelerate's, with fp16
         # NB: the Trainer hands out accelerate's wrapper; the bundle stores the torch optimizer
         optimizer = getattr(optimizer, "optimizer", optimizer)
-        self.guard = Guard(Task(model=model, optimizer=optimizer, loss_fn=hf_loss),
-                           entry=self.entry, out=self.out, start_step=state.global_step)
-        self._hook = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
+        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        autocast = "float16" if args.fp16 else "bfloat16" if args.bf16 else None
+        task = Task(model=model, optimizer=optimizer, loss_fn=hf_loss, grad_scaler=scaler,
+                    clip_grad_norm=clip, accumulate=args.gradient_accumulation_steps,
+                    autocast=autocast)
+        self.guard = Guard(task, entry=self.entry, out=self.out, start_step=state.global_step)
+        self._hooks = [model.register_forward_pre_hook(self._forward_in, with_kwargs=True),
+                       model.register_forward_hook(self._forward_out)]
 
-    def _first_forward(self, module, args, kwargs):
-        if self._cm is None and module.training:
-            batch = {k: v for k, v in kwargs.items() if v is not None}
-            self._cm = self.guard.watch(batch)
+    def _forward_in(self, module, args, kwargs):
+        if not module.training:
+            return None
+        batch = {k: v for k, v in kwargs.items() if v is not None}
+        if "num_items_in_batch" in batch:   # the model normalises over the whole accumulation
+            self.guard.task.loss_normalized = True
+        if self._cm is None:
+            self._mbs, self._total = [], None
+            # accumulate=1: the batch itself; else the list the micro-batches are added to
+            self._cm = self.guard.watch(batch if self.guard.task.accumulate == 1 else self._mbs)
             self._w = self._cm.__enter__()
+        self._mbs.append(batch)
         return None
+
+    def _forward_out(self, module, args, output):
+        loss = getattr(output, "loss", None)
+        if self._cm is not None and module.training and loss is not None:
+            _, self._total = add_loss(self.guard.task, self._total, loss)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._cm is None:
             return
         cm, self._cm = self._cm, None
+        task = self.guard.task
+        if task.accumulate != 1:   # an epoch's last step may hold fewer micro-batches
+            task.accumulate = len(self._mbs)
+            self._w.batch = self._mbs if len(self._mbs) > 1 else self._mbs[0]
+        self._w.loss = self._total
         bundle = close_step(cm)
+        task.accumulate = args.gradient_accumulation_steps
         if bundle is not None:
             self.bundle = bundle
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._hook is not None:
-            self._hook.remove()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

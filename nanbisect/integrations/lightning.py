@@ -1,11 +1,16 @@
-"""PyTorch Lightning: `NanbisectCallback` puts `Guard` around every training batch.
+"""PyTorch Lightning: `NanbisectCallback` puts `Guard` around every optimizer step.
 
     trainer = L.Trainer(callbacks=[NanbisectCallback(entry="train.py:task", out="bundles")])
 
-On a non-finite step the callback writes the bundle, keeps its path in ``.bundle``, logs it, and
-asks the trainer to stop (``trainer.should_stop``) instead of raising from inside a hook. The
-entry must rebuild the same module and optimizer: `task_from_module` does that for a
-LightningModule with one optimizer. Automatic optimisation only (one optimizer step per batch).
+The Task it guards is filled from the Trainer's own settings, so the bundle replays the
+Trainer's real step: ``gradient_clip_val`` (norm clipping), ``accumulate_grad_batches`` (each
+step's batch is its micro-batches, each loss divided by their number as Lightning does) and
+``precision`` (``16-mixed``/``bf16-mixed``: autocast around ``training_step``, and 16-mixed's
+GradScaler). On a non-finite step the callback writes the bundle, keeps its path in
+``.bundle``, logs it, and asks the trainer to stop (``trainer.should_stop``) instead of raising
+from inside a hook. The entry must rebuild the same module and optimizer: `task_from_module`
+does that for a LightningModule with one optimizer; the step's shape comes from the bundle.
+Automatic optimisation only; value clipping (``gradient_clip_algorithm="value"``) is refused.
 """
 from __future__ import annotations
 
@@ -15,8 +20,8 @@ import lightning as L
 import torch
 
 from nanbisect.guard import Guard
-from nanbisect.task import Task
 from nanbisect.integrations import close_step
+from nanbisect.task import Task
 
 
 def lightning_loss(module: L.LightningModule, batch) -> torch.Tensor:
@@ -35,29 +40,64 @@ def task_from_module(module: L.LightningModule) -> Task:
     return Task(model=module, optimizer=opt, loss_fn=lightning_loss)
 
 
+_AUTOCAST = {"16-mixed": "float16", "bf16-mixed": "bfloat16"}
+
+
 class NanbisectCallback(L.Callback):
     def __init__(self, entry: str, out: str | Path = "nanbisect-bundles") -> None:
         self.entry, self.out = entry, Path(out)
         self.guard: Guard | None = None
         self.bundle: Path | None = None
         self._cm = self._w = None
+        self._mbs: list = []
+        self._total = None
 
     def on_train_start(self, trainer, pl_module) -> None:
-        task = Task(model=pl_module, optimizer=trainer.optimizers[0], loss_fn=lightning_loss)
-        self.guard = Guard(task, entry=self.entry, out=self.out,
-                           start_step=trainer.global_step)
+        clip = trainer.gradient_clip_val or None
+        algorithm = trainer.gradient_clip_algorithm       # None: Lightning's default, norm
+        if clip is not None and algorithm is not None and str(algorithm) not in (
+                "norm", "GradClipAlgorithmType.NORM"):
+            raise ValueError("NanbisectCallback replays norm clipping only; use "
+                             "gradient_clip_algorithm='norm' or guard the step with Guard.watch")
+        plugin = trainer.precision_plugin
+        task = Task(model=pl_module, optimizer=trainer.optimizers[0], loss_fn=lightning_loss,
+                    grad_scaler=getattr(plugin, "scaler", None),
+                    clip_grad_norm=float(clip) if clip is not None else None,
+                    accumulate=trainer.accumulate_grad_batches,
+                    autocast=_AUTOCAST.get(str(trainer.precision)))
+        self.guard = Guard(task, entry=self.entry, out=self.out, start_step=trainer.global_step)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._cm = self.guard.watch(batch)
-        self._w = self._cm.__enter__()
+        if self._cm is None:
+            self._mbs, self._total = [], None
+            k = self.guard.task.accumulate
+            self._cm = self.guard.watch(batch if k == 1 else self._mbs)
+            self._w = self._cm.__enter__()
+        self._mbs.append(batch)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._cm is None:
             return
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self._w.loss = loss
+        # Lightning hands back the loss already divided by accumulate_grad_batches, as the
+        # step divides it: the sum of these is the step's loss as a replay computes it
+        part = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach()
+        self._total = part if self._total is None else self._total + part
+        k = self.guard.task.accumulate
+        if len(self._mbs) < k and not self._last_of_epoch(trainer, batch_idx):
+            return                  # the optimizer steps after the k-th micro-batch
+        task = self.guard.task
+        if k != 1 and len(self._mbs) != k:    # an epoch's last step may hold fewer
+            task.accumulate = len(self._mbs)
+            self._w.batch = self._mbs if len(self._mbs) > 1 else self._mbs[0]
+        self._w.loss = self._total
         cm, self._cm = self._cm, None
         bundle = close_step(cm)
+        task.accumulate = k
         if bundle is not None:
             self.bundle = bundle
             trainer.should_stop = True
+
+    @staticmethod
+    def _last_of_epoch(trainer, batch_idx: int) -> bool:
+        n = trainer.num_training_batches
+        return isinstance(n, int) and batch_idx + 1 >= n

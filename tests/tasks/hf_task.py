@@ -30,3 +30,20 @@ def dataset():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50, (8, 8), generator=g)
     return [{"input_ids": r, "labels": r} for r in ids]
+
+
+def task_eps0():
+    """AdamW with eps=0: embedding rows no position uses get 0 / (sqrt(0) + 0) = NaN at the
+    first update (an optimizer NaN with a finite loss); no SqrtAct."""
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=16, n_layer=1,
+                                   n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return nanbisect.Task(model=m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-3, eps=0.0),
+                          loss_fn=hf_loss)
+
+
+def dataset_low_tokens():
+    """Tokens from the lower half of the vocabulary only: the upper rows get no gradient."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 25, (8, 8), generator=g)
+    return [{"input_ids": r, "labels": r} for r in ids]

@@ -36,3 +36,30 @@ def data():
 
 def task():
     return task_from_module(Lit())
+
+
+class LitBag(L.LightningModule):
+    """Adam with eps=0 on an embedding whose upper rows no token uses: NaN at the first update."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, 8)
+        self.head = nn.Linear(8, 1)
+
+    def training_step(self, batch, batch_idx):
+        tokens, y = batch
+        return nn.functional.mse_loss(self.head(self.embed(tokens).mean(1)).squeeze(-1), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2, eps=0.0)
+
+
+def bag_data():
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 16, (16, 5), generator=g)
+    return torch.utils.data.TensorDataset(tokens, tokens.float().mean(1))
+
+
+def bag_task():
+    return task_from_module(LitBag())
