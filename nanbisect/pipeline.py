@@ -120,10 +120,19 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
             load_inject(opts.inject)  # a bad --inject fails here, before any rank starts
         progress("ranks", f"replaying {bundle.world_size} ranks on {target}")
         return run_multirank(bundle, target, opts.inject, out, opts.run_repro)
+    threads = torch.get_num_threads()
+    try:
+        return _run_bundle(bundle, opts, out, progress, target, t_dev, t_dtype)
+    finally:
+        torch.set_num_threads(threads)     # the capture's count was this run's only
+
+
+def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: Progress, target: str,
+                t_dev: torch.device, t_dtype: torch.dtype | None) -> Report:
+    m = bundle.manifest
     reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
     ref = None if reference == "none" else parse_device(reference)
     wrap = load_inject(opts.inject) if opts.inject else nullcontext
-
     notes = [n for n in [match_threads(bundle, t_dev)] if n]
     progress("build", "building the task")
     rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
@@ -182,7 +191,7 @@ def _decide(run: _Run, first: StepOutcome, side: "_Reference | None", ref, tmp: 
                       None, facts, notes=run.notes)
     if first.phase == "input":
         return Report("input-nonfinite", "data", "input", first.kind, None, facts,
-                      input_nonfinite=first.bad)
+                      input_nonfinite=first.bad, notes=run.notes)
     return _culprit_report(run, first, side, ref, tmp)
 
 
