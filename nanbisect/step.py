@@ -3,12 +3,12 @@ replay, so a replay computes what the guarded loop computed.
 
 The order is the AMP recipe's: for each of the ``accumulate`` micro-batches, forward through
 ``loss_fn`` (under autocast when the Task says so) and backward of the loss divided by
-``accumulate`` (scaled by the ``grad_scaler`` when there is one); then, as the optimizer phase, ``scaler.unscale_``, ``clip_grad_norm_``,
-``scaler.step`` (which skips the update when the gradients are not finite) and
-``scaler.update``, or a plain ``optimizer.step()``. The step is a generator of `Event`s, one after
-each micro-batch's forward and backward and one after the optimizer phase, so a replay can look
-at the values in between and stop early; ``phase(name)`` wraps each phase's code (probes,
-recorders). What it does not know: anything a custom loop does outside these fields (see
+``accumulate`` (scaled by the ``grad_scaler`` when there is one); then, as the optimizer phase,
+``scaler.unscale_``, ``clip_grad_norm_``, ``scaler.step`` (which skips the update when the gradients
+are not finite) and ``scaler.update``, or a plain ``optimizer.step()``. The step is a generator of
+`Event`s, one after each micro-batch's forward and backward and one after the optimizer phase, so a
+replay can look at the values in between and stop early; ``phase(name)`` wraps each phase's code
+(probes, recorders). What it does not know: anything a custom loop does outside these fields (see
 `Guard.watch`).
 """
 from __future__ import annotations
@@ -93,9 +93,9 @@ def run_step(task: Task, batch: Any,
         with phase("forward"), _autocast(task):
             loss = task.loss_fn(task.model, mb)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise BadInput(f"loss_fn returned {type(loss).__name__}"
-                           f"{'' if not isinstance(loss, torch.Tensor) else f' of shape {tuple(loss.shape)}'}"
-                           ", not a scalar tensor; return the loss")
+            shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
+            raise BadInput(f"loss_fn returned {type(loss).__name__}{shape}, not a scalar "
+                           "tensor; return the loss")
         part, total = add_loss(task, total, loss)
         yield Event("forward", i, loss=loss, total=total)
         with phase("backward"):

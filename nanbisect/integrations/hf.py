@@ -3,13 +3,13 @@
     trainer = Trainer(..., callbacks=[NanbisectTrainerCallback(entry="train.py:task")])
 
 The Task it guards is filled from the Trainer's own settings, so the bundle replays the Trainer's
-real step: ``max_grad_norm`` (clipping, on by default in the Trainer), ``gradient_accumulation_steps``
-(each step's batch is its micro-batches; a loss the model already normalises over the whole
-accumulation with ``num_items_in_batch`` is not divided again), ``fp16``/``bf16`` (autocast,
-and fp16's GradScaler from the accelerator). The Trainer hands callbacks no batch, so the
-callback takes each micro-batch from the model's forward calls (a forward pre-hook) and its loss
-from the forward's output, and opens the guard at the first one, before anything changed. On a
-non-finite step it writes the bundle, keeps its path in ``.bundle`` and sets
+real step: ``max_grad_norm`` (clipping, on by default in the Trainer),
+``gradient_accumulation_steps`` (each step's batch is its micro-batches; a loss the model already
+normalises over the whole accumulation with ``num_items_in_batch`` is not divided again),
+``fp16``/``bf16`` (autocast, and fp16's GradScaler from the accelerator). The Trainer hands
+callbacks no batch, so the callback takes each micro-batch from the model's forward calls (a forward
+pre-hook) and its loss from the forward's output, and opens the guard at the first one, before
+anything changed. On a non-finite step it writes the bundle, keeps its path in ``.bundle`` and sets
 ``control.should_training_stop``. The entry must rebuild the same model and optimizer, with
 ``loss_fn = hf_loss``; the step's shape comes from the bundle.
 """

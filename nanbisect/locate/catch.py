@@ -77,10 +77,10 @@ def calling_frame(frames: list[tuple[str, int]]) -> str | None:
     code is between them (a built-in backward formula, an optimizer kernel): the frames beyond
     are the tool's own callers (its CLI), never the op's source.
 
-    >>> T = torch.__file__
-    >>> calling_frame([("/srv/cli.py", 1), (__file__, 2), ("/srv/model.py", 3), (T, 4), (__file__, 5)])
+    >>> T, OWN = torch.__file__, __file__
+    >>> calling_frame([("/srv/cli.py", 1), (OWN, 2), ("/srv/model.py", 3), (T, 4), (OWN, 5)])
     '/srv/model.py:3'
-    >>> calling_frame([("/srv/cli.py", 1), (__file__, 2), (T, 3), (__file__, 4)]) is None
+    >>> calling_frame([("/srv/cli.py", 1), (OWN, 2), (T, 3), (OWN, 4)]) is None
     True
     """
     left_own = False

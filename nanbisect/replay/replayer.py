@@ -104,8 +104,8 @@ class Replayer:
         self.rng = RngState.decode(m["rng"], self.tensors)
         where = f"bundle '{bundle.path}'"
         if (m.get("optimizer") is None) != (self.task.optimizer is None):
-            raise BadInput(f"{where}: the bundle {'has no' if m.get('optimizer') is None else 'has'}"
-                           " optimizer state but the entry's Task "
+            has = "has no" if m.get("optimizer") is None else "has"
+            raise BadInput(f"{where}: the bundle {has} optimizer state but the entry's Task "
                            f"{'has' if self.task.optimizer is not None else 'has no'} optimizer; "
                            "replay with the code that captured it")
         if dtype is not None:
@@ -137,7 +137,8 @@ class Replayer:
         return batch
 
     def input_faults(self, batch: Any) -> list[BadValue]:
-        """Non-finite values present before the step runs. ``-inf`` in a batch is allowed (masks)."""
+        """Non-finite values present before the step runs (``-inf`` in a batch is allowed:
+        masks)."""
         model, opt = self.task.model, self.task.optimizer
         bad = [b for b in _scan("batch", iter_tensors(batch)) if b.nan or b.posinf]
         bad += _scan("parameter", model.named_parameters())
