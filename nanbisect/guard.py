@@ -78,16 +78,18 @@ def resolve_entry_file(entry: str) -> str | None:
         tree = ast.parse(source.read_text())
     except (OSError, SyntaxError, ValueError) as e:
         raise BadInput(f"entry '{entry}': {source} cannot be read as Python ({e}); fix it")
-    names = set()
-    for node in tree.body:
+    # every name the module could bind, at any depth (a def inside `if`/`try` at the top level
+    # counts; a star import could bind anything): only a name bound nowhere is refused
+    names, star = set(), False
+    for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            names |= {t.id for t in targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            star = star or any(a.name == "*" for a in node.names)
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
-    if func not in names:
+    if func not in names and not star:
         raise BadInput(f"entry '{entry}': {source} defines no '{func}'; name the function that "
                        "returns nanbisect.Task")
     return str(source.resolve()) if target.endswith(".py") else None
@@ -186,6 +188,7 @@ class _Snapshot:
         self._live: list[torch.Tensor] = []
         self._opt_state: dict = {}
         self._groups: list[dict] = []
+        self.scale: torch.Tensor | None = None
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
              scaler=None) -> None:
@@ -196,6 +199,7 @@ class _Snapshot:
                 self._opt_state[p] = {k: v for k, v in st.items()}
                 live += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
             self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        self.scale = None                # the scaler's scale before the step
         if scaler is not None and getattr(scaler, "_scale", None) is not None:
             live += [scaler._scale, scaler._growth_tracker]   # two 1-element tensors
         if [t.shape for t in live] != [t.shape for t in self._copies] or any(
@@ -204,6 +208,8 @@ class _Snapshot:
         if live:
             torch._foreach_copy_(self._copies, live)
         self._live = live
+        if scaler is not None and getattr(scaler, "_scale", None) is not None:
+            self.scale = self._copies[-2]
 
     @torch.no_grad()
     def restore(self, opt: torch.optim.Optimizer | None) -> None:
@@ -349,6 +355,13 @@ class Guard:
              grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None) -> None:
         params = [local(p.data) for p in self.task.model.parameters()]
         dev = params[0].device if params else torch.device("cpu")
+        scaler = self.task.grad_scaler
+        if skipped is None and scaler is not None and scaler.is_enabled() and \
+                getattr(scaler, "_scale", None) is not None:
+            # a loop of its own (watch): the scaler skipped when it backed its scale off
+            before = (self._snapshot.scale if self._snapshot.scale is not None else
+                      torch.full_like(scaler._scale, getattr(scaler, "_init_scale", 0.0)))
+            skipped = (scaler._scale < before).float()
         loss_t = (local(loss).detach().float().reshape(-1).sum().to(dev) if loss is not None
                   else torch.zeros((), device=dev))
         extra = [t.detach().float().reshape(()).to(dev) for t in (grad_norm, skipped)
@@ -381,7 +394,9 @@ class Guard:
             return
         observed = self._observe(loss_v if loss is not None else None, norm_v, stalled)
         if self._rank.distributed:  # does any rank confirm it with the exact check?
-            confirmed = any_rank(torch.tensor([float(observed is not None)]))
+            confirmed = any_rank(torch.tensor(
+                [float(observed is not None)],
+                device="cpu" if self._rank.backend == "gloo" else dev))
             if confirmed.item() == 0:
                 self.step_index += 1
                 return
@@ -400,7 +415,8 @@ class Guard:
         if self._rank.distributed:
             path = Path(broadcast_str(str(path)))
             observed["rank"] = self._rank.rank
-        sources = {**self._sources, **user_sources(self._entry_file)}
+        # the hashes read when training started win: a file edited since is not what ran
+        sources = {**user_sources(self._entry_file), **self._sources}
         path = _write(self.task, batch, rng, path, entry=self.entry, entry_file=self._entry_file,
                       step=self.step_index, observed=observed, sources=sources,
                       scaler_state=_scaler_state(self.task))

@@ -184,6 +184,11 @@ def _decide(run: _Run, first: StepOutcome, side: "_Reference | None", ref, tmp: 
         run.progress("isolate", "isolating the target's ops on the reference")
         return _divergence_report(run, side, divergence, tmp)
     fid = facts.fidelity
+    if first.phase is None and first.scaler_skipped:
+        scale = (run.rep.bundle.manifest.get("grad_scaler") or {}).get("scale")
+        run.notes.append(f"the GradScaler skipped this step: its gradients were not finite at "
+                         f"scale {scale}; that is normal unless it keeps happening "
+                         "(Guard(max_scaler_skips=N) bundles a stalled scaler)")
     if first.phase is None:
         if observed:
             return _not_reproduced(run)
@@ -233,6 +238,10 @@ def _not_reproduced(run: _Run) -> Report:
         classification, why = "unknown", (
             "source files of the capture are missing here (listed above), so the replay may not "
             "run the captured code; replay where the training code is")
+    elif f is not None and f.environment_changed:
+        classification, why = "unknown", (
+            "the replay ran with other versions than the capture (listed above): a change in "
+            "them is as likely a cause as a transient; replay with the captured versions")
     else:
         classification, why = "transient", (
             "the replay ran the captured code from the same state, RNG and batch"
@@ -286,7 +295,7 @@ class _Reference:
 def _reference_side(bundle: Bundle, rep: Replayer, first: StepOutcome, ref, tape: RandomTape
                     ) -> tuple["_Reference | None", str | None]:
     """Replay on the reference; (None, why) when the reference cannot run the step."""
-    t_dtype = next(rep.task.model.parameters()).dtype
+    t_dtype = next(rep.task.model.parameters(), torch.zeros(())).dtype
     target_state = step_state(rep, first)
     ref_rep = _guarded(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry),
                        "building the task on the reference")

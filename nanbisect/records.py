@@ -92,6 +92,7 @@ class StepOutcome:
     # step's autograd graph, and every activation it holds, alive after the run
     loss_tensor: "torch.Tensor | None" = field(default=None, repr=False, compare=False)
     micro_batch: int | None = None    # the micro-batch where it failed (or stopped)
+    scaler_skipped: bool = False      # the GradScaler skipped the update (not a failure)
 
     @property
     def kind(self) -> str | None:

@@ -36,11 +36,13 @@ class Event:
 
 
 def micro_batches(task: Task, batch: Any) -> list:
-    """The step's micro-batches: ``[batch]``, or the ``accumulate`` items of ``batch``."""
+    """The step's micro-batches: ``[batch]``, or the items of ``batch``: ``accumulate`` of them,
+    or fewer for an epoch's last, short window (each loss is still divided by ``accumulate``,
+    as Lightning does; a trainer that divides by the window's length records that length)."""
     k = task.accumulate
     if k == 1:
         return [batch]
-    if not isinstance(batch, (list, tuple)) or len(batch) != k:
+    if not isinstance(batch, (list, tuple)) or not 1 <= len(batch) <= k:
         what = f"a {type(batch).__name__}" + (f" of {len(batch)}" if hasattr(batch, "__len__")
                                               else "")
         raise BadInput(f"Task(accumulate={k}) needs each step's batch to be a list of {k} "
@@ -50,6 +52,8 @@ def micro_batches(task: Task, batch: Any) -> list:
 
 def found_inf(scaler, optimizer) -> torch.Tensor:
     """The scaler's verdict on this step's gradients, on the device, without a host sync."""
+    if not scaler.is_enabled():
+        return torch.zeros(())
     per_device = scaler._found_inf_per_device(optimizer)   # NB: private, stable since torch 1.6
     return torch.stack([v.reshape(()).float() for v in per_device.values()]).sum() \
         if per_device else torch.zeros(())
@@ -109,6 +113,8 @@ def run_step(task: Task, batch: Any,
             scaler.unscale_(opt)
         if task.clip_grad_norm is not None:   # as loops write it: all of the model's parameters
             norm = torch.nn.utils.clip_grad_norm_(task.model.parameters(), task.clip_grad_norm)
+            if hasattr(norm, "full_tensor"):   # FSDP2: a DTensor; every rank runs this
+                norm = norm.full_tensor()
         if scaler is not None:
             skipped = found_inf(scaler, opt)
             scaler.step(opt)

@@ -75,7 +75,7 @@ class Task:
         Task (an integration fills it from the trainer's settings, which the entry cannot know).
         """
         return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm,
-                "grad_scaler": self.grad_scaler is not None,
+                "grad_scaler": self.grad_scaler is not None and self.grad_scaler.is_enabled(),
                 "loss_normalized": self.loss_normalized, "autocast": self.autocast}
 
 

@@ -201,3 +201,52 @@ def test_long_lists_of_bad_parameters_are_counted(tmp_path):
     bad = e.value.observed["nonfinite_params"]
     assert len(bad["nan"]) == 20 and bad["nan_count"] == 60
     shutil.rmtree(e.value.bundle)
+
+
+def test_a_file_edited_while_training_ran_is_code_changed(tmp_path, monkeypatch):
+    """The process runs the code it imported; a fix saved to disk during training is not what
+    failed. The bundle keeps the hashes read when the Guard started."""
+    monkeypatch.delitem(sys.modules, "helper", raising=False)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "job.py").write_text(FLAKY)
+    (src / "helper.py").write_text("def shift():\n    return 5.0\n")
+    mod = import_target(str(src / "job.py"))
+    guard = Guard(mod.task(), entry=f"{src / 'job.py'}:task", out=tmp_path / "out")
+    (src / "helper.py").write_text("def shift():\n    return -5.0\n")     # the fix, on disk
+    with pytest.raises(NonFiniteStep) as e:
+        guard.step(torch.ones(2, 4))                                      # old code runs
+    rep = run_json(e.value.bundle, code=3)
+    assert rep["classification"] == "code-changed"
+    assert [f.rsplit("/", 1)[1] for f in rep["replay"]["code_changed"]] == ["helper.py"]
+
+
+def test_other_versions_make_a_not_reproduced_failure_unknown(tmp_path, monkeypatch):
+    monkeypatch.setenv("NANBISECT_TEST_FLAKY", "1")
+    import transient
+
+    guard = Guard(transient.task(), entry=f"{transient.__file__}:task", out=tmp_path / "g")
+    with pytest.raises(NonFiniteStep) as e:
+        guard.step(transient.batch())
+    m = json.loads((e.value.bundle / "manifest.json").read_text())
+    m["environment"]["torch"] = "2.1.0"
+    (e.value.bundle / "manifest.json").write_text(json.dumps(m))
+    rep = run_json(e.value.bundle, code=3)
+    assert rep["classification"] == "unknown"
+    assert rep["replay"]["environment_changed"][0].startswith("torch 2.1.0 at capture")
+
+
+def test_fail_fast_accepts_what_python_could_bind(tmp_path):
+    from nanbisect.errors import BadInput
+    from nanbisect.guard import resolve_entry_file
+
+    (tmp_path / "star.py").write_text("from os.path import *\n")
+    (tmp_path / "nested.py").write_text("try:\n    def task():\n        pass\nexcept Exception:\n"
+                                        "    pass\n")
+    (tmp_path / "none.py").write_text("def other():\n    pass\n")
+    assert resolve_entry_file(f"{tmp_path / 'star.py'}:task")
+    assert resolve_entry_file(f"{tmp_path / 'nested.py'}:task")
+    with pytest.raises(BadInput, match="defines no 'task'"):
+        resolve_entry_file(f"{tmp_path / 'none.py'}:task")
+    with pytest.raises(BadInput, match="does not exist"):
+        resolve_entry_file(f"{tmp_path / 'missing.py'}:task")

@@ -171,3 +171,48 @@ def test_frozen_parameter_stays_frozen_in_the_replay(tmp_path):
     assert (rep["phase"], c["phase"], c["parameter"]) == ("optimizer", "optimizer",
                                                           "embed.weight")
     assert rep["replay"]["bit_exact"] is True
+
+
+def test_a_step_the_scaler_skips_normally_replays_clean(tmp_path):
+    """capture() of a step whose scaled gradients overflow: the scaler skips it, as it should;
+    the replay says so and blames nothing."""
+    from nanbisect import capture
+
+    task = loops.healthy_scaled()
+    guard = Guard(task, entry=entry("healthy_scaled"), out=tmp_path / "g")
+    scales = []
+    for s in range(6):
+        path = capture(task, loops.batch(s), tmp_path / f"step{s}", entry=entry("healthy_scaled"))
+        before = task.grad_scaler.get_scale()
+        guard.step(loops.batch(s))
+        scales.append((path, task.grad_scaler.get_scale() < before))
+    path = next(p for p, skipped in scales if skipped)
+    rep = run_json(path, code=0)
+    assert (rep["verdict"], rep["culprit"]) == ("clean", None)
+    assert any("skipped this step" in n for n in rep["notes"])
+
+
+def test_a_disabled_scaler_is_no_scaler(tmp_path):
+    task = loops.healthy_scaled()
+    task.grad_scaler = torch.amp.GradScaler("cpu", enabled=False)   # GradScaler(enabled=use_amp)
+    guard = Guard(task, entry=entry("healthy_scaled"), out=tmp_path)
+    for s in range(3):
+        guard.step(loops.batch(s))
+    assert task.describe()["grad_scaler"] is False
+
+
+def test_a_custom_loop_with_a_stalled_scaler_is_caught(tmp_path):
+    """Guard.watch: the loop runs its own AMP recipe; the guard sees the scale backed off."""
+    task = loops.scaled()
+    scaler, opt = task.grad_scaler, task.optimizer
+    guard = Guard(task, entry=entry("scaled"), out=tmp_path, max_scaler_skips=3)
+    with pytest.raises(NonFiniteStep) as e:
+        for s in range(6):
+            b = loops.pos_batch(s)
+            with guard.watch(b) as w:
+                opt.zero_grad()
+                w.loss = task.loss_fn(task.model, b)
+                scaler.scale(w.loss).backward()
+                scaler.step(opt)
+                scaler.update()
+    assert e.value.observed["scaler_skips"] == 3 and e.value.observed["step"] == 2

@@ -80,19 +80,22 @@ class NanbisectCallback(L.Callback):
             return
         # Lightning hands back the loss already divided by accumulate_grad_batches, as the
         # step divides it: the sum of these is the step's loss as a replay computes it
-        part = (outputs["loss"] if isinstance(outputs, dict) else outputs).detach()
-        self._total = part if self._total is None else self._total + part
+        part = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if part is None:      # training_step returned None: Lightning skipped this batch
+            self._mbs.pop()
+        else:
+            part = part.detach()
+            self._total = part if self._total is None else self._total + part
         k = self.guard.task.accumulate
-        if len(self._mbs) < k and not self._last_of_epoch(trainer, batch_idx):
-            return                  # the optimizer steps after the k-th micro-batch
-        task = self.guard.task
-        if k != 1 and len(self._mbs) != k:    # an epoch's last step may hold fewer
-            task.accumulate = len(self._mbs)
-            self._w.batch = self._mbs if len(self._mbs) > 1 else self._mbs[0]
+        if (batch_idx + 1) % k and not self._last_of_epoch(trainer, batch_idx):
+            return                  # Lightning steps the optimizer after every k-th batch
+        if k != 1 and len(self._mbs) != k:
+            # an epoch's last, short window: Lightning still divides each loss by k, and so
+            # does the step (`micro_batches` takes a shorter list)
+            self._w.batch = list(self._mbs)
         self._w.loss = self._total
         cm, self._cm = self._cm, None
         bundle = close_step(cm)
-        task.accumulate = k
         if bundle is not None:
             self.bundle = bundle
             trainer.should_stop = True

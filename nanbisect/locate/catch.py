@@ -35,9 +35,9 @@ def _where(path: str) -> str:
     """Whose a frame is: "own" (nanbisect), "torch", "lib" (the standard library, frozen and
     generated code) or "user" (anything else: the user's files and installed model code)."""
     path = os.path.abspath(path) if not path.startswith("<") else path
-    if path.startswith(_OWN_DIR):
+    if path.startswith(_OWN_DIR + os.sep):
         return "own"
-    if path.startswith(_TORCH_DIR):
+    if path.startswith(_TORCH_DIR + os.sep):
         return "torch"
     if path.startswith("<") or "/lib/python3" in path and "site-packages" not in path:
         return "lib"

@@ -114,6 +114,11 @@ class Replayer:
             self.task.model.to(device)
         self._where = where
         self.notes = apply_step_shape(self.task, m.get("task"), device, dtype)
+        # with a GradScaler, gradients that overflow are normal (the scaler skips the step);
+        # they are the failure only in the bundle of a stall (the scaler kept skipping)
+        scaler = self.task.grad_scaler
+        self.grads_fail = (scaler is None or not scaler.is_enabled()
+                           or bool((m.get("observed") or {}).get("scaler_skips")))
 
     def restore(self) -> Any:
         """Reset model, optimizer, scaler, train/eval modes, ``requires_grad`` and RNG to the
@@ -175,6 +180,7 @@ class Replayer:
         stop_micro = last if micro is None else micro
         failed: StepOutcome | None = None   # the first failure
         total = kept = None
+        skipped = False
         with wrap():
             try:
                 for ev in run_step(task, batch, phase):
@@ -187,7 +193,7 @@ class Replayer:
                                                  kept, micro_batch=ev.micro)
                             if not self.lockstep:
                                 return failed
-                    elif ev.phase == "backward" and failed is None:
+                    elif ev.phase == "backward" and failed is None and self.grads_fail:
                         grads = _scan("grad", ((n, p.grad) for n, p in
                                                task.model.named_parameters() if p.grad is not None))
                         if grads:
@@ -200,13 +206,16 @@ class Replayer:
                             and failed is None and not self.lockstep):
                         return StepOutcome(self._value(total), None, loss_tensor=kept,
                                            micro_batch=ev.micro)
+                    if ev.phase == "optimizer" and ev.skipped is not None:
+                        skipped = bool(ev.skipped.item() > 0)
             except BadInput as e:
                 raise BadInput(f"entry '{self.entry}': {e}") from None
         loss_v = self._value(total)
         if failed is not None:
             return replace(failed, loss=loss_v if failed.phase != "forward" else failed.loss)
         params = _scan("parameter", task.model.named_parameters())
-        return StepOutcome(loss_v, "optimizer" if params else None, params, kept)
+        return StepOutcome(loss_v, "optimizer" if params else None, params, kept,
+                           scaler_skipped=skipped)
 
     @staticmethod
     def _value(total: torch.Tensor | None) -> float | None:
@@ -219,30 +228,28 @@ def apply_step_shape(task: Task, shape: dict | None, device: torch.device,
     """Make the entry's Task run the step the bundle recorded (accumulation, clipping, scaler,
     loss normalisation, autocast): the recording is the step that failed, and an integration
     filled it from trainer settings the entry cannot know. Returns notes on what it changed. A
-    reference at a wider dtype runs without autocast (it is there to compute wider)."""
-    if not shape:
-        return []
+    replay at float32 or wider (a ``cpu:float64`` reference) runs without autocast: it is there
+    to compute wide."""
     changed = []
     for key in ("accumulate", "clip_grad_norm", "loss_normalized", "autocast"):
-        if key in shape and getattr(task, key) != shape[key]:
+        if shape and key in shape and getattr(task, key) != shape[key]:
             changed.append(f"{key}={shape[key]!r} (the entry's Task says {getattr(task, key)!r})")
             setattr(task, key, shape[key])
-    if shape.get("grad_scaler") and task.grad_scaler is None:
+    scaler = task.grad_scaler
+    if shape and "grad_scaler" in shape and not shape["grad_scaler"] and scaler is not None:
+        task.grad_scaler = None
+        if scaler.is_enabled():
+            changed.append("no GradScaler (the entry's Task has one)")
+    elif shape and shape.get("grad_scaler") and scaler is None:
         task.grad_scaler = torch.amp.GradScaler(device.type)
         changed.append("a GradScaler (the entry's Task has none)")
-    elif task.grad_scaler is not None and getattr(task.grad_scaler, "_device",
-                                                  device.type) != device.type:
-        # a scaler made for the capture device, replayed elsewhere: the same one, here (the
-        # bundle's state, loaded at each restore, sets its scale)
-        old = task.grad_scaler
-        task.grad_scaler = torch.amp.GradScaler(
-            device.type, growth_factor=old.get_growth_factor(),
-            backoff_factor=old.get_backoff_factor(), growth_interval=old.get_growth_interval(),
-            enabled=old.is_enabled())
-    elif "grad_scaler" in shape and not shape["grad_scaler"] and task.grad_scaler is not None:
-        task.grad_scaler = None
-        changed.append("no GradScaler (the entry's Task has one)")
-    if dtype is not None:
+    elif scaler is not None and (not scaler.is_enabled() or
+                                 getattr(scaler, "_device", device.type) != device.type):
+        # made for another device (torch disables a cuda scaler on a CPU-only machine): one
+        # for this device; the bundle's state, loaded at each restore, sets scale and factors
+        task.grad_scaler = (torch.amp.GradScaler(device.type) if shape and
+                            shape.get("grad_scaler") else None)
+    if dtype is not None and dtype.itemsize >= 4:
         task.autocast = None
     return ([f"the step is replayed as the bundle recorded it: {'; '.join(changed)}"]
             if changed else [])
