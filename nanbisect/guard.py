@@ -180,6 +180,14 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
                   sources=user_sources(entry_file), scaler_state=_scaler_state(task))
 
 
+def _live_scale(scaler) -> torch.Tensor | None:
+    """The scaler's scale tensor, on the device; None without an enabled scaler, or before its
+    first step (it makes the tensor then, from its initial scale)."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
+
+
 class _Snapshot:
     """Pre-step copies of everything an optimizer step or a forward pass may change in place."""
 
@@ -188,7 +196,7 @@ class _Snapshot:
         self._live: list[torch.Tensor] = []
         self._opt_state: dict = {}
         self._groups: list[dict] = []
-        self.scale: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None    # the scaler's scale before the step
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
              scaler=None) -> None:
@@ -199,17 +207,17 @@ class _Snapshot:
                 self._opt_state[p] = {k: v for k, v in st.items()}
                 live += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
             self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        self.scale = None                # the scaler's scale before the step
-        if scaler is not None and getattr(scaler, "_scale", None) is not None:
-            live += [scaler._scale, scaler._growth_tracker]   # two 1-element tensors
+        scale = _live_scale(scaler)
+        if scale is not None:
+            live += [scale, scaler._growth_tracker]   # two 1-element tensors
         if [t.shape for t in live] != [t.shape for t in self._copies] or any(
                 a.dtype != b.dtype or a.device != b.device for a, b in zip(live, self._copies)):
             self._copies = [torch.empty_like(t) for t in live]
         if live:
             torch._foreach_copy_(self._copies, live)
         self._live = live
-        if scaler is not None and getattr(scaler, "_scale", None) is not None:
-            self.scale = self._copies[-2]
+        # the scale before the step; None: the step is the scaler's first
+        self.scale = self._copies[-2] if scale is not None else None
 
     @torch.no_grad()
     def restore(self, opt: torch.optim.Optimizer | None) -> None:
@@ -346,22 +354,19 @@ class Guard:
     # -- the step's two halves -----------------------------------------------------------
     def _begin(self) -> RngState:
         rng = RngState.get(self._accel)
-        scaler = self.task.grad_scaler
-        self._scaler_fresh = scaler is not None and getattr(scaler, "_scale", 0) is None
-        self._snapshot.take(self.task.model, self.task.optimizer, scaler)
+        self._snapshot.take(self.task.model, self.task.optimizer, self.task.grad_scaler)
         return rng
 
     def _end(self, batch: Any, rng: RngState, loss: torch.Tensor | None,
              grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None) -> None:
         params = [local(p.data) for p in self.task.model.parameters()]
         dev = params[0].device if params else torch.device("cpu")
-        scaler = self.task.grad_scaler
-        if skipped is None and scaler is not None and scaler.is_enabled() and \
-                getattr(scaler, "_scale", None) is not None:
+        scaler, scale = self.task.grad_scaler, _live_scale(self.task.grad_scaler)
+        if skipped is None and scale is not None:
             # a loop of its own (watch): the scaler skipped when it backed its scale off
             before = (self._snapshot.scale if self._snapshot.scale is not None else
-                      torch.full_like(scaler._scale, getattr(scaler, "_init_scale", 0.0)))
-            skipped = (scaler._scale < before).float()
+                      torch.full_like(scale, scaler._init_scale))
+            skipped = (scale < before).float()
         loss_t = (local(loss).detach().float().reshape(-1).sum().to(dev) if loss is not None
                   else torch.zeros((), device=dev))
         extra = [t.detach().float().reshape(()).to(dev) for t in (grad_norm, skipped)
@@ -406,11 +411,9 @@ class Guard:
             self.step_index += 1
             return
         self._snapshot.restore(self.task.optimizer)
-        scaler = self.task.grad_scaler
-        if self._scaler_fresh and getattr(scaler, "_scale", None) is not None:
-            scaler._scale.fill_(getattr(scaler, "_init_scale", 1.0))   # as before its first step
+        if scale is not None and self._snapshot.scale is None:   # the scaler's first step
+            scale.fill_(scaler._init_scale)
             scaler._growth_tracker.zero_()
-            self._scaler_fresh = False
         path = self._free_path()
         if self._rank.distributed:
             path = Path(broadcast_str(str(path)))

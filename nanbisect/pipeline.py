@@ -147,13 +147,11 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: Progress,
                      "replaying the step on the target")
     observed = m.get("observed")
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
-    losses = Losses(original, json_number(first.loss), None,
-                    first.loss == original if isinstance(original, float)
-                    and first.loss is not None else None)
     captured = torch.device(str((m.get("devices") or {}).get("captured_on", "cpu")))
     fidelity = fidelity_check(bundle, rep.entry, original, first.loss,
                               same_setup=captured.type == t_dev.type and t_dtype is None)
     notes += _fidelity_notes(fidelity)
+    losses = Losses(original, json_number(first.loss), None, fidelity.bit_exact)
 
     side = None
     if ref is not None and first.phase != "input":
