@@ -46,15 +46,20 @@ def task():
 '''
 
 
-def guard_failure(tmp_path, fix_by_editing: str, monkeypatch):
-    """Capture a forward NaN from a task in tmp_path (entry + helper module); then edit one."""
+def guarded_job(tmp_path, monkeypatch):
+    """The task in tmp_path/src (entry job.py + helper module), imported, under a Guard."""
     monkeypatch.delitem(sys.modules, "helper", raising=False)   # this test's helper, not another's
     src = tmp_path / "src"
     src.mkdir()
     (src / "job.py").write_text(FLAKY)
     (src / "helper.py").write_text("def shift():\n    return 5.0\n")
     mod = import_target(str(src / "job.py"))
-    guard = Guard(mod.task(), entry=f"{src / 'job.py'}:task", out=tmp_path / "out")
+    return src, Guard(mod.task(), entry=f"{src / 'job.py'}:task", out=tmp_path / "out")
+
+
+def guard_failure(tmp_path, fix_by_editing: str, monkeypatch):
+    """Capture a forward NaN from the task in tmp_path; then edit one of its files."""
+    src, guard = guarded_job(tmp_path, monkeypatch)
     with pytest.raises(NonFiniteStep) as e:
         guard.step(torch.ones(2, 4))
     if fix_by_editing == "entry":
@@ -206,13 +211,7 @@ def test_long_lists_of_bad_parameters_are_counted(tmp_path):
 def test_a_file_edited_while_training_ran_is_code_changed(tmp_path, monkeypatch):
     """The process runs the code it imported; a fix saved to disk during training is not what
     failed. The bundle keeps the hashes read when the Guard started."""
-    monkeypatch.delitem(sys.modules, "helper", raising=False)
-    src = tmp_path / "src"
-    src.mkdir()
-    (src / "job.py").write_text(FLAKY)
-    (src / "helper.py").write_text("def shift():\n    return 5.0\n")
-    mod = import_target(str(src / "job.py"))
-    guard = Guard(mod.task(), entry=f"{src / 'job.py'}:task", out=tmp_path / "out")
+    src, guard = guarded_job(tmp_path, monkeypatch)
     (src / "helper.py").write_text("def shift():\n    return -5.0\n")     # the fix, on disk
     with pytest.raises(NonFiniteStep) as e:
         guard.step(torch.ones(2, 4))                                      # old code runs

@@ -28,27 +28,32 @@ def test_lightning_callback(tmp_path, monkeypatch):
         "aten.sqrt.default", "act", "forward")
 
 
-def test_hf_trainer_callback(tmp_path, monkeypatch):
+def hf_train(tmp_path, func: str, dataset: str, **settings):
+    """Train hf_task's ``func`` task on its ``dataset`` with the HF Trainer and the callback;
+    return the callback."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import Trainer, TrainingArguments
 
-    monkeypatch.syspath_prepend(str(TEST_TASKS))
     import hf_task
 
     from nanbisect.integrations.hf import NanbisectTrainerCallback
 
-    task = hf_task.task()
-    cb = NanbisectTrainerCallback(entry=f"{TEST_TASKS / 'hf_task.py'}:task", out=tmp_path / "b")
-    args = TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=3,
-                             per_device_train_batch_size=2, report_to=[], use_cpu=True,
-                             save_strategy="no", logging_strategy="no", learning_rate=1e-3,
+    task = getattr(hf_task, func)()
+    cb = NanbisectTrainerCallback(entry=f"{TEST_TASKS / 'hf_task.py'}:{func}", out=tmp_path / "b")
+    args = TrainingArguments(output_dir=str(tmp_path / "o"), per_device_train_batch_size=2,
+                             report_to=[], use_cpu=True, save_strategy="no",
+                             logging_strategy="no", learning_rate=1e-3,
                              lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                             optim="adamw_torch", disable_tqdm=True)
-    trainer = Trainer(model=task.model, args=args, train_dataset=hf_task.dataset(),
-                      callbacks=[cb], optimizers=(task.optimizer, None))
-    trainer.train()
+                             optim="adamw_torch", disable_tqdm=True, **settings)
+    Trainer(model=task.model, args=args, train_dataset=getattr(hf_task, dataset)(), callbacks=[cb],
+            optimizers=(task.optimizer, None)).train()
     assert cb.bundle is not None
+    return cb
+
+
+def test_hf_trainer_callback(tmp_path):
+    cb = hf_train(tmp_path, "task", "dataset", max_steps=3)
     rep = json.loads(cli("run", "--ckpt", cb.bundle, "--json").stdout)
     c = rep["culprit"]
     assert (c["op"], c["module"], c["phase"]) == ("aten.sqrt.default", "transformer.h.0.mlp.act",
@@ -78,28 +83,9 @@ def test_lightning_clipping_accumulation_and_precision_replay_the_trainers_step(
     assert (rep["phase"], rep["culprit"]["parameter"]) == ("optimizer", "embed.weight")
 
 
-def test_hf_clipping_and_accumulation_replay_the_trainers_step(tmp_path, monkeypatch):
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    from transformers import Trainer, TrainingArguments
-
-    import hf_task
-
-    from nanbisect.integrations.hf import NanbisectTrainerCallback
-
-    task = hf_task.task_eps0()
-    cb = NanbisectTrainerCallback(entry=f"{TEST_TASKS / 'hf_task.py'}:task_eps0",
-                                  out=tmp_path / "b")
-    args = TrainingArguments(output_dir=str(tmp_path / "o"), max_steps=2,
-                             per_device_train_batch_size=2, gradient_accumulation_steps=2,
-                             max_grad_norm=0.5, report_to=[], use_cpu=True, save_strategy="no",
-                             logging_strategy="no", learning_rate=1e-3,
-                             lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-                             optim="adamw_torch", disable_tqdm=True)
-    trainer = Trainer(model=task.model, args=args, train_dataset=hf_task.dataset_low_tokens(),
-                      callbacks=[cb], optimizers=(task.optimizer, None))
-    trainer.train()
-    assert cb.bundle is not None
+def test_hf_clipping_and_accumulation_replay_the_trainers_step(tmp_path):
+    cb = hf_train(tmp_path, "task_eps0", "dataset_low_tokens", max_steps=2,
+                  gradient_accumulation_steps=2, max_grad_norm=0.5)
     m = json.loads((cb.bundle / "manifest.json").read_text())
     assert (m["task"]["accumulate"], m["task"]["clip_grad_norm"]) == (2, 0.5)
     rep = json.loads(cli("run", cb.bundle, "--json").stdout)

@@ -138,24 +138,31 @@ def test_whole_overwrite_does_not_read_its_destination():
     assert op == "aten.log.default"
 
 
-def test_memory_allocated_unseen_at_a_dead_values_address_is_not_that_value():
-    """A buffer made outside the recorded ops (C++ scratch, a collective's internals) can land at
-    the address of a recorded value that has died; it must not inherit that value's history."""
+def unseen_nan_at_a_freed_address(free) -> torch.Tensor:
+    """A NaN buffer made outside the recorded ops (C++ scratch, a collective's internals) at the
+    address of a recorded value ``free()`` made and freed; retried until the allocator reuses
+    that address (skips the test if it never does)."""
     from torch.utils._python_dispatch import _disable_current_modes
+
+    for _ in range(200):
+        addr = free()
+        with _disable_current_modes():                           # unseen by the recorder
+            unseen = torch.full((4096,), float("nan"))
+        if unseen.untyped_storage().data_ptr() == addr:
+            return unseen
+    pytest.skip("the allocator never reused the address")
+
+
+def test_memory_allocated_unseen_at_a_dead_values_address_is_not_that_value():
+    """A buffer made outside the recorded ops can land at the address of a recorded value that
+    has died; it must not inherit that value's history."""
+    def free():
+        dead = torch.sqrt(torch.full((4096,), -1.0))             # NaN, recorded
+        return dead.untyped_storage().data_ptr()                  # and dead on return
 
     rec = OpRecorder(None, phases={"forward"})
     with rec:
-        for _ in range(200):
-            src = torch.full((4096,), -1.0)
-            dead = torch.sqrt(src)                                # NaN, recorded
-            addr = dead.untyped_storage().data_ptr()
-            del dead
-            with _disable_current_modes():                       # unseen by the recorder
-                unseen = torch.full((4096,), float("nan"))
-            if unseen.untyped_storage().data_ptr() == addr:
-                break
-        else:
-            pytest.skip("the allocator never reused the address")
+        unseen = unseen_nan_at_a_freed_address(free)
         out = (unseen * 2).sum()
         rec.mark("out", out)
     table, marks = rec.read()
@@ -169,22 +176,18 @@ def test_memory_reused_at_the_address_of_a_storage_freed_by_resize_is_not_that_v
     """FSDP2 frees an unsharded parameter's memory with ``untyped_storage().resize_(0)``: the
     storage lives on, its address is free. A buffer made outside the recorded ops there (gloo's
     reduce-scatter scratch, copied into the output when the caller waits) is not that value."""
-    from torch.utils._python_dispatch import _disable_current_modes
+    kept = []
+
+    def free():
+        param = torch.full((4096,), 2.0) * 1.0                       # clean, recorded
+        addr = param.untyped_storage().data_ptr()
+        param.untyped_storage().resize_(0)                           # freed, storage alive
+        kept.append(param)
+        return addr
 
     rec = OpRecorder(None, phases={"forward"})
-    kept = []
     with rec:
-        for _ in range(200):
-            param = torch.full((4096,), 2.0) * 1.0                   # clean, recorded
-            addr = param.untyped_storage().data_ptr()
-            param.untyped_storage().resize_(0)                       # freed, storage alive
-            kept.append(param)
-            with _disable_current_modes():                           # unseen by the recorder
-                unseen = torch.full((4096,), float("nan"))
-            if unseen.untyped_storage().data_ptr() == addr:
-                break
-        else:
-            pytest.skip("the allocator never reused the address")
+        unseen = unseen_nan_at_a_freed_address(free)
         out = torch.empty(4096)
         out.copy_(unseen)
         rec.mark("out", out)
