@@ -42,7 +42,7 @@ from nanbisect.replay.recorder import tensor_args, written_tensors
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.report.model import Report
 from nanbisect.report.repro import repro_imports, run_repro, write_module_repro, write_repro
-from nanbisect.report.write import staged, write_report
+from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
 
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
@@ -99,7 +99,9 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
                progress: Progress = lambda key, text: None) -> Report:
     """Replay a bundle, bisect its failure down to an op, write the report directory.
 
-    ``out`` defaults to ``BUNDLE/nanbisect-report``; it is replaced atomically.
+    ``out`` defaults to ``BUNDLE/nanbisect-report``; it is replaced atomically, and only when it
+    is absent, empty or an earlier report (anything else is refused before the replay starts:
+    `nanbisect.report.write.check_out`).
 
     >>> import tempfile
     >>> report = run_bundle("fixtures/bundles/forward_nan_behind_mask",
@@ -109,7 +111,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     """
     bundle = read_bundle(path)
     m = bundle.manifest
-    out = Path(out) if out is not None else bundle.path / "nanbisect-report"
+    out = check_out(out if out is not None else bundle.path / DEFAULT_NAME, bundle.path)
     target = opts.target or _default_target(m)
     t_dev, t_dtype = parse_device(target)
     if bundle.multi_rank:
@@ -165,7 +167,7 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: Progress,
     facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
                      fidelity)
     run = _Run(rep, probe, wrap, opts, facts, progress, notes)
-    with staged(out) as tmp:
+    with staged(out, bundle.path) as tmp:
         report = _decide(run, first, side, ref, tmp)
         progress("report", "writing the report")
         write_report(report, tmp)
