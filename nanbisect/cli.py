@@ -89,14 +89,17 @@ def run(
     inject: Optional[str] = typer.Option(None, help="FILE.py:FUNC whose context manager wraps "
                                                     "every target-side execution"),
     out: Optional[Path] = typer.Option(None, help="report directory (default: "
-                                                  "BUNDLE/nanbisect-report)"),
+                                                  "BUNDLE/nanbisect-report); new, empty, or a "
+                                                  "report nanbisect wrote (only that is "
+                                                  "replaced)"),
     entry: Optional[str] = typer.Option(None, help="override the bundle's entry string"),
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
 ) -> None:
     """Replay a bundle, bisect the failure, write report.json, report.md and report.html.
 
     Runs the entry's code (it rebuilds the model and replays the step), as running the training
-    script would; `nanbisect inspect` never runs any."""
+    script would; `nanbisect inspect` never runs any. --out is replaced only when it is new,
+    empty, or a report nanbisect wrote."""
     if bundle is not None and ckpt is not None and bundle != ckpt:
         _fail(BadInput(f"run: two bundles given ('{bundle}' and --ckpt '{ckpt}'); pass one"))
     path = bundle if bundle is not None else ckpt
@@ -125,7 +128,8 @@ def inspect(
     bundle: Path = typer.Argument(..., help="bundle directory"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
-    """Summarise a bundle without importing any user code (safe on untrusted bundles)."""
+    """Summarise a bundle; never runs any of its code (imports no user code, unpickles nothing,
+    bounded time and memory): safe on untrusted bundles."""
     from nanbisect.bundle.summary import summarize, summary_text
 
     try:
@@ -198,6 +202,36 @@ def unpack(
     except BadInput as e:
         _fail(e)
     typer.echo(f"nanbisect: extracted into {dest}")
+
+
+@app.command()
+def clean(
+    dirs: list[Path] = typer.Argument(..., help="directories to search for leftovers"),
+    min_age: float = typer.Option(600.0, "--min-age", help="remove only leftovers nothing has "
+                                                         "written to for this many seconds"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
+) -> None:
+    """Remove what killed captures and report writes left behind (hidden .NAME.tmp-XXXXXXXX
+    directories); never a bundle, a report or anything else."""
+    from nanbisect.bundle.leftovers import find_leftovers, remove
+
+    for d in dirs:
+        if not d.is_dir():
+            _fail(BadInput(f"clean: '{d}' is not a directory; pass directories that hold "
+                           "bundles"))
+    found = find_leftovers(dirs)
+    if dry_run:
+        for x in found:
+            typer.echo(f"would remove {x.path} ({x.bytes} bytes, {x.age_s:.0f}s old)")
+        typer.echo(f"nanbisect: {len(found)} leftover(s), {sum(x.bytes for x in found)} bytes")
+        raise typer.Exit(0)
+    removed, kept = remove(found, min_age)
+    for x in removed:
+        typer.echo(f"removed {x.path} ({x.bytes} bytes)")
+    for x, why in kept:
+        typer.echo(f"kept {x.path}: {why}")
+    typer.echo(f"nanbisect: removed {len(removed)} leftover(s), "
+               f"{sum(x.bytes for x in removed)} bytes; kept {len(kept)}")
 
 
 @app.command()

@@ -23,8 +23,10 @@ import importlib.util
 import os
 import sys
 import tempfile
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -145,18 +147,18 @@ def _scaler_state(task: Task) -> dict | None:
 
 def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
            entry_file: str | None, step: int | None, observed: dict | None,
-           sources: dict[str, str], scaler_state: dict | None) -> Path:
-    """Write the bundle (every rank its part, under torch.distributed)."""
-    def part(p: Path) -> None:
+           sources: dict[str, str], scaler_state: dict | None, unique: bool = False) -> Path:
+    """Write the bundle (every rank its part, under torch.distributed); return where it went
+    (with ``unique``, a taken ``path`` gets the next free ``path-N``)."""
+    def part(p: Path, unique: bool = False) -> Path:
         manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
                                           observed=observed, path=p, entry_file=entry_file,
                                           sources=sources, scaler_state=scaler_state)
-        write_bundle(p, manifest, tensors)
+        return write_bundle(p, manifest, tensors, unique=unique)
 
     if rank_info().distributed:
-        return write_all_ranks(path, part, {"entry": entry, "step": step})
-    part(path)
-    return path
+        return write_all_ranks(path, part, {"entry": entry, "step": step}, unique=unique)
+    return part(path, unique)
 
 
 def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int | None = None
@@ -420,9 +422,20 @@ class Guard:
             observed["rank"] = self._rank.rank
         # the hashes read when training started win: a file edited since is not what ran
         sources = {**user_sources(self._entry_file), **self._sources}
-        path = _write(self.task, batch, rng, path, entry=self.entry, entry_file=self._entry_file,
-                      step=self.step_index, observed=observed, sources=sources,
-                      scaler_state=_scaler_state(self.task))
+        write = partial(_write, self.task, batch, rng, entry=self.entry,
+                        entry_file=self._entry_file, step=self.step_index, observed=observed,
+                        sources=sources, scaler_state=_scaler_state(self.task), unique=True)
+        try:
+            path = write(path)
+        except OSError as e:
+            if self._rank.distributed:   # the ranks would have to agree on another place
+                raise
+            # `out` went away or filled up since the Guard checked it: the failing step is
+            # what this run exists to keep, so keep it somewhere
+            rescue = Path(tempfile.gettempdir()) / "nanbisect-rescue" / path.name
+            path = write(rescue)
+            warnings.warn(f"Guard: could not write the bundle into '{self.out}' ({e.strerror or e}"
+                          f"); wrote it to '{path}' instead", RuntimeWarning, stacklevel=3)
         raise NonFiniteStep(path, observed)
 
     def _observe(self, loss: float | None, grad_norm: float | None,

@@ -53,3 +53,13 @@ def test_bundle_as_argument_or_flag(fixture_bundle, tmp_path):
         (tmp_path / "b" / "report.json").read_text().replace(str(tmp_path / "b"), "")
     same = invoke("run", bundle, "--ckpt", bundle, "--out", tmp_path / "c")
     assert same.code == 0
+
+
+def test_help_says_what_runs_code_and_what_never_does():
+    """`run` executes the entry's code, as the training script would; `inspect` never does."""
+    run_help = " ".join(invoke("run", "--help").stdout.replace("`", "").split())
+    assert "Runs the entry's code" in run_help and "inspect never runs" in run_help
+    inspect_help = " ".join(invoke("inspect", "--help").stdout.split())
+    assert "never runs" in inspect_help and "untrusted" in inspect_help
+    clean_help = " ".join(invoke("clean", "--help").stdout.split())
+    assert "never a bundle" in clean_help

@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 
 from nanbisect import __version__
 from nanbisect.errors import BadInput
+from nanbisect.bundle.atomic import place
 from nanbisect.bundle.state import Tensors
 
 SCHEMA = "nanbisect.bundle/1"
@@ -58,7 +59,8 @@ def environment() -> dict:
             "platform": platform.platform(), "torch_threads": torch.get_num_threads()}
 
 
-def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors]) -> Path:
+def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
+                 unique: bool = False) -> Path:
     """Write ``tensors`` (role -> flat tensor dict) and ``manifest`` atomically to ``path``.
 
     >>> import tempfile
@@ -68,7 +70,7 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors]) -> Pat
     ['batch.safetensors', 'manifest.json']
     """
     path = Path(path)
-    if path.exists():
+    if path.exists() and not unique:
         raise FileExistsError(f"{path} already exists; choose a new bundle path or remove it")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
@@ -86,7 +88,9 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors]) -> Pat
         full = {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
                 "environment": environment(), **manifest, "files": files}
         _fsync_write(tmp / MANIFEST, json.dumps(full, indent=1, allow_nan=False).encode())
-        os.rename(tmp, path)
+        # never over an existing path; with ``unique`` a taken name gets the next free NAME-N,
+        # so two processes writing the same step both keep their bundle
+        path = place(tmp, path, unique=unique)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

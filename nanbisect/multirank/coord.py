@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from nanbisect.bundle.atomic import place
 from nanbisect.bundle.format import MANIFEST, SCHEMA, environment
 
 
@@ -81,9 +82,11 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_all_ranks(final: Path, write_part: Callable[[Path], None], manifest: dict) -> Path:
+def write_all_ranks(final: Path, write_part: Callable[[Path], None], manifest: dict,
+                    unique: bool = False) -> Path:
     """Every rank writes ``tmp/rank{r}`` with ``write_part``; rank 0 writes the top manifest
-    and renames ``tmp`` to ``final`` after all parts exist. Returns ``final`` on every rank."""
+    and renames ``tmp`` to ``final`` after all parts exist, never over an existing path (with
+    ``unique``, the first free ``final-N``). Returns where it went, on every rank."""
     info = rank_info()
     tmp_name = broadcast_str(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp = final.parent / tmp_name
@@ -109,9 +112,8 @@ def write_all_ranks(final: Path, write_part: Callable[[Path], None], manifest: d
             f.write(json.dumps(top, indent=1, allow_nan=False))
             f.flush()
             os.fsync(f.fileno())
-        os.rename(tmp, final)
-    dist.barrier()
-    return final
+        final = place(tmp, final, unique=unique)
+    return Path(broadcast_str(str(final)))   # also the barrier: every rank gets rank 0's name
 
 
 # ------------------------------------------------------------------------------------------

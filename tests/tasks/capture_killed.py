@@ -1,0 +1,28 @@
+"""A capture that stops half-way, so a test can kill -9 it mid-write (tests/test_leftovers.py).
+
+Usage: python capture_killed.py OUT READY_FILE. The capture writes its first tensor file, then
+touches READY_FILE and waits (the wait replaces the file's checksum, which comes next); the
+test then kills the process with SIGKILL, as the OOM killer or a job scheduler would."""
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "fixtures" / "tasks"))
+
+import nan_batch  # noqa: E402
+
+import nanbisect  # noqa: E402
+from nanbisect.bundle import format as fmt  # noqa: E402
+
+out, ready = Path(sys.argv[1]), Path(sys.argv[2])
+
+
+def stuck(path):
+    ready.touch()
+    time.sleep(3600)
+
+
+fmt._sha256 = stuck
+nanbisect.capture(nan_batch.task(), next(nan_batch.batches()), out / "step000001",
+                  entry=str(ROOT / "fixtures/tasks/nan_batch.py") + ":task")
