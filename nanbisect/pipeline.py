@@ -121,7 +121,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
         if opts.inject:
             load_inject(opts.inject)  # a bad --inject fails here, before any rank starts
         progress("ranks", f"replaying {bundle.world_size} ranks on {target}")
-        return run_multirank(bundle, target, opts.inject, out, opts.run_repro)
+        return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry)
     threads = torch.get_num_threads()
     try:
         return _run_bundle(bundle, opts, out, progress, target, t_dev, t_dtype)
@@ -151,7 +151,8 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: Progress,
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
     captured = torch.device(str((m.get("devices") or {}).get("captured_on", "cpu")))
     fidelity = fidelity_check(bundle, rep.entry, original, first.loss,
-                              same_setup=captured.type == t_dev.type and t_dtype is None)
+                              same_setup=captured.type == t_dev.type and t_dtype is None,
+                              override=opts.entry is not None)
     notes += _fidelity_notes(fidelity)
     losses = Losses(original, json_number(first.loss), None, fidelity.bit_exact)
 

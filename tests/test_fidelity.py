@@ -91,6 +91,17 @@ def test_a_moved_checkout_is_compared_file_by_file(tmp_path, monkeypatch):
     assert rep["replay"]["faithful"] is None            # a NaN loss cannot be compared
 
 
+def test_an_entry_override_with_other_code_is_code_changed(tmp_path, monkeypatch):
+    """``--entry`` naming a fixed copy elsewhere: the replay ran other code, not a transient."""
+    bundle, src = guard_failure(tmp_path, "nothing", monkeypatch)
+    fixed = tmp_path / "fixed"
+    shutil.copytree(src, fixed)
+    (fixed / "job.py").write_text(FLAKY.replace("x - shift()", "(x - shift()).abs()"))
+    rep = run_json(bundle, "--entry", f"{fixed / 'job.py'}:task", code=3)
+    assert (rep["verdict"], rep["classification"]) == ("not-reproduced", "code-changed")
+    assert rep["replay"]["code_changed"][0].startswith(f"--entry {fixed / 'job.py'}:task")
+
+
 def test_unchanged_code_that_does_not_fail_again_is_transient(tmp_path, monkeypatch):
     monkeypatch.setenv("NANBISECT_TEST_FLAKY", "1")
     import transient

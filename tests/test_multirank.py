@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from conftest import TEST_TASKS, cli, run_json
 
@@ -16,7 +19,8 @@ def torchrun_capture(func: str, out: Path) -> Path:
     """Train ``func``'s task under Guard on 2 ranks; return the bundle the ranks wrote."""
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                         "--nproc-per-node=2", "--rdzv-backend=c10d",
-                        "--rdzv-endpoint=127.0.0.1:0", str(TRAIN), func, str(out)],
+                        "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={out}-torchrun-logs",
+                        str(TRAIN), func, str(out)],
                        capture_output=True, text=True, timeout=240)
     lines = [line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()
              if line.startswith("BUNDLE ")]
@@ -25,16 +29,19 @@ def torchrun_capture(func: str, out: Path) -> Path:
 
 
 def failing_replay(bundle: Path, env: dict) -> tuple:
-    """Run a replay that must fail: exit 2, no traceback, no report, no rank process left.
-    Returns the result and its wall time."""
+    """Run a replay that must fail: exit 2, no traceback, no report, no rank process left, and
+    nothing left in its (private) TMPDIR. Returns the result and its wall time."""
+    tmp = bundle.parent / "tmp"
+    tmp.mkdir(exist_ok=True)
     t0 = time.monotonic()
-    res = cli("run", "--ckpt", bundle, env=env, timeout=200)
+    res = cli("run", "--ckpt", bundle, env={"TMPDIR": str(tmp), **env}, timeout=200)
     took = time.monotonic() - t0
     assert res.code == 2, res.stdout + res.stderr
     assert "Traceback" not in res.stderr
-    time.sleep(1)
-    assert rankworkers(bundle) == []
+    assert rankworkers(bundle) == []       # the launcher waited for them to be gone
     assert not (bundle / "nanbisect-report").exists()
+    assert [p.name for p in tmp.iterdir()
+            if p.name.startswith(("nanbisect-ranks-", "torchelastic_"))] == []
     return res, took
 
 
@@ -67,8 +74,14 @@ def test_comm_hook_corrupting_reduced_grads_is_communication(tmp_path):
         (False, True), (False, True)]
 
 
-def test_rank_that_computes_nan_locally_is_named(tmp_path):
-    bundle = torchrun_capture("rank1_nan", tmp_path / "g")
+@pytest.fixture(scope="module")
+def rank1_nan(tmp_path_factory) -> Path:
+    """ddp_train.py's rank1_nan: rank 1's forward takes sqrt of a negative number."""
+    return torchrun_capture("rank1_nan", tmp_path_factory.mktemp("rank1_nan") / "g")
+
+
+def test_rank_that_computes_nan_locally_is_named(rank1_nan):
+    bundle = rank1_nan
     top = json.loads((bundle / "manifest.json").read_text())
     assert top["ranks"]["1"]["observed"]["first"] == "loss"       # rank 1 failed alone...
     assert top["ranks"]["0"]["observed"]["summary"]["loss"] == "finite"   # ...rank 0 wrote too
@@ -83,6 +96,32 @@ def test_rank_that_computes_nan_locally_is_named(tmp_path):
     assert r0["module_stats"]["output"]["nan"] == 0 and r1["module_stats"]["output"]["nan"] > 0
     assert any("received it through the gradient reduction" in n for n in rep["notes"])
     assert rep["repro_result"]["reproduced"] is True
+
+
+def test_entry_override_runs_on_every_rank(rank1_nan, tmp_path):
+    # the same model with the sqrt fixed, from another file, named relative to the working
+    # directory: the failure the bundle's own entry reproduces (the test above) does not come back
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    rep = run_json(rank1_nan, "--entry", "tests/tasks/mr_fixed.py:rank1_nan_fixed",
+                   "--out", tmp_path / "rep", env={"MR_MARK_DIR": str(marks)}, code=3)
+    assert sorted(p.name for p in marks.iterdir()) == ["rank0", "rank1"]   # both ranks built it
+    assert (rep["verdict"], rep["classification"], rep["culprit"]) == (
+        "not-reproduced", "code-changed", None)
+    assert [r["loss"] != "nan" for r in rep["ranks"]] == [True, True]
+    changed = rep["replay"]["code_changed"]
+    assert changed[0].startswith(f"--entry {TEST_TASKS / 'mr_fixed.py'}:rank1_nan_fixed "
+                                 "(captured: ")
+
+
+def test_entry_override_that_does_not_exist_fails_before_any_rank_starts(rank1_nan, tmp_path):
+    t0 = time.monotonic()
+    res = cli("run", "--ckpt", rank1_nan, "--entry", "no_such_file.py:task",
+              "--out", tmp_path / "rep")
+    assert res.code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "--entry file 'no_such_file.py' not found" in res.stderr
+    assert rankworkers(rank1_nan) == [] and time.monotonic() - t0 < 60
+    assert not (tmp_path / "rep").exists()
 
 
 def test_nan_in_one_ranks_batch_is_input_nonfinite_naming_the_rank(tmp_path):
@@ -170,7 +209,13 @@ def test_fsdp2_reduce_scatter_returning_nan_is_communication(tmp_path):
 def test_rank_taking_a_different_control_path_ends_within_the_timeout(tmp_path):
     # rank 1 skips a collective that rank 0 waits in: a hang without the watchdog
     bundle = torchrun_capture("tp_healthy", tmp_path / "g")
-    res, took = failing_replay(bundle, {"DIVERGE_ON_REPLAY": "1", "NANBISECT_RANK_TIMEOUT": "20"})
-    assert "control path" in res.stderr
-    assert len(res.stderr.strip().splitlines()) <= 2
-    assert took < 20 + 60
+    t0 = time.monotonic()
+    run_json(bundle, "--out", tmp_path / "healthy", code=0)
+    # long enough for both ranks to reach their collectives however loaded the machine is
+    timeout = max(20, math.ceil(2.5 * (time.monotonic() - t0)))
+    res, took = failing_replay(bundle, {"DIVERGE_ON_REPLAY": "1",
+                                        "NANBISECT_RANK_TIMEOUT": str(timeout)})
+    assert f"no rank finished within {timeout}s: rank 0 waited in a collective at " in res.stderr
+    assert "rank 1 waited in a collective at " in res.stderr and "control path" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert took < timeout + 60

@@ -1,23 +1,44 @@
 """One rank of a multi-rank replay; started by `launcher` through torch.distributed.run.
 
 Every rank replays its own part of the bundle, in lockstep with the others (the same passes, each
-stopping after the same phase, so the collectives inside the step always match). After the first
-pass the ranks exchange what they saw and all take the same decision: which rank computed the
-failure locally (its own loss, or its own gradients going *into* the reduction, went bad), or
-whether every rank's input to the reduction was finite and its output was not (``grad-reduce``).
-Each rank writes ``PARTIAL/rank{r}.json``; a watchdog ends the process after the timeout, so a
-hung collective never leaves an orphan.
+stopping after the same phase, so the collectives inside the step always match), with the Task of
+``--entry`` when the launcher passes one (the user's ``nanbisect run --entry``), else the entry its
+part recorded. After the first pass the ranks exchange what they saw and all take the same
+decision: which rank computed the failure locally (its own loss, or its own gradients going *into*
+the reduction, went bad), or whether every rank's input to the reduction was finite and its output
+was not (``grad-reduce``). Each rank writes ``PARTIAL/rank{r}.json``.
+
+What a rank guarantees the launcher, so that it can name the rank that hung or died:
+- ``PARTIAL/rank{r}.state`` (JSON: pid, stage) says, from the start, which process this rank is
+  and which stage of the replay it reached;
+- on SIGUSR1 (the launcher's deadline) faulthandler writes every thread's Python stack to
+  ``PARTIAL/rank{r}.stacks``, from C, even while the rank is blocked in a collective or in native
+  code; a fatal signal (SIGSEGV, SIGBUS, SIGFPE, SIGABRT, SIGILL) writes it there too, then the
+  rank dies of that signal as it would have;
+- the rank ends when the launcher does: a thread waits for a shared lock on ``PARTIAL/.lock``,
+  which the launcher holds exclusively for the whole run, so the lock is granted only once the
+  launcher ended or was killed (even by SIGKILL); then the rank removes PARTIAL and exits (the
+  launcher's janitor does the same from outside; this covers a janitor that was killed too);
+- a last backstop, in C: faulthandler ends the rank after the timeout plus 60 s whatever it is
+  doing (the launcher's own deadline, the timeout, normally ends it first). The process group's
+  own timeout is longer than the launcher's deadline, so a hang is diagnosed, not a gloo error.
+A Python thread needs the GIL, so native code that holds the GIL forever defeats the lock thread;
+the janitor's SIGKILL and the faulthandler backstop do not need it.
 
 Usage (internal): ``python -m nanbisect.multirank.worker BUNDLE PARTIAL --target DEV [--inject F:f]
-[--timeout S]``.
+[--entry ENTRY] [--timeout S]``.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
+import fcntl
 import gc
 import json
 import os
+import shutil
+import signal
 import sys
 import threading
 import traceback
@@ -59,8 +80,30 @@ def _gather(obj):
     return everyone
 
 
-def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None
-                ) -> RankResult:
+def _no_stage(stage: str) -> None:
+    pass
+
+
+# where this rank is, for the launcher's error when it hangs (set by `main`)
+_stage = _no_stage
+
+
+def _stage_file(partial: Path, rank: int):
+    """A writer of ``PARTIAL/rank{r}.state``: this process's pid and the replay's stage."""
+    path, tmp = partial / f"rank{rank}.state", partial / f"rank{rank}.state.tmp"
+
+    def write(stage: str) -> None:
+        try:
+            tmp.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "stage": stage}))
+            os.replace(tmp, path)
+        except OSError:   # PARTIAL is gone: the launcher ended, and so will this rank
+            pass
+
+    return write
+
+
+def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None,
+                entry: str | None = None) -> RankResult:
     rank = dist.get_rank()
     top = read_bundle(bundle_path)
     part = top.part(rank)
@@ -68,8 +111,9 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     observer = ReductionObserver({})
+    _stage("building the task")
     with observing_comm_hooks(observer):
-        rep = Replayer(part, device, dtype)
+        rep = Replayer(part, device, dtype, entry=entry)
     model = rep.task.model
     observer.names.update({p: n for n, p in model.named_parameters()})
     observe_default_hook(model, observer)
@@ -81,10 +125,12 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         return RankResult(rank, plan=decide(_gather(summary)), summary=summary)
     wrap = load_inject(inject) if inject else nullcontext
     probe = ModuleProbe(model)
+    _stage("replay pass 1/3: module statistics")
     first = rep.run(phase=probing(probe), wrap=wrap)
     observer.active = False
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read())
+    _stage("after replay pass 1/3: exchanging what each rank saw")
     everyone = _gather(summary)
     plan = decide(everyone)
     result = RankResult(rank, plan=plan, summary=summary)
@@ -92,6 +138,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if phase not in ("forward", "backward", "optimizer") or culprit_rank is None:
         return result
     kind = everyone[culprit_rank].kind or "nan"
+    _stage("replay pass 2/3: op recording")
     finding = record_ops(rep, phase, kind, wrap)          # every rank: same passes
     roots = _gather(_root(finding))
     culprit_rank, through = choose_rank(roots, culprit_rank)
@@ -103,6 +150,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     spec = [(finding.site, CallId(finding.module, finding.module_call))
             if rank == culprit_rank and finding is not None else None]
     dist.broadcast_object_list(spec, src=culprit_rank)
+    _stage("replay pass 3/3: catching the culprit op's inputs")
     caught = catch_inputs(rep, spec[0][0], wrap) if spec[0] is not None else None
     table = probe.read()
     if spec[0] is not None:
@@ -131,26 +179,53 @@ def _root(finding: OpFinding | None) -> RankRoot | None:
                     finding.input_dtypes, finding.input_shapes, is_collective(finding.op))
 
 
+def _watch_launcher(partial: Path) -> None:
+    """Exit, removing PARTIAL, once the launcher let go of its exclusive lock on PARTIAL/.lock:
+    it ended, or it was killed (the kernel releases a dead process's locks)."""
+    try:
+        fd = os.open(partial / ".lock", os.O_RDONLY)
+    except OSError:   # no lock: the launcher is gone already
+        os._exit(1)
+
+    def wait() -> None:
+        fcntl.flock(fd, fcntl.LOCK_SH)    # blocks (without the GIL) while the launcher lives
+        shutil.rmtree(partial, ignore_errors=True)
+        os._exit(1)
+
+    threading.Thread(target=wait, name="nanbisect-launcher-watch", daemon=True).start()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")
     ap.add_argument("partial")
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--inject", default=None)
+    ap.add_argument("--entry", default=None)
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
-    out = Path(a.partial) / f"rank{rank}.json"
-    watchdog = threading.Timer(a.timeout, lambda: os._exit(124))
-    watchdog.daemon = True
-    watchdog.start()
+    partial = Path(a.partial)
+    _watch_launcher(partial)
+    out = partial / f"rank{rank}.json"
+    # faulthandler writes from C: the stacks come out even when this rank is blocked in native code
+    stacks = open(partial / f"rank{rank}.stacks", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(stacks, all_threads=True)                      # fatal signals: where
+    faulthandler.register(signal.SIGUSR1, stacks, all_threads=True)    # the launcher's deadline
+    faulthandler.dump_traceback_later(a.timeout + 60, exit=True, file=stacks)   # last backstop
+    global _stage
+    _stage = _stage_file(partial, rank)
+    _stage("starting the process group")
     backend = "gloo" if parse_device(a.target)[0].type == "cpu" else (
         "nccl" if a.target.startswith("cuda") else None)
     try:
+        # longer than the launcher's deadline: a hang is the launcher's to diagnose (it asks
+        # every rank where it is), not a gloo timeout on the rank that waited for it
         dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(seconds=max(a.timeout - 5, 5)))
-        result = replay_rank(Path(a.bundle), Path(a.partial), a.target, a.inject)
+                                timeout=datetime.timedelta(seconds=a.timeout + 30))
+        result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry)
         out.write_text(json.dumps(result.to_json()))
+        _stage("finished, waiting for the other ranks")
         dist.barrier()
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which names the rank
         if isinstance(e, BadInput):  # already names the problem and the fix
@@ -160,10 +235,10 @@ def main() -> None:
             where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
             msg = (f"{type(e).__name__}: {str(e)[:300]}{where}; fix the entry's code for that "
                    "rank or re-capture the bundle")
-        out.write_text(json.dumps(RankResult(rank, error=msg).to_json()))
-        os._exit(1)
-    finally:
-        watchdog.cancel()
+        try:
+            out.write_text(json.dumps(RankResult(rank, error=msg).to_json()))
+        finally:
+            os._exit(1)
     # The replayed model is garbage now; FSDP2 modules keep the process group in reference
     # cycles, and freeing them at interpreter shutdown can abort the process ("terminate called
     # without an active exception"). Free them while torch is alive; skip shutdown altogether:
