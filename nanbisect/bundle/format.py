@@ -2,24 +2,34 @@
 
 Guarantees: a bundle is written into a hidden temporary directory beside its final path and renamed
 into place only when every file and the manifest are on disk, so a crash never leaves a directory
-that looks valid. Every file's sha256 is in the manifest and checked on load. Reading a bundle
-parses JSON and safetensors only: it never unpickles and never imports user code.
-Not guaranteed: protection against a deliberately forged manifest whose checksums were recomputed.
+that looks valid; its files get the permissions of the user's umask (0644 under umask 022), also
+the tensor files, which safetensors itself writes 0600. Every file's sha256 is in the manifest and
+checked on load. Reading a bundle parses JSON and safetensors only: it never unpickles and never
+imports user code, and it is bounded in time and memory whatever the manifest or a safetensors
+header claims (`read_bundle`, `read_header`: size, JSON values and depth, world size, tensor
+count, offsets against the file's real size); a malformed manifest, header, field type, symbolic
+link or part directory outside the bundle is a `BadInput` naming the file and the fix.
+Not guaranteed: protection against a deliberately forged manifest whose checksums were recomputed
+(such a bundle replays whatever tensors it holds; `inspect` stays safe); a file swapped between
+the checks and the load (a bundle being rewritten while it is read); time to hash files that are
+really as large as they are (a sparse 1 TB file is hashed, slowly).
 """
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
+import stat
+import struct
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from nanbisect import __version__
@@ -47,6 +57,28 @@ def _fsync_write(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _umask() -> int:
+    try:
+        with open("/proc/self/status") as f:   # Linux: read it without setting it
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)   # elsewhere: the only way to read it is to set it, and put it back
+    os.umask(mask)
+    return mask
+
+
+def umask_mode(path: str | Path) -> None:
+    """Give a file the permissions a new file gets under the user's umask (0644 under 022).
+
+    safetensors >= 0.5 writes through a private temporary file, so its files are 0600 whatever the
+    umask, which keeps a colleague from replaying a bundle; call this after every ``save_file``.
+    """
+    os.chmod(path, 0o666 & ~_umask())
 
 
 def environment() -> dict:
@@ -82,6 +114,7 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
                 continue
             name = f"{role}.safetensors"
             save_file(tensors[role], str(tmp / name))
+            umask_mode(tmp / name)   # NB: safetensors >= 0.5 writes 0600 whatever the umask
             with open(tmp / name, "rb+") as f:
                 os.fsync(f.fileno())
             files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
@@ -97,6 +130,196 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
     return path
 
 
+# --------------------------------------------------------------------------------------------
+# reading: bounded in time and memory whatever a manifest or a safetensors header claims
+
+# A manifest costs ~540 bytes and ~23 JSON values per parameter tensor with Adam state, so these
+# hold ~120,000 parameter tensors per rank (DeepSeek-V3 unsharded: ~46,000). A bigger real one:
+# raise them with NANBISECT_MAX_MANIFEST_BYTES / NANBISECT_MAX_JSON_ITEMS.
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_JSON_ITEMS = 4_000_000      # '{' + '[' + ',' in one manifest or header: bounds what parsing
+#                                 builds (~0.3 GB, ~1 s at worst) before anything is parsed
+MAX_JSON_DEPTH = 256            # a batch pytree nested ~80 levels deep still fits
+MAX_WORLD_SIZE = 1 << 20
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
+MAX_TENSORS = 1 << 19           # tensors in one .safetensors file
+MAX_NDIM = 64
+# safetensors dtype -> bits, the ones both its reader and torch know
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "I16": 16, "U16": 16,
+              "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64,
+              "U64": 64, "C64": 64}
+_FIX = "copy the whole bundle again or re-capture it"
+
+
+def _limit(env: str, default: int) -> int:
+    """``default``, or the positive integer in environment variable ``env``."""
+    value = os.environ.get(env)
+    if not value:
+        return default
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise BadInput(f"{env}={show(value)} is not a positive integer; set it to a number such "
+                       f"as {default}, or unset it")
+    return n
+
+
+def show(value, limit: int = 60) -> str:
+    """``value`` for a one-line message: repr (no newline or control character), cut short."""
+    r = repr(value)
+    if len(r) <= limit:
+        return r
+    return r[:limit - 4] + "..." + (r[0] if r[0] in "'\"" else "")
+
+
+def _kind(value) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+
+
+def _unique_keys(pairs: list) -> dict:
+    d = dict(pairs)
+    if len(d) != len(pairs):
+        seen: set = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {show(dup)}")
+    return d
+
+
+def _too_deep(obj, limit: int) -> bool:
+    """Whether ``obj`` nests deeper than ``limit`` (level by level: no recursion, one list
+    comprehension per container)."""
+    level, depth = [obj], 1
+    while level:
+        if depth > limit:
+            return True
+        deeper: list = []
+        for o in level:
+            deeper += [v for v in (o.values() if type(o) is dict else o)
+                       if type(v) is dict or type(v) is list]
+        level, depth = deeper, depth + 1
+    return False
+
+
+def parse_json(raw: bytes, what: str, fix: str, unique_keys: bool = False):
+    """Parse UTF-8 JSON within `MAX_JSON_ITEMS` and `MAX_JSON_DEPTH`; `BadInput` otherwise.
+
+    >>> parse_json(b"[" * 300 + b"]" * 300, "x.json", "fix it")
+    Traceback (most recent call last):
+    ...
+    nanbisect.errors.BadInput: x.json is nested deeper than 256 levels; fix it
+    """
+    items = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
+    limit = _limit("NANBISECT_MAX_JSON_ITEMS", MAX_JSON_ITEMS)
+    if items > limit:
+        raise BadInput(f"{what} holds about {items} JSON values, more than the {limit} "
+                       f"nanbisect reads; {fix} (a real one this big: raise "
+                       "NANBISECT_MAX_JSON_ITEMS)")
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys if unique_keys
+                         else None)
+    except RecursionError:
+        obj = None
+        deep = True
+    except (ValueError, UnicodeDecodeError) as e:    # JSONDecodeError, duplicate key, 5000 digits
+        raise BadInput(f"{what} is not valid JSON ({e.__class__.__name__}: "
+                       f"{show(str(e), 80)[1:-1]}); {fix}") from None
+    else:
+        deep = isinstance(obj, (dict, list)) and _too_deep(obj, MAX_JSON_DEPTH)
+    if deep:
+        raise BadInput(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels; {fix}")
+    return obj
+
+
+def _regular(path: Path, shown: str, what: str = "file") -> os.stat_result:
+    """lstat ``path``: a regular file (no symbolic link, device or pipe), else `BadInput`."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise BadInput(f"{shown} is missing or unreadable ({e.strerror}); {_FIX}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise BadInput(f"{shown} is a symbolic link; a bundle holds only plain files (links "
+                       f"could read anything on this machine): {_FIX}")
+    if not stat.S_ISREG(st.st_mode):
+        raise BadInput(f"{shown} is not a plain {what}; {_FIX}")
+    return st
+
+
+def _uint(x, hi: int = 1 << 64) -> bool:
+    return type(x) is int and 0 <= x < hi
+
+
+def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
+    """The JSON header of a safetensors file, checked as safetensors checks it (and stricter):
+    name -> {dtype, shape, data_offsets}; `BadInput` naming ``shown`` (default: the path).
+
+    Reads at most 8 bytes plus the header (never more than the file holds); loads no tensor data.
+    """
+    path = Path(path)
+    shown = shown or str(path)
+
+    def bad(why: str) -> BadInput:
+        return BadInput(f"{shown} is not a readable safetensors file: {why}; {_FIX}")
+
+    st = _regular(path, shown)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise bad(f"{st.st_size} bytes, shorter than a header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > st.st_size - 8:
+                raise bad(f"the header claims {n} bytes, the file has {st.st_size}")
+            if n > MAX_HEADER_BYTES:
+                raise bad(f"the header claims {n} bytes, more than safetensors reads")
+            head_raw = f.read(n)
+    except OSError as e:
+        raise BadInput(f"{shown} cannot be read ({e.strerror}); {_FIX}") from None
+    if len(head_raw) != n:
+        raise bad("the file shrank while being read")
+    if not head_raw.startswith(b"{"):
+        raise bad("the header is not a JSON object")
+    head = parse_json(head_raw, f"{shown}: the safetensors header", _FIX, unique_keys=True)
+    if not isinstance(head, dict):
+        raise bad("the header is not a JSON object")
+    meta = head.pop("__metadata__", None)
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise bad("'__metadata__' is not an object of strings")
+    if len(head) > MAX_TENSORS:
+        raise bad(f"{len(head)} tensors, more than the {MAX_TENSORS} nanbisect reads")
+    spans = []
+    for name, t in head.items():
+        if not isinstance(t, dict):
+            raise bad(f"tensor {show(name)} is {_kind(t)}, not an object")
+        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+            raise bad(f"tensor {show(name)} has unknown dtype {show(dtype, 30)}")
+        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(_uint, shape))):
+            raise bad(f"tensor {show(name)} has shape {show(shape, 40)}, not a list of at most "
+                      f"{MAX_NDIM} sizes >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_uint, offsets))
+                and offsets[0] <= offsets[1]):
+            raise bad(f"tensor {show(name)} has data_offsets {show(offsets, 40)}, not "
+                      "[begin, end] with 0 <= begin <= end")
+        if math.prod(shape) * DTYPE_BITS[dtype] != (offsets[1] - offsets[0]) * 8:
+            raise bad(f"tensor {show(name)}: shape {shape} of {dtype} needs "
+                      f"{math.prod(shape) * DTYPE_BITS[dtype] // 8} bytes, its data_offsets span "
+                      f"{offsets[1] - offsets[0]}")
+        spans.append((offsets[0], offsets[1], name))
+    end = 0
+    for begin, stop, name in sorted(spans):
+        if begin != end:
+            raise bad(f"tensor {show(name)} starts at byte {begin} of the data, not {end} "
+                      "(tensors overlap or leave a gap)")
+        end = stop
+    if end != st.st_size - 8 - n:
+        raise bad(f"the tensors cover {end} bytes of data, the file holds {st.st_size - 8 - n}")
+    return head
+
+
 @dataclass(frozen=True)
 class Bundle:
     """A bundle whose manifest and checksums have been verified."""
@@ -105,14 +328,19 @@ class Bundle:
     manifest: dict
 
     def tensors(self, role: str) -> Tensors:
+        """The tensors of ``role`` (`BadInput` unless the file is a sound safetensors file)."""
         name = f"{role}.safetensors"
         if name not in self.manifest["files"]:
             return {}
+        shown = f"bundle '{self.path}': {name}"
+        read_header(self.path / name, shown)   # NB: ours first: sizes, offsets, no link
         try:
             return load_file(str(self.path / name))
-        except (SafetensorError, OSError, ValueError) as e:
-            raise BadInput(f"bundle '{self.path}': {name} is not a readable safetensors file "
-                           f"({e}); re-capture the bundle") from None
+        except BaseException as e:   # SafetensorError, OSError, a torch error, a Rust panic
+            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+                raise   # KeyboardInterrupt, SystemExit (pyo3's PanicException is a BaseException)
+            raise BadInput(f"{shown} is not a readable safetensors file "
+                           f"({show(str(e), 80)[1:-1]}); re-capture the bundle") from None
 
     def all_tensors(self) -> Tensors:
         out: Tensors = {}
@@ -128,13 +356,119 @@ class Bundle:
     def multi_rank(self) -> bool:
         return self.manifest.get("kind") == "multi-rank"
 
-    def part(self, rank: int) -> "Bundle":
+    def part(self, rank: int, verify: bool = True) -> "Bundle":
         """The verified part of one rank of a multi-rank bundle."""
-        return read_bundle(self.path / self.manifest["ranks"][str(rank)]["dir"])
+        return read_bundle(self.path / self.manifest["ranks"][str(rank)]["dir"], verify,
+                           _part=rank)
 
 
-def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
+def _read_manifest(p: Path) -> dict:
+    mpath = p / MANIFEST
+    if not os.path.lexists(mpath):
+        raise BadInput(f"bundle '{p}' has no manifest.json; it is not a nanbisect bundle or its "
+                       "capture did not finish; re-capture it")
+    st = _regular(mpath, f"bundle '{p}': manifest.json")
+    limit = _limit("NANBISECT_MAX_MANIFEST_BYTES", MAX_MANIFEST_BYTES)
+    if st.st_size > limit:
+        raise BadInput(f"bundle '{p}': manifest.json has {st.st_size} bytes, more than the "
+                       f"{limit} nanbisect reads; re-capture the bundle (a real one this big: "
+                       "raise NANBISECT_MAX_MANIFEST_BYTES)")
+    try:
+        with open(mpath, "rb") as f:
+            raw = f.read(st.st_size + 1)   # NB: not limit + 1: read(n) allocates n bytes
+    except OSError as e:
+        raise BadInput(f"bundle '{p}': manifest.json cannot be read ({e.strerror}); {_FIX}") \
+            from None
+    if len(raw) > limit:
+        raise BadInput(f"bundle '{p}': manifest.json grew past {limit} bytes while being "
+                       "read; re-capture the bundle")
+    manifest = parse_json(raw, f"bundle '{p}': manifest.json", "re-capture the bundle")
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("schema"), str) or \
+            not manifest["schema"].startswith("nanbisect.bundle/"):
+        raise BadInput(f"bundle '{p}': manifest.json has no 'nanbisect.bundle/N' schema; it was "
+                       "not written by nanbisect; re-capture the bundle")
+    version = manifest["schema"].split("/", 1)[1]
+    if not (version.isascii() and version.isdigit() and len(version) < 10):
+        raise BadInput(f"bundle '{p}': unreadable schema {show(manifest['schema'])}; re-capture "
+                       "the bundle")
+    if int(version) > SCHEMA_VERSION:
+        raise BadInput(f"bundle '{p}' uses schema {int(version)}, newer than this nanbisect "
+                       f"({__version__}, schema {SCHEMA_VERSION}) reads; upgrade nanbisect")
+    return manifest
+
+
+def _int(v) -> bool:
+    return type(v) is int   # NB: not bool
+
+
+def _strs(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _str_map(v, values: type = str) -> bool:
+    return isinstance(v, dict) and all(type(x) is values for x in v.values())
+
+
+_NONE = type(None)
+# field -> (check, what it must be); absent fields are fine unless `_REQUIRED`
+_FIELDS = {
+    "entry": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "files": (lambda v: isinstance(v, dict), "an object of file name -> {sha256, bytes}"),
+    "model": (lambda v: isinstance(v, dict) and _strs(v.get("params")) and _strs(v.get("buffers"))
+              and _str_map(v.get("aliases")) and _str_map(v.get("training", {}), bool)
+              and _strs(v.get("frozen", [])),
+              "an object with params and buffers (lists of names) and aliases (name -> name)"),
+    "rng": (lambda v: isinstance(v, dict), "an object"),
+    "optimizer": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("class"), str)
+                                          and isinstance(v.get("state"), dict)
+                                          and isinstance(v.get("param_groups"), list)),
+                  "null or an object with class, state and param_groups"),
+    "step": (lambda v: v is None or _int(v), "null or an integer"),
+    "world_size": (lambda v: v is None or (_int(v) and 1 <= v <= MAX_WORLD_SIZE),
+                   f"null or an integer from 1 to {MAX_WORLD_SIZE}"),
+    "rank": (lambda v: v is None or (_int(v) and 0 <= v < MAX_WORLD_SIZE),
+             "null or an integer >= 0"),
+    "dtypes": (lambda v: v is None or _strs(v), "null or a list of strings"),
+    "kind": (lambda v: v in (None, "multi-rank"), "absent or 'multi-rank'"),
+    **{k: (lambda v: v is None or isinstance(v, dict), "null or an object")
+       for k in ("observed", "devices", "environment", "grad_scaler", "task", "code")},
+    **{k: (lambda v: v is None or isinstance(v, str), "null or a string")
+       for k in ("entry_file", "entry_file_from_bundle", "created", "backend")},
+    "process_groups": (lambda v: v is None or (isinstance(v, dict) and all(
+        isinstance(r, list) and all(_int(x) for x in r) for r in v.values())),
+        "null or an object of group name -> list of ranks"),
+    "ranks": (lambda v: isinstance(v, dict), "an object of rank -> {dir, manifest_sha256}"),
+}
+_REQUIRED = ("entry", "files", "model", "batch", "rng")
+_REQUIRED_MULTI = ("entry", "world_size", "ranks")
+
+
+def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
+    for key in required:
+        if key not in m:
+            raise BadInput(f"bundle '{p}': manifest.json lacks '{key}'; re-capture the bundle")
+    for key, (ok, want) in _FIELDS.items():
+        if key in m and not ok(m[key]):
+            raise BadInput(f"bundle '{p}': manifest.json field '{key}' is {_kind(m[key])}, not "
+                           f"{want}; the manifest was altered or damaged: re-capture the bundle")
+
+
+def _safe_name(name) -> bool:
+    """A plain entry of the bundle directory: no path, no '.', '..', NUL or control character."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and name.isprintable() and len(name.encode("utf-8", "replace"))
+            <= 255)
+
+
+def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = None) -> Bundle:
     """Open and verify a bundle directory; raise `BadInput` naming the problem and the fix.
+
+    Bounded whatever the manifest claims: the manifest is at most `MAX_MANIFEST_BYTES` (and
+    `MAX_JSON_ITEMS` values, `MAX_JSON_DEPTH` deep), every field `read_bundle` or `inspect`
+    uses has the type the writer gives it, nothing is allocated per claimed rank before the parts
+    are counted, and no file of the bundle (the manifest, a tensor file, a rank's part) may be a
+    symbolic link or lie outside the bundle directory. ``verify`` also checks every listed file's
+    size and sha256 (reading each file once).
 
     >>> read_bundle("fixtures/bundles/healthy").manifest["entry"]
     'fixtures/tasks/healthy.py:task'
@@ -146,38 +480,36 @@ def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
     if not p.is_dir():
         raise BadInput(f"bundle '{p}' is a file, not a directory; pass the bundle directory "
                        "that holds manifest.json")
-    mpath = p / MANIFEST
-    if not mpath.is_file():
-        raise BadInput(f"bundle '{p}' has no manifest.json; it is not a nanbisect bundle or its "
-                       "capture did not finish; re-capture it")
-    try:
-        manifest = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadInput(f"bundle '{p}': manifest.json is not valid JSON ({e.__class__.__name__}: "
-                       f"{str(e)[:80]}); re-capture the bundle") from None
-    if not isinstance(manifest, dict) or not str(manifest.get("schema", "")).startswith(
-            "nanbisect.bundle/"):
-        raise BadInput(f"bundle '{p}': manifest.json has no 'nanbisect.bundle/N' schema; it was "
-                       "not written by nanbisect; re-capture the bundle")
-    try:
-        version = int(manifest["schema"].split("/", 1)[1])
-    except ValueError:
-        raise BadInput(f"bundle '{p}': unreadable schema {manifest['schema']!r}; re-capture the "
-                       "bundle") from None
-    if version > SCHEMA_VERSION:
-        raise BadInput(f"bundle '{p}' uses schema {version}, newer than this nanbisect "
-                       f"({__version__}, schema {SCHEMA_VERSION}) reads; upgrade nanbisect")
+    manifest = _read_manifest(p)
     if manifest.get("kind") == "multi-rank":
+        if _part is not None:
+            raise BadInput(f"bundle '{p}': the part of rank {_part} is itself a multi-rank bundle; "
+                           "re-capture the bundle")
         return _read_multi(p, manifest, verify)
-    for key in ("entry", "files", "model", "batch", "rng"):
-        if key not in manifest:
-            raise BadInput(f"bundle '{p}': manifest.json lacks '{key}'; re-capture the bundle")
+    _check_fields(p, manifest, _REQUIRED)
+    if _part is not None and manifest.get("rank") not in (None, _part):
+        raise BadInput(f"bundle '{p}': the part listed for rank {_part} says it is rank "
+                       f"{manifest['rank']}; re-capture the bundle")
+    for name, info in manifest["files"].items():
+        if not _safe_name(name) or name == MANIFEST:
+            raise BadInput(f"bundle '{p}': the manifest lists file {show(name)}, which is not a "
+                           "plain file name in the bundle directory; re-capture the bundle")
+        if not (isinstance(info, dict) and isinstance(info.get("sha256", ""), str)
+                and _uint(info.get("bytes", 0))):
+            raise BadInput(f"bundle '{p}': the manifest's entry for {show(name)} is "
+                           f"{_kind(info)}, not {{sha256: string, bytes: integer}}; re-capture "
+                           "the bundle")
     if verify:
         for name, info in manifest["files"].items():
             f = p / name
-            if Path(name).name != name or not f.is_file():
+            if not os.path.lexists(f):
                 raise BadInput(f"bundle '{p}': file '{name}' listed in the manifest is missing; "
                                "copy the whole bundle directory or re-capture it")
+            st = _regular(f, f"bundle '{p}': {name}")
+            if "bytes" in info and st.st_size != info["bytes"]:
+                raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
+                               f"({st.st_size} bytes, the manifest says {info['bytes']}: "
+                               "truncated or altered); copy the bundle again or re-capture it")
             if _sha256(f) != info.get("sha256"):
                 raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
                                "(truncated or altered); copy the bundle again or re-capture it")
@@ -186,20 +518,43 @@ def read_bundle(path: str | Path, verify: bool = True) -> Bundle:
 
 def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
     """A multi-rank bundle: the top manifest names one verified part per rank."""
-    ranks = manifest.get("ranks")
-    world = manifest.get("world_size")
-    if not isinstance(ranks, dict) or not isinstance(world, int) or sorted(ranks) != sorted(
-            str(r) for r in range(world)):
-        raise BadInput(f"bundle '{p}': the top manifest does not list one part per rank of its "
-                       f"world size {world}; re-capture the bundle")
+    _check_fields(p, manifest, _REQUIRED_MULTI)
+    ranks, world = manifest["ranks"], manifest["world_size"]
+    if world is None:
+        raise BadInput(f"bundle '{p}': the top manifest's world_size is null, not an integer from "
+                       f"1 to {MAX_WORLD_SIZE}; re-capture the bundle")
+    # NB: compare counts first: nothing is built per claimed rank before the parts are counted
+    if len(ranks) != world or set(ranks) != set(map(str, range(world))):
+        raise BadInput(f"bundle '{p}': the top manifest lists {len(ranks)} parts, not one per "
+                       f"rank 0..{world - 1} of its world size {world}; re-capture the bundle")
+    dirs = []
+    for r, info in ranks.items():
+        d = info.get("dir") if type(info) is dict else None
+        if type(d) is not str or (d != "rank" + r and not _safe_name(d)):
+            raise BadInput(f"bundle '{p}': the top manifest's entry for rank {r} has no plain "
+                           f"directory name in the bundle ('dir': {show(d)}); parts outside the "
+                           "bundle are refused: re-capture the bundle")
+        if type(info.get("manifest_sha256", "")) is not str:
+            raise BadInput(f"bundle '{p}': the top manifest's manifest_sha256 of rank {r} is not a "
+                           "string; re-capture the bundle")
+        dirs.append(d)
+    if len(set(dirs)) != len(dirs):
+        seen: set = set()
+        dup = next(d for d in dirs if d in seen or seen.add(d))
+        raise BadInput(f"bundle '{p}': ranks share the part directory {show(dup)}; "
+                       "re-capture the bundle")
     if verify:
         for r, info in ranks.items():
-            m = p / info["dir"] / MANIFEST
-            if Path(info["dir"]).name != info["dir"] or not m.is_file():
+            d = p / info["dir"]
+            if os.path.islink(d):
+                raise BadInput(f"bundle '{p}': the part of rank {r} ({info['dir']}) is a symbolic "
+                               "link; a bundle holds only plain directories: re-capture the bundle")
+            if not (d / MANIFEST).is_file():
                 raise BadInput(f"bundle '{p}': the part of rank {r} ({info['dir']}) is missing; "
                                "copy the whole bundle directory or re-capture it")
-            if _sha256(m) != info.get("manifest_sha256"):
+            _regular(d / MANIFEST, f"bundle '{p}': the manifest of rank {r}")
+            if _sha256(d / MANIFEST) != info.get("manifest_sha256"):
                 raise BadInput(f"bundle '{p}': the manifest of rank {r} does not match its "
                                "sha256 in the top manifest; re-capture the bundle")
-            read_bundle(p / info["dir"], verify=True)
+            read_bundle(d, verify=True, _part=int(r))
     return Bundle(p, manifest)

@@ -3,23 +3,44 @@
 A pack holds report.md and report.json, the standalone repro, the bundle's manifest(s) and an
 environment summary (Python, torch, devices and driver versions, the environment variables that
 change numerics or communication). By default it leaves out the model and optimizer state and
-stays under `LIMIT` bytes; ``full=True`` adds the whole bundle. Unpacking refuses absolute paths,
-``..``, links and anything else that is not a plain file or directory, before writing anything.
+stays under `LIMIT` bytes; ``full=True`` adds the whole bundle. `pack` writes a hidden temporary
+file beside the archive and renames it into place (removed on any error).
+
+Guarantees of `unpack` (archives from anyone): it streams (decompresses and writes one chunk at a
+time, memory stays flat whatever the archive holds); it reads at most ``max_bytes`` uncompressed
+bytes (default `default_max_bytes`: 50x the archive, at least 64 MiB, at most 4 GiB unless the
+archive is over 2 GiB, then 2x its size; ``--max-bytes`` or `ENV_MAX_BYTES` override), so a
+compression bomb stops early having written at most that; it refuses the whole archive for an
+absolute or ``..`` path, an empty or ``.`` name, a link, device or sparse file, a duplicate
+member, an oversized extended header, more than `MAX_MEMBERS` members, a truncated or damaged
+stream (gzip CRC and length are checked to the end; a tar without its end-of-archive marker is
+truncated); it writes into a hidden staging directory beside ``dest`` and renames it only when
+everything is written, so a refusal leaves nothing behind; it never writes into a ``dest`` that
+exists and is not an empty directory; files get the user's umask (never the archive's modes).
+Not guaranteed: case-insensitive file systems (``A`` and ``a`` are two members here, one file
+there), and a pack's contents being what its report claims (anyone can write a pack).
 """
 from __future__ import annotations
 
+import bz2
+import gzip
 import io
 import json
+import lzma
 import os
 import platform
 import re
+import shutil
 import tarfile
+import uuid
+import zlib
 from pathlib import Path, PurePosixPath
 
 import torch
 
 from nanbisect import __version__
-from nanbisect.bundle.format import MANIFEST
+from nanbisect.bundle.atomic import rename_noreplace
+from nanbisect.bundle.format import MANIFEST, show
 from nanbisect.errors import BadInput
 
 LIMIT = 10 * 1024 * 1024
@@ -99,47 +120,316 @@ def pack(src: str | Path, dest: str | Path, full: bool = False) -> Path:
         big = max(members, key=lambda m: m[0].stat().st_size)
         raise BadInput(f"pack: {size} bytes exceed the {LIMIT}-byte ticket limit (largest: "
                        f"{big[1]}); pass --full to include everything anyway")
-    tmp = dest.with_name(f".{dest.name}.tmp")
-    with tarfile.open(tmp, "w:gz") as tar:
-        for f, name in members:
-            tar.add(str(f), arcname=name, recursive=False)
-        for name, obj in (("environment.json", environment_summary()),
-                          ("pack.json", {"full": full, "left_out": left_out,
-                                         "left_out_always": [] if full else
-                                         ["model and optimizer state (use --full)"]})):
-            data = json.dumps(obj, indent=1).encode()
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    os.replace(tmp, dest)
-    return dest
-
-
-def unpack(archive: str | Path, dest: str | Path) -> Path:
-    """Extract a pack made by anyone; refuse it whole if any member could escape ``dest``."""
-    archive, dest = Path(archive), Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
-        tar = tarfile.open(archive, "r:*")
-    except (tarfile.TarError, OSError) as e:
-        raise BadInput(f"unpack: '{archive}' is not a readable archive ({e}); pass a file "
-                       "written by nanbisect pack") from None
-    with tar:
-        members = tar.getmembers()
-        for m in members:
-            p = PurePosixPath(m.name)
-            if p.is_absolute() or ".." in p.parts or m.name.startswith(("/", "\\")):
-                raise BadInput(f"unpack: '{archive}' holds '{m.name}', a path outside the target "
-                               "directory; refusing the whole archive")
-            if not (m.isfile() or m.isdir()):
-                raise BadInput(f"unpack: '{archive}' holds '{m.name}', a link or special file; "
-                               "refusing the whole archive")
-        dest.mkdir(parents=True, exist_ok=True)
-        for m in members:
-            target = dest / m.name
-            if m.isdir():
-                target.mkdir(parents=True, exist_ok=True)
-                continue
-            target.parent.mkdir(parents=True, exist_ok=True)
-            with tar.extractfile(m) as f_in, open(target, "wb") as f_out:
-                f_out.write(f_in.read())
+        with tarfile.open(tmp, "w:gz") as tar:
+            for f, name in members:
+                tar.add(str(f), arcname=name, recursive=False)
+            for name, obj in (("environment.json", environment_summary()),
+                              ("pack.json", {"full": full, "left_out": left_out,
+                                             "left_out_always": [] if full else
+                                             ["model and optimizer state (use --full)"]})):
+                data = json.dumps(obj, indent=1).encode()
+                info = tarfile.TarInfo(name)
+                info.size = len(data)
+                info.mode = 0o644
+                tar.addfile(info, io.BytesIO(data))
+        os.replace(tmp, dest)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return dest
+
+
+# --------------------------------------------------------------------------------------------
+# unpack: archives from anyone
+
+MAX_MEMBERS = 100_000           # a full pack of a 1,000-rank bundle holds ~6,000
+MAX_META_BYTES = 1 << 20        # one pax / GNU long-name header (tarfile reads it whole)
+MAX_NAME_PARTS = 32
+FLOOR_BYTES = 64 << 20          # what any archive may expand to
+RATIO = 50                      # ... or this many times its own size,
+CEILING_BYTES = 4 << 30         # ... but not past this, unless the archive itself is bigger:
+BIG_RATIO = 2                   # then this many times its size (tensors barely compress)
+XZ_MEMLIMIT = 256 << 20         # xz -9 needs 65 MiB to decompress
+ENV_MAX_BYTES = "NANBISECT_UNPACK_MAX_BYTES"
+_CHUNK = 1 << 20
+
+
+def default_max_bytes(archive_bytes: int) -> int:
+    """How many bytes an archive of ``archive_bytes`` may expand to by default.
+
+    At least 64 MiB; else 50x the archive (reports, repro inputs and tensors compress far less),
+    at most 4 GiB, unless the archive is over 2 GiB (a ``--full`` pack of a big model), then 2x
+    its size. A 1 MiB gzip of 1 GiB of zeros stops after 64 MiB.
+
+    >>> [default_max_bytes(n) >> 20 for n in (1 << 20, 10 << 20, 5 << 30)]
+    [64, 500, 10240]
+    """
+    return max(FLOOR_BYTES, min(RATIO * archive_bytes, CEILING_BYTES), BIG_RATIO * archive_bytes)
+
+
+class _Capped(io.RawIOBase):
+    """The decompressed stream, refusing to yield more than ``cap`` bytes."""
+
+    def __init__(self, f, cap: int, archive: Path):
+        self.f, self.cap, self.archive, self.count = f, cap, archive, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = self.cap - self.count
+        # NB: never ask for more than a chunk at once: the decompressor would build it in memory
+        n = min(_CHUNK if n is None or n < 0 else n, _CHUNK, left + 1)
+        data = self.f.read(n)
+        self.count += len(data)
+        if self.count > self.cap:
+            raise BadInput(f"unpack: '{self.archive}' expands to more than {self.cap} bytes "
+                           f"(a compression bomb, or a pack bigger than the default limit); "
+                           f"nothing was kept; if you trust it, pass --max-bytes N (or set "
+                           f"{ENV_MAX_BYTES})")
+        return data
+
+
+def _decompressed(raw, archive: Path):
+    """``raw`` as a stream of tar bytes, by its magic number: gzip, bzip2, xz, or plain tar."""
+    magic = raw.read(6)
+    raw.seek(0)
+    if magic[:2] == b"\x1f\x8b":
+        return gzip.GzipFile(fileobj=raw, mode="rb")     # NB: checks CRC and length at the end
+    if magic[:3] == b"BZh":
+        return bz2.BZ2File(raw, "rb")
+    if magic == b"\xfd7zXZ\x00":
+        return _Xz(raw)
+    return raw
+
+
+class _Xz(io.RawIOBase):
+    """An xz stream (or several, concatenated) decompressed under `XZ_MEMLIMIT`: an xz header
+    may declare a 4 GiB dictionary, and lzma.LZMAFile offers no memory limit."""
+
+    def __init__(self, raw):
+        self.raw, self.d = raw, lzma.LZMADecompressor(format=lzma.FORMAT_XZ, memlimit=XZ_MEMLIMIT)
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        n = _CHUNK if n is None or n < 0 else n
+        while True:
+            if self.d.eof:
+                rest = self.d.unused_data or self.raw.read(_CHUNK)
+                if not rest:
+                    return b""
+                self.d = lzma.LZMADecompressor(format=lzma.FORMAT_XZ, memlimit=XZ_MEMLIMIT)
+                chunk = rest
+            elif self.d.needs_input:
+                chunk = self.raw.read(_CHUNK)
+                if not chunk:
+                    raise EOFError("Compressed file ended before the end-of-stream marker was "
+                                   "reached")
+            else:
+                chunk = b""
+            out = self.d.decompress(chunk, max_length=n)
+            if out:
+                return out
+
+
+def _strict_tarinfo(archive: Path, seen_end: list):
+    """A TarInfo that refuses what tarfile would read whole into memory or expand (huge pax or
+    GNU long-name headers, sparse files) and notes the end-of-archive block: tarfile takes a
+    damaged header after the first member as the end of the archive, nanbisect does not."""
+
+    class Strict(tarfile.TarInfo):
+        @classmethod
+        def fromtarfile(cls, tar):
+            buf = tar.fileobj.read(tarfile.BLOCKSIZE)
+            if buf == bytes(tarfile.BLOCKSIZE):
+                seen_end.append(True)
+            obj = cls.frombuf(buf, tar.encoding, tar.errors)
+            obj.offset = tar.fileobj.tell() - tarfile.BLOCKSIZE
+            return obj._proc_member(tar)
+
+        def _proc_member(self, tar):
+            if self.type in (tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK, tarfile.XHDTYPE,
+                             tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE) \
+                    and self.size > MAX_META_BYTES:
+                raise BadInput(f"unpack: '{archive}' holds a {self.size}-byte extended header, "
+                               "more than any pack has; refusing the whole archive")
+            if self.type == tarfile.GNUTYPE_SPARSE:
+                raise BadInput(f"unpack: '{archive}' holds {show(self.name)}, a sparse file; "
+                               "refusing the whole archive")
+            return super()._proc_member(tar)
+
+    return Strict
+
+
+def _check_name(m: tarfile.TarInfo, archive: Path) -> tuple[str, ...]:
+    name = m.name
+    shown = show(name)
+    if name in ("", ".", "./"):
+        raise BadInput(f"unpack: '{archive}' holds a member named {shown}; refusing the whole "
+                       "archive")
+    p = PurePosixPath(name)
+    parts = tuple(name.split("/"))
+    if p.is_absolute() or name.startswith(("/", "\\")) or ".." in parts or "\\" in name:
+        raise BadInput(f"unpack: '{archive}' holds {shown}, a path outside the target "
+                       "directory; refusing the whole archive")
+    if any(part in ("", ".") for part in parts) or len(parts) > MAX_NAME_PARTS or not all(
+            part.isprintable() and len(part.encode("utf-8", "surrogateescape")) <= 255
+            for part in parts):
+        raise BadInput(f"unpack: '{archive}' holds {shown}, not a plain relative path (empty or "
+                       "'.' parts, control characters, too deep or too long); refusing the whole "
+                       "archive")
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadInput(f"unpack: '{archive}' holds {shown}, a name that is not UTF-8; refusing "
+                       "the whole archive") from None
+    if m.sparse is not None or not (m.type in (tarfile.REGTYPE, tarfile.AREGTYPE)
+                                    or m.type == tarfile.DIRTYPE):
+        raise BadInput(f"unpack: '{archive}' holds {shown}, a link or special file; "
+                       "refusing the whole archive")
+    return parts
+
+
+def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int) -> int:
+    """Write every member of the tar ``stream`` under ``staging``; return how many."""
+    seen_end: list = []
+    named: set[tuple[str, ...]] = set()     # every member's path
+    files: set[tuple[str, ...]] = set()
+    parents: set[tuple[str, ...]] = set()   # directories made for members below them
+    count = 0
+    with tarfile.open(fileobj=stream, mode="r|", tarinfo=_strict_tarinfo(archive, seen_end)) \
+            as tar:
+        for m in tar:
+            count += 1
+            if count > MAX_MEMBERS:
+                raise BadInput(f"unpack: '{archive}' holds more than {MAX_MEMBERS} members; no "
+                               "pack has that many: refusing the whole archive")
+            parts = _check_name(m, archive)
+            if parts in named or any(parts[:i] in files for i in range(1, len(parts))) or (
+                    not m.isdir() and parts in parents):
+                raise BadInput(f"unpack: '{archive}' holds {show(m.name)} twice (or a file and a "
+                               "directory of that name); refusing the whole archive")
+            named.add(parts)
+            parents.update(parts[:i] for i in range(1, len(parts)))
+            if not m.isdir() and m.size > cap - stream.count:
+                raise BadInput(f"unpack: '{archive}': {show(m.name)} claims {m.size} bytes, past "
+                               f"the {cap}-byte limit on what the archive may expand to "
+                               f"({stream.count} read before it); nothing was kept; if you trust "
+                               f"the archive, pass --max-bytes N (or set {ENV_MAX_BYTES})")
+            target = staging.joinpath(*parts)
+            try:
+                if m.isdir():
+                    target.mkdir(parents=True, exist_ok=True)
+                    continue
+                files.add(parts)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                out = open(target, "xb")   # NB: exclusive, and the user's umask, not m.mode
+            except OSError as e:
+                raise _cannot_write(dest, e) from None
+            src = tar.extractfile(m)
+            written = 0
+            with out:
+                while chunk := src.read(_CHUNK):
+                    try:
+                        out.write(chunk)
+                    except OSError as e:
+                        raise _cannot_write(dest, e) from None
+                    written += len(chunk)
+            if written != m.size:
+                raise BadInput(f"unpack: '{archive}' is truncated ({show(m.name)} holds "
+                               f"{written} of {m.size} bytes); copy it again")
+    if not seen_end:
+        raise BadInput(f"unpack: '{archive}' is truncated or damaged (it ends without the "
+                       "end-of-archive marker); copy it again")
+    return count
+
+
+def _cannot_write(dest: Path, e: OSError) -> BadInput:
+    return BadInput(f"unpack: cannot write into '{dest}' ({e.strerror or e}); nothing was kept: "
+                    "pass a directory you can write to, with room for the archive")
+
+
+def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) -> Path:
+    """Extract a pack made by anyone into the new or empty directory ``dest``; refuse it whole
+    (nothing left behind) if any member could escape ``dest`` or it expands past ``max_bytes``.
+
+    Streams: the archive is decompressed and written one chunk at a time, never held in memory,
+    into a hidden ``.DEST.tmp-XXXXXXXX`` beside ``dest`` that is renamed to ``dest`` only once
+    every member is written and the compressed stream checked to its end (CRC, length).
+    ``max_bytes`` (default: `ENV_MAX_BYTES` when set, else `default_max_bytes`) bounds the
+    uncompressed bytes read, tar headers included, so at most that much is ever written.
+    Refused: a ``dest`` that exists and is not an empty directory, absolute or ``..`` paths,
+    empty or ``.`` names, links, devices, sparse files, duplicate members, more than
+    `MAX_MEMBERS` members, and truncated or damaged archives. Files get the user's umask, never
+    the modes, owners or times stored in the archive.
+    """
+    archive, dest = Path(archive), Path(dest)
+    if not archive.is_file():
+        raise BadInput(f"unpack: '{archive}' is not a file; pass the archive written by "
+                       "nanbisect pack")
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise BadInput(f"unpack: '{dest}' exists and is not a directory; pass a new or empty "
+                       "directory")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise BadInput(f"unpack: '{dest}' exists and is not empty; unpack never writes over "
+                       "files: pass a new or empty directory")
+    cap = _max_bytes(archive, max_bytes)
+    parent = Path(os.path.abspath(dest)).parent
+    made = [d for d in (parent, *parent.parents) if not d.exists()]   # innermost first
+    staging = parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    done = False
+    try:
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+            staging.mkdir()
+        except OSError as e:
+            raise _cannot_write(dest, e) from None
+        with open(archive, "rb") as raw:
+            stream = _Capped(_decompressed(raw, archive), cap, archive)
+            _extract(stream, staging, archive, dest, cap)
+            while stream.read(_CHUNK):   # to the end: gzip checks its CRC and length there
+                pass
+        try:
+            if dest.is_dir():
+                os.rename(staging, dest)     # replaces only an empty directory
+            else:
+                rename_noreplace(staging, dest)
+        except OSError as e:
+            raise BadInput(f"unpack: '{dest}' was taken while unpacking ({e.strerror or e}); "
+                           "nothing was written there: pass a new or empty directory") from None
+        done = True
+    except BadInput:
+        raise
+    except (tarfile.TarError, EOFError, zlib.error, lzma.LZMAError, ValueError, RecursionError,
+            OSError) as e:   # OSError here: reading (BadGzipFile, bz2's "Invalid data stream")
+        raise BadInput(f"unpack: '{archive}' is not a readable archive, or is truncated or "
+                       f"damaged ({type(e).__name__}: {show(str(e), 80)[1:-1]}); pass a file "
+                       "written by nanbisect pack, copied whole") from None
+    finally:
+        if not done:
+            shutil.rmtree(staging, ignore_errors=True)
+            for d in made:     # only the directories this call created, while empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
+    return dest
+
+
+def _max_bytes(archive: Path, max_bytes: int | None) -> int:
+    if max_bytes is None and os.environ.get(ENV_MAX_BYTES):
+        try:
+            max_bytes = int(os.environ[ENV_MAX_BYTES])
+        except ValueError:
+            raise BadInput(f"{ENV_MAX_BYTES}={show(os.environ[ENV_MAX_BYTES])} is not a number "
+                           "of bytes; set it to an integer such as 10000000000") from None
+    if max_bytes is None:
+        return default_max_bytes(archive.stat().st_size)
+    if max_bytes <= 0:
+        raise BadInput(f"unpack: --max-bytes {max_bytes} is not a positive number of bytes")
+    return max_bytes

@@ -1,7 +1,10 @@
 """Turn training state into JSON-able metadata plus a flat dict of tensors, and back.
 
 Guarantees: nothing here pickles or evaluates anything; every non-tensor value is encoded as plain
-JSON with explicit tags (``__tuple__``, ``__float__`` for nan/inf, ...). Tied parameters are stored
+JSON with explicit tags (``__tuple__``, ``__float__`` for nan/inf, ...). Decoding an altered or
+damaged manifest (a tag of the wrong shape, a name that is not a torch dtype, device, layout or
+memory format, a missing tensor, an RNG state a generator refuses) is `BadInput`, never another
+exception. Tied parameters are stored
 once and restored by copying into the model the entry builds, so ties made by the model's own
 constructor survive. Not guaranteed: arbitrary Python objects inside a batch (only tensors, numbers,
 strings, bools, None, lists, tuples and dicts are accepted), or optimizers whose state holds
@@ -80,34 +83,76 @@ def encode(obj: Any, key: str, tensors: Tensors) -> Any:
 
 
 def decode(obj: Any, tensors: Tensors, device: torch.device | str | None = None) -> Any:
-    """Inverse of `encode`; tensors are moved to ``device`` when given."""
+    """Inverse of `encode`; tensors are moved to ``device`` when given. A tagged value of the
+    wrong shape (a manifest altered or damaged) is `BadInput`, never another exception; tags only
+    ever name dtypes, devices, layouts and memory formats, never another attribute of torch."""
     if isinstance(obj, list):
         return [decode(v, tensors, device) for v in obj]
     if not isinstance(obj, dict):
         return obj
     if "__tensor__" in obj:
         name = obj["__tensor__"]
-        if name not in tensors:
-            raise BadInput(f"tensor '{name}' named in the manifest is missing from the bundle's "
-                           "tensor files; re-capture the bundle")
+        if not isinstance(name, str) or name not in tensors:
+            raise BadInput(f"tensor {_show(name)} named in the manifest is missing from the "
+                           "bundle's tensor files; re-capture the bundle")
         # NB: always a copy: an optimizer step or an in-place loss_fn must not alter the bundle's
         # tensors, which every later replay restores from.
         t = tensors[name].to(device, copy=True) if device is not None else tensors[name].clone()
         return t.requires_grad_(True) if obj.get("requires_grad") and t.is_floating_point() else t
     if "__tuple__" in obj:
-        return tuple(decode(v, tensors, device) for v in obj["__tuple__"])
+        return tuple(decode(v, tensors, device) for v in _tagged(obj, "__tuple__", list))
     if "__float__" in obj:
-        return float(obj["__float__"])
+        text = _tagged(obj, "__float__", str)
+        if text not in ("nan", "inf", "-inf"):
+            _bad_tag(obj, "__float__")
+        return float(text)
     if "__dtype__" in obj:
-        return getattr(torch, obj["__dtype__"])
+        return _torch_attr(obj, "__dtype__", (torch.dtype,))
     if "__device__" in obj:
-        return torch.device(obj["__device__"])
+        try:
+            return torch.device(_tagged(obj, "__device__", str))
+        except (RuntimeError, ValueError, ArithmeticError):
+            _bad_tag(obj, "__device__")
     if "__torch__" in obj:
-        return getattr(torch, obj["__torch__"])
+        return _torch_attr(obj, "__torch__", (torch.layout, torch.memory_format))
     if "__dict__" in obj:
-        return {decode(k, tensors, device): decode(v, tensors, device) for k, v in obj["__dict__"]}
-    raise BadInput(f"unknown tagged value {sorted(obj)} in manifest; was it written by a newer "
-                   "nanbisect? upgrade nanbisect")
+        out = {}
+        for pair in _tagged(obj, "__dict__", list):
+            if not (isinstance(pair, list) and len(pair) == 2):
+                _bad_tag(obj, "__dict__")
+            k = decode(pair[0], tensors, device)
+            if not isinstance(k, (str, int, float, bool)) and k is not None:
+                _bad_tag(obj, "__dict__")
+            out[k] = decode(pair[1], tensors, device)
+        return out
+    raise BadInput(f"unknown tagged value {_show(sorted(obj))} in manifest; was it written by a "
+                   "newer nanbisect? upgrade nanbisect")
+
+
+def _show(value, limit: int = 60) -> str:
+    """``value`` for a one-line message (as `nanbisect.bundle.format.show`)."""
+    r = repr(value)
+    if len(r) <= limit:
+        return r
+    return r[:limit - 4] + "..." + (r[0] if r[0] in "'\"" else "")
+
+
+def _bad_tag(obj: dict, tag: str):
+    raise BadInput(f"manifest value {_show(obj)} is not a valid {tag} value; the manifest was "
+                   "altered or damaged: re-capture the bundle")
+
+
+def _tagged(obj: dict, tag: str, kind: type):
+    if not isinstance(obj[tag], kind):
+        _bad_tag(obj, tag)
+    return obj[tag]
+
+
+def _torch_attr(obj: dict, tag: str, kinds: tuple):
+    value = getattr(torch, _tagged(obj, tag, str), None)
+    if not isinstance(value, kinds):
+        _bad_tag(obj, tag)
+    return value
 
 
 def iter_tensors(obj: Any, path: str = ""):
@@ -161,7 +206,11 @@ def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: s
             f"{missing or '-'}; model only: {extra or '-'}); replay with the code that captured it"
         )
     for name, t, _ in entries:
-        saved = tensors[f"model/{meta['aliases'].get(name, name)}"]
+        key = f"model/{meta['aliases'].get(name, name)}"
+        if key not in tensors:
+            raise BadInput(f"{where}: tensor {_show(key)} named in the manifest is missing from "
+                           "the bundle's model.safetensors; re-capture the bundle")
+        saved = tensors[key]
         t = local(t)
         if saved.shape != t.shape:
             raise BadInput(f"{where}: '{name}' has shape {tuple(saved.shape)} in the bundle but "
@@ -208,13 +257,20 @@ def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, 
     if cls != meta["class"]:
         raise BadInput(f"{where}: the bundle holds a {meta['class']} state but the entry built a "
                        f"{cls}; replay with the code that captured it")
+    if not all(isinstance(i, str) and i.isascii() and i.isdigit() and len(i) < 10
+               for i in meta["state"]):
+        raise BadInput(f"{where}: the bundle's optimizer state is keyed by "
+                       f"{_show(sorted(meta['state'])[:3])}, not parameter indices; the manifest "
+                       "was altered or damaged: re-capture the bundle")
     sd = {"state": {int(i): decode(s, tensors) for i, s in meta["state"].items()},
           "param_groups": [decode(g, tensors) for g in meta["param_groups"]]}
     try:
         opt.load_state_dict(sd)
-    except (ValueError, KeyError) as e:
-        raise BadInput(f"{where}: optimizer state does not fit the entry's optimizer ({e}); "
-                       "replay with the code that captured it") from None
+    except (LookupError, TypeError, ValueError, ArithmeticError, AttributeError,
+            RuntimeError) as e:
+        raise BadInput(f"{where}: optimizer state does not fit the entry's optimizer "
+                       f"({type(e).__name__}: {_show(str(e), 80)[1:-1]}); replay with the code "
+                       "that captured it") from None
     _shard_state_like_params(opt)
 
 
@@ -297,11 +353,31 @@ class RngState:
 
     @staticmethod
     def decode(meta: dict, tensors: Tensors) -> "RngState":
+        """The state ``encode`` wrote; `BadInput` when the manifest or tensors do not hold it."""
+        try:
+            return RngState._decode(meta, tensors)
+        except (LookupError, TypeError, ValueError, ArithmeticError, AttributeError,
+                RuntimeError) as e:   # what a generator's setstate raises for a state it refuses
+            raise BadInput(f"the bundle's RNG state is incomplete or malformed "
+                           f"({type(e).__name__}: {_show(str(e), 80)[1:-1]}); re-capture the "
+                           "bundle") from None
+
+    @staticmethod
+    def _decode(meta: dict, tensors: Tensors) -> "RngState":
         version, gauss = meta["python"]
         words = tensors["rng/python_words"].tolist()
         kind, pos, has_gauss, cached = meta["numpy"]
         keys = tensors["rng/numpy_keys"].numpy().astype(np.uint32)
         accel = {name: [tensors[f"rng/{name}/{i}"] for i in range(n)]
                  for name, n in meta["accel"].items()}
-        return RngState((version, tuple(words), gauss), (kind, keys, pos, has_gauss, cached),
-                        tensors["rng/torch_cpu"], accel)
+        state = RngState((version, tuple(words), gauss), (kind, keys, pos, has_gauss, cached),
+                         tensors["rng/torch_cpu"], accel)
+        # NB: try each state on a private generator, so a malformed one fails here, not in `set`
+        random.Random().setstate(state.python)
+        np.random.RandomState().set_state(state.numpy)
+        torch.Generator().set_state(state.torch_cpu)
+        if not all(isinstance(t, torch.Tensor) for ts in accel.values() for t in ts):
+            raise TypeError("accelerator RNG states are not tensors")
+        if gauss is not None and type(gauss) is not float:
+            raise TypeError(f"Python's cached gaussian is {type(gauss).__name__}, not a float")
+        return state

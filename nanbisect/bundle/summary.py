@@ -1,33 +1,23 @@
 """`nanbisect inspect`: what a bundle holds, read from its manifest and safetensors headers.
 
 Guarantees: imports no user code, unpickles nothing, loads no tensor data (headers only), and
-verifies every file's sha256 first, so it is safe on bundles from anyone.
+verifies every file's size and sha256 first, so it is safe on bundles from anyone. Its time and
+memory are bounded whatever the manifest claims (see `nanbisect.bundle.format.read_bundle` and
+`read_header` for the limits: a manifest of at most 64 MiB, 4M JSON values, 256 levels deep, a
+world size up to 2**20 that must match the parts actually listed and present, safetensors headers
+checked against the file's real size): a malformed or hostile bundle is a one-line `BadInput`.
+The text form escapes control characters from the manifest (no terminal escape sequences get
+through). A directory that is not a bundle but holds bundles or leftovers of killed captures is
+listed instead (`directory_summary`: directory entries only). Not guaranteed: time to hash tensor files that really are huge.
 """
 from __future__ import annotations
 
 import json
-import struct
+import os
 from pathlib import Path
 
-from nanbisect.bundle.format import read_bundle
-from nanbisect.errors import BadInput
-
-
-def _header(path: Path) -> dict:
-    """The JSON header of a safetensors file: name -> {dtype, shape, data_offsets}."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise BadInput(f"{path}: not a safetensors file; re-capture the bundle")
-        (n,) = struct.unpack("<Q", raw)
-        if n > 100 * 1024 * 1024:
-            raise BadInput(f"{path}: safetensors header claims {n} bytes; the file is damaged")
-        try:
-            head = json.loads(f.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadInput(f"{path}: unreadable safetensors header; re-capture the bundle") from None
-    head.pop("__metadata__", None)
-    return head
+from nanbisect.bundle.format import MANIFEST, Bundle, read_bundle, read_header
+from nanbisect.bundle.leftovers import find_leftovers
 
 
 def summarize(path: str | Path) -> dict:
@@ -36,23 +26,80 @@ def summarize(path: str | Path) -> dict:
     >>> summarize("fixtures/bundles/healthy")["entry"]
     'fixtures/tasks/healthy.py:task'
     """
-    b = read_bundle(path)
-    m = b.manifest
+    b = read_bundle(path)   # NB: verifies every part of a multi-rank bundle, too
     if b.multi_rank:
-        parts = {str(r): summarize(b.path / info["dir"]) for r, info in m["ranks"].items()}
+        m = b.manifest
+        parts = {r: _summary(b.part(int(r), verify=False)) for r in m["ranks"]}
         first = parts["0"]
         return {**first, "bundle": str(b.path), "world_size": m["world_size"], "rank": "all",
                 "backend": m.get("backend"), "process_groups": m.get("process_groups"),
                 "observed": {r: p["observed"] for r, p in parts.items()},
                 "files": {f"rank{r}/{n}": f for r, p in parts.items()
                           for n, f in p["files"].items()}}
+    return _summary(b)
+
+
+MAX_LISTED = 1000    # bundles listed for a directory
+MAX_WALKED = 20000   # directories looked at under it
+
+
+def directory_summary(path: str | Path) -> dict | None:
+    """For a directory that is not a bundle: the bundles under it (by name, unverified) and the
+    leftovers of killed captures (`nanbisect.bundle.leftovers`), or None when it holds neither.
+    Reads directory entries only.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> (d / ".step000001.tmp-0123abcd").mkdir()
+    >>> directory_summary(d)["leftovers"][0]["path"].endswith(".step000001.tmp-0123abcd")
+    True
+    """
+    root = Path(path)
+    if not root.is_dir() or root.is_symlink() or (root / MANIFEST).exists():
+        return None
+    bundles, seen = [], 0
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        seen += 1
+        if seen > MAX_WALKED:     # bounded: `inspect /` must not walk the whole disk
+            break
+        if MANIFEST in filenames and Path(dirpath) != root:
+            bundles.append(str(Path(dirpath).relative_to(root)))
+            dirnames[:] = []           # a multi-rank bundle's parts belong to it
+            continue
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    left = find_leftovers([root])
+    if not bundles and not left:
+        return None
+    return {"directory": str(root), "bundles": sorted(bundles)[:MAX_LISTED],
+            "bundle_count": len(bundles), "leftovers": [x.to_json() for x in left]}
+
+
+def directory_text(info: dict) -> str:
+    left = info["leftovers"]
+    lines = [f"directory {info['directory']}: not a bundle; it holds {info['bundle_count']} "
+             f"bundle(s) and {len(left)} leftover(s) of killed captures"]
+    lines += [f"  bundle    {b}" for b in info["bundles"]]
+    if info["bundle_count"] > len(info["bundles"]):
+        lines.append(f"  ... and {info['bundle_count'] - len(info['bundles'])} more")
+    lines += [f"  leftover  {x['path']}  {x['bytes']} bytes, last written {x['age_s']:.0f}s ago"
+              for x in left]
+    if left:
+        lines.append(f"remove the leftovers with: nanbisect clean {info['directory']}")
+    if info["bundles"]:
+        lines.append("inspect a bundle with: nanbisect inspect DIRECTORY/BUNDLE")
+    return "\n".join(_clean(line) for line in lines)
+
+
+def _summary(b: Bundle) -> dict:
+    m = b.manifest
     files = {}
     for name, info in m["files"].items():
-        head = _header(b.path / name)
+        head = read_header(b.path / name, f"bundle '{b.path}': {name}")
         dtypes: dict[str, int] = {}
         for t in head.values():
             dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
-        files[name] = {"bytes": info["bytes"], "tensors": len(head), "dtypes": dtypes}
+        files[name] = {"bytes": info.get("bytes", (b.path / name).stat().st_size),
+                       "tensors": len(head), "dtypes": dtypes}
     opt = m.get("optimizer")
     return {
         "bundle": str(b.path), "schema": m["schema"], "created": m.get("created"),
@@ -67,31 +114,44 @@ def summarize(path: str | Path) -> dict:
     }
 
 
+def _clean(line: str) -> str:
+    """A line safe for a terminal: control characters (ESC, CR, newlines from the manifest)
+    shown escaped."""
+    if line.isprintable():
+        return line
+    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in line)
+
+
 def summary_text(info: dict) -> str:
     env = info.get("environment") or {}
-    obs = info.get("observed")
+    devices = info.get("devices") or {}
     lines = [f"bundle    {info['bundle']}  ({info['schema']}, checksums {info['checksums']})",
              f"entry     {info['entry']}", f"step      {info['step']}   world size "
              f"{info['world_size']}   rank {info['rank']}",
-             f"captured  {info['created']} on {(info.get('devices') or {}).get('captured_on')} "
+             f"captured  {info['created']} on {devices.get('captured_on')} "
              f"with torch {env.get('torch')}, python {env.get('python')}",
              f"model     {info['model']['parameters']} parameters, {info['model']['buffers']} "
              f"buffers, dtypes {info['dtypes']}" + (f", tied {info['model']['tied']}"
                                                     if info['model']['tied'] else ""),
              f"optimizer {info['optimizer']['class'] if info['optimizer'] else '-'}",
-             "observed  " + _observed_text(obs)]
+             "observed  " + _observed_text(info.get("observed"))]
     groups = info.get("process_groups")
     if groups and len(groups) > 1:   # more than the world: the job's layout
         lines.append("groups    " + "; ".join(f"{n}: {r}" for n, r in groups.items()))
     for name, f in info["files"].items():
         lines.append(f"  {name:<22} {f['bytes']:>10} bytes  {f['tensors']:>4} tensors  "
                      f"{f['dtypes']}")
-    return "\n".join(lines)
+    return "\n".join(_clean(line) for line in lines)
 
 
-def _observed_text(obs) -> str:
+def _observed_text(obs, top: bool = True) -> str:
     if not obs:
         return "- (captured on demand, no failure recorded)"
-    if "summary" not in obs:  # multi-rank: one entry per rank
-        return "; ".join(f"rank {r}: {_observed_text(o)}" for r, o in obs.items())
+    if not isinstance(obs, dict):
+        return json.dumps(obs)[:200]
+    if "summary" not in obs:
+        if top and all(isinstance(o, dict) or o is None for o in obs.values()):
+            # multi-rank: one entry per rank
+            return "; ".join(f"rank {r}: {_observed_text(o, False)}" for r, o in obs.items())
+        return json.dumps(obs)[:200]
     return json.dumps(obs.get("summary")) + f" (first bad: {obs.get('first')})"

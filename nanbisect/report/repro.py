@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanbisect import __version__
+from nanbisect.bundle.format import umask_mode
 from nanbisect.bundle.state import encode
 from nanbisect.records import Caught, Culprit, ModuleCaught, ReproResult
 
@@ -48,6 +49,7 @@ def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, targe
             "kwargs": encode(caught.kwargs, "kwargs", tensors), "mutated": caught.mutated}
     tensors.update({k: v.contiguous() for k, v in caught.rng.items()})
     save_file(tensors, str(out / "inputs.safetensors"), metadata={"nanbisect": json.dumps(meta)})
+    umask_mode(out / "inputs.safetensors")     # safetensors writes 0600: a colleague must read it
     text = _template("repro.py.tmpl").substitute(
         version=__version__, op=caught.op, phase=culprit.phase, module=culprit.module,
         module_call=culprit.module_call, op_index=culprit.op_index, source=culprit.source,
@@ -81,6 +83,7 @@ def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: s
     tensors.update({k: v.contiguous() for k, v in mc.rng.items()})
     save_file(tensors, str(out / "module_inputs.safetensors"),
               metadata={"nanbisect": json.dumps(meta)})
+    umask_mode(out / "module_inputs.safetensors")
     target_file, _, func = entry.rpartition(":")
     text = _template("module_repro.py.tmpl").substitute(
         version=__version__, op=culprit.op, phase=culprit.phase, module=mc.call.module,
