@@ -4,6 +4,7 @@ like a bundle; a hidden staging directory that `find_leftovers` lists with its s
 reports and other files are kept."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -73,3 +74,17 @@ def test_clean_keeps_a_leftover_holding_a_link(tmp_path):
 def test_clean_refuses_a_missing_directory(tmp_path):
     res = invoke("clean", tmp_path / "nope")
     assert res.code == 2 and "is not a directory" in res.stderr
+
+
+def test_inspect_lists_bundles_and_leftovers_of_a_directory(tmp_path):
+    out = tmp_path / "out"
+    left = killed_capture(out, tmp_path)
+    shutil.copytree(FIXTURES / "healthy", out / "step000000",
+                    ignore=shutil.ignore_patterns("nanbisect-report"))
+    res = invoke("inspect", out)
+    assert res.code == 0, res.stderr
+    assert "1 bundle(s) and 1 leftover(s)" in res.stdout and "step000000" in res.stdout
+    assert f"{left.path}  {left.bytes} bytes" in res.stdout
+    assert f"nanbisect clean {out}" in res.stdout
+    listing = json.loads(invoke("inspect", out, "--json").stdout)
+    assert listing["leftovers"][0]["bytes"] == left.bytes and listing["bundles"] == ["step000000"]

@@ -96,3 +96,19 @@ def test_report_without_marker_from_an_older_version_is_recognised(tmp_path):
     (forged / MARKER).write_text("not json")
     (forged / "x").write_text("user")
     assert not is_report_dir(forged)
+
+
+def test_report_and_repro_files_follow_the_umask(fixture_bundle, tmp_path):
+    """safetensors writes 0600; a colleague must be able to read the repro's inputs."""
+    b = fixture_bundle("forward_nan_behind_mask")
+    old = os.umask(0o022)
+    try:
+        res = cli("run", b, "--out", tmp_path / "r")
+    finally:
+        os.umask(old)
+    assert res.code == 1, res.stderr
+    modes = {p.relative_to(tmp_path / "r").as_posix(): p.stat().st_mode & 0o777
+             for p in [tmp_path / "r", *(tmp_path / "r").rglob("*")]}
+    assert modes["repro/inputs.safetensors"] == 0o644
+    assert {m for p, m in modes.items() if (tmp_path / "r" / p).is_dir()} == {0o755}, modes
+    assert {m for p, m in modes.items() if (tmp_path / "r" / p).is_file()} == {0o644}, modes
