@@ -85,3 +85,17 @@ def test_out_removed_after_the_check_still_keeps_the_bundle(tmp_path, monkeypatc
     assert any(str(out) in str(w.message) and str(e.value.bundle) in str(w.message)
                for w in caught)
     assert out.read_text() == "a file where the directory was"
+
+
+def test_guard_refuses_an_out_it_cannot_write_at_construction(tmp_path):
+    """Found when the Guard is made, not when the NaN happens (and the bundle would be lost)."""
+    from nanbisect.errors import BadInput
+
+    sys.path.insert(0, str(TASKS))
+    import nan_batch
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(BadInput, match="cannot be written there") as e:
+        Guard(nan_batch.task(), entry=str(TASKS / "nan_batch.py") + ":task", out=blocker / "out")
+    assert str(blocker / "out") in str(e.value) and "\n" not in str(e.value)
