@@ -125,13 +125,19 @@ def run(
 
 @app.command()
 def inspect(
-    bundle: Path = typer.Argument(..., help="bundle directory"),
+    bundle: Path = typer.Argument(..., help="bundle directory (or a directory of bundles: lists "
+                                            "them and any leftovers of killed captures)"),
     as_json: bool = typer.Option(False, "--json", help="print the summary as JSON"),
 ) -> None:
     """Summarise a bundle; never runs any of its code (imports no user code, unpickles nothing,
     bounded time and memory): safe on untrusted bundles."""
-    from nanbisect.bundle.summary import summarize, summary_text
+    from nanbisect.bundle.summary import (directory_summary, directory_text, summarize,
+                                          summary_text)
 
+    listing = directory_summary(bundle)   # a folder of bundles, or of a killed capture's leftovers
+    if listing is not None:
+        typer.echo(json.dumps(listing, indent=1) if as_json else directory_text(listing))
+        raise typer.Exit(0)
     try:
         info = summarize(bundle)
     except BadInput as e:
@@ -144,28 +150,36 @@ def triage(
     dirs: list[Path] = typer.Argument(..., help="directories to search for bundles"),
     out: Path = typer.Option(Path("nanbisect-triage"), help="where triage.json/.md and the "
                                                              "cache go"),
-    jobs: Optional[int] = typer.Option(None, help="parallel workers (default: by cores and "
-                                                  "free memory)"),
+    jobs: Optional[int] = typer.Option(None, help="parallel replays (default: by cores and "
+                                                  "free memory; on a cluster: all its slots)"),
     known: Optional[Path] = typer.Option(None, help="a previous triage.json or a file of "
                                                     "known signatures, one a line"),
     target: Optional[str] = typer.Option(None, help="device to replay on"),
+    timeout: float = typer.Option(1800.0, help="seconds one bundle's replay may take before "
+                                               "it is killed and becomes an error row"),
+    backend: str = typer.Option("loky", help="loky (processes here), dask or ray (an existing "
+                                             "cluster, through joblib)"),
+    scheduler: Optional[str] = typer.Option(None, help="Dask scheduler address for --backend "
+                                                       "dask, e.g. tcp://10.0.0.5:8786"),
+    address: Optional[str] = typer.Option(None, help="Ray cluster address for --backend ray, "
+                                                     "e.g. 10.0.0.5:6379"),
     as_json: bool = typer.Option(False, "--json", help="print triage.json"),
 ) -> None:
     """Replay every bundle under DIRS in parallel and group failures by culprit signature.
 
+    One bundle that hangs, crashes or is malformed is its own error row; triage.json and
+    triage.md in --out are kept current while it runs and written on SIGTERM/SIGINT too.
     Exit: 0 all clean, 1 known signatures only, 3 new signatures, 2 errors only."""
     from nanbisect.triage import load_known, to_markdown
     from nanbisect.triage import triage as run_triage
 
     try:
         known_set = load_known(known) if known else set()
-        res = run_triage(dirs, jobs=jobs, known=known_set, cache=out / "cache",
+        res = run_triage(dirs, out=out, jobs=jobs, known=known_set, timeout=timeout,
+                         backend=backend, scheduler=scheduler, address=address,
                          options={"target": target} if target else None)
     except BadInput as e:
         _fail(e)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "triage.json").write_text(json.dumps(res.data, indent=1))
-    (out / "triage.md").write_text(to_markdown(res.data))
     if as_json:
         typer.echo(json.dumps(res.data, indent=1))
     else:
@@ -192,13 +206,17 @@ def pack(
 @app.command()
 def unpack(
     archive: Path = typer.Argument(..., help="an archive written by nanbisect pack"),
-    dest: Path = typer.Argument(..., help="directory to extract into"),
+    dest: Path = typer.Argument(..., help="new or empty directory to extract into"),
+    max_bytes: Optional[int] = typer.Option(
+        None, "--max-bytes", help="most uncompressed bytes to accept (default: 50x the archive, "
+        "at least 64 MiB, at most 4 GiB; env NANBISECT_UNPACK_MAX_BYTES)"),
 ) -> None:
-    """Extract a ticket archive safely (no absolute paths, no '..', no links)."""
+    """Extract a ticket archive safely (no absolute paths, no '..', no links, no compression
+    bombs, nothing left behind on refusal)."""
     from nanbisect.bundle.pack import unpack as do_unpack
 
     try:
-        do_unpack(archive, dest)
+        do_unpack(archive, dest, max_bytes=max_bytes)
     except BadInput as e:
         _fail(e)
     typer.echo(f"nanbisect: extracted into {dest}")

@@ -1,10 +1,12 @@
-"""nanbisect triage through the CLI: groups, counts, exit protocol, a corrupted bundle, cache."""
+"""nanbisect triage through the CLI: groups, counts, exit protocol, a corrupted bundle, what is
+skipped and left over, and the JSON cache (hits, and misses when the code changes)."""
 from __future__ import annotations
 
 import json
 import shutil
+import textwrap
 
-from conftest import FIXTURES, cli
+from conftest import FIXTURES, TEST_TASKS, cli
 
 from nanbisect.triage import normalise_module
 
@@ -19,6 +21,16 @@ def make_tree(root):
     broken = root / "corrupted"
     shutil.copytree(FIXTURES / "healthy", broken, ignore=shutil.ignore_patterns("nanbisect-report"))
     (broken / "model.safetensors").write_bytes(b"truncated")
+    # not bundles: a log directory, an empty job directory, a foreign manifest
+    (root / "logs" / "rank0").mkdir(parents=True)
+    (root / "logs" / "rank0" / "train.log").write_text("step 5: loss nan\n")
+    (root / "night2" / "job_without_bundle").mkdir()
+    (root / "other_tool").mkdir()
+    (root / "other_tool" / "manifest.json").write_text('{"schema": "other.tool/2"}')
+    # what a capture killed half-way leaves: listed as a leftover, never triaged as a bundle
+    left = root / "night2" / ".step000001.tmp-0123abcd"
+    left.mkdir()
+    (left / "model.safetensors").write_bytes(b"12345")
     return root
 
 
@@ -29,17 +41,17 @@ def test_normalise_module():
 
 
 def cache_entries(out) -> dict[str, float]:
-    """What joblib's cache holds: one directory per cached call, with its output's mtime."""
-    return {str(f.parent.relative_to(out)): f.stat().st_mtime
-            for f in (out / "cache").rglob("output.pkl")}
+    """What the cache holds: one JSON file per cached analysis, with its mtime."""
+    return {f.name: f.stat().st_mtime_ns for f in (out / "cache").glob("*.json")}
 
 
-def test_triage_groups_counts_errors_and_cache(tmp_path):
+def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
     root = make_tree(tmp_path / "night")
     out = tmp_path / "t"
     res = cli("triage", root, "--out", out, "--jobs", "2")
     assert res.code == 3, res.stdout + res.stderr                  # new signatures
     data = json.loads((out / "triage.json").read_text())
+    assert data["finished"] and data["interrupted"] is None and data["pending"] == []
     sigs = {g["signature"]: g for g in data["signatures"]}
     sqrt = next(g for s, g in sigs.items() if s.startswith("aten.sqrt.default"))
     assert sqrt["count"] == 2 and "blocks.N.mlp.act" in sqrt["signature"]
@@ -52,8 +64,21 @@ def test_triage_groups_counts_errors_and_cache(tmp_path):
     md = (out / "triage.md").read_text()
     assert "| 2 | `aten.sqrt.default" in md and "corrupted" in md
 
-    # one cache entry per distinct bundle content (same_fault is a copy: it shares its entry)
+    # skipped: the topmost directories without a bundle, with the reason; leftovers listed
+    skipped = {s["path"][len(str(root)) + 1:]: s["reason"] for s in data["skipped"]}
+    assert set(skipped) == {"logs", "night2/job_without_bundle", "other_tool"}, skipped
+    assert "other.tool/2" in skipped["other_tool"] and "no manifest" in skipped["logs"]
+    assert [(x["path"].endswith("night2/.step000001.tmp-0123abcd"), x["bytes"], x["kind"])
+            for x in data["leftovers"]] == [(True, 5, "tmp")]
+    assert not any(".tmp-" in b["bundle"] for b in data["bundles"] + data["errors"])
+    assert "job_without_bundle" in md and ".step000001.tmp-0123abcd" in md
+
+    # one cache entry per distinct bundle content (same_fault is a copy: it shares its entry,
+    # and its replay: copies in one night are replayed once)
     assert not any(b["cached"] for b in data["bundles"])
+    same = {b["bundle"][len(str(root)) + 1:]: b.get("same_as") for b in data["bundles"]}
+    assert same["night2/same_fault"] == str(root / "forward_nan_behind_mask")
+    assert sum(v is None for v in same.values()) == len(same) - 1
     entries = cache_entries(out)
     assert len(entries) == len(data["bundles"]) - 1
 
@@ -68,9 +93,99 @@ def test_triage_groups_counts_errors_and_cache(tmp_path):
     assert cli("triage", root, "--out", out, "--known", tmp_path / "known.json").code == 1
 
 
-def test_triage_all_clean_and_bad_root(tmp_path):
-    shutil.copytree(FIXTURES / "healthy", tmp_path / "h" / "b",
-                    ignore=shutil.ignore_patterns("nanbisect-report"))
-    assert cli("triage", tmp_path / "h", "--out", tmp_path / "o").code == 0
-    res = cli("triage", tmp_path / "nope", "--out", tmp_path / "o")
-    assert res.code == 2 and "does not exist" in res.stderr
+def test_triage_all_clean_and_bad_input(tmp_path):
+    import nanbisect
+    import triage_faults       # tests/tasks: `fine` is a tiny step without a fault
+
+    nanbisect.capture(triage_faults.fine(), triage_faults.batch(), tmp_path / "h" / "b",
+                      entry=f"{TEST_TASKS / 'triage_faults.py'}:fine")
+    res = cli("triage", tmp_path / "h", "--out", tmp_path / "o")
+    assert res.code == 0, res.stdout + res.stderr
+    assert [b["verdict"] for b in json.loads((tmp_path / "o" / "triage.json").read_text())[
+        "bundles"]] == ["clean"]
+    for args, words in [((tmp_path / "nope",), "does not exist"),
+                        ((tmp_path / "h", "--timeout", "0"), "--timeout"),
+                        ((tmp_path / "h", "--backend", "spark"), "unknown --backend"),
+                        ((tmp_path / "h", "--scheduler", "tcp://127.0.0.1:1"), "--backend dask"),
+                        ((tmp_path / "h", "--backend", "dask"), "needs --scheduler")]:
+        res = cli("triage", *args, "--out", tmp_path / "o2")
+        assert res.code == 2 and words in res.stderr, (args, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
+    assert not (tmp_path / "o2").exists()                # bad input: nothing written
+    (tmp_path / "file").write_text("x")
+    res = cli("triage", tmp_path / "h", "--out", tmp_path / "file")
+    assert res.code == 2 and "is a file" in res.stderr
+
+
+HELPER = """
+import torch
+
+
+def act(x):
+    return torch.sqrt(x - 10.0)      # BUG: sqrt of a negative number
+"""
+
+TASK = """
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).parent))
+import helper_ops  # noqa: E402
+
+import nanbisect  # noqa: E402
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return helper_ops.act(self.fc(x)).sum(-1)
+
+
+def task():
+    torch.manual_seed(0)
+    model = Net()
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=lambda m, b: m(b).mean())
+"""
+
+
+def test_cache_key_follows_the_code_on_disk(tmp_path):
+    """The cache key hashes the entry and user source files as they are now: fixing the bug in
+    a helper module the entry imports makes the next triage replay again, not answer with the
+    old culprit."""
+    import torch
+
+    import nanbisect
+    from nanbisect.task import import_target
+
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "helper_ops.py").write_text(textwrap.dedent(HELPER))
+    (code / "job.py").write_text(textwrap.dedent(TASK))
+    mod = import_target(str(code / "job.py"))
+    nanbisect.capture(mod.task(), torch.randn(3, 4), tmp_path / "night" / "step1",
+                      entry=f"{code / 'job.py'}:task")
+    manifest = json.loads((tmp_path / "night" / "step1" / "manifest.json").read_text())
+    assert str((code / "helper_ops.py").resolve()) in manifest["code"]["sources"]
+
+    out = tmp_path / "t"
+    first = cli("triage", tmp_path / "night", "--out", out, "--jobs", "1")
+    data = json.loads((out / "triage.json").read_text())
+    assert first.code == 3, first.stdout + first.stderr
+    assert [(b["verdict"], b["cached"]) for b in data["bundles"]] == [("culprit", False)]
+    assert data["signatures"][0]["signature"].startswith("aten.sqrt.default")
+
+    (code / "helper_ops.py").write_text(textwrap.dedent(HELPER).replace(
+        "torch.sqrt(x - 10.0)", "torch.sqrt((x - 10.0).abs())"))
+    second = cli("triage", tmp_path / "night", "--out", out, "--jobs", "1")
+    data = json.loads((out / "triage.json").read_text())
+    assert [b["cached"] for b in data["bundles"]] == [False], second.stdout
+    assert data["bundles"][0]["verdict"] == "clean"               # the fix, not the old culprit
+    assert data["signatures"] == [] and second.code == 0
+    assert len(list((out / "cache").glob("*.json"))) == 2          # one entry per code version

@@ -242,4 +242,6 @@ def test_signature_normalises_layers_and_names_non_culprits():
     assert signature(data) == "aten.sqrt.default · blocks.N.act · forward · float32 · device"
     assert signature(REPORTS["input-nonfinite"].to_json()) == "input-nonfinite · data"
     assert signature(REPORTS["not-reproduced"].to_json()) == "not-reproduced · transient"
+    changed = {**REPORTS["not-reproduced"].to_json(), "classification": "code-changed"}
+    assert signature(changed) == "not-reproduced · code-changed"   # a fixed bug, not a transient
     assert signature(REPORTS["clean"].to_json()) is None
