@@ -21,11 +21,13 @@ import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 # `.step000012.tmp-0123abcd` / `.nanbisect-report.old-89abcdef`: what format.write_bundle,
 # multirank.coord and report.write.staged name their staging directories
 PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{8}$")
 MIN_AGE = 600.0     # seconds without a write before `remove` takes a leftover
+MAX_DIRS = 100_000  # directories looked at under one root
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,31 @@ class Leftover:
                 "kind": self.kind}
 
 
+def walk(root: Path, max_dirs: int | None = None) -> Iterator[tuple[str, list[str], list[str]]]:
+    """`os.walk` top-down without following links, iterative (Python 3.11's os.walk recurses and
+    raises RecursionError on a tree 1,000 deep), stopping after ``max_dirs`` directories.
+    Prune by editing the yielded ``dirnames`` in place, as with `os.walk`."""
+    stack, seen = [str(root)], 0
+    while stack:
+        top = stack.pop()
+        seen += 1
+        if max_dirs is not None and seen > max_dirs:
+            return
+        try:
+            with os.scandir(top) as it:
+                entries = list(it)
+        except OSError:
+            continue
+        dirnames = [e.name for e in entries if e.is_dir(follow_symlinks=False)]
+        filenames = [e.name for e in entries if not e.is_dir(follow_symlinks=False)]
+        yield top, dirnames, filenames
+        stack.extend(os.path.join(top, d) for d in reversed(dirnames))
+
+
 def _walk(root: Path) -> tuple[int, float, bool]:
     """(bytes, newest mtime, only regular files and directories) of everything under ``root``."""
     total, newest, plain = 0, os.lstat(root).st_mtime, True
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+    for dirpath, dirnames, filenames in walk(root):
         for name in dirnames + filenames:
             try:
                 st = os.lstat(os.path.join(dirpath, name))
@@ -75,7 +98,7 @@ def find_leftovers(roots: list[Path]) -> list[Leftover]:
         root = Path(root)
         if not root.is_dir():
             continue
-        for dirpath, dirnames, _ in os.walk(root, followlinks=False):
+        for dirpath, dirnames, _ in walk(root, MAX_DIRS):
             keep = []
             for d in sorted(dirnames):
                 m = PATTERN.match(d)

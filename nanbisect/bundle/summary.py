@@ -13,11 +13,10 @@ listed instead (`directory_summary`: directory entries only). Not guaranteed: ti
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from nanbisect.bundle.format import MANIFEST, Bundle, read_bundle, read_header
-from nanbisect.bundle.leftovers import find_leftovers
+from nanbisect.bundle.leftovers import find_leftovers, walk
 
 
 def summarize(path: str | Path) -> dict:
@@ -57,11 +56,8 @@ def directory_summary(path: str | Path) -> dict | None:
     root = Path(path)
     if not root.is_dir() or root.is_symlink() or (root / MANIFEST).exists():
         return None
-    bundles, seen = [], 0
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        seen += 1
-        if seen > MAX_WALKED:     # bounded: `inspect /` must not walk the whole disk
-            break
+    bundles = []     # NB: bounded: `inspect /` must not walk the whole disk
+    for dirpath, dirnames, filenames in walk(root, MAX_WALKED):
         if MANIFEST in filenames and Path(dirpath) != root:
             bundles.append(str(Path(dirpath).relative_to(root)))
             dirnames[:] = []           # a multi-rank bundle's parts belong to it
