@@ -180,6 +180,9 @@ def triage(
                          options={"target": target} if target else None)
     except BadInput as e:
         _fail(e)
+    except Exception as e:  # noqa: BLE001 - a nightly job gets one line and exit 2, never 1
+        _fail(BadInput(f"triage failed: {type(e).__name__}: {str(e)[:200]}; {out}/triage.json "
+                       "holds the bundles finished so far"))
     if as_json:
         typer.echo(json.dumps(res.data, indent=1))
     else:

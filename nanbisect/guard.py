@@ -432,7 +432,7 @@ class Guard:
                 raise
             # `out` went away or filled up since the Guard checked it: the failing step is
             # what this run exists to keep, so keep it somewhere
-            rescue = Path(tempfile.gettempdir()) / "nanbisect-rescue" / path.name
+            rescue = Path(tempfile.gettempdir()) / f"nanbisect-rescue-{os.getuid()}" / path.name
             path = write(rescue)
             warnings.warn(f"Guard: could not write the bundle into '{self.out}' ({e.strerror or e}"
                           f"); wrote it to '{path}' instead", RuntimeWarning, stacklevel=3)

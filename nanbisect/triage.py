@@ -155,7 +155,12 @@ def discover(roots: list[Path], exclude: tuple[Path, ...] = ()
                 continue
             seen.add(real)
             parent_of[d] = parent
-            if (d / MANIFEST).exists() or (d / MANIFEST).is_symlink():
+            try:
+                has_manifest = (d / MANIFEST).exists() or (d / MANIFEST).is_symlink()
+            except OSError as e:       # a directory we may not search (another user's job)
+                notes[d] = f"cannot look inside it ({e.strerror or e})"
+                continue
+            if has_manifest:
                 why = _manifest_kind(d / MANIFEST)
                 if why is None:
                     bundles.append(d)
@@ -774,7 +779,9 @@ def _jobs(bundles: list[Path], jobs: int | None) -> int:
     biggest = 0
     for b in bundles:
         with contextlib.suppress(OSError):
-            biggest = max(biggest, sum(f.stat().st_size for f in b.rglob("*.safetensors")))
+            # a bundle's tensors are at its top or in its rank parts: no recursive walk
+            files = [*b.glob("*.safetensors"), *b.glob("rank*/*.safetensors")]
+            biggest = max(biggest, sum(f.stat().st_size for f in files))
     return max(1, min(cores, len(bundles), int(avail // max(3 * biggest, 1 << 28))))
 
 

@@ -3,6 +3,7 @@ theirs, a bundle is never renamed over an existing path, and an ``out`` that dis
 the Guard checked it still gets the bundle written (to the rescue directory, with a warning)."""
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -29,7 +30,8 @@ def test_place_never_replaces(tmp_path):
     assert place(tmp_path / "a", tmp_path / "b", unique=True) == tmp_path / "b-1"
 
 
-M = {"entry": "m:f", "model": {}, "batch": {}, "rng": {}}
+M = {"entry": "m:f", "model": {"params": [], "buffers": [], "aliases": {}}, "batch": {},
+     "rng": {}}
 
 
 def test_write_bundle_unique_takes_the_next_free_name(tmp_path):
@@ -47,12 +49,12 @@ def test_four_processes_guarding_into_one_out_keep_four_bundles(tmp_path):
     procs = [subprocess.Popen([sys.executable, str(TEST_TASKS / "guard_race.py"), str(out),
                                str(go)], cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(4)]
-    # let every process build its Guard (the entry check creates out) before the gun
+    # every process has built its Guard and waits for the gun: then they write at once
     deadline = 120
     t0 = time.monotonic()
-    while not out.is_dir() and time.monotonic() - t0 < deadline:
+    while len(list(tmp_path.glob("ready-*"))) < 4:
+        assert time.monotonic() - t0 < deadline and all(p.poll() is None for p in procs)
         time.sleep(0.05)
-    time.sleep(3)
     go.touch()
     results = [p.communicate(timeout=deadline) for p in procs]
     assert [p.returncode for p in procs] == [0] * 4, [e[-500:] for _, e in results]
@@ -80,7 +82,7 @@ def test_out_removed_after_the_check_still_keeps_the_bundle(tmp_path, monkeypatc
     with warnings.catch_warnings(record=True) as caught, pytest.raises(NonFiniteStep) as e:
         warnings.simplefilter("always")
         guard.step(batch)
-    assert e.value.bundle.parent == tmp_path / "tmp" / "nanbisect-rescue"
+    assert e.value.bundle.parent == tmp_path / "tmp" / f"nanbisect-rescue-{os.getuid()}"
     assert read_bundle(e.value.bundle).manifest["observed"]["first"] == "loss"
     assert any(str(out) in str(w.message) and str(e.value.bundle) in str(w.message)
                for w in caught)

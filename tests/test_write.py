@@ -83,12 +83,27 @@ def test_default_report_and_empty_directory_are_accepted(fixture_bundle, tmp_pat
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no staging left
 
 
+def test_an_edited_report_file_is_not_replaced(fixture_bundle, tmp_path):
+    b = fixture_bundle("nan_batch")
+    out = tmp_path / "r"
+    assert invoke("run", b, "--out", out).code == 1
+    (out / "report.md").write_text("my triage notes, written into the report")
+    line = refused(b, out, "was not written by nanbisect")
+    assert "report.md" in line
+    assert (out / "report.md").read_text() == "my triage notes, written into the report"
+
+
 def test_report_without_marker_from_an_older_version_is_recognised(tmp_path):
     old = tmp_path / "old"
     (old / "repro").mkdir(parents=True)
     (old / "report.json").write_text('{"schema": "nanbisect.report/1"}')
     (old / "report.md").write_text("# old")
     assert is_report_dir(old) and check_out(old) == old
+    (old / "repro" / "repro.py").write_text("# ours")
+    assert is_report_dir(old)
+    (old / "repro" / "my_fix.py").write_text("# the user's")      # inside repro/ too
+    assert not is_report_dir(old)
+    (old / "repro" / "my_fix.py").unlink()
     (old / "extra.txt").write_text("user")
     assert not is_report_dir(old)
     forged = tmp_path / "forged"

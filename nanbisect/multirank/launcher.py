@@ -427,7 +427,11 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
         if not f.is_file():
             missing.append(r)
             continue
-        res = RankResult.from_json(json.loads(f.read_text()))
+        try:
+            res = RankResult.from_json(json.loads(f.read_text()))
+        except (OSError, ValueError, KeyError, TypeError):   # cut short (killed, disk full)
+            missing.append(r)
+            continue
         if res.error is not None:
             errors[r] = res.error
         else:

@@ -3,15 +3,18 @@ beside its final place, then renamed over it).
 
 Guarantees: nanbisect never deletes what it did not write. `check_out` refuses a report directory
 that would replace anything but an earlier nanbisect report (recognised by its `MARKER` file,
-which lists every file the report was written with: a file added since makes the directory not
-ours; or, for reports written before the marker existed, by holding only the names a report
-holds at its top level), an
+which lists every file the report was written with and its sha256: a file added or edited since
+makes the directory not ours; or, for reports written before the marker existed, by holding only
+the names a report holds, in repro/ too), an
 existing file, the bundle itself, a path inside the bundle other than ``BUNDLE/nanbisect-report``,
 and a directory that holds the bundle; an empty directory is taken as it is. `staged` checks
-again just before it renames, so a directory that appeared in the meantime is not replaced either.
+again just before it renames, and once more after moving the old report aside (so a file added
+in that instant is put back, not deleted); the new report is renamed in without ever replacing
+a directory that appeared meanwhile.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from nanbisect.bundle.atomic import rename_noreplace
 from nanbisect.errors import BadInput
 from nanbisect.report.model import Report
 from nanbisect.report.page import to_html
@@ -27,6 +31,7 @@ from nanbisect.report.text import to_markdown
 
 MARKER = ".nanbisect-report"          # written into every report directory, holds its schema
 REPORT_FILES = {"report.json", "report.md", "report.html", "repro", MARKER}
+REPRO_FILES = {"repro.py", "inputs.safetensors", "module_repro.py", "module_inputs.safetensors"}
 DEFAULT_NAME = "nanbisect-report"     # BUNDLE/nanbisect-report, the default --out
 
 
@@ -45,9 +50,11 @@ def foreign_files(path: Path) -> list[str] | None:
         if not isinstance(head, dict) or not str(head.get("schema", "")).startswith(
                 "nanbisect.report/"):
             return None
-    if isinstance(head, dict) and isinstance(head.get("files"), list):
-        ours = {f for f in head["files"] if isinstance(f, str)} | {MARKER}
-        return sorted(set(_files(path)) - ours)
+    if isinstance(head, dict) and isinstance(head.get("files"), dict):
+        ours = {f: d for f, d in head["files"].items() if isinstance(f, str)}
+        # a file added since, or one of ours edited since (the user's notes in report.md)
+        return sorted(f for f in _files(path) if f != MARKER
+                      and (f not in ours or _sha256(path / f) != ours[f]))
     # a report from before the marker listed its files: report.json with our schema, and at the
     # top level nothing a report does not hold
     try:
@@ -58,7 +65,10 @@ def foreign_files(path: Path) -> list[str] | None:
     if head is None and not (isinstance(report, dict) and str(report.get("schema", "")).startswith(
             "nanbisect.report/")):
         return None
-    return sorted(names - REPORT_FILES)
+    repro = path / "repro"
+    inside = ([f"repro/{f}" for f in _files(repro) if f not in REPRO_FILES]
+              if repro.is_dir() and not repro.is_symlink() else [])
+    return sorted(names - REPORT_FILES) + inside
 
 
 def is_report_dir(path: Path) -> bool:
@@ -74,6 +84,13 @@ def _files(root: Path) -> list[str]:
         out += [(rel / n).as_posix() for n in filenames]
         out += [(rel / d).as_posix() for d in dirnames if (Path(dirpath) / d).is_symlink()]
     return out
+
+
+def _sha256(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -133,20 +150,37 @@ def staged(out: Path, bundle: Path | None = None) -> Iterator[Path]:
     """A hidden directory beside ``out`` that replaces it only if the block succeeds, and only
     if ``out`` is still absent, empty or a report (`check_out`)."""
     out = check_out(out, bundle)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as e:
+        raise BadInput(f"--out '{out}': the report cannot be written there ({e.strerror or e}); "
+                       "pass --out with a directory you can write to") from None
     try:
         yield tmp
-        # the marker lists what was written: a file someone adds later makes it not ours
-        (tmp / MARKER).write_text(json.dumps({"schema": "nanbisect.report/1",
-                                              "files": sorted(_files(tmp))}, indent=1) + "\n")
+        # the marker lists what was written, with each file's sha256: a file someone adds or
+        # edits later makes the directory no longer only ours
+        (tmp / MARKER).write_text(json.dumps({"schema": "nanbisect.report/1", "files": {
+            f: _sha256(tmp / f) for f in sorted(_files(tmp))}}, indent=1) + "\n")
         check_out(out, bundle)     # NB: again: the block ran for minutes; the path may be taken
         old = None
         if out.exists():
+            was_empty = out.is_dir() and not any(out.iterdir())
             old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
             out.rename(old)
-        tmp.rename(out)
+            # NB: and once more, now that nobody can add to it: what we delete must be ours
+            if not (foreign_files(old) == [] or (was_empty and not any(old.iterdir()))):
+                rename_noreplace(old, out)
+                raise BadInput(f"--out '{out}' changed while the report was written (files "
+                               "were added to it); nothing was replaced: pass a new directory")
+        try:
+            rename_noreplace(tmp, out)
+        except FileExistsError:
+            raise BadInput(f"--out '{out}' was created by someone else while the report was "
+                           "written; nothing was replaced"
+                           + (f" (the previous report is in '{old}')" if old else "")
+                           + ": pass a new directory") from None
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:

@@ -2,6 +2,7 @@
 
 Usage: python guard_race.py OUT GO_FILE. Waits for GO_FILE to exist, then runs the NaN batch of
 fixtures/tasks/nan_batch.py as step 3 and prints the bundle the Guard wrote."""
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ out, go = Path(sys.argv[1]), Path(sys.argv[2])
 guard = Guard(nan_batch.task(), entry=str(ROOT / "fixtures/tasks/nan_batch.py") + ":task",
               out=out, start_step=3)
 batch = list(zip(range(4), nan_batch.batches()))[3][1]
+(go.parent / f"ready-{os.getpid()}").touch()     # built and about to wait for the gun
 while not go.exists():
     time.sleep(0.001)
 try:
