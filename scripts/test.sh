@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up, then run the whole test suite (CPU only; about 8 minutes on 2 cores).
+# Set up, then run the whole test suite (CPU only, three pytest workers on 2 cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,4 +10,6 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     >/dev/null 2>&1 || echo "test: chromium could not be installed; the screenshot test will be skipped" >&2
 fi
 PY=${PYTHON:-python3}
-exec "$PY" -m pytest -q "$@"
+# three workers on two cores: much of the suite waits (subprocesses, time-outs, killed ranks),
+# and its multi-rank and triage tests are made to hold under that load
+exec "$PY" -m pytest -q -n 3 "$@"
