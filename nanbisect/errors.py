@@ -5,7 +5,16 @@ exits 2 without a traceback. `NonFiniteStep` is what `Guard` raises after writin
 """
 from __future__ import annotations
 
+import signal
 from pathlib import Path
+
+
+def signal_name(num: int) -> str:
+    """``SIGSEGV`` for 11: how a process that a signal ended is named in one-line errors."""
+    try:
+        return signal.Signals(num).name
+    except ValueError:
+        return f"signal {num}"
 
 
 class BadInput(Exception):

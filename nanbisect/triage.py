@@ -77,7 +77,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from nanbisect import __version__
-from nanbisect.errors import BadInput
+from nanbisect.errors import BadInput, signal_name
 
 SCHEMA = "nanbisect.triage/1"
 CACHE_SCHEMA = "nanbisect.triage-cache/1"
@@ -350,13 +350,7 @@ class _Cache:
     def get(self, key: str) -> dict | None:
         if self.root is None:
             return None
-        p = self.root / f"{key}.json"
-        try:
-            if p.stat().st_size > _MAX_REPORT:
-                return None
-            data = json.loads(p.read_bytes())
-        except (OSError, ValueError, RecursionError):
-            return None
+        data = _read_json(self.root / f"{key}.json")
         if isinstance(data, dict) and data.get("schema") == CACHE_SCHEMA and \
                 data.get("key") == key and isinstance(data.get("report"), dict):
             return data["report"]
@@ -453,13 +447,6 @@ def _watch_parent(parent: int) -> None:
     threading.Thread(target=loop, name="nanbisect-triage-watchdog", daemon=True).start()
 
 
-def _signal_name(num: int) -> str:
-    try:
-        return signal.Signals(num).name
-    except ValueError:
-        return f"signal {num}"
-
-
 _SIGNAL_HINT = {"SIGKILL": " (as the out-of-memory killer does)", "SIGSEGV": " (a crash in native "
                 "code)", "SIGABRT": " (os.abort or a failed native assertion)"}
 
@@ -483,14 +470,18 @@ def _reason(stderr: str) -> str:
     return lines[-1][:300] if lines else "no message"
 
 
-def _read_report(report_dir: Path) -> dict | None:
-    p = report_dir / "report.json"
+def _read_json(p: Path):
+    """The JSON in ``p`` (at most _MAX_REPORT bytes), or None when it is missing or unreadable."""
     try:
         if p.stat().st_size > _MAX_REPORT:
             return None
-        data = json.loads(p.read_bytes())
+        return json.loads(p.read_bytes())
     except (OSError, ValueError, RecursionError):
         return None
+
+
+def _read_report(report_dir: Path) -> dict | None:
+    data = _read_json(report_dir / "report.json")
     return data if isinstance(data, dict) and isinstance(data.get("verdict"), str) else None
 
 
@@ -545,7 +536,7 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
             return done(report=report)
         extra = {"stderr": stderr[-_STDERR_TAIL:]} if stderr.strip() else {}
         if rc < 0:
-            name = _signal_name(-rc)
+            name = signal_name(-rc)
             return done(error=f"replay killed by signal {name}{_SIGNAL_HINT.get(name, '')}",
                         kind="signal", **extra)
         if rc == 2:
@@ -989,7 +980,7 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
                         n_jobs = _jobs([Path(b) for b, _ in todo], n_jobs)
                     _replay(todo, copies, options, timeout, config, n_jobs, wave, store, state)
         except _Interrupted as e:
-            state.interrupted = _signal_name(e.signum)
+            state.interrupted = signal_name(e.signum)
         except KeyboardInterrupt:
             state.interrupted = "SIGINT"
         except BadInput:

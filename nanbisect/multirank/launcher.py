@@ -47,7 +47,7 @@ from typing import Iterator
 import torch
 
 from nanbisect.bundle.format import Bundle
-from nanbisect.errors import BadInput
+from nanbisect.errors import BadInput, signal_name
 from nanbisect.multirank.verdict import job_report
 from nanbisect.records import Losses, RankResult, RunFacts
 from nanbisect.replay.fidelity import check as fidelity_check
@@ -323,13 +323,6 @@ def exit_statuses(log: str) -> tuple[dict[int, int], int | None]:
     return statuses, root
 
 
-def _signal_name(sig: int) -> str:
-    try:
-        return signal.Signals(sig).name
-    except ValueError:
-        return f"signal {sig}"
-
-
 def _stage(partial: Path, r: int) -> str:
     state = _read_json(partial / f"rank{r}.state")
     return f" ({state['stage']})" if state and state.get("stage") else ""
@@ -342,7 +335,7 @@ def _died(partial: Path, r: int, status: int, then: str) -> str:
         return (f"rank {r} exited with status {status} during the replay without a result"
                 f"{stage}{then}: the entry's code ended the process (os._exit, exit() in a C "
                 "library?); run that rank's code alone")
-    name = _signal_name(-status)
+    name = signal_name(-status)
     dump = ""
     try:
         dump = (partial / f"rank{r}.stacks").read_text(errors="replace")
