@@ -34,11 +34,11 @@ from nanbisect.reference import kernels as registry
 from nanbisect.reference.differential import (RandomReplay, RandomTape, ReferenceKernels,
                                               StepState, diverging_call, first_divergence,
                                               isolate_window, step_state)
-from nanbisect.reference.opcheck import check_op, move, resolve
+from nanbisect.reference.classify import classify
+from nanbisect.reference.opcheck import check_caught
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import match_threads
 from nanbisect.replay.probe import ModuleProbe, probing
-from nanbisect.replay.recorder import tensor_args, written_tensors
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.report.model import Report
 from nanbisect.report.repro import repro_imports, run_repro, write_module_repro, write_repro
@@ -115,13 +115,15 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     target = opts.target or _default_target(m)
     t_dev, t_dtype = parse_device(target)
     if bundle.multi_rank:
-        if opts.reference not in (None, "none"):
-            raise BadInput("--reference is not supported for multi-rank bundles yet; replay "
-                           "with --reference none")
+        reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
+        if reference != "none":
+            parse_device(reference)   # a bad --reference fails here, before any rank starts
         if opts.inject:
             load_inject(opts.inject)  # a bad --inject fails here, before any rank starts
-        progress("ranks", f"replaying {bundle.world_size} ranks on {target}")
-        return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry)
+        progress("ranks", f"replaying {bundle.world_size} ranks on {target}"
+                 + (f" and on {reference}" if reference != "none" else ""))
+        return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry,
+                             reference=None if reference == "none" else reference)
     threads = torch.get_num_threads()
     try:
         return _run_bundle(bundle, opts, out, progress, target, t_dev, t_dtype)
@@ -254,30 +256,11 @@ def _not_reproduced(run: _Run) -> Report:
 
 
 def _classify(side: "_Reference | None", op_check: OpCheck | None) -> tuple[str, str | None]:
-    """The classification of a NaN/inf culprit and, when it needs one, why.
-
-    ``device`` only when the op, given the same inputs at the same dtype, is wrong on the target
-    and right on the reference (`op_check`); a whole-step reference that stays finite is not
-    enough (a float64 reference does not overflow where float32 does)."""
+    """The classification of a NaN/inf culprit and, when it needs one, why (`classify`)."""
     if side is None:
-        return "unknown", None
-    if side.outcome.phase is not None:
-        return "numerics", ("the reference fails too: the failure follows from the arithmetic, "
-                            "not from the target device")
-    if op_check is None or op_check.status in ("uncomparable", "skipped"):
-        return "unknown", ("the reference step stays finite, but the culprit op could not be "
-                           "re-run on the reference from the same inputs, so the device is not "
-                           "proven at fault")
-    if op_check.status == "mismatch":
-        return "device", None
-    if side.dtype is not None and side.dtype != side.dtype_target:
-        return "numerics", (f"given the same inputs at {str(side.dtype_target)[6:]}, the "
-                            f"reference computes the same non-finite result: the "
-                            f"{str(side.dtype)[6:]} reference avoided it by its wider dtype, "
-                            "not by a correct kernel")
-    return "unknown", ("the culprit op computes the same on the reference from the same inputs, "
-                       "yet the reference step stays finite: the op's inputs already differed "
-                       "(an earlier divergence); replay without NaN to find it")
+        return classify(False, False, None, torch.float32, op_check)
+    return classify(True, side.outcome.phase is not None, side.dtype, side.dtype_target,
+                    op_check)
 
 
 @dataclass
@@ -420,8 +403,8 @@ def _culprit_report(run: _Run, first: StepOutcome, side: "_Reference | None", re
                                                         "did not reproduce either"))
         if ref is not None:
             run.progress("op-check", "re-running the culprit op on the reference")
-            op_check = _guarded(lambda: _check_caught(caught, finding.op_index, rep, ref,
-                                                      run.wrap), "re-running the culprit op")
+            op_check = _guarded(lambda: check_caught(caught, finding.op_index, rep.device, ref[0],
+                                                     run.wrap), "re-running the culprit op")
             if op_check.status == "uncomparable":
                 notes.append(f"{caught.op} cannot run on the reference ({op_check.detail})"
                              "; it is reported as uncomparable, not as correct")
@@ -454,14 +437,3 @@ def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> Modul
                                 target=run.facts.target, entry=run.rep.entry)
     return ModuleRepro("repro/module_repro.py",
                        run_repro(script, run.facts.target) if run.opts.run_repro else None)
-
-
-def _check_caught(caught: Caught, index: int, rep: Replayer, ref: tuple, wrap) -> OpCheck:
-    """Run the caught op on the target (under its injected context) and judge it on the
-    reference from the same inputs."""
-    args, kwargs = move(caught.args, rep.device), move(caught.kwargs, rep.device)
-    with wrap():
-        out = resolve(caught.op)(*args, **kwargs)
-    returned, mutated = written_tensors(resolve(caught.op), out, tuple(args), kwargs)
-    target_out = [t.detach().cpu() for t, _ in tensor_args(returned + mutated)]
-    return check_op(caught.op, index, caught.args, caught.kwargs, target_out, ref[0])

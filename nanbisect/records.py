@@ -338,6 +338,17 @@ class Comparison:
         d["message"] = self.message()
         return d
 
+    @staticmethod
+    def from_json(d: dict) -> "Comparison":
+        """The inverse of `to_json` (between our own processes)."""
+        kw = {f.name: d[f.name] for f in fields(Comparison) if f.name in d}
+        for k in ("worst_abs", "max_rel", "cosine", "worst_target", "worst_expected"):
+            if isinstance(kw.get(k), str):
+                kw[k] = float(kw[k])
+        if kw.get("worst_index") is not None:
+            kw["worst_index"] = tuple(kw["worst_index"])
+        return Comparison(**kw)
+
 
 @dataclass(frozen=True)
 class OpCheck:
@@ -354,6 +365,12 @@ class OpCheck:
         return {"op": self.op, "op_index": self.op_index, "status": self.status,
                 "how": self.how, "detail": self.detail,
                 "comparisons": [c.to_json() for c in self.comparisons]}
+
+    @staticmethod
+    def from_json(d: dict) -> "OpCheck":
+        return OpCheck(d["op"], d["op_index"], d["status"], d.get("how"),
+                       [Comparison.from_json(c) for c in d.get("comparisons", [])],
+                       d.get("detail", ""))
 
 
 @dataclass(frozen=True)
@@ -515,6 +532,17 @@ class Plan:
 
 
 @dataclass(frozen=True)
+class RankReference:
+    """One rank's step on the reference (multi-rank ``--reference``): how it ended, and where
+    this rank's target step first parted from it (None: within tolerance, or no comparison)."""
+
+    phase: str | None             # the reference's own failing phase (None: finite)
+    loss: float | str | None
+    divergence: str | None = None  # "loss", "grad:NAME", "param:NAME"
+    max_rel: float | str | None = None
+
+
+@dataclass(frozen=True)
 class RankResult:
     """What one rank worker hands the launcher (as JSON in ``PARTIAL/rank{r}.json``)."""
 
@@ -528,9 +556,15 @@ class RankResult:
     inf_origin: OpRef | None = None
     repro: str | None = None                             # path of the repro it wrote
     error: str | None = None                             # one line: why this rank failed
+    reference: RankReference | None = None               # with --reference
+    op_check: OpCheck | None = None                      # the culprit op on the reference
+    classification: str | None = None                    # the culprit rank's, from its evidence
+    classification_note: str | None = None               # why, when the evidence needs a word
 
     def to_json(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["op_check"] = self.op_check.to_json() if self.op_check is not None else None
+        return d
 
     @staticmethod
     def from_json(d: dict) -> "RankResult":
@@ -549,7 +583,11 @@ class RankResult:
             culprit=opt(Culprit, d.get("culprit")),
             context=[ContextRow(**c) for c in d.get("context", [])],
             inf_origin=opt(OpRef, d.get("inf_origin")), repro=d.get("repro"),
-            error=d.get("error"))
+            error=d.get("error"), reference=opt(RankReference, d.get("reference")),
+            op_check=(OpCheck.from_json(d["op_check"]) if d.get("op_check") is not None
+                      else None),
+            classification=d.get("classification"),
+            classification_note=d.get("classification_note"))
 
     def row(self) -> dict:
         """This rank's row in report.json's ``ranks``."""
@@ -562,4 +600,5 @@ class RankResult:
                 "module_stats": ({k: asdict(v) if v is not None else None
                                   for k, v in self.module_stats.items()}
                                  if self.module_stats is not None else None),
-                "root": asdict(self.root) if self.root is not None else None}
+                "root": asdict(self.root) if self.root is not None else None,
+                **({"reference": asdict(self.reference)} if self.reference is not None else {})}

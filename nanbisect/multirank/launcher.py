@@ -385,7 +385,8 @@ def _hang(partial: Path, world: int, timeout: float, finished: set[int],
 
 
 def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
-           timeout: float | None = None, entry: str | None = None) -> list[RankResult]:
+           timeout: float | None = None, entry: str | None = None,
+           reference: str | None = None) -> list[RankResult]:
     """Run every rank; return their results, or raise BadInput naming the rank that failed.
     ``partial`` is the run's directory (`run_dir`); ``entry`` overrides every rank's."""
     timeout = rank_timeout() if timeout is None else timeout
@@ -400,6 +401,8 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
         cmd += ["--inject", inject]
     if entry:
         cmd += ["--entry", entry]
+    if reference:
+        cmd += ["--reference", reference]
     log_path = partial / "torchrun.log"
     with open(log_path, "w") as log_file:
         p = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
@@ -471,21 +474,25 @@ def ranks_entry(entry: str | None, bundle: Bundle) -> str | None:
 
 
 def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
-                  run_repro_once: bool = True, entry: str | None = None) -> Report:
-    """Replay all ranks (with ``entry``'s Task when given), then write one report for the job."""
+                  run_repro_once: bool = True, entry: str | None = None,
+                  reference: str | None = None) -> Report:
+    """Replay all ranks (with ``entry``'s Task when given), on the target and, with
+    ``reference``, on the reference too, then write one report for the job."""
     entry = ranks_entry(entry, bundle)
     timeout = rank_timeout()
     with run_dir() as partial:
-        results = launch(bundle, target, inject, partial, timeout, entry)
+        results = launch(bundle, target, inject, partial, timeout, entry, reference)
         m = bundle.manifest
         part = bundle.part(0)
         used = entry or resolve_entry(part)
         fidelity = fidelity_check(part, used, None, None, same_setup=False,
                                   override=entry is not None)
         first = results[0].summary
-        facts = RunFacts(str(bundle.path), m["entry"], target, "none",
+        facts = RunFacts(str(bundle.path), m["entry"], target, reference or "none",
                          {r: info.get("observed") for r, info in m["ranks"].items()},
-                         Losses(None, first.loss if first else None), fidelity)
+                         Losses(None, first.loss if first else None,
+                                results[0].reference.loss if results[0].reference else None),
+                         fidelity)
         report = job_report(facts, bundle.world_size, m.get("backend"), results)
         if fidelity.code_changed:
             notes = ["the code differs from the capture's: " + ", ".join(fidelity.code_changed)
@@ -500,10 +507,15 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
         with staged(out) as tmp:
             own = next((r for r in results if report.culprit is not None
                         and r.rank == report.culprit.rank and r.repro), None)
-            if own is not None and report.classification == "unknown":
+            if own is not None and report.classification != "communication":
                 shutil.copytree(Path(own.repro).parent, tmp / "repro")
                 result = run_repro(tmp / "repro" / "repro.py", target) if run_repro_once \
                     else None
                 report = replace(report, repro="repro/repro.py", repro_result=result)
+                if result is not None and not result.reproduced and inject:
+                    report = replace(report, notes=[*report.notes, (
+                        f"the repro did not reproduce on {target}: it runs the op without "
+                        f"--inject {inject}, which emulated the fault here; run repro/repro.py "
+                        "on the device that has the faulty kernel")])
             write_report(report, tmp)
         return report

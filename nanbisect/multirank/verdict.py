@@ -70,7 +70,8 @@ def job_report(facts: RunFacts, world_size: int, backend: str | None,
     plan = results[0].plan
     phase, culprit_rank = plan.phase, plan.rank
     by_rank = {r.rank: r for r in results}
-    notes = [f"replayed with world size {world_size} ({backend})"]
+    notes = [f"replayed with world size {world_size} ({backend})"] + _reference_notes(
+        facts.reference, results)
     observed = facts.observed or {}
     common = dict(facts=facts, ranks=results)
     if phase is None:
@@ -98,8 +99,14 @@ def job_report(facts: RunFacts, world_size: int, backend: str | None,
         return Report("culprit", "communication", "grad-reduce",
                       "nan" if buckets and buckets[0].out_nan else "inf", culprit, notes=notes,
                       **common)
+    if culprit_rank is None:   # the ranks part from the reference, and no op was isolated
+        notes.append("no rank's op could be isolated as the first divergence from the reference "
+                     "(every op checked passed alone, or could not be compared)")
+        return Report("culprit", "unknown", phase, "mismatch",
+                      Culprit(phase, "", None, [], [], None, rank=None), notes=notes, **common)
     own = by_rank[culprit_rank]
-    kind = (own.summary.kind if own.summary else None) or "nan"
+    kind = (own.summary.kind if own.summary else None) or (
+        "mismatch" if own.reference is not None and own.reference.divergence else "nan")
     if plan.through_collective:
         root = own.root
         if phase == "backward":   # a collective in backward reduces gradients
@@ -128,5 +135,25 @@ def job_report(facts: RunFacts, world_size: int, backend: str | None,
     if not others:
         note += "the other ranks stayed finite"
     notes.append(note)
-    return Report("culprit", "unknown", phase, kind, culprit, notes=notes,
-                  context=own.context, inf_origin=own.inf_origin, **common)
+    if own.classification_note:
+        notes.append(own.classification_note)
+    return Report("culprit", own.classification or "unknown", phase, kind, culprit, notes=notes,
+                  context=own.context, inf_origin=own.inf_origin, op_check=own.op_check,
+                  **common)
+
+
+def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:
+    """One line per rank on how its step went on the reference, when there was one."""
+    if reference in (None, "none"):
+        return []
+    out = []
+    for r in results:
+        ref, s = r.reference, r.summary
+        if ref is None:
+            continue
+        how = (f"failed in {ref.phase}" if ref.phase else "stayed finite")
+        part = (f"; its target step first parts from it at {ref.divergence} (max rel diff "
+                f"{ref.max_rel})" if ref.divergence else "")
+        out.append(f"rank {r.rank} on the reference ({reference}): {how}, loss {ref.loss} "
+                   f"(target {s.loss if s else None}){part}")
+    return out

@@ -56,11 +56,17 @@ from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import forward_producer, make_culprit
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
 from nanbisect.multirank.verdict import choose_rank, decide
-from nanbisect.records import (CallId, OpFinding, RankResult, RankRoot, RankSummary, Stats,
-                               json_number)
+from nanbisect.records import (CallId, OpFinding, Plan, RankReference, RankResult, RankRoot,
+                               RankSummary, Stats, StepOutcome, json_number)
+from nanbisect.reference import kernels as registry
+from nanbisect.reference.differential import (RandomReplay, RandomTape, ReferenceKernels,
+                                              diverging_call, first_divergence, isolate_window,
+                                              step_state)
+from nanbisect.reference.classify import classify
+from nanbisect.reference.opcheck import check_caught
 from nanbisect.replay.recorder import is_collective
 from nanbisect.replay.probe import ModuleProbe, ProbeTable, probing
-from nanbisect.replay.replayer import Replayer, parse_device
+from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.report.repro import repro_imports, write_repro
 from nanbisect.task import load_inject
 
@@ -102,8 +108,31 @@ def _stage_file(partial: Path, rank: int):
     return write
 
 
+class _ReferenceSide:
+    """This rank's replay on the reference (``--reference``): the same part, the same world, the
+    reference device; random ops draw what this rank's target drew."""
+
+    def __init__(self, part, spec: str, entry: str) -> None:
+        registry.load_plugins()
+        self.device, self.dtype = parse_device(spec)
+        if self.device.type == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        self.observer = ReductionObserver({})
+        with observing_comm_hooks(self.observer):
+            self.rep = Replayer(part, self.device, self.dtype, entry=entry)
+        model = self.rep.task.model
+        self.observer.names.update({p: n for n, p in model.named_parameters()})
+        observe_default_hook(model, self.observer)
+        self.rep.lockstep = True
+        self.probe = ModuleProbe(model)
+
+    def run(self, tape: RandomTape) -> StepOutcome:
+        return self.rep.run(phase=probing(self.probe),
+                            wrap=lambda: stacked(ReferenceKernels(), RandomReplay(tape)))
+
+
 def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None,
-                entry: str | None = None) -> RankResult:
+                entry: str | None = None, reference: str | None = None) -> RankResult:
     rank = dist.get_rank()
     top = read_bundle(bundle_path)
     part = top.part(rank)
@@ -118,6 +147,10 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     observer.names.update({p: n for n, p in model.named_parameters()})
     observe_default_hook(model, observer)
     rep.lockstep = True
+    side = None
+    if reference is not None:
+        _stage("building the task on the reference")
+        side = _ReferenceSide(part, reference, rep.entry)
     bad_inputs = rep.input_faults(rep.restore())
     if any(_gather(bool(bad_inputs))):   # agree before any collective of the step
         summary = RankSummary(rank, "input" if bad_inputs else None, None, None,
@@ -125,16 +158,36 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         return RankResult(rank, plan=decide(_gather(summary)), summary=summary)
     wrap = load_inject(inject) if inject else nullcontext
     probe = ModuleProbe(model)
+    tape = RandomTape()
     _stage("replay pass 1/3: module statistics")
-    first = rep.run(phase=probing(probe), wrap=wrap)
+    # the injected context first: the tape, inside it, sees what it returns
+    first = rep.run(phase=probing(probe), wrap=lambda: stacked(
+        wrap(), *([tape] if side is not None else [])))
     observer.active = False
+    theirs = None
+    if side is not None:
+        target_state = step_state(rep, first)   # before any other pass moves the parameters
+        _stage("replay pass 1/3 on the reference")
+        ref_first = side.run(tape)
+        side.observer.active = False
+        t_dtype = next(model.parameters(), torch.zeros(())).dtype
+        # a target that failed parts from a finite reference trivially: only a finite step's
+        # divergence is news
+        div = (first_divergence(target_state, step_state(side.rep, ref_first), t_dtype)
+               if first.phase is None else None)
+        theirs = RankReference(ref_first.phase, json_number(ref_first.loss),
+                               div.what if div else None,
+                               json_number(div.comparison.max_rel) if div else None)
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read())
     _stage("after replay pass 1/3: exchanging what each rank saw")
     everyone = _gather(summary)
     plan = decide(everyone)
-    result = RankResult(rank, plan=plan, summary=summary)
+    result = RankResult(rank, plan=plan, summary=summary, reference=theirs)
     phase, culprit_rank = plan.phase, plan.rank
+    if phase is None and side is not None and not any(
+            (info.get("observed") for info in top.manifest["ranks"].values())):
+        return _divergence(rep, side, probe, result, div, wrap, target, partial)
     if phase not in ("forward", "backward", "optimizer") or culprit_rank is None:
         return result
     kind = everyone[culprit_rank].kind or "nan"
@@ -166,8 +219,60 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
                      inf_origin=finding.inf_origin)
     if caught is None:
         return result
+    if side is not None:   # one op, on this rank alone: no collective
+        _stage("re-running the culprit op on the reference")
+        check = check_caught(caught, finding.op_index, rep.device, side.device, wrap)
+        classification, why = classify(True, theirs.phase is not None, side.dtype,
+                                       next(model.parameters(), torch.zeros(())).dtype, check)
+        result = replace(result, op_check=check, classification=classification,
+                         classification_note=why)
     script = write_repro(partial / f"rank{rank}" / "repro", caught, culprit=culprit, kind=kind,
                          target=target, imports=repro_imports(caught.op, rep.entry))
+    return replace(result, repro=str(script))
+
+
+def _divergence(rep: Replayer, side: _ReferenceSide, probe: ModuleProbe, result: RankResult,
+                div, wrap, target: str, partial: Path) -> RankResult:
+    """No rank failed and the bundle records no failure, but some rank's target step parts from
+    its reference: every rank isolates its own first diverging module call's ops on the
+    reference (one more lockstep pass, the same on every rank); the lowest rank with an op that
+    is wrong given its inputs is the culprit."""
+    rank = result.rank
+    diverged = _gather(div.phase if div is not None else None)
+    if not any(diverged):
+        return result
+    _stage("replay pass 2/3: isolating the ops on the reference")
+    dtype = next(rep.task.model.parameters(), torch.zeros(())).dtype
+    call = None
+    if div is not None and div.phase in ("forward", "backward"):
+        call = diverging_call(probe.read(), side.probe.read(), div.phase, dtype)
+    if div is not None:
+        finding, check, _, _ = isolate_window(rep, div.phase, call.call if call else None,
+                                              side.device, wrap)
+    else:   # the step's collectives, in step with the ranks that isolate
+        finding, check = None, None
+        rep.run(wrap=wrap)
+    found = _gather(finding is not None)
+    culprit_rank = next((r for r, f in enumerate(found) if f), None)
+    phase = diverged[culprit_rank] if culprit_rank is not None else next(p for p in diverged if p)
+    plan = Plan(phase, culprit_rank)
+    result = replace(result, plan=plan)
+    spec = [finding.site if finding is not None else None]
+    if culprit_rank is not None:
+        dist.broadcast_object_list(spec, src=culprit_rank)
+        _stage("replay pass 3/3: catching the diverging op's inputs")
+        caught = catch_inputs(rep, spec[0], wrap)
+    if rank != culprit_rank:
+        return result
+    culprit = make_culprit(rep.task.model, phase, finding=finding, call=call, rank=rank,
+                           source=caught.source if caught else None)
+    result = replace(result, culprit=culprit, op_check=check,
+                     classification="device" if check is not None else "unknown")
+    if caught is None:
+        return result
+    script = write_repro(partial / f"rank{rank}" / "repro", caught, culprit=culprit,
+                         kind="mismatch", target=target,
+                         imports=repro_imports(caught.op, rep.entry))
     return replace(result, repro=str(script))
 
 
@@ -195,6 +300,20 @@ def _watch_launcher(partial: Path) -> None:
     threading.Thread(target=wait, name="nanbisect-launcher-watch", daemon=True).start()
 
 
+def _backend(specs: list[str]) -> str | None:
+    """The process group's backend for the devices of both sides: gloo for CPU, nccl for CUDA,
+    both at once (``cpu:gloo,cuda:nccl``) for a CUDA target with a CPU reference or the reverse;
+    None (torch's default for the device) otherwise."""
+    types = {parse_device(s)[0].type for s in specs}
+    if types == {"cpu"}:
+        return "gloo"
+    if types == {"cuda"}:
+        return "nccl"
+    if types == {"cpu", "cuda"}:
+        return "cpu:gloo,cuda:nccl"
+    return None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")
@@ -202,6 +321,7 @@ def main() -> None:
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--inject", default=None)
     ap.add_argument("--entry", default=None)
+    ap.add_argument("--reference", default=None)
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
@@ -216,14 +336,13 @@ def main() -> None:
     global _stage
     _stage = _stage_file(partial, rank)
     _stage("starting the process group")
-    backend = "gloo" if parse_device(a.target)[0].type == "cpu" else (
-        "nccl" if a.target.startswith("cuda") else None)
+    backend = _backend([a.target] + ([a.reference] if a.reference else []))
     try:
         # longer than the launcher's deadline: a hang is the launcher's to diagnose (it asks
         # every rank where it is), not a gloo timeout on the rank that waited for it
         dist.init_process_group(backend=backend,
                                 timeout=datetime.timedelta(seconds=a.timeout + 30))
-        result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry)
+        result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry, a.reference)
         out.write_text(json.dumps(result.to_json()))
         _stage("finished, waiting for the other ranks")
         dist.barrier()

@@ -16,7 +16,7 @@ import torch
 from nanbisect.reference import kernels as registry
 from nanbisect.records import OpCheck
 from nanbisect.reference.compare import compare_op
-from nanbisect.replay.recorder import tensor_args, written_tensors
+from nanbisect.replay.recorder import is_collective, tensor_args, written_tensors
 
 RANDOM_OR_UNINITIALISED = {
     "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
@@ -82,6 +82,10 @@ def check_op(op: str, index: int, args: list, kwargs: dict, target_out: list[tor
     """
     if op.split(".")[1] in RANDOM_OR_UNINITIALISED:
         return OpCheck(op, index, "skipped", detail="random or uninitialised output")
+    if is_collective(op):
+        # re-run alone it would wait for peers that are not running it (a hang in lockstep)
+        return OpCheck(op, index, "skipped", detail="a collective: its result depends on the "
+                       "other ranks' inputs, it cannot be re-run alone")
     r_args, r_kwargs = move(args, ref_device), move(kwargs, ref_device)
     try:
         ref_out, how = _call(op, r_args, r_kwargs)
@@ -102,3 +106,18 @@ def check_op(op: str, index: int, args: list, kwargs: dict, target_out: list[tor
         comps.append(compare_op(t, r if r.dtype == t.dtype else None, e, t.dtype))
     status = "ok" if all(c.ok for c in comps) else "mismatch"
     return OpCheck(op, index, status, how, comps)
+
+
+def check_caught(caught, index: int, device: torch.device, ref_device: torch.device,
+                 wrap=None) -> OpCheck:
+    """Run a caught op (`nanbisect.records.Caught`) on the target ``device`` under ``wrap()``
+    (the injected context, when there is one) and judge it on ``ref_device`` from the same
+    inputs."""
+    from contextlib import nullcontext
+
+    args, kwargs = move(caught.args, device), move(caught.kwargs, device)
+    with (wrap or nullcontext)():
+        out = resolve(caught.op)(*args, **kwargs)
+    returned, mutated = written_tensors(resolve(caught.op), out, tuple(args), kwargs)
+    target_out = [t.detach().cpu() for t, _ in tensor_args(returned + mutated)]
+    return check_op(caught.op, index, caught.args, caught.kwargs, target_out, ref_device)
