@@ -37,7 +37,8 @@ from nanbisect.bundle.format import write_bundle
 from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_model,
                                     encode_optimizer, local)
 from nanbisect.errors import BadInput, NonFiniteStep
-from nanbisect.multirank.coord import any_rank, broadcast_str, rank_info, write_all_ranks
+from nanbisect.multirank.coord import (any_rank, broadcast_str, rank_info, tensor_labels,
+                                      write_all_ranks)
 from nanbisect.step import run_step
 from nanbisect.task import Task, split_entry
 
@@ -149,16 +150,26 @@ def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
            entry_file: str | None, step: int | None, observed: dict | None,
            sources: dict[str, str], scaler_state: dict | None, unique: bool = False) -> Path:
     """Write the bundle (every rank its part, under torch.distributed); return where it went
-    (with ``unique``, a taken ``path`` gets the next free ``path-N``)."""
-    def part(p: Path, unique: bool = False) -> Path:
-        manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
-                                          observed=observed, path=p, entry_file=entry_file,
-                                          sources=sources, scaler_state=scaler_state)
-        return write_bundle(p, manifest, tensors, unique=unique)
+    (with ``unique``, a taken ``path`` gets the next free ``path-N``). Under torch.distributed,
+    state identical on several ranks is written once (`multirank.coord.write_all_ranks`); for a
+    DDP model its process group's replicas are compared and what differs is reported."""
+    def build(p: Path) -> tuple[dict, dict]:
+        return _bundle_parts(task, batch, rng, entry=entry, step=step, observed=observed,
+                             path=p, entry_file=entry_file, sources=sources,
+                             scaler_state=scaler_state)
 
     if rank_info().distributed:
-        return write_all_ranks(path, part, {"entry": entry, "step": step}, unique=unique)
-    return part(path, unique)
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = task.model
+        group = (dist.get_process_group_ranks(model.process_group)
+                 if isinstance(model, DistributedDataParallel) else None)
+        return write_all_ranks(path, build, {"entry": entry, "step": step}, unique=unique,
+                               replica_group=group,
+                               labels=tensor_labels(model, task.optimizer))
+    manifest, tensors = build(path)
+    return write_bundle(path, manifest, tensors, unique=unique)
 
 
 def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int | None = None

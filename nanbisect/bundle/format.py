@@ -9,6 +9,11 @@ imports user code, and it is bounded in time and memory whatever the manifest or
 header claims (`read_bundle`, `read_header`: size, JSON values and depth, world size, tensor
 count, offsets against the file's real size); a malformed manifest, header, field type, symbolic
 link or part directory outside the bundle is a `BadInput` naming the file and the fix.
+A part of a multi-rank bundle may take tensors from lower ranks' files (its manifest's
+``shared``, see `_borrowed`); `Bundle.part` resolves them to the owner's file, verified by its
+sha256, and refuses a reference to a rank, file or tensor that is not there, to a rank that is
+not lower, to batch or RNG, or to any name that is not a plain tensor file of a part. Bundles
+without ``shared`` read as before.
 Not guaranteed: protection against a deliberately forged manifest whose checksums were recomputed
 (such a bundle replays whatever tensors it holds; `inspect` stays safe); a file swapped between
 the checks and the load (a bundle being rewritten while it is read); time to hash files that are
@@ -26,10 +31,11 @@ import shutil
 import stat
 import struct
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from nanbisect import __version__
@@ -42,6 +48,9 @@ SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 # Tensor files by role; a role with no tensors gets no file.
 ROLES = ("model", "optimizer", "batch", "rng")
+# Roles every rank of a multi-rank bundle writes itself, never taken from another rank's part
+PER_RANK = ("batch", "rng")
+SUFFIX = ".safetensors"
 
 
 def _sha256(path: Path) -> str:
@@ -95,6 +104,9 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
                  unique: bool = False) -> Path:
     """Write ``tensors`` (role -> flat tensor dict) and ``manifest`` atomically to ``path``.
 
+    Every role with tensors gets ``ROLE.safetensors`` (the `ROLES` first, then any other role,
+    e.g. a part's ``collectives``, by name); a role with none gets no file.
+
     >>> import tempfile
     >>> path = write_bundle(Path(tempfile.mkdtemp()) / "b", {"entry": "m:f"},
     ...                     {"batch": {"batch": torch.ones(2)}})
@@ -109,10 +121,12 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
     tmp.mkdir()
     try:
         files = {}
-        for role in ROLES:
+        for role in [*ROLES, *sorted(set(tensors) - set(ROLES))]:
             if not tensors.get(role):
                 continue
-            name = f"{role}.safetensors"
+            name = f"{role}{SUFFIX}"
+            if not _safe_name(name):
+                raise ValueError(f"tensor role {role!r} is not a plain file name")
             save_file(tensors[role], str(tmp / name))
             umask_mode(tmp / name)   # NB: safetensors >= 0.5 writes 0600 whatever the umask
             with open(tmp / name, "rb+") as f:
@@ -320,27 +334,56 @@ def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
     return head
 
 
+def _load(path: Path, shown: str, names: list[str] | None = None) -> Tensors:
+    """The tensors of one safetensors file (only ``names`` when given), header checked first."""
+    read_header(path, shown)   # NB: ours first: sizes, offsets, no link
+    try:
+        if names is None:
+            return load_file(str(path))
+        with safe_open(str(path), framework="pt") as f:
+            return {n: f.get_tensor(n) for n in names}
+    except BaseException as e:   # SafetensorError, OSError, a torch error, a Rust panic
+        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
+            raise   # KeyboardInterrupt, SystemExit (pyo3's PanicException is a BaseException)
+        raise BadInput(f"{shown} is not a readable safetensors file "
+                       f"({show(str(e), 80)[1:-1]}); re-capture the bundle") from None
+
+
 @dataclass(frozen=True)
 class Bundle:
-    """A bundle whose manifest and checksums have been verified."""
+    """A bundle whose manifest and checksums have been verified.
+
+    The part of a rank that wrote some tensors once for several ranks (its manifest's
+    ``shared``) is opened through its multi-rank bundle (`part`), which resolves and checks
+    those references: ``borrowed`` maps a tensor file to ``[(owner part directory, names)]``.
+    """
 
     path: Path
     manifest: dict
+    borrowed: dict | None = field(default=None, repr=False, compare=False)
+    # a multi-rank bundle's owner parts: manifests, headers, files verified (`_borrowed`)
+    _cache: dict = field(default_factory=dict, repr=False, compare=False)
 
     def tensors(self, role: str) -> Tensors:
-        """The tensors of ``role`` (`BadInput` unless the file is a sound safetensors file)."""
-        name = f"{role}.safetensors"
-        if name not in self.manifest["files"]:
-            return {}
-        shown = f"bundle '{self.path}': {name}"
-        read_header(self.path / name, shown)   # NB: ours first: sizes, offsets, no link
-        try:
-            return load_file(str(self.path / name))
-        except BaseException as e:   # SafetensorError, OSError, a torch error, a Rust panic
-            if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
-                raise   # KeyboardInterrupt, SystemExit (pyo3's PanicException is a BaseException)
-            raise BadInput(f"{shown} is not a readable safetensors file "
-                           f"({show(str(e), 80)[1:-1]}); re-capture the bundle") from None
+        """The tensors of ``role`` (`BadInput` unless the file is a sound safetensors file),
+        those this part takes from lower ranks' parts included (from their own files, which
+        `part` verified by their sha256)."""
+        name = f"{role}{SUFFIX}"
+        out = (_load(self.path / name, f"bundle '{self.path}': {name}")
+               if name in self.manifest["files"] else {})
+        ref = (self.manifest.get("shared") or {}).get(name)
+        if ref is None:
+            return out
+        if self.borrowed is None:
+            n = ref.get("tensors") if isinstance(ref, dict) else None
+            raise BadInput(f"bundle '{self.path}' is one rank's part of a multi-rank bundle and "
+                           f"takes {n if _uint(n) else 'some'} tensors of {name} from a lower "
+                           f"rank's part; open the whole bundle (nanbisect run --ckpt "
+                           f"'{self.path.parent}'), not one part")
+        for owner, names in self.borrowed.get(name, []):
+            out.update(_load(owner / name, f"bundle '{owner.parent}': {owner.name}/{name}",
+                             names))
+        return out
 
     def all_tensors(self) -> Tensors:
         out: Tensors = {}
@@ -357,9 +400,14 @@ class Bundle:
         return self.manifest.get("kind") == "multi-rank"
 
     def part(self, rank: int, verify: bool = True) -> "Bundle":
-        """The verified part of one rank of a multi-rank bundle."""
-        return read_bundle(self.path / self.manifest["ranks"][str(rank)]["dir"], verify,
-                           _part=rank)
+        """The verified part of one rank of a multi-rank bundle; the tensors it takes from lower
+        ranks' parts are resolved and checked (the owner's file holds each one; with
+        ``verify``, the owner's manifest and file match their sha256)."""
+        b = read_bundle(self.path / self.manifest["ranks"][str(rank)]["dir"], verify,
+                        _part=rank)
+        if not b.manifest.get("shared"):
+            return b
+        return replace(b, borrowed=_borrowed(self, rank, b, verify))
 
 
 def _read_manifest(p: Path) -> dict:
@@ -438,6 +486,9 @@ _FIELDS = {
         isinstance(r, list) and all(_int(x) for x in r) for r in v.values())),
         "null or an object of group name -> list of ranks"),
     "ranks": (lambda v: isinstance(v, dict), "an object of rank -> {dir, manifest_sha256}"),
+    "shared": (lambda v: v is None or isinstance(v, dict),
+               "null or an object of tensor file -> {rank, tensors} (tensors of lower ranks)"),
+    "replicas": (lambda v: v is None or isinstance(v, dict), "null or an object"),
 }
 _REQUIRED = ("entry", "files", "model", "batch", "rng")
 _REQUIRED_MULTI = ("entry", "world_size", "ranks")
@@ -557,4 +608,137 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
                 raise BadInput(f"bundle '{p}': the manifest of rank {r} does not match its "
                                "sha256 in the top manifest; re-capture the bundle")
             read_bundle(d, verify=True, _part=int(r))
-    return Bundle(p, manifest)
+    _check_replicas(p, manifest.get("replicas"))
+    top = Bundle(p, manifest)
+    if verify:   # every part's references to lower ranks' tensors resolve (files just verified)
+        for r, info in ranks.items():
+            part = read_bundle(p / info["dir"], verify=False, _part=int(r))
+            if part.manifest.get("shared"):
+                _borrowed(top, int(r), part, verify=False)
+    return top
+
+
+def _check_replicas(p: Path, v) -> None:
+    """The top manifest's ``replicas`` has the shape `multirank.coord` writes (what inspect and
+    the report read from it)."""
+    if v is None:
+        return
+
+    def ranks_list(x) -> bool:
+        return isinstance(x, list) and all(_int(y) for y in x)
+
+    rows = v.get("out_of_sync", [])
+    ok = (isinstance(v.get("groups", []), list) and all(map(ranks_list, v.get("groups", [])))
+          and _uint(v.get("shared_bytes", 0)) and _uint(v.get("shared_tensors", 0))
+          and _uint(v.get("out_of_sync_count", 0)) and ranks_list(v.get("uncompared", []))
+          and isinstance(rows, list) and all(
+              isinstance(e, dict) and isinstance(e.get("tensor"), str)
+              and isinstance(e.get("ranks"), list) and all(map(ranks_list, e["ranks"]))
+              and ranks_list(e.get("missing", []))
+              and (e.get("max_abs_diff") is None
+                   or type(e.get("max_abs_diff")) in (int, float, str)) for e in rows))
+    if not ok:
+        raise BadInput(f"bundle '{p}': the top manifest's 'replicas' is not {{groups, "
+                       "shared_bytes, out_of_sync: [{tensor, ranks, max_abs_diff}]}; the "
+                       "manifest was altered or damaged: re-capture the bundle")
+
+
+def _borrowed(top: Bundle, rank: int, part: Bundle, verify: bool) -> dict:
+    """Resolve a part's ``shared``: tensor file -> [(owner part directory, tensor names)].
+
+    A part's ``shared[FILE] = {"rank": D, "tensors": N, "bytes": B, "from": {"R": [names]},
+    "skip": [names]}`` says: the part's tensors of FILE are those of its own FILE (if any), the
+    ``from`` names taken from rank R's FILE, and every other tensor of rank D's FILE except
+    ``skip``; N tensors come from other ranks in all. Owners are lower ranks of the same bundle
+    (no chains: an owner writes what it owns), FILE is a plain ``.safetensors`` name and never
+    batch or RNG, the owner's part lists FILE and its header holds every name, and the count
+    matches: anything else is `BadInput`. Bounded: one header read per (owner, file), cached
+    on ``top``; with ``verify`` the owner's manifest and FILE are checked against their sha256.
+    """
+    shown = f"bundle '{top.path}': the part of rank {rank}"
+    fix = "the manifest was altered or damaged: re-capture the bundle"
+    world, ranks = top.world_size, top.manifest["ranks"]
+    out: dict[str, list] = {}
+    for name, ref in part.manifest["shared"].items():
+        if not (_safe_name(name) and name.endswith(SUFFIX)) or name == MANIFEST:
+            raise BadInput(f"{shown} takes tensors of {show(name)} from another rank's part, "
+                           "which is not a tensor file name of a part (parts outside the bundle "
+                           f"are refused); {fix}")
+        if name[:-len(SUFFIX)] in PER_RANK:
+            raise BadInput(f"{shown} takes {name} from another rank's part, but every rank "
+                           f"writes its batch and RNG itself; {fix}")
+        frm = ref.get("from", {}) if isinstance(ref, dict) else None
+        if not (isinstance(ref, dict) and _int(ref.get("rank")) and _uint(ref.get("tensors"))
+                and isinstance(frm, dict) and all(_strs(v) for v in frm.values())
+                and all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 10
+                        for k in frm) and _strs(ref.get("skip", []))):
+            raise BadInput(f"{shown}: its 'shared' entry for {name} is not {{rank: integer, "
+                           "tensors: integer, from: {rank: [names]}, skip: [names]}; " + fix)
+        own_head = (read_header(part.path / name, f"bundle '{part.path}': {name}")
+                    if name in part.manifest["files"] else {})
+        own = set(own_head) - {"__metadata__"}
+        default = ref["rank"]
+        taken: list[tuple[int, list[str]]] = [(int(k), v) for k, v in frm.items()]
+        named: set = set()
+        for n in (n for _, v in taken for n in v):
+            if n in own or n in named:
+                raise BadInput(f"{shown} has tensor {show(n)} of {name} twice (in its own file "
+                               f"and another rank's, or in two ranks'); {fix}")
+            named.add(n)
+        for owner in [default, *(o for o, _ in taken)]:
+            if not 0 <= owner < world:
+                raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, which is not "
+                               f"a rank of this bundle (world size {world}); {fix}")
+            if owner >= rank:
+                raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, not a lower "
+                               f"rank (the lowest rank holding them writes them); {fix}")
+        heads = {o: _owner_names(top, o, name, shown, verify) for o in {default, *dict(taken)}}
+        for o, names in taken:
+            missing = next((n for n in names if n not in heads[o]), None)
+            if missing is not None:
+                raise BadInput(f"{shown} takes tensor {show(missing)} of {name} from rank {o}, "
+                               f"whose {name} does not hold it; {fix}")
+        skip = set(ref.get("skip", []))
+        rest = [n for n in heads[default] if n not in own and n not in named and n not in skip]
+        if len(rest) + len(named) != ref["tensors"]:
+            raise BadInput(f"{shown} takes {ref['tensors']} tensors of {name} from lower ranks, "
+                           f"but their files provide {len(rest) + len(named)}; {fix}")
+        dirs = {o: top.path / ranks[str(o)]["dir"] for o in heads}
+        out[name] = [(dirs[default], rest)] * bool(rest) + [(dirs[o], v) for o, v in taken if v]
+    return out
+
+
+def _owner_names(top: Bundle, owner: int, name: str, shown: str, verify: bool) -> list[str]:
+    """The tensor names in rank ``owner``'s ``name`` (cached on ``top``)."""
+    key = (owner, name, verify)
+    if key in top._cache:
+        return top._cache[key]
+    info = top.manifest["ranks"][str(owner)]
+    d = top.path / info["dir"]
+    where = f"{shown} takes tensors of {name} from rank {owner}"
+    if os.path.islink(d) or not (d / MANIFEST).is_file():
+        raise BadInput(f"{where}, whose part ({info['dir']}) is missing or a link; copy the whole "
+                       "bundle directory or re-capture it")
+    m = top._cache.get(("manifest", owner))
+    if m is None:
+        if verify and _sha256(d / MANIFEST) != info.get("manifest_sha256"):
+            raise BadInput(f"{where}, whose manifest does not match its sha256 in the top "
+                           "manifest; re-capture the bundle")
+        m = _read_manifest(d)
+        _check_fields(d, m, _REQUIRED)
+        top._cache[("manifest", owner)] = m
+    entry = m["files"].get(name)
+    if not isinstance(entry, dict):
+        raise BadInput(f"{where}, whose part has no {name}; copy the whole bundle directory or "
+                       "re-capture it")
+    f = d / name   # NB: the caller checked that ``name`` is a plain file name
+    head = read_header(f, f"bundle '{top.path}': {info['dir']}/{name}")
+    if verify:
+        st = _regular(f, f"bundle '{top.path}': {info['dir']}/{name}")
+        if st.st_size != entry.get("bytes", st.st_size) or _sha256(f) != entry.get("sha256"):
+            raise BadInput(f"bundle '{top.path}': {info['dir']}/{name} does not match its sha256 "
+                           "in its part's manifest (truncated or altered); copy the bundle again "
+                           "or re-capture it")
+    names = [n for n in head if n != "__metadata__"]
+    top._cache[key] = names
+    return names

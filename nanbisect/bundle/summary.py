@@ -34,7 +34,10 @@ def summarize(path: str | Path) -> dict:
                 "backend": m.get("backend"), "process_groups": m.get("process_groups"),
                 "observed": {r: p["observed"] for r, p in parts.items()},
                 "files": {f"rank{r}/{n}": f for r, p in parts.items()
-                          for n, f in p["files"].items()}}
+                          for n, f in p["files"].items()},
+                "shared": {f"rank{r}/{n}": f for r, p in parts.items()
+                           for n, f in p["shared"].items()},
+                "replicas": m.get("replicas")}
     return _summary(b)
 
 
@@ -107,6 +110,11 @@ def _summary(b: Bundle) -> dict:
         "optimizer": None if opt is None else {"class": opt["class"],
                                                "param_groups": len(opt["param_groups"])},
         "files": files, "checksums": "ok",
+        # tensors a part of a multi-rank bundle takes from a lower rank's file (checked by
+        # `format._borrowed` when read through its bundle; a part inspected alone is not)
+        "shared": {name: {k: ref.get(k) if type(ref.get(k)) is int else None
+                          for k in ("rank", "tensors", "bytes")}
+                   for name, ref in (m.get("shared") or {}).items() if isinstance(ref, dict)},
     }
 
 
@@ -134,10 +142,49 @@ def summary_text(info: dict) -> str:
     groups = info.get("process_groups")
     if groups and len(groups) > 1:   # more than the world: the job's layout
         lines.append("groups    " + "; ".join(f"{n}: {r}" for n, r in groups.items()))
+    if info.get("replicas") is not None:
+        lines.append("replicas  " + replicas_text(info["replicas"]))
     for name, f in info["files"].items():
         lines.append(f"  {name:<22} {f['bytes']:>10} bytes  {f['tensors']:>4} tensors  "
                      f"{f['dtypes']}")
+    for name, f in (info.get("shared") or {}).items():
+        n = {k: "?" if v is None else v for k, v in f.items()}
+        lines.append(f"  {name:<22} {n['bytes']:>10} bytes  {n['tensors']:>4} tensors  in rank "
+                     f"{n['rank']}'s file (written once)")
     return "\n".join(_clean(line) for line in lines)
+
+
+def replicas_text(rep: dict) -> str:
+    """One line on a multi-rank bundle's ``replicas`` (what `format._check_replicas` accepted).
+
+    >>> replicas_text({"groups": [[0, 1]], "shared_bytes": 2048, "shared_tensors": 3,
+    ...                "out_of_sync": [{"tensor": "model:fc.weight", "ranks": [[0], [1]],
+    ...                                 "max_abs_diff": 0.25}], "out_of_sync_count": 1})
+    'data-parallel group(s) [[0, 1]]; 2048 bytes (3 tensors) written once instead of per rank; 1 tensor(s) out of sync: model:fc.weight (ranks [[0], [1]], max |diff| 0.25)'
+    """
+    groups = rep.get("groups") or []
+    text = (f"data-parallel group(s) {groups}; " if groups else "") + (
+        f"{rep.get('shared_bytes', 0)} bytes ({rep.get('shared_tensors', 0)} tensors) written "
+        "once instead of per rank")
+    rows, count = rep.get("out_of_sync") or [], rep.get("out_of_sync_count", 0)
+    if rows or count:
+        text += f"; {count} tensor(s) out of sync: " + ", ".join(map(out_of_sync_text, rows[:3]))
+        if count > 3:
+            text += f" and {count - 3} more"
+    elif groups:
+        text += "; replicas in sync"
+    if rep.get("uncompared"):
+        text += f"; ranks {rep['uncompared']} not compared tensor by tensor"
+    return text
+
+
+def out_of_sync_text(row: dict) -> str:
+    """``model:fc.weight (ranks [[0], [1]], max |diff| 0.25)``"""
+    diff = row.get("max_abs_diff")
+    extra = (f", missing on ranks {row['missing']}" if row.get("missing") else "") + (
+        f", max |diff| {diff:.3g}" if isinstance(diff, (int, float)) else
+        f", max |diff| {diff}" if diff is not None else "")
+    return f"{row['tensor']} (ranks {row['ranks']}{extra})"
 
 
 def _observed_text(obs, top: bool = True) -> str:

@@ -5,14 +5,30 @@ only when a process group is initialised. A failing step, on any rank, makes *ev
 its part (``rank{r}/``) of one bundle; rank 0 adds the top manifest (world size, backend,
 process-group layout, each part's checksum) and renames the directory into place only after a
 barrier, so a bundle that exists is complete. Watching DDP's reduction is `multirank.ddp`.
+
+Replicas are written once: a tensor (any role but batch and RNG, which every rank writes itself)
+whose bytes, dtype and shape equal the same-named tensor of a lower rank is written only by the
+lowest rank holding it; the other parts name it in their manifest's ``shared`` (by role: one
+entry per file, listing only exceptions), and `nanbisect.bundle.format.Bundle.part` reads it
+back from the owner's file. This costs one sha256 pass over the rank's tensors and one
+all_gather_object of a digest per role; only when some role differs between ranks, also one
+broadcast of tensor keys per distinct copy (at most `MAX_COMPARED`). For a DDP model, the
+replicas of its process group are compared: the top manifest's ``replicas`` holds the groups,
+the bytes written once and what is out of sync ({tensor, ranks grouped by identical bytes,
+max_abs_diff}, at most `LISTED` listed, with the count). Not guaranteed: with more than
+`MAX_COMPARED` distinct copies of a role, ranks beyond them are deduplicated only against those
+and against their own copy, and listed as ``uncompared``; the parts are on a file system every
+rank sees (as for the parts themselves: rank 0 reads them back).
 """
 from __future__ import annotations
 
 import datetime as _dt
 import hashlib
 import json
+import math
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -20,8 +36,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from safetensors import safe_open
+
 from nanbisect.bundle.atomic import place
-from nanbisect.bundle.format import MANIFEST, SCHEMA, environment
+from nanbisect.bundle.format import MANIFEST, PER_RANK, SCHEMA, SUFFIX, environment, write_bundle
 
 
 @dataclass(frozen=True)
@@ -82,31 +100,56 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def write_all_ranks(final: Path, write_part: Callable[[Path], None], manifest: dict,
-                    unique: bool = False) -> Path:
-    """Every rank writes ``tmp/rank{r}`` with ``write_part``; rank 0 writes the top manifest
-    and renames ``tmp`` to ``final`` after all parts exist, never over an existing path (with
-    ``unique``, the first free ``final-N``). Returns where it went, on every rank."""
+def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]],
+                    manifest: dict, unique: bool = False, *,
+                    replica_group: list[int] | None = None,
+                    labels: dict[str, str] | None = None) -> Path:
+    """Every rank writes ``tmp/rank{r}`` from ``build_part(dir) -> (manifest, tensors)``; rank 0
+    writes the top manifest and renames ``tmp`` to ``final`` after all parts exist, never over an
+    existing path (with ``unique``, the first free ``final-N``). Returns where it went, on every
+    rank.
+
+    A tensor (of any role but batch and RNG) whose bytes, dtype and shape equal those of the
+    same-named tensor of a lower rank is written only by the lowest such rank; the others'
+    parts reference it (`share`). ``replica_group`` (the ranks of this rank's data-parallel
+    group, for a DDP model) asks for the replicas to be compared: the top manifest's
+    ``replicas`` lists what differs between ranks of a group (`out_of_sync`); ``labels`` names
+    tensors there (``optim/state/0/v0`` -> ``fc.weight.exp_avg``)."""
     info = rank_info()
     tmp_name = broadcast_str(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp = final.parent / tmp_name
     if info.rank == 0:
         tmp.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    write_part(tmp / f"rank{info.rank}")
+    part_dir = tmp / f"rank{info.rank}"
+    part_manifest, tensors = build_part(part_dir)
+    keys = tensor_keys(tensors)
+    plan = exchange(keys, replica_group)
+    kept, shared = share(plan, info.rank, keys, tensors)
+    write_bundle(part_dir, {**part_manifest, "shared": shared} if shared else part_manifest,
+                 kept)
     groups: list = [None] * info.world_size
     dist.all_gather_object(groups, process_groups())   # also the barrier after the parts
     if info.rank == 0:
-        parts = {}
+        parts, saved = {}, [0, 0]
         for r in range(info.world_size):
             m = tmp / f"rank{r}" / MANIFEST
+            pm = json.loads(m.read_text())
             parts[str(r)] = {"dir": f"rank{r}", "manifest_sha256": _sha256(m),
-                             "observed": json.loads(m.read_text()).get("observed")}
+                             "observed": pm.get("observed")}
+            for ref in (pm.get("shared") or {}).values():
+                saved[0], saved[1] = saved[0] + ref["bytes"], saved[1] + ref["tensors"]
+        rows, uncompared = out_of_sync(plan, labels or {})
         top = {"schema": SCHEMA, "kind": "multi-rank",
                "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
                "environment": environment(),
                **manifest, "world_size": info.world_size, "backend": info.backend,
                "process_groups": _merge_groups(groups, info.world_size), "ranks": parts,
+               "replicas": {"groups": plan.groups(), "shared_bytes": saved[0],
+                            "shared_tensors": saved[1],
+                            "out_of_sync": [_measured_or_not(tmp, plan, row)
+                                            for row in rows[:LISTED]],
+                            "out_of_sync_count": len(rows), "uncompared": uncompared},
                "files": {}}
         with open(tmp / MANIFEST, "w") as f:
             f.write(json.dumps(top, indent=1, allow_nan=False))
@@ -114,6 +157,250 @@ def write_all_ranks(final: Path, write_part: Callable[[Path], None], manifest: d
             os.fsync(f.fileno())
         final = place(tmp, final, unique=unique)
     return Path(broadcast_str(str(final)))   # also the barrier: every rank gets rank 0's name
+
+
+# ------------------------------------------------------------------------------------------
+# Replicas: state identical on several ranks is written once.
+#
+# Every rank hashes its tensors (sha256 of the bytes, plus dtype and shape: the tensor's *key*)
+# and its groups (a digest of all of a group's names and keys). One all_gather_object of the
+# group digests tells each rank, per group, the lowest rank with the same digest (its *rep*):
+# in a DDP job in sync every rank's rep is rank 0 and nothing more is exchanged. Only when some
+# group differs between ranks do the first `MAX_COMPARED` distinct reps broadcast their
+# tensors' keys, so that a replica that differs in one tensor still shares the others. The
+# owner of a tensor is the lowest rank holding the same bytes under the same name among those
+# reps and the rank's own rep (exactly the lowest rank holding them, as long as there are at
+# most MAX_COMPARED distinct copies of a group; beyond, ranks further up may write a copy).
+
+CHECKED = ("model", "optimizer")   # what a data-parallel group keeps identical on every rank
+MAX_COMPARED = 32                  # distinct copies of a group compared tensor by tensor
+LISTED = 20                        # out-of-sync tensors listed in the top manifest
+DIFF_COPIES = 8                    # byte-distinct copies of a tensor measured for max_abs_diff
+CHUNK = 1 << 22                    # elements compared at once (float64: 32 MiB)
+
+Key = tuple   # (sha256 hex of the bytes, dtype, shape)
+
+
+def tensor_key(t: torch.Tensor) -> Key:
+    """sha256 of a CPU tensor's bytes, its dtype and its shape: equal keys, equal tensors.
+
+    >>> tensor_key(torch.zeros(2))[1:], tensor_key(torch.zeros(2)) == tensor_key(torch.zeros(1, 2))
+    (('float32', (2,)), False)
+    """
+    flat = t.detach().reshape(-1)
+    data = flat.view(torch.uint8).numpy() if flat.numel() else b""
+    return (hashlib.sha256(data).hexdigest(), str(t.dtype).removeprefix("torch."),
+            tuple(t.shape))
+
+
+def tensor_keys(tensors: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, Key]]:
+    """role -> name -> key for every role that may be shared (all but batch and RNG), hashed on
+    a few threads (hashlib releases the GIL)."""
+    items = [(g, n, t) for g, ts in tensors.items() if g not in PER_RANK
+             for n, t in ts.items()]
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as ex:
+        keys = list(ex.map(lambda item: tensor_key(item[2]), items))
+    out: dict[str, dict[str, Key]] = {}
+    for (g, n, _), k in zip(items, keys):
+        out.setdefault(g, {})[n] = k
+    return out
+
+
+def _digest(keys: dict[str, Key]) -> str:
+    h = hashlib.sha256()
+    for n in sorted(keys):
+        h.update(json.dumps([n, keys[n][0], keys[n][1], list(keys[n][2])]).encode() + b"\n")
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ReplicaPlan:
+    """What every rank knows after `exchange`, the same on every rank.
+
+    ``rep[g][r]``: the lowest rank whose group ``g`` has rank r's digest (None: r has no such
+    tensors); ``known[g][p]``: the keys of rep p's group g, for the reps that broadcast them;
+    ``dp[r]``: rank r's data-parallel group (None: not a DDP model).
+    """
+
+    rep: dict[str, list[int | None]]
+    known: dict[str, dict[int, dict[str, Key]]]
+    dp: list[list[int] | None]
+
+    def keys(self, g: str, r: int) -> dict[str, Key] | None:
+        """Rank r's keys of group g when known ({} when it has none)."""
+        p = self.rep.get(g, [None] * len(self.dp))[r]
+        return {} if p is None else self.known.get(g, {}).get(p)
+
+    def owner(self, g: str, r: int, name: str, key: Key) -> int:
+        """The rank that writes rank r's tensor ``name`` of group g (whose key is ``key``)."""
+        best = self.rep[g][r]
+        for p, ks in self.known.get(g, {}).items():
+            if p < best and ks.get(name) == key:
+                best = p
+        return best
+
+    def written(self, g: str, p: int) -> set[str] | None:
+        """The names rank p writes itself in group g, when p's keys are known."""
+        ks = self.known.get(g, {}).get(p)
+        return None if ks is None else {n for n, k in ks.items() if self.owner(g, p, n, k) == p}
+
+    def groups(self) -> list[list[int]]:
+        """The distinct data-parallel groups, by their lowest rank."""
+        return [list(d) for d in sorted({tuple(d) for d in self.dp if d})]
+
+
+def exchange(keys: dict[str, dict[str, Key]], replica_group: list[int] | None) -> ReplicaPlan:
+    """One all_gather_object of the group digests, then, only when some group differs between
+    ranks, one broadcast of the keys of each of the first `MAX_COMPARED` distinct copies."""
+    info = rank_info()
+    mine = {"dp": list(replica_group) if replica_group else None,
+            "groups": {g: _digest(k) for g, k in keys.items()}}
+    everyone: list = [None] * info.world_size
+    dist.all_gather_object(everyone, mine)
+    rep: dict[str, list[int | None]] = {}
+    for g in sorted({g for e in everyone for g in e["groups"]}):
+        first: dict[str, int] = {}
+        rep[g] = [None if e["groups"].get(g) is None else first.setdefault(e["groups"][g], r)
+                  for r, e in enumerate(everyone)]
+    known: dict[str, dict[int, dict[str, Key]]] = {}
+    if any(len(set(col)) > 1 for col in rep.values()):
+        reps = sorted({r for col in rep.values() for r, p in enumerate(col) if p == r})
+        for p in reps[:MAX_COMPARED]:
+            box = [{g: keys[g] for g in keys if rep[g][p] == p} if info.rank == p else None]
+            dist.broadcast_object_list(box, src=p)
+            for g, ks in box[0].items():
+                known.setdefault(g, {})[p] = ks
+    return ReplicaPlan(rep, known, [e["dp"] for e in everyone])
+
+
+def share(plan: ReplicaPlan, rank: int, keys: dict[str, dict[str, Key]],
+          tensors: dict[str, dict[str, torch.Tensor]]) -> tuple[dict, dict]:
+    """(the tensors this rank writes itself, its manifest's ``shared``).
+
+    ``shared[ROLE.safetensors] = {"rank": D, "tensors": N, "bytes": B, "from": {"R": [names]},
+    "skip": [names]}``: the part's tensors of that role are its own file's, the ``from`` names
+    of rank R's file, and all other tensors of rank D's file (the owner of most of them) except
+    ``skip`` (names D holds that this rank does not have); N and B count what other ranks hold.
+    A replica in sync is ``{"rank": 0, "tensors": N, "bytes": B}`` whatever the model's size;
+    one tensor out of sync is one tensor in the part's own file, nothing more in the manifest.
+    """
+    kept = {g: dict(ts) for g, ts in tensors.items()}
+    shared = {}
+    for g, ks in keys.items():
+        by_owner: dict[int, list[str]] = {}
+        for n, k in ks.items():
+            o = plan.owner(g, rank, n, k)
+            if o != rank:
+                by_owner.setdefault(o, []).append(n)
+                del kept[g][n]
+        if not by_owner:
+            continue
+        default = max(by_owner, key=lambda o: (len(by_owner[o]), -o))
+        # NB: an owner whose keys were not broadcast is this rank's rep: it has this rank's
+        # tensors, and writes exactly those this rank takes from it
+        theirs = plan.written(g, default)
+        skip = sorted(theirs - set(ks)) if theirs is not None else []
+        ref: dict = {"rank": default, "tensors": sum(map(len, by_owner.values())),
+                     "bytes": sum(tensors[g][n].numel() * tensors[g][n].element_size()
+                                  for names in by_owner.values() for n in names)}
+        others = {str(o): names for o, names in sorted(by_owner.items()) if o != default}
+        if others:
+            ref["from"] = others
+        if skip:
+            ref["skip"] = skip
+        shared[f"{g}{SUFFIX}"] = ref
+    return kept, shared
+
+
+def out_of_sync(plan: ReplicaPlan, labels: dict[str, str]) -> tuple[list[dict], list[int]]:
+    """The tensors of `CHECKED` roles that differ between ranks of a data-parallel group, in
+    group and file order: {tensor, ranks (grouped by identical bytes, lowest rank first),
+    missing (ranks without it)}; and the ranks whose copy could not be compared tensor by
+    tensor (beyond `MAX_COMPARED` distinct copies)."""
+    rows, uncompared = [], set()
+    for group in plan.groups():
+        for g in CHECKED:
+            if g not in plan.rep or len({plan.rep[g][r] for r in group}) == 1:
+                continue
+            have = {}
+            for r in group:
+                ks = plan.keys(g, r)
+                if ks is None:
+                    uncompared.add(r)
+                else:
+                    have[r] = ks
+            names = list(dict.fromkeys(n for ks in have.values() for n in ks))
+            for n in names:
+                copies: dict[Key, list[int]] = {}
+                for r, ks in have.items():
+                    if n in ks:
+                        copies.setdefault(ks[n], []).append(r)
+                missing = [r for r, ks in have.items() if n not in ks]
+                if len(copies) > 1 or missing:
+                    row = {"tensor": f"{g}:{labels.get(n, n.removeprefix(g + '/'))}",
+                           "ranks": sorted(copies.values())}
+                    if missing:
+                        row["missing"] = missing
+                    row["_read"] = (g, n, [(rs[0], k) for k, rs in sorted(
+                        copies.items(), key=lambda c: c[1][0])])
+                    rows.append(row)
+    return rows, sorted(uncompared)
+
+
+def _measured_or_not(tmp: Path, plan: ReplicaPlan, row: dict) -> dict:
+    """`_measured`, or ``row`` with ``max_abs_diff`` None when reading the copies back fails:
+    the bundle of a failing step matters more than the size of a difference."""
+    try:
+        return _measured(tmp, plan, row)
+    except Exception:  # noqa: BLE001 - any failure here must not lose the bundle
+        return {**{k: v for k, v in row.items() if k != "_read"}, "max_abs_diff": None}
+
+
+def _measured(tmp: Path, plan: ReplicaPlan, row: dict) -> dict:
+    """``row`` with ``max_abs_diff``: the largest |difference| between the first copy and each
+    of the next `DIFF_COPIES` (read back from the parts just written; float64, by chunks); None
+    when the shapes differ, a string when it is not finite."""
+    g, n, copies = row["_read"]
+    out = {k: v for k, v in row.items() if k != "_read"}
+
+    def load(r: int, key: Key) -> torch.Tensor:
+        o = plan.owner(g, r, n, key)
+        with safe_open(str(tmp / f"rank{o}" / f"{g}{SUFFIX}"), framework="pt") as f:
+            return f.get_tensor(n).reshape(-1)
+
+    if len(copies) < 2:   # one copy, missing on other ranks: nothing to measure
+        return out
+    first = load(*copies[0])
+    worst: float | None = 0.0
+    for r, key in copies[1:1 + DIFF_COPIES]:
+        other = load(r, key)
+        if key[2] != copies[0][1][2] or first.is_complex() or other.is_complex():
+            worst = None
+            break
+        for i in range(0, first.numel(), CHUNK):
+            d = (first[i:i + CHUNK].double() - other[i:i + CHUNK].double()).abs().max().item()
+            worst = max(worst, d) if d == d else d    # NB: NaN, once seen, stays
+            if worst != worst:
+                break
+        if worst != worst:
+            break
+    out["max_abs_diff"] = (worst if worst is None or math.isfinite(worst) else
+                           "nan" if worst != worst else "inf")
+    return out
+
+
+def tensor_labels(model: torch.nn.Module, optimizer) -> dict[str, str]:
+    """Readable names of optimizer state tensors: ``optim/state/3/v0`` -> ``fc.weight.exp_avg``
+    (the parameter's name in ``model`` and the state's key), as `encode_optimizer` stores them."""
+    if optimizer is None:
+        return {}
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    out = {}
+    for i, p in enumerate(params):
+        for j, k in enumerate(optimizer.state.get(p, {})):
+            out[f"optim/state/{i}/v{j}"] = f"{names.get(id(p), f'param {i}')}.{k}"
+    return out
 
 
 # ------------------------------------------------------------------------------------------

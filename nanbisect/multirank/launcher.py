@@ -494,6 +494,7 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                                 results[0].reference.loss if results[0].reference else None),
                          fidelity)
         report = job_report(facts, bundle.world_size, m.get("backend"), results)
+        report = report.with_replicas(m.get("replicas"))   # DDP replicas out of sync: a finding
         if fidelity.code_changed:
             notes = ["the code differs from the capture's: " + ", ".join(fidelity.code_changed)
                      + "; every rank ran today's code"]

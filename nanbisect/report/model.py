@@ -8,7 +8,7 @@ Renderers read the `Report` itself, never its JSON: text in `report.text`, the p
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from nanbisect.records import (BadValue, ContextRow, Culprit, Divergence, ModuleRepro, OpCheck,
                                OpRecording, OpRef, RankResult, ReproResult, RunFacts,
@@ -48,6 +48,43 @@ class Report:
     timeline: list[TimelineRow] = field(default_factory=list)  # every module call, in order
     module_repro: ModuleRepro | None = None   # fallback repro of the culprit's module call
     op_recording: OpRecording | None = None   # what the op-recording pass covered
+    # multi-rank: tensors the data-parallel replicas hold differently (the top manifest's
+    # replicas.out_of_sync: {tensor, ranks grouped by identical bytes, max_abs_diff})
+    replicas_out_of_sync: list[dict] = field(default_factory=list)
+
+    def with_replicas(self, replicas: dict | None) -> "Report":
+        """This report plus the finding of a bundle whose data-parallel replicas differ (its top
+        manifest's ``replicas``, as `nanbisect.bundle.format` checked it): a note and
+        ``replicas_out_of_sync``; unchanged when they are in sync.
+
+        >>> from nanbisect.records import Losses
+        >>> r = Report("clean", None, None, None, None,
+        ...            RunFacts("b", "t.py:task", "cpu", "none", None, Losses(1.5, 1.5)))
+        >>> r.with_replicas({"out_of_sync": [{"tensor": "model:fc.weight", "ranks": [[0], [1]],
+        ...                  "max_abs_diff": 0.25}], "out_of_sync_count": 1}).notes[0][:38]
+        'replicas out of sync on ranks [1] (vs '
+        """
+        rows = (replicas or {}).get("out_of_sync") or []
+        if not rows:
+            return self
+        count = (replicas or {}).get("out_of_sync_count") or len(rows)
+        off = sorted({r for row in rows for ranks in row["ranks"][1:] for r in ranks}
+                     | {r for row in rows for r in row.get("missing", [])})
+        base = sorted({r for row in rows for r in (row["ranks"][0] if row["ranks"] else [])}
+                      - set(off))
+
+        def one(row: dict) -> str:
+            d = row.get("max_abs_diff")
+            return (f"{row['tensor']} (ranks {row['ranks']}"
+                    + (f", missing on {row['missing']}" if row.get("missing") else "")
+                    + (f", max |diff| {d:.3g}" if isinstance(d, (int, float)) else
+                       f", max |diff| {d}" if d is not None else "") + ")")
+
+        note = (f"replicas out of sync on ranks {off} (vs {base}): the data-parallel replicas "
+                "differ (a bug of the job: unsynchronised init, a rank skipping a step, "
+                f"non-deterministic update): {count} tensor(s): "
+                + ", ".join(map(one, rows[:5])) + (f" and {count - 5} more" if count > 5 else ""))
+        return replace(self, notes=[*self.notes, note], replicas_out_of_sync=list(rows))
 
     @property
     def exit_code(self) -> int:
@@ -74,4 +111,5 @@ class Report:
             "ranks": [r.row() for r in self.ranks],
             "timeline": [asdict(t) for t in self.timeline],
             "module_repro": opt(self.module_repro), "op_recording": opt(self.op_recording),
+            "replicas_out_of_sync": list(self.replicas_out_of_sync),
         }

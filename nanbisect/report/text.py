@@ -155,5 +155,9 @@ def terminal(r: Report, out: Path) -> str:
             lines.append(f"  repro: {out / r.repro}"
                          + (" (reproduced)" if r.repro_result and r.repro_result.reproduced
                             else ""))
+    if r.replicas_out_of_sync:
+        lines.append(f"  replicas out of sync: {len(r.replicas_out_of_sync)} tensor(s) differ "
+                     f"between data-parallel ranks, first {r.replicas_out_of_sync[0]['tensor']} "
+                     "(see the notes)")
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     return "\n".join(lines)
