@@ -93,6 +93,10 @@ def run(
                                                   "report nanbisect wrote (only that is "
                                                   "replaced)"),
     entry: Optional[str] = typer.Option(None, help="override the bundle's entry string"),
+    ranks: Optional[str] = typer.Option(None, help="R,... (multi-rank bundles captured by "
+                                                   "Guard): replay only these ranks, each "
+                                                   "alone, with the other ranks' collective "
+                                                   "results as recorded"),
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
 ) -> None:
     """Replay a bundle, bisect the failure, write report.json, report.md and report.html.
@@ -113,7 +117,8 @@ def run(
     try:
         with _progress() as progress:
             report = run_bundle(path, RunOptions(target=target, reference=reference,
-                                                 inject=inject, entry=entry), out_dir, progress)
+                                                 inject=inject, entry=entry, ranks=ranks),
+                                out_dir, progress)
     except BadInput as e:
         _fail(e)
     if as_json:

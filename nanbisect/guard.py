@@ -39,6 +39,8 @@ from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_
 from nanbisect.errors import BadInput, NonFiniteStep
 from nanbisect.multirank.coord import (any_rank, broadcast_str, rank_info, tensor_labels,
                                       write_all_ranks)
+from nanbisect.multirank.tape import ROLE as TAPE_ROLE
+from nanbisect.multirank.tape import record_step
 from nanbisect.step import run_step
 from nanbisect.task import Task, split_entry
 
@@ -148,15 +150,20 @@ def _scaler_state(task: Task) -> dict | None:
 
 def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
            entry_file: str | None, step: int | None, observed: dict | None,
-           sources: dict[str, str], scaler_state: dict | None, unique: bool = False) -> Path:
+           sources: dict[str, str], scaler_state: dict | None, unique: bool = False,
+           tape=None) -> Path:
     """Write the bundle (every rank its part, under torch.distributed); return where it went
     (with ``unique``, a taken ``path`` gets the next free ``path-N``). Under torch.distributed,
     state identical on several ranks is written once (`multirank.coord.write_all_ranks`); for a
     DDP model its process group's replicas are compared and what differs is reported."""
     def build(p: Path) -> tuple[dict, dict]:
-        return _bundle_parts(task, batch, rng, entry=entry, step=step, observed=observed,
-                             path=p, entry_file=entry_file, sources=sources,
-                             scaler_state=scaler_state)
+        manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
+                                          observed=observed, path=p, entry_file=entry_file,
+                                          sources=sources, scaler_state=scaler_state)
+        if tape is not None:   # what each collective of the step gave this rank (--ranks)
+            manifest["collectives"] = tape.manifest()
+            tensors[TAPE_ROLE] = tape.tensors
+        return manifest, tensors
 
     if rank_info().distributed:
         import torch.distributed as dist
@@ -423,10 +430,14 @@ class Guard:
         elif observed is None:  # the screen overflowed on finite values
             self.step_index += 1
             return
-        self._snapshot.restore(self.task.optimizer)
-        if scale is not None and self._snapshot.scale is None:   # the scaler's first step
-            scale.fill_(scaler._init_scale)
-            scaler._growth_tracker.zero_()
+        self._restore(scale)
+        tape = None
+        if self._rank.distributed:
+            # every rank runs the failing step once more, from the same pre-step state and RNG,
+            # keeping what each collective gave it: a replay of a few ranks serves it to them
+            rng.set()
+            tape = record_step(self.task, batch)
+            self._restore(scale)
         path = self._free_path()
         if self._rank.distributed:
             path = Path(broadcast_str(str(path)))
@@ -435,7 +446,8 @@ class Guard:
         sources = {**user_sources(self._entry_file), **self._sources}
         write = partial(_write, self.task, batch, rng, entry=self.entry,
                         entry_file=self._entry_file, step=self.step_index, observed=observed,
-                        sources=sources, scaler_state=_scaler_state(self.task), unique=True)
+                        sources=sources, scaler_state=_scaler_state(self.task), unique=True,
+                        tape=tape)
         try:
             path = write(path)
         except OSError as e:
@@ -448,6 +460,14 @@ class Guard:
             warnings.warn(f"Guard: could not write the bundle into '{self.out}' ({e.strerror or e}"
                           f"); wrote it to '{path}' instead", RuntimeWarning, stacklevel=3)
         raise NonFiniteStep(path, observed)
+
+    def _restore(self, scale: torch.Tensor | None) -> None:
+        """Back to the pre-step state (the scaler's too, on its first step)."""
+        self._snapshot.restore(self.task.optimizer)
+        scaler = self.task.grad_scaler
+        if scale is not None and self._snapshot.scale is None:   # the scaler's first step
+            scale.fill_(scaler._init_scale)
+            scaler._growth_tracker.zero_()
 
     def _observe(self, loss: float | None, grad_norm: float | None,
                  stalled: bool = False) -> dict | None:

@@ -26,7 +26,8 @@ from nanbisect.locate.catch import catch_inputs, catch_module_call
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_parameter,
                                         forward_producer, make_culprit, timeline)
-from nanbisect.multirank.launcher import run_multirank
+from nanbisect.multirank.alone import check_tape
+from nanbisect.multirank.launcher import parse_ranks, run_multirank
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, Fidelity, Losses,
                                ModuleRepro, OpCheck, OpRecording, RunFacts, StepOutcome,
                                json_number)
@@ -58,6 +59,7 @@ class RunOptions:
     inject: str | None = None
     entry: str | None = None
     run_repro: bool = True
+    ranks: str | None = None      # "R,..." (multi-rank): replay only these, each alone
 
 
 def _default_target(manifest: dict) -> str:
@@ -109,21 +111,29 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     >>> report.culprit.op, report.culprit.module, report.culprit.module_call
     ('aten.sqrt.default', 'blocks.1.mlp.act', 2)
     """
-    bundle = read_bundle(path)
+    # --ranks: verify only the parts replayed (a 1,000-rank bundle is not hashed whole for one)
+    bundle = read_bundle(path, verify=opts.ranks is None)
     m = bundle.manifest
     out = check_out(out if out is not None else bundle.path / DEFAULT_NAME, bundle.path)
     target = opts.target or _default_target(m)
     t_dev, t_dtype = parse_device(target)
+    if opts.ranks is not None and not bundle.multi_rank:
+        raise BadInput(f"--ranks {opts.ranks}: bundle '{bundle.path}' has one rank; drop --ranks")
     if bundle.multi_rank:
+        subset = parse_ranks(opts.ranks, bundle.world_size) if opts.ranks is not None else None
+        if subset is not None:
+            check_tape(bundle, subset)     # verifies each replayed part, and what it references
         reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
         if reference != "none":
             parse_device(reference)   # a bad --reference fails here, before any rank starts
         if opts.inject:
             load_inject(opts.inject)  # a bad --inject fails here, before any rank starts
-        progress("ranks", f"replaying {bundle.world_size} ranks on {target}"
-                 + (f" and on {reference}" if reference != "none" else ""))
+        progress("ranks", (f"replaying {bundle.world_size} ranks" if subset is None else
+                           f"replaying rank(s) {subset} of {bundle.world_size} alone")
+                 + f" on {target}" + (f" and on {reference}" if reference != "none" else ""))
         return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry,
-                             reference=None if reference == "none" else reference)
+                             reference=None if reference == "none" else reference,
+                             ranks=subset)
     threads = torch.get_num_threads()
     try:
         return _run_bundle(bundle, opts, out, progress, target, t_dev, t_dtype)

@@ -560,6 +560,9 @@ class RankResult:
     op_check: OpCheck | None = None                      # the culprit op on the reference
     classification: str | None = None                    # the culprit rank's, from its evidence
     classification_note: str | None = None               # why, when the evidence needs a word
+    received_from: list[int] | None = None   # replayed alone: ranks that fed it the failure
+    served_inputs_differ: list[int] = field(default_factory=list)   # tape entries whose input
+                                                                    # was not the capture's
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -587,7 +590,9 @@ class RankResult:
             op_check=(OpCheck.from_json(d["op_check"]) if d.get("op_check") is not None
                       else None),
             classification=d.get("classification"),
-            classification_note=d.get("classification_note"))
+            classification_note=d.get("classification_note"),
+            received_from=d.get("received_from"),
+            served_inputs_differ=d.get("served_inputs_differ", []))
 
     def row(self) -> dict:
         """This rank's row in report.json's ``ranks``."""

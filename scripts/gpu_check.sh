@@ -33,5 +33,31 @@ deterministic_gpt 0
 moe_unpermute_on_npu 1 --inject fixtures/inject/npu_kernels.py:npu
 deterministic_gpt 1 --inject fixtures/inject/matmul_off.py:matmul_off
 LIST
+# Multi-rank: bundles captured on CPU (gloo) here, replayed on the GPU. One rank alone
+# (--ranks 1: one process, collectives served as recorded) needs one GPU; the lockstep replay of
+# two ranks with a CPU reference (cpu:gloo,cuda:nccl in one process group) needs two.
+mr() {  # name, expected exit, bundle, flags...
+  local name=$1 want=$2 bundle=$3; shift 3
+  "$PY" -m nanbisect run --ckpt "$bundle" --target cuda --reference cpu --out "$out/$name" "$@" \
+      > "$out/$name.txt" 2>&1
+  local code=$?
+  printf '%-30s exit %s (want %s)  %s\n' "$name" "$code" "$want" "$(head -1 "$out/$name.txt")"
+  [ "$code" = "$want" ] || fail=1
+}
+capture() {  # script, func -> prints the bundle path
+  "$PY" -m torch.distributed.run --nnodes=1 --nproc-per-node=2 --rdzv-backend=c10d \
+      --rdzv-endpoint=127.0.0.1:0 "$1" "$2" "$out/capture-$2" 2>/dev/null \
+      | sed -n 's/^BUNDLE //p' | head -1
+}
+b=$(capture tests/tasks/ddp_train.py rank1_nan)
+[ -n "$b" ] && mr mr_rank1_alone_cuda 1 "$b" --ranks 1 || { echo "gpu_check: capture failed"; fail=1; }
+grep -q "numerics" "$out/mr_rank1_alone_cuda.txt" || fail=1
+if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 else 1)"; then
+  b=$(capture tests/tasks/mr_moe.py moe_ddp)
+  mr mr_moe_ddp_cuda 1 "$b" --inject tests/tasks/mr_moe.py:broken_unpermute
+  grep -q "classification: device" "$out/mr_moe_ddp_cuda.txt" || fail=1
+else
+  echo "gpu_check: one GPU: the two-rank lockstep replay on CUDA is not checked"
+fi
 "$PY" -m pytest -q tests/test_differential.py -k cuda || fail=1
 exit $fail

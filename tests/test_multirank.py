@@ -15,10 +15,10 @@ from conftest import TEST_TASKS, cli, run_json
 TRAIN = TEST_TASKS / "ddp_train.py"
 
 
-def torchrun_capture(func: str, out: Path) -> Path:
-    """Train ``func``'s task under Guard on 2 ranks; return the bundle the ranks wrote."""
+def torchrun_capture(func: str, out: Path, ranks: int = 2) -> Path:
+    """Train ``func``'s task under Guard on ``ranks`` ranks; return the bundle they wrote."""
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                        "--nproc-per-node=2", "--rdzv-backend=c10d",
+                        f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
                         "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={out}-torchrun-logs",
                         str(TRAIN), func, str(out)],
                        capture_output=True, text=True, timeout=240)

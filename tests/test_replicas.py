@@ -89,21 +89,28 @@ def test_in_sync_ddp_replicas_are_written_once(ddp4):
     assert (rep["groups"], rep["out_of_sync"], rep["out_of_sync_count"]) == ([[0, 1, 2, 3]], [], 0)
     # every part reads back rank 0's tensors, bit for bit, through its references
     b = read_bundle(ddp4)
-    want = {role: b.part(0).tensors(role) for role in ("model", "optimizer")}
+    # the collectives Guard recorded for --ranks (DDP's reduced gradients) are the same on
+    # every rank too
+    want = {role: b.part(0).tensors(role) for role in ("model", "optimizer", "collectives")}
     assert len(want["model"]) == 4 and len(want["optimizer"]) == 12   # 4 x (step, exp_avg, ..sq)
+    assert len(want["collectives"]) == 4                 # one reduced gradient per parameter
     for r in (1, 2, 3):
         part = b.part(r)
         for role, ts in want.items():
             got = part.tensors(role)
             assert got.keys() == ts.keys()
-            assert all(torch.equal(got[n], t) and got[n].dtype == t.dtype for n, t in ts.items())
+            assert all(got[n].dtype == t.dtype and torch.equal(   # bit for bit (NaN included)
+                got[n].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+                for n, t in ts.items())
         assert not torch.equal(part.tensors("batch")["batch"], b.part(0).tensors("batch")["batch"])
     assert rep["shared_bytes"] == 3 * sum(t.numel() * t.element_size()
                                           for ts in want.values() for t in ts.values())
     shown = invoke("inspect", ddp4)
     assert shown.code == 0, shown.stderr
-    assert (f"replicas  data-parallel group(s) [[0, 1, 2, 3]]; {rep['shared_bytes']} bytes (48 "
-            "tensors) written once instead of per rank; replicas in sync") in shown.stdout
+    count = 3 * sum(len(ts) for ts in want.values())
+    assert (f"replicas  data-parallel group(s) [[0, 1, 2, 3]]; {rep['shared_bytes']} bytes "
+            f"({count} tensors) written once instead of per rank; replicas in sync"
+            ) in shown.stdout
     assert "rank3/optimizer.safetensors" in shown.stdout and "in rank 0's file" in shown.stdout
 
 

@@ -403,8 +403,18 @@ class Bundle:
         """The verified part of one rank of a multi-rank bundle; the tensors it takes from lower
         ranks' parts are resolved and checked (the owner's file holds each one; with
         ``verify``, the owner's manifest and file match their sha256)."""
-        b = read_bundle(self.path / self.manifest["ranks"][str(rank)]["dir"], verify,
-                        _part=rank)
+        info = self.manifest["ranks"][str(rank)]
+        if verify:   # also when the whole bundle was opened without verifying (``--ranks``)
+            d = self.path / info["dir"]
+            if os.path.islink(d):
+                raise BadInput(f"bundle '{self.path}': the part of rank {rank} ({info['dir']}) is "
+                               "a symbolic link; a bundle holds only plain directories: "
+                               "re-capture the bundle")
+            if (d / MANIFEST).is_file() and \
+                    _sha256(d / MANIFEST) != info.get("manifest_sha256"):
+                raise BadInput(f"bundle '{self.path}': the manifest of rank {rank} does not match "
+                               "its sha256 in the top manifest; re-capture the bundle")
+        b = read_bundle(self.path / info["dir"], verify, _part=rank)
         if not b.manifest.get("shared"):
             return b
         return replace(b, borrowed=_borrowed(self, rank, b, verify))

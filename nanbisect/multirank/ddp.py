@@ -31,18 +31,28 @@ def _counts(t: torch.Tensor) -> torch.Tensor:
 class ReductionObserver:
     """Wraps a DDP comm hook; records per bucket what went in and what came out."""
 
-    def __init__(self, names: dict[torch.Tensor, str]) -> None:
+    def __init__(self, names: dict[torch.Tensor, str], server=None) -> None:
         self.names = names
         self.records: list[BucketRecord] = []
         self.active = True
+        # a replay without the other ranks (`multirank.tape.TapeServer`): every bucket gets
+        # what the capture's reduction gave, the hook (the user's too) never runs
+        self.server = server
 
     def wrap(self, hook: Callable) -> Callable:
         def observed(state, bucket):  # NB: no annotations: DDP checks them against its own
+            names = [self.names.get(p, "?") for p in bucket.parameters()]
+            if self.server is not None:
+                served = self.server.ddp_bucket(names, bucket.buffer())
+                if self.active:
+                    self.records.append(BucketRecord(bucket.index(), names,
+                                                     _counts(bucket.buffer()), _counts(served)))
+                fut: torch.futures.Future = torch.futures.Future()
+                fut.set_result(served)
+                return fut
             if not self.active:
                 return hook(state, bucket)
-            rec = BucketRecord(bucket.index(), [self.names.get(p, "?") for p in
-                                                bucket.parameters()], _counts(bucket.buffer()),
-                               None)
+            rec = BucketRecord(bucket.index(), names, _counts(bucket.buffer()), None)
             self.records.append(rec)
 
             def after(fut):

@@ -48,7 +48,7 @@ import torch
 
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput, signal_name
-from nanbisect.multirank.verdict import job_report
+from nanbisect.multirank.verdict import job_report, subset_report
 from nanbisect.records import Losses, RankResult, RunFacts
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.replayer import resolve_entry
@@ -458,6 +458,81 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
     return sorted(results, key=lambda r: r.rank)
 
 
+def parse_ranks(spec: str, world: int) -> list[int]:
+    """``--ranks 1,3`` -> [1, 3] (sorted, each once); `BadInput` for anything else.
+
+    >>> parse_ranks("3, 1", 4)
+    [1, 3]
+    """
+    try:
+        ranks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        ranks = []
+    if not ranks or any(not 0 <= r < world for r in ranks):
+        raise BadInput(f"--ranks {spec!r}: give rank numbers from 0 to {world - 1} separated by "
+                       "commas, e.g. --ranks 1 or --ranks 0,3")
+    return ranks
+
+
+def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | None,
+                 partial: Path, timeout: float, entry: str | None = None,
+                 reference: str | None = None) -> list[RankResult]:
+    """Run each rank of ``ranks`` in a process of its own, without the other ranks
+    (`multirank.alone`): no process group between them, every collective served what the
+    capture recorded. Bounded by ``timeout`` as a lockstep replay is; nothing is left behind
+    (the same run directory, janitor and kill as `launch`)."""
+    world = bundle.world_size
+    base = [sys.executable, "-m", "nanbisect.multirank.worker", str(bundle.path.resolve()),
+            str(partial), "--alone", "--target", target, "--timeout", str(timeout)]
+    base += ["--inject", inject] if inject else []
+    base += ["--entry", entry] if entry else []
+    base += ["--reference", reference] if reference else []
+    gpus = torch.cuda.device_count() if target.startswith("cuda") else 0
+    procs: dict[int, subprocess.Popen] = {}
+    try:
+        for i, r in enumerate(ranks):
+            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
+                   "LOCAL_RANK": str(i % gpus if gpus else 0)}
+            with open(partial / f"rank{r}.log", "w") as log:
+                procs[r] = subprocess.Popen(base, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL, start_new_session=True,
+                                            env=env)
+        deadline = time.monotonic() + timeout
+        hung: list[int] = []
+        for r, p in procs.items():
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung.append(r)
+        stacks = _stacks(partial, hung) if hung else {}
+    finally:
+        for p in procs.values():
+            _kill_run(p, partial)
+    results, errors = [], {}
+    for r in ranks:
+        res = None
+        try:
+            res = RankResult.from_json(json.loads((partial / f"rank{r}.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if res is not None and res.error is None:
+            results.append(res)
+        elif res is not None:
+            errors[r] = res.error
+        elif r in hung:
+            w = stacks.get(r)
+            raise BadInput(f"rank {r} hung: after {timeout:.0f}s, replayed alone, it "
+                           f"{w if w else 'did not say where it was'}{_stage(partial, r)}; fix "
+                           "that code, or raise NANBISECT_RANK_TIMEOUT if it is only slow")
+        else:
+            raise BadInput(_died(partial, r, procs[r].returncode or 1, " (replayed alone)"))
+    if errors:
+        r = min(errors)
+        raise BadInput(f"rank {r} failed during replay (alone, collectives served as "
+                       f"recorded): {errors[r]}")
+    return results
+
+
 def ranks_entry(entry: str | None, bundle: Bundle) -> str | None:
     """``--entry`` as every rank must import it (a file made absolute: the ranks look for it
     from here or from the bundle, as a one-rank replay does); fails before any rank starts."""
@@ -475,13 +550,18 @@ def ranks_entry(entry: str | None, bundle: Bundle) -> str | None:
 
 def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                   run_repro_once: bool = True, entry: str | None = None,
-                  reference: str | None = None) -> Report:
+                  reference: str | None = None, ranks: list[int] | None = None) -> Report:
     """Replay all ranks (with ``entry``'s Task when given), on the target and, with
-    ``reference``, on the reference too, then write one report for the job."""
+    ``reference``, on the reference too, then write one report for the job. With ``ranks``,
+    only those, each alone (`launch_alone`)."""
     entry = ranks_entry(entry, bundle)
     timeout = rank_timeout()
     with run_dir() as partial:
-        results = launch(bundle, target, inject, partial, timeout, entry, reference)
+        if ranks is None:
+            results = launch(bundle, target, inject, partial, timeout, entry, reference)
+        else:
+            results = launch_alone(bundle, ranks, target, inject, partial, timeout, entry,
+                                   reference)
         m = bundle.manifest
         part = bundle.part(0)
         used = entry or resolve_entry(part)
@@ -493,7 +573,8 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                          Losses(None, first.loss if first else None,
                                 results[0].reference.loss if results[0].reference else None),
                          fidelity)
-        report = job_report(facts, bundle.world_size, m.get("backend"), results)
+        report = (job_report(facts, bundle.world_size, m.get("backend"), results)
+                  if ranks is None else subset_report(facts, bundle.world_size, results))
         report = report.with_replicas(m.get("replicas"))   # DDP replicas out of sync: a finding
         if fidelity.code_changed:
             notes = ["the code differs from the capture's: " + ", ".join(fidelity.code_changed)

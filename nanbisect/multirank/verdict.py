@@ -7,6 +7,8 @@ so every verdict can be tested in-process without torchrun.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, RankSummary,
                                RunFacts)
 from nanbisect.report.model import Report
@@ -157,3 +159,114 @@ def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:
         out.append(f"rank {r.rank} on the reference ({reference}): {how}, loss {ref.loss} "
                    f"(target {s.loss if s else None}){part}")
     return out
+
+
+def subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) -> Report:
+    """The report of a replay of some ranks alone (``--ranks``), each with the collectives the
+    capture recorded for it (`multirank.alone`).
+
+    A replayed rank that computed the failure is the culprit, named as the lockstep replay names
+    it. Ranks that only received it name, from the capture's record, the ranks that fed the
+    collective non-finite input: the culprit is then the lowest of those (its rank and phase,
+    not its op: it was not replayed) and ``subset.next_ranks`` says which ranks to replay. A
+    collective that made NaN from finite inputs is ``communication`` only when every rank was
+    replayed; a subset cannot re-run it (`subset.decided` false)."""
+    replayed = sorted(r.rank for r in results)
+    observed = facts.observed or {}
+    notes = [f"replayed rank(s) {replayed} of world size {world_size} alone, each in a process "
+             "of its own, every collective served what the capture recorded for that rank"
+             + (f" ({world_size - len(replayed)} rank(s) not replayed)"
+                if len(replayed) < world_size else "")] + _reference_notes(facts.reference,
+                                                                           results)
+    for r in results:
+        if r.served_inputs_differ:
+            notes.append(f"rank {r.rank}: the inputs of collective(s) "
+                         f"{r.served_inputs_differ[:5]} differ from the capture's, so what they "
+                         "were served is what the capture received, not what this replay would "
+                         "have: the replay does not compute the captured step exactly; replay "
+                         "all ranks (drop --ranks)")
+    common = dict(facts=facts, ranks=results)
+    subset = {"replayed": replayed, "world_size": world_size, "decided": True,
+              "next_ranks": [], "why": None}
+
+    def done(report: Report) -> Report:
+        return replace(report, subset=subset)
+
+    bad_input = [r for r in results if r.summary and r.summary.phase == "input"]
+    if bad_input:
+        bad = [BadValue(b.where, f"rank {r.rank}: {b.name}", b.nan, b.posinf, b.neginf)
+               for r in bad_input for b in r.summary.input_nonfinite]
+        return done(Report("input-nonfinite", "data", "input", bad[0].kind, None,
+                           input_nonfinite=bad, notes=notes, **common))
+    computed = [r for r in results if r.culprit is not None]
+    if computed:
+        own = computed[0]
+        others = [r.rank for r in results if r is not own and r.summary
+                  and r.summary.phase is not None]
+        notes.append(f"rank {own.rank} computed the failure locally"
+                     + (f"; rank(s) {others} received it" if others else ""))
+        if own.classification_note:
+            notes.append(own.classification_note)
+        kind = (own.summary.kind if own.summary else None) or "nan"
+        return done(Report("culprit", own.classification or "unknown", own.culprit.phase, kind,
+                           own.culprit, notes=notes, context=own.context,
+                           inf_origin=own.inf_origin, op_check=own.op_check, **common))
+    received = [r for r in results if r.plan is not None and r.plan.through_collective]
+    if received:
+        first = received[0]
+        how = (f"{first.root.op}{_where(first.root)}" if first.root is not None
+               else "the gradient reduction")
+        senders = sorted({s for r in received for s in (r.received_from or [])} - set(replayed))
+        kind = (first.summary.kind if first.summary else None) or "nan"
+        if senders:
+            s = senders[0]
+            first_seen = (observed.get(str(s)) or observed.get(s) or {}).get("first")
+            phase = "forward" if first_seen == "loss" else "backward"
+            subset.update(decided=False, next_ranks=senders, why=(
+                f"rank(s) {senders} fed the failure into the collective and were not "
+                "replayed: their op is not known"))
+            notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
+                         f"{how} (finite inputs here, non-finite output as the capture "
+                         f"recorded it); at capture, rank(s) {senders} "
+                         + ("had a non-finite loss" if first_seen == "loss" else
+                            "fed it non-finite input")
+                         + f": they computed it; replay with --ranks {s} to find the op")
+            culprit = Culprit(phase, "", None, [], [], None, rank=s)
+            return done(Report("culprit", "unknown", phase, kind, culprit, notes=notes,
+                               **common))
+        phase = ("grad-reduce" if first.root is None or first.plan.phase == "backward"
+                 else first.plan.phase)
+        root = first.root
+        culprit = Culprit(phase, (root.module or "") if root else "",
+                          root.module_call if root else None,
+                          root.input_dtypes if root else [], root.input_shapes if root else [],
+                          None, op=root.op if root else None,
+                          op_index=root.op_index if root else None, rank=first.rank)
+        everyone = len(replayed) == world_size and not any(r.served_inputs_differ
+                                                           for r in results)
+        if everyone:
+            notes.append(f"every rank's input to {how} was finite in the replay and its output "
+                         "(as the capture recorded it) was not: the collective (or the code "
+                         "around it) is at fault")
+            return done(Report("culprit", "communication", phase, kind, culprit, notes=notes,
+                               **common))
+        subset.update(decided=False, next_ranks=[], why=(
+            "a faulty collective needs all its participants' inputs: replay all ranks"))
+        notes.append(f"rank(s) {[r.rank for r in received]} received the failure through {how}; "
+                     "every other rank's input to it was finite at capture, so no rank computed "
+                     "it and the collective (or its comm hook) looks at fault, but a replay of "
+                     "some ranks cannot re-run a collective: replay all ranks (drop --ranks) "
+                     "to decide")
+        return done(Report("culprit", "unknown", phase, kind, culprit, notes=notes, **common))
+    failed_at_capture = sorted(int(r) for r, o in observed.items()
+                               if o and o.get("first") in ("loss", "grad", "param"))
+    if failed_at_capture:
+        others = [r for r in failed_at_capture if r not in replayed]
+        subset.update(decided=False, next_ranks=others, why=(
+            "the replayed ranks stay finite; the failure was seen on other ranks"))
+        notes.append(f"the replayed rank(s) stay finite with the collectives they received at "
+                     f"capture; the failure was seen at capture on rank(s) {failed_at_capture}"
+                     + (f": replay with --ranks {others[0]}" if others else ""))
+        return done(Report("not-reproduced", "unknown", None, None, None, notes=notes,
+                           **common))
+    return done(Report("clean", None, None, None, None, notes=notes, **common))

@@ -112,23 +112,42 @@ class _ReferenceSide:
     """This rank's replay on the reference (``--reference``): the same part, the same world, the
     reference device; random ops draw what this rank's target drew."""
 
-    def __init__(self, part, spec: str, entry: str) -> None:
+    def __init__(self, part, spec: str, entry: str, server=None) -> None:
         registry.load_plugins()
         self.device, self.dtype = parse_device(spec)
         if self.device.type == "cuda":
             self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        self.observer = ReductionObserver({})
+        self.server = server     # a replay without the other ranks: collectives served
+        self.observer = ReductionObserver({}, server=server)
         with observing_comm_hooks(self.observer):
             self.rep = Replayer(part, self.device, self.dtype, entry=entry)
         model = self.rep.task.model
         self.observer.names.update({p: n for n, p in model.named_parameters()})
         observe_default_hook(model, self.observer)
-        self.rep.lockstep = True
+        self.rep.lockstep = server is None
+        if server is not None:
+            self.rep.restored.append(server.rewind)
         self.probe = ModuleProbe(model)
 
     def run(self, tape: RandomTape) -> StepOutcome:
-        return self.rep.run(phase=probing(self.probe),
-                            wrap=lambda: stacked(ReferenceKernels(), RandomReplay(tape)))
+        served = [self.server] if self.server is not None else []
+        return self.rep.run(phase=probing(self.probe), wrap=lambda: stacked(
+            *served, ReferenceKernels(), RandomReplay(tape)))
+
+    def summary(self, outcome: StepOutcome, rep: Replayer, first: StepOutcome,
+                target_state=None) -> RankReference:
+        """How the reference's step ended, and where a finite target step parts from it."""
+        # a target that failed parts from a finite reference trivially: only a finite step's
+        # divergence is news
+        self.divergence = None
+        if first.phase is None:
+            t_dtype = next(rep.task.model.parameters(), torch.zeros(())).dtype
+            self.divergence = first_divergence(target_state or step_state(rep, first),
+                                               step_state(self.rep, outcome), t_dtype)
+        div = self.divergence
+        return RankReference(outcome.phase, json_number(outcome.loss),
+                             div.what if div else None,
+                             json_number(div.comparison.max_rel) if div else None)
 
 
 def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None,
@@ -164,20 +183,14 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     first = rep.run(phase=probing(probe), wrap=lambda: stacked(
         wrap(), *([tape] if side is not None else [])))
     observer.active = False
-    theirs = None
+    theirs = div = None
     if side is not None:
         target_state = step_state(rep, first)   # before any other pass moves the parameters
         _stage("replay pass 1/3 on the reference")
         ref_first = side.run(tape)
         side.observer.active = False
-        t_dtype = next(model.parameters(), torch.zeros(())).dtype
-        # a target that failed parts from a finite reference trivially: only a finite step's
-        # divergence is news
-        div = (first_divergence(target_state, step_state(side.rep, ref_first), t_dtype)
-               if first.phase is None else None)
-        theirs = RankReference(ref_first.phase, json_number(ref_first.loss),
-                               div.what if div else None,
-                               json_number(div.comparison.max_rel) if div else None)
+        theirs = side.summary(ref_first, rep, first, target_state)
+        div = side.divergence
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read())
     _stage("after replay pass 1/3: exchanging what each rank saw")
@@ -322,6 +335,8 @@ def main() -> None:
     ap.add_argument("--inject", default=None)
     ap.add_argument("--entry", default=None)
     ap.add_argument("--reference", default=None)
+    ap.add_argument("--alone", action="store_true",
+                    help="rank $RANK of $WORLD_SIZE without the others: collectives served")
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
@@ -340,12 +355,25 @@ def main() -> None:
     try:
         # longer than the launcher's deadline: a hang is the launcher's to diagnose (it asks
         # every rank where it is), not a gloo timeout on the rank that waited for it
-        dist.init_process_group(backend=backend,
-                                timeout=datetime.timedelta(seconds=a.timeout + 30))
-        result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry, a.reference)
-        out.write_text(json.dumps(result.to_json()))
-        _stage("finished, waiting for the other ranks")
-        dist.barrier()
+        if a.alone:
+            # torch's fake process group: rank r of the world, communicating nothing
+            from torch.testing._internal.distributed.fake_pg import FakeStore
+
+            from nanbisect.multirank.alone import replay_alone
+
+            dist.init_process_group("fake", rank=rank, store=FakeStore(),
+                                    world_size=int(os.environ["WORLD_SIZE"]))
+            result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
+                                  a.reference, stage=_stage)
+            out.write_text(json.dumps(result.to_json()))
+        else:
+            dist.init_process_group(backend=backend,
+                                    timeout=datetime.timedelta(seconds=a.timeout + 30))
+            result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry,
+                                 a.reference)
+            out.write_text(json.dumps(result.to_json()))
+            _stage("finished, waiting for the other ranks")
+            dist.barrier()
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which names the rank
         if isinstance(e, BadInput):  # already names the problem and the fix
             msg = str(e)

@@ -101,6 +101,9 @@ class Replayer:
         # NB: under torch.distributed every rank must run every collective of the step, so a
         # lockstep replay never stops early; it runs the whole step and reports its first failure
         self.lockstep = False
+        # called at the end of every `restore` (a replay of some ranks rewinds its served
+        # collectives there: each run of the step gets them from the first)
+        self.restored: list[Callable[[], None]] = []
         self.rng = RngState.decode(m["rng"], self.tensors)
         where = f"bundle '{bundle.path}'"
         if (m.get("optimizer") is None) != (self.task.optimizer is None):
@@ -139,6 +142,8 @@ class Replayer:
                 and t.is_floating_point() else t, batch)
         self.task.model.zero_grad(set_to_none=True)
         self.rng.set()
+        for hook in self.restored:
+            hook()
         return batch
 
     def input_faults(self, batch: Any) -> list[BadValue]:

@@ -51,6 +51,9 @@ class Report:
     # multi-rank: tensors the data-parallel replicas hold differently (the top manifest's
     # replicas.out_of_sync: {tensor, ranks grouped by identical bytes, max_abs_diff})
     replicas_out_of_sync: list[dict] = field(default_factory=list)
+    # --ranks: {replayed, world_size, decided, next_ranks, why}: what a replay of some ranks
+    # alone (collectives served as recorded) could and could not decide
+    subset: dict | None = None
 
     def with_replicas(self, replicas: dict | None) -> "Report":
         """This report plus the finding of a bundle whose data-parallel replicas differ (its top
@@ -112,4 +115,5 @@ class Report:
             "timeline": [asdict(t) for t in self.timeline],
             "module_repro": opt(self.module_repro), "op_recording": opt(self.op_recording),
             "replicas_out_of_sync": list(self.replicas_out_of_sync),
+            **({"subset": dict(self.subset)} if self.subset is not None else {}),
         }

@@ -16,6 +16,14 @@ def _fmt_stats(s: Stats | None) -> str:
 
 def headline(r: Report) -> str:
     """One line a person reads first."""
+    if r.verdict == "culprit" and r.culprit and r.subset and not r.subset.get("decided", True):
+        c, nxt = r.culprit, r.subset.get("next_ranks") or []
+        if nxt:
+            return (f"{r.kind or 'non-finite'} computed on rank {c.rank} in {c.phase}, which was "
+                    f"not replayed: replay with --ranks {nxt[0]} to find the op")
+        return (f"{r.kind or 'non-finite'} came out of {c.op or 'the gradient reduction'} on rank "
+                f"{c.rank} from finite inputs: replay all ranks to tell whether the collective "
+                "is at fault")
     if r.verdict == "culprit" and r.culprit and r.kind == "mismatch":
         c = r.culprit
         where = f"'{c.module or '<outside any submodule>'}'"
@@ -61,7 +69,8 @@ def to_markdown(r: Report) -> str:
              f"- classification: {r.classification or '-'}", f"- first bad phase: {r.phase or '-'}"]
     rp = r.facts.losses
     lines.append(f"- loss: original {rp.original}, target {rp.target}, reference {rp.reference}")
-    if r.culprit and r.verdict == "culprit":
+    if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset["decided"]
+                                                     and r.subset.get("next_ranks")):
         c = r.culprit
         lines += ["", "## Culprit", "", "| field | value |", "|---|---|"]
         for k, v in asdict(c).items():
@@ -140,7 +149,8 @@ def to_markdown(r: Report) -> str:
 def terminal(r: Report, out: Path) -> str:
     """The short summary the CLI prints."""
     lines = [f"nanbisect: {r.verdict} - {headline(r)}"]
-    if r.culprit and r.verdict == "culprit":
+    if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset["decided"]
+                                                     and r.subset.get("next_ranks")):
         c = r.culprit
         lines.append(f"  phase={c.phase} module={c.module or '<root>'} call={c.module_call} "
                      f"dtypes={c.input_dtypes} shapes={c.input_shapes}")

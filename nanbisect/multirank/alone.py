@@ -1,0 +1,167 @@
+"""One rank of a multi-rank bundle replayed without the others (``nanbisect run --ranks R,...``).
+
+The process is rank r of the recorded world size, on torch's fake process group (which
+communicates nothing); every collective of the step is served what the capture recorded for this
+rank (`multirank.tape`). So rank 517 of a 1,000-rank job replays on one machine, in one process,
+with the same passes as in lockstep (module statistics, op recording, input catch, repro, and the
+reference side with ``--reference``).
+
+What one rank can decide alone:
+- it computed the failure: its root op is a computation (its own inputs finite, its output not);
+  that is the culprit, as the lockstep replay names it;
+- it received the failure: its root is a collective whose output (served, as recorded) was
+  non-finite. Who sent it is read from the capture's record: the ranks whose input to that
+  collective (to DDP's gradient reduction, for a DDP model) held NaN/inf at capture
+  (`RankResult.received_from`), or whose own loss was non-finite. Those ranks are named for the
+  next replay; their op is not known until they are replayed.
+What it cannot decide: whether a collective corrupted finite inputs. Re-running a collective
+needs all its participants' inputs; a subset has only its own, and the others' NaN/inf counts.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from nanbisect.bundle.format import Bundle, read_bundle
+from nanbisect.errors import BadInput
+from nanbisect.locate.catch import catch_inputs
+from nanbisect.locate.ops import record_ops
+from nanbisect.locate.producers import forward_producer, make_culprit
+from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
+from nanbisect.multirank.tape import ROLE, TapeServer, iter_recorded
+from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
+from nanbisect.reference.classify import classify
+from nanbisect.reference.differential import RandomTape
+from nanbisect.reference.opcheck import check_caught
+from nanbisect.replay.probe import ModuleProbe, probing
+from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.report.repro import repro_imports, write_repro
+from nanbisect.task import load_inject
+
+NO_TAPE = ("records no collectives (captured with nanbisect.capture, or by a nanbisect older "
+           "than --ranks): replay all ranks (drop --ranks), or capture it with Guard")
+
+
+def check_tape(bundle: Bundle, ranks: list[int]) -> None:
+    """Every rank to replay alone has a recorded tape (`BadInput` before anything starts)."""
+    for r in ranks:
+        if bundle.part(r).manifest.get("collectives") is None:
+            raise BadInput(f"bundle '{bundle.path}': rank {r}'s part {NO_TAPE}")
+
+
+def _senders(top: Bundle, me: int, tape_index: int | None) -> list[int]:
+    """Ranks other than ``me`` whose input to the collective ``tape_index`` (None: to DDP's
+    gradient reduction) held NaN/inf at capture, or whose own loss was non-finite."""
+    out = []
+    for r in range(top.world_size):
+        if r == me:
+            continue
+        observed = (top.manifest["ranks"][str(r)].get("observed") or {})
+        if observed.get("first") == "loss":
+            out.append(r)
+            continue
+        part = top.part(r, verify=False).manifest.get("collectives") or {}
+        entries = list(iter_recorded(part))
+        tapes = [e for e in entries if e.kind == "tape"]
+        wanted = ([e for e in entries if e.kind == "ddp-bucket"] if tape_index is None else
+                  tapes[tape_index:tape_index + 1])
+        if any(e.in_nan or e.in_inf for e in wanted):
+            out.append(r)
+    return out
+
+
+def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, inject: str | None,
+                 entry: str | None = None, reference: str | None = None,
+                 stage=lambda s: None) -> RankResult:
+    from nanbisect.multirank.worker import _ReferenceSide, _call_stats, _root
+
+    top = read_bundle(bundle_path, verify=False)   # the launcher verified this rank's part
+    part = top.part(rank)
+    recorded = part.manifest.get("collectives")
+    if recorded is None:
+        raise BadInput(f"bundle '{top.path}': rank {rank}'s part {NO_TAPE}")
+    server = TapeServer(recorded, part.tensors(ROLE))
+    device, dtype = parse_device(target)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    observer = ReductionObserver({}, server=server)
+    stage("building the task")
+    with observing_comm_hooks(observer):
+        rep = Replayer(part, device, dtype, entry=entry)
+    model = rep.task.model
+    observer.names.update({p: n for n, p in model.named_parameters()})
+    observe_default_hook(model, observer)
+    rep.restored.append(server.rewind)
+    side = None
+    if reference is not None:
+        stage("building the task on the reference")
+        side = _ReferenceSide(part, reference, rep.entry, server=server)
+    bad = rep.input_faults(rep.restore())
+    if bad:
+        summary = RankSummary(rank, "input", None, None, input_nonfinite=bad)
+        return RankResult(rank, plan=Plan("input", rank), summary=summary)
+    inject_wrap = load_inject(inject) if inject else nullcontext
+    # served collectives underneath everything else: the recorder sees their output as theirs
+    wrap = lambda: stacked(server, inject_wrap())  # noqa: E731
+    probe = ModuleProbe(model)
+    tape = RandomTape()
+    stage("replay pass 1/3: module statistics (collectives served as recorded)")
+    first = rep.run(phase=probing(probe), wrap=lambda: stacked(
+        server, inject_wrap(), *([tape] if side is not None else [])))
+    observer.active = False
+    theirs = None
+    if side is not None:
+        stage("replay pass 1/3 on the reference")
+        theirs = side.summary(side.run(tape), rep, first)
+    summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
+                          buckets=observer.read())
+    result = RankResult(rank, summary=summary, reference=theirs,
+                        served_inputs_differ=list(server.served_inputs_differ))
+    phase = first.phase
+    if phase is None:
+        return replace(result, plan=Plan(None, None))
+    if phase == "backward" and summary.buckets and not summary.reduce_in_bad:
+        # finite going into DDP's reduction, not coming out: received through it
+        return replace(result, plan=Plan("grad-reduce", None, through_collective=True),
+                       received_from=_senders(top, rank, None))
+    kind = first.kind or "nan"
+    stage("replay pass 2/3: op recording")
+    finding = record_ops(rep, phase, kind, wrap)
+    root = _root(finding)
+    result = replace(result, root=root)
+    if root is not None and root.collective:
+        # the collective it came through: the first one the capture recorded non-finite output of
+        index = next((i for i, e in enumerate(server.entries) if e.out_nan or e.out_inf), None)
+        return replace(result, plan=Plan(phase, None, through_collective=True),
+                       received_from=_senders(top, rank, index))
+    stage("replay pass 3/3: catching the culprit op's inputs")
+    caught = catch_inputs(rep, finding.site, wrap) if finding is not None else None
+    table = probe.read()
+    plan = Plan(phase, rank)
+    result = replace(result, plan=plan)
+    if finding is not None:
+        result = replace(result, module_stats=_call_stats(
+            table, CallId(finding.module, finding.module_call)))
+    call = forward_producer(table, kind) if phase == "forward" and finding is None else None
+    culprit = make_culprit(model, phase, finding=finding, call=call, rank=rank,
+                           source=caught.source if caught else None)
+    result = replace(result, culprit=culprit)
+    if finding is None:
+        return result
+    result = replace(result, context=finding.context, inf_origin=finding.inf_origin)
+    if caught is None:
+        return result
+    if side is not None:
+        stage("re-running the culprit op on the reference")
+        check = check_caught(caught, finding.op_index, rep.device, side.device, inject_wrap)
+        classification, why = classify(True, theirs.phase is not None, side.dtype,
+                                       next(model.parameters(), torch.zeros(())).dtype, check)
+        result = replace(result, op_check=check, classification=classification,
+                         classification_note=why)
+    script = write_repro(partial / f"rank{rank}" / "repro", caught, culprit=culprit, kind=kind,
+                         target=target, imports=repro_imports(caught.op, rep.entry))
+    return replace(result, repro=str(script))
