@@ -91,6 +91,12 @@ def test_tensor_parallel_and_fsdp2_ranks_alone(tmp_path):
     rep = run_json(tp, "--ranks", "0", "--out", tmp_path / "tp0")
     assert rep["ranks"][0]["root"]["op"] == "c10d.allreduce_.default"   # served, received
     assert rep["subset"]["next_ranks"] == [1]
+    # code that issues a collective the capture did not: the tape does not fit, one line
+    res = cli("run", "--ckpt", tp, "--ranks", "0", "--out", tmp_path / "extra",
+              env={"EXTRA_COLLECTIVE_ON_REPLAY": "1"})
+    assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "collective #0: the replay issued c10d.allreduce_.default writing [[3]]" in res.stderr
+    assert "replay all ranks (drop --ranks)" in res.stderr and "Traceback" not in res.stderr
     fsdp = torchrun_capture("fsdp_rank1_backward_nan", tmp_path / "fsdp")
     rep = run_json(fsdp, "--ranks", "1", "--out", tmp_path / "f1")
     assert culprit(rep) == (1, "backward", "aten.sqrt.default", "gate", 0)

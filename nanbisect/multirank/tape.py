@@ -33,6 +33,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.bundle.state import local
+from nanbisect.errors import BadInput
 from nanbisect.replay.recorder import collective_writes, is_collective, read_args
 
 ROLE = "collectives"          # the tensor group of a part that holds the recorded outputs
@@ -235,8 +236,13 @@ def record_step(task, batch: Any) -> Tape:
 # replay
 
 
-class TapeMismatch(Exception):
+class TapeMismatch(BadInput):
     """The replay issued a collective the capture did not (another path through the code)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"{what}: the replay takes another path through the code than the "
+                         "capture did (other code, other shapes), so the recorded collectives "
+                         "do not fit it; replay all ranks (drop --ranks)")
 
 
 class TapeServer(TorchDispatchMode):

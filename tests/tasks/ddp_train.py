@@ -106,6 +106,8 @@ class RowParallel(nn.Module):
         r = dist.get_rank()
         local = h[:, 4 * r:4 * r + 4]
         part = torch.sqrt(self.scale * local.abs() + 0.1) * self.weight
+        if os.environ.get("EXTRA_COLLECTIVE_ON_REPLAY") == "1":   # a path the capture did not take
+            dist.all_reduce(torch.ones(3), group=self.group)
         if os.environ.get("DIVERGE_ON_REPLAY") == "1" and r == 1:
             return part.sum(-1, keepdim=True)      # rank 1 skips the all-reduce: ranks diverge
         return _ReduceFromTP.apply(part.sum(-1, keepdim=True), self.group)
