@@ -130,3 +130,30 @@ def test_ranks_need_a_bundle_that_recorded_its_collectives(tmp_path, fixture_bun
     single = fixture_bundle("forward_nan_behind_mask")
     res = cli("run", "--ckpt", single, "--ranks", "0", "--out", tmp_path / "s")
     assert res.code == 2 and "has one rank; drop --ranks" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("edit", [
+    lambda c: c.update(entries="x"),
+    lambda c: c["entries"][0].update(shapes=[[-1]]),
+    lambda c: c["entries"][0].update(op=["not", "a", "string"]),
+    lambda c: c["entries"][0].update(extra=1),
+    lambda c: c.update(ddp={"params": "module.fc.weight", "micro_batches": 1}),
+])
+def test_hostile_recorded_collectives_are_one_line_errors(rank1_nan, tmp_path, edit):
+    import hashlib
+    import shutil
+
+    b = tmp_path / "b"
+    shutil.copytree(rank1_nan, b, ignore=shutil.ignore_patterns("nanbisect-report"))
+    part = b / "rank0" / "manifest.json"
+    m = json.loads(part.read_text())
+    edit(m["collectives"])
+    part.write_text(json.dumps(m))
+    top = json.loads((b / "manifest.json").read_text())
+    top["ranks"]["0"]["manifest_sha256"] = hashlib.sha256(part.read_bytes()).hexdigest()
+    (b / "manifest.json").write_text(json.dumps(top))
+    res = cli("run", "--ckpt", b, "--ranks", "0", "--out", tmp_path / "r")
+    assert res.code == 2 and "Traceback" not in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    assert "recorded collectives" in res.stderr and "re-capture the bundle" in res.stderr
+    assert not (tmp_path / "r").exists()

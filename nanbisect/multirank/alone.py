@@ -32,7 +32,7 @@ from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import forward_producer, make_culprit
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
-from nanbisect.multirank.tape import ROLE, TapeServer, iter_recorded
+from nanbisect.multirank.tape import ROLE, TapeServer, iter_recorded, parse
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
 from nanbisect.reference.classify import classify
 from nanbisect.reference.differential import RandomTape
@@ -49,8 +49,10 @@ NO_TAPE = ("records no collectives (captured with nanbisect.capture, or by a nan
 def check_tape(bundle: Bundle, ranks: list[int]) -> None:
     """Every rank to replay alone has a recorded tape (`BadInput` before anything starts)."""
     for r in ranks:
-        if bundle.part(r).manifest.get("collectives") is None:
+        part = bundle.part(r)
+        if part.manifest.get("collectives") is None:
             raise BadInput(f"bundle '{bundle.path}': rank {r}'s part {NO_TAPE}")
+        parse(part.manifest["collectives"], f"bundle '{part.path}'")
 
 
 def _senders(top: Bundle, me: int, tape_index: int | None) -> list[int]:
@@ -64,8 +66,9 @@ def _senders(top: Bundle, me: int, tape_index: int | None) -> list[int]:
         if observed.get("first") == "loss":
             out.append(r)
             continue
-        part = top.part(r, verify=False).manifest.get("collectives") or {}
-        entries = list(iter_recorded(part))
+        other = top.part(r, verify=False)
+        entries = list(iter_recorded(other.manifest.get("collectives") or {"entries": []},
+                                     f"bundle '{other.path}'"))
         tapes = [e for e in entries if e.kind == "tape"]
         wanted = ([e for e in entries if e.kind == "ddp-bucket"] if tape_index is None else
                   tapes[tape_index:tape_index + 1])
@@ -84,7 +87,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     recorded = part.manifest.get("collectives")
     if recorded is None:
         raise BadInput(f"bundle '{top.path}': rank {rank}'s part {NO_TAPE}")
-    server = TapeServer(recorded, part.tensors(ROLE))
+    server = TapeServer(recorded, part.tensors(ROLE), where=f"bundle '{part.path}'")
     device, dtype = parse_device(target)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

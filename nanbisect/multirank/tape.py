@@ -251,13 +251,20 @@ class TapeServer(TorchDispatchMode):
     ``rewind()`` before each replay of the step (`Replayer.restored`); outside a step the fake
     process group answers (model construction: DDP's parameter broadcast, FSDP2's mesh)."""
 
-    def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, manifest: dict, tensors: dict[str, torch.Tensor],
+                 where: str = "bundle") -> None:
         super().__init__()
-        self.entries = [Entry(**e) for e in manifest.get("entries", []) if e.get("kind") == "tape"]
-        self.all_entries = [Entry(**e) for e in manifest.get("entries", [])]
+        entries, ddp = parse(manifest, where)
+        self.entries = [e for e in entries if e.kind == "tape"]
+        self.where = where
         self.tensors = tensors
-        ddp = manifest.get("ddp") or None
         self.ddp_params = set(ddp["params"]) if ddp else set()
+        for i, e in enumerate(self.entries):    # every served output is there, as recorded
+            for j, shape in enumerate(e.shapes):
+                t = tensors.get(f"c{i}.{j}")
+                if t is None or list(t.shape) != shape:
+                    raise BadInput(f"{where}: recorded collective #{i} ({e.op}) has no output "
+                                   f"{j} of shape {shape} in {ROLE}.safetensors; {_FIX}")
         self.i = 0
         self.ddp_count: dict[str, int] = {}
         self.served_inputs_differ: list[int] = []    # entries whose inputs were not the capture's
@@ -307,9 +314,49 @@ class TapeServer(TorchDispatchMode):
                                    "than the capture recorded")
             self.ddp_count[name] = k + 1
             parts.append(self.tensors[key].reshape(-1))
-        return torch.cat(parts).to(device=like.device, dtype=like.dtype)
+        flat = torch.cat(parts) if parts else like.new_zeros(0)
+        if flat.numel() != like.numel():
+            raise TapeMismatch(f"a DDP bucket of {like.numel()} gradient values got "
+                               f"{flat.numel()} recorded ones")
+        return flat.to(device=like.device, dtype=like.dtype)
 
 
-def iter_recorded(manifest: dict) -> Iterator[Entry]:
-    for e in (manifest or {}).get("entries", []):
-        yield Entry(**e)
+_FIX = "re-capture the bundle"
+_INTS = ("in_nan", "in_inf", "out_nan", "out_inf")
+
+
+def _ints(v) -> bool:
+    return isinstance(v, list) and all(type(x) is int and x >= 0 for x in v)
+
+
+def parse(manifest, where: str) -> tuple[list[Entry], dict | None]:
+    """A part's ``collectives`` (untrusted JSON) as entries and its DDP record; `BadInput`
+    naming the first thing that is not as the recorder writes it."""
+    def bad(why: str) -> BadInput:
+        return BadInput(f"{where}: the recorded collectives {why}; {_FIX}")
+
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), list):
+        raise bad("are not {entries: [...], ...}")
+    out = []
+    for i, e in enumerate(manifest["entries"]):
+        if not isinstance(e, dict) or set(e) != set(Entry.__dataclass_fields__):
+            raise bad(f"entry #{i} does not have the fields of a recorded collective")
+        ok = (isinstance(e["op"], str) and (e["group_size"] is None or type(e["group_size"])
+                                             is int)
+              and isinstance(e["shapes"], list) and all(_ints(x) for x in e["shapes"])
+              and isinstance(e["dtypes"], list) and all(isinstance(x, str) for x in e["dtypes"])
+              and len(e["dtypes"]) == len(e["shapes"]) and isinstance(e["in_sha256"], str)
+              and _ints([e[k] for k in _INTS]) and e["kind"] in ("tape", "ddp-bucket"))
+        if not ok:
+            raise bad(f"entry #{i} has a field of the wrong type")
+        out.append(Entry(**e))
+    ddp = manifest.get("ddp")
+    if ddp is not None and not (isinstance(ddp, dict) and isinstance(ddp.get("params"), list)
+                                and all(isinstance(x, str) for x in ddp["params"])
+                                and type(ddp.get("micro_batches")) is int):
+        raise bad("have a DDP record that is not {params: [names], micro_batches: N}")
+    return out, ddp
+
+
+def iter_recorded(manifest: dict, where: str = "bundle") -> Iterator[Entry]:
+    yield from parse(manifest, where)[0]
