@@ -436,8 +436,16 @@ class Guard:
             # every rank runs the failing step once more, from the same pre-step state and RNG,
             # keeping what each collective gave it: a replay of a few ranks serves it to them
             rng.set()
-            tape = record_step(self.task, batch)
+            tape, why = record_step(self.task, batch)
             self._restore(scale)
+            lost = any_rank(torch.tensor([float(tape is None)], device=(
+                "cpu" if self._rank.backend == "gloo" else dev)))
+            if lost.item() > 0:   # every rank agrees: a bundle without a tape, never none
+                if why:
+                    warnings.warn(f"Guard: the failing step's collectives could not be recorded "
+                                  f"({why}); the bundle replays all ranks only (no --ranks)",
+                                  RuntimeWarning, stacklevel=3)
+                tape = None
         path = self._free_path()
         if self._rank.distributed:
             path = Path(broadcast_str(str(path)))

@@ -561,6 +561,8 @@ class RankResult:
     classification: str | None = None                    # the culprit rank's, from its evidence
     classification_note: str | None = None               # why, when the evidence needs a word
     received_from: list[int] | None = None   # replayed alone: ranks that fed it the failure
+    recorded_input_bad: bool = False   # alone: its own input to that collective held NaN/inf
+                                       # at capture (and is finite in this replay)
     served_inputs_differ: list[int] = field(default_factory=list)   # tape entries whose input
                                                                     # was not the capture's
 
@@ -592,6 +594,7 @@ class RankResult:
             classification=d.get("classification"),
             classification_note=d.get("classification_note"),
             received_from=d.get("received_from"),
+            recorded_input_bad=bool(d.get("recorded_input_bad", False)),
             served_inputs_differ=d.get("served_inputs_differ", []))
 
     def row(self) -> dict:

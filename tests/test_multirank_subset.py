@@ -74,7 +74,7 @@ def test_a_rank_that_only_received_it_names_the_rank_to_replay(rank1_nan, tmp_pa
     assert rep["ranks"][0]["reduction_out_bad"] is True
     assert any("replay with --ranks 1 to find the op" in n for n in rep["notes"])
     shown = cli("run", "--ckpt", rank1_nan, "--ranks", "0", "--out", tmp_path / "t")
-    assert "computed on rank 1 in forward, which was not replayed" in shown.stdout
+    assert "came from rank 1 (forward), which was not replayed" in shown.stdout
 
 
 def test_a_rank_alone_with_a_reference(rank1_nan, tmp_path):
@@ -157,3 +157,31 @@ def test_hostile_recorded_collectives_are_one_line_errors(rank1_nan, tmp_path, e
     assert len(res.stderr.strip().splitlines()) == 1
     assert "recorded collectives" in res.stderr and "re-capture the bundle" in res.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_the_sender_is_found_among_the_collective_s_participants(tmp_path):
+    # 4-rank tensor parallel, rank 2's shard is corrupt: after the all-reduce every rank's loss
+    # is NaN, but only rank 2 fed the all-reduce NaN: that is the rank to replay next
+    bundle = torchrun_capture("tp_rank2_nan", tmp_path / "g", ranks=4)
+    rep = run_json(bundle, "--ranks", "0", "--out", tmp_path / "r0")
+    assert rep["subset"]["next_ranks"] == [2] and rep["culprit"]["rank"] == 2
+    rep = run_json(bundle, "--ranks", "2", "--out", tmp_path / "r2")
+    assert culprit(rep) == (2, "forward", "aten.sqrt.default", "row", 0)
+
+
+def test_a_fault_present_only_at_capture_is_never_blamed_on_the_collective(tmp_path):
+    from test_multirank_reference import MOE, capture
+
+    bundle = capture(MOE, "moe_ddp_broken", tmp_path / "g")
+    # replayed without the fault, rank 1 computes finite gradients where the capture recorded
+    # NaN going into the reduction: not reproduced, not "communication"
+    rep = run_json(bundle, "--ranks", "0,1", "--out", tmp_path / "all", code=3)
+    assert (rep["verdict"], rep["classification"]) == ("not-reproduced", "unknown")
+    assert rep["subset"]["decided"] is False and "compute finite values" in rep["subset"]["why"]
+    # with the fault on rank 1's target and a reference: the op check, not the reference's
+    # served NaN, decides (device)
+    rep = run_json(bundle, "--ranks", "1", "--reference", "cpu", "--inject",
+                   f"{MOE}:rank1_broken", "--out", tmp_path / "one")
+    assert (rep["classification"], rep["op_check"]["status"]) == ("device", "mismatch")
+    assert rep["culprit"]["op"] == "nbtest.unpermute_backward.default"
+

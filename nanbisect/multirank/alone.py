@@ -32,11 +32,11 @@ from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import forward_producer, make_culprit
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
-from nanbisect.multirank.tape import ROLE, TapeServer, iter_recorded, parse
+from nanbisect.multirank.tape import ROLE, Entry, TapeMismatch, TapeServer, parse
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
 from nanbisect.reference.classify import classify
 from nanbisect.reference.differential import RandomTape
-from nanbisect.reference.opcheck import check_caught
+from nanbisect.reference.opcheck import safe_check
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.report.repro import repro_imports, write_repro
@@ -55,26 +55,51 @@ def check_tape(bundle: Bundle, ranks: list[int]) -> None:
         parse(part.manifest["collectives"], f"bundle '{part.path}'")
 
 
-def _senders(top: Bundle, me: int, tape_index: int | None) -> list[int]:
-    """Ranks other than ``me`` whose input to the collective ``tape_index`` (None: to DDP's
-    gradient reduction) held NaN/inf at capture, or whose own loss was non-finite."""
-    out = []
-    for r in range(top.world_size):
-        if r == me:
-            continue
-        observed = (top.manifest["ranks"][str(r)].get("observed") or {})
-        if observed.get("first") == "loss":
-            out.append(r)
-            continue
-        other = top.part(r, verify=False)
-        entries = list(iter_recorded(other.manifest.get("collectives") or {"entries": []},
-                                     f"bundle '{other.path}'"))
-        tapes = [e for e in entries if e.kind == "tape"]
-        wanted = ([e for e in entries if e.kind == "ddp-bucket"] if tape_index is None else
-                  tapes[tape_index:tape_index + 1])
-        if any(e.in_nan or e.in_inf for e in wanted):
-            out.append(r)
-    return out
+def _recorded(top: Bundle, r: int):
+    """Rank ``r``'s recorded collectives (unverified: only their NaN/inf counts are read)."""
+    other = top.part(r, verify=False)
+    return parse(other.manifest.get("collectives") or {"schema": 1, "entries": []},
+                 f"bundle '{other.path}'")
+
+
+def _feeders(top: Bundle, me: int, entry: Entry | None, occurrence: int) -> tuple[list, bool]:
+    """(the other participants whose input to the collective held NaN/inf at capture, whether
+    ``me``'s own recorded input did). ``entry`` is the collective in ``me``'s tape (its op and
+    group, and ``occurrence``: how many same op-and-group collectives came before it), matched in
+    each participant's tape by op, group and occurrence; None: DDP's gradient reduction."""
+    mine, ddp = _recorded(top, me)
+    if entry is None:
+        group = (ddp or {}).get("group") or list(range(top.world_size))
+    else:
+        group = entry.group or list(range(top.world_size))
+
+    def bad_input(entries: list[Entry]) -> bool:
+        if entry is None:
+            return any(e.in_nan or e.in_inf for e in entries if e.kind == "ddp-bucket")
+        same = [e for e in entries if e.kind == "tape" and e.op == entry.op
+                and e.group == entry.group]
+        return len(same) > occurrence and bool(same[occurrence].in_nan or same[occurrence].in_inf)
+
+    feeders = [r for r in group if r != me and 0 <= r < top.world_size
+               and bad_input(_recorded(top, r)[0])]
+    return feeders, bad_input(mine)
+
+
+def _through(server: TapeServer, root) -> tuple[Entry | None, int]:
+    """The served collective the root op is: the first whose recorded output was non-finite
+    with the root's op and shapes (an in-place collective reads what it writes), else with its
+    op; and its occurrence among same op-and-group collectives."""
+    def pick(match) -> int | None:
+        return next((i for i, e in enumerate(server.entries)
+                     if (e.out_nan or e.out_inf) and match(e)), None)
+
+    i = pick(lambda e: e.op == root.op and e.shapes == root.input_shapes)
+    if i is None:
+        i = pick(lambda e: e.op == root.op)
+    if i is None:
+        return None, 0
+    e = server.entries[i]
+    return e, sum(1 for x in server.entries[:i] if x.op == e.op and x.group == e.group)
 
 
 def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, inject: str | None,
@@ -126,21 +151,26 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
                         served_inputs_differ=list(server.served_inputs_differ))
     phase = first.phase
     if phase is None:
+        if server.i < len(server.entries):   # the whole step ran: every recorded one is due
+            raise TapeMismatch(f"the replayed step issued {server.i} of the "
+                               f"{len(server.entries)} collectives the capture recorded")
         return replace(result, plan=Plan(None, None))
     if phase == "backward" and summary.buckets and not summary.reduce_in_bad:
         # finite going into DDP's reduction, not coming out: received through it
+        feeders, mine_bad = _feeders(top, rank, None, 0)
         return replace(result, plan=Plan("grad-reduce", None, through_collective=True),
-                       received_from=_senders(top, rank, None))
+                       received_from=feeders, recorded_input_bad=mine_bad)
     kind = first.kind or "nan"
     stage("replay pass 2/3: op recording")
     finding = record_ops(rep, phase, kind, wrap)
     root = _root(finding)
     result = replace(result, root=root)
     if root is not None and root.collective:
-        # the collective it came through: the first one the capture recorded non-finite output of
-        index = next((i for i, e in enumerate(server.entries) if e.out_nan or e.out_inf), None)
+        entry, occurrence = _through(server, root)
+        feeders, mine_bad = (_feeders(top, rank, entry, occurrence) if entry is not None
+                             else ([], False))
         return replace(result, plan=Plan(phase, None, through_collective=True),
-                       received_from=_senders(top, rank, index))
+                       received_from=feeders, recorded_input_bad=mine_bad)
     stage("replay pass 3/3: catching the culprit op's inputs")
     caught = catch_inputs(rep, finding.site, wrap) if finding is not None else None
     table = probe.read()
@@ -160,8 +190,11 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
         return result
     if side is not None:
         stage("re-running the culprit op on the reference")
-        check = check_caught(caught, finding.op_index, rep.device, side.device, inject_wrap)
-        classification, why = classify(True, theirs.phase is not None, side.dtype,
+        check = safe_check(caught, finding.op_index, rep.device, side.device, inject_wrap)
+        # NB: the reference is served the capture's collectives, non-finite ones included, so
+        # its step failing proves nothing here: only the op, re-run from the same inputs, does
+        # (the same non-finite result on the reference: the arithmetic; another: the device)
+        classification, why = classify(True, check.status == "ok", side.dtype,
                                        next(model.parameters(), torch.zeros(())).dtype, check)
         result = replace(result, op_check=check, classification=classification,
                          classification_note=why)

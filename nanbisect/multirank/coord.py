@@ -331,6 +331,9 @@ def out_of_sync(plan: ReplicaPlan, labels: dict[str, str]) -> tuple[list[dict], 
                     have[r] = ks
             names = list(dict.fromkeys(n for ks in have.values() for n in ks))
             for n in names:
+                if labels.get(n) is UNCHECKED:
+                    continue      # a buffer: rank-local until DDP broadcasts it (written once
+                                  # where equal all the same)
                 copies: dict[Key, list[int]] = {}
                 for r, ks in have.items():
                     if n in ks:
@@ -389,14 +392,20 @@ def _measured(tmp: Path, plan: ReplicaPlan, row: dict) -> dict:
     return out
 
 
+UNCHECKED = "<not compared>"
+
+
 def tensor_labels(model: torch.nn.Module, optimizer) -> dict[str, str]:
     """Readable names of optimizer state tensors: ``optim/state/3/v0`` -> ``fc.weight.exp_avg``
-    (the parameter's name in ``model`` and the state's key), as `encode_optimizer` stores them."""
+    (the parameter's name in ``model`` and the state's key), as `encode_optimizer` stores them;
+    buffers are `UNCHECKED`: before a step they legitimately differ between the ranks of a DDP
+    group (BatchNorm's running statistics are updated locally; DDP broadcasts rank 0's at the
+    next forward), so they are never reported as replicas out of sync."""
+    out = {f"model/{n}": UNCHECKED for n, _ in model.named_buffers()}
     if optimizer is None:
-        return {}
+        return out
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    out = {}
     for i, p in enumerate(params):
         for j, k in enumerate(optimizer.state.get(p, {})):
             out[f"optim/state/{i}/v{j}"] = f"{names.get(id(p), f'param {i}')}.{k}"

@@ -43,7 +43,8 @@ class ReductionObserver:
         def observed(state, bucket):  # NB: no annotations: DDP checks them against its own
             names = [self.names.get(p, "?") for p in bucket.parameters()]
             if self.server is not None:
-                served = self.server.ddp_bucket(names, bucket.buffer())
+                served = self.server.ddp_bucket(names, bucket.buffer(),
+                                                [p.numel() for p in bucket.parameters()])
                 if self.active:
                     self.records.append(BucketRecord(bucket.index(), names,
                                                      _counts(bucket.buffer()), _counts(served)))

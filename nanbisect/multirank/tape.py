@@ -52,18 +52,31 @@ def _skip(frame) -> bool:
         _TORCH + "distributed/distributed_c10d.py"))
 
 
-def ddp_internal(frame) -> str | None:
-    """Is the collective being dispatched one of DDP's own? ``"bucket"``: a gradient bucket's
-    reduction (from DDP's reducer, or from a comm hook: a frame below the autograd engine holds
-    a GradBucket); ``"rebuild"``: DDP rebuilding its buckets (its first iterations only); None:
-    anything else (DDP's buffer broadcast included, which every forward repeats)."""
+def _caller():
+    """The frame that called ``__torch_dispatch__``; None on a thread with no Python frame
+    (CUDA's autograd device threads, where DDP's reducer issues its bucket reductions)."""
+    try:
+        return sys._getframe(2)
+    except ValueError:
+        return None
+
+
+def ddp_internal(frame, ddp: bool = True) -> str | None:
+    """Is the collective being dispatched one of DDP's own (only asked for a DDP model)?
+    ``"bucket"``: a gradient bucket's reduction (from DDP's reducer: no Python frame but the
+    autograd engine's, or none at all on a device thread; or from a comm hook: a frame below the
+    autograd engine holds a GradBucket); ``"rebuild"``: DDP rebuilding its buckets (its first
+    iterations only); None: anything else (DDP's buffer broadcast included, which every forward
+    repeats)."""
     import torch.distributed as dist
 
+    if not ddp:
+        return None
     f = frame
     while f is not None and _skip(f):
         f = f.f_back
     if f is None:
-        return None
+        return "bucket"
     if f.f_code.co_filename == _ENGINE:
         return "bucket"                     # the reducer's own all-reduce (no comm hook)
     if f.f_code.co_filename == _DDP_FILE and f.f_code.co_name == "_pre_forward":
@@ -100,21 +113,37 @@ def _tensors(vals: list[Any]) -> list[torch.Tensor]:
 
 def _group_size(func, args: tuple, kwargs: dict) -> int | None:
     """The size of the process group a collective runs on (None: not found)."""
+    pg = _group(func, args, kwargs)
+    return pg.size() if pg is not None else None
+
+
+def _group(func, args: tuple, kwargs: dict):
     import torch.distributed as dist
 
     for v in list(args) + list(kwargs.values()):
         if isinstance(v, torch.ScriptObject):
             try:
-                return dist.ProcessGroup.unbox(v).size()
+                return dist.ProcessGroup.unbox(v)
             except (RuntimeError, TypeError, AttributeError):
                 continue
         if isinstance(v, str) and func.namespace.endswith("c10d_functional"):
             try:
                 from torch.distributed.distributed_c10d import _resolve_process_group
-                return _resolve_process_group(v).size()
+                return _resolve_process_group(v)
             except (RuntimeError, KeyError, ValueError):
                 continue
     return None
+
+
+def _group_ranks(func, args: tuple, kwargs: dict) -> list[int] | None:
+    """The global ranks of the process group a collective runs on (None: not found)."""
+    import torch.distributed as dist
+
+    pg = _group(func, args, kwargs)
+    try:
+        return sorted(dist.get_process_group_ranks(pg)) if pg is not None else None
+    except (RuntimeError, ValueError, KeyError):
+        return None
 
 
 def _outputs(func, args: tuple, kwargs: dict, out: Any) -> list[torch.Tensor]:
@@ -154,6 +183,7 @@ class Entry:
     out_nan: int
     out_inf: int
     kind: str = "tape"        # "tape": served in order; "ddp-bucket": counts only
+    group: list[int] | None = None     # the global ranks of its process group
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -165,48 +195,67 @@ class Tape:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     ddp_params: list[str] | None = None       # DDP: names whose reduced grads are kept
     micro_batches: int = 0
+    ddp_group: list[int] | None = None        # DDP: the ranks of its process group
+    rerun_failed: bool | None = None          # the re-run of the step failed again
 
     def manifest(self) -> dict:
         return {"schema": SCHEMA, "entries": [e.to_json() for e in self.entries],
-                "ddp": ({"params": self.ddp_params, "micro_batches": self.micro_batches}
-                        if self.ddp_params is not None else None)}
+                "ddp": ({"params": self.ddp_params, "micro_batches": self.micro_batches,
+                         "group": self.ddp_group}
+                        if self.ddp_params is not None else None),
+                "rerun_failed": self.rerun_failed}
 
 
 class TapeRecorder(TorchDispatchMode):
     """Capture: keep what every collective of the step wrote, in order (see the module doc)."""
 
-    def __init__(self, tape: Tape) -> None:
+    def __init__(self, tape: Tape, ddp: bool = False) -> None:
         super().__init__()
         self.tape = tape
+        self.ddp = ddp
+        self.error: str | None = None     # the first thing that went wrong while recording
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not _wanted(func):
+        if not _wanted(func) or self.error is not None:
             return func(*args, **kwargs)
-        internal = ddp_internal(sys._getframe(1))
-        if internal == "rebuild":
+        # NB: never raise out of here: the step must go on, with its collectives matched on
+        # every rank; a failure to record makes the tape unusable, not the step
+        try:
+            internal = ddp_internal(_caller(), self.ddp)
+            if internal == "rebuild":
+                return func(*args, **kwargs)
+            reads = _tensors(read_args(func, args, kwargs))
+            in_nan, in_inf = _counts(reads)
+            digest = _digest(reads) if internal is None else ""
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {str(e)[:200]}"
             return func(*args, **kwargs)
-        reads = _tensors(read_args(func, args, kwargs))
-        in_nan, in_inf = _counts(reads)
-        digest = _digest(reads) if internal is None else ""
         out = func(*args, **kwargs)
-        _finish(func, out)
-        wrote = _outputs(func, args, kwargs, out)
-        out_nan, out_inf = _counts(wrote)
-        i = len([e for e in self.tape.entries if e.kind == "tape"])
-        e = Entry(str(func), _group_size(func, args, kwargs), [list(t.shape) for t in wrote],
-                  [str(t.dtype).removeprefix("torch.") for t in wrote], digest, in_nan, in_inf,
-                  out_nan, out_inf, "ddp-bucket" if internal else "tape")
-        self.tape.entries.append(e)
-        if internal is None:
-            for j, t in enumerate(wrote):
-                self.tape.tensors[f"c{i}.{j}"] = t.detach().to("cpu", copy=True).contiguous()
+        try:
+            _finish(func, out)
+            wrote = _outputs(func, args, kwargs, out)
+            out_nan, out_inf = _counts(wrote)
+            i = len([e for e in self.tape.entries if e.kind == "tape"])
+            e = Entry(str(func), _group_size(func, args, kwargs), [list(t.shape) for t in wrote],
+                      [str(t.dtype).removeprefix("torch.") for t in wrote], digest, in_nan,
+                      in_inf, out_nan, out_inf, "ddp-bucket" if internal else "tape",
+                      _group_ranks(func, args, kwargs))
+            self.tape.entries.append(e)
+            if internal is None:
+                for j, t in enumerate(wrote):
+                    self.tape.tensors[f"c{i}.{j}"] = t.detach().to("cpu", copy=True).contiguous()
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {str(e)[:200]}"
         return out
 
 
-def record_step(task, batch: Any) -> Tape:
+def record_step(task, batch: Any) -> tuple[Tape | None, str | None]:
     """Run the Task's step once under `TapeRecorder` (the caller restores the pre-step state and
-    RNG before and after); keep DDP's reduced gradients per parameter per micro-batch."""
+    RNG before and after); keep DDP's reduced gradients per parameter per micro-batch. Returns
+    the tape, or (None, why) when it could not be recorded (the step raised, or recording did):
+    the bundle is then written without one, never lost over it."""
+    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     from nanbisect.step import run_step
@@ -216,20 +265,36 @@ def record_step(task, batch: Any) -> Tape:
     ddp = isinstance(model, DistributedDataParallel)
     if ddp:
         tape.ddp_params = []
+        try:
+            tape.ddp_group = sorted(dist.get_process_group_ranks(model.process_group))
+        except (RuntimeError, ValueError, KeyError, AttributeError):
+            tape.ddp_group = None
     if task.optimizer is not None:
         task.optimizer.zero_grad(set_to_none=True)
-    with TapeRecorder(tape):
-        for ev in run_step(task, batch):
-            if ev.phase == "backward" and ddp:
-                m = tape.micro_batches
-                for name, p in model.named_parameters():
-                    if p.grad is not None:
-                        if m == 0:
-                            tape.ddp_params.append(name)
-                        tape.tensors[f"ddp{m}.{name}"] = (
-                            local(p.grad).detach().to("cpu", copy=True).contiguous())
-                tape.micro_batches += 1
-    return tape
+    rec = TapeRecorder(tape, ddp)
+    last = None
+    try:
+        with rec:
+            for ev in run_step(task, batch):
+                last = ev
+                if ev.phase == "backward" and ddp:
+                    m = tape.micro_batches
+                    for name, p in model.named_parameters():
+                        if p.grad is not None:
+                            if m == 0:
+                                tape.ddp_params.append(name)
+                            tape.tensors[f"ddp{m}.{name}"] = (
+                                local(p.grad).detach().to("cpu", copy=True).contiguous())
+                    tape.micro_batches += 1
+    except Exception as e:  # noqa: BLE001 - the bundle matters more than the tape
+        return None, f"re-running the step raised {type(e).__name__}: {str(e)[:200]}"
+    if rec.error is not None:
+        return None, f"recording a collective failed ({rec.error})"
+    loss = last.total if last is not None else None
+    finite = [bool(torch.isfinite(local(p.data)).all()) for p in model.parameters()]
+    tape.rerun_failed = not (all(finite) and (loss is None or bool(
+        torch.isfinite(local(loss).detach()).all())))
+    return tape, None
 
 
 # ------------------------------------------------------------------------------------------
@@ -259,6 +324,8 @@ class TapeServer(TorchDispatchMode):
         self.where = where
         self.tensors = tensors
         self.ddp_params = set(ddp["params"]) if ddp else set()
+        self.ddp = ddp is not None
+        self.check_inputs = True     # off while the reference side replays (its inputs differ)
         for i, e in enumerate(self.entries):    # every served output is there, as recorded
             for j, shape in enumerate(e.shapes):
                 t = tensors.get(f"c{i}.{j}")
@@ -277,7 +344,7 @@ class TapeServer(TorchDispatchMode):
         kwargs = kwargs or {}
         if not _wanted(func):
             return func(*args, **kwargs)
-        if ddp_internal(sys._getframe(1)) == "rebuild":
+        if ddp_internal(_caller(), self.ddp) == "rebuild":
             return func(*args, **kwargs)
         reads = _tensors(read_args(func, args, kwargs))
         out = func(*args, **kwargs)
@@ -294,7 +361,8 @@ class TapeServer(TorchDispatchMode):
                     None, e.group_size)):
             raise TapeMismatch(f"collective #{self.i}: the replay issued {func} writing "
                                f"{shapes}, the capture recorded {e.op} writing {e.shapes}")
-        if e.in_sha256 and _digest(reads) != e.in_sha256 and dtypes == e.dtypes:
+        if self.check_inputs and e.in_sha256 and _digest(reads) != e.in_sha256 and \
+                dtypes == e.dtypes:
             self.served_inputs_differ.append(self.i)
         with torch.no_grad():
             for j, t in enumerate(wrote):
@@ -302,11 +370,17 @@ class TapeServer(TorchDispatchMode):
         self.i += 1
         return out
 
-    def ddp_bucket(self, names: list[str], like: torch.Tensor) -> torch.Tensor:
+    def ddp_bucket(self, names: list[str], like: torch.Tensor,
+                   sizes: list[int] | None = None) -> torch.Tensor:
         """A DDP bucket's reduced gradients (flat, in the bucket's parameter order), as the
-        capture's reduction left them in this micro-batch."""
+        capture's reduction left them in this micro-batch. A parameter that had no gradient on
+        any rank at capture (unused, with ``find_unused_parameters``) gets zeros, as DDP's
+        reduction gives it."""
         parts = []
-        for name in names:
+        for j, name in enumerate(names):
+            if name not in self.ddp_params and sizes is not None:
+                parts.append(torch.zeros(sizes[j], dtype=like.dtype))
+                continue
             k = self.ddp_count.get(name, 0)
             key = f"ddp{k}.{name}"
             if key not in self.tensors:
@@ -337,6 +411,9 @@ def parse(manifest, where: str) -> tuple[list[Entry], dict | None]:
 
     if not isinstance(manifest, dict) or not isinstance(manifest.get("entries"), list):
         raise bad("are not {entries: [...], ...}")
+    if manifest.get("schema") != SCHEMA:
+        raise bad(f"have schema {manifest.get('schema')!r}, not {SCHEMA} (another nanbisect "
+                  "wrote them)")
     out = []
     for i, e in enumerate(manifest["entries"]):
         if not isinstance(e, dict) or set(e) != set(Entry.__dataclass_fields__):
@@ -346,14 +423,16 @@ def parse(manifest, where: str) -> tuple[list[Entry], dict | None]:
               and isinstance(e["shapes"], list) and all(_ints(x) for x in e["shapes"])
               and isinstance(e["dtypes"], list) and all(isinstance(x, str) for x in e["dtypes"])
               and len(e["dtypes"]) == len(e["shapes"]) and isinstance(e["in_sha256"], str)
-              and _ints([e[k] for k in _INTS]) and e["kind"] in ("tape", "ddp-bucket"))
+              and _ints([e[k] for k in _INTS]) and e["kind"] in ("tape", "ddp-bucket")
+              and (e["group"] is None or _ints(e["group"])))
         if not ok:
             raise bad(f"entry #{i} has a field of the wrong type")
         out.append(Entry(**e))
     ddp = manifest.get("ddp")
     if ddp is not None and not (isinstance(ddp, dict) and isinstance(ddp.get("params"), list)
                                 and all(isinstance(x, str) for x in ddp["params"])
-                                and type(ddp.get("micro_batches")) is int):
+                                and type(ddp.get("micro_batches")) is int
+                                and (ddp.get("group") is None or _ints(ddp["group"]))):
         raise bad("have a DDP record that is not {params: [names], micro_batches: N}")
     return out, ddp
 

@@ -216,21 +216,41 @@ def subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) -
         first = received[0]
         how = (f"{first.root.op}{_where(first.root)}" if first.root is not None
                else "the gradient reduction")
-        senders = sorted({s for r in received for s in (r.received_from or [])} - set(replayed))
+        fed = {s for r in received for s in (r.received_from or [])}
+        senders = sorted(fed - set(replayed))
         kind = (first.summary.kind if first.summary else None) or "nan"
+        # the capture says a replayed rank fed it NaN/inf, but replayed, that rank's input is
+        # finite: the failure does not come back there (another device, a transient): never
+        # blame the collective for it
+        contradicted = sorted((fed & set(replayed))
+                              | {r.rank for r in received if r.recorded_input_bad})
+        if contradicted:
+            subset.update(decided=False, next_ranks=[], why=(
+                f"rank(s) {contradicted} fed the collective NaN/inf at capture but compute "
+                "finite values when replayed"))
+            notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
+                         f"{how} as the capture recorded it, but rank(s) {contradicted}, whose "
+                         "input to it held NaN/inf at capture, compute finite values in this "
+                         f"replay on {facts.target}: the failure does not reproduce there (it "
+                         "needs the capture's device, or it was a transient); replay those "
+                         "ranks on the capture device")
+            return done(Report("not-reproduced", "unknown", None, None, None, notes=notes,
+                               **common))
         if senders:
             s = senders[0]
-            first_seen = (observed.get(str(s)) or observed.get(s) or {}).get("first")
-            phase = "forward" if first_seen == "loss" else "backward"
+            # where the sender's failure was at capture: its own loss non-finite -> forward;
+            # else the phase the collective ran in (a DDP reduction: backward)
+            seen = (observed.get(str(s)) or {}).get("first")
+            phase = "forward" if seen == "loss" else (
+                "backward" if first.root is None else (first.plan.phase or "forward"))
             subset.update(decided=False, next_ranks=senders, why=(
                 f"rank(s) {senders} fed the failure into the collective and were not "
                 "replayed: their op is not known"))
             notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
                          f"{how} (finite inputs here, non-finite output as the capture "
-                         f"recorded it); at capture, rank(s) {senders} "
-                         + ("had a non-finite loss" if first_seen == "loss" else
-                            "fed it non-finite input")
-                         + f": they computed it; replay with --ranks {s} to find the op")
+                         f"recorded it); at capture, rank(s) {senders} fed it non-finite input: "
+                         "the failure came from there (computed there, or received there in "
+                         f"turn); replay with --ranks {s} to find the op")
             culprit = Culprit(phase, "", None, [], [], None, rank=s)
             return done(Report("culprit", "unknown", phase, kind, culprit, notes=notes,
                                **common))

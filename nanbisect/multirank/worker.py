@@ -63,7 +63,7 @@ from nanbisect.reference.differential import (RandomReplay, RandomTape, Referenc
                                               diverging_call, first_divergence, isolate_window,
                                               step_state)
 from nanbisect.reference.classify import classify
-from nanbisect.reference.opcheck import check_caught
+from nanbisect.reference.opcheck import safe_check
 from nanbisect.replay.recorder import is_collective
 from nanbisect.replay.probe import ModuleProbe, ProbeTable, probing
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
@@ -131,8 +131,14 @@ class _ReferenceSide:
 
     def run(self, tape: RandomTape) -> StepOutcome:
         served = [self.server] if self.server is not None else []
-        return self.rep.run(phase=probing(self.probe), wrap=lambda: stacked(
-            *served, ReferenceKernels(), RandomReplay(tape)))
+        if self.server is not None:   # its inputs differ from the capture's by design
+            self.server.check_inputs = False
+        try:
+            return self.rep.run(phase=probing(self.probe), wrap=lambda: stacked(
+                *served, ReferenceKernels(), RandomReplay(tape)))
+        finally:
+            if self.server is not None:
+                self.server.check_inputs = True
 
     def summary(self, outcome: StepOutcome, rep: Replayer, first: StepOutcome,
                 target_state=None) -> RankReference:
@@ -234,7 +240,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         return result
     if side is not None:   # one op, on this rank alone: no collective
         _stage("re-running the culprit op on the reference")
-        check = check_caught(caught, finding.op_index, rep.device, side.device, wrap)
+        check = safe_check(caught, finding.op_index, rep.device, side.device, wrap)
         classification, why = classify(True, theirs.phase is not None, side.dtype,
                                        next(model.parameters(), torch.zeros(())).dtype, check)
         result = replace(result, op_check=check, classification=classification,

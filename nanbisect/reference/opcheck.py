@@ -121,3 +121,17 @@ def check_caught(caught, index: int, device: torch.device, ref_device: torch.dev
     returned, mutated = written_tensors(resolve(caught.op), out, tuple(args), kwargs)
     target_out = [t.detach().cpu() for t, _ in tensor_args(returned + mutated)]
     return check_op(caught.op, index, caught.args, caught.kwargs, target_out, ref_device)
+
+
+def safe_check(caught, index: int, device: torch.device, ref_device: torch.device,
+               wrap=None) -> OpCheck:
+    """`check_caught`, with any failure of the re-run reported as ``uncomparable`` (a missing
+    kernel, an op that needs state the caught inputs lack) instead of ending the replay."""
+    if is_collective(caught.op):
+        return OpCheck(caught.op, index, "skipped", detail="a collective: it cannot be re-run "
+                       "alone")
+    try:
+        return check_caught(caught, index, device, ref_device, wrap)
+    except Exception as e:  # noqa: BLE001 - the evidence is missing, the run goes on
+        return OpCheck(caught.op, index, "uncomparable",
+                       detail=f"re-running it raised {type(e).__name__}: {str(e)[:160]}")

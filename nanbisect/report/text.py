@@ -19,7 +19,7 @@ def headline(r: Report) -> str:
     if r.verdict == "culprit" and r.culprit and r.subset and not r.subset.get("decided", True):
         c, nxt = r.culprit, r.subset.get("next_ranks") or []
         if nxt:
-            return (f"{r.kind or 'non-finite'} computed on rank {c.rank} in {c.phase}, which was "
+            return (f"{r.kind or 'non-finite'} came from rank {c.rank} ({c.phase}), which was "
                     f"not replayed: replay with --ranks {nxt[0]} to find the op")
         return (f"{r.kind or 'non-finite'} came out of {c.op or 'the gradient reduction'} on rank "
                 f"{c.rank} from finite inputs: replay all ranks to tell whether the collective "

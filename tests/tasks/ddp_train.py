@@ -10,6 +10,8 @@ trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails
 - tp_rank1_nan: tensor parallel, no DDP: a row-parallel layer whose shard on rank 1 takes sqrt of
   a negative number; its partial sums are all-reduced *inside* the layer, so on every rank the
   same module call has clean inputs and a NaN output: only op level tells rank 1 computed it;
+- tp_rank2_nan: the same on 4 ranks, rank 2's shard corrupt (every rank's loss is NaN after the
+  all-reduce; only rank 2's input to it was);
 - tp_healthy: the same layer with healthy shards; captures step 3 on every rank (replayed with
   DIVERGE_ON_REPLAY=1, rank 1 skips the all-reduce: a different control path). Replayed with
   `--inject tests/tasks/corrupt_allreduce.py:corrupt_allreduce` (an all-reduce that returns NaN
@@ -94,17 +96,19 @@ class _ReduceFromTP(torch.autograd.Function):
 
 
 class RowParallel(nn.Module):
-    """Holds columns [4r, 4r+4) of an 8-wide input on rank r; sums partial outputs over ranks."""
+    """Holds columns [kr, kr+k) of an 8-wide input on rank r (k = 8 / world size); sums partial
+    outputs over ranks."""
 
     def __init__(self, scale: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.full((4,), 0.5))
+        self.k = 8 // dist.get_world_size()          # columns per rank
+        self.weight = nn.Parameter(torch.full((self.k,), 0.5))
         self.scale = nn.Parameter(torch.tensor(scale))
         self.group = dist.new_group(list(range(dist.get_world_size())), group_desc="tp")
 
     def forward(self, h):
         r = dist.get_rank()
-        local = h[:, 4 * r:4 * r + 4]
+        local = h[:, self.k * r:self.k * r + self.k]
         part = torch.sqrt(self.scale * local.abs() + 0.1) * self.weight
         if os.environ.get("EXTRA_COLLECTIVE_ON_REPLAY") == "1":   # a path the capture did not take
             dist.all_reduce(torch.ones(3), group=self.group)
@@ -133,6 +137,10 @@ def _tp_task(scale: float):
 
 def tp_rank1_nan():
     return _tp_task(-5.0 if dist.get_rank() == 1 else 1.0)   # rank 1's shard is corrupt
+
+
+def tp_rank2_nan():
+    return _tp_task(-5.0 if dist.get_rank() == 2 else 1.0)   # 4 ranks: rank 2's shard
 
 
 def tp_healthy():

@@ -5,7 +5,9 @@
 trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) for two healthy steps, then
 captures step 2 with nanbisect.capture (every rank) and prints ``BUNDLE path``. Tasks:
 - moe_ddp: the block in DDP;
-- moe_fsdp: the block with FSDP2 (fully_shard on the experts and the router).
+- moe_fsdp: the block with FSDP2 (fully_shard on the experts and the router);
+- moe_ddp_broken: DDP; rank 1's fused backward kernel is broken while step 2 runs (at capture,
+  `rank1_broken`): Guard writes the bundle; a replay without that fault does not reproduce it.
 
 The block routes every token to its top-2 experts (``nbtest::permute``), runs the experts, and
 combines their outputs weighted by the router's probabilities with a fused op
@@ -15,6 +17,7 @@ tests/tasks/mr_moe.py:broken_unpermute``) makes the *backward* fused op return N
 ``probs`` input is float32, as the NPU kernel of the real case did (it supports bfloat16 probs
 only): a backward NaN, only on the target, on every rank.
 """
+import contextlib
 import gc
 import os
 import sys
@@ -132,12 +135,41 @@ def batch(func: str, step: int):
     return torch.rand(6, 4, generator=g)
 
 
+class _Rank1Broken(_BrokenUnpermute):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if dist.get_rank() != 1:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+def rank1_broken():
+    """--inject (and, with FUNC moe_ddp_broken, at capture): only rank 1's kernel is broken."""
+    return _Rank1Broken()
+
+
+def moe_ddp_broken():
+    return moe_ddp()
+
+
 def main():
     func, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     task = globals()[func]()
     entry = f"{os.path.abspath(__file__)}:{func}"
     guard = nanbisect.Guard(task, entry=entry, out=out)
+    if func == "moe_ddp_broken":   # rank 1's device breaks at step 2: Guard writes the bundle
+        try:
+            for step in range(3):
+                with rank1_broken() if step == 2 else contextlib.nullcontext():
+                    guard.step(batch(func, step))
+        except nanbisect.NonFiniteStep as e:
+            if dist.get_rank() == 0:
+                sys.stdout.write(f"BUNDLE {e.bundle}\n")
+                sys.stdout.flush()
+        del task, guard
+        gc.collect()
+        dist.destroy_process_group()
+        return
     for step in range(2):
         guard.step(batch(func, step))
     path = nanbisect.capture(task, batch(func, 2), f"{out}/captured", entry=entry, step=2)
