@@ -3,29 +3,21 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
+from bundles import captured
 from conftest import TEST_TASKS, cli, run_json
 
 TRAIN = TEST_TASKS / "ddp_train.py"
 
 
 def torchrun_capture(func: str, out: Path, ranks: int = 2) -> Path:
-    """Train ``func``'s task under Guard on ``ranks`` ranks; return the bundle they wrote."""
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                        f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
-                        "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={out}-torchrun-logs",
-                        str(TRAIN), func, str(out)],
-                       capture_output=True, text=True, timeout=240)
-    lines = [line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()
-             if line.startswith("BUNDLE ")]
-    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-2000:]
-    return Path(lines[0])
+    """Train ``func``'s task under Guard on ``ranks`` ranks; return (a private copy of) the bundle
+    they wrote, captured once per test session (tests/bundles.py)."""
+    return captured(TRAIN, func, out, ranks)
 
 
 def failing_replay(bundle: Path, env: dict) -> tuple:

@@ -8,12 +8,11 @@ reduction that returns NaN from finite inputs stays ``communication``.
 """
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from bundles import captured
 from conftest import TEST_TASKS, run_json
 
 MOE = TEST_TASKS / "mr_moe.py"
@@ -21,15 +20,7 @@ BROKEN = f"{MOE}:broken_unpermute"
 
 
 def capture(script: Path, func: str, out: Path) -> Path:
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                        "--nproc-per-node=2", "--rdzv-backend=c10d",
-                        "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={out}-torchrun-logs",
-                        str(script), func, str(out)],
-                       capture_output=True, text=True, timeout=240)
-    lines = [line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()
-             if line.startswith("BUNDLE ")]
-    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-2000:]
-    return Path(lines[0])
+    return captured(script, func, out)
 
 
 @pytest.fixture(scope="module")

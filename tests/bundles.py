@@ -1,0 +1,56 @@
+"""Multi-rank bundles captured once per test session, shared by every test (and every xdist
+worker) that needs the same one: each caller gets a private copy.
+
+A capture under torchrun costs 5-15 s; several test files need the same few (rank1_nan,
+comm_corrupt, ...). The first caller captures into the session's cache under a lock; the others
+wait for it and copy the result. The cache is keyed by script, function and world size, and
+lives in the session's pytest temporary directory (`CACHE`, set by tests/conftest.py), so a new
+session never sees an old capture.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+CACHE: Path | None = None     # set by conftest.py for the session
+
+
+def _capture(script: Path, func: str, out: Path, ranks: int) -> Path:
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+                        f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
+                        "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={out}-torchrun-logs",
+                        str(script), func, str(out)],
+                       capture_output=True, text=True, timeout=240)
+    lines = [line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()
+             if line.startswith("BUNDLE ")]
+    assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-2000:]
+    return Path(lines[0])
+
+
+def captured(script: Path, func: str, out: Path, ranks: int = 2) -> Path:
+    """``func``'s bundle from ``script`` on ``ranks`` ranks, copied to ``out``/<name>."""
+    if CACHE is None:    # no session cache (a direct import): capture for this caller alone
+        return _capture(script, func, out, ranks)
+    key = CACHE / f"{Path(script).stem}-{func}-{ranks}"
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / f".{key.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)     # one capture; the others wait, then copy
+        done = key / "path"
+        if not done.is_file():
+            bundle = _capture(script, func, key / "g", ranks)
+            done.write_text(str(bundle))
+        bundle = Path(done.read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    dst = out / bundle.name
+    shutil.copytree(bundle, dst, ignore=shutil.ignore_patterns("nanbisect-report"))
+    return dst
+
+
+def session_cache(basetemp: Path) -> Path:
+    """The cache for this session: shared by xdist workers (their base temp's parent is the
+    session's), private to the session otherwise."""
+    return (basetemp.parent if os.environ.get("PYTEST_XDIST_WORKER") else basetemp) / "captured"
