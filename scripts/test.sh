@@ -11,5 +11,9 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
 fi
 PY=${PYTHON:-python3}
 # three workers on two cores: much of the suite waits (subprocesses, time-outs, killed ranks),
-# and its multi-rank and triage tests are made to hold under that load
-exec "$PY" -m pytest -q -n 3 "$@"
+# and its multi-rank and triage tests are made to hold under that load. --dist loadgroup: tests
+# of one xdist_group mark (those reading one shared expensive run, e.g. tests/test_cli_fixtures.py)
+# go to one worker, so that run is done once; those groups go out first, then the tests marked
+# slow (tests/conftest.py orders them first), then the rest. (Not in pyproject's addopts: pytest
+# without pytest-xdist would refuse --dist.)
+exec "$PY" -m pytest -q -n 3 --dist loadgroup "$@"

@@ -68,3 +68,48 @@ def fixture_bundle(tmp_path):
         return dst
 
     return copy
+
+
+def same_run(name: str):
+    """Mark for the tests that read the `replayed` run of shipped bundle ``name``: one
+    pytest-xdist group, so they go to one worker (scripts/test.sh: --dist loadgroup), where that
+    run is done once."""
+    return pytest.mark.xdist_group(f"replayed-{name}")
+
+
+@pytest.fixture(scope="session")
+def replayed(tmp_path_factory):
+    """``replayed(name)``: (a copy of the shipped bundle ``name``, the report that `nanbisect run
+    --json` printed for it, exit code 1 checked); ``replayed(name, json_=False)``: (another copy,
+    the `CliResult` of a plain `nanbisect run --ckpt` of it). Each is run once per worker, however
+    many tests read it (mark those with `same_run`); they only read the copy and its report."""
+    done: dict = {}
+
+    def get(name: str, json_: bool = True):
+        if (name, json_) not in done:
+            bundle = tmp_path_factory.mktemp("replayed") / name
+            shutil.copytree(FIXTURES / name, bundle,
+                            ignore=shutil.ignore_patterns("nanbisect-report"))
+            if json_:
+                done[name, json_] = bundle, run_json(bundle)
+            else:
+                done[name, json_] = bundle, cli("run", "--ckpt", bundle)
+        return done[name, json_]
+
+    return get
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``slow`` (tens of seconds under a loaded -n 3) run first, in their collection
+    order, then the rest as collected: a long test started last would leave the other workers idle
+    at the end (with ``--dist loadgroup``, scripts/test.sh, xdist_group groups go out first)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _captured_bundle_cache(tmp_path_factory):
+    """Multi-rank captures shared by the session's tests and workers (tests/bundles.py)."""
+    import bundles
+
+    bundles.CACHE = bundles.session_cache(tmp_path_factory.getbasetemp())
+    yield

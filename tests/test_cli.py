@@ -34,6 +34,7 @@ def test_version_and_short_help():
     assert "report.html" in invoke("run", "-h").stdout
 
 
+@pytest.mark.slow
 def test_public_names_load_lazily():
     code = ("import sys, nanbisect\nassert 'torch' not in sys.modules\n"
             "assert nanbisect.Guard.__name__ == 'Guard' and 'torch' in sys.modules\n"

@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 
 import pytest
 
-from conftest import TASKS, cli, run_json
+from conftest import TASKS, cli, run_json, same_run
 
 import nanbisect
 
@@ -25,11 +26,10 @@ EXPECTED = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_fixture_culprit(name, fixture_bundle, tmp_path):
+@pytest.mark.parametrize("name", [pytest.param(n, marks=same_run(n)) for n in sorted(EXPECTED)])
+def test_fixture_culprit(name, replayed):
     phase, module, call, op, dtypes = EXPECTED[name]
-    bundle = fixture_bundle(name)
-    rep = run_json(bundle)
+    bundle, rep = replayed(name)
     assert rep == json.loads((bundle / "nanbisect-report" / "report.json").read_text())
     assert (rep["schema"], rep["verdict"]) == ("nanbisect.report/1", "culprit")
     c = rep["culprit"]
@@ -42,10 +42,10 @@ def test_fixture_culprit(name, fixture_bundle, tmp_path):
     assert (bundle / "nanbisect-report" / "report.md").is_file()
 
 
-def test_forward_culprit_details(fixture_bundle):
-    bundle = fixture_bundle("forward_nan_behind_mask")
-    res = cli("run", "--ckpt", bundle)
-    assert res.code == 1
+@same_run("forward_nan_behind_mask")
+def test_forward_culprit_details(replayed):
+    bundle, res = replayed("forward_nan_behind_mask", json_=False)
+    assert res.code == 1, res.stdout + res.stderr
     assert "blocks.1.mlp.act" in res.stdout and "call 2" in res.stdout
     rep = json.loads((bundle / "nanbisect-report" / "report.json").read_text())
     # the line in SoftClamp.forward that calls torch.sqrt
@@ -63,10 +63,10 @@ def test_forward_culprit_details(fixture_bundle):
     assert "| **`blocks.1.mlp.act`** | 2 | culprit |" in md
 
 
-def test_backward_culprit_is_custom_function_not_norm(fixture_bundle):
+@same_run("backward_nan_custom_function")
+def test_backward_culprit_is_custom_function_not_norm(replayed):
     """RowNorm's backward divides 0/0 (and masks it) before the custom backward runs."""
-    bundle = fixture_bundle("backward_nan_custom_function")
-    rep = json.loads(cli("run", "--ckpt", bundle, "--json").stdout)
+    _, rep = replayed("backward_nan_custom_function")
     assert rep["culprit"]["module"] == "blocks.0.mlp.act"
     assert rep["culprit"]["source"].endswith("backward_nan_custom_function.py:26")  # the backward
     assert all(r["phase"] == "backward" for r in rep["context"])
@@ -74,36 +74,38 @@ def test_backward_culprit_is_custom_function_not_norm(fixture_bundle):
     assert rep["replay"]["bit_exact"] is True
 
 
-def test_optimizer_culprit_names_parameter(fixture_bundle):
-    rep = json.loads(cli("run", "--ckpt", fixture_bundle("optimizer_adam_eps0"), "--json").stdout)
+@same_run("optimizer_adam_eps0")
+def test_optimizer_culprit_names_parameter(replayed):
+    _, rep = replayed("optimizer_adam_eps0")
     assert rep["culprit"]["parameter"] == "embed.weight"
     assert rep["observed"]["summary"] == {"loss": "finite", "grads": "finite", "params": "nan"}
 
 
-def test_overflow_reports_inf_origin(fixture_bundle):
-    rep = json.loads(cli("run", "--ckpt", fixture_bundle("overflow_then_nan"), "--json").stdout)
+@same_run("overflow_then_nan")
+def test_overflow_reports_inf_origin(replayed):
+    _, rep = replayed("overflow_then_nan")
     o = rep["inf_origin"]
     assert (o["op"], o["module"], o["module_call"], o["phase"]) == (
         "aten.exp.default", "score", 0, "forward")
     assert o["op_index"] < rep["culprit"]["op_index"]
 
 
-def test_custom_op_backward_is_a_culprit(fixture_bundle):
-    rep = json.loads(cli("run", "--ckpt", fixture_bundle("moe_unpermute_fp32_probs"),
-                         "--json").stdout)
+@same_run("moe_unpermute_fp32_probs")
+def test_custom_op_backward_is_a_culprit(replayed):
+    _, rep = replayed("moe_unpermute_fp32_probs")
     assert rep["culprit"]["input_shapes"] == [[6, 16], [6, 16], [6]]
     moe = (TASKS / "moe.py").read_text().splitlines()
     line = next(i for i, t in enumerate(moe, 1) if "unpermute_backward(grad, expert_out" in t)
     assert rep["culprit"]["source"].endswith(f"moe.py:{line}")  # the custom backward's call
 
 
-def test_repro_runs_without_nanbisect(fixture_bundle, tmp_path):
+@same_run("forward_nan_behind_mask")
+def test_repro_runs_without_nanbisect(replayed, tmp_path):
     """The repro needs only torch and safetensors, from any directory: exit 1 = reproduced."""
-    import shutil
     import subprocess
 
-    bundle = fixture_bundle("forward_nan_behind_mask")
-    assert cli("run", "--ckpt", bundle).code == 1
+    bundle, res = replayed("forward_nan_behind_mask", json_=False)
+    assert res.code == 1, res.stdout + res.stderr
     repro = tmp_path / "elsewhere" / "repro"
     shutil.copytree(bundle / "nanbisect-report" / "repro", repro)
     assert sorted(p.name for p in repro.iterdir()) == ["inputs.safetensors", "repro.py"]
@@ -117,6 +119,7 @@ def test_repro_runs_without_nanbisect(fixture_bundle, tmp_path):
     assert "REPRODUCED: aten.sqrt.default" in p.stdout and "nan=0" in p.stdout
 
 
+@pytest.mark.slow
 def test_nan_batch_is_input_nonfinite(fixture_bundle):
     bundle = fixture_bundle("nan_batch")
     rep = run_json(bundle)
@@ -129,6 +132,7 @@ def test_nan_batch_is_input_nonfinite(fixture_bundle):
         {"where": "batch", "name": "[1]", "nan": 1, "posinf": 0, "neginf": 0}]
 
 
+@pytest.mark.slow
 def test_healthy_is_clean(fixture_bundle, tmp_path):
     out = tmp_path / "rep"
     res = cli("run", "--ckpt", fixture_bundle("healthy"), "--out", out)
@@ -138,6 +142,7 @@ def test_healthy_is_clean(fixture_bundle, tmp_path):
     assert "clean" in res.stdout
 
 
+@pytest.mark.slow
 def test_healthy_replay_is_bit_exact(tmp_path, monkeypatch):
     """capture, run the step here, then replay in a fresh process: same loss, bit for bit."""
     monkeypatch.syspath_prepend(str(TASKS))
@@ -159,6 +164,7 @@ def test_healthy_replay_is_bit_exact(tmp_path, monkeypatch):
     assert rep["replay"]["target_loss"] == losses[0]
 
 
+@pytest.mark.slow
 def test_not_reproduced(tmp_path, monkeypatch):
     """A fault present only while capturing (an env flag) does not reproduce: exit 3."""
     monkeypatch.setenv("NANBISECT_TEST_FLAKY", "1")
@@ -174,9 +180,9 @@ def test_not_reproduced(tmp_path, monkeypatch):
         "not-reproduced", "transient", None)
 
 
+@pytest.mark.slow
 def test_console_script_and_module_agree(fixture_bundle):
     """`nanbisect` (the installed console script) and `python -m nanbisect` are one program."""
-    import shutil
     import subprocess
 
     exe = shutil.which("nanbisect")

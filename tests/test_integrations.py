@@ -9,6 +9,11 @@ import torch
 
 from conftest import TEST_TASKS, cli
 
+# on one pytest-xdist worker (scripts/test.sh: --dist loadgroup): Lightning and transformers are
+# imported by one worker only, once (seconds each), and the captures in the other workers'
+# tests never walk their thousands of modules
+pytestmark = [pytest.mark.xdist_group("integrations"), pytest.mark.slow]
+
 
 def test_lightning_callback(tmp_path, monkeypatch):
     L = pytest.importorskip("lightning")

@@ -11,6 +11,9 @@ import pytest
 from bundles import captured
 from conftest import TEST_TASKS, cli, run_json
 
+# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 TRAIN = TEST_TASKS / "ddp_train.py"
 
 

@@ -17,6 +17,9 @@ from conftest import ROOT, TEST_TASKS, cli
 
 from nanbisect.multirank.launcher import PREFIX, sweep, where
 
+# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 FAULTS = TEST_TASKS / "mr_faults.py"
 
 

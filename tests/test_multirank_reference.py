@@ -15,6 +15,9 @@ import pytest
 from bundles import captured
 from conftest import TEST_TASKS, run_json
 
+# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 MOE = TEST_TASKS / "mr_moe.py"
 BROKEN = f"{MOE}:broken_unpermute"
 

@@ -16,6 +16,9 @@ import pytest
 from conftest import cli, run_json
 from test_multirank import torchrun_capture
 
+# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 
 def marks(tmp: Path) -> Path:
     d = tmp / "marks"

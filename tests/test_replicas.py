@@ -21,6 +21,9 @@ from nanbisect import BadInput
 from nanbisect.bundle.format import read_bundle, read_header
 from nanbisect.multirank.coord import ReplicaPlan, out_of_sync, share
 
+# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+pytestmark = pytest.mark.slow
+
 TRAIN = TEST_TASKS / "replicas.py"
 FC = "model/module.fc.weight"
 

@@ -6,6 +6,8 @@ import json
 import shutil
 import textwrap
 
+import pytest
+
 from conftest import FIXTURES, TEST_TASKS, cli
 
 from nanbisect.triage import normalise_module
@@ -45,6 +47,7 @@ def cache_entries(out) -> dict[str, float]:
     return {f.name: f.stat().st_mtime_ns for f in (out / "cache").glob("*.json")}
 
 
+@pytest.mark.slow
 def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
     root = make_tree(tmp_path / "night")
     out = tmp_path / "t"
@@ -93,6 +96,7 @@ def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
     assert cli("triage", root, "--out", out, "--known", tmp_path / "known.json").code == 1
 
 
+@pytest.mark.slow
 def test_triage_all_clean_and_bad_input(tmp_path):
     import nanbisect
     import triage_faults       # tests/tasks: `fine` is a tiny step without a fault
@@ -155,6 +159,7 @@ def task():
 """
 
 
+@pytest.mark.slow
 def test_cache_key_follows_the_code_on_disk(tmp_path):
     """The cache key hashes the entry and user source files as they are now: fixing the bug in
     a helper module the entry imports makes the next triage replay again, not answer with the

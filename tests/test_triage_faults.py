@@ -150,6 +150,7 @@ def write_malformed(root: Path) -> dict[str, str]:
             "manifest_is_fifo": "plain file"}
 
 
+@pytest.mark.slow
 def test_crashes_and_malformed_bundles_are_error_rows(tmp_path):
     night = tmp_path / "night"
     crashes = {"segfault": "replay killed by signal SIGSEGV",
@@ -185,6 +186,7 @@ def test_crashes_and_malformed_bundles_are_error_rows(tmp_path):
                                                            for n, e in errors.items()})
 
 
+@pytest.mark.slow
 def test_a_hanging_replay_is_killed_at_the_timeout(tmp_path):
     capture_fault("hang", tmp_path / "night" / "hang")
     out = tmp_path / "t"
@@ -208,6 +210,7 @@ def test_a_hanging_replay_is_killed_at_the_timeout(tmp_path):
     nothing_left(tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("jobs", ["1", "2"])
 def test_kill_9_of_triage_leaves_no_process(tmp_path, jobs):
     """kill -9 of the triage process: its loky workers and the replays they run go within
@@ -245,6 +248,7 @@ def test_kill_9_of_triage_leaves_no_process(tmp_path, jobs):
     print(f"\njobs={jobs}: {len(tree)} processes gone {gone_after:.1f}s after kill -9")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_sigterm_and_sigint_write_what_is_known(tmp_path, sig):
     night = tmp_path / "night"
@@ -295,6 +299,7 @@ def check_two_bundles(data: dict) -> None:
         [("segfault", "replay killed by signal SIGSEGV")]
 
 
+@pytest.mark.slow
 def test_dask_local_cluster(tmp_path):
     distributed = pytest.importorskip("distributed")
     night = two_bundles(tmp_path / "night")
@@ -316,6 +321,7 @@ def test_dask_local_cluster(tmp_path):
     assert data["backend"] == "dask" and data["host"] not in {r["worker"] for r in data["bundles"]}
 
 
+@pytest.mark.slow
 def test_ray_cluster(tmp_path):
     ray = pytest.importorskip("ray")
     night = two_bundles(tmp_path / "night")
@@ -365,6 +371,7 @@ def test_unreachable_cluster_is_one_line_in_bounded_time(tmp_path):
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.slow
 def test_a_port_that_accepts_and_never_answers_is_one_line_in_bounded_time(tmp_path):
     """A listener that accepts and says nothing (a wrong port, a hung host): without a bound the
     client libraries wait for minutes. NANBISECT_CONNECT_TIMEOUT=2 keeps the test short."""
