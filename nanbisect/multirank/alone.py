@@ -32,6 +32,7 @@ from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import forward_producer, make_culprit
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
+from nanbisect.multirank.sides import ReferenceSide, call_stats, root_of
 from nanbisect.multirank.tape import ROLE, Entry, TapeMismatch, TapeServer, parse
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
 from nanbisect.reference.classify import classify
@@ -105,8 +106,6 @@ def _through(server: TapeServer, root) -> tuple[Entry | None, int]:
 def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, inject: str | None,
                  entry: str | None = None, reference: str | None = None,
                  stage=lambda s: None) -> RankResult:
-    from nanbisect.multirank.worker import _ReferenceSide, _call_stats, _root
-
     top = read_bundle(bundle_path, verify=False)   # the launcher verified this rank's part
     part = top.part(rank)
     recorded = part.manifest.get("collectives")
@@ -127,7 +126,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     side = None
     if reference is not None:
         stage("building the task on the reference")
-        side = _ReferenceSide(part, reference, rep.entry, server=server)
+        side = ReferenceSide(part, reference, rep.entry, server=server)
     bad = rep.input_faults(rep.restore())
     if bad:
         summary = RankSummary(rank, "input", None, None, input_nonfinite=bad)
@@ -163,7 +162,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     kind = first.kind or "nan"
     stage("replay pass 2/3: op recording")
     finding = record_ops(rep, phase, kind, wrap)
-    root = _root(finding)
+    root = root_of(finding)
     result = replace(result, root=root)
     if root is not None and root.collective:
         entry, occurrence = _through(server, root)
@@ -177,7 +176,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     plan = Plan(phase, rank)
     result = replace(result, plan=plan)
     if finding is not None:
-        result = replace(result, module_stats=_call_stats(
+        result = replace(result, module_stats=call_stats(
             table, CallId(finding.module, finding.module_call)))
     call = forward_producer(table, kind) if phase == "forward" and finding is None else None
     culprit = make_culprit(model, phase, finding=finding, call=call, rank=rank,

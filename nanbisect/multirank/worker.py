@@ -55,28 +55,17 @@ from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import forward_producer, make_culprit
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
+from nanbisect.multirank.sides import ReferenceSide, call_stats, root_of
 from nanbisect.multirank.verdict import choose_rank, decide
-from nanbisect.records import (CallId, OpFinding, Plan, RankReference, RankResult, RankRoot,
-                               RankSummary, Stats, StepOutcome, json_number)
-from nanbisect.reference import kernels as registry
-from nanbisect.reference.differential import (RandomReplay, RandomTape, ReferenceKernels,
-                                              diverging_call, first_divergence, isolate_window,
+from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
+from nanbisect.reference.differential import (RandomTape, diverging_call, isolate_window,
                                               step_state)
 from nanbisect.reference.classify import classify
 from nanbisect.reference.opcheck import safe_check
-from nanbisect.replay.recorder import is_collective
-from nanbisect.replay.probe import ModuleProbe, ProbeTable, probing
+from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.report.repro import repro_imports, write_repro
 from nanbisect.task import load_inject
-
-
-def _call_stats(table: ProbeTable, call: CallId) -> dict[str, Stats | None] | None:
-    c = table.get(call)
-    if c is None:
-        return None
-    return {"inputs": c.inputs, "output": c.output, "grad_arriving": c.grad_out,
-            "grad_leaving": c.grad_in}
 
 
 def _gather(obj):
@@ -108,54 +97,6 @@ def _stage_file(partial: Path, rank: int):
     return write
 
 
-class _ReferenceSide:
-    """This rank's replay on the reference (``--reference``): the same part, the same world, the
-    reference device; random ops draw what this rank's target drew."""
-
-    def __init__(self, part, spec: str, entry: str, server=None) -> None:
-        registry.load_plugins()
-        self.device, self.dtype = parse_device(spec)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        self.server = server     # a replay without the other ranks: collectives served
-        self.observer = ReductionObserver({}, server=server)
-        with observing_comm_hooks(self.observer):
-            self.rep = Replayer(part, self.device, self.dtype, entry=entry)
-        model = self.rep.task.model
-        self.observer.names.update({p: n for n, p in model.named_parameters()})
-        observe_default_hook(model, self.observer)
-        self.rep.lockstep = server is None
-        if server is not None:
-            self.rep.restored.append(server.rewind)
-        self.probe = ModuleProbe(model)
-
-    def run(self, tape: RandomTape) -> StepOutcome:
-        served = [self.server] if self.server is not None else []
-        if self.server is not None:   # its inputs differ from the capture's by design
-            self.server.check_inputs = False
-        try:
-            return self.rep.run(phase=probing(self.probe), wrap=lambda: stacked(
-                *served, ReferenceKernels(), RandomReplay(tape)))
-        finally:
-            if self.server is not None:
-                self.server.check_inputs = True
-
-    def summary(self, outcome: StepOutcome, rep: Replayer, first: StepOutcome,
-                target_state=None) -> RankReference:
-        """How the reference's step ended, and where a finite target step parts from it."""
-        # a target that failed parts from a finite reference trivially: only a finite step's
-        # divergence is news
-        self.divergence = None
-        if first.phase is None:
-            t_dtype = next(rep.task.model.parameters(), torch.zeros(())).dtype
-            self.divergence = first_divergence(target_state or step_state(rep, first),
-                                               step_state(self.rep, outcome), t_dtype)
-        div = self.divergence
-        return RankReference(outcome.phase, json_number(outcome.loss),
-                             div.what if div else None,
-                             json_number(div.comparison.max_rel) if div else None)
-
-
 def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None,
                 entry: str | None = None, reference: str | None = None) -> RankResult:
     rank = dist.get_rank()
@@ -175,7 +116,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     side = None
     if reference is not None:
         _stage("building the task on the reference")
-        side = _ReferenceSide(part, reference, rep.entry)
+        side = ReferenceSide(part, reference, rep.entry)
     bad_inputs = rep.input_faults(rep.restore())
     if any(_gather(bool(bad_inputs))):   # agree before any collective of the step
         summary = RankSummary(rank, "input" if bad_inputs else None, None, None,
@@ -212,7 +153,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     kind = everyone[culprit_rank].kind or "nan"
     _stage("replay pass 2/3: op recording")
     finding = record_ops(rep, phase, kind, wrap)          # every rank: same passes
-    roots = _gather(_root(finding))
+    roots = _gather(root_of(finding))
     culprit_rank, through = choose_rank(roots, culprit_rank)
     plan = replace(plan, rank=culprit_rank, through_collective=through)
     result = replace(result, plan=plan, root=roots[rank])
@@ -226,7 +167,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     caught = catch_inputs(rep, spec[0][0], wrap) if spec[0] is not None else None
     table = probe.read()
     if spec[0] is not None:
-        result = replace(result, module_stats=_call_stats(table, spec[0][1]))
+        result = replace(result, module_stats=call_stats(table, spec[0][1]))
     if rank != culprit_rank:
         return result
     call = forward_producer(table, kind) if phase == "forward" and finding is None else None
@@ -250,7 +191,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     return replace(result, repro=str(script))
 
 
-def _divergence(rep: Replayer, side: _ReferenceSide, probe: ModuleProbe, result: RankResult,
+def _divergence(rep: Replayer, side: ReferenceSide, probe: ModuleProbe, result: RankResult,
                 div, wrap, target: str, partial: Path) -> RankResult:
     """No rank failed and the bundle records no failure, but some rank's target step parts from
     its reference: every rank isolates its own first diverging module call's ops on the
@@ -293,14 +234,6 @@ def _divergence(rep: Replayer, side: _ReferenceSide, probe: ModuleProbe, result:
                          kind="mismatch", target=target,
                          imports=repro_imports(caught.op, rep.entry))
     return replace(result, repro=str(script))
-
-
-def _root(finding: OpFinding | None) -> RankRoot | None:
-    """What one rank's op recording traced its failure to, for the other ranks."""
-    if finding is None:
-        return None
-    return RankRoot(finding.op, finding.op_index, finding.module, finding.module_call,
-                    finding.input_dtypes, finding.input_shapes, is_collective(finding.op))
 
 
 def _watch_launcher(partial: Path) -> None:
