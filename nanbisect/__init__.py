@@ -16,10 +16,10 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it
 _LAZY = {"Task": "nanbisect.task", "capture": "nanbisect.guard", "Guard": "nanbisect.guard",
-         "StepWatch": "nanbisect.guard", "NonFiniteStep": "nanbisect.errors",
+         "StepWatch": "nanbisect.guard", "Spike": "nanbisect.guard", "NonFiniteStep": "nanbisect.errors",
          "BadInput": "nanbisect.errors", "reference_impl": "nanbisect.reference.kernels"}
 
-__all__ = ["Task", "capture", "Guard", "StepWatch", "NonFiniteStep", "BadInput", "reference_impl",
+__all__ = ["Task", "capture", "Guard", "StepWatch", "Spike", "NonFiniteStep", "BadInput", "reference_impl",
            "__version__"]
 
 

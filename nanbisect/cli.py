@@ -97,6 +97,10 @@ def run(
                                                    "Guard): replay only these ranks, each "
                                                    "alone, with the other ranks' collective "
                                                    "results as recorded"),
+    steps: Optional[int] = typer.Option(None, help="K (bundles of Guard(lookback=...)): replay "
+                                                   "the last K recorded steps on target and "
+                                                   "reference, find the first step where they "
+                                                   "part and bisect it"),
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
 ) -> None:
     """Replay a bundle, bisect the failure, write report.json, report.md and report.html.
@@ -117,7 +121,8 @@ def run(
     try:
         with _progress() as progress:
             report = run_bundle(path, RunOptions(target=target, reference=reference,
-                                                 inject=inject, entry=entry, ranks=ranks),
+                                                 inject=inject, entry=entry, ranks=ranks,
+                                                 steps=steps),
                                 out_dir, progress)
     except BadInput as e:
         _fail(e)

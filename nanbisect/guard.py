@@ -6,8 +6,12 @@ the GradScaler's scale and growth tracker, every module's train/eval mode, every
 like (`Task.describe`) and the sha256 of the entry file and every user source file the process
 imported. `Guard.step` runs the Task's whole step (`nanbisect.step.run_step`: micro-batches,
 scaler, clipping), the same code every replay runs. A healthy step costs one snapshot copy of the
-parameters, buffers and optimizer state (kept on their device), one sum per parameter and one host
-synchronisation; exact checks run only when that screen trips. Gradients are not screened on
+parameters, buffers and optimizer state (kept on their device), one norm per parameter (and per
+gradient, for the history) and one host synchronisation; exact checks run only when that screen
+trips. Every bundle holds the last ``history`` steps' health (`nanbisect.history`); with
+``lookback`` it holds the steps since a snapshot up to 2K steps back
+(`nanbisect.bundle.lookback`); with ``spike`` a loss far above its recent history writes a bundle
+and training goes on. Gradients are not screened on
 their own: a non-finite gradient becomes a non-finite parameter through the update (so it is
 caught, and classified as a gradient fault by the exact check). A step the GradScaler skips is
 normal; ``max_scaler_skips`` skips in a row is a failure (the scaler has stalled), bundled as the
@@ -32,8 +36,11 @@ from typing import Any, Iterator
 
 import torch
 
+from nanbisect import history as hist
 from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.format import write_bundle
+from nanbisect.bundle.lookback import ROLE as LOOKBACK_ROLE
+from nanbisect.bundle.lookback import Lookback
 from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_model,
                                     encode_optimizer, local)
 from nanbisect.errors import BadInput, NonFiniteStep
@@ -151,7 +158,8 @@ def _scaler_state(task: Task) -> dict | None:
 def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
            entry_file: str | None, step: int | None, observed: dict | None,
            sources: dict[str, str], scaler_state: dict | None, unique: bool = False,
-           tape=None) -> Path:
+           tape=None, history: "hist.HealthLog | None" = None,
+           lookback: Lookback | None = None) -> Path:
     """Write the bundle (every rank its part, under torch.distributed); return where it went
     (with ``unique``, a taken ``path`` gets the next free ``path-N``). Under torch.distributed,
     state identical on several ranks is written once (`multirank.coord.write_all_ranks`); for a
@@ -163,6 +171,12 @@ def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
         if tape is not None:   # what each collective of the step gave this rank (--ranks)
             manifest["collectives"] = tape.manifest()
             tensors[TAPE_ROLE] = tape.tensors
+        if history is not None:    # the last steps' health, the failing step last
+            manifest["history"] = history.encode(tensors.setdefault(hist.ROLE, {}))
+        if lookback is not None:   # a snapshot from up to 2K steps back and every step since
+            section = lookback.encode(tensors.setdefault(LOOKBACK_ROLE, {}))
+            if section is not None:
+                manifest["lookback"] = section
         return manifest, tensors
 
     if rank_info().distributed:
@@ -240,6 +254,27 @@ class _Snapshot:
         self.scale = self._copies[-2] if scale is not None else None
 
     @torch.no_grad()
+    def swap(self, opt: torch.optim.Optimizer | None) -> None:
+        """Exchange the live state with the copies (twice: back as it was), one tensor's worth
+        of extra memory at a time; the optimizer's state entries and groups too."""
+        for live, copy in zip(self._live, self._copies):
+            tmp = live.clone()
+            live.copy_(copy)
+            copy.copy_(tmp)
+        if opt is None:
+            return
+        state = {p: dict(st) for p, st in opt.state.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        for p in list(opt.state):
+            if p not in self._opt_state:
+                del opt.state[p]
+        for p, st in self._opt_state.items():
+            opt.state[p] = dict(st)
+        for g, saved in zip(opt.param_groups, self._groups):
+            g.update(saved)
+        self._opt_state, self._groups = state, groups
+
+    @torch.no_grad()
     def restore(self, opt: torch.optim.Optimizer | None) -> None:
         for dst, src in zip(self._live, self._copies):
             dst.copy_(src)
@@ -264,14 +299,38 @@ class StepWatch:
     batch: Any = None
 
 
-def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One float32 sum per tensor, summed: non-finite iff some element is (or the sum overflows).
-
-    A finite sum that overflows trips the screen too; the exact check that follows clears it.
-    """
+def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """The float32 L2 norm of each tensor (0 for None), on ``device``: non-finite iff some element
+    is (or the sum of squares overflows float32: an exact check then clears it)."""
     if not tensors:
-        return torch.zeros((), device=device)
-    return torch.stack([local(t).sum(dtype=torch.float32).to(device) for t in tensors]).sum()
+        return torch.zeros(0, device=device)
+    ts = [local(t) for t in tensors if t is not None]
+    if len(ts) == len(tensors) and all(t.device == device for t in ts):
+        try:
+            return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
+        except (RuntimeError, TypeError):   # a dtype foreach has no kernel for: one at a time
+            pass
+    zero = torch.zeros((), device=device)
+    return torch.stack([torch.linalg.vector_norm(local(t).detach().abs().float()).to(device)
+                        if t is not None else zero for t in tensors])
+
+
+def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The screen of a step: the sum of the parameters' norms (`_norms`), non-finite iff some
+    element is."""
+    return _norms(tensors, device).sum()
+
+
+@dataclass(frozen=True)
+class Spike:
+    """`Guard(spike=...)`: write a bundle (and go on training) when a step's loss lies
+    ``threshold`` robust standard deviations above the median of the ``window`` steps before it
+    (`nanbisect.history.jump_score`; at least 8 of them), at most ``max_bundles`` per run and
+    not again until the loss has come back below the threshold."""
+
+    threshold: float = 6.0
+    window: int = hist.JUMP_WINDOW
+    max_bundles: int = 3
 
 
 def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
@@ -312,7 +371,9 @@ class Guard:
     """
 
     def __init__(self, task: Task, *, entry: str, out: str | Path, start_step: int = 0,
-                 max_scaler_skips: int = 10) -> None:
+                 max_scaler_skips: int = 10, history: int | None = hist.DEFAULT_N,
+                 lookback: int | None = None, lookback_on: str = "device",
+                 spike: "float | Spike | None" = None) -> None:
         if not isinstance(task, Task):
             raise BadInput(f"Guard: got a {type(task).__name__}, not a nanbisect.Task; pass "
                            "Task(model=..., optimizer=..., loss_fn=...)")
@@ -328,6 +389,27 @@ class Guard:
         self._snapshot = _Snapshot()
         self._rank = rank_info()
         self._sources = user_sources(self._entry_file)   # the code as training started
+        if history is not None and (type(history) is not int or history < 0):
+            raise BadInput(f"Guard(history={history!r}): give a number of steps (0 or None: "
+                           "no history)")
+        names = [n for n, _ in task.model.named_parameters()]
+        self._history = hist.HealthLog(history, names) if history else None
+        if self._rank.distributed and (lookback or spike):
+            raise BadInput(f"Guard({'lookback' if lookback else 'spike'}=...) is not supported "
+                           "under torch.distributed yet; drop it for a multi-rank job")
+        self._lookback = Lookback(lookback, lookback_on) if lookback else None
+        if spike is not None and not isinstance(spike, Spike):
+            if isinstance(spike, bool) or not isinstance(spike, (int, float)) or spike <= 0:
+                raise BadInput(f"Guard(spike={spike!r}): give a threshold > 0 (robust standard "
+                               "deviations above the recent median) or nanbisect.Spike(...)")
+            spike = Spike(threshold=float(spike))
+        if spike is not None and self._history is None:
+            raise BadInput("Guard(spike=...) needs the history it compares with; keep history "
+                           "on (history=N)")
+        self.spike = spike
+        self.spikes: list[Path] = []        # the spike bundles written, oldest first
+        self._in_spike = False
+        self._lr: Any = None
 
     def step(self, batch: Any) -> float:
         """Run the Task's step (micro-batches, scaler, clipping, optimizer); return its loss
@@ -374,7 +456,13 @@ class Guard:
     # -- the step's two halves -----------------------------------------------------------
     def _begin(self) -> RngState:
         rng = RngState.get(self._accel)
-        self._snapshot.take(self.task.model, self.task.optimizer, self.task.grad_scaler)
+        task = self.task
+        self._snapshot.take(task.model, task.optimizer, task.grad_scaler)
+        if self._lookback is not None:
+            self._lookback.begin(self.step_index, task.model, task.optimizer, task.grad_scaler)
+        # the learning rate this step uses (a scheduler changes it after the step)
+        self._lr = task.optimizer.param_groups[0].get("lr") if task.optimizer is not None and \
+            task.optimizer.param_groups else None
         return rng
 
     def _end(self, batch: Any, rng: RngState, loss: torch.Tensor | None,
@@ -389,13 +477,26 @@ class Guard:
             skipped = (scale < before).float()
         loss_t = (local(loss).detach().float().reshape(-1).sum().to(dev) if loss is not None
                   else torch.zeros((), device=dev))
-        extra = [t.detach().float().reshape(()).to(dev) for t in (grad_norm, skipped)
-                 if t is not None]
+        norms = _norms(params, dev)
+        slots = {"loss": loss_t, "screen": norms.sum()}
+        for key, t in (("grad_norm", grad_norm), ("skipped", skipped)):
+            if t is not None:
+                slots[key] = t.detach().float().reshape(()).to(dev)
+        if self._history is not None:
+            # per parameter: its norm after the update (the screen) and its gradient's, kept on
+            # the device; the global gradient norm (clipping's, when it clips) read with the rest
+            grads = _norms([p.grad for p in self.task.model.parameters()], dev)
+            self._history.record_norms(self.step_index, norms, grads, lambda: [
+                n for n, _ in self.task.model.named_parameters()])
+            if grad_norm is None:
+                slots["history_grad_norm"] = torch.linalg.vector_norm(grads)
+            if isinstance(self._lr, torch.Tensor):
+                slots["lr"] = self._lr.detach().float().reshape(()).to(dev)
         # NB: gradients are not screened: a non-finite gradient reaches the parameters through
         # any update with lr > 0, and a step the GradScaler skips must not trip the guard.
         # The one host synchronisation of a healthy step (under torch.distributed, after one
         # all-reduce of a one-element flag, so that all ranks agree on a failure):
-        vals = torch.stack([loss_t, _screen(params, dev), *extra])
+        vals = torch.stack(list(slots.values()))
         stall_next = self.scaler_skips + 1 >= self.max_scaler_skips
         if self._rank.distributed:
             flag = (~torch.isfinite(vals[:2])).any()
@@ -405,16 +506,26 @@ class Guard:
                             else flag.float().reshape(1))
             vals = torch.cat([vals, flag.to(dev)])
         got = vals.tolist()
-        loss_v, param_v = got[0], got[1]
-        norm_v = got[2] if grad_norm is not None else None
-        skip_v = got[2 + (grad_norm is not None)] if skipped is not None else None
+        read = dict(zip(slots, got))
+        loss_v, param_v = read["loss"], read["screen"]
+        norm_v, skip_v = read.get("grad_norm"), read.get("skipped")
         self._value = loss_v if loss is not None else None
+        if self._history is not None:
+            lr = read.get("lr", self._lr)
+            self._history.add({
+                "step": self.step_index, "loss": self._value,
+                "grad_norm": norm_v if norm_v is not None else read.get("history_grad_norm"),
+                "skipped": bool(skip_v > 0) if skip_v is not None else False,
+                "lr": float(lr) if isinstance(lr, (int, float)) else None})
+        if self._lookback is not None:
+            self._lookback.end(self.step_index, rng, batch)
         if skip_v is not None:
             self.scaler_skips = self.scaler_skips + 1 if skip_v > 0 else 0
         stalled = self.scaler_skips >= self.max_scaler_skips
         tripped = (got[-1] > 0 if self._rank.distributed else
                    _kind(param_v) != "finite" or _kind(loss_v) != "finite" or stalled)
         if not tripped:
+            self._check_spike(batch, rng, loss_v if loss is not None else None)
             self.step_index += 1
             return
         observed = self._observe(loss_v if loss is not None else None, norm_v, stalled)
@@ -455,7 +566,7 @@ class Guard:
         write = partial(_write, self.task, batch, rng, entry=self.entry,
                         entry_file=self._entry_file, step=self.step_index, observed=observed,
                         sources=sources, scaler_state=_scaler_state(self.task), unique=True,
-                        tape=tape)
+                        tape=tape, history=self._history, lookback=self._lookback)
         try:
             path = write(path)
         except OSError as e:
@@ -468,6 +579,43 @@ class Guard:
             warnings.warn(f"Guard: could not write the bundle into '{self.out}' ({e.strerror or e}"
                           f"); wrote it to '{path}' instead", RuntimeWarning, stacklevel=3)
         raise NonFiniteStep(path, observed)
+
+    def _check_spike(self, batch: Any, rng: RngState, loss: float | None) -> None:
+        """A loss far above its recent history: write a bundle of the step, go on training."""
+        if self.spike is None or loss is None or self._history is None:
+            return
+        before = self._history.losses_before(self.spike.window)
+        score = hist.jump_score(loss, before)
+        if score is None or score[0] < self.spike.threshold:
+            self._in_spike = False
+            return
+        if self._in_spike or len(self.spikes) >= self.spike.max_bundles:
+            return
+        self._in_spike = True
+        z, med, scale = score
+        observed = {"step": self.step_index, "first": "spike", "loss": loss,
+                    "summary": {"loss": "finite", "grads": "finite", "params": "finite"},
+                    "spike": {"median": med, "scale": scale, "z": round(z, 2),
+                              "threshold": self.spike.threshold, "window": len(before)}}
+        sources = {**user_sources(self._entry_file), **self._sources}
+        opt = self.task.optimizer
+        self._snapshot.swap(opt)     # the live tensors hold the pre-step state while it writes
+        try:
+            path = _write(self.task, batch, rng, self._free_path("-spike"), entry=self.entry,
+                          entry_file=self._entry_file, step=self.step_index, observed=observed,
+                          sources=sources, scaler_state=_scaler_state(self.task), unique=True,
+                          history=self._history, lookback=self._lookback)
+        except OSError as e:
+            warnings.warn(f"Guard: could not write the spike bundle of step {self.step_index} "
+                          f"into '{self.out}' ({e.strerror or e}); training goes on",
+                          RuntimeWarning, stacklevel=4)
+            return
+        finally:
+            self._snapshot.swap(opt)
+        self.spikes.append(path)
+        warnings.warn(f"Guard: loss spike at step {self.step_index} ({loss:.4g} against a median "
+                      f"of {med:.4g}): wrote {path} (replay it with --reference); training goes "
+                      "on", RuntimeWarning, stacklevel=4)
 
     def _restore(self, scale: torch.Tensor | None) -> None:
         """Back to the pre-step state (the scaler's too, on its first step)."""
@@ -504,8 +652,8 @@ class Guard:
             out["scaler_skips"] = self.scaler_skips
         return out
 
-    def _free_path(self) -> Path:
-        base = self.out / f"step{self.step_index:06d}"
+    def _free_path(self, suffix: str = "") -> Path:
+        base = self.out / f"step{self.step_index:06d}{suffix}"
         path, i = base, 1
         while path.exists():
             path, i = base.with_name(f"{base.name}-{i}"), i + 1

@@ -12,6 +12,7 @@ a stable key from `STAGES` and a text for people, so callers can show or time th
 """
 from __future__ import annotations
 
+import shutil
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -20,6 +21,8 @@ from typing import Callable, ContextManager
 
 import torch
 
+from nanbisect import history as hist
+from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs, catch_module_call
@@ -41,14 +44,15 @@ from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import match_threads
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.reference.window import replay_window
 from nanbisect.report.model import Report
 from nanbisect.report.repro import repro_imports, run_repro, write_module_repro, write_repro
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
 
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
-STAGES = ("build", "module-pass", "reference", "op-recording", "isolate", "input-catch",
-          "repro", "module-repro", "op-check", "report", "ranks")
+STAGES = ("steps", "build", "module-pass", "reference", "op-recording", "isolate",
+          "input-catch", "repro", "module-repro", "op-check", "report", "ranks")
 Progress = Callable[[str, str], None]
 
 
@@ -60,6 +64,12 @@ class RunOptions:
     entry: str | None = None
     run_repro: bool = True
     ranks: str | None = None      # "R,..." (multi-rank): replay only these, each alone
+    steps: int | None = None      # --steps K: replay the last K recorded steps (lookback)
+
+
+def recorded_failure(observed) -> bool:
+    """Does the manifest record a failure (not a spike a Guard captured while training went on)?"""
+    return bool(observed) and not (isinstance(observed, dict) and observed.get("first") == "spike")
 
 
 def _default_target(manifest: dict) -> str:
@@ -119,6 +129,9 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     t_dev, t_dtype = parse_device(target)
     if opts.ranks is not None and not bundle.multi_rank:
         raise BadInput(f"--ranks {opts.ranks}: bundle '{bundle.path}' has one rank; drop --ranks")
+    if opts.steps is not None and bundle.multi_rank:
+        raise BadInput(f"--steps {opts.steps}: bundle '{bundle.path}' is multi-rank; replaying "
+                       "several steps is for single-process bundles yet: drop --steps")
     if bundle.multi_rank:
         subset = parse_ranks(opts.ranks, bundle.world_size) if opts.ranks is not None else None
         if subset is not None:
@@ -143,6 +156,107 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
 
 def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: Progress, target: str,
                 t_dev: torch.device, t_dtype: torch.dtype | None) -> Report:
+    where = f"bundle '{bundle.path}'"
+    history = hist.parse(bundle.manifest, bundle.tensors(hist.ROLE), where)
+    window = None
+    if opts.steps is not None:
+        window = lookback.parse(bundle, where)
+        if window is None:
+            raise BadInput(f"--steps {opts.steps}: {where} records only its failing step; capture "
+                           "with Guard(..., lookback=K) to replay the steps before it, or drop "
+                           "--steps")
+    with staged(out, bundle.path) as tmp:
+        if window is not None:
+            report, rep = _run_steps(bundle, window, history, opts, progress, target, t_dev,
+                                     t_dtype, tmp)
+        else:
+            report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
+        if history is not None:
+            model = opt = None
+            if rep is not None and rep.bundle is bundle:   # the failing step's pre-state
+                rep.restore()
+                model, opt = rep.task.model, rep.task.optimizer
+            report = replace(report, history=history.to_json(),
+                             history_findings=hist.findings(history, model, opt))
+        progress("report", "writing the report")
+        write_report(report, tmp)
+    return report
+
+
+def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History | None",
+               opts: RunOptions, progress: Progress, target: str, t_dev: torch.device,
+               t_dtype: torch.dtype | None, tmp: Path) -> tuple[Report, Replayer | None]:
+    """--steps K: the window on both sides, then the first step that parts bisected alone."""
+    k = opts.steps
+    reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
+    if reference == "none":
+        raise BadInput(f"--steps {k} compares the target's steps with a reference's; pass "
+                       "--reference cpu (or cpu:float64)")
+    ref = parse_device(reference)
+    wrap = load_inject(opts.inject) if opts.inject else nullcontext
+    note = match_threads(bundle, t_dev)
+    losses = {e["step"]: e.get("loss") for e in (history.entries if history else [])}
+    progress("steps", f"replaying the last {k} recorded steps on {target} and {reference}")
+    registry.load_plugins()
+    res = _guarded(lambda: replay_window(bundle, window, k, (t_dev, t_dtype), ref, wrap,
+                                         opts.entry, losses,
+                                         lambda text: progress("steps", text)),
+                   "replaying the recorded steps")
+    failing = window.steps[-1]["step"]
+    notes = ([note] if note else []) + res.notes
+    rows = {r.step: r for r in res.rows}
+    steps_json = res.to_json()
+    before = rows.get(failing - 1)
+    steps_json["failing_prestate_max_rel_diff"] = before.max_rel_diff if before else None
+    report = rep = None
+    analysed = failing
+    if res.step_view is not None:
+        s = res.first_divergent_step
+        progress("steps", f"bisecting step {s}, the first that parts from the reference")
+        report, rep = _analyse(res.step_view, opts, progress, target, t_dev, t_dtype, tmp)
+        if report.verdict == "clean":
+            notes.append(f"step {s} is the first whose state parts from the reference's over "
+                         "the window, but replayed alone from one state on both sides it stays "
+                         "within tolerance: the difference built up over the steps before it "
+                         "(rounding that compounds); the failing step is bisected instead")
+            for child in tmp.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            report = None
+        else:
+            analysed = s
+    if report is None:
+        report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
+    if res.first_divergent_step is None:
+        notes.append(f"the {len(res.rows)} replayed step(s) stay within tolerance of the "
+                     "reference: nothing parts before the failing step")
+    elif analysed != failing:
+        drift = steps_json["failing_prestate_max_rel_diff"]
+        notes.append(f"target and reference part first at step {analysed}, "
+                     f"{failing - analysed} step(s) before the failing step {failing}; the culprit "
+                     f"is that step's first diverging op" + (
+                         f"; by the failing step the parameters had drifted by a relative "
+                         f"{drift:.3g}" if isinstance(drift, float) else ""))
+    culprit = report.culprit
+    if culprit is not None:
+        culprit = replace(culprit, step=analysed)
+    facts = replace(report.facts, observed=bundle.manifest.get("observed"))
+    classification = report.classification
+    captured = str((bundle.manifest.get("devices") or {}).get("captured_on", "cpu"))
+    reached = res.reached
+    if reached is not None and (not reached["bit_exact"] or reached["first_step_off_history"]
+                                is not None) and t_dtype is None and \
+            torch.device(captured).type == t_dev.type:
+        # on the capture device the window must reach the recorded state: it did not, so the
+        # replayed steps are not the run's and no verdict about the device follows from them
+        classification = "replay-mismatch"
+    return replace(report, culprit=culprit, facts=facts, steps=steps_json,
+                   classification=classification, notes=[*notes, *report.notes]), rep
+
+
+def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
+             t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path
+             ) -> tuple[Report, Replayer]:
+    """One step: replay, reference, verdict and the passes that find a culprit."""
     m = bundle.manifest
     reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
     ref = None if reference == "none" else parse_device(reference)
@@ -180,18 +294,15 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: Progress,
     facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
                      fidelity)
     run = _Run(rep, probe, wrap, opts, facts, progress, notes)
-    with staged(out, bundle.path) as tmp:
-        report = _decide(run, first, side, ref, tmp)
-        progress("report", "writing the report")
-        write_report(report, tmp)
-    return report
+    return _decide(run, first, side, ref, tmp), rep
 
 
 def _decide(run: _Run, first: StepOutcome, side: "_Reference | None", ref, tmp: Path) -> Report:
     """The verdict, and for a culprit the passes that find it."""
-    observed, facts = run.facts.observed, run.facts
+    facts = run.facts
+    failed = recorded_failure(facts.observed)
     divergence = None
-    if first.phase is None and not observed and side is not None:
+    if first.phase is None and not failed and side is not None:
         divergence = first_divergence(side.target_state, side.state, side.dtype_target)
     if divergence is not None:
         run.progress("isolate", "isolating the target's ops on the reference")
@@ -203,8 +314,12 @@ def _decide(run: _Run, first: StepOutcome, side: "_Reference | None", ref, tmp: 
                          f"scale {scale}; that is normal unless it keeps happening "
                          "(Guard(max_scaler_skips=N) bundles a stalled scaler)")
     if first.phase is None:
-        if observed:
+        if failed:
             return _not_reproduced(run)
+        if facts.observed and side is None:
+            run.notes.append("the bundle is a loss spike the Guard captured while training went "
+                             "on; replay it with --reference cpu (or cpu:float64) to find where "
+                             "the target parts from a reference")
         return Report("clean", "replay-mismatch" if fid and fid.mismatch else None, None, None,
                       None, facts, notes=run.notes)
     if first.phase == "input":

@@ -118,9 +118,13 @@ class Culprit:
     rank: int = 0
     parameter: str | None = None      # the parameter whose gradient or update went bad
     micro_batch: int | None = None    # which micro-batch of the step (Task.accumulate)
+    step: int | None = None           # --steps: the step bisected (the first that parts)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        if out["step"] is None:
+            del out["step"]
+        return out
 
 
 @dataclass(frozen=True)

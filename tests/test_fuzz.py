@@ -403,3 +403,63 @@ def test_archive_of_random_members(tmp_path_factory, members, fmt):
         assert len(set(read)) == len(read), read
         assert set(read) <= {"a", "b", "a/b", "a/b/c", "ü", "rep"}, read
     shutil.rmtree(d)
+
+
+# --------------------------------------------------------------------------------------------
+# the time dimension: a bundle's history and lookback sections (Guard(history=, lookback=))
+
+
+def load_steps(path: Path) -> None:
+    """What `run` reads of a bundle's history and lookback before any step runs: the history
+    checked, the window's snapshot and every step's batch, RNG and hyper-parameters decoded and
+    restored into the entry's model and optimizer."""
+    import drift
+    from nanbisect import history
+    from nanbisect.bundle import lookback
+
+    b = read_bundle(path)
+    history.findings(history.parse(b.manifest, b.tensors(history.ROLE), "fuzz"))
+    w = lookback.parse(b, "fuzz")
+    if w is None:
+        return
+    view = w.state_view(b)
+    task = drift.adam_task()
+    for i in range(len(w.steps)):
+        v = view.with_step(w, i)
+        tensors = v.all_tensors()
+        restore_model(task.model, v.manifest["model"], tensors, "fuzz")
+        restore_modes(task.model, v.manifest["model"], "fuzz")
+        if v.manifest.get("optimizer") is not None:
+            restore_optimizer(task.optimizer, v.manifest["optimizer"], tensors, "fuzz")
+        decode(v.manifest["batch"], tensors)
+        decode(v.manifest["lookback_groups"], tensors)
+        RngState.decode(v.manifest["rng"], tensors)
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory):
+    import drift
+    import nanbisect
+
+    guard = nanbisect.Guard(drift.adam_task(), entry="tests/tasks/drift.py:adam_task",
+                            out=tmp_path_factory.mktemp("fuzz-steps"), lookback=3, history=6)
+    e = drift.train(guard, drift.batches(200), schedule=lambda opt, i: [
+        g.update(lr=1e30) for g in opt.param_groups] if i == 9 else None)
+    return e.bundle, json.loads((e.bundle / "manifest.json").read_text())
+
+
+def test_fuzz_harness_sees_a_valid_window(stepped):
+    assert outcome(load_steps, stepped[0]) == "ok"
+    assert len(stepped[1]["lookback"]["steps"]) >= 3 and len(stepped[1]["history"]["entries"]) == 6
+
+
+@FUZZ
+@given(data=st.data(), section=st.sampled_from(["history", "lookback"]))
+def test_mutated_history_and_lookback(stepped, tmp_path_factory, data, section):
+    path, base = stepped
+    doc = dict(base)
+    doc[section] = data.draw(mutated(base[section]))
+    d = tmp_path_factory.mktemp("m", numbered=True) / "b"
+    shutil.copytree(path, d, ignore=shutil.ignore_patterns("nanbisect-report"))
+    (d / "manifest.json").write_bytes(dumps(doc, 3))
+    outcome(load_steps, d)

@@ -504,6 +504,13 @@ _REQUIRED = ("entry", "files", "model", "batch", "rng")
 _REQUIRED_MULTI = ("entry", "world_size", "ranks")
 
 
+def field_problem(key: str, value) -> str | None:
+    """What ``value`` must be as the manifest's field ``key`` when it is not that, else None
+    (sections that hold a copy of such a field, e.g. the lookback's model, are checked alike)."""
+    ok, want = _FIELDS[key]
+    return None if ok(value) else want
+
+
 def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
     for key in required:
         if key not in m:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -45,14 +45,15 @@ def _tensor_for_file(t: torch.Tensor) -> torch.Tensor:
     return local(t).detach().to("cpu").contiguous().clone()
 
 
-def encode(obj: Any, key: str, tensors: Tensors) -> Any:
-    """Encode a pytree as JSON, moving its tensors into ``tensors`` under keys below ``key``.
+def encode(obj: Any, key: str, tensors: Tensors, copy: Callable = _tensor_for_file) -> Any:
+    """Encode a pytree as JSON, moving its tensors into ``tensors`` under keys below ``key``
+    (each as ``copy(tensor)``: by default a CPU copy ready for a file).
 
     >>> ts = {}; encode({"x": torch.ones(2), "n": 3}, "batch", ts)["__dict__"][0]
     ['x', {'__tensor__': 'batch/v0', 'requires_grad': False, 'device': 'cpu'}]
     """
     if isinstance(obj, torch.Tensor):
-        tensors[key] = _tensor_for_file(obj)
+        tensors[key] = copy(obj)
         return {"__tensor__": key, "requires_grad": bool(obj.requires_grad),
                 "device": obj.device.type}
     if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
@@ -66,7 +67,7 @@ def encode(obj: Any, key: str, tensors: Tensors) -> Any:
     if isinstance(obj, (torch.layout, torch.memory_format)):
         return {"__torch__": str(obj).removeprefix("torch.")}
     if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [encode(v, f"{key}/{i}", tensors) for i, v in enumerate(obj)]
+        items = [encode(v, f"{key}/{i}", tensors, copy) for i, v in enumerate(obj)]
         return items if isinstance(obj, list) else {"__tuple__": items}
     if isinstance(obj, dict):
         pairs = []
@@ -74,7 +75,8 @@ def encode(obj: Any, key: str, tensors: Tensors) -> Any:
             if not isinstance(k, (str, int, float, bool)) and k is not None:
                 raise TypeError(f"{key}: dict key {k!r} is not a plain value")
             # NB: name values by position: keys "a/b" and "a" -> "b" would collide as text
-            pairs.append([encode(k, f"{key}/k{i}", tensors), encode(v, f"{key}/v{i}", tensors)])
+            pairs.append([encode(k, f"{key}/k{i}", tensors, copy),
+                          encode(v, f"{key}/v{i}", tensors, copy)])
         return {"__dict__": pairs}
     raise TypeError(
         f"{key}: cannot store a {type(obj).__name__}; a batch may hold tensors, numbers, strings, "
@@ -178,7 +180,8 @@ def model_entries(model: torch.nn.Module) -> list[tuple[str, torch.Tensor, str]]
     return out
 
 
-def encode_model(model: torch.nn.Module, tensors: Tensors) -> dict:
+def encode_model(model: torch.nn.Module, tensors: Tensors, copy: Callable = _tensor_for_file
+                 ) -> dict:
     """Store each distinct parameter/buffer once under ``model/<name>``; ties become aliases."""
     canonical: dict[int, str] = {}
     aliases: dict[str, str] = {}
@@ -189,7 +192,7 @@ def encode_model(model: torch.nn.Module, tensors: Tensors) -> dict:
             aliases[name] = canonical[id(t)]
             continue
         canonical[id(t)] = name
-        tensors[f"model/{name}"] = _tensor_for_file(t)
+        tensors[f"model/{name}"] = copy(t)
     return {"params": names["param"], "buffers": names["buffer"], "aliases": aliases}
 
 
@@ -243,11 +246,13 @@ def restore_modes(model: torch.nn.Module, meta: dict, where: str) -> None:
 # optimizer
 
 
-def encode_optimizer(opt: torch.optim.Optimizer, tensors: Tensors) -> dict:
+def encode_optimizer(opt: torch.optim.Optimizer, tensors: Tensors,
+                     copy: Callable = _tensor_for_file) -> dict:
     """Store ``opt.state_dict()``: tensors under ``optim/...``, everything else as JSON."""
     sd = opt.state_dict()
-    state = {str(i): encode(s, f"optim/state/{i}", tensors) for i, s in sd["state"].items()}
-    groups = [encode(g, f"optim/group/{j}", tensors) for j, g in enumerate(sd["param_groups"])]
+    state = {str(i): encode(s, f"optim/state/{i}", tensors, copy) for i, s in sd["state"].items()}
+    groups = [encode(g, f"optim/group/{j}", tensors, copy)
+              for j, g in enumerate(sd["param_groups"])]
     return {"class": type(opt).__module__ + "." + type(opt).__qualname__,
             "state": state, "param_groups": groups}
 

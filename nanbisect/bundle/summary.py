@@ -110,12 +110,21 @@ def _summary(b: Bundle) -> dict:
         "optimizer": None if opt is None else {"class": opt["class"],
                                                "param_groups": len(opt["param_groups"])},
         "files": files, "checksums": "ok",
+        # Guard(history=N) / Guard(lookback=K): how many steps the bundle can tell about / replay
+        "history_steps": _count(m.get("history"), "entries"),
+        "lookback_steps": _count(m.get("lookback"), "steps"),
         # tensors a part of a multi-rank bundle takes from a lower rank's file (checked by
         # `format._borrowed` when read through its bundle; a part inspected alone is not)
         "shared": {name: {k: ref.get(k) if type(ref.get(k)) is int else None
                           for k in ("rank", "tensors", "bytes")}
                    for name, ref in (m.get("shared") or {}).items() if isinstance(ref, dict)},
     }
+
+
+def _count(section, key: str) -> int | None:
+    """The length of ``section[key]`` when it is a list (an untrusted manifest), else None."""
+    items = section.get(key) if isinstance(section, dict) else None
+    return len(items) if isinstance(items, list) else None
 
 
 def _clean(line: str) -> str:
@@ -139,6 +148,9 @@ def summary_text(info: dict) -> str:
                                                     if info['model']['tied'] else ""),
              f"optimizer {info['optimizer']['class'] if info['optimizer'] else '-'}",
              "observed  " + _observed_text(info.get("observed"))]
+    if info.get("history_steps") is not None or info.get("lookback_steps") is not None:
+        lines.append(f"steps     history of {info.get('history_steps') or 0}, replayable with "
+                     f"--steps up to {info.get('lookback_steps') or 0}")
     groups = info.get("process_groups")
     if groups and len(groups) > 1:   # more than the world: the job's layout
         lines.append("groups    " + "; ".join(f"{n}: {r}" for n, r in groups.items()))

@@ -134,8 +134,31 @@ class Replayer:
         if self.task.optimizer is not None:
             restore_optimizer(self.task.optimizer, self.bundle.manifest["optimizer"],
                               self.tensors, self._where)
+        return self.inputs()
+
+    def next_step(self, bundle: Bundle) -> None:
+        """Make the next `run` (``keep_state=True``) the step of ``bundle`` (a step of a window:
+        its batch, RNG and hyper-parameters) from the state the last run left behind."""
+        self.bundle, self.tensors = bundle, bundle.all_tensors()
+        self.rng = RngState.decode(bundle.manifest["rng"], self.tensors)
+
+    def inputs(self) -> Any:
+        """The step's batch on the device, its RNG and its optimizer hyper-parameters set,
+        gradients cleared; the model's state is left as it is."""
+        m = self.bundle.manifest
+        if self.task.optimizer is not None:
+            groups = m.get("lookback_groups")
+            if groups is not None:
+                saved = decode(groups, self.tensors)
+                if not isinstance(saved, list) or len(saved) != len(
+                        self.task.optimizer.param_groups) or not all(
+                        isinstance(g, dict) for g in saved):
+                    raise BadInput(f"{self._where}: the lookback's parameter groups do not fit "
+                                   "the entry's optimizer; replay with the code that captured it")
+                for g, h in zip(self.task.optimizer.param_groups, saved):
+                    g.update({k: v for k, v in h.items() if k != "params"})
             self.task.optimizer.zero_grad(set_to_none=True)
-        batch = decode(self.bundle.manifest["batch"], self.tensors, self.device)
+        batch = decode(m["batch"], self.tensors, self.device)
         if self.dtype is not None:
             batch = torch.utils._pytree.tree_map(
                 lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor)
@@ -162,7 +185,7 @@ class Replayer:
 
     def run(self, *, phase: Callable[[str], ContextManager] = lambda name: nullcontext(),
             wrap: Callable[[], ContextManager] = nullcontext, stop_after: str = "optimizer",
-            micro: int | None = None) -> StepOutcome:
+            micro: int | None = None, keep_state: bool = False) -> StepOutcome:
         """Replay the step (`nanbisect.step.run_step`: the Task's micro-batches, scaler,
         clipping, optimizer) after the input checks; stop at the first non-finite value.
 
@@ -170,9 +193,10 @@ class Replayer:
         "optimizer" (probes, recorders); ``wrap()`` one around the whole step (fault injection,
         op counting); ``stop_after`` ends the run after that phase of micro-batch ``micro``
         (default: the last). A failure in backward lets the remaining micro-batches run, so
-        the step's loss is complete; a failure in forward ends the run there.
+        the step's loss is complete; a failure in forward ends the run there. ``keep_state``
+        runs from the state the last run left (a window's next step, `next_step`).
         """
-        batch = self.restore()
+        batch = self.inputs() if keep_state else self.restore()
         task = self.task
         try:
             mbs = micro_batches(task, batch)

@@ -54,6 +54,11 @@ class Report:
     # --ranks: {replayed, world_size, decided, next_ranks, why}: what a replay of some ranks
     # alone (collectives served as recorded) could and could not decide
     subset: dict | None = None
+    # the bundle's last steps (Guard(history=N)), oldest first, and what they point out
+    history: list[dict] | None = None
+    history_findings: list[dict] = field(default_factory=list)
+    # --steps K: {replayed: [...], first_divergent_step, advanced, reached_recorded, ...}
+    steps: dict | None = None
 
     def with_replicas(self, replicas: dict | None) -> "Report":
         """This report plus the finding of a bundle whose data-parallel replicas differ (its top
@@ -116,4 +121,7 @@ class Report:
             "module_repro": opt(self.module_repro), "op_recording": opt(self.op_recording),
             "replicas_out_of_sync": list(self.replicas_out_of_sync),
             **({"subset": dict(self.subset)} if self.subset is not None else {}),
+            **({"history": list(self.history), "history_findings": list(self.history_findings)}
+               if self.history is not None else {}),
+            **({"steps": dict(self.steps)} if self.steps is not None else {}),
         }

@@ -76,6 +76,47 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     return "\n".join(out)
 
 
+def history_svg(r: Report) -> str:
+    """SVG of the history's loss (blue) and gradient norm (grey), each on its own log scale,
+    the steps the findings name marked, the step bisected by --steps marked too."""
+    hs = [e for e in (r.history or [])]
+    if len(hs) < 2:
+        return ""
+    w, h, pl, pr, pt, pb = 960, 200, 60, 20, 20, 40
+    pw, ph = w - pl - pr, h - pt - pb
+    steps = [e["step"] for e in hs]
+    x = lambda s: pl + pw * (s - steps[0]) / max(steps[-1] - steps[0], 1)  # noqa: E731
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
+           f'viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="11">',
+           f'<rect x="0" y="0" width="{w}" height="{h}" fill="white"/>',
+           f'<line x1="{pl}" y1="{pt + ph}" x2="{pl + pw}" y2="{pt + ph}" stroke="#333"/>']
+    for key, colour in (("loss", "#1f77b4"), ("grad_norm", "#7f7f7f")):
+        vals = [(e["step"], math.log10(abs(e[key]) + 1e-30)) for e in hs
+                if isinstance(e.get(key), (int, float)) and math.isfinite(e[key])]
+        if len(vals) < 2:
+            continue
+        lo, hi = min(v for _, v in vals), max(v for _, v in vals)
+        y = lambda v: pt + ph - ph * (v - lo) / ((hi - lo) or 1.0)  # noqa: E731
+        pts = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in vals)
+        out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.5">'
+                   f'<title>{key} (log)</title></polyline>')
+    marks = [(f["step"], f["kind"]) for f in r.history_findings if "step" in f]
+    if r.steps and r.steps.get("first_divergent_step") is not None:
+        marks.append((r.steps["first_divergent_step"], "first divergent step"))
+    for i, (s, what) in enumerate(marks):
+        if steps[0] <= s <= steps[-1]:
+            out.append(f'<line x1="{x(s):.1f}" y1="{pt}" x2="{x(s):.1f}" y2="{pt + ph}" '
+                       'stroke="#d62728" stroke-dasharray="4,3"/>'
+                       f'<text x="{x(s) + 3:.1f}" y="{pt + 10 + 12 * i}" fill="#d62728">'
+                       f'{html.escape(f"{what} ({s})")}</text>')
+    out += [f'<text x="{pl}" y="{h - 10}">step {steps[0]}</text>',
+            f'<text x="{pl + pw}" y="{h - 10}" text-anchor="end">step {steps[-1]}</text>',
+            f'<text x="{pl + pw / 2}" y="{h - 10}" text-anchor="middle"><tspan fill="#1f77b4">'
+            'loss</tspan> and <tspan fill="#7f7f7f">gradient norm</tspan> (each log scale)'
+            '</text>', "</svg>"]
+    return "\n".join(out)
+
+
 def to_html(r: Report) -> str:
     """The page for ``r``: headline, the plot, report.md and report.json, self-contained."""
     c = r.culprit if r.verdict == "culprit" else None
@@ -94,6 +135,7 @@ pre{{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}}
 <p class="verdict">{head}</p>
 <h2>Module calls along the step</h2>
 {svg}
+{"<h2>The steps before</h2>" + history_svg(r) if history_svg(r) else ""}
 <h2>Report</h2>
 <pre>{html.escape(markdown)}</pre>
 <h2>report.json</h2>

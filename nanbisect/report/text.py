@@ -29,8 +29,9 @@ def headline(r: Report) -> str:
         where = f"'{c.module or '<outside any submodule>'}'"
         if c.module_call is not None:
             where += f" (call {c.module_call})"
+        at = (f" at step {c.step}" if c.step is not None and r.steps else "")
         return (f"target diverges from the reference first in {c.op or 'a module call'} in "
-                f"{c.phase} at module {where}")
+                f"{c.phase} at module {where}{at}")
     if r.verdict == "culprit" and r.culprit:
         c = r.culprit
         where = f"'{c.module or '<outside any submodule>'}'"
@@ -141,9 +142,50 @@ def to_markdown(r: Report) -> str:
             mark = "**" if t.role == "culprit" else ""
             lines.append(f"| {t.order} | {mark}`{t.module or '<root>'}`{mark} | {t.call} | "
                          f"{t.role} | {_fmt_stats(t.before)} | {_fmt_stats(t.after)} |")
+    lines += _steps_md(r) + _history_md(r)
     if r.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
+
+
+def _num(v) -> str:
+    return "-" if v is None else format(v, ".4g") if isinstance(v, float) else str(v)
+
+
+def _steps_md(r: Report) -> list[str]:
+    if not r.steps:
+        return []
+    s = r.steps
+    first = s.get("first_divergent_step")
+    lines = ["", "## Steps replayed on target and reference", "",
+             f"First step whose state parts from the reference: **{_num(first)}**"
+             + (f" ({s['advanced']} earlier step(s) replayed on the target alone to reach the "
+                "window)" if s.get("advanced") else ""), "",
+             "| step | original loss | target loss | reference loss | max rel diff | parts |",
+             "|---|---|---|---|---|---|"]
+    for row in s.get("replayed", []):
+        mark = "**" if row["step"] == first else ""
+        lines.append(f"| {mark}{row['step']}{mark} | {_num(row.get('original_loss'))} | "
+                     f"{_num(row['target_loss'])} | {_num(row['reference_loss'])} | "
+                     f"{_num(row['max_rel_diff'])} | {row.get('why') or '-'} |")
+    reached = s.get("reached_recorded")
+    if reached:
+        lines += ["", "The target's replay reached the recorded pre-state of the failing step "
+                  + ("bit for bit." if reached.get("bit_exact") else
+                     f"only to a relative {_num(reached.get('max_rel_diff'))} (see the notes).")]
+    return lines
+
+
+def _history_md(r: Report) -> list[str]:
+    if not r.history:
+        return []
+    lines = ["", f"## History (last {min(len(r.history), 12)} of {len(r.history)} steps)", ""]
+    lines += [f"- {f['text']}" for f in r.history_findings] or ["- nothing stands out"]
+    lines += ["", "| step | loss | grad norm | lr | skipped |", "|---|---|---|---|---|"]
+    for e in r.history[-12:]:
+        lines.append(f"| {e['step']} | {_num(e.get('loss'))} | {_num(e.get('grad_norm'))} | "
+                     f"{_num(e.get('lr'))} | {'yes' if e.get('skipped') else '-'} |")
+    return lines
 
 
 def terminal(r: Report, out: Path) -> str:
@@ -169,5 +211,10 @@ def terminal(r: Report, out: Path) -> str:
         lines.append(f"  replicas out of sync: {len(r.replicas_out_of_sync)} tensor(s) differ "
                      f"between data-parallel ranks, first {r.replicas_out_of_sync[0]['tensor']} "
                      "(see the notes)")
+    if r.steps:
+        lines.append(f"  steps: {len(r.steps.get('replayed', []))} replayed, first divergent step "
+                     f"{r.steps.get('first_divergent_step')}")
+    for f in r.history_findings[:3]:
+        lines.append(f"  history: {f['text']}")
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""`Guard(lookback=K)`: the state of a step up to 2K steps back plus every later step's batch, RNG
+and optimizer hyper-parameters, so a bundle can replay the steps that led to its failure
+(`nanbisect run --steps K`, `nanbisect.replay.window`).
+
+Guarantees: two snapshots of the pre-step state (parameters, buffers, optimizer state, the
+GradScaler's scale and growth tracker), refreshed every K steps, the older kept, so at any failure
+the bundle holds at least K steps ending with the failing one (fewer only when training has not
+run K steps yet). Copies are device-to-device (``kept_on="device"``, no host synchronisation) or
+into host memory (``"cpu"``, pinned and asynchronous from an accelerator); a refresh costs one
+copy of the state, amortised over K steps. Memory: 2 x (parameters + buffers + optimizer state)
+plus up to 2K batches, where ``kept_on`` says. Each step's batch is copied (a loop that refills
+one buffer keeps its values), its RNG state kept, and its parameter groups' hyper-parameters
+(learning rate, betas, weight decay: what a scheduler changes between steps) recorded.
+Not guaranteed: what the loop changes between steps outside the Task and the optimizer's groups
+(an EMA of the weights, a freeze, a train/eval switch): a replay from the snapshot then does
+not reach the recorded pre-state of the failing step, which `run --steps` reports.
+Not supported yet: under torch.distributed (refused at construction).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nanbisect.bundle.format import Bundle, field_problem
+from nanbisect.bundle.state import (RngState, Tensors, encode, encode_model, encode_optimizer,
+                                    local)
+from nanbisect.errors import BadInput
+
+ROLE = "lookback"
+SCHEMA = 1
+KEPT_ON = ("device", "cpu")
+
+
+def _keeper(kept_on: str):
+    """The copy function of a kept tensor: on its device, or in (pinned) host memory."""
+    if kept_on == "device":
+        return lambda t: local(t).detach().clone()
+
+    def host(t: torch.Tensor) -> torch.Tensor:
+        t = local(t).detach()
+        if t.device.type == "cpu":
+            return t.clone()
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        return out.copy_(t, non_blocking=True)   # complete by the step's host synchronisation
+    return host
+
+
+def _groups(opt: torch.optim.Optimizer | None) -> list[dict]:
+    if opt is None:
+        return []
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+
+
+def _prefixed(prefix: str, tensors: Tensors) -> Tensors:
+    return {f"{prefix}{k}": v for k, v in tensors.items()}
+
+
+@dataclass
+class _Snap:
+    step: int
+    model: dict
+    optimizer: dict | None
+    scaler: dict | None
+    modes: dict
+    tensors: Tensors
+
+
+@dataclass
+class _Step:
+    step: int
+    rng: RngState
+    groups: Any       # encoded hyper-parameters
+    batch: Any        # encoded batch
+    tensors: Tensors
+
+
+class Lookback:
+    """The Guard's side: `begin` before each step, `end` after it, `encode` into a bundle."""
+
+    def __init__(self, k: int, kept_on: str = "device") -> None:
+        if type(k) is not int or k < 1:
+            raise BadInput(f"Guard(lookback={k!r}): give a number of steps >= 1")
+        if kept_on not in KEPT_ON:
+            raise BadInput(f"Guard(lookback_on={kept_on!r}): give 'device' or 'cpu'")
+        self.k, self.kept_on = k, kept_on
+        self._copy = _keeper(kept_on)
+        self._snaps: list[_Snap] = []     # oldest first, at most two
+        self._steps: list[_Step] = []
+        self._groups: Any = None
+        self._gtensors: Tensors = {}
+
+    def begin(self, step: int, model: torch.nn.Module, opt, scaler) -> None:
+        if not self._snaps or step - self._snaps[-1].step >= self.k:
+            self._snaps = [*self._snaps[-1:], self._take(step, model, opt, scaler)]
+            first = self._snaps[0].step
+            self._steps = [s for s in self._steps if s.step >= first]
+        self._gtensors = {}
+        self._groups = encode(_groups(opt), "groups", self._gtensors, self._copy)
+
+    def end(self, step: int, rng: RngState, batch: Any) -> None:
+        # a step that failed was rolled back: a loop that goes on runs that step index again
+        self._steps = [s for s in self._steps if s.step < step]
+        ts = dict(self._gtensors)
+        meta = encode(batch, "batch", ts, self._copy)
+        self._steps.append(_Step(step, rng, self._groups, meta, ts))
+
+    def _take(self, step: int, model, opt, scaler) -> _Snap:
+        ts: Tensors = {}
+        meta = encode_model(model, ts, self._copy)
+        opt_meta = encode_optimizer(opt, ts, self._copy) if opt is not None else None
+        sc = None
+        if scaler is not None and scaler.is_enabled():
+            scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker",
+                                                                     None)
+            sc = {"growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
+                  "growth_interval": scaler._growth_interval,
+                  "init_scale": scaler._init_scale}
+            if scale is not None:
+                ts["scaler/scale"], ts["scaler/tracker"] = scale.clone(), tracker.clone()
+        modes = {"training": {n: m.training for n, m in model.named_modules()},
+                 "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
+        return _Snap(step, meta, opt_meta, sc, modes, ts)
+
+    @property
+    def steps(self) -> int:
+        """How many steps a bundle written now could replay."""
+        return len(self._steps)
+
+    def encode(self, tensors: Tensors) -> dict | None:
+        """The manifest's ``lookback`` (the oldest snapshot and every step since, the failing one
+        last); its tensors go into ``tensors`` (host copies)."""
+        if not self._snaps or not self._steps:
+            return None
+        snap = self._snaps[0]
+        file = lambda t: t.detach().to("cpu").contiguous()  # noqa: E731
+        for k, v in snap.tensors.items():
+            if not k.startswith("scaler/"):
+                tensors[f"snap/{k}"] = file(v)
+        scaler = None
+        if snap.scaler is not None:
+            scale = snap.tensors.get("scaler/scale")
+            tracker = snap.tensors.get("scaler/tracker")
+            scaler = {"scale": float(scale) if scale is not None else snap.scaler["init_scale"],
+                      "growth_factor": snap.scaler["growth_factor"],
+                      "backoff_factor": snap.scaler["backoff_factor"],
+                      "growth_interval": snap.scaler["growth_interval"],
+                      "_growth_tracker": int(tracker) if tracker is not None else 0}
+        steps = []
+        for i, s in enumerate(self._steps):
+            for k, v in s.tensors.items():
+                tensors[f"s{i}/{k}"] = file(v)
+            rng_t: Tensors = {}
+            rng = s.rng.encode(rng_t)
+            tensors.update(_prefixed(f"s{i}/", rng_t))
+            steps.append({"step": s.step, "rng": rng, "groups": s.groups, "batch": s.batch})
+        return {"schema": SCHEMA, "k": self.k, "kept_on": self.kept_on, "start_step": snap.step,
+                "model": {**snap.model, **snap.modes}, "optimizer": snap.optimizer,
+                "grad_scaler": scaler, "steps": steps}
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclass(frozen=True)
+class Window:
+    """A bundle's lookback, checked: ``steps`` oldest first, the failing step last."""
+
+    start_step: int
+    k: int
+    steps: list[dict]
+    manifest: dict       # the lookback section
+    tensors: Tensors
+
+    def state_view(self, bundle: Bundle) -> "BundleView":
+        """The bundle as it was before the window's first step: its snapshot and first batch."""
+        snap = {k[len("snap/"):]: v for k, v in self.tensors.items() if k.startswith("snap/")}
+        m = dict(bundle.manifest)
+        lb = self.manifest
+        m.update(model=lb["model"], optimizer=lb.get("optimizer"),
+                 grad_scaler=lb.get("grad_scaler"), step=self.start_step)
+        return BundleView(bundle.path, m, view={**snap, **self.step_tensors(0)}) \
+            .with_step(self, 0)
+
+    def step_tensors(self, i: int) -> Tensors:
+        p = f"s{i}/"
+        return {k[len(p):]: v for k, v in self.tensors.items() if k.startswith(p)}
+
+
+@dataclass(frozen=True)
+class BundleView(Bundle):
+    """A bundle whose manifest and tensors are given (a step of a window, a derived state)."""
+
+    view: Tensors | None = None
+
+    def all_tensors(self) -> Tensors:
+        return dict(self.view or {})
+
+    def with_step(self, w: Window, i: int) -> "BundleView":
+        """This view with step ``i``'s batch, RNG and hyper-parameters."""
+        s = w.steps[i]
+        m = {**self.manifest, "batch": s["batch"], "rng": s["rng"], "step": s["step"]}
+        m["lookback_groups"] = s["groups"]
+        base = {k: v for k, v in (self.view or {}).items()
+                if not k.startswith(("batch/", "rng/", "groups/"))}
+        return BundleView(self.path, m, view={**base, **w.step_tensors(i)})
+
+
+MAX_STEPS = 1 << 14
+
+
+def parse(bundle: Bundle, where: str) -> Window | None:
+    """The bundle's lookback, checked as untrusted input; None when it has none."""
+    lb = bundle.manifest.get("lookback")
+    if lb is None:
+        return None
+    fix = "the manifest's lookback was altered or damaged; re-capture the bundle"
+    if not isinstance(lb, dict) or lb.get("schema") != SCHEMA:
+        raise BadInput(f"{where}: unreadable lookback (schema {SCHEMA} expected); {fix}")
+    steps = lb.get("steps")
+    if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_STEPS or not all(
+            isinstance(s, dict) and type(s.get("step")) is int and isinstance(s.get("rng"), dict)
+            and "batch" in s and "groups" in s for s in steps):
+        raise BadInput(f"{where}: the lookback's steps are not a list of {{step, rng, batch, "
+                       f"groups}}; {fix}")
+    numbers = [s["step"] for s in steps]
+    if numbers != list(range(numbers[0], numbers[0] + len(numbers))) or \
+            lb.get("start_step") != numbers[0] or type(lb.get("k")) is not int:
+        raise BadInput(f"{where}: the lookback's steps are not consecutive from its start step; "
+                       f"{fix}")
+    if numbers[-1] != bundle.manifest.get("step"):
+        raise BadInput(f"{where}: the lookback ends at step {numbers[-1]}, not at the bundle's "
+                       f"step {bundle.manifest.get('step')}; {fix}")
+    if "model" not in lb:
+        raise BadInput(f"{where}: the lookback has no model section; {fix}")
+    for key in ("model", "optimizer", "grad_scaler"):
+        want = field_problem(key, lb.get(key))
+        if want is not None:
+            raise BadInput(f"{where}: the lookback's {key} is not {want}; {fix}")
+    if any(field_problem("rng", s["rng"]) for s in steps):
+        raise BadInput(f"{where}: a lookback step's RNG state is not an object; {fix}")
+    if not all(isinstance(s["groups"], (list, dict)) for s in steps):
+        raise BadInput(f"{where}: the lookback's parameter groups are malformed; {fix}")
+    tensors = bundle.tensors(ROLE)
+    return Window(numbers[0], lb["k"], steps, lb, tensors)
