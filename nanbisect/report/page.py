@@ -1,5 +1,7 @@
-"""report.html: a self-contained page (no script, no external file) with the report and a plot of
-per-module-call NaN/inf counts and abs-max along the step's execution order, the culprit marked.
+"""report.html: a self-contained page (no script, no external file): the culprit card first,
+target and reference side by side, the ops before the culprit and the module calls around it as
+tables, a plot of per-module-call NaN/inf counts and abs-max along the step's execution order
+(the culprit marked), the step history, the notes; report.md and report.json folded at the end.
 
 The plot is an inline SVG drawn here: bars are the NaN (red) and inf (orange) counts of each
 module call's output (forward) or outgoing gradient (backward), on a log scale; the line is the
@@ -10,6 +12,7 @@ from __future__ import annotations
 import html
 import json
 import math
+from importlib.resources import files
 
 from nanbisect.records import TimelineRow
 from nanbisect.report.model import Report
@@ -22,9 +25,21 @@ def _log(x: float) -> float:
     return math.log10(1.0 + max(x, 0.0))
 
 
+def _ticks(top: float) -> list[tuple[float, str]]:
+    """Tick positions (in `_log` units, 0..top) and labels for a log axis: 0, 1, 10, 100, ..."""
+    out = [(0.0, "0")]
+    k = 0
+    while _log(10 ** k) <= top * 1.0001 and k < 40:
+        v = 10 ** k
+        out.append((_log(v), f"{v:g}" if k < 5 else f"1e{k}"))
+        k += 1 if top < 6 else max(1, int(top) // 5)
+    return out
+
+
 def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None,
              phase: str) -> str:
-    """SVG of ``timeline`` rows in execution order, the ``culprit`` call marked."""
+    """SVG of ``timeline`` rows in execution order, the ``culprit`` call marked, both y axes
+    with tick values, the x axis with call positions."""
     if not timeline:
         return "<p>(no module calls recorded)</p>"
     n = len(timeline)
@@ -33,12 +48,32 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     top_count = max(max(_log(r.nan), _log(r.inf)) for r in timeline) or 1.0
     top_mag = max(_log(r.absmax) for r in timeline) or 1.0
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" '
-           f'viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="11">',
+           f'viewBox="0 0 {W} {H}" font-family="sans-serif" font-size="11" role="img" '
+           f'aria-label="NaN and inf counts per module call">',
            f'<rect x="0" y="0" width="{W}" height="{H}" fill="white"/>',
            f'<line x1="{PAD_L}" y1="{PAD_T + ph}" x2="{PAD_L + pw}" y2="{PAD_T + ph}" '
            'stroke="#333"/>',
-           f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{PAD_T + ph}" stroke="#333"/>']
+           f'<line x1="{PAD_L}" y1="{PAD_T}" x2="{PAD_L}" y2="{PAD_T + ph}" stroke="#333"/>',
+           f'<line x1="{PAD_L + pw}" y1="{PAD_T}" x2="{PAD_L + pw}" y2="{PAD_T + ph}" '
+           'stroke="#2ca02c"/>']
+    for v, label in _ticks(top_count):          # left axis: counts
+        y = PAD_T + ph - ph * v / top_count
+        out.append(f'<line class="tick" x1="{PAD_L - 4}" y1="{y:.1f}" x2="{PAD_L}" y2="{y:.1f}" '
+                   f'stroke="#333"/><text x="{PAD_L - 6}" y="{y + 4:.1f}" text-anchor="end">'
+                   f'{label}</text>')
+    for v, label in _ticks(top_mag):            # right axis: abs-max
+        y = PAD_T + ph - ph * v / top_mag
+        out.append(f'<line class="tick" x1="{PAD_L + pw}" y1="{y:.1f}" x2="{PAD_L + pw + 4}" '
+                   f'y2="{y:.1f}" stroke="#2ca02c"/><text x="{PAD_L + pw + 6}" y="{y + 4:.1f}" '
+                   f'fill="#2ca02c">{label}</text>')
+    step = max(1, round(n / 10))
+    for i in list(range(0, n, step)) + ([n - 1] if (n - 1) % step else []):   # x axis: calls
+        x = PAD_L + (i + 0.5) * bw
+        out.append(f'<line class="tick" x1="{x:.1f}" y1="{PAD_T + ph}" x2="{x:.1f}" '
+                   f'y2="{PAD_T + ph + 4}" stroke="#333"/><text x="{x:.1f}" '
+                   f'y="{PAD_T + ph + 16}" text-anchor="middle">{i + 1}</text>')
     points = []
+    marker = None
     for i, r in enumerate(timeline):
         x = PAD_L + i * bw
         for j, (key, colour) in enumerate((("nan", "#d62728"), ("inf", "#ff7f0e"))):
@@ -49,23 +84,29 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
                            f'fill="{colour}"><title>{html.escape(r.module or "<root>")} '
                            f'call {r.call}: {key} {getattr(r, key)}</title></rect>')
         points.append(f"{x + bw / 2:.1f},{PAD_T + ph - ph * _log(r.absmax) / top_mag:.1f}")
-        if culprit and (r.module, r.call) == culprit:
-            cx = x + bw / 2
-            out.append(f'<line x1="{cx:.1f}" y1="{PAD_T - 5}" x2="{cx:.1f}" y2="{PAD_T + ph}" '
-                       'stroke="#1f77b4" stroke-width="2" stroke-dasharray="5,3"/>')
-            label = html.escape(f"culprit: {r.module or '<root>'} (call {r.call})")
-            anchor = "end" if cx > W / 2 else "start"
-            out.append(f'<text x="{cx + (-4 if anchor == "end" else 4):.1f}" y="{PAD_T + 8}" '
-                       f'text-anchor="{anchor}" fill="#1f77b4" font-weight="bold">{label}</text>')
+        if culprit and (r.module, r.call) == culprit and marker is None:
+            marker = (x + bw / 2, r)
     out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="#2ca02c" '
                'stroke-width="1.5"/>')
+    if marker is not None:
+        cx, r = marker
+        out.append(f'<line x1="{cx:.1f}" y1="{PAD_T - 4}" x2="{cx:.1f}" y2="{PAD_T + ph}" '
+                   'stroke="#1f77b4" stroke-width="2" stroke-dasharray="5,3"/>')
+        label = f"culprit: {r.module or '<root>'} (call {r.call})"
+        width = 6.2 * len(label) + 8           # ~11px sans-serif; the box keeps it on the page
+        lx = min(max(cx - width / 2, 2), W - width - 2)
+        out.append(f'<rect x="{lx:.1f}" y="2" width="{width:.1f}" height="16" rx="3" '
+                   'fill="white" stroke="#1f77b4"/>'
+                   f'<text x="{lx + width / 2:.1f}" y="14" text-anchor="middle" fill="#1f77b4" '
+                   f'font-weight="bold">{html.escape(label)}</text>')
     side = "output" if phase == "forward" else "outgoing gradient"
     out += [f'<text x="{PAD_L + pw / 2}" y="{H - 25}" text-anchor="middle">module calls in '
             f'{html.escape(phase)} execution order (1 .. {n})</text>',
-            f'<text x="15" y="{PAD_T + ph / 2}" transform="rotate(-90 15 {PAD_T + ph / 2})" '
+            f'<text x="14" y="{PAD_T + ph / 2}" transform="rotate(-90 14 {PAD_T + ph / 2})" '
             f'text-anchor="middle">NaN / inf count of the {side} (log)</text>',
-            f'<text x="{W - 15}" y="{PAD_T + ph / 2}" transform="rotate(90 {W - 15} '
-            f'{PAD_T + ph / 2})" text-anchor="middle" fill="#2ca02c">abs-max (log)</text>',
+            f'<text x="{W - 10}" y="{PAD_T + ph / 2}" transform="rotate(90 {W - 10} '
+            f'{PAD_T + ph / 2})" text-anchor="middle" fill="#2ca02c">largest finite |value| '
+            '(log)</text>',
             f'<rect x="{PAD_L}" y="{H - 18}" width="10" height="10" fill="#d62728"/>'
             f'<text x="{PAD_L + 14}" y="{H - 9}">NaN</text>',
             f'<rect x="{PAD_L + 60}" y="{H - 18}" width="10" height="10" fill="#ff7f0e"/>'
@@ -117,28 +158,59 @@ def history_svg(r: Report) -> str:
     return "\n".join(out)
 
 
+# what each classification means, in one line (the README's table says it at length)
+MEANING = {
+    "device": "the culprit op, given the same inputs at the same dtype, is wrong on the target "
+              "and right on the reference",
+    "numerics": "the failure follows from the arithmetic at this dtype: it happens on a "
+                "correct device too",
+    "data": "the batch or a loaded state already held the non-finite value",
+    "communication": "every rank's input to a collective was finite and its output was not",
+    "transient": "the failure did not come back on a faithful replay of the captured step",
+    "code-changed": "the code differs from the capture's: the edit is the first suspect",
+    "replay-mismatch": "the replay does not compute the captured step; no verdict about the "
+                       "device follows",
+    "unknown": "not enough evidence (no reference, an op the reference cannot run, or another "
+               "device than the capture's)",
+}
+
+
+def _num(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return format(v, ".4g")
+    return str(v)
+
+
 def to_html(r: Report) -> str:
-    """The page for ``r``: headline, the plot, report.md and report.json, self-contained."""
+    """The page for ``r``: the culprit card first, target and reference side by side, the ops
+    and module calls as tables, the plots, the notes; self-contained (no script, no network),
+    readable in a narrow window and printable (`templates/report.html.j2`)."""
+    from jinja2 import Environment, StrictUndefined
+
     c = r.culprit if r.verdict == "culprit" else None
+    if c is not None and r.subset and not r.subset.get("decided", True) and \
+            r.subset.get("next_ranks"):
+        c = None     # a rank that was not replayed: the headline says which to replay next
     culprit = (c.module, c.module_call) if c else None
-    svg = plot_svg(r.timeline, culprit, r.phase or "")
-    head = html.escape(headline(r))
-    markdown = to_markdown(r)
-    report_json = r.to_json()
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>nanbisect: {html.escape(report_json['verdict'])}</title>
-<style>body{{font-family:sans-serif;max-width:1000px;margin:2em auto;color:#222}}
-pre{{background:#f6f6f6;padding:1em;overflow-x:auto;font-size:12px}}
-.verdict{{font-size:1.3em;font-weight:bold}}</style></head>
-<body>
-<h1>nanbisect report</h1>
-<p class="verdict">{head}</p>
-<h2>Module calls along the step</h2>
-{svg}
-{"<h2>The steps before</h2>" + history_svg(r) if history_svg(r) else ""}
-<h2>Report</h2>
-<pre>{html.escape(markdown)}</pre>
-<h2>report.json</h2>
-<pre>{html.escape(json.dumps(report_json, indent=1))}</pre>
-</body></html>
-"""
+    env = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True,
+                      lstrip_blocks=True, keep_trailing_newline=True)
+    env.globals.update(num=_num, dash=lambda v: "-" if v is None else v)
+    template = env.from_string(
+        (files("nanbisect.report") / "templates" / "report.html.j2").read_text())
+    res = r.repro_result
+    said = ("not run" if res is None or not res.ran else
+            "reproduced" if res.reproduced else "did not reproduce")
+    forward = r.phase == "forward"
+    return template.render(
+        r=r, c=c, headline=headline(r), meaning=MEANING.get(r.classification or ""),
+        multi=bool(r.ranks), has_reference=r.facts.reference not in (None, "none"),
+        losses=r.facts.losses, repro_said=f"{said} on {r.facts.target}",
+        side_in="inputs" if forward else "grad arriving",
+        side_out="output" if forward else "grad leaving",
+        timeline_svg=plot_svg(r.timeline, culprit, r.phase or ""),
+        # NaN/inf counts along the step: only where some call had any (not for a divergence)
+        show_timeline=any(t.nan or t.inf for t in r.timeline),
+        history_svg=history_svg(r), markdown=to_markdown(r),
+        report_json=json.dumps(r.to_json(), indent=1))

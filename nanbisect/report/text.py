@@ -69,13 +69,14 @@ def to_markdown(r: Report) -> str:
              f"- target: `{r.facts.target}`, reference: `{r.facts.reference}`",
              f"- classification: {r.classification or '-'}", f"- first bad phase: {r.phase or '-'}"]
     rp = r.facts.losses
-    lines.append(f"- loss: original {rp.original}, target {rp.target}, reference {rp.reference}")
+    lines.append(f"- loss: original {_num(rp.original)}, target {_num(rp.target)}, reference "
+                 f"{_num(rp.reference)}")
     if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset["decided"]
                                                      and r.subset.get("next_ranks")):
         c = r.culprit
         lines += ["", "## Culprit", "", "| field | value |", "|---|---|"]
         for k, v in asdict(c).items():
-            lines.append(f"| {k} | `{v}` |")
+            lines.append(f"| {k} | `{v}` |" if v is not None else f"| {k} | - |")
     if r.inf_origin:
         o = r.inf_origin
         lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o.op}` "
@@ -95,8 +96,9 @@ def to_markdown(r: Report) -> str:
                       + (" (a collective: received)" if root.collective else " (computed here)")
                       if root else "-")
             lines.append(f"| {k.rank} | {(s.phase if s else None) or '-'} | "
-                         f"{s.loss if s else None} | {s.reduce_in_bad if s else None} | "
-                         f"{s.reduce_out_bad if s else None} | {cell} | {traced} |")
+                         f"{_num(s.loss if s else None)} | "
+                         f"{_num(s.reduce_in_bad if s else None)} | "
+                         f"{_num(s.reduce_out_bad if s else None)} | {cell} | {traced} |")
     if r.op_check:
         lines += ["", f"## The culprit op in isolation on `{r.facts.reference}`", "",
                   f"Same inputs on both sides; status **{r.op_check.status}** "
@@ -112,8 +114,8 @@ def to_markdown(r: Report) -> str:
                   "has nan | output has inf | output absmax |", "|---|---|---|---|---|---|---|"]
         for c in r.context:
             mark = "**" if c.culprit else ""
-            lines.append(f"| {c.op_index} | {mark}`{c.op}`{mark} | `{c.module}` | "
-                         f"{c.module_call} | {'yes' if c.out_nan else '-'} | "
+            lines.append(f"| {c.op_index} | {mark}`{c.op}`{mark} | `{c.module or '-'}` | "
+                         f"{_num(c.module_call)} | {'yes' if c.out_nan else '-'} | "
                          f"{'yes' if c.out_inf else '-'} | "
                          f"{'-' if c.out_absmax is None else format(c.out_absmax, '.3g')} |")
     if r.repro:
@@ -194,7 +196,7 @@ def terminal(r: Report, out: Path) -> str:
     if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset["decided"]
                                                      and r.subset.get("next_ranks")):
         c = r.culprit
-        lines.append(f"  phase={c.phase} module={c.module or '<root>'} call={c.module_call} "
+        lines.append(f"  phase={c.phase} module={c.module or '<root>'} call={_num(c.module_call)} "
                      f"dtypes={c.input_dtypes} shapes={c.input_shapes}")
         if c.op:
             lines.append(f"  op={c.op} op_index={c.op_index}")
