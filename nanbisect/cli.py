@@ -16,7 +16,7 @@ import typer
 
 from nanbisect.errors import BadInput
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   context_settings={"help_option_names": ["-h", "--help"]},
                   help="Find the first operation that breaks a PyTorch training step.")
 
@@ -88,7 +88,8 @@ def run(
                                                        "when the target is not cpu, else none)"),
     inject: Optional[str] = typer.Option(None, help="FILE.py:FUNC whose context manager wraps "
                                                     "every target-side execution"),
-    out: Optional[Path] = typer.Option(None, help="report directory (default: "
+    out: Optional[Path] = typer.Option(None, help="report directory: report.json, report.md, "
+                                                  "report.html, repro/ (default: "
                                                   "BUNDLE/nanbisect-report); new, empty, or a "
                                                   "report nanbisect wrote (only that is "
                                                   "replaced)"),
@@ -268,14 +269,14 @@ def clean(
 @app.command()
 def selftest(
     device: str = typer.Option("cpu", help="device to plant and find the faults on"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print the results as JSON"),
 ) -> None:
     """Plant built-in faults, catch them with Guard, bisect them; exit 1 if one is missed."""
     from nanbisect.replay.replayer import parse_device
     from nanbisect.selftest import run
 
     try:
-        parse_device(device)
+        parse_device(device, flag="--device")
         rows = run(device)
     except BadInput as e:
         _fail(e)

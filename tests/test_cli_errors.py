@@ -135,3 +135,51 @@ def test_inspect_json(fixture_bundle):
     assert info["observed"]["first"] == "param"
     assert info["files"]["model.safetensors"]["tensors"] == 3
     shutil.rmtree(info["bundle"])  # tmp copy; proves the path printed is the one inspected
+
+
+def test_a_folder_of_bundles_names_them_and_suggests_triage(fixture_bundle, tmp_path):
+    """`--ckpt` on a Guard's `out` folder (the bundles are inside it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    healthy = fixture_bundle("healthy")
+    for name in ("step000012", "step000051"):
+        shutil.copytree(healthy, out / name)
+    (out / "notes").mkdir()
+    res = invoke("run", "--ckpt", out)
+    assert_clean_error(res, "folder of 2 bundle(s)", "step000012, step000051",
+                       f"nanbisect triage '{out}'")
+    assert not (out / "nanbisect-report").exists()
+
+
+def test_selftest_device_error_names_its_own_flag():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    res = invoke("selftest", "--device", "cuda")
+    assert_clean_error(res, "pass --device")
+    assert "--target" not in res.stderr
+
+
+def test_help_shows_boolean_flags_as_flags():
+    for cmd in ("run", "selftest", "inspect"):
+        out = invoke(cmd, "--help").stdout
+        assert "--json" in out and "<bool>" not in out and "None" not in out, out
+    assert "report.html" in invoke("run", "--help").stdout
+
+
+def test_repro_on_a_device_this_torch_lacks_is_a_one_line_exit_2(fixture_bundle):
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    bundle = fixture_bundle("forward_nan_behind_mask")
+    assert cli("run", "--ckpt", bundle).code == 1
+    script = bundle / "nanbisect-report" / "repro" / "repro.py"
+    p = subprocess.run([sys.executable, str(script), "--device", "cuda"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "--device cpu" in p.stderr

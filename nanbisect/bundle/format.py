@@ -420,9 +420,33 @@ class Bundle:
         return replace(b, borrowed=_borrowed(self, rank, b, verify))
 
 
+def _bundles_inside(p: Path, limit: int = 10_000) -> list[str]:
+    """Names of the directories directly in ``p`` that hold a manifest.json, sorted (a Guard's
+    ``out`` folder); at most ``limit`` entries are looked at."""
+    names = []
+    try:
+        with os.scandir(p) as it:
+            for i, e in enumerate(it):
+                if i >= limit:
+                    break
+                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False) and \
+                        os.path.isfile(os.path.join(e.path, MANIFEST)):
+                    names.append(e.name)
+    except OSError:
+        return []
+    return sorted(names)
+
+
 def _read_manifest(p: Path) -> dict:
     mpath = p / MANIFEST
     if not os.path.lexists(mpath):
+        inside = _bundles_inside(p)
+        if inside:
+            shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more"
+                                             if len(inside) > 5 else "")
+            raise BadInput(f"'{p}' is a folder of {len(inside)} bundle(s) ({shown}), not one "
+                           f"bundle; pass one of them (e.g. '{p / inside[-1]}'), or replay them "
+                           f"all with: nanbisect triage '{p}'")
         raise BadInput(f"bundle '{p}' has no manifest.json; it is not a nanbisect bundle or its "
                        "capture did not finish; re-capture it")
     st = _regular(mpath, f"bundle '{p}': manifest.json")

@@ -27,7 +27,8 @@ from nanbisect.task import Task, load_task
 PHASES = ("input", "forward", "backward", "optimizer")
 
 
-def parse_device(spec: str) -> tuple[torch.device, torch.dtype | None]:
+def parse_device(spec: str, flag: str = "--target/--reference"
+                 ) -> tuple[torch.device, torch.dtype | None]:
     """``"cuda:1"`` -> (device, None); ``"cpu:float64"`` -> (cpu, torch.float64).
 
     >>> parse_device("cpu:float64")
@@ -58,8 +59,8 @@ def parse_device(spec: str) -> tuple[torch.device, torch.dtype | None]:
         if ok and device.index is not None and hasattr(mod, "device_count"):
             ok = device.index < mod.device_count()
         if not ok:
-            raise BadInput(f"device '{spec}' is not available on this machine; pass --target/"
-                           "--reference with a device it has (cpu always works)")
+            raise BadInput(f"device '{spec}' is not available on this machine; pass {flag} "
+                           "with a device it has (cpu always works)")
     return device, dtype
 
 
