@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Set up, then bisect the shipped forward-NaN bundle and show its culprit.
-# Exits 0 when nanbisect names a culprit (its own exit code 1), non-zero otherwise.
+# Set up (nanbisect and what it needs, not the test extras), then bisect the shipped forward-NaN
+# bundle and show its culprit. Exits 0 when nanbisect names a culprit (its own exit code 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
-PY=${PYTHON:-python3}
+source scripts/env.sh
+echo "demo: nanbisect run --ckpt fixtures/bundles/forward_nan_behind_mask" >&2
 "$PY" -m nanbisect run --ckpt fixtures/bundles/forward_nan_behind_mask
 code=$?
 if [ "$code" -ne 1 ]; then

@@ -1,12 +1,25 @@
 #!/usr/bin/env bash
-# Install nanbisect (editable) and everything it needs into the current python3. Idempotent.
-# torch is installed only when none is present, pinned to 2.13.0: on this machine type that is the
-# CPU wheel lying on disk, while a bare `pip install torch` would download a multi-GB CUDA build.
+# Install nanbisect (editable) and what it needs; `setup.sh test` adds the test suite's extras.
+# Idempotent. The Python is scripts/env.sh's choice: python3, or the clone's own .venv when the
+# system Python refuses pip installs (PEP 668). torch is installed only when none is present,
+# pinned to 2.13.0: on this machine type that is the CPU wheel lying on disk, while a bare
+# `pip install torch` would download a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/env.sh
+what=.
+[ "${1:-}" = test ] && what=".[test]"
+echo "setup: using $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))" >&2
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  echo "setup: no torch found, installing torch==2.13.0" >&2
-  "$PY" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  echo "setup: no torch found: installing torch==2.13.0 (a large wheel: a minute or two)" >&2
+  "$PY" -m pip install --disable-pip-version-check --progress-bar on "torch==2.13.0"
 fi
-"$PY" -m pip install -q --disable-pip-version-check -e ".[test]"
+echo "setup: installing nanbisect -e '$what' and its dependencies" >&2
+"$PY" -m pip install --disable-pip-version-check --progress-bar on -e "$what" \
+  | { grep -v -E "^(Requirement already satisfied|Obtaining|  Checking|  Preparing|Looking in)" || true; }
+if [ "$PY" != "${PYTHON:-}" ] && [ "$(dirname "$PY")" = "$PWD/.venv/bin" ]; then
+  echo "setup: done; nanbisect is installed in $PWD/.venv: run 'source .venv/bin/activate' to" \
+       "use it (or call .venv/bin/nanbisect)" >&2
+else
+  echo "setup: done ($PY)" >&2
+fi
