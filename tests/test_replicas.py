@@ -94,9 +94,11 @@ def test_in_sync_ddp_replicas_are_written_once(ddp4):
     b = read_bundle(ddp4)
     # the collectives Guard recorded for --ranks (DDP's reduced gradients) are the same on
     # every rank too
-    want = {role: b.part(0).tensors(role) for role in ("model", "optimizer", "collectives")}
+    want = {role: b.part(0).tensors(role)
+            for role in ("model", "optimizer", "collectives", "history")}
     assert len(want["model"]) == 4 and len(want["optimizer"]) == 12   # 4 x (step, exp_avg, ..sq)
     assert len(want["collectives"]) == 4                 # one reduced gradient per parameter
+    assert list(want["history"]) == ["history/norms"]    # the steps' norms (Guard(history))
     for r in (1, 2, 3):
         part = b.part(r)
         for role, ts in want.items():
