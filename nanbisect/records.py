@@ -36,6 +36,16 @@ def json_number(x: float | None) -> float | str | None:
 # what a replay saw
 
 
+ROOT = "<root>"   # how reports name the top-level module (JSON: "")
+
+
+def module_label(name: str | None) -> str:
+    """A module's dotted name as the reports print it: ``ROOT`` for the top-level module, that
+    is, code outside any submodule (the model's own forward, the loss function); JSON keeps
+    ``""`` (DESIGN.md)."""
+    return name or ROOT
+
+
 class CallId(NamedTuple):
     """The k-th call of a module in the step: the one identity every stage uses for it.
 

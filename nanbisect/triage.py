@@ -78,6 +78,7 @@ from pathlib import Path
 
 from nanbisect import __version__
 from nanbisect.errors import BadInput, signal_name
+from nanbisect.records import module_label
 
 SCHEMA = "nanbisect.triage/1"
 CACHE_SCHEMA = "nanbisect.triage-cache/1"
@@ -236,7 +237,7 @@ def signature(report: dict) -> str | None:
             # code-changed, replay-mismatch, unknown and transient are different nights
             return f"not-reproduced · {report.get('classification') or 'unknown'}"
         return None
-    return " · ".join([c.get("op") or "-", normalise_module(c.get("module") or ""),
+    return " · ".join([c.get("op") or "-", normalise_module(module_label(c.get("module"))),
                        c.get("phase") or "-", ",".join(c.get("input_dtypes") or []) or "-",
                        report.get("classification") or "-"])
 

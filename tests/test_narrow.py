@@ -106,6 +106,27 @@ def test_report_json_has_op_fields(tmp_path):
     assert (tmp_path / "report" / "repro" / "inputs.safetensors").is_file()
 
 
+def test_top_level_module_has_one_name_in_every_report(tmp_path):
+    """A culprit in the model's own forward (outside any submodule): "" in report.json (DESIGN),
+    the same printed name in the terminal lines, report.md, report.html and the triage
+    signature."""
+    from nanbisect.records import ROOT
+    from nanbisect.report.text import terminal
+    from nanbisect.triage import signature
+
+    torch.manual_seed(0)
+    bundle = guard_bundle(tmp_path, "drop_then_sqrt", torch.randn(6, 8))
+    r = run(bundle, tmp_path)
+    out = tmp_path / "report"
+    rep = json.loads((out / "report.json").read_text())
+    assert (rep["culprit"]["op"], rep["culprit"]["module"]) == ("aten.sqrt.default", "")
+    md, page, term = (out / "report.md").read_text(), (out / "report.html").read_text(), terminal(r, out)
+    assert f"module={ROOT} call=0" in term and f"at module '{ROOT}'" in term
+    assert f"`{ROOT}`" in md and "outside any submodule" not in md + page
+    assert f"<code>{ROOT.replace('<', '&lt;').replace('>', '&gt;')}</code>" in page
+    assert f" · {ROOT} · forward · " in signature(rep)
+
+
 def test_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
     """The op alone does not reproduce (a scale set outside its inputs); the module call does."""
     torch.manual_seed(0)

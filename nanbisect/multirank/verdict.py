@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, RankSummary,
-                               RunFacts)
+                               RunFacts, module_label)
 from nanbisect.report.model import Report
 
 
@@ -61,7 +61,7 @@ def choose_rank(roots: list[RankRoot | None], planned: int) -> tuple[int, bool]:
 
 
 def _where(root: RankRoot) -> str:
-    return (f" in {root.module or '<root>'} call {root.module_call}"
+    return (f" in {module_label(root.module)} call {root.module_call}"
             if root.module_call is not None else "")
 
 

@@ -14,7 +14,7 @@ import json
 import math
 from importlib.resources import files
 
-from nanbisect.records import TimelineRow
+from nanbisect.records import TimelineRow, module_label
 from nanbisect.report.model import Report
 from nanbisect.report.text import headline, to_markdown
 
@@ -81,7 +81,7 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
             if h > 0:
                 out.append(f'<rect x="{x + j * bw / 2:.1f}" y="{PAD_T + ph - h:.1f}" '
                            f'width="{max(bw / 2 - 0.5, 0.5):.1f}" height="{h:.1f}" '
-                           f'fill="{colour}"><title>{html.escape(r.module or "<root>")} '
+                           f'fill="{colour}"><title>{html.escape(module_label(r.module))} '
                            f'call {r.call}: {key} {getattr(r, key)}</title></rect>')
         points.append(f"{x + bw / 2:.1f},{PAD_T + ph - ph * _log(r.absmax) / top_mag:.1f}")
         if culprit and (r.module, r.call) == culprit and marker is None:
@@ -92,7 +92,7 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
         cx, r = marker
         out.append(f'<line x1="{cx:.1f}" y1="{PAD_T - 4}" x2="{cx:.1f}" y2="{PAD_T + ph}" '
                    'stroke="#1f77b4" stroke-width="2" stroke-dasharray="5,3"/>')
-        label = f"culprit: {r.module or '<root>'} (call {r.call})"
+        label = f"culprit: {module_label(r.module)} (call {r.call})"
         width = 6.2 * len(label) + 8           # ~11px sans-serif; the box keeps it on the page
         lx = min(max(cx - width / 2, 2), W - width - 2)
         out.append(f'<rect x="{lx:.1f}" y="2" width="{width:.1f}" height="16" rx="3" '
@@ -196,7 +196,8 @@ def to_html(r: Report) -> str:
     culprit = (c.module, c.module_call) if c else None
     env = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True,
                       lstrip_blocks=True, keep_trailing_newline=True)
-    env.globals.update(num=_num, dash=lambda v: "-" if v is None else v)
+    env.globals.update(num=_num, dash=lambda v: "-" if v is None else v,
+                       label=module_label)
     template = env.from_string(
         (files("nanbisect.report") / "templates" / "report.html.j2").read_text())
     res = r.repro_result

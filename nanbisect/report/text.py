@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from nanbisect.records import Stats
+from nanbisect.records import Stats, module_label
 from nanbisect.report.model import Report
 
 
@@ -26,7 +26,7 @@ def headline(r: Report) -> str:
                 "is at fault")
     if r.verdict == "culprit" and r.culprit and r.kind == "mismatch":
         c = r.culprit
-        where = f"'{c.module or '<outside any submodule>'}'"
+        where = f"'{module_label(c.module)}'"
         if c.module_call is not None:
             where += f" (call {c.module_call})"
         at = (f" at step {c.step}" if c.step is not None and r.steps else "")
@@ -34,7 +34,7 @@ def headline(r: Report) -> str:
                 f"{c.phase} at module {where}{at}")
     if r.verdict == "culprit" and r.culprit:
         c = r.culprit
-        where = f"'{c.module or '<outside any submodule>'}'"
+        where = f"'{module_label(c.module)}'"
         if c.module_call is not None:
             where += f" (call {c.module_call})"
         if c.parameter:
@@ -80,7 +80,7 @@ def to_markdown(r: Report) -> str:
     if r.inf_origin:
         o = r.inf_origin
         lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o.op}` "
-                  f"(op #{o.op_index}, {o.phase}, module `{o.module}` call {o.module_call})."]
+                  f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` call {o.module_call})."]
     if r.ranks:
         lines += ["", "## Ranks", "", "| rank | first bad phase | loss | into reduction bad | "
                   "out of reduction bad | culprit module call on this rank (in nan / out nan) | "
@@ -92,7 +92,7 @@ def to_markdown(r: Report) -> str:
             if ms:
                 io = (ms.get("inputs"), ms.get("output"))
                 cell = " / ".join(str(x.nan) if x else "-" for x in io)
-            traced = (f"`{root.op}` in `{root.module or '<root>'}` call {root.module_call}"
+            traced = (f"`{root.op}` in `{module_label(root.module)}` call {root.module_call}"
                       + (" (a collective: received)" if root.collective else " (computed here)")
                       if root else "-")
             lines.append(f"| {k.rank} | {(s.phase if s else None) or '-'} | "
@@ -114,7 +114,7 @@ def to_markdown(r: Report) -> str:
                   "has nan | output has inf | output absmax |", "|---|---|---|---|---|---|---|"]
         for c in r.context:
             mark = "**" if c.culprit else ""
-            lines.append(f"| {c.op_index} | {mark}`{c.op}`{mark} | `{c.module or '-'}` | "
+            lines.append(f"| {c.op_index} | {mark}`{c.op}`{mark} | `{module_label(c.module)}` | "
                          f"{_num(c.module_call)} | {'yes' if c.out_nan else '-'} | "
                          f"{'yes' if c.out_inf else '-'} | "
                          f"{'-' if c.out_absmax is None else format(c.out_absmax, '.3g')} |")
@@ -142,7 +142,7 @@ def to_markdown(r: Report) -> str:
                   f"{out} nan | {out} inf | {out} absmax |", "|---|---|---|---|---|---|---|---|---|---|"]
         for t in r.backtrace:
             mark = "**" if t.role == "culprit" else ""
-            lines.append(f"| {t.order} | {mark}`{t.module or '<root>'}`{mark} | {t.call} | "
+            lines.append(f"| {t.order} | {mark}`{module_label(t.module)}`{mark} | {t.call} | "
                          f"{t.role} | {_fmt_stats(t.before)} | {_fmt_stats(t.after)} |")
     lines += _steps_md(r) + _history_md(r)
     if r.notes:
@@ -196,7 +196,7 @@ def terminal(r: Report, out: Path) -> str:
     if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset["decided"]
                                                      and r.subset.get("next_ranks")):
         c = r.culprit
-        lines.append(f"  phase={c.phase} module={c.module or '<root>'} call={_num(c.module_call)} "
+        lines.append(f"  phase={c.phase} module={module_label(c.module)} call={_num(c.module_call)} "
                      f"dtypes={c.input_dtypes} shapes={c.input_shapes}")
         if c.op:
             lines.append(f"  op={c.op} op_index={c.op_index}")
@@ -204,7 +204,7 @@ def terminal(r: Report, out: Path) -> str:
             lines.append(f"  source: {c.source}")
         if r.inf_origin:
             o = r.inf_origin
-            lines.append(f"  inf born in: {o.op} (op #{o.op_index}, module {o.module})")
+            lines.append(f"  inf born in: {o.op} (op #{o.op_index}, module {module_label(o.module)})")
         if r.repro:
             lines.append(f"  repro: {out / r.repro}"
                          + (" (reproduced)" if r.repro_result and r.repro_result.reproduced
