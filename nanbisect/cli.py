@@ -115,6 +115,8 @@ def run(
     if path is None:
         _fail(BadInput("run: no bundle given; pass it as `nanbisect run BUNDLE` (or --ckpt "
                        "BUNDLE)"))
+    from nanbisect.report.rerun import prestart
+    prestart(path, target)    # a repro's interpreter imports torch while this one does
     from nanbisect.pipeline import RunOptions, run_bundle
     from nanbisect.report.text import terminal
 

@@ -5,7 +5,10 @@ Passes over the step, each from the bundle's pre-step state:
      decides reproduction and phase, and gives the module backtrace;
   2. op recording over the failing phase only; provenance from the failed value to its root op;
   3. a narrow replay that clones the root op's inputs (and takes the only Python stack), for the
-     standalone repro, which then runs once in a subprocess.
+     standalone repro, which then runs once where nanbisect cannot be imported by it: on the CPU
+     in a fork of this process (torch loaded), elsewhere in a fresh interpreter started when the
+     run began (its ``import torch`` overlapped the passes; `nanbisect.report.rerun`), while this
+     process re-runs the culprit op on the reference.
 A failure recorded in the manifest that the replay does not show is reported as
 ``not-reproduced``, never given an invented culprit. Each pass is announced to ``progress`` with
 a stable key from `STAGES` and a text for people, so callers can show or time the passes.
@@ -13,6 +16,7 @@ a stable key from `STAGES` and a text for people, so callers can show or time th
 from __future__ import annotations
 
 import shutil
+import time
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
@@ -46,7 +50,8 @@ from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.reference.window import replay_window
 from nanbisect.report.model import Report
-from nanbisect.report.repro import repro_imports, run_repro, write_module_repro, write_repro
+from nanbisect.report.repro import repro_imports, write_module_repro, write_repro
+from nanbisect.report.rerun import Fork, Interpreter, run_repro, take
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
 
@@ -94,6 +99,25 @@ def _guarded(fn, what: str):
                        "code fails on this bundle, fix it or pass --entry") from None
 
 
+class _Clock:
+    """The progress callback's wrapper that times the passes: each from its announcement to the
+    next; "read" is what came before the first (reading and checking the bundle)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.marks: list[tuple[str, float]] = [("read", time.perf_counter())]
+
+    def __call__(self, key: str, text: str) -> None:
+        self.marks.append((key, time.perf_counter()))
+        self.progress(key, text)
+
+    def seconds(self) -> dict[str, float]:
+        now, out = time.perf_counter(), {}
+        for (key, t), nxt in zip(self.marks, [m[1] for m in self.marks[1:]] + [now]):
+            out[key] = round(out.get(key, 0.0) + nxt - t, 4)
+        return out
+
+
 @dataclass
 class _Run:
     """What every pass of one run needs (private to this module)."""
@@ -105,6 +129,7 @@ class _Run:
     facts: RunFacts
     progress: Progress
     notes: list[str] = field(default_factory=list)
+    interp: Interpreter | None = None   # started ahead for the repro's run (opts.run_repro)
 
 
 def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | None = None,
@@ -121,6 +146,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     >>> report.culprit.op, report.culprit.module, report.culprit.module_call
     ('aten.sqrt.default', 'blocks.1.mlp.act', 2)
     """
+    clock = _Clock(progress)
     # --ranks: verify only the parts replayed (a 1,000-rank bundle is not hashed whole for one)
     bundle = read_bundle(path, verify=opts.ranks is None)
     m = bundle.manifest
@@ -149,12 +175,12 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
                              ranks=subset)
     threads = torch.get_num_threads()
     try:
-        return _run_bundle(bundle, opts, out, progress, target, t_dev, t_dtype)
+        return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype)
     finally:
         torch.set_num_threads(threads)     # the capture's count was this run's only
 
 
-def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: Progress, target: str,
+def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, target: str,
                 t_dev: torch.device, t_dtype: torch.dtype | None) -> Report:
     where = f"bundle '{bundle.path}'"
     history = hist.parse(bundle.manifest, bundle.tensors(hist.ROLE), where)
@@ -178,6 +204,7 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: Progress,
                 model, opt = rep.task.model, rep.task.optimizer
             report = replace(report, history=history.to_json(),
                              history_findings=hist.findings(history, model, opt))
+        report = replace(report, timings=progress.seconds())
         progress("report", "writing the report")
         write_report(report, tmp)
     return report
@@ -262,6 +289,26 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
     ref = None if reference == "none" else parse_device(reference)
     wrap = load_inject(opts.inject) if opts.inject else nullcontext
     notes = [n for n in [match_threads(bundle, t_dev)] if n]
+    interp = None
+    if opts.run_repro and t_dev.type != "cpu" and (recorded_failure(m.get("observed"))
+                                                   or ref is not None):
+        # the repro's interpreter imports torch while the passes below find what it will run
+        # (on the CPU the repro of a built-in op runs in a fork of this process instead)
+        interp = take(tmp)
+    try:
+        return _analyse_step(bundle, opts, progress, target, t_dev, t_dtype, tmp, reference,
+                             ref, wrap, notes, interp)
+    finally:
+        if interp is not None:
+            interp.close()
+
+
+def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
+                  t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path, reference: str,
+                  ref, wrap, notes: list[str], interp: Interpreter | None
+                  ) -> tuple[Report, Replayer]:
+    """`_analyse`'s passes, with the repro's interpreter (if any) already starting."""
+    m = bundle.manifest
     progress("build", "building the task")
     rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
     notes += rep.notes
@@ -293,7 +340,7 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
 
     facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
                      fidelity)
-    run = _Run(rep, probe, wrap, opts, facts, progress, notes)
+    run = _Run(rep, probe, wrap, opts, facts, progress, notes, interp)
     return _decide(run, first, side, ref, tmp), rep
 
 
@@ -423,13 +470,23 @@ def _reference_side(bundle: Bundle, rep: Replayer, first: StepOutcome, ref, tape
 
 
 def _write_repro(run: _Run, caught: Caught, culprit: Culprit, kind: str, tmp: Path):
-    """Write repro/ and run it once; returns (repro path, its result or None)."""
+    """Write repro/ and start its one run; returns (repro path, a callable that waits for its
+    result, or gives None without opts.run_repro). What the caller does meanwhile overlaps it."""
+    imports = repro_imports(caught.op, run.rep.entry)
     script = write_repro(tmp / "repro", caught, culprit=culprit, kind=kind,
-                         target=run.facts.target, imports=repro_imports(caught.op, run.rep.entry))
+                         target=run.facts.target, imports=imports)
     if not run.opts.run_repro:
-        return "repro/repro.py", None
-    run.progress("repro", "running the repro")
-    return "repro/repro.py", run_repro(script, run.facts.target)
+        return "repro/repro.py", lambda: None
+    if Fork.usable(run.rep.device.type, imports):
+        runner = Fork()
+    else:
+        runner, run.interp = run.interp or Interpreter(), None    # one script per interpreter
+    runner.submit(script, run.facts.target)
+
+    def result():
+        run.progress("repro", "waiting for the repro's run")
+        return runner.result()
+    return "repro/repro.py", result
 
 
 def _divergence_report(run: _Run, side: "_Reference", div: Divergence, tmp: Path) -> Report:
@@ -461,7 +518,8 @@ def _divergence_report(run: _Run, side: "_Reference", div: Divergence, tmp: Path
     culprit = make_culprit(rep.task.model, phase, finding=finding, call=call,
                            source=caught.source if caught else None)
     if caught is not None:
-        repro, result = _write_repro(run, caught, culprit, "mismatch", tmp)
+        repro, pending = _write_repro(run, caught, culprit, "mismatch", tmp)
+        result = pending()
     classification = "device" if check is not None else "unknown"
     if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
         classification = "replay-mismatch"
@@ -509,7 +567,12 @@ def _culprit_report(run: _Run, first: StepOutcome, side: "_Reference | None", re
 
     repro = repro_result = op_check = module_repro = None
     if caught is not None:
-        repro, repro_result = _write_repro(run, caught, culprit, kind, tmp)
+        repro, pending = _write_repro(run, caught, culprit, kind, tmp)
+        if ref is not None:     # in this process, while the repro runs in its own
+            run.progress("op-check", "re-running the culprit op on the reference")
+            op_check = _guarded(lambda: check_caught(caught, finding.op_index, rep.device, ref[0],
+                                                     run.wrap), "re-running the culprit op")
+        repro_result = pending()
         if repro_result and not repro_result.reproduced and opts.inject:
             notes.append(f"the repro did not reproduce on {target}: it runs the op without "
                          f"--inject {opts.inject}, which emulated the fault here; run "
@@ -526,10 +589,7 @@ def _culprit_report(run: _Run, first: StepOutcome, side: "_Reference | None", re
                          "outside its inputs); module_repro replays its module call "
                          "with the module's state: " + ("reproduced" if worked else
                                                         "did not reproduce either"))
-        if ref is not None:
-            run.progress("op-check", "re-running the culprit op on the reference")
-            op_check = _guarded(lambda: check_caught(caught, finding.op_index, rep.device, ref[0],
-                                                     run.wrap), "re-running the culprit op")
+        if op_check is not None:
             if op_check.status == "uncomparable":
                 notes.append(f"{caught.op} cannot run on the reference ({op_check.detail})"
                              "; it is reported as uncomparable, not as correct")

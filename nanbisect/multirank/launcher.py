@@ -53,7 +53,7 @@ from nanbisect.records import Losses, RankResult, RunFacts
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.replayer import resolve_entry
 from nanbisect.report.model import Report
-from nanbisect.report.repro import run_repro
+from nanbisect.report.rerun import run_repro
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
 

@@ -59,6 +59,10 @@ class Report:
     history_findings: list[dict] = field(default_factory=list)
     # --steps K: {replayed: [...], first_divergent_step, advanced, reached_recorded, ...}
     steps: dict | None = None
+    # seconds per pass of this run, in order ({"read": .., "build": .., "module-pass": .., ...}:
+    # the keys of nanbisect.pipeline.STAGES plus "read"); up to the report's writing, which is
+    # not in it. Single-process runs only.
+    timings: dict | None = None
 
     def with_replicas(self, replicas: dict | None) -> "Report":
         """This report plus the finding of a bundle whose data-parallel replicas differ (its top
@@ -124,4 +128,5 @@ class Report:
             **({"history": list(self.history), "history_findings": list(self.history_findings)}
                if self.history is not None else {}),
             **({"steps": dict(self.steps)} if self.steps is not None else {}),
+            **({"timings": dict(self.timings)} if self.timings is not None else {}),
         }

@@ -3,14 +3,12 @@
 `write_repro` renders ``repro.py`` from a template and saves the inputs, with the call's non-tensor
 arguments as JSON in the safetensors metadata. The repro needs only torch and safetensors.
 `write_module_repro` does the same for a whole module call (it rebuilds the model from the entry,
-so it needs that code). `run_repro` runs a script once in a fresh interpreter.
+so it needs that code). Running them once: `nanbisect.report.rerun`.
 """
 from __future__ import annotations
 
 import json
 import string
-import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from safetensors.torch import save_file
 from nanbisect import __version__
 from nanbisect.bundle.format import umask_mode
 from nanbisect.bundle.state import encode
-from nanbisect.records import Caught, Culprit, ModuleCaught, ReproResult
+from nanbisect.records import Caught, Culprit, ModuleCaught, module_label
 
 
 def _template(name: str) -> string.Template:
@@ -51,23 +49,12 @@ def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, targe
     save_file(tensors, str(out / "inputs.safetensors"), metadata={"nanbisect": json.dumps(meta)})
     umask_mode(out / "inputs.safetensors")     # safetensors writes 0600: a colleague must read it
     text = _template("repro.py.tmpl").substitute(
-        version=__version__, op=caught.op, phase=culprit.phase, module=culprit.module,
+        version=__version__, op=caught.op, phase=culprit.phase,
+        module=module_label(culprit.module),
         module_call=culprit.module_call, op_index=culprit.op_index, source=culprit.source,
         kind=kind, target=target, imports=repr(imports))
     (out / "repro.py").write_text(text)
     return out / "repro.py"
-
-
-def run_repro(script: Path, device: str, timeout: int = 300) -> ReproResult:
-    """Run the repro once in a fresh interpreter, from another directory; report what it said."""
-    try:
-        p = subprocess.run([sys.executable, str(script.resolve()), "--device", device],
-                           cwd=str(script.parent.parent), capture_output=True, text=True,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return ReproResult(False, None, f"timed out after {timeout}s")
-    tail = (p.stdout + p.stderr).strip().splitlines()[-6:]
-    return ReproResult(p.returncode == 1, p.returncode, "\n".join(tail))
 
 
 def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: str, target: str,
@@ -86,7 +73,8 @@ def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: s
     umask_mode(out / "module_inputs.safetensors")
     target_file, _, func = entry.rpartition(":")
     text = _template("module_repro.py.tmpl").substitute(
-        version=__version__, op=culprit.op, phase=culprit.phase, module=mc.call.module,
+        version=__version__, op=culprit.op, phase=culprit.phase,
+        module=module_label(mc.call.module),
         module_call=mc.call.call, kind=kind, target=target, entry=entry,
         entry_file=repr(str(Path(target_file).resolve())), entry_func=repr(func))
     (out / "module_repro.py").write_text(text)

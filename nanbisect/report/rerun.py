@@ -1,0 +1,276 @@
+"""Run a repro script once, where nanbisect cannot be imported by it, and say what it said (no
+torch imported by this module).
+
+`run_repro` starts a fresh interpreter when the script is ready (it pays ``import torch``, about as
+much as several training steps of a small model). `Fork` runs it in a fork of this process, which
+has torch loaded: a CPU run of a built-in op. `Interpreter` is a fresh one started ahead, so that
+its ``import torch`` overlaps the passes that find the culprit (a run on an accelerator);
+`prestart` starts one before this process imports torch itself (the CLI's first step), and the
+next run takes it.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from nanbisect.records import ReproResult
+
+
+def _said(code: int, stdout: str, stderr: str) -> ReproResult:
+    """Reproduced: exit 1 *and* the script's own "REPRODUCED:" line (an uncaught exception, an
+    import that fails before the script's main, also exits 1)."""
+    tail = (stdout + stderr).strip().splitlines()[-6:]
+    said = any(line.startswith("REPRODUCED:") for line in stdout.splitlines())
+    return ReproResult(code == 1 and said, code, "\n".join(tail))
+
+
+def run_repro(script: Path, device: str, timeout: int = 300) -> ReproResult:
+    """Run the repro once in a fresh interpreter, from another directory; report what it said."""
+    try:
+        p = subprocess.run([sys.executable, str(script.resolve()), "--device", device],
+                           cwd=str(script.parent.parent), capture_output=True, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return ReproResult(False, None, f"timed out after {timeout}s")
+    return _said(p.returncode, p.stdout, p.stderr)
+
+
+# The finder both kinds of runs install: an ``import nanbisect`` by the script itself fails as it
+# would where nanbisect is not installed; a file the script loads to register a custom op (e.g.
+# the entry file) may import what it likes, as with `run_repro`.
+_BLOCK = r"""
+import sys
+
+class _NoNanbisect:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] != "nanbisect":
+            return None
+        f = sys._getframe(1)
+        while f is not None and f.f_code.co_filename.startswith("<frozen importlib"):
+            f = f.f_back
+        if f is not None and f.f_globals.get("__name__") == "__main__":
+            raise ModuleNotFoundError("No module named %r (a repro must run without nanbisect)"
+                                      % name, name=name)
+        return None
+
+sys.meta_path.insert(0, _NoNanbisect())
+"""
+
+# The started interpreter: it blocks nanbisect for the script, imports what every repro imports,
+# then waits for one line: [script, directory, *argv], and runs the script there as
+# ``python script *argv`` would (``__main__``, sys.argv, sys.path[0]).
+_WAITING = _BLOCK + r"""
+import json, os, runpy
+try:
+    import torch
+    import safetensors.torch
+    line = sys.stdin.readline()
+    if not line.strip():
+        sys.exit(0)
+    script, cwd, *argv = json.loads(line)
+    os.chdir(cwd)
+except Exception:
+    sys.exit(75)      # not set up: the caller runs the script in a plain interpreter instead
+sys.argv = [script, *argv]
+sys.path[0] = os.path.dirname(script)
+del json, line, cwd, argv
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+class Interpreter:
+    """A fresh interpreter for one repro run, started before the repro exists.
+
+    ``start()`` launches it (it imports torch meanwhile); ``run(script, device)`` hands it the
+    script and waits for what it says, as `run_repro` would; ``close()`` ends one that was not
+    used. If it cannot start or dies before the script is handed over, ``run`` falls back to
+    `run_repro`, so the result never depends on it.
+    """
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, cwd: Path) -> "Interpreter":
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _WAITING], cwd=str(cwd),
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def submit(self, script: Path, device: str, timeout: int = 300) -> "Interpreter":
+        """Hand the script over; it runs while the caller goes on (`result` collects it)."""
+        self.script, self.device, self.timeout = script, device, timeout
+        self.deadline = time.monotonic() + timeout
+        self.handed = False
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return self
+        line = json.dumps([str(script.resolve()), str(script.parent.parent), "--device",
+                           device]) + "\n"
+        try:
+            proc.stdin.write(line)
+            proc.stdin.close()
+            self.handed = True
+        except (BrokenPipeError, OSError):   # it died while the script was handed over
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        proc.stdin = None      # closed (communicate() would flush it again)
+        return self
+
+    def result(self) -> ReproResult:
+        """What the submitted script said (exit 1: reproduced), as `run_repro` reports it."""
+        proc, self.proc = self.proc, None
+        script, device, timeout = self.script, self.device, self.timeout
+        if proc is None:
+            return run_repro(script, device, timeout)
+        try:
+            out, err = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return ReproResult(False, None, f"timed out after {timeout}s")
+        if proc.returncode == 75 or not self.handed:
+            return run_repro(script, device, timeout)   # it was not set up, or never got it
+        return _said(proc.returncode, out, err)
+
+    def run(self, script: Path, device: str, timeout: int = 300) -> ReproResult:
+        return self.submit(script, device, timeout).result()
+
+    def close(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+        if proc is not None:
+            proc.communicate()
+
+
+class Fork:
+    """One repro run in a fork of this process: torch is loaded already, so the run costs what
+    the script costs, not an interpreter's start-up. For a CPU run of a built-in op only (a
+    forked process cannot use CUDA its parent initialised; a custom op is registered in this
+    process by code the script must prove it imports itself): `usable` says when.
+
+    The child drops every nanbisect module and blocks importing it from the script (as the
+    fresh interpreter does), restores default signal handlers, runs torch on one intra-op thread
+    (GNU OpenMP's thread pool does not survive a fork: a child using it hangs), writes to files
+    of its own, and runs the script as ``python script --device D`` would, from the report
+    directory. Same ``submit``/``result`` as `Interpreter`.
+    """
+
+    @staticmethod
+    def usable(device_type: str, imports: list[str]) -> bool:
+        return hasattr(os, "fork") and device_type == "cpu" and not imports
+
+    def submit(self, script: Path, device: str, timeout: int = 300) -> "Fork":
+        self.script, self.device, self.timeout = script, device, timeout
+        self.deadline = time.monotonic() + timeout
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:      # the child: never returns
+            code = 1
+            try:
+                code = _forked(script, device, self.out.fileno(), self.err.fileno())
+            finally:
+                os._exit(code)
+        return self
+
+    def result(self) -> ReproResult:
+        code = None
+        while code is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                code = os.waitstatus_to_exitcode(status)
+            elif time.monotonic() > self.deadline:
+                os.kill(self.pid, signal.SIGKILL)
+                os.waitpid(self.pid, 0)
+                return ReproResult(False, None, f"timed out after {self.timeout}s")
+            else:
+                time.sleep(0.005)
+        said = []
+        for f in (self.out, self.err):
+            f.seek(0)
+            said.append(f.read().decode(errors="replace"))
+            f.close()
+        return _said(code, *said)
+
+
+def _forked(script: Path, device: str, out: int, err: int) -> int:
+    """In the forked child: run ``script`` as a fresh ``python script --device D`` would."""
+    import runpy
+    import traceback
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.stdout = open(1, "w", closefd=False)     # objects of its own: no lock a thread of the
+    sys.stderr = open(2, "w", closefd=False)     # parent held at the fork
+    import torch
+    torch.set_num_threads(1)
+    for name in [m for m in sys.modules if m.split(".")[0] == "nanbisect"]:
+        del sys.modules[name]
+    exec(_BLOCK, {})
+    os.chdir(script.parent.parent)
+    sys.argv = [str(script.resolve()), "--device", device]
+    sys.path[0] = str(script.resolve().parent)
+    try:
+        runpy.run_path(str(script.resolve()), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return code
+
+
+_SPARE: list[Interpreter] = []
+
+
+def prestart(bundle: Path, target: str | None) -> None:
+    """Start an interpreter for the repro of a run of ``bundle`` on ``target`` (None: where it
+    was captured) now (`take` hands it over): when the bundle records a failure of one process
+    (its manifest, read as plain JSON; the pipeline checks it properly later) and the target is
+    not the CPU (there the repro runs in a `Fork`). One not taken is ended when this process
+    exits."""
+    try:
+        m = json.loads((Path(bundle) / "manifest.json").read_text())
+        wanted = (isinstance(m, dict) and m.get("kind") != "multi-rank"
+                  and isinstance(m.get("observed"), dict))
+        if wanted and target is None:
+            target = str((m.get("devices") or {}).get("captured_on") or "cpu")
+    except (OSError, ValueError, AttributeError):
+        wanted = False
+    wanted = wanted and str(target).split(":")[0] != "cpu"
+    if wanted and not _SPARE:
+        _SPARE.append(Interpreter().start(Path.cwd()))
+        atexit.register(_end_spares)
+
+
+def _end_spares() -> None:
+    while _SPARE:
+        _SPARE.pop().close()
+
+
+def take(cwd: Path) -> Interpreter:
+    """The interpreter `prestart` started, or a new one started now."""
+    return _SPARE.pop() if _SPARE else Interpreter().start(cwd)
