@@ -96,6 +96,39 @@ def test_culprit_inputs_caught_with_rng_state(tmp_path):
     assert model is rep.task.model
 
 
+def test_input_catch_of_a_forward_culprit_ends_the_replay_there(tmp_path):
+    """The last pass stops right after the culprit's inputs are cloned: the ops after it in the
+    forward (sum, mean) and the backward never run; the catch is what a whole pass catches."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    bundle = guard_bundle(tmp_path, "drop_then_sqrt", torch.randn(6, 8))
+    rep = Replayer(read_bundle(bundle), torch.device("cpu"))
+    f = record_ops(rep, "forward", "nan")
+    seen = Ops()
+    caught = catch_inputs(rep, f.site, wrap=lambda: seen)
+    assert caught is not None and caught.op == "aten.sqrt.default"
+    # (the catcher is the inner mode: it stops before the sqrt reaches the counter; what it
+    # dispatches itself after the sub is the clone of the sqrt's input)
+    assert "aten.sub.Tensor" in seen.ops and "aten.sqrt.default" not in seen.ops
+    assert "aten.sum.dim_IntList" not in seen.ops
+    rep.lockstep = True         # a lockstep replay runs on to the end of the phase
+    seen = Ops()
+    again = catch_inputs(rep, f.site, wrap=lambda: seen)
+    assert "aten.sum.dim_IntList" in seen.ops[seen.ops.index("aten.sqrt.default"):]
+    assert all(torch.equal(a, b) for a, b in zip(caught.args, again.args)
+               if isinstance(a, torch.Tensor))
+
+
 def test_report_json_has_op_fields(tmp_path):
     torch.manual_seed(1)
     bundle = guard_bundle(tmp_path, "relu_masked_then_real", torch.randn(5, 8))

@@ -110,6 +110,12 @@ def _clone(x):
     return None if isinstance(x, torch.Generator) else x
 
 
+class _Caught(BaseException):
+    """Raised by `InputCatcher` right after the catch to end a forward replay there: what
+    follows the culprit is not needed. A BaseException, so that a model's ``except Exception``
+    does not swallow it."""
+
+
 class InputCatcher(TorchDispatchMode):
     """Clone the arguments of the op at ``site``; set ``.phase`` as the step moves on.
 
@@ -118,10 +124,12 @@ class InputCatcher(TorchDispatchMode):
     replays, which shifts global indices but not the culprit's place among its own kind.
     """
 
-    def __init__(self, site: OpSite, optimizer_files: tuple[str, ...] = ()) -> None:
+    def __init__(self, site: OpSite, optimizer_files: tuple[str, ...] = (),
+                 stop: bool = False) -> None:
         super().__init__()
         self.site = site
         self.optimizer_files = optimizer_files
+        self.stop = stop      # raise _Caught once caught (forward only: see catch_inputs)
         self.phase = "forward"
         self.seen = 0
         self.caught: Caught | None = None
@@ -132,6 +140,8 @@ class InputCatcher(TorchDispatchMode):
                 and str(func) == self.site.op):
             if self.seen == self.site.occurrence:
                 self.caught = self._catch(func, args, kwargs, self.phase, self.optimizer_files)
+                if self.stop:
+                    raise _Caught()
             self.seen += 1
         return func(*args, **kwargs)
 
@@ -162,7 +172,11 @@ class InputCatcher(TorchDispatchMode):
 
 def catch_inputs(rep: Replayer, site: OpSite,
                  wrap: Callable[[], ContextManager] = nullcontext) -> Caught | None:
-    """Last pass: replay up to the culprit's phase and clone the culprit op's arguments."""
+    """Last pass: replay up to the culprit op and clone its arguments. A forward culprit ends the
+    replay right there (in a lockstep multi-rank replay it does not: the other ranks wait in the
+    collectives that follow, nor under torch.distributed, whose wrappers keep per-forward state:
+    FSDP2's unsharded parameters); a later one runs to the end of its phase (an exception thrown
+    through the autograd engine or an optimizer is not ours to rely on)."""
     opt = rep.task.optimizer
     files = ()
     if opt is not None:
@@ -170,7 +184,9 @@ def catch_inputs(rep: Replayer, site: OpSite,
             files = (os.path.abspath(inspect.getsourcefile(type(opt)) or ""),)
         except TypeError:
             pass
-    catcher = InputCatcher(site, files)
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    catcher = InputCatcher(site, files, stop=site.phase == "forward" and not rep.lockstep
+                           and not distributed)
 
     def phase(name: str) -> ContextManager:
         catcher.phase = name
@@ -179,7 +195,10 @@ def catch_inputs(rep: Replayer, site: OpSite,
             return torch.autograd.set_detect_anomaly(True, check_nan=False)
         return nullcontext()
 
-    rep.run(phase=phase, wrap=lambda: stacked(wrap(), catcher), stop_after=site.phase)
+    try:
+        rep.run(phase=phase, wrap=lambda: stacked(wrap(), catcher), stop_after=site.phase)
+    except _Caught:
+        pass
     return catcher.caught
 
 
