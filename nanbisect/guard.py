@@ -222,41 +222,98 @@ def _live_scale(scaler) -> torch.Tensor | None:
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
 
 
-class _Snapshot:
-    """Pre-step copies of everything an optimizer step or a forward pass may change in place."""
+def _stream_module(dev: torch.device):
+    """The device module (torch.cuda, torch.npu, ...) when ``dev`` has streams, else None."""
+    if dev.type in ("cpu", "meta"):
+        return None
+    mod = getattr(torch, dev.type, None)
+    ok = all(hasattr(mod, a) for a in ("Stream", "stream", "current_stream"))
+    return mod if ok else None
 
-    def __init__(self) -> None:
+
+class _Snapshot:
+    """Pre-step copies of everything an optimizer step or a forward pass may change in place.
+
+    On an accelerator (CUDA, NPU) with an optimizer, the copies of parameters and optimizer
+    state (only the optimizer step writes them) are made on a side stream, so they overlap the
+    forward and backward passes; the optimizer's step waits for them (a step pre-hook makes the
+    current stream wait on the copies' event), and so does every use of the copies (`wait`).
+    Buffers (a forward pass may update them: BatchNorm's running statistics) and the
+    GradScaler's scale are copied on the current stream before the step, as on the CPU.
+    """
+
+    def __init__(self, side_stream: bool = True) -> None:
         self._copies: list[torch.Tensor] = []
         self._live: list[torch.Tensor] = []
         self._opt_state: dict = {}
         self._groups: list[dict] = []
         self.scale: torch.Tensor | None = None    # the scaler's scale before the step
+        self.side_stream = side_stream
+        self._stream = None        # the side stream, made on first use
+        self._done = None          # its event: reached when the side copies are complete
+        self._hooked: tuple | None = None   # (optimizer, hook handle) that waits for them
+
+    def wait(self) -> None:
+        """Make the current stream wait for the side copies (no-op without them)."""
+        done, self._done = self._done, None
+        if done is not None:
+            _stream_module(self._stream.device).current_stream(self._stream.device).wait_event(
+                done)
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
              scaler=None) -> None:
-        live = [local(p.data) for p in model.parameters()] + [local(b) for b in model.buffers()]
+        self.wait()
+        params = [local(p.data) for p in model.parameters()]
+        buffers = [local(b) for b in model.buffers()]
+        state: list[torch.Tensor] = []
         self._opt_state = {}
         if opt is not None:
             for p, st in opt.state.items():
                 self._opt_state[p] = {k: v for k, v in st.items()}
-                live += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
+                state += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
             self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        live = params + buffers + state
         scale = _live_scale(scaler)
         if scale is not None:
             live += [scale, scaler._growth_tracker]   # two 1-element tensors
         if [t.shape for t in live] != [t.shape for t in self._copies] or any(
                 a.dtype != b.dtype or a.device != b.device for a, b in zip(live, self._copies)):
             self._copies = [torch.empty_like(t) for t in live]
-        if live:
-            torch._foreach_copy_(self._copies, live)
         self._live = live
         # the scale before the step; None: the step is the scaler's first
         self.scale = self._copies[-2] if scale is not None else None
+        if not live:
+            return
+        dev = live[0].device
+        mod = _stream_module(dev) if self.side_stream and opt is not None else None
+        side = list(range(len(params))) + [len(params) + len(buffers) + i
+                                           for i in range(len(state))]
+        side = [i for i in side if live[i].device == dev]
+        if mod is None or not side:
+            torch._foreach_copy_(self._copies, live)
+            return
+        if self._stream is None or self._stream.device != dev:
+            self._stream = mod.Stream(device=dev)
+        self._stream.wait_stream(mod.current_stream(dev))   # what the last step wrote, first
+        with mod.stream(self._stream):
+            torch._foreach_copy_([self._copies[i] for i in side], [live[i] for i in side])
+        for i in side:     # memory freed meanwhile (by code other than the optimizer) is not
+            live[i].record_stream(self._stream)     # reused before the copy has read it
+        self._done = self._stream.record_event()
+        chosen = set(side)
+        rest = [i for i in range(len(live)) if i not in chosen]
+        if rest:
+            torch._foreach_copy_([self._copies[i] for i in rest], [live[i] for i in rest])
+        if self._hooked is None or self._hooked[0] is not opt:
+            if self._hooked is not None:
+                self._hooked[1].remove()
+            self._hooked = (opt, opt.register_step_pre_hook(lambda *_: self.wait()))
 
     @torch.no_grad()
     def swap(self, opt: torch.optim.Optimizer | None) -> None:
         """Exchange the live state with the copies (twice: back as it was), one tensor's worth
         of extra memory at a time; the optimizer's state entries and groups too."""
+        self.wait()
         for live, copy in zip(self._live, self._copies):
             tmp = live.clone()
             live.copy_(copy)
@@ -276,6 +333,7 @@ class _Snapshot:
 
     @torch.no_grad()
     def restore(self, opt: torch.optim.Optimizer | None) -> None:
+        self.wait()
         for dst, src in zip(self._live, self._copies):
             dst.copy_(src)
         if opt is not None:
@@ -373,7 +431,7 @@ class Guard:
     def __init__(self, task: Task, *, entry: str, out: str | Path, start_step: int = 0,
                  max_scaler_skips: int = 10, history: int | None = hist.DEFAULT_N,
                  lookback: int | None = None, lookback_on: str = "device",
-                 spike: "float | Spike | None" = None) -> None:
+                 spike: "float | Spike | None" = None, snapshot_stream: bool = True) -> None:
         if not isinstance(task, Task):
             raise BadInput(f"Guard: got a {type(task).__name__}, not a nanbisect.Task; pass "
                            "Task(model=..., optimizer=..., loss_fn=...)")
@@ -386,7 +444,9 @@ class Guard:
         self.step_index = start_step
         self.scaler_skips = 0               # steps in a row the scaler skipped
         self._accel = accelerator_types()
-        self._snapshot = _Snapshot()
+        if not isinstance(snapshot_stream, bool):
+            raise BadInput(f"Guard(snapshot_stream={snapshot_stream!r}): give True or False")
+        self._snapshot = _Snapshot(side_stream=snapshot_stream)
         self._rank = rank_info()
         self._sources = user_sources(self._entry_file)   # the code as training started
         if history is not None and (type(history) is not int or history < 0):
@@ -467,6 +527,7 @@ class Guard:
 
     def _end(self, batch: Any, rng: RngState, loss: torch.Tensor | None,
              grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None) -> None:
+        self._snapshot.wait()     # a step without the Task's optimizer: its copies, before all
         params = [local(p.data) for p in self.task.model.parameters()]
         dev = params[0].device if params else torch.device("cpu")
         scaler, scale = self.task.grad_scaler, _live_scale(self.task.grad_scaler)

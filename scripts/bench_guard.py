@@ -44,10 +44,12 @@ CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-
 
 def make_task(cfg: dict = CONFIG) -> nanbisect.Task:
     torch.manual_seed(cfg["seed"])
+    dev = torch.device(cfg.get("device", "cpu"))
     model = tinygpt.TinyGPT([torch.nn.GELU() for _ in range(cfg["n_layers"])],
-                            vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"])
+                            vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"]).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=cfg["weight_decay"])
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10) if cfg.get("scaler") else None
+    scaler = (torch.amp.GradScaler(dev.type, init_scale=2.0 ** 10) if cfg.get("scaler")
+              else None)
     return nanbisect.Task(model=model, optimizer=opt, loss_fn=tinygpt.lm_loss,
                           grad_scaler=scaler, clip_grad_norm=cfg.get("clip"))
 
@@ -62,11 +64,22 @@ def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
     """Median ms of each piece of a healthy guarded step, timed alone on the guarded model."""
     model, opt = guard.task.model, guard.task.optimizer
     params = list(model.parameters())
-    snap, accel = _Snapshot(), accelerator_types()
+    snap, accel = _Snapshot(side_stream=False), accelerator_types()
     snap.take(model, opt)  # allocate the copies once, as a warm Guard has
+    dev = params[0].device
+
+    def copy():    # the copy itself, finished (on an accelerator: synchronised)
+        snap.take(model, opt)
+        if dev.type != "cpu":
+            getattr(torch, dev.type).synchronize()
+    # the same bytes as one flat buffer: would a single copy (another layout) be cheaper?
+    flat_src = torch.cat([t.reshape(-1) for t in snap._live if t.dtype == torch.float32])
+    flat_dst = torch.empty_like(flat_src)
     pieces = {
         "rng_state_get (alone)": lambda: RngState.get(accel),
-        "snapshot copy (alone)": lambda: snap.take(model, opt),
+        "snapshot copy (alone)": copy,
+        "the same bytes as one flat copy (alone, not used)": lambda: (
+            flat_dst.copy_(flat_src), dev.type == "cpu" or getattr(torch, dev.type).synchronize()),
         "screen: params+loss, 1 sync (alone)": lambda: torch.stack(
             [torch.zeros(()), _screen([p.data for p in params], params[0].device)]).tolist(),
     }
@@ -110,21 +123,27 @@ def main() -> None:
                     help="a GradScaler on both sides (the plain loop runs the AMP recipe)")
     ap.add_argument("--clip", type=float, default=None, metavar="MAX",
                     help="clip_grad_norm_ to MAX on both sides")
+    ap.add_argument("--device", default="cpu", help="where the model trains (cuda: a GPU)")
+    ap.add_argument("--no-snapshot-stream", action="store_true",
+                    help="Guard(snapshot_stream=False): the pre-step copy on the current stream")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args()
-    cfg = dict(CONFIG, batch=args.batch, seq=args.seq, scaler=args.scaler, clip=args.clip)
+    cfg = dict(CONFIG, batch=args.batch, seq=args.seq, scaler=args.scaler, clip=args.clip,
+               device=args.device)
 
     plain = make_task(cfg)
     guarded = make_task(cfg)  # same seed: identical weights
     assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(),
                                                  guarded.model.parameters()))
     n_params = sum(p.numel() for p in plain.model.parameters())
-    batches = [tinygpt.make_batch(1 + i, pad=0, batch=cfg["batch"], seq=cfg["seq"],
-                                  vocab=cfg["vocab"]) for i in range(8)]
+    batches = [{k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in
+                tinygpt.make_batch(1 + i, pad=0, batch=cfg["batch"], seq=cfg["seq"],
+                                   vocab=cfg["vocab"]).items()} for i in range(8)]
 
     t_plain, t_guard, same_loss = [], [], True
     with tempfile.TemporaryDirectory() as out:
-        guard = nanbisect.Guard(guarded, entry="scripts/bench_guard.py:make_task", out=out)
+        guard = nanbisect.Guard(guarded, entry="scripts/bench_guard.py:make_task", out=out,
+                                snapshot_stream=not args.no_snapshot_stream)
         for i in range(args.warmup + args.steps):
             b = batches[i % len(batches)]
             order = [("plain", lambda: plain_step(plain, b)), ("guard", lambda: guard.step(b))]

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with CUDA: run every shipped fixture bundle with --target cuda --reference cpu and
-# check each verdict, then run the test suite (its CUDA test runs there). Exits non-zero on any
+# check each verdict, then run the suite's CUDA tests, the Guard's side-stream snapshot check and
+# the Guard benchmark on the GPU. Exits non-zero on any
 # surprise. Usage: bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,4 +61,14 @@ else
   echo "gpu_check: one GPU: the two-rank lockstep replay on CUDA is not checked"
 fi
 "$PY" -m pytest -q tests/test_differential.py -k cuda || fail=1
+# Guard on the GPU: the snapshot on a side stream is the pre-step state (bit for bit against a
+# synchronous copy), and what the Guard costs with and without it, at batch 2 and 8
+"$PY" scripts/check_snapshot_stream.py --device cuda || fail=1
+for b in 2 8; do
+  "$PY" scripts/bench_guard.py --device cuda --batch $b --steps 30 --json "$out/guard-cuda-b$b.json" \
+      > "$out/guard-cuda-b$b.txt" 2>&1 || fail=1
+  "$PY" scripts/bench_guard.py --device cuda --batch $b --steps 30 --no-snapshot-stream \
+      --json "$out/guard-cuda-b$b-nostream.json" > "$out/guard-cuda-b$b-nostream.txt" 2>&1 || fail=1
+  grep -h "^overhead" "$out/guard-cuda-b$b.txt" "$out/guard-cuda-b$b-nostream.txt" | sed "s/^/batch $b: /"
+done
 exit $fail

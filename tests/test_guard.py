@@ -448,3 +448,23 @@ def test_replay_runs_twice_identically(tmp_path):
     second = r.run()
     assert second.loss == first.loss
     assert_tensors_identical(clone_state(r.task.model), after_first)
+
+
+def test_snapshot_stream_is_a_flag_and_the_script_that_checks_it_runs(tmp_path):
+    """Guard(snapshot_stream=...) takes True or False (BadInput otherwise); the check that a
+    side-stream snapshot is the pre-step state (scripts/check_snapshot_stream.py, run on a GPU
+    by scripts/gpu_check.sh) passes here, where both Guards copy synchronously."""
+    import subprocess
+    import sys
+
+    from nanbisect.errors import BadInput
+
+    task = load_task("fixtures/tasks/healthy.py:task")
+    with pytest.raises(BadInput, match=r"snapshot_stream='no'\): give True or False"):
+        Guard(task, entry="fixtures/tasks/healthy.py:task", out=tmp_path / "g",
+              snapshot_stream="no")
+    p = subprocess.run([sys.executable, "scripts/check_snapshot_stream.py", "--device", "cpu",
+                        "--steps", "2"], capture_output=True, text=True, timeout=300,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert p.returncode == 0 and "OK: both bundles hold the pre-step state" in p.stdout, \
+        p.stdout + p.stderr

@@ -1,0 +1,87 @@
+"""Check: the Guard's pre-step snapshot taken on a side stream is the pre-step state (issue 15).
+
+Two identical models (same seed) train side by side under `nanbisect.Guard`, one with the
+snapshot on a side stream (the default on an accelerator), one with ``snapshot_stream=False``;
+then an update with an infinite learning rate makes every parameter non-finite in the optimizer
+step (the step that writes what the side stream is still copying, if the wait were missing). Both
+Guards write a bundle; the check compares each bundle's model and optimizer tensors, bit for bit,
+with a copy of the pre-step state this script took itself (synchronously), and the two bundles
+with each other. Exit 0 when all agree, 1 otherwise. On the CPU both Guards copy synchronously:
+the check still runs, and says so.
+
+    python scripts/check_snapshot_stream.py [--device cuda] [--steps 5]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import nanbisect
+from nanbisect.bundle.format import read_bundle
+from nanbisect.guard import _stream_module
+
+
+def make_task(device: str = "cpu") -> nanbisect.Task:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.GELU(),
+                                torch.nn.Linear(2048, 512), torch.nn.LayerNorm(512)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return nanbisect.Task(model=model, optimizer=opt, loss_fn=lambda m, b: m(b).square().mean())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=5)
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    side = _stream_module(dev) is not None
+    print(f"device {dev}: snapshot on a side stream: {side}")
+    tasks = {"side_stream": make_task(args.device), "plain_copy": make_task(args.device)}
+    out = Path(tempfile.mkdtemp(prefix="snapshot-stream-"))
+    guards = {k: nanbisect.Guard(t, entry=f"{__file__}:make_task", out=out / k,
+                                 snapshot_stream=(k == "side_stream"))
+              for k, t in tasks.items()}
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(256, 512, generator=g).to(dev) for _ in range(args.steps + 1)]
+    for b in batches[:-1]:
+        losses = {k: guard.step(b) for k, guard in guards.items()}
+        if len(set(losses.values())) != 1:
+            print(f"FAIL: the two Guards' losses differ: {losses}")
+            return 1
+    bundles, before = {}, {}
+    for k, guard in guards.items():
+        t = tasks[k]
+        before[k] = {**{f"model/{n}": v.detach().cpu().clone()
+                        for n, v in t.model.state_dict().items()}}
+        for group in t.optimizer.param_groups:
+            group["lr"] = float("inf")        # the update makes every parameter non-finite
+        try:
+            guard.step(batches[-1])
+        except nanbisect.NonFiniteStep as e:
+            bundles[k] = read_bundle(e.bundle)
+        else:
+            print(f"FAIL: {k}: the planted update did not trip the Guard")
+            return 1
+    ok = True
+    for k, b in bundles.items():
+        model = b.tensors("model")
+        for name, want in before[k].items():
+            got = model.get(name)
+            if got is None or not torch.equal(got.cpu(), want):
+                print(f"FAIL: {k}: bundle tensor {name} is not the pre-step value")
+                ok = False
+    a, c = (bundles[k].tensors("optimizer") for k in ("side_stream", "plain_copy"))
+    if set(a) != set(c) or any(not torch.equal(a[n], c[n]) for n in a):
+        print("FAIL: the two bundles' optimizer states differ")
+        ok = False
+    print("OK: both bundles hold the pre-step state bit for bit" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
