@@ -71,8 +71,15 @@ from tinygpt import plain_step  # noqa: E402
 
 CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-4,
               weight_decay=0.1, seed=0)
+# Other sizes of the same model (scripts/bench_culprit.py), chosen by NANBISECT_BENCH_SIZE in the
+# environment, so that the entry this file is (run by `nanbisect run` in another interpreter)
+# builds the same one. Plain step on the 2-core machine: ~0.05 s, ~0.35 s, ~2 s.
+SIZES = {"small": dict(dim=128, heads=4, n_layers=4, seq=128, batch=2),
+         "medium": dict(dim=256, heads=8, n_layers=6, seq=256, batch=4),
+         "large": dict(vocab=2000, dim=512, heads=8, n_layers=8, seq=256, batch=7)}
+CONFIG.update(SIZES.get(os.environ.get("NANBISECT_BENCH_SIZE", ""), {}))
 FAULT = True          # the switch `make_task` reads: True plants the NaN in layer FAULT_LAYER
-FAULT_LAYER = 5       # the last of the 6 layers
+FAULT_LAYER = CONFIG["n_layers"] - 1       # the last layer
 FAULT_LIMIT = 2.0     # pre-activations below -2 exist in every step: sqrt(1 + x/2) is NaN there
 HEALTHY_LIMIT = 1e4   # far beyond any pre-activation: same ops, no NaN
 WARMUP_STEPS = 3      # healthy guarded steps before the fault is planted (AdamW gets state)
