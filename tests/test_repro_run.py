@@ -140,3 +140,20 @@ def test_the_report_times_its_passes_and_the_repro_ran_warm(fixture_bundle, tmp_
     assert "repro" in t and all(v >= 0 for v in t.values())
     assert rep["repro_result"]["reproduced"] is True
     assert json.loads((tmp_path / "r" / "report.json").read_text())["timings"] == t
+
+
+def test_a_fork_that_cannot_be_made_falls_back_to_a_fresh_interpreter(tmp_path, monkeypatch):
+    """os.fork failing (ENOMEM: a large process on a node without overcommit) is not a
+    verdict: the script runs in a fresh interpreter instead."""
+    import os
+
+    script = _script(tmp_path, """
+        print("REPRODUCED: planted")
+        sys.exit(1)
+    """)
+
+    def no_fork():
+        raise OSError(12, "Cannot allocate memory")
+    monkeypatch.setattr(os, "fork", no_fork)
+    result = Fork().submit(script, "cpu").result()
+    assert result.reproduced and not _saw(result)["preloaded"]

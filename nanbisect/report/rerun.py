@@ -178,7 +178,11 @@ class Fork:
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         sys.stdout.flush()
         sys.stderr.flush()
-        self.pid = os.fork()
+        try:
+            self.pid = os.fork()
+        except OSError:        # e.g. no memory to account a copy of a large process for
+            self.pid = None
+            return self
         if self.pid == 0:      # the child: never returns
             code = 1
             try:
@@ -188,6 +192,10 @@ class Fork:
         return self
 
     def result(self) -> ReproResult:
+        if self.pid is None:   # it could not fork: a fresh interpreter instead
+            for f in (self.out, self.err):
+                f.close()
+            return run_repro(self.script, self.device, self.timeout)
         code = None
         while code is None:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
