@@ -52,9 +52,13 @@ def test_started_interpreter_runs_the_script_as_python_would(tmp_path, kind):
         print("REPRODUCED: planted")
         sys.exit(1)
     """)
-    torch.set_num_threads(2)
-    torch.randn(500, 500) @ torch.randn(500, 500)    # this process's thread pool is in use
-    warm = _warm(kind, tmp_path).submit(script, "cpu", timeout=120).result()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        torch.randn(500, 500) @ torch.randn(500, 500)    # this process's thread pool is in use
+        warm = _warm(kind, tmp_path).submit(script, "cpu", timeout=120).result()
+    finally:
+        torch.set_num_threads(threads)
     cold = run_repro(script, "cpu")
     assert warm.reproduced and cold.reproduced and warm.exit_code == cold.exit_code == 1
     w, c = _saw(warm), _saw(cold)
