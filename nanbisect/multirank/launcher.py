@@ -53,7 +53,8 @@ from nanbisect.records import Losses, RankResult, RunFacts
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.replayer import resolve_entry
 from nanbisect.report.model import Report
-from nanbisect.report.rerun import run_repro
+from nanbisect.report.repro import repro_imports
+from nanbisect.report.rerun import Fork, run_repro
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
 
@@ -591,8 +592,13 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                         and r.rank == report.culprit.rank and r.repro), None)
             if own is not None and report.classification != "communication":
                 shutil.copytree(Path(own.repro).parent, tmp / "repro")
-                result = run_repro(tmp / "repro" / "repro.py", target) if run_repro_once \
-                    else None
+                script = tmp / "repro" / "repro.py"
+                if not run_repro_once:
+                    result = None
+                elif Fork.usable(target.split(":")[0], repro_imports(report.culprit.op, entry)):
+                    result = Fork().submit(script, target).result()   # torch loaded here
+                else:
+                    result = run_repro(script, target)
                 report = replace(report, repro="repro/repro.py", repro_result=result)
                 if result is not None and not result.reproduced and inject:
                     report = replace(report, notes=[*report.notes, (
