@@ -477,7 +477,7 @@ def _write_repro(run: _Run, caught: Caught, culprit: Culprit, kind: str, tmp: Pa
                          target=run.facts.target, imports=imports)
     if not run.opts.run_repro:
         return "repro/repro.py", lambda: None
-    if Fork.usable(run.rep.device.type, imports):
+    if Fork.usable(run.rep.device.type, caught.op):
         runner = Fork()
     else:
         runner, run.interp = run.interp or Interpreter(), None    # one script per interpreter

@@ -217,7 +217,7 @@ class StageClock:
 # run_bundle's progress keys (nanbisect.pipeline.STAGES) as the tables name them
 PASS_NAMES = {"build": "task build (import entry, init model, load tensors)",
               "module-pass": "pass 1: module statistics", "op-recording": "pass 2: op recording",
-              "input-catch": "pass 3: input catch", "repro": "repro verification (subprocess)",
+              "input-catch": "pass 3: input catch", "repro": "repro verification (its wait)",
               "report": "report writing (json, md, html)"}
 
 

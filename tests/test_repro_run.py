@@ -120,8 +120,8 @@ def test_a_fork_that_runs_too_long_is_killed(tmp_path):
     script = _script(tmp_path, "import time; time.sleep(60)")
     result = Fork().submit(script, "cpu", timeout=2).result()
     assert result.exit_code is None and result.output == "timed out after 2s"
-    assert Fork.usable("cpu", []) and not Fork.usable("cuda", []) \
-        and not Fork.usable("cpu", ["/srv/ops.py"])
+    assert Fork.usable("cpu", "aten.sqrt.default") and not Fork.usable("cuda", "aten.mm.default")
+    assert not Fork.usable("cpu", "nbtrap.scaled.default")     # a custom op: a fresh interpreter
 
 
 def test_an_unused_interpreter_is_ended(tmp_path):

@@ -53,7 +53,6 @@ from nanbisect.records import Losses, RankResult, RunFacts
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.replayer import resolve_entry
 from nanbisect.report.model import Report
-from nanbisect.report.repro import repro_imports
 from nanbisect.report.rerun import Fork, run_repro
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
@@ -595,7 +594,7 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                 script = tmp / "repro" / "repro.py"
                 if not run_repro_once:
                     result = None
-                elif Fork.usable(target.split(":")[0], repro_imports(report.culprit.op, entry)):
+                elif Fork.usable(target.split(":")[0], report.culprit.op):
                     result = Fork().submit(script, target).result()   # torch loaded here
                 else:
                     result = run_repro(script, target)

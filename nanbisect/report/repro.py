@@ -19,6 +19,7 @@ from nanbisect import __version__
 from nanbisect.bundle.format import umask_mode
 from nanbisect.bundle.state import encode
 from nanbisect.records import Caught, Culprit, ModuleCaught, module_label
+from nanbisect.report.rerun import BUILTIN_NAMESPACES
 
 
 def _template(name: str) -> string.Template:
@@ -32,7 +33,7 @@ def repro_imports(op: str, entry: str) -> list[str]:
     >>> repro_imports("aten.sqrt.default", "train.py:task")
     []
     """
-    if op.split(".", 1)[0] in ("aten", "prims", "quantized"):
+    if op.split(".", 1)[0] in BUILTIN_NAMESPACES:
         return []
     target = entry.rpartition(":")[0]
     return [str(Path(target).resolve())] if target.endswith(".py") else []

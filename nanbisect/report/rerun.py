@@ -155,6 +155,9 @@ class Interpreter:
             proc.communicate()
 
 
+BUILTIN_NAMESPACES = ("aten", "prims", "quantized")   # ops torch has without any user code
+
+
 class Fork:
     """One repro run in a fork of this process: torch is loaded already, so the run costs what
     the script costs, not an interpreter's start-up. For a CPU run of a built-in op only (a
@@ -169,8 +172,10 @@ class Fork:
     """
 
     @staticmethod
-    def usable(device_type: str, imports: list[str]) -> bool:
-        return hasattr(os, "fork") and device_type == "cpu" and not imports
+    def usable(device_type: str, op: str) -> bool:
+        """A CPU run of a built-in op (``op`` as ``str()`` of its overload)."""
+        return (hasattr(os, "fork") and device_type == "cpu"
+                and op.split(".", 1)[0] in BUILTIN_NAMESPACES)
 
     def submit(self, script: Path, device: str, timeout: int = 300) -> "Fork":
         self.script, self.device, self.timeout = script, device, timeout
