@@ -294,7 +294,7 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
                                                    or ref is not None):
         # the repro's interpreter imports torch while the passes below find what it will run
         # (on the CPU the repro of a built-in op runs in a fork of this process instead)
-        interp = take(tmp)
+        interp = take()
     try:
         return _analyse_step(bundle, opts, progress, target, t_dev, t_dtype, tmp, reference,
                              ref, wrap, notes, interp)

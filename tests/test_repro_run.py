@@ -41,7 +41,7 @@ def _warm(kind: str, tmp_path):
     """A runner with torch already loaded: a started interpreter, or a fork of this process."""
     if kind == "fork":
         return Fork()
-    return Interpreter().start(tmp_path)
+    return Interpreter().start()
 
 
 @pytest.mark.parametrize("kind", ["interpreter", "fork"])
@@ -71,7 +71,7 @@ def test_started_interpreter_runs_the_script_as_python_would(tmp_path, kind):
 def test_exit_1_without_the_reproduced_line_is_not_reproduced(tmp_path):
     """An uncaught exception exits 1 too: it is not the script saying it reproduced."""
     script = _script(tmp_path, "raise RuntimeError('broken repro')")
-    for result in (Interpreter().start(tmp_path).run(script, "cpu"), run_repro(script, "cpu"),
+    for result in (Interpreter().start().run(script, "cpu"), run_repro(script, "cpu"),
                    Fork().submit(script, "cpu").result()):
         assert result.exit_code == 1 and result.reproduced is False
         assert "broken repro" in result.output
@@ -107,7 +107,7 @@ def test_an_interpreter_that_died_falls_back_to_a_plain_one(tmp_path):
         print("REPRODUCED: planted")
         sys.exit(1)
     """)
-    interp = Interpreter().start(tmp_path)
+    interp = Interpreter().start()
     interp.proc.kill()
     interp.proc.wait()
     result = interp.run(script, "cpu")
@@ -125,7 +125,7 @@ def test_a_fork_that_runs_too_long_is_killed(tmp_path):
 
 
 def test_an_unused_interpreter_is_ended(tmp_path):
-    interp = Interpreter().start(tmp_path)
+    interp = Interpreter().start()
     proc = interp.proc
     interp.close()
     assert proc.returncode is not None and interp.proc is None

@@ -38,8 +38,24 @@ def run_repro(script: Path, device: str, timeout: int = 300) -> ReproResult:
                            cwd=str(script.parent.parent), capture_output=True, text=True,
                            timeout=timeout)
     except subprocess.TimeoutExpired:
-        return ReproResult(False, None, f"timed out after {timeout}s")
+        return _timed_out(timeout)
     return _said(p.returncode, p.stdout, p.stderr)
+
+
+def _timed_out(timeout: int) -> ReproResult:
+    return ReproResult(False, None, f"timed out after {timeout}s")
+
+
+class _Pending:
+    """What `Interpreter` and `Fork` share: the submitted run, its deadline, and the plain
+    `run_repro` they fall back to when they could not run it themselves."""
+
+    def _submitted(self, script: Path, device: str, timeout: int) -> None:
+        self.script, self.device, self.timeout = script, device, timeout
+        self.deadline = time.monotonic() + timeout
+
+    def _fallback(self) -> ReproResult:
+        return run_repro(self.script, self.device, self.timeout)
 
 
 # The finder both kinds of runs install: an ``import nanbisect`` by the script itself fails as it
@@ -85,7 +101,7 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-class Interpreter:
+class Interpreter(_Pending):
     """A fresh interpreter for one repro run, started before the repro exists.
 
     ``start()`` launches it (it imports torch meanwhile); ``run(script, device)`` hands it the
@@ -97,9 +113,10 @@ class Interpreter:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
 
-    def start(self, cwd: Path) -> "Interpreter":
+    def start(self) -> "Interpreter":
+        """Launch it (where it starts does not matter: it moves to the script's directory)."""
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", _WAITING], cwd=str(cwd),
+            self.proc = subprocess.Popen([sys.executable, "-c", _WAITING],
                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                          stderr=subprocess.PIPE, text=True)
         except OSError:
@@ -108,8 +125,7 @@ class Interpreter:
 
     def submit(self, script: Path, device: str, timeout: int = 300) -> "Interpreter":
         """Hand the script over; it runs while the caller goes on (`result` collects it)."""
-        self.script, self.device, self.timeout = script, device, timeout
-        self.deadline = time.monotonic() + timeout
+        self._submitted(script, device, timeout)
         self.handed = False
         proc = self.proc
         if proc is None or proc.poll() is not None:
@@ -131,17 +147,16 @@ class Interpreter:
     def result(self) -> ReproResult:
         """What the submitted script said (exit 1: reproduced), as `run_repro` reports it."""
         proc, self.proc = self.proc, None
-        script, device, timeout = self.script, self.device, self.timeout
         if proc is None:
-            return run_repro(script, device, timeout)
+            return self._fallback()
         try:
             out, err = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.communicate()
-            return ReproResult(False, None, f"timed out after {timeout}s")
+            return _timed_out(self.timeout)
         if proc.returncode == 75 or not self.handed:
-            return run_repro(script, device, timeout)   # it was not set up, or never got it
+            return self._fallback()     # it was not set up, or never got the script
         return _said(proc.returncode, out, err)
 
     def run(self, script: Path, device: str, timeout: int = 300) -> ReproResult:
@@ -158,7 +173,7 @@ class Interpreter:
 BUILTIN_NAMESPACES = ("aten", "prims", "quantized")   # ops torch has without any user code
 
 
-class Fork:
+class Fork(_Pending):
     """One repro run in a fork of this process: torch is loaded already, so the run costs what
     the script costs, not an interpreter's start-up. For a CPU run of a built-in op only (a
     forked process cannot use CUDA its parent initialised; a custom op is registered in this
@@ -178,8 +193,7 @@ class Fork:
                 and op.split(".", 1)[0] in BUILTIN_NAMESPACES)
 
     def submit(self, script: Path, device: str, timeout: int = 300) -> "Fork":
-        self.script, self.device, self.timeout = script, device, timeout
-        self.deadline = time.monotonic() + timeout
+        self._submitted(script, device, timeout)
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -200,7 +214,7 @@ class Fork:
         if self.pid is None:   # it could not fork: a fresh interpreter instead
             for f in (self.out, self.err):
                 f.close()
-            return run_repro(self.script, self.device, self.timeout)
+            return self._fallback()
         code = None
         while code is None:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
@@ -209,7 +223,7 @@ class Fork:
             elif time.monotonic() > self.deadline:
                 os.kill(self.pid, signal.SIGKILL)
                 os.waitpid(self.pid, 0)
-                return ReproResult(False, None, f"timed out after {self.timeout}s")
+                return _timed_out(self.timeout)
             else:
                 time.sleep(0.005)
         said = []
@@ -275,7 +289,7 @@ def prestart(bundle: Path, target: str | None) -> None:
         wanted = False
     wanted = wanted and str(target).split(":")[0] != "cpu"
     if wanted and not _SPARE:
-        _SPARE.append(Interpreter().start(Path.cwd()))
+        _SPARE.append(Interpreter().start())
         atexit.register(_end_spares)
 
 
@@ -284,6 +298,6 @@ def _end_spares() -> None:
         _SPARE.pop().close()
 
 
-def take(cwd: Path) -> Interpreter:
+def take() -> Interpreter:
     """The interpreter `prestart` started, or a new one started now."""
-    return _SPARE.pop() if _SPARE else Interpreter().start(cwd)
+    return _SPARE.pop() if _SPARE else Interpreter().start()
