@@ -36,6 +36,7 @@ from typing import Any, Iterator
 
 import torch
 
+from nanbisect import devices
 from nanbisect import history as hist
 from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.format import write_bundle
@@ -222,15 +223,6 @@ def _live_scale(scaler) -> torch.Tensor | None:
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
 
 
-def _stream_module(dev: torch.device):
-    """The device module (torch.cuda, torch.npu, ...) when ``dev`` has streams, else None."""
-    if dev.type in ("cpu", "meta"):
-        return None
-    mod = getattr(torch, dev.type, None)
-    ok = all(hasattr(mod, a) for a in ("Stream", "stream", "current_stream"))
-    return mod if ok else None
-
-
 class _Snapshot:
     """Pre-step copies of everything an optimizer step or a forward pass may change in place.
 
@@ -257,8 +249,7 @@ class _Snapshot:
         """Make the current stream wait for the side copies (no-op without them)."""
         done, self._done = self._done, None
         if done is not None:
-            _stream_module(self._stream.device).current_stream(self._stream.device).wait_event(
-                done)
+            devices.entry(self._stream.device).wait_event(self._stream.device, done)
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
              scaler=None) -> None:
@@ -285,21 +276,18 @@ class _Snapshot:
         if not live:
             return
         dev = live[0].device
-        mod = _stream_module(dev) if self.side_stream and opt is not None else None
+        dt = devices.entry(dev)
+        streams = self.side_stream and opt is not None and dt.has_streams()
         side = list(range(len(params))) + [len(params) + len(buffers) + i
                                            for i in range(len(state))]
         side = [i for i in side if live[i].device == dev]
-        if mod is None or not side:
+        if not streams or not side:
             torch._foreach_copy_(self._copies, live)
             return
         if self._stream is None or self._stream.device != dev:
-            self._stream = mod.Stream(device=dev)
-        self._stream.wait_stream(mod.current_stream(dev))   # what the last step wrote, first
-        with mod.stream(self._stream):
-            torch._foreach_copy_([self._copies[i] for i in side], [live[i] for i in side])
-        for i in side:     # memory freed meanwhile (by code other than the optimizer) is not
-            live[i].record_stream(self._stream)     # reused before the copy has read it
-        self._done = self._stream.record_event()
+            self._stream = dt.new_stream(dev)
+        self._done = dt.side_copy(self._stream, [self._copies[i] for i in side],
+                                  [live[i] for i in side])
         chosen = set(side)
         rest = [i for i in range(len(live)) if i not in chosen]
         if rest:

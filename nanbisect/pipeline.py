@@ -25,6 +25,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from nanbisect import devices
 from nanbisect import history as hist
 from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle, read_bundle
@@ -162,7 +163,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
         subset = parse_ranks(opts.ranks, bundle.world_size) if opts.ranks is not None else None
         if subset is not None:
             check_tape(bundle, subset)     # verifies each replayed part, and what it references
-        reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
+        reference = opts.reference or devices.default_reference(t_dev)
         if reference != "none":
             parse_device(reference)   # a bad --reference fails here, before any rank starts
         if opts.inject:
@@ -215,7 +216,7 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
                t_dtype: torch.dtype | None, tmp: Path) -> tuple[Report, Replayer | None]:
     """--steps K: the window on both sides, then the first step that parts bisected alone."""
     k = opts.steps
-    reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
+    reference = opts.reference or devices.default_reference(t_dev)
     if reference == "none":
         raise BadInput(f"--steps {k} compares the target's steps with a reference's; pass "
                        "--reference cpu (or cpu:float64)")
@@ -285,7 +286,7 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
              ) -> tuple[Report, Replayer]:
     """One step: replay, reference, verdict and the passes that find a culprit."""
     m = bundle.manifest
-    reference = opts.reference or ("cpu" if t_dev.type != "cpu" else "none")
+    reference = opts.reference or devices.default_reference(t_dev)
     ref = None if reference == "none" else parse_device(reference)
     wrap = load_inject(opts.inject) if opts.inject else nullcontext
     notes = [n for n in [match_threads(bundle, t_dev)] if n]

@@ -22,7 +22,7 @@ import torch
 
 import nanbisect
 from nanbisect.bundle.format import read_bundle
-from nanbisect.guard import _stream_module
+from nanbisect import devices
 
 
 def make_task(device: str = "cpu") -> nanbisect.Task:
@@ -39,7 +39,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
     dev = torch.device(args.device)
-    side = _stream_module(dev) is not None
+    side = devices.entry(dev).has_streams()
     print(f"device {dev}: snapshot on a side stream: {side}")
     tasks = {"side_stream": make_task(args.device), "plain_copy": make_task(args.device)}
     out = Path(tempfile.mkdtemp(prefix="snapshot-stream-"))

@@ -8,7 +8,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "nanbisect"
 
 # stage of each folder / top-level module; a module may import a lower stage or its own folder
-BASE = {"errors", "task", "records", "step", "__init__"}
+BASE = {"errors", "task", "records", "step", "devices", "__init__"}
 STAGE = {"bundle": 1, "history": 1, "replay": 2, "locate": 3, "reference": 3, "report": 3, "multirank": 4,
          "guard": 5, "pipeline": 5, "triage": 5, "selftest": 5, "cli": 6, "__main__": 7,
          "integrations": 7}

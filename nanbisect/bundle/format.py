@@ -38,7 +38,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from nanbisect import __version__
+from nanbisect import __version__, devices
 from nanbisect.errors import BadInput
 from nanbisect.bundle.atomic import place
 from nanbisect.bundle.state import Tensors
@@ -91,13 +91,15 @@ def umask_mode(path: str | Path) -> None:
 
 
 def environment() -> dict:
-    """Versions that decide whether a replay can be bit-exact."""
+    """Versions that decide whether a replay can be bit-exact, and the machine's hardware and
+    library fingerprint (the device seam's `nanbisect.devices.fingerprint`)."""
     import numpy
     import safetensors
 
     return {"nanbisect": __version__, "torch": torch.__version__, "python": platform.python_version(),
             "numpy": numpy.__version__, "safetensors": safetensors.__version__,
-            "platform": platform.platform(), "torch_threads": torch.get_num_threads()}
+            "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
+            "hardware": devices.fingerprint()}
 
 
 def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from nanbisect import devices
 from nanbisect.errors import BadInput
 
 Tensors = dict[str, torch.Tensor]
@@ -300,16 +301,9 @@ def _shard_state_like_params(opt: torch.optim.Optimizer) -> None:
 
 
 def accelerator_types() -> list[str]:
-    """Device types other than CPU whose RNG torch exposes on this machine."""
-    out = []
-    for name in ("cuda", "xpu", "npu", "mps"):
-        mod = getattr(torch, name, None)
-        try:
-            if mod is not None and mod.is_available():
-                out.append(name)
-        except Exception:  # noqa: BLE001 - a broken backend simply has no RNG to save
-            pass
-    return out
+    """Device types other than CPU whose RNG torch exposes on this machine (the device seam's
+    registered types that are available)."""
+    return devices.accelerators()
 
 
 @dataclass(frozen=True)
@@ -325,23 +319,19 @@ class RngState:
     def get(accel_types: list[str]) -> "RngState":
         acc = {}
         for name in accel_types:
-            mod = getattr(torch, name)
-            acc[name] = (mod.get_rng_state_all() if hasattr(mod, "get_rng_state_all")
-                         else [mod.get_rng_state()])
-        return RngState(random.getstate(), np.random.get_state(), torch.get_rng_state(), acc)
+            acc[name] = devices.entry(name).get_rng()
+        return RngState(random.getstate(), np.random.get_state(),
+                        devices.entry("cpu").get_rng()[0], acc)
 
     def set(self) -> None:
         random.setstate(self.python)
         np.random.set_state(self.numpy)
-        torch.set_rng_state(self.torch_cpu)
+        devices.entry("cpu").set_rng([self.torch_cpu])
         for name, states in self.accel.items():
-            mod = getattr(torch, name, None)
-            if mod is None or not mod.is_available():
+            dt = devices.entry(name)
+            if not dt.available():
                 continue  # replaying elsewhere: that device's draws cannot matter
-            if hasattr(mod, "set_rng_state_all") and len(states) == mod.device_count():
-                mod.set_rng_state_all(states)
-            else:
-                mod.set_rng_state(states[0])
+            dt.set_rng(states)
 
     def encode(self, tensors: Tensors) -> dict:
         version, words, gauss = self.python

@@ -20,6 +20,7 @@ from typing import Callable, ContextManager
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.records import CallId, Caught, ModuleCaught, OpSite
 from nanbisect.replay.recorder import SKIP
@@ -150,9 +151,9 @@ class InputCatcher(TorchDispatchMode):
         rng = {"rng/cpu": torch.get_rng_state()}
         for t in torch.utils._pytree.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
-                mod = getattr(torch, t.device.type, None)
-                if mod is not None and hasattr(mod, "get_rng_state"):
-                    rng[f"rng/{t.device.type}"] = mod.get_rng_state(t.device)
+                state = devices.entry(t.device).get_device_rng(t.device)
+                if state is not None:
+                    rng[f"rng/{t.device.type}"] = state
                 break
         stack = [(f.filename, f.lineno) for f in traceback.extract_stack()]
         source = calling_frame(stack)

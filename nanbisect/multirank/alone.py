@@ -19,13 +19,13 @@ needs all its participants' inputs; a subset has only its own, and the others' N
 """
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs
@@ -39,7 +39,7 @@ from nanbisect.reference.classify import classify
 from nanbisect.reference.differential import RandomTape
 from nanbisect.reference.opcheck import safe_check
 from nanbisect.replay.probe import ModuleProbe, probing
-from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.report.repro import repro_imports, write_repro
 from nanbisect.task import load_inject
 
@@ -112,9 +112,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     if recorded is None:
         raise BadInput(f"bundle '{top.path}': rank {rank}'s part {NO_TAPE}")
     server = TapeServer(recorded, part.tensors(ROLE), where=f"bundle '{part.path}'")
-    device, dtype = parse_device(target)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device, dtype = devices.local_device(target)
     observer = ReductionObserver({}, server=server)
     stage("building the task")
     with observing_comm_hooks(observer):

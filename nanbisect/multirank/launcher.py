@@ -46,6 +46,7 @@ from typing import Iterator
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput, signal_name
 from nanbisect.multirank.verdict import job_report, subset_report
@@ -487,7 +488,8 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
     base += ["--inject", inject] if inject else []
     base += ["--entry", entry] if entry else []
     base += ["--reference", reference] if reference else []
-    gpus = torch.cuda.device_count() if target.startswith("cuda") else 0
+    t_dev = devices.parse(target)[0]
+    gpus = devices.entry(t_dev).count() if t_dev.type != "cpu" else 0
     procs: dict[int, subprocess.Popen] = {}
     try:
         for i, r in enumerate(ranks):

@@ -2,10 +2,10 @@
 alone, `alone`): its reference side, the culprit module call's statistics, its root op."""
 from __future__ import annotations
 
-import os
 
 import torch
 
+from nanbisect import devices
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
 from nanbisect.records import (CallId, OpFinding, RankReference, RankRoot, Stats, StepOutcome,
                                json_number)
@@ -14,7 +14,7 @@ from nanbisect.reference.differential import (RandomReplay, RandomTape, Referenc
                                               first_divergence, step_state)
 from nanbisect.replay.probe import ModuleProbe, ProbeTable, probing
 from nanbisect.replay.recorder import is_collective
-from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.replay.replayer import Replayer, stacked
 
 
 def call_stats(table: ProbeTable, call: CallId) -> dict[str, Stats | None] | None:
@@ -31,9 +31,7 @@ class ReferenceSide:
 
     def __init__(self, part, spec: str, entry: str, server=None) -> None:
         registry.load_plugins()
-        self.device, self.dtype = parse_device(spec)
-        if self.device.type == "cuda":
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        self.device, self.dtype = devices.local_device(spec)
         self.server = server     # a replay without the other ranks: collectives served
         self.observer = ReductionObserver({}, server=server)
         with observing_comm_hooks(self.observer):

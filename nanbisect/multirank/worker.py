@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from nanbisect import devices
 from nanbisect.bundle.format import read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs
@@ -63,7 +64,7 @@ from nanbisect.reference.differential import (RandomTape, diverging_call, isolat
 from nanbisect.reference.classify import classify
 from nanbisect.reference.opcheck import safe_check
 from nanbisect.replay.probe import ModuleProbe, probing
-from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.report.repro import repro_imports, write_repro
 from nanbisect.task import load_inject
 
@@ -102,9 +103,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     rank = dist.get_rank()
     top = read_bundle(bundle_path)
     part = top.part(rank)
-    device, dtype = parse_device(target)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device, dtype = devices.local_device(target)
     observer = ReductionObserver({})
     _stage("building the task")
     with observing_comm_hooks(observer):
@@ -253,17 +252,9 @@ def _watch_launcher(partial: Path) -> None:
 
 
 def _backend(specs: list[str]) -> str | None:
-    """The process group's backend for the devices of both sides: gloo for CPU, nccl for CUDA,
-    both at once (``cpu:gloo,cuda:nccl``) for a CUDA target with a CPU reference or the reverse;
-    None (torch's default for the device) otherwise."""
-    types = {parse_device(s)[0].type for s in specs}
-    if types == {"cpu"}:
-        return "gloo"
-    if types == {"cuda"}:
-        return "nccl"
-    if types == {"cpu", "cuda"}:
-        return "cpu:gloo,cuda:nccl"
-    return None
+    """The process group's backend for the devices of both sides (the device seam's
+    `nanbisect.devices.collective_backend`)."""
+    return devices.collective_backend(specs)
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
 from nanbisect.records import BadValue, StepOutcome
@@ -29,39 +30,13 @@ PHASES = ("input", "forward", "backward", "optimizer")
 
 def parse_device(spec: str, flag: str = "--target/--reference"
                  ) -> tuple[torch.device, torch.dtype | None]:
-    """``"cuda:1"`` -> (device, None); ``"cpu:float64"`` -> (cpu, torch.float64).
+    """``"cuda:1"`` -> (device, None); ``"cpu:float64"`` -> (cpu, torch.float64) (the device
+    seam's `nanbisect.devices.parse`).
 
     >>> parse_device("cpu:float64")
     (device(type='cpu'), torch.float64)
     """
-    dev, _, dtype_name = spec.partition(":")
-    dtype = None
-    if dtype_name and not dtype_name.isdigit():
-        dtype = getattr(torch, dtype_name, None)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise BadInput(f"device '{spec}': '{dtype_name}' is not a floating dtype; use e.g. "
-                           "cpu:float64")
-    else:
-        dev = spec
-    try:
-        device = torch.device(dev)
-    except RuntimeError:
-        raise BadInput(f"device '{spec}' is not a torch device string; use e.g. cpu, cuda, "
-                       "cuda:1") from None
-    if device.type == "npu":
-        try:  # registers torch.npu
-            import torch_npu  # noqa: F401
-        except ImportError:
-            pass
-    if device.type != "cpu":
-        mod = getattr(torch, device.type, None)
-        ok = mod is not None and hasattr(mod, "is_available") and mod.is_available()
-        if ok and device.index is not None and hasattr(mod, "device_count"):
-            ok = device.index < mod.device_count()
-        if not ok:
-            raise BadInput(f"device '{spec}' is not available on this machine; pass {flag} "
-                           "with a device it has (cpu always works)")
-    return device, dtype
+    return devices.parse(spec, flag)
 
 
 def nonfinite(t: torch.Tensor) -> tuple[int, int, int]:

@@ -189,7 +189,9 @@ class Fork(_Pending):
     @staticmethod
     def usable(device_type: str, op: str) -> bool:
         """A CPU run of a built-in op (``op`` as ``str()`` of its overload)."""
-        return (hasattr(os, "fork") and device_type == "cpu"
+        from nanbisect import devices    # torch: only once a run has it loaded
+
+        return (hasattr(os, "fork") and devices.entry(device_type).forkable
                 and op.split(".", 1)[0] in BUILTIN_NAMESPACES)
 
     def submit(self, script: Path, device: str, timeout: int = 300) -> "Fork":

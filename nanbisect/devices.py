@@ -1,0 +1,331 @@
+"""The device seam: everything nanbisect does differently per device type, in one registry.
+
+Each device type (``cpu``, ``cuda``, ``npu`` through ``torch_npu``, ``xpu``, ``mps``) is one
+`DeviceType` entry: how a device string of that type is parsed and validated, the extension to
+import first, its RNG's get/set, its streams and events (the Guard's side-stream snapshot), the
+collective backend a multi-rank replay uses on it, the device a local rank takes, whether a
+repro of a built-in op may run in a fork of this process, and a fingerprint of the hardware
+and libraries for the manifest. The rest of nanbisect asks the entry of a device's type
+(`entry`) and never names a device type itself, so adding a backend is one `register` call:
+
+>>> class Mine(DeviceType):
+...     name, backend = "mine", "gloo"
+>>> with registered(Mine()):
+...     entry(torch.device("cpu")).name, "mine" in TYPES
+('cpu', True)
+
+Guarantees: importing this module imports torch and nothing of nanbisect but its errors; a
+device type whose extension is missing or whose runtime is broken is simply not available
+(never an exception from `available`). Not guaranteed: that an entry's ``fingerprint`` knows
+every library of a vendor stack (unknown values are left out, never guessed).
+"""
+from __future__ import annotations
+
+import os
+import platform
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+from nanbisect.errors import BadInput
+
+
+class DeviceType:
+    """One device type's entry. Subclass it (override what differs) and `register` it."""
+
+    name = "cpu"
+    extension: str | None = None   # imported before the type is used ("torch_npu")
+    backend = "gloo"               # torch.distributed backend of a multi-rank replay on it
+    forkable = False               # a repro may run in a fork of this process (CPU only)
+
+    # -- the runtime -----------------------------------------------------------------------
+    def module(self) -> Any:
+        """``torch.<name>`` (torch.cuda, torch.npu, ...), the extension imported first."""
+        if self.extension:
+            try:
+                __import__(self.extension)
+            except ImportError:
+                return None
+        return getattr(torch, self.name, None)
+
+    def available(self) -> bool:
+        mod = self.module()
+        try:
+            return bool(mod is not None and hasattr(mod, "is_available") and mod.is_available())
+        except Exception:  # noqa: BLE001 - a broken runtime is an absent one
+            return False
+
+    def count(self) -> int:
+        mod = self.module()
+        return int(mod.device_count()) if hasattr(mod, "device_count") else 1
+
+    def validate(self, device: torch.device, spec: str, flag: str) -> None:
+        """`BadInput` when ``device`` cannot be used on this machine."""
+        ok = self.available()
+        if ok and device.index is not None:
+            ok = device.index < self.count()
+        if not ok:
+            raise BadInput(f"device '{spec}' is not available on this machine; pass {flag} "
+                           "with a device it has (cpu always works)")
+
+    def local(self, local_rank: int) -> torch.device:
+        """The device a rank with this ``LOCAL_RANK`` replays on."""
+        return torch.device(self.name, local_rank)
+
+    # -- RNG ---------------------------------------------------------------------------------
+    def get_rng(self) -> list[torch.Tensor]:
+        """Every device's generator state, in device order."""
+        mod = self.module()
+        return mod.get_rng_state_all() if hasattr(mod, "get_rng_state_all") \
+            else [mod.get_rng_state()]
+
+    def set_rng(self, states: list[torch.Tensor]) -> None:
+        mod = self.module()
+        if hasattr(mod, "set_rng_state_all") and len(states) == self.count():
+            mod.set_rng_state_all(states)
+        else:
+            mod.set_rng_state(states[0])
+
+    def get_device_rng(self, device: torch.device) -> torch.Tensor | None:
+        """The generator state of one device (a caught op's); None when the type has none."""
+        mod = self.module()
+        return mod.get_rng_state(device) if hasattr(mod, "get_rng_state") else None
+
+    # -- streams and events (the Guard's side-stream snapshot) -------------------------------
+    def streams(self) -> Any:
+        """The module with ``Stream``/``stream``/``current_stream`` (None: no streams)."""
+        mod = self.module()
+        ok = mod is not None and all(hasattr(mod, a) for a in
+                                     ("Stream", "stream", "current_stream"))
+        return mod if ok else None
+
+    def has_streams(self) -> bool:
+        return self.streams() is not None
+
+    def new_stream(self, device: torch.device) -> Any:
+        return self.streams().Stream(device=device)
+
+    def side_copy(self, stream: Any, dst: list[torch.Tensor], src: list[torch.Tensor]) -> Any:
+        """Copy ``src`` into ``dst`` on ``stream`` after what the current stream has queued;
+        returns the event reached when the copies are complete (`wait_event`)."""
+        mod = self.streams()
+        stream.wait_stream(mod.current_stream(stream.device))  # what the last step wrote, first
+        with mod.stream(stream):
+            torch._foreach_copy_(dst, src)
+        for t in src:     # memory freed meanwhile (by code other than the optimizer) is not
+            t.record_stream(stream)     # reused before the copy has read it
+        return stream.record_event()
+
+    def wait_event(self, device: torch.device, event: Any) -> None:
+        """Make ``device``'s current stream wait for ``event``."""
+        self.streams().current_stream(device).wait_event(event)
+
+    # -- fingerprint -------------------------------------------------------------------------
+    def fingerprint(self) -> dict:
+        """What identifies this type's hardware and libraries here (JSON values only)."""
+        mod = self.module()
+        out: dict = {}
+        try:
+            out["devices"] = [mod.get_device_name(i) for i in range(self.count())]
+        except Exception:  # noqa: BLE001 - a runtime without names: leave it out
+            pass
+        return out
+
+
+class Cpu(DeviceType):
+    name = "cpu"
+    forkable = True
+
+    def module(self) -> Any:
+        return torch.cpu
+
+    def available(self) -> bool:
+        return True
+
+    def count(self) -> int:
+        return 1
+
+    def validate(self, device: torch.device, spec: str, flag: str) -> None:
+        pass
+
+    def local(self, local_rank: int) -> torch.device:
+        return torch.device("cpu")     # every rank shares the host
+
+    def get_rng(self) -> list[torch.Tensor]:
+        return [torch.get_rng_state()]
+
+    def set_rng(self, states: list[torch.Tensor]) -> None:
+        torch.set_rng_state(states[0])
+
+    def get_device_rng(self, device: torch.device) -> torch.Tensor | None:
+        return torch.get_rng_state()
+
+    def streams(self) -> Any:
+        return None
+
+    def fingerprint(self) -> dict:
+        out = {"machine": platform.machine(), "processor": _cpu_model()}
+        try:
+            out["capability"] = torch.backends.cpu.get_cpu_capability()
+        except Exception:  # noqa: BLE001 - older torch
+            pass
+        return out
+
+
+class Cuda(DeviceType):
+    name = "cuda"
+    backend = "nccl"
+
+    def fingerprint(self) -> dict:
+        out = super().fingerprint()
+        out["cuda"] = torch.version.cuda
+        try:
+            out["capability"] = [list(torch.cuda.get_device_capability(i))
+                                 for i in range(self.count())]
+            out["cudnn"] = torch.backends.cudnn.version()
+            out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:  # noqa: BLE001 - partial stacks: what is known is kept
+            pass
+        return out
+
+
+class Npu(DeviceType):
+    name = "npu"
+    extension = "torch_npu"
+    backend = "hccl"
+
+
+class Xpu(DeviceType):
+    name = "xpu"
+    backend = "xccl"
+
+
+class Mps(DeviceType):
+    name = "mps"
+
+    def count(self) -> int:
+        return 1
+
+    def local(self, local_rank: int) -> torch.device:
+        return torch.device("mps")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+TYPES: dict[str, DeviceType] = {}
+
+
+def register(dt: DeviceType) -> DeviceType:
+    """Add (or replace) the entry of ``dt.name``; returns what it replaced (or ``dt``)."""
+    old = TYPES.get(dt.name, dt)
+    TYPES[dt.name] = dt
+    return old
+
+
+@contextmanager
+def registered(dt: DeviceType) -> Iterator[DeviceType]:
+    """``dt`` registered for the block, the entry it replaced (if any) restored after."""
+    old = TYPES.get(dt.name)
+    TYPES[dt.name] = dt
+    try:
+        yield dt
+    finally:
+        if old is None:
+            TYPES.pop(dt.name, None)
+        else:
+            TYPES[dt.name] = old
+
+
+for _dt in (Cpu(), Cuda(), Npu(), Xpu(), Mps()):
+    register(_dt)
+
+
+def entry(device: torch.device | str) -> DeviceType:
+    """The entry of ``device``'s type (a plain `DeviceType` for a type nobody registered)."""
+    name = device.type if isinstance(device, torch.device) else str(device).split(":")[0]
+    found = TYPES.get(name)
+    if found is None:
+        found = DeviceType()
+        found.name = name
+    return found
+
+
+def parse(spec: str, flag: str = "--target/--reference"
+          ) -> tuple[torch.device, torch.dtype | None]:
+    """``"cuda:1"`` -> (device, None); ``"cpu:float64"`` -> (cpu, torch.float64); the device
+    validated by its entry (`BadInput` naming ``flag`` when this machine lacks it).
+
+    >>> parse("cpu:float64")
+    (device(type='cpu'), torch.float64)
+    """
+    dev, _, dtype_name = spec.partition(":")
+    dtype = None
+    if dtype_name and not dtype_name.isdigit():
+        dtype = getattr(torch, dtype_name, None)
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise BadInput(f"device '{spec}': '{dtype_name}' is not a floating dtype; use e.g. "
+                           "cpu:float64")
+    else:
+        dev = spec
+    try:
+        device = torch.device(dev)
+    except RuntimeError:
+        raise BadInput(f"device '{spec}' is not a torch device string; use e.g. cpu, cuda, "
+                       "cuda:1") from None
+    entry(device).validate(device, spec, flag)
+    return device, dtype
+
+
+def default_reference(target: torch.device) -> str:
+    """The reference a run uses without ``--reference``: the CPU for an accelerator target,
+    none for a CPU one (a CPU replayed against itself proves nothing)."""
+    return "cpu" if target.type != "cpu" else "none"
+
+
+def local_device(spec: str) -> tuple[torch.device, torch.dtype | None]:
+    """`parse`, with an accelerator's device taken from ``LOCAL_RANK`` (a rank worker)."""
+    device, dtype = parse(spec)
+    if device.type != "cpu":
+        device = entry(device).local(int(os.environ.get("LOCAL_RANK", 0)))
+    return device, dtype
+
+
+def accelerators() -> list[str]:
+    """Registered types other than the CPU that are available here (their RNG is captured)."""
+    return [name for name, dt in TYPES.items() if name != "cpu" and dt.available()]
+
+
+def collective_backend(specs: list[str]) -> str | None:
+    """The process group's backend for the devices of both sides of a multi-rank replay: the
+    one type's backend (``gloo`` for CPU, ``nccl`` for CUDA, ``hccl`` for NPU), or both at once
+    (``cpu:gloo,cuda:nccl``) for an accelerator target with a CPU reference or the reverse;
+    None (torch's default for the devices) otherwise.
+
+    >>> collective_backend(["cpu", "cpu:float64"])
+    'gloo'
+    """
+    types = sorted({parse(s)[0].type for s in specs}, key=lambda t: t != "cpu")
+    if len(types) == 1:
+        return entry(types[0]).backend
+    if len(types) == 2 and types[0] == "cpu":
+        return ",".join(f"{t}:{entry(t).backend}" for t in types)
+    return None
+
+
+def fingerprint() -> dict:
+    """The hardware and library fingerprint of this machine: the CPU's, and each available
+    accelerator type's (`DeviceType.fingerprint`)."""
+    out = {"cpu": entry("cpu").fingerprint()}
+    for name in accelerators():
+        out[name] = TYPES[name].fingerprint()
+    return out
