@@ -33,25 +33,24 @@ from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs, catch_module_call
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_parameter,
-                                        forward_producer, make_culprit, timeline)
+                                        forward_producer, timeline)
 from nanbisect.multirank.alone import check_tape
 from nanbisect.multirank.launcher import parse_ranks, run_multirank
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, Fidelity, Losses,
                                ModuleRepro, OpCheck, OpRecording, RunFacts, StepOutcome,
                                json_number)
 from nanbisect.reference import kernels as registry
-from nanbisect.reference.differential import (RandomReplay, RandomTape, ReferenceKernels,
-                                              StepState, diverging_call, first_divergence,
-                                              isolate_window, step_state)
-from nanbisect.reference.classify import classify
-from nanbisect.reference.opcheck import check_caught
+from nanbisect.finish import Evidence, classify_culprit, finish
+from nanbisect.reference.differential import (RandomTape, diverging_call, isolate_window,
+                                              step_state)
+from nanbisect.reference.side import ReferenceSide, model_dtype
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import match_threads
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.reference.window import replay_window
 from nanbisect.report.model import Report
-from nanbisect.report.repro import repro_imports, write_module_repro, write_repro
+from nanbisect.report.repro import write_module_repro
 from nanbisect.report.rerun import Fork, Interpreter, run_repro, take
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
@@ -345,13 +344,13 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     return _decide(run, first, side, ref, tmp), rep
 
 
-def _decide(run: _Run, first: StepOutcome, side: "_Reference | None", ref, tmp: Path) -> Report:
+def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tmp: Path) -> Report:
     """The verdict, and for a culprit the passes that find it."""
     facts = run.facts
     failed = recorded_failure(facts.observed)
     divergence = None
     if first.phase is None and not failed and side is not None:
-        divergence = first_divergence(side.target_state, side.state, side.dtype_target)
+        divergence = side.divergence()
     if divergence is not None:
         run.progress("isolate", "isolating the target's ops on the reference")
         return _divergence_report(run, side, divergence, tmp)
@@ -428,73 +427,56 @@ def _not_reproduced(run: _Run) -> Report:
                   notes=[f"the manifest records a non-finite step, but {why}", *run.notes])
 
 
-def _classify(side: "_Reference | None", op_check: OpCheck | None) -> tuple[str, str | None]:
-    """The classification of a NaN/inf culprit and, when it needs one, why (`classify`)."""
+def _evidence(run: _Run, side: "ReferenceSide | None", op_check: OpCheck | None) -> Evidence:
+    """What a culprit's classification is decided from, in a single-process run."""
+    mismatch = run.facts.fidelity is not None and run.facts.fidelity.mismatch
     if side is None:
-        return classify(False, False, None, torch.float32, op_check)
-    return classify(True, side.outcome.phase is not None, side.dtype, side.dtype_target,
-                    op_check)
-
-
-@dataclass
-class _Reference:
-    """The reference replay: its outcome, module table and step state, plus the target's."""
-
-    device: torch.device
-    dtype: torch.dtype | None
-    outcome: StepOutcome
-    probe: ModuleProbe
-    state: StepState
-    target_state: StepState
-    dtype_target: torch.dtype    # tolerances are the target's dtype's
+        return Evidence("none", None, torch.float32, op_check, mismatch)
+    return Evidence("failed" if side.failed else "finite", side.dtype, side.target_dtype,
+                    op_check, mismatch)
 
 
 def _reference_side(bundle: Bundle, rep: Replayer, first: StepOutcome, ref, tape: RandomTape
-                    ) -> tuple["_Reference | None", str | None]:
+                    ) -> tuple["ReferenceSide | None", str | None]:
     """Replay on the reference; (None, why) when the reference cannot run the step."""
-    t_dtype = next(rep.task.model.parameters(), torch.zeros(())).dtype
     target_state = step_state(rep, first)
     ref_rep = _guarded(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry),
                        "building the task on the reference")
-    probe = ModuleProbe(ref_rep.task.model)
-
+    side = ReferenceSide(ref_rep, ref[1], target_state, model_dtype(rep))
     try:
-        outcome = _guarded(lambda: ref_rep.run(
-            phase=probing(probe), wrap=lambda: stacked(ReferenceKernels(), RandomReplay(tape))),
-                           "replaying the step on the reference")
+        _guarded(lambda: side.run(tape), "replaying the step on the reference")
     except BadInput as e:
         return None, (f"the reference could not replay the step ({e}); register reference "
                       "implementations with nanbisect.reference_impl for ops it has no kernel "
                       "for; classification is unknown")
-    return _Reference(ref[0], ref[1], outcome, probe, step_state(ref_rep, outcome),
-                      target_state, t_dtype), None
+    return side, None
 
 
-def _write_repro(run: _Run, caught: Caught, culprit: Culprit, kind: str, tmp: Path):
-    """Write repro/ and start its one run; returns (repro path, a callable that waits for its
-    result, or gives None without opts.run_repro). What the caller does meanwhile overlaps it."""
-    imports = repro_imports(caught.op, run.rep.entry)
-    script = write_repro(tmp / "repro", caught, culprit=culprit, kind=kind,
-                         target=run.facts.target, imports=imports)
+def _repro_starter(run: _Run):
+    """How this run starts the repro's one run (None without opts.run_repro): on the CPU, for a
+    built-in op, a fork of this process; else the interpreter started ahead (or a new one)."""
     if not run.opts.run_repro:
-        return "repro/repro.py", lambda: None
-    if Fork.usable(run.rep.device.type, caught.op):
-        runner = Fork()
-    else:
-        runner, run.interp = run.interp or Interpreter(), None    # one script per interpreter
-    runner.submit(script, run.facts.target)
+        return None
 
-    def result():
-        run.progress("repro", "waiting for the repro's run")
-        return runner.result()
-    return "repro/repro.py", result
+    def start(script: Path, caught: Caught):
+        if Fork.usable(run.rep.device.type, caught.op):
+            runner = Fork()
+        else:
+            runner, run.interp = run.interp or Interpreter(), None  # one script per interpreter
+        runner.submit(script, run.facts.target)
+
+        def result():
+            run.progress("repro", "waiting for the repro's run")
+            return runner.result()
+        return result
+    return start
 
 
-def _divergence_report(run: _Run, side: "_Reference", div: Divergence, tmp: Path) -> Report:
+def _divergence_report(run: _Run, side: ReferenceSide, div: Divergence, tmp: Path) -> Report:
     rep, phase = run.rep, div.phase
     call = None
     if phase in ("forward", "backward"):
-        call = diverging_call(run.probe.read(), side.probe.read(), phase, side.dtype_target)
+        call = diverging_call(run.probe.read(), side.probe.read(), phase, side.target_dtype)
     finding, check, checked, uncomparable = _guarded(
         lambda: isolate_window(rep, phase, call.call if call is not None else None, side.device,
                                run.wrap),
@@ -505,7 +487,7 @@ def _divergence_report(run: _Run, side: "_Reference", div: Divergence, tmp: Path
         notes.append(f"{len(uncomparable)} op(s) could not be compared (no reference kernel "
                      "or registered reference_impl): " + ", ".join(sorted({u.op for u in
                                                                           uncomparable})))
-    caught = repro = result = None
+    caught = None
     if finding is not None:
         run.progress("input-catch", "catching the diverging op's inputs")
         caught = _guarded(lambda: catch_inputs(rep, finding.site, run.wrap),
@@ -516,20 +498,20 @@ def _divergence_report(run: _Run, side: "_Reference", div: Divergence, tmp: Path
                      "whole (e.g. an op without a comparable reference)")
     else:
         notes.append("no module call or op could be isolated as the first divergence")
-    culprit = make_culprit(rep.task.model, phase, finding=finding, call=call,
-                           source=caught.source if caught else None)
-    if caught is not None:
-        repro, pending = _write_repro(run, caught, culprit, "mismatch", tmp)
-        result = pending()
+    done = finish(rep, phase, "mismatch", finding=finding, caught=caught, call=call,
+                  op_check=check, repro_dir=tmp / "repro", target=run.facts.target,
+                  start_repro=_repro_starter(run), progress=run.progress)
     classification = "device" if check is not None else "unknown"
     if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
         classification = "replay-mismatch"
-    return Report("culprit", classification, phase, "mismatch", culprit, run.facts, notes=notes,
-                  repro=repro, timeline=timeline(run.probe.read(), phase), repro_result=result,
+    return Report("culprit", classification, phase, "mismatch", done.culprit, run.facts,
+                  notes=notes, repro="repro/repro.py" if done.repro else None,
+                  timeline=timeline(run.probe.read(), phase),
+                  repro_result=done.pending() if done.pending else None,
                   divergence=div, op_check=check, uncomparable=uncomparable)
 
 
-def _culprit_report(run: _Run, first: StepOutcome, side: "_Reference | None", ref,
+def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, ref,
                     tmp: Path) -> Report:
     rep, opts, target = run.rep, run.opts, run.facts.target
     model, phase, kind = rep.task.model, first.phase, first.kind or "nan"
@@ -562,18 +544,15 @@ def _culprit_report(run: _Run, first: StepOutcome, side: "_Reference | None", re
                          "step is not deterministic); no repro was written")
     trace = backtrace(table, call, phase, kind) if call is not None and phase != "optimizer" \
         else []
-    culprit = make_culprit(model, phase, finding=finding, call=call, parameter=parameter,
-                           source=caught.source if caught else None,
-                           micro_batch=first.micro_batch)
-
-    repro = repro_result = op_check = module_repro = None
-    if caught is not None:
-        repro, pending = _write_repro(run, caught, culprit, kind, tmp)
-        if ref is not None:     # in this process, while the repro runs in its own
-            run.progress("op-check", "re-running the culprit op on the reference")
-            op_check = _guarded(lambda: check_caught(caught, finding.op_index, rep.device, ref[0],
-                                                     run.wrap), "re-running the culprit op")
-        repro_result = pending()
+    done = finish(rep, phase, kind, finding=finding, caught=caught, call=call,
+                  parameter=parameter, micro_batch=first.micro_batch,
+                  check_on=ref[0] if ref is not None else None, wrap=run.wrap,
+                  repro_dir=tmp / "repro", target=target, start_repro=_repro_starter(run),
+                  progress=run.progress)
+    culprit, op_check = done.culprit, done.op_check
+    repro_result = module_repro = None
+    if done.repro is not None:
+        repro_result = done.pending() if done.pending else None
         if repro_result and not repro_result.reproduced and opts.inject:
             notes.append(f"the repro did not reproduce on {target}: it runs the op without "
                          f"--inject {opts.inject}, which emulated the fault here; run "
@@ -590,20 +569,12 @@ def _culprit_report(run: _Run, first: StepOutcome, side: "_Reference | None", re
                          "outside its inputs); module_repro replays its module call "
                          "with the module's state: " + ("reproduced" if worked else
                                                         "did not reproduce either"))
-        if op_check is not None:
-            if op_check.status == "uncomparable":
-                notes.append(f"{caught.op} cannot run on the reference ({op_check.detail})"
-                             "; it is reported as uncomparable, not as correct")
-    classification, why = _classify(side, op_check)
-    if why:
-        notes.append(why)
-    if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
-        classification = "replay-mismatch"
-        notes.append("the culprit above is where the replay failed; the replay does not compute "
-                     "the captured step, so it may not be where the training run failed")
+    classification, why = classify_culprit(_evidence(run, side, op_check))
+    notes += why
     return Report(
         "culprit", classification, phase, kind, culprit, run.facts, backtrace=trace,
-        timeline=timeline(table, phase), notes=notes, repro=repro, repro_result=repro_result,
+        timeline=timeline(table, phase), notes=notes,
+        repro="repro/repro.py" if done.repro else None, repro_result=repro_result,
         inf_origin=finding.inf_origin if finding else None,
         context=finding.context if finding else [], op_check=op_check,
         module_repro=module_repro,

@@ -23,24 +23,18 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-from nanbisect import devices
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
-from nanbisect.locate.producers import forward_producer, make_culprit
-from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
-from nanbisect.multirank.sides import ReferenceSide, call_stats, root_of
+from nanbisect.locate.producers import forward_producer
+from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
+                                       root_of)
 from nanbisect.multirank.tape import ROLE, Entry, TapeMismatch, TapeServer, parse
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
-from nanbisect.reference.classify import classify
-from nanbisect.reference.differential import RandomTape
-from nanbisect.reference.opcheck import safe_check
+from nanbisect.reference.differential import RandomTape, step_state
 from nanbisect.replay.probe import ModuleProbe, probing
-from nanbisect.replay.replayer import Replayer, stacked
-from nanbisect.report.repro import repro_imports, write_repro
+from nanbisect.replay.replayer import stacked
 from nanbisect.task import load_inject
 
 NO_TAPE = ("records no collectives (captured with nanbisect.capture, or by a nanbisect older "
@@ -112,19 +106,13 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     if recorded is None:
         raise BadInput(f"bundle '{top.path}': rank {rank}'s part {NO_TAPE}")
     server = TapeServer(recorded, part.tensors(ROLE), where=f"bundle '{part.path}'")
-    device, dtype = devices.local_device(target)
-    observer = ReductionObserver({}, server=server)
     stage("building the task")
-    with observing_comm_hooks(observer):
-        rep = Replayer(part, device, dtype, entry=entry)
+    rep, observer = rank_replayer(part, target, entry, server)
     model = rep.task.model
-    observer.names.update({p: n for n, p in model.named_parameters()})
-    observe_default_hook(model, observer)
-    rep.restored.append(server.rewind)
     side = None
     if reference is not None:
         stage("building the task on the reference")
-        side = ReferenceSide(part, reference, rep.entry, server=server)
+        side = RankReferenceSide(part, reference, rep.entry, server=server)
     bad = rep.input_faults(rep.restore())
     if bad:
         summary = RankSummary(rank, "input", None, None, input_nonfinite=bad)
@@ -141,7 +129,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     theirs = None
     if side is not None:
         stage("replay pass 1/3 on the reference")
-        theirs = side.summary(side.run(tape), rep, first)
+        theirs = side.run_rank(tape, rep, first, step_state(rep, first))
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read())
     result = RankResult(rank, summary=summary, reference=theirs,
@@ -177,24 +165,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
         result = replace(result, module_stats=call_stats(
             table, CallId(finding.module, finding.module_call)))
     call = forward_producer(table, kind) if phase == "forward" and finding is None else None
-    culprit = make_culprit(model, phase, finding=finding, call=call, rank=rank,
-                           source=caught.source if caught else None)
-    result = replace(result, culprit=culprit)
-    if finding is None:
-        return result
-    result = replace(result, context=finding.context, inf_origin=finding.inf_origin)
-    if caught is None:
-        return result
-    if side is not None:
-        stage("re-running the culprit op on the reference")
-        check = safe_check(caught, finding.op_index, rep.device, side.device, inject_wrap)
-        # NB: the reference is served the capture's collectives, non-finite ones included, so
-        # its step failing proves nothing here: only the op, re-run from the same inputs, does
-        # (the same non-finite result on the reference: the arithmetic; another: the device)
-        classification, why = classify(True, check.status == "ok", side.dtype,
-                                       next(model.parameters(), torch.zeros(())).dtype, check)
-        result = replace(result, op_check=check, classification=classification,
-                         classification_note=why)
-    script = write_repro(partial / f"rank{rank}" / "repro", caught, culprit=culprit, kind=kind,
-                         target=target, imports=repro_imports(caught.op, rep.entry))
-    return replace(result, repro=str(script))
+    # NB: the reference is served the capture's collectives, non-finite ones included, so its
+    # step failing proves nothing here: only the op, re-run from the same inputs, does
+    return finish_rank(result, rep, phase, kind, finding, caught, call, side, "served",
+                       inject_wrap, partial, target, stage)

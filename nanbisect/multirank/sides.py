@@ -1,20 +1,25 @@
 """What a rank's replay needs on either launch path (every rank in lockstep, `worker`; some ranks
-alone, `alone`): its reference side, the culprit module call's statistics, its root op."""
+alone, `alone`): its replayer, set up one way for the target and the reference; its reference
+side; the culprit module call's statistics; its root op."""
 from __future__ import annotations
 
+from contextlib import nullcontext
 
-import torch
+from dataclasses import replace
+from pathlib import Path
+from typing import Callable
 
 from nanbisect import devices
+from nanbisect.finish import Evidence, classify_culprit, finish
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
-from nanbisect.records import (CallId, OpFinding, RankReference, RankRoot, Stats, StepOutcome,
-                               json_number)
+from nanbisect.records import (CallId, Caught, OpFinding, RankReference, RankResult, RankRoot,
+                               Stats, StepOutcome, json_number)
 from nanbisect.reference import kernels as registry
-from nanbisect.reference.differential import (RandomReplay, RandomTape, ReferenceKernels,
-                                              first_divergence, step_state)
-from nanbisect.replay.probe import ModuleProbe, ProbeTable, probing
+from nanbisect.reference.differential import StepState
+from nanbisect.reference.side import ReferenceSide, model_dtype
+from nanbisect.replay.probe import CallStats, ProbeTable
 from nanbisect.replay.recorder import is_collective
-from nanbisect.replay.replayer import Replayer, stacked
+from nanbisect.replay.replayer import Replayer
 
 
 def call_stats(table: ProbeTable, call: CallId) -> dict[str, Stats | None] | None:
@@ -25,50 +30,74 @@ def call_stats(table: ProbeTable, call: CallId) -> dict[str, Stats | None] | Non
             "grad_leaving": c.grad_in}
 
 
-class ReferenceSide:
-    """This rank's replay on the reference (``--reference``): the same part, the same world, the
-    reference device; random ops draw what this rank's target drew."""
+def rank_replayer(part, spec: str, entry: str | None, server=None
+                  ) -> tuple[Replayer, ReductionObserver]:
+    """This rank's part built on ``spec`` (an accelerator's device taken from LOCAL_RANK), with
+    DDP's gradient reductions observed; in lockstep without ``server``, else alone with the
+    collectives ``server`` gives (rewound at every restore)."""
+    device, dtype = devices.local_device(spec)
+    observer = ReductionObserver({}, server=server)
+    with observing_comm_hooks(observer):
+        rep = Replayer(part, device, dtype, entry=entry)
+    model = rep.task.model
+    observer.names.update({p: n for n, p in model.named_parameters()})
+    observe_default_hook(model, observer)
+    rep.lockstep = server is None
+    if server is not None:
+        rep.restored.append(server.rewind)
+    return rep, observer
+
+
+class RankReferenceSide(ReferenceSide):
+    """This rank's replay on the reference (``--reference``): the same part, the same world (or
+    the same served collectives), the reference device; random ops draw what this rank's
+    target drew. Built before the target's first pass (its task build may run collectives)."""
 
     def __init__(self, part, spec: str, entry: str, server=None) -> None:
         registry.load_plugins()
-        self.device, self.dtype = devices.local_device(spec)
+        rep, self.observer = rank_replayer(part, spec, entry, server)
         self.server = server     # a replay without the other ranks: collectives served
-        self.observer = ReductionObserver({}, server=server)
-        with observing_comm_hooks(self.observer):
-            self.rep = Replayer(part, self.device, self.dtype, entry=entry)
-        model = self.rep.task.model
-        self.observer.names.update({p: n for n, p in model.named_parameters()})
-        observe_default_hook(model, self.observer)
-        self.rep.lockstep = server is None
-        if server is not None:
-            self.rep.restored.append(server.rewind)
-        self.probe = ModuleProbe(model)
+        super().__init__(rep, rep.dtype, None, None)
 
-    def run(self, tape: RandomTape) -> StepOutcome:
-        served = [self.server] if self.server is not None else []
-        if self.server is not None:   # its inputs differ from the capture's by design
-            self.server.check_inputs = False
-        try:
-            return self.rep.run(phase=probing(self.probe), wrap=lambda: stacked(
-                *served, ReferenceKernels(), RandomReplay(tape)))
-        finally:
-            if self.server is not None:
-                self.server.check_inputs = True
-
-    def summary(self, outcome: StepOutcome, rep: Replayer, first: StepOutcome,
-                target_state=None) -> RankReference:
-        """How the reference's step ended, and where a finite target step parts from it."""
-        # a target that failed parts from a finite reference trivially: only a finite step's
-        # divergence is news
-        self.divergence = None
-        if first.phase is None:
-            t_dtype = next(rep.task.model.parameters(), torch.zeros(())).dtype
-            self.divergence = first_divergence(target_state or step_state(rep, first),
-                                               step_state(self.rep, outcome), t_dtype)
-        div = self.divergence
+    def run_rank(self, tape, target: Replayer, first: StepOutcome,
+                 target_state: StepState) -> RankReference:
+        """Replay on the reference and say how it ended, and where a finite target step parts
+        from it (a failed target parts from a finite reference trivially: only a finite
+        step's divergence is news)."""
+        self.target_state, self.target_dtype = target_state, model_dtype(target)
+        served = (self.server,) if self.server is not None else ()
+        outcome = self.run(tape, served=served, around=(
+            self.server.unchecked if self.server is not None else nullcontext))
+        self.observer.active = False
+        div = self.divergence() if first.phase is None else None
         return RankReference(outcome.phase, json_number(outcome.loss),
                              div.what if div else None,
                              json_number(div.comparison.max_rel) if div else None)
+
+
+def finish_rank(result: RankResult, rep: Replayer, phase: str, kind: str,
+                finding: OpFinding | None, caught: Caught | None, call: CallStats | None,
+                side: RankReferenceSide | None, reference: str, wrap, partial: Path,
+                target: str, stage: Callable[[str], None]) -> RankResult:
+    """The culprit rank's result: `finish` (culprit, repro under ``PARTIAL/rank{r}/repro``, op
+    check on the reference) and its classification from the evidence (``reference``: what the
+    reference's step says, `Evidence`)."""
+    done = finish(rep, phase, kind, finding=finding, caught=caught, call=call, rank=result.rank,
+                  check_on=side.device if side is not None else None, wrap=wrap,
+                  repro_dir=partial / f"rank{result.rank}" / "repro", target=target,
+                  progress=lambda key, text: stage(text))
+    result = replace(result, culprit=done.culprit)
+    if finding is None:
+        return result
+    result = replace(result, context=finding.context, inf_origin=finding.inf_origin)
+    if done.repro is None:
+        return result
+    if side is not None:
+        classification, notes = classify_culprit(Evidence(reference, side.dtype,
+                                                          model_dtype(rep), done.op_check))
+        result = replace(result, op_check=done.op_check, classification=classification,
+                         classification_notes=notes)
+    return replace(result, repro=str(done.repro))
 
 
 def root_of(finding: OpFinding | None) -> RankRoot | None:
@@ -77,5 +106,3 @@ def root_of(finding: OpFinding | None) -> RankRoot | None:
         return None
     return RankRoot(finding.op, finding.op_index, finding.module, finding.module_call,
                     finding.input_dtypes, finding.input_shapes, is_collective(finding.op))
-
-

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -339,6 +340,16 @@ class TapeServer(TorchDispatchMode):
     def rewind(self) -> None:
         self.i = 0
         self.ddp_count = {}
+
+    @contextmanager
+    def unchecked(self) -> Iterator[None]:
+        """Serve without checking the inputs against the capture's (the reference side's
+        inputs differ by design)."""
+        self.check_inputs = False
+        try:
+            yield
+        finally:
+            self.check_inputs = True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -137,8 +137,7 @@ def job_report(facts: RunFacts, world_size: int, backend: str | None,
     if not others:
         note += "the other ranks stayed finite"
     notes.append(note)
-    if own.classification_note:
-        notes.append(own.classification_note)
+    notes += own.classification_notes
     return Report("culprit", own.classification or "unknown", phase, kind, culprit, notes=notes,
                   context=own.context, inf_origin=own.inf_origin, op_check=own.op_check,
                   **common)
@@ -205,8 +204,7 @@ def subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) -
                   and r.summary.phase is not None]
         notes.append(f"rank {own.rank} computed the failure locally"
                      + (f"; rank(s) {others} received it" if others else ""))
-        if own.classification_note:
-            notes.append(own.classification_note)
+        notes += own.classification_notes
         kind = (own.summary.kind if own.summary else None) or "nan"
         return done(Report("culprit", own.classification or "unknown", own.culprit.phase, kind,
                            own.culprit, notes=notes, context=own.context,

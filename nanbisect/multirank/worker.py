@@ -46,7 +46,6 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from nanbisect import devices
@@ -54,18 +53,16 @@ from nanbisect.bundle.format import read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
-from nanbisect.locate.producers import forward_producer, make_culprit
-from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
-from nanbisect.multirank.sides import ReferenceSide, call_stats, root_of
+from nanbisect.finish import finish
+from nanbisect.locate.producers import forward_producer
+from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
+                                       root_of)
 from nanbisect.multirank.verdict import choose_rank, decide
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
 from nanbisect.reference.differential import (RandomTape, diverging_call, isolate_window,
                                               step_state)
-from nanbisect.reference.classify import classify
-from nanbisect.reference.opcheck import safe_check
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, stacked
-from nanbisect.report.repro import repro_imports, write_repro
 from nanbisect.task import load_inject
 
 
@@ -103,19 +100,13 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     rank = dist.get_rank()
     top = read_bundle(bundle_path)
     part = top.part(rank)
-    device, dtype = devices.local_device(target)
-    observer = ReductionObserver({})
     _stage("building the task")
-    with observing_comm_hooks(observer):
-        rep = Replayer(part, device, dtype, entry=entry)
+    rep, observer = rank_replayer(part, target, entry)
     model = rep.task.model
-    observer.names.update({p: n for n, p in model.named_parameters()})
-    observe_default_hook(model, observer)
-    rep.lockstep = True
     side = None
     if reference is not None:
         _stage("building the task on the reference")
-        side = ReferenceSide(part, reference, rep.entry)
+        side = RankReferenceSide(part, reference, rep.entry)
     bad_inputs = rep.input_faults(rep.restore())
     if any(_gather(bool(bad_inputs))):   # agree before any collective of the step
         summary = RankSummary(rank, "input" if bad_inputs else None, None, None,
@@ -133,10 +124,8 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if side is not None:
         target_state = step_state(rep, first)   # before any other pass moves the parameters
         _stage("replay pass 1/3 on the reference")
-        ref_first = side.run(tape)
-        side.observer.active = False
-        theirs = side.summary(ref_first, rep, first, target_state)
-        div = side.divergence
+        theirs = side.run_rank(tape, rep, first, target_state)
+        div = side.divergence() if first.phase is None else None
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read())
     _stage("after replay pass 1/3: exchanging what each rank saw")
@@ -170,27 +159,13 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if rank != culprit_rank:
         return result
     call = forward_producer(table, kind) if phase == "forward" and finding is None else None
-    culprit = make_culprit(model, phase, finding=finding, call=call, rank=rank,
-                           source=caught.source if caught else None)
-    if finding is None:
-        return replace(result, culprit=culprit)
-    result = replace(result, culprit=culprit, context=finding.context,
-                     inf_origin=finding.inf_origin)
-    if caught is None:
-        return result
-    if side is not None:   # one op, on this rank alone: no collective
-        _stage("re-running the culprit op on the reference")
-        check = safe_check(caught, finding.op_index, rep.device, side.device, wrap)
-        classification, why = classify(True, theirs.phase is not None, side.dtype,
-                                       next(model.parameters(), torch.zeros(())).dtype, check)
-        result = replace(result, op_check=check, classification=classification,
-                         classification_note=why)
-    script = write_repro(partial / f"rank{rank}" / "repro", caught, culprit=culprit, kind=kind,
-                         target=target, imports=repro_imports(caught.op, rep.entry))
-    return replace(result, repro=str(script))
+    # the op check: one op, on this rank alone (no collective)
+    return finish_rank(result, rep, phase, kind, finding, caught, call, side,
+                       "failed" if theirs is not None and theirs.phase is not None else "finite",
+                       wrap, partial, target, _stage)
 
 
-def _divergence(rep: Replayer, side: ReferenceSide, probe: ModuleProbe, result: RankResult,
+def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, result: RankResult,
                 div, wrap, target: str, partial: Path) -> RankResult:
     """No rank failed and the bundle records no failure, but some rank's target step parts from
     its reference: every rank isolates its own first diverging module call's ops on the
@@ -201,10 +176,9 @@ def _divergence(rep: Replayer, side: ReferenceSide, probe: ModuleProbe, result: 
     if not any(diverged):
         return result
     _stage("replay pass 2/3: isolating the ops on the reference")
-    dtype = next(rep.task.model.parameters(), torch.zeros(())).dtype
     call = None
     if div is not None and div.phase in ("forward", "backward"):
-        call = diverging_call(probe.read(), side.probe.read(), div.phase, dtype)
+        call = diverging_call(probe.read(), side.probe.read(), div.phase, side.target_dtype)
     if div is not None:
         finding, check, _, _ = isolate_window(rep, div.phase, call.call if call else None,
                                               side.device, wrap)
@@ -223,16 +197,11 @@ def _divergence(rep: Replayer, side: ReferenceSide, probe: ModuleProbe, result: 
         caught = catch_inputs(rep, spec[0], wrap)
     if rank != culprit_rank:
         return result
-    culprit = make_culprit(rep.task.model, phase, finding=finding, call=call, rank=rank,
-                           source=caught.source if caught else None)
-    result = replace(result, culprit=culprit, op_check=check,
-                     classification="device" if check is not None else "unknown")
-    if caught is None:
-        return result
-    script = write_repro(partial / f"rank{rank}" / "repro", caught, culprit=culprit,
-                         kind="mismatch", target=target,
-                         imports=repro_imports(caught.op, rep.entry))
-    return replace(result, repro=str(script))
+    done = finish(rep, phase, "mismatch", finding=finding, caught=caught, call=call, rank=rank,
+                  op_check=check, repro_dir=partial / f"rank{rank}" / "repro", target=target)
+    return replace(result, culprit=done.culprit, op_check=check,
+                   classification="device" if check is not None else "unknown",
+                   repro=str(done.repro) if done.repro is not None else None)
 
 
 def _watch_launcher(partial: Path) -> None:

@@ -1,14 +1,34 @@
-"""The classification of a NaN/inf culprit from the evidence of a reference (one rank or many).
+"""The classification of a NaN/inf culprit from an explicit evidence record (one rank or many).
 
 ``device`` only when the op, given the same inputs at the same dtype, is wrong on the target and
 right on the reference (the op check); a whole-step reference that stays finite is not enough (a
-float64 reference does not overflow where float32 does). Pure function: no torch state.
+float64 reference does not overflow where float32 does). Pure functions: no torch state.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from nanbisect.records import OpCheck
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What a culprit's classification is decided from, gathered by whoever replayed it.
+
+    ``reference`` says what the reference's own step showed: ``"none"`` (no reference, or it
+    could not replay the step), ``"failed"`` / ``"finite"`` (its step went non-finite or not),
+    or ``"served"`` (a rank replayed alone: the reference was served the capture's collectives,
+    non-finite ones included, so its step proves nothing; only the op check, re-run from the
+    same inputs, does: the same non-finite result there is the arithmetic, another the device).
+    """
+
+    reference: str                       # none | failed | finite | served
+    reference_dtype: torch.dtype | None  # the reference's dtype when it differs by request
+    target_dtype: torch.dtype
+    op_check: OpCheck | None
+    replay_mismatch: bool = False        # the replay does not compute the captured step
 
 
 def classify(has_reference: bool, reference_failed: bool, ref_dtype: torch.dtype | None,
@@ -41,3 +61,33 @@ def classify(has_reference: bool, reference_failed: bool, ref_dtype: torch.dtype
     return "unknown", ("the culprit op computes the same on the reference from the same inputs, "
                        "yet the reference step stays finite: the op's inputs already differed "
                        "(an earlier divergence); replay without NaN to find it")
+
+
+def classify_culprit(ev: Evidence) -> tuple[str, list[str]]:
+    """(classification, notes) of a NaN/inf culprit: `classify` of the evidence, with the notes
+    every run prints for it (an op the reference could not run; why; a replay that is not the
+    captured step).
+
+    >>> from nanbisect.records import OpCheck
+    >>> ev = Evidence("finite", None, torch.float32, OpCheck("aten.exp.default", 7, "mismatch"))
+    >>> classify_culprit(ev)
+    ('device', [])
+    >>> classify_culprit(Evidence("none", None, torch.float32, None, replay_mismatch=True))[0]
+    'replay-mismatch'
+    """
+    notes = []
+    check = ev.op_check
+    if check is not None and check.status == "uncomparable":
+        notes.append(f"{check.op} cannot run on the reference ({check.detail}); it is reported "
+                     "as uncomparable, not as correct")
+    failed = ev.reference == "failed" or (ev.reference == "served" and check is not None
+                                          and check.status == "ok")
+    classification, why = classify(ev.reference != "none", failed, ev.reference_dtype,
+                                   ev.target_dtype, check)
+    if why:
+        notes.append(why)
+    if ev.replay_mismatch:
+        classification = "replay-mismatch"
+        notes.append("the culprit above is where the replay failed; the replay does not compute "
+                     "the captured step, so it may not be where the training run failed")
+    return classification, notes
