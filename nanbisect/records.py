@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields
+from enum import Enum
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
@@ -30,6 +31,45 @@ def json_number(x: float | None) -> float | str | None:
     if x is None or math.isfinite(x):
         return x
     return repr(float(x))
+
+
+class Word(str, Enum):
+    """A word of the report contract: a ``str`` (JSON, comparisons and f-strings see its
+    value), drawn from a closed set (a misspelt one fails where it is made)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
+    __hash__ = str.__hash__     # NB: Enum hashes the name; a dict keyed by the value must
+                                # find a member (``{"culprit": 1}[Verdict.CULPRIT]``)
+
+
+class Verdict(Word):
+    """report.json ``verdict``.
+
+    >>> Verdict("culprit") == "culprit", f"{Verdict.NOT_REPRODUCED}"
+    (True, 'not-reproduced')
+    """
+
+    CULPRIT = "culprit"
+    CLEAN = "clean"
+    NOT_REPRODUCED = "not-reproduced"
+    INPUT_NONFINITE = "input-nonfinite"
+
+
+class Classification(Word):
+    """report.json ``classification`` (what each means: DESIGN.md; each must be earned)."""
+
+    DEVICE = "device"                    # the op, same inputs and dtype, wrong on the target
+    NUMERICS = "numerics"                # the arithmetic at that dtype fails on any device
+    DATA = "data"                        # the batch or a loaded state held it already
+    TRANSIENT = "transient"              # faithful replay, the failure does not come back
+    COMMUNICATION = "communication"      # finite into a collective, non-finite out of it
+    CODE_CHANGED = "code-changed"        # the user's code differs from the capture's
+    REPLAY_MISMATCH = "replay-mismatch"  # the replay does not compute the captured step
+    COMPILER = "compiler"                # fails compiled, not eager, from the same state
+    UNKNOWN = "unknown"                  # not enough evidence
 
 
 # ------------------------------------------------------------------------------------------
@@ -573,7 +613,8 @@ class RankResult:
     reference: RankReference | None = None               # with --reference
     op_check: OpCheck | None = None                      # the culprit op on the reference
     classification: str | None = None                    # the culprit rank's, from its evidence
-    classification_note: str | None = None               # why, when the evidence needs a word
+    classification_notes: list[str] = field(default_factory=list)   # why, when the evidence
+                                                                     # needs words
     received_from: list[int] | None = None   # replayed alone: ranks that fed it the failure
     recorded_input_bad: bool = False   # alone: its own input to that collective held NaN/inf
                                        # at capture (and is finite in this replay)
@@ -606,7 +647,7 @@ class RankResult:
             op_check=(OpCheck.from_json(d["op_check"]) if d.get("op_check") is not None
                       else None),
             classification=d.get("classification"),
-            classification_note=d.get("classification_note"),
+            classification_notes=list(d.get("classification_notes") or []),
             received_from=d.get("received_from"),
             recorded_input_bad=bool(d.get("recorded_input_bad", False)),
             served_inputs_differ=d.get("served_inputs_differ", []))

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from nanbisect.records import (BadValue, ContextRow, Culprit, Divergence, ModuleRepro, OpCheck,
-                               OpRecording, OpRef, RankResult, ReproResult, RunFacts,
-                               TimelineRow, TraceRow)
+from nanbisect.records import (BadValue, Classification, ContextRow, Culprit, Divergence,
+                               ModuleRepro, OpCheck, OpRecording, OpRef, RankResult, ReproResult,
+                               RunFacts, TimelineRow, TraceRow, Verdict)
 
 SCHEMA = "nanbisect.report/1"
 EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
@@ -28,8 +28,8 @@ class Report:
     1.5
     """
 
-    verdict: str                 # culprit | clean | not-reproduced | input-nonfinite
-    classification: str | None   # device | numerics | data | transient | communication | unknown
+    verdict: Verdict                      # a plain string is made one (and checked)
+    classification: Classification | None
     phase: str | None            # first phase with a non-finite value
     kind: str | None             # "nan" | "inf" | "mismatch"
     culprit: Culprit | None
@@ -97,6 +97,11 @@ class Report:
                 f"non-deterministic update): {count} tensor(s): "
                 + ", ".join(map(one, rows[:5])) + (f" and {count - 5} more" if count > 5 else ""))
         return replace(self, notes=[*self.notes, note], replicas_out_of_sync=list(rows))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "verdict", Verdict(self.verdict))
+        if self.classification is not None:
+            object.__setattr__(self, "classification", Classification(self.classification))
 
     @property
     def exit_code(self) -> int:
