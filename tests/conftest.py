@@ -99,6 +99,13 @@ def replayed(tmp_path_factory):
     return get
 
 
+def pytest_configure(config):
+    """One progress line per test file as it finishes (tests/progress.py)."""
+    from progress import FileProgress
+
+    config.pluginmanager.register(FileProgress(config), "nanbisect-file-progress")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``slow`` (tens of seconds under a loaded -n 3) run first, in their collection
     order, then the rest as collected: a long test started last would leave the other workers idle
