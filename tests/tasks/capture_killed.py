@@ -9,6 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "fixtures" / "tasks"))
+sys.path.insert(1, str(ROOT))     # this checkout's nanbisect, not whichever is installed
 
 import nan_batch  # noqa: E402
 
