@@ -380,6 +380,7 @@ class Spike:
 
 
 def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
+    # NB: not util.tensors' counts: a name is bad or not, and .any() is all it needs
     out = {"nan": [], "inf": []}
     for name, t in named:
         t = local(t)

@@ -404,7 +404,7 @@ class Boom(Exception):
 
 @pytest.mark.parametrize("exc", [Boom, KeyboardInterrupt])
 def test_write_is_atomic(tmp_path, trained, monkeypatch, exc):
-    import nanbisect.bundle.format as bundle_mod
+    import nanbisect.bundle.writer as bundle_mod
 
     real = bundle_mod.save_file
     calls = []

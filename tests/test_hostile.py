@@ -31,7 +31,7 @@ from safetensors.torch import save, save_file
 
 from conftest import ROOT, cli, invoke
 from nanbisect import BadInput, Task, capture
-from nanbisect.bundle import format as fmt
+from nanbisect.bundle import bounded
 from nanbisect.bundle import pack as pk
 from nanbisect.bundle.format import SCHEMA, read_bundle, read_header
 from nanbisect.bundle.summary import summarize, summary_text
@@ -531,7 +531,7 @@ def test_read_header_accepts_what_save_file_writes(tmp_path):
 
 def test_too_many_tensors_is_bad_input(tmp_path, monkeypatch):
     save_file({f"t{i}": torch.zeros(1) for i in range(5)}, str(tmp_path / "x.safetensors"))
-    monkeypatch.setattr(fmt, "MAX_TENSORS", 4)
+    monkeypatch.setattr(bounded, "MAX_TENSORS", 4)
     with pytest.raises(BadInput, match="5 tensors, more than the 4 nanbisect reads"):
         read_header(tmp_path / "x.safetensors")
 

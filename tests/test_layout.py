@@ -8,7 +8,8 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "nanbisect"
 
 # stage of each folder / top-level module; a module may import a lower stage or its own folder
-BASE = {"errors", "task", "records", "step", "devices", "__init__"}
+# util holds the small utilities every stage shares; it may import only errors (see below)
+BASE = {"errors", "task", "records", "step", "devices", "util", "__init__"}
 STAGE = {"bundle": 1, "history": 1, "replay": 2, "locate": 3, "reference": 3, "report": 3,
          "finish": 4, "multirank": 5, "guard": 6, "pipeline": 6, "triage": 6, "selftest": 6,
          "cli": 7, "__main__": 8, "integrations": 8}
@@ -68,6 +69,12 @@ def test_nothing_imports_a_later_stage():
                 continue
             if s >= my_stage and not (s == my_stage == 6):
                 wrong.append(f"{me} (stage {my_stage}) imports {other} (stage {s})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_util_imports_nothing_of_nanbisect_but_errors():
+    wrong = [f"{module_name(p)} imports {o}" for p in (PKG / "util").rglob("*.py")
+             for o in imports(p) if o != "nanbisect.errors" and not o.startswith("nanbisect.util")]
     assert not wrong, "\n".join(wrong)
 
 

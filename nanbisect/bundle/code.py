@@ -9,11 +9,12 @@ after it was imported and before the capture (the hash is of the file, read at c
 """
 from __future__ import annotations
 
-import hashlib
 import site
 import sys
 import sysconfig
 from pathlib import Path
+
+from nanbisect.util.files import file_sha256
 
 _OWN = Path(__file__).resolve().parent.parent          # nanbisect/
 
@@ -33,12 +34,6 @@ def _excluded_roots() -> list[Path]:
     return out + [_OWN]
 
 
-def _sha256(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
-
 
 def _is_user(path: Path, excluded: list[Path]) -> bool:
     return path.suffix == ".py" and not any(
@@ -50,7 +45,7 @@ def user_sources(entry_file: str | None = None) -> dict[str, str]:
     """``{absolute path: sha256}`` of the entry file and every imported user source file.
 
     >>> src = user_sources(__file__)
-    >>> src[str(Path(__file__).resolve())] == _sha256(Path(__file__))
+    >>> src[str(Path(__file__).resolve())] == file_sha256(Path(__file__))
     True
     """
     excluded = _excluded_roots()
@@ -65,7 +60,7 @@ def user_sources(entry_file: str | None = None) -> dict[str, str]:
         paths.add(Path(entry_file).resolve())
     out = {}
     for p in sorted(paths):
-        digest = _sha256(p)
+        digest = file_sha256(p, missing_ok=True)
         if digest is not None:
             out[str(p)] = digest
     return out
@@ -109,7 +104,7 @@ def changed_sources(recorded: dict[str, str], moved: tuple[Path, Path] | None = 
                 pass
         if not p.is_file():
             p = Path(path)
-        now = _sha256(p) if p.is_file() else None
+        now = file_sha256(p, missing_ok=True) if p.is_file() else None
         if now is None:
             missing.append(path)
         elif now != digest:

@@ -14,6 +14,9 @@ A part of a multi-rank bundle may take tensors from lower ranks' files (its mani
 sha256, and refuses a reference to a rank, file or tensor that is not there, to a rank that is
 not lower, to batch or RNG, or to any name that is not a plain tensor file of a part. Bundles
 without ``shared`` read as before.
+This module is the reader; the writer is `nanbisect.bundle.writer`, the bounded parsing of files
+nobody vouches for `nanbisect.bundle.bounded`, the manifest's field checks
+`nanbisect.bundle.schema`; their public names are re-exported here.
 Not guaranteed: protection against a deliberately forged manifest whose checksums were recomputed
 (such a bundle replays whatever tensors it holds; `inspect` stays safe); a file swapped between
 the checks and the load (a bundle being rewritten while it is read); time to hash files that are
@@ -21,334 +24,30 @@ really as large as they are (a sparse 1 TB file is hashed, slowly).
 """
 from __future__ import annotations
 
-import datetime as _dt
-import hashlib
-import json
-import math
 import os
-import platform
-import shutil
-import stat
-import struct
-import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
-
-from nanbisect import __version__, devices
-from nanbisect.errors import BadInput
-from nanbisect.bundle.atomic import place
+from nanbisect import __version__
+from nanbisect.bundle.bounded import (DTYPE_BITS, MAX_HEADER_BYTES, MAX_JSON_DEPTH,
+                                     MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_TENSORS,
+                                     MAX_WORLD_SIZE, _FIX, _kind, _limit, _load, _regular, _uint,
+                                     parse_json, read_header)
+from nanbisect.bundle.schema import (MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
+                                    SUFFIX, _REQUIRED, _REQUIRED_MULTI, _check_fields,
+                                    _check_replicas, _int, _safe_name, _strs, field_problem)
 from nanbisect.bundle.state import Tensors
+from nanbisect.bundle.writer import environment, umask_mode, write_bundle
+from nanbisect.errors import BadInput
+from nanbisect.util.files import file_sha256 as _sha256
+from nanbisect.util.text import show
 
-SCHEMA = "nanbisect.bundle/1"
-SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
-# Tensor files by role; a role with no tensors gets no file.
-ROLES = ("model", "optimizer", "batch", "rng")
-# Roles every rank of a multi-rank bundle writes itself, never taken from another rank's part
-PER_RANK = ("batch", "rng")
-SUFFIX = ".safetensors"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _umask() -> int:
-    try:
-        with open("/proc/self/status") as f:   # Linux: read it without setting it
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError, IndexError):
-        pass
-    mask = os.umask(0o022)   # elsewhere: the only way to read it is to set it, and put it back
-    os.umask(mask)
-    return mask
-
-
-def umask_mode(path: str | Path) -> None:
-    """Give a file the permissions a new file gets under the user's umask (0644 under 022).
-
-    safetensors >= 0.5 writes through a private temporary file, so its files are 0600 whatever the
-    umask, which keeps a colleague from replaying a bundle; call this after every ``save_file``.
-    """
-    os.chmod(path, 0o666 & ~_umask())
-
-
-def environment() -> dict:
-    """Versions that decide whether a replay can be bit-exact, and the machine's hardware and
-    library fingerprint (the device seam's `nanbisect.devices.fingerprint`)."""
-    import numpy
-    import safetensors
-
-    return {"nanbisect": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "numpy": numpy.__version__, "safetensors": safetensors.__version__,
-            "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
-            "hardware": devices.fingerprint()}
-
-
-def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
-                 unique: bool = False) -> Path:
-    """Write ``tensors`` (role -> flat tensor dict) and ``manifest`` atomically to ``path``.
-
-    Every role with tensors gets ``ROLE.safetensors`` (the `ROLES` first, then any other role,
-    e.g. a part's ``collectives``, by name); a role with none gets no file.
-
-    >>> import tempfile
-    >>> path = write_bundle(Path(tempfile.mkdtemp()) / "b", {"entry": "m:f"},
-    ...                     {"batch": {"batch": torch.ones(2)}})
-    >>> sorted(p.name for p in path.iterdir())
-    ['batch.safetensors', 'manifest.json']
-    """
-    path = Path(path)
-    if path.exists() and not unique:
-        raise FileExistsError(f"{path} already exists; choose a new bundle path or remove it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
-        files = {}
-        for role in [*ROLES, *sorted(set(tensors) - set(ROLES))]:
-            if not tensors.get(role):
-                continue
-            name = f"{role}{SUFFIX}"
-            if not _safe_name(name):
-                raise ValueError(f"tensor role {role!r} is not a plain file name")
-            save_file(tensors[role], str(tmp / name))
-            umask_mode(tmp / name)   # NB: safetensors >= 0.5 writes 0600 whatever the umask
-            with open(tmp / name, "rb+") as f:
-                os.fsync(f.fileno())
-            files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
-        full = {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-                "environment": environment(), **manifest, "files": files}
-        _fsync_write(tmp / MANIFEST, json.dumps(full, indent=1, allow_nan=False).encode())
-        # never over an existing path; with ``unique`` a taken name gets the next free NAME-N,
-        # so two processes writing the same step both keep their bundle
-        path = place(tmp, path, unique=unique)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return path
-
-
-# --------------------------------------------------------------------------------------------
-# reading: bounded in time and memory whatever a manifest or a safetensors header claims
-
-# A manifest costs ~540 bytes and ~23 JSON values per parameter tensor with Adam state, so these
-# hold ~120,000 parameter tensors per rank (DeepSeek-V3 unsharded: ~46,000). A bigger real one:
-# raise them with NANBISECT_MAX_MANIFEST_BYTES / NANBISECT_MAX_JSON_ITEMS.
-MAX_MANIFEST_BYTES = 64 << 20
-MAX_JSON_ITEMS = 4_000_000      # '{' + '[' + ',' in one manifest or header: bounds what parsing
-#                                 builds (~0.3 GB, ~1 s at worst) before anything is parsed
-MAX_JSON_DEPTH = 256            # a batch pytree nested ~80 levels deep still fits
-MAX_WORLD_SIZE = 1 << 20
-MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
-MAX_TENSORS = 1 << 19           # tensors in one .safetensors file
-MAX_NDIM = 64
-# safetensors dtype -> bits, the ones both its reader and torch know
-DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "I16": 16, "U16": 16,
-              "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64,
-              "U64": 64, "C64": 64}
-_FIX = "copy the whole bundle again or re-capture it"
-
-
-def _limit(env: str, default: int) -> int:
-    """``default``, or the positive integer in environment variable ``env``."""
-    value = os.environ.get(env)
-    if not value:
-        return default
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n <= 0:
-        raise BadInput(f"{env}={show(value)} is not a positive integer; set it to a number such "
-                       f"as {default}, or unset it")
-    return n
-
-
-def show(value, limit: int = 60) -> str:
-    """``value`` for a one-line message: repr (no newline or control character), cut short."""
-    r = repr(value)
-    if len(r) <= limit:
-        return r
-    return r[:limit - 4] + "..." + (r[0] if r[0] in "'\"" else "")
-
-
-def _kind(value) -> str:
-    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
-
-
-def _unique_keys(pairs: list) -> dict:
-    d = dict(pairs)
-    if len(d) != len(pairs):
-        seen: set = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise ValueError(f"duplicate key {show(dup)}")
-    return d
-
-
-def _too_deep(obj, limit: int) -> bool:
-    """Whether ``obj`` nests deeper than ``limit`` (level by level: no recursion, one list
-    comprehension per container)."""
-    level, depth = [obj], 1
-    while level:
-        if depth > limit:
-            return True
-        deeper: list = []
-        for o in level:
-            deeper += [v for v in (o.values() if type(o) is dict else o)
-                       if type(v) is dict or type(v) is list]
-        level, depth = deeper, depth + 1
-    return False
-
-
-def parse_json(raw: bytes, what: str, fix: str, unique_keys: bool = False):
-    """Parse UTF-8 JSON within `MAX_JSON_ITEMS` and `MAX_JSON_DEPTH`; `BadInput` otherwise.
-
-    >>> parse_json(b"[" * 300 + b"]" * 300, "x.json", "fix it")
-    Traceback (most recent call last):
-    ...
-    nanbisect.errors.BadInput: x.json is nested deeper than 256 levels; fix it
-    """
-    items = raw.count(b"{") + raw.count(b"[") + raw.count(b",")
-    limit = _limit("NANBISECT_MAX_JSON_ITEMS", MAX_JSON_ITEMS)
-    if items > limit:
-        raise BadInput(f"{what} holds about {items} JSON values, more than the {limit} "
-                       f"nanbisect reads; {fix} (a real one this big: raise "
-                       "NANBISECT_MAX_JSON_ITEMS)")
-    try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys if unique_keys
-                         else None)
-    except RecursionError:
-        obj = None
-        deep = True
-    except (ValueError, UnicodeDecodeError) as e:    # JSONDecodeError, duplicate key, 5000 digits
-        raise BadInput(f"{what} is not valid JSON ({e.__class__.__name__}: "
-                       f"{show(str(e), 80)[1:-1]}); {fix}") from None
-    else:
-        deep = isinstance(obj, (dict, list)) and _too_deep(obj, MAX_JSON_DEPTH)
-    if deep:
-        raise BadInput(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels; {fix}")
-    return obj
-
-
-def _regular(path: Path, shown: str, what: str = "file") -> os.stat_result:
-    """lstat ``path``: a regular file (no symbolic link, device or pipe), else `BadInput`."""
-    try:
-        st = os.lstat(path)
-    except OSError as e:
-        raise BadInput(f"{shown} is missing or unreadable ({e.strerror}); {_FIX}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise BadInput(f"{shown} is a symbolic link; a bundle holds only plain files (links "
-                       f"could read anything on this machine): {_FIX}")
-    if not stat.S_ISREG(st.st_mode):
-        raise BadInput(f"{shown} is not a plain {what}; {_FIX}")
-    return st
-
-
-def _uint(x, hi: int = 1 << 64) -> bool:
-    return type(x) is int and 0 <= x < hi
-
-
-def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
-    """The JSON header of a safetensors file, checked as safetensors checks it (and stricter):
-    name -> {dtype, shape, data_offsets}; `BadInput` naming ``shown`` (default: the path).
-
-    Reads at most 8 bytes plus the header (never more than the file holds); loads no tensor data.
-    """
-    path = Path(path)
-    shown = shown or str(path)
-
-    def bad(why: str) -> BadInput:
-        return BadInput(f"{shown} is not a readable safetensors file: {why}; {_FIX}")
-
-    st = _regular(path, shown)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise bad(f"{st.st_size} bytes, shorter than a header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > st.st_size - 8:
-                raise bad(f"the header claims {n} bytes, the file has {st.st_size}")
-            if n > MAX_HEADER_BYTES:
-                raise bad(f"the header claims {n} bytes, more than safetensors reads")
-            head_raw = f.read(n)
-    except OSError as e:
-        raise BadInput(f"{shown} cannot be read ({e.strerror}); {_FIX}") from None
-    if len(head_raw) != n:
-        raise bad("the file shrank while being read")
-    if not head_raw.startswith(b"{"):
-        raise bad("the header is not a JSON object")
-    head = parse_json(head_raw, f"{shown}: the safetensors header", _FIX, unique_keys=True)
-    if not isinstance(head, dict):
-        raise bad("the header is not a JSON object")
-    meta = head.pop("__metadata__", None)
-    if meta is not None and not (isinstance(meta, dict)
-                                 and all(isinstance(v, str) for v in meta.values())):
-        raise bad("'__metadata__' is not an object of strings")
-    if len(head) > MAX_TENSORS:
-        raise bad(f"{len(head)} tensors, more than the {MAX_TENSORS} nanbisect reads")
-    spans = []
-    for name, t in head.items():
-        if not isinstance(t, dict):
-            raise bad(f"tensor {show(name)} is {_kind(t)}, not an object")
-        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-            raise bad(f"tensor {show(name)} has unknown dtype {show(dtype, 30)}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(_uint, shape))):
-            raise bad(f"tensor {show(name)} has shape {show(shape, 40)}, not a list of at most "
-                      f"{MAX_NDIM} sizes >= 0")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_uint, offsets))
-                and offsets[0] <= offsets[1]):
-            raise bad(f"tensor {show(name)} has data_offsets {show(offsets, 40)}, not "
-                      "[begin, end] with 0 <= begin <= end")
-        if math.prod(shape) * DTYPE_BITS[dtype] != (offsets[1] - offsets[0]) * 8:
-            raise bad(f"tensor {show(name)}: shape {shape} of {dtype} needs "
-                      f"{math.prod(shape) * DTYPE_BITS[dtype] // 8} bytes, its data_offsets span "
-                      f"{offsets[1] - offsets[0]}")
-        spans.append((offsets[0], offsets[1], name))
-    end = 0
-    for begin, stop, name in sorted(spans):
-        if begin != end:
-            raise bad(f"tensor {show(name)} starts at byte {begin} of the data, not {end} "
-                      "(tensors overlap or leave a gap)")
-        end = stop
-    if end != st.st_size - 8 - n:
-        raise bad(f"the tensors cover {end} bytes of data, the file holds {st.st_size - 8 - n}")
-    return head
-
-
-def _load(path: Path, shown: str, names: list[str] | None = None) -> Tensors:
-    """The tensors of one safetensors file (only ``names`` when given), header checked first."""
-    read_header(path, shown)   # NB: ours first: sizes, offsets, no link
-    try:
-        if names is None:
-            return load_file(str(path))
-        with safe_open(str(path), framework="pt") as f:
-            return {n: f.get_tensor(n) for n in names}
-    except BaseException as e:   # SafetensorError, OSError, a torch error, a Rust panic
-        if not isinstance(e, Exception) and type(e).__name__ != "PanicException":
-            raise   # KeyboardInterrupt, SystemExit (pyo3's PanicException is a BaseException)
-        raise BadInput(f"{shown} is not a readable safetensors file "
-                       f"({show(str(e), 80)[1:-1]}); re-capture the bundle") from None
+# the bundle's reader; its writer (`writer`), the bounded parsing of untrusted files (`bounded`)
+# and the manifest's schema (`schema`) are re-exported here, where callers have always found them
+__all__ = ["DTYPE_BITS", "MANIFEST", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_ITEMS",
+           "MAX_MANIFEST_BYTES", "MAX_NDIM", "MAX_TENSORS", "MAX_WORLD_SIZE", "PER_RANK", "ROLES",
+           "SCHEMA", "SCHEMA_VERSION", "SUFFIX", "Bundle", "environment", "field_problem",
+           "parse_json", "read_bundle", "read_header", "show", "umask_mode", "write_bundle"]
 
 
 @dataclass(frozen=True)
@@ -481,79 +180,6 @@ def _read_manifest(p: Path) -> dict:
     return manifest
 
 
-def _int(v) -> bool:
-    return type(v) is int   # NB: not bool
-
-
-def _strs(v) -> bool:
-    return isinstance(v, list) and all(isinstance(x, str) for x in v)
-
-
-def _str_map(v, values: type = str) -> bool:
-    return isinstance(v, dict) and all(type(x) is values for x in v.values())
-
-
-_NONE = type(None)
-# field -> (check, what it must be); absent fields are fine unless `_REQUIRED`
-_FIELDS = {
-    "entry": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
-    "files": (lambda v: isinstance(v, dict), "an object of file name -> {sha256, bytes}"),
-    "model": (lambda v: isinstance(v, dict) and _strs(v.get("params")) and _strs(v.get("buffers"))
-              and _str_map(v.get("aliases")) and _str_map(v.get("training", {}), bool)
-              and _strs(v.get("frozen", [])),
-              "an object with params and buffers (lists of names) and aliases (name -> name)"),
-    "rng": (lambda v: isinstance(v, dict), "an object"),
-    "optimizer": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("class"), str)
-                                          and isinstance(v.get("state"), dict)
-                                          and isinstance(v.get("param_groups"), list)),
-                  "null or an object with class, state and param_groups"),
-    "step": (lambda v: v is None or _int(v), "null or an integer"),
-    "world_size": (lambda v: v is None or (_int(v) and 1 <= v <= MAX_WORLD_SIZE),
-                   f"null or an integer from 1 to {MAX_WORLD_SIZE}"),
-    "rank": (lambda v: v is None or (_int(v) and 0 <= v < MAX_WORLD_SIZE),
-             "null or an integer >= 0"),
-    "dtypes": (lambda v: v is None or _strs(v), "null or a list of strings"),
-    "kind": (lambda v: v in (None, "multi-rank"), "absent or 'multi-rank'"),
-    **{k: (lambda v: v is None or isinstance(v, dict), "null or an object")
-       for k in ("observed", "devices", "environment", "grad_scaler", "task", "code")},
-    **{k: (lambda v: v is None or isinstance(v, str), "null or a string")
-       for k in ("entry_file", "entry_file_from_bundle", "created", "backend")},
-    "process_groups": (lambda v: v is None or (isinstance(v, dict) and all(
-        isinstance(r, list) and all(_int(x) for x in r) for r in v.values())),
-        "null or an object of group name -> list of ranks"),
-    "ranks": (lambda v: isinstance(v, dict), "an object of rank -> {dir, manifest_sha256}"),
-    "shared": (lambda v: v is None or isinstance(v, dict),
-               "null or an object of tensor file -> {rank, tensors} (tensors of lower ranks)"),
-    "replicas": (lambda v: v is None or isinstance(v, dict), "null or an object"),
-}
-_REQUIRED = ("entry", "files", "model", "batch", "rng")
-_REQUIRED_MULTI = ("entry", "world_size", "ranks")
-
-
-def field_problem(key: str, value) -> str | None:
-    """What ``value`` must be as the manifest's field ``key`` when it is not that, else None
-    (sections that hold a copy of such a field, e.g. the lookback's model, are checked alike)."""
-    ok, want = _FIELDS[key]
-    return None if ok(value) else want
-
-
-def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
-    for key in required:
-        if key not in m:
-            raise BadInput(f"bundle '{p}': manifest.json lacks '{key}'; re-capture the bundle")
-    for key, (ok, want) in _FIELDS.items():
-        if key in m and not ok(m[key]):
-            raise BadInput(f"bundle '{p}': manifest.json field '{key}' is {_kind(m[key])}, not "
-                           f"{want}; the manifest was altered or damaged: re-capture the bundle")
-
-
-def _safe_name(name) -> bool:
-    """A plain entry of the bundle directory: no path, no '.', '..', NUL or control character."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
-            and "\\" not in name and name.isprintable() and len(name.encode("utf-8", "replace"))
-            <= 255)
-
-
 def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = None) -> Bundle:
     """Open and verify a bundle directory; raise `BadInput` naming the problem and the fix.
 
@@ -659,31 +285,6 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
             if part.manifest.get("shared"):
                 _borrowed(top, int(r), part, verify=False)
     return top
-
-
-def _check_replicas(p: Path, v) -> None:
-    """The top manifest's ``replicas`` has the shape `multirank.coord` writes (what inspect and
-    the report read from it)."""
-    if v is None:
-        return
-
-    def ranks_list(x) -> bool:
-        return isinstance(x, list) and all(_int(y) for y in x)
-
-    rows = v.get("out_of_sync", [])
-    ok = (isinstance(v.get("groups", []), list) and all(map(ranks_list, v.get("groups", [])))
-          and _uint(v.get("shared_bytes", 0)) and _uint(v.get("shared_tensors", 0))
-          and _uint(v.get("out_of_sync_count", 0)) and ranks_list(v.get("uncompared", []))
-          and isinstance(rows, list) and all(
-              isinstance(e, dict) and isinstance(e.get("tensor"), str)
-              and isinstance(e.get("ranks"), list) and all(map(ranks_list, e["ranks"]))
-              and ranks_list(e.get("missing", []))
-              and (e.get("max_abs_diff") is None
-                   or type(e.get("max_abs_diff")) in (int, float, str)) for e in rows))
-    if not ok:
-        raise BadInput(f"bundle '{p}': the top manifest's 'replicas' is not {{groups, "
-                       "shared_bytes, out_of_sync: [{tensor, ranks, max_abs_diff}]}; the "
-                       "manifest was altered or damaged: re-capture the bundle")
 
 
 def _borrowed(top: Bundle, rank: int, part: Bundle, verify: bool) -> dict:

@@ -15,7 +15,6 @@ Not guaranteed: that a young leftover belongs to a live process (there is no loc
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import stat
 import time
@@ -23,9 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-# `.step000012.tmp-0123abcd` / `.nanbisect-report.old-89abcdef`: what format.write_bundle,
-# multirank.coord and report.write.staged name their staging directories
-PATTERN = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old)-[0-9a-f]{8}$")
+from nanbisect.util.staging import staging_kind
+
 MIN_AGE = 600.0     # seconds without a write before `remove` takes a leftover
 MAX_DIRS = 100_000  # directories looked at under one root
 
@@ -101,14 +99,14 @@ def find_leftovers(roots: list[Path]) -> list[Leftover]:
         for dirpath, dirnames, _ in walk(root, MAX_DIRS):
             keep = []
             for d in sorted(dirnames):
-                m = PATTERN.match(d)
+                kind = staging_kind(d)       # util.staging names every staging directory
                 p = Path(dirpath) / d
-                if m and not p.is_symlink():
+                if kind and not p.is_symlink():
                     try:
                         size, newest, _ = _walk(p)
                     except OSError:
                         continue
-                    found.append(Leftover(p, size, max(0.0, now - newest), m["kind"]))
+                    found.append(Leftover(p, size, max(0.0, now - newest), kind))
                 elif not d.startswith("."):
                     keep.append(d)
             dirnames[:] = keep
@@ -125,7 +123,7 @@ def remove(leftovers: list[Leftover], min_age: float = MIN_AGE) -> tuple[list[Le
     removed, kept = [], []
     now = time.time()
     for x in leftovers:
-        if not PATTERN.match(x.path.name) or x.path.is_symlink() or not x.path.is_dir():
+        if not staging_kind(x.path.name) or x.path.is_symlink() or not x.path.is_dir():
             kept.append((x, "not a nanbisect staging directory"))
             continue
         try:

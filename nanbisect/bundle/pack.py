@@ -32,7 +32,6 @@ import platform
 import re
 import shutil
 import tarfile
-import uuid
 import zlib
 from pathlib import Path, PurePosixPath
 
@@ -40,8 +39,12 @@ import torch
 
 from nanbisect import __version__
 from nanbisect.bundle.atomic import rename_noreplace
-from nanbisect.bundle.format import MANIFEST, show
+from nanbisect.bundle.format import MANIFEST
 from nanbisect.errors import BadInput
+from nanbisect.util.env import env_number
+from nanbisect.util.files import atomic_file
+from nanbisect.util.staging import staging_name
+from nanbisect.util.text import show
 
 LIMIT = 10 * 1024 * 1024
 OPTIONAL = ("rng.safetensors", "batch.safetensors")   # kept while the pack stays under LIMIT
@@ -121,8 +124,7 @@ def pack(src: str | Path, dest: str | Path, full: bool = False) -> Path:
         raise BadInput(f"pack: {size} bytes exceed the {LIMIT}-byte ticket limit (largest: "
                        f"{big[1]}); pass --full to include everything anyway")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
+    with atomic_file(dest) as tmp:
         with tarfile.open(tmp, "w:gz") as tar:
             for f, name in members:
                 tar.add(str(f), arcname=name, recursive=False)
@@ -135,10 +137,6 @@ def pack(src: str | Path, dest: str | Path, full: bool = False) -> Path:
                 info.size = len(data)
                 info.mode = 0o644
                 tar.addfile(info, io.BytesIO(data))
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
     return dest
 
 
@@ -381,7 +379,7 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
     cap = _max_bytes(archive, max_bytes)
     parent = Path(os.path.abspath(dest)).parent
     made = [d for d in (parent, *parent.parents) if not d.exists()]   # innermost first
-    staging = parent / f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}"
+    staging = parent / staging_name(dest.name)
     done = False
     try:
         try:
@@ -422,12 +420,9 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
 
 
 def _max_bytes(archive: Path, max_bytes: int | None) -> int:
-    if max_bytes is None and os.environ.get(ENV_MAX_BYTES):
-        try:
-            max_bytes = int(os.environ[ENV_MAX_BYTES])
-        except ValueError:
-            raise BadInput(f"{ENV_MAX_BYTES}={show(os.environ[ENV_MAX_BYTES])} is not a number "
-                           "of bytes; set it to an integer such as 10000000000") from None
+    if max_bytes is None:
+        max_bytes = env_number(ENV_MAX_BYTES, None, int, positive=False, what="a number of bytes",
+                               fix="set it to an integer such as 10000000000")
     if max_bytes is None:
         return default_max_bytes(archive.stat().st_size)
     if max_bytes <= 0:

@@ -27,7 +27,6 @@ import hashlib
 import json
 import math
 import os
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +39,9 @@ from safetensors import safe_open
 
 from nanbisect.bundle.atomic import place
 from nanbisect.bundle.format import MANIFEST, PER_RANK, SCHEMA, SUFFIX, environment, write_bundle
+from nanbisect.util.files import file_sha256
+from nanbisect.util.staging import staging_path
+from nanbisect.util.tensors import tensor_bytes
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,6 @@ def _merge_groups(per_rank: list[dict], world_size: int) -> dict[str, list[int]]
     return merged
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]],
                     manifest: dict, unique: bool = False, *,
                     replica_group: list[int] | None = None,
@@ -116,7 +114,7 @@ def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]]
     ``replicas`` lists what differs between ranks of a group (`out_of_sync`); ``labels`` names
     tensors there (``optim/state/0/v0`` -> ``fc.weight.exp_avg``)."""
     info = rank_info()
-    tmp_name = broadcast_str(f".{final.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp_name = broadcast_str(staging_path(final).name)
     tmp = final.parent / tmp_name
     if info.rank == 0:
         tmp.mkdir(parents=True, exist_ok=True)
@@ -135,7 +133,7 @@ def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]]
         for r in range(info.world_size):
             m = tmp / f"rank{r}" / MANIFEST
             pm = json.loads(m.read_text())
-            parts[str(r)] = {"dir": f"rank{r}", "manifest_sha256": _sha256(m),
+            parts[str(r)] = {"dir": f"rank{r}", "manifest_sha256": file_sha256(m),
                              "observed": pm.get("observed")}
             for ref in (pm.get("shared") or {}).values():
                 saved[0], saved[1] = saved[0] + ref["bytes"], saved[1] + ref["tensors"]
@@ -187,9 +185,7 @@ def tensor_key(t: torch.Tensor) -> Key:
     >>> tensor_key(torch.zeros(2))[1:], tensor_key(torch.zeros(2)) == tensor_key(torch.zeros(1, 2))
     (('float32', (2,)), False)
     """
-    flat = t.detach().reshape(-1)
-    data = flat.view(torch.uint8).numpy() if flat.numel() else b""
-    return (hashlib.sha256(data).hexdigest(), str(t.dtype).removeprefix("torch."),
+    return (hashlib.sha256(tensor_bytes(t)).hexdigest(), str(t.dtype).removeprefix("torch."),
             tuple(t.shape))
 
 

@@ -14,6 +14,7 @@ from typing import Callable, Iterator
 import torch
 
 from nanbisect.records import Bucket
+from nanbisect.util.tensors import nan_inf_on_device as _counts
 
 
 @dataclass
@@ -22,10 +23,6 @@ class BucketRecord:
     params: list[str]
     before: torch.Tensor        # (nan, inf) counts of the bucket going into the collective
     after: torch.Tensor | None  # (nan, inf) counts of what came out
-
-
-def _counts(t: torch.Tensor) -> torch.Tensor:
-    return torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]).float()
 
 
 class ReductionObserver:

@@ -57,21 +57,17 @@ from nanbisect.report.model import Report
 from nanbisect.report.rerun import Fork, run_repro
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
+from nanbisect.util.env import env_number
+from nanbisect.util.files import read_json as _read_json
 
 PREFIX = "nanbisect-ranks-"
 
 
 def rank_timeout() -> float:
     """NANBISECT_RANK_TIMEOUT as it is now (seconds, the whole replay)."""
-    raw = os.environ.get("NANBISECT_RANK_TIMEOUT", "600")
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise BadInput(f"NANBISECT_RANK_TIMEOUT={raw!r} is not a positive number of seconds; "
-                       "set it to e.g. 600 or unset it")
-    return value
+    return env_number("NANBISECT_RANK_TIMEOUT", 600.0, float, empty_is_default=False,
+                      shown=repr, what="a positive number of seconds",
+                      fix="set it to e.g. 600 or unset it")
 
 
 # errors a rank sees when a peer died or left: consequences, not causes
@@ -257,13 +253,6 @@ def where(dump: str) -> Where | None:
         if cat is not None:
             return Where(cat, f"{Path(path).name}:{line} in {func}")
     return None
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _stacks(partial: Path, ranks: list[int]) -> dict[int, Where | None]:

@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanbisect.bundle.state import local
 from nanbisect.errors import BadInput
 from nanbisect.replay.recorder import collective_writes, is_collective, read_args
+from nanbisect.util.tensors import nan_inf_counts as _counts
 
 ROLE = "collectives"          # the tensor group of a part that holds the recorded outputs
 SCHEMA = 1
@@ -90,16 +91,9 @@ def ddp_internal(frame, ddp: bool = True) -> str | None:
     return None
 
 
-def _counts(tensors: list[torch.Tensor]) -> tuple[int, int]:
-    nan = inf = 0
-    for t in tensors:
-        if t.is_floating_point() or t.is_complex():
-            nan += int(torch.isnan(t).sum())
-            inf += int(torch.isinf(t).sum())
-    return nan, inf
-
-
 def _digest(tensors: list[torch.Tensor]) -> str:
+    # NB: not util.tensors.tensor_bytes: this views a 0-dim tensor as bytes without flattening
+    # it first, which raises; kept as it was by the utilities refactor (reported, not fixed)
     h = hashlib.sha256()
     for t in tensors:
         c = t.detach().to("cpu").contiguous()

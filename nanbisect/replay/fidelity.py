@@ -11,7 +11,6 @@ round differently.
 """
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
@@ -19,6 +18,7 @@ import torch
 from nanbisect.bundle.code import changed_sources, relocation
 from nanbisect.bundle.format import Bundle, environment
 from nanbisect.records import Fidelity
+from nanbisect.util.files import file_sha256
 
 # versions and settings whose change can alter a step's numbers
 _COMPARED = ("torch", "python", "nanbisect", "numpy", "torch_threads")
@@ -68,18 +68,11 @@ def _other_entry(m: dict, entry: str, captured_file: str | None, sources: dict[s
     target, _, func = entry.rpartition(":")
     captured_func = str(m.get("entry", "")).rpartition(":")[2]
     then = sources.get(captured_file) if captured_file else None
-    now = _sha256(Path(target)) if target.endswith(".py") else None
+    now = file_sha256(Path(target), missing_ok=True) if target.endswith(".py") else None
     if func == captured_func and (then is None or now == then) and (
             then is not None or target == str(m.get("entry", "")).rpartition(":")[0]):
         return None
     return f"--entry {entry} (captured: {m.get('entry')})"
-
-
-def _sha256(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
 
 
 def _cpu(manifest: dict) -> bool:

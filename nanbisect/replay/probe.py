@@ -47,6 +47,7 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
             zero = total.new_zeros(())
             return torch.stack([zero, zero, zero, mags.amax().float(), total])
     finite_abs = mags.nan_to_num(0.0, 0.0, 0.0)
+    # NB: not util.tensors.nonfinite: these counts stay on the device, stacked with the stats
     return torch.stack([torch.isnan(t).sum().float(), torch.isposinf(t).sum().float(),
                         torch.isneginf(t).sum().float(), finite_abs.amax().float(),
                         finite_abs.sum(dtype=torch.float32)])

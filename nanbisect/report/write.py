@@ -14,11 +14,9 @@ a directory that appeared meanwhile.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +26,8 @@ from nanbisect.errors import BadInput
 from nanbisect.report.model import Report
 from nanbisect.report.page import to_html
 from nanbisect.report.text import to_markdown
+from nanbisect.util.files import file_sha256
+from nanbisect.util.staging import staging_path
 
 MARKER = ".nanbisect-report"          # written into every report directory, holds its schema
 REPORT_FILES = {"report.json", "report.md", "report.html", "repro", MARKER}
@@ -54,7 +54,7 @@ def foreign_files(path: Path) -> list[str] | None:
         ours = {f: d for f, d in head["files"].items() if isinstance(f, str)}
         # a file added since, or one of ours edited since (the user's notes in report.md)
         return sorted(f for f in _files(path) if f != MARKER
-                      and (f not in ours or _sha256(path / f) != ours[f]))
+                      and (f not in ours or file_sha256(path / f, missing_ok=True) != ours[f]))
     # a report from before the marker listed its files: report.json with our schema, and at the
     # top level nothing a report does not hold
     try:
@@ -84,13 +84,6 @@ def _files(root: Path) -> list[str]:
         out += [(rel / n).as_posix() for n in filenames]
         out += [(rel / d).as_posix() for d in dirnames if (Path(dirpath) / d).is_symlink()]
     return out
-
-
-def _sha256(path: Path) -> str | None:
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
-        return None
 
 
 def _inside(path: Path, root: Path) -> bool:
@@ -150,7 +143,7 @@ def staged(out: Path, bundle: Path | None = None) -> Iterator[Path]:
     """A hidden directory beside ``out`` that replaces it only if the block succeeds, and only
     if ``out`` is still absent, empty or a report (`check_out`)."""
     out = check_out(out, bundle)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = staging_path(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
@@ -161,13 +154,14 @@ def staged(out: Path, bundle: Path | None = None) -> Iterator[Path]:
         yield tmp
         # the marker lists what was written, with each file's sha256: a file someone adds or
         # edits later makes the directory no longer only ours
-        (tmp / MARKER).write_text(json.dumps({"schema": "nanbisect.report/1", "files": {
-            f: _sha256(tmp / f) for f in sorted(_files(tmp))}}, indent=1) + "\n")
+        files = {f: file_sha256(tmp / f, missing_ok=True) for f in sorted(_files(tmp))}
+        (tmp / MARKER).write_text(json.dumps({"schema": "nanbisect.report/1", "files": files},
+                                             indent=1) + "\n")
         check_out(out, bundle)     # NB: again: the block ran for minutes; the path may be taken
         old = None
         if out.exists():
             was_empty = out.is_dir() and not any(out.iterdir())
-            old = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+            old = staging_path(out, "old")
             out.rename(old)
             # NB: and once more, now that nobody can add to it: what we delete must be ours
             if not (foreign_files(old) == [] or (was_empty and not any(old.iterdir()))):

@@ -9,11 +9,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "fixtures" / "tasks"))
+sys.path.insert(1, str(ROOT))     # this checkout's nanbisect, not whichever is installed
 
 import nan_batch  # noqa: E402
 
 import nanbisect  # noqa: E402
-from nanbisect.bundle import format as fmt  # noqa: E402
+from nanbisect.bundle import writer  # noqa: E402
 
 out, ready = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -23,6 +24,6 @@ def stuck(path):
     time.sleep(3600)
 
 
-fmt._sha256 = stuck
+writer._sha256 = stuck
 nanbisect.capture(nan_batch.task(), next(nan_batch.batches()), out / "step000001",
                   entry=str(ROOT / "fixtures/tasks/nan_batch.py") + ":task")

@@ -1,0 +1,119 @@
+"""The manifest's schema: the bundle's fixed names and the type every field must have, checked
+before anything trusts a manifest nanbisect did not write.
+
+Guarantees: every check is pure and bounded by the size of the value it is given; a field of the
+wrong type is `BadInput` naming the bundle, the field and what it must be.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from nanbisect.bundle.bounded import MAX_WORLD_SIZE, _kind, _uint
+from nanbisect.errors import BadInput
+
+SCHEMA = "nanbisect.bundle/1"
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+# Tensor files by role; a role with no tensors gets no file.
+ROLES = ("model", "optimizer", "batch", "rng")
+# Roles every rank of a multi-rank bundle writes itself, never taken from another rank's part
+PER_RANK = ("batch", "rng")
+SUFFIX = ".safetensors"
+
+
+def _int(v) -> bool:
+    return type(v) is int   # NB: not bool
+
+
+def _strs(v) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+def _str_map(v, values: type = str) -> bool:
+    return isinstance(v, dict) and all(type(x) is values for x in v.values())
+
+
+_NONE = type(None)
+# field -> (check, what it must be); absent fields are fine unless `_REQUIRED`
+_FIELDS = {
+    "entry": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
+    "files": (lambda v: isinstance(v, dict), "an object of file name -> {sha256, bytes}"),
+    "model": (lambda v: isinstance(v, dict) and _strs(v.get("params")) and _strs(v.get("buffers"))
+              and _str_map(v.get("aliases")) and _str_map(v.get("training", {}), bool)
+              and _strs(v.get("frozen", [])),
+              "an object with params and buffers (lists of names) and aliases (name -> name)"),
+    "rng": (lambda v: isinstance(v, dict), "an object"),
+    "optimizer": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("class"), str)
+                                          and isinstance(v.get("state"), dict)
+                                          and isinstance(v.get("param_groups"), list)),
+                  "null or an object with class, state and param_groups"),
+    "step": (lambda v: v is None or _int(v), "null or an integer"),
+    "world_size": (lambda v: v is None or (_int(v) and 1 <= v <= MAX_WORLD_SIZE),
+                   f"null or an integer from 1 to {MAX_WORLD_SIZE}"),
+    "rank": (lambda v: v is None or (_int(v) and 0 <= v < MAX_WORLD_SIZE),
+             "null or an integer >= 0"),
+    "dtypes": (lambda v: v is None or _strs(v), "null or a list of strings"),
+    "kind": (lambda v: v in (None, "multi-rank"), "absent or 'multi-rank'"),
+    **{k: (lambda v: v is None or isinstance(v, dict), "null or an object")
+       for k in ("observed", "devices", "environment", "grad_scaler", "task", "code")},
+    **{k: (lambda v: v is None or isinstance(v, str), "null or a string")
+       for k in ("entry_file", "entry_file_from_bundle", "created", "backend")},
+    "process_groups": (lambda v: v is None or (isinstance(v, dict) and all(
+        isinstance(r, list) and all(_int(x) for x in r) for r in v.values())),
+        "null or an object of group name -> list of ranks"),
+    "ranks": (lambda v: isinstance(v, dict), "an object of rank -> {dir, manifest_sha256}"),
+    "shared": (lambda v: v is None or isinstance(v, dict),
+               "null or an object of tensor file -> {rank, tensors} (tensors of lower ranks)"),
+    "replicas": (lambda v: v is None or isinstance(v, dict), "null or an object"),
+}
+_REQUIRED = ("entry", "files", "model", "batch", "rng")
+_REQUIRED_MULTI = ("entry", "world_size", "ranks")
+
+
+def field_problem(key: str, value) -> str | None:
+    """What ``value`` must be as the manifest's field ``key`` when it is not that, else None
+    (sections that hold a copy of such a field, e.g. the lookback's model, are checked alike)."""
+    ok, want = _FIELDS[key]
+    return None if ok(value) else want
+
+
+def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
+    for key in required:
+        if key not in m:
+            raise BadInput(f"bundle '{p}': manifest.json lacks '{key}'; re-capture the bundle")
+    for key, (ok, want) in _FIELDS.items():
+        if key in m and not ok(m[key]):
+            raise BadInput(f"bundle '{p}': manifest.json field '{key}' is {_kind(m[key])}, not "
+                           f"{want}; the manifest was altered or damaged: re-capture the bundle")
+
+
+def _safe_name(name) -> bool:
+    """A plain entry of the bundle directory: no path, no '.', '..', NUL or control character."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
+            and "\\" not in name and name.isprintable() and len(name.encode("utf-8", "replace"))
+            <= 255)
+
+
+def _check_replicas(p: Path, v) -> None:
+    """The top manifest's ``replicas`` has the shape `multirank.coord` writes (what inspect and
+    the report read from it)."""
+    if v is None:
+        return
+
+    def ranks_list(x) -> bool:
+        return isinstance(x, list) and all(_int(y) for y in x)
+
+    rows = v.get("out_of_sync", [])
+    ok = (isinstance(v.get("groups", []), list) and all(map(ranks_list, v.get("groups", [])))
+          and _uint(v.get("shared_bytes", 0)) and _uint(v.get("shared_tensors", 0))
+          and _uint(v.get("out_of_sync_count", 0)) and ranks_list(v.get("uncompared", []))
+          and isinstance(rows, list) and all(
+              isinstance(e, dict) and isinstance(e.get("tensor"), str)
+              and isinstance(e.get("ranks"), list) and all(map(ranks_list, e["ranks"]))
+              and ranks_list(e.get("missing", []))
+              and (e.get("max_abs_diff") is None
+                   or type(e.get("max_abs_diff")) in (int, float, str)) for e in rows))
+    if not ok:
+        raise BadInput(f"bundle '{p}': the top manifest's 'replicas' is not {{groups, "
+                       "shared_bytes, out_of_sync: [{tensor, ranks, max_abs_diff}]}; the "
+                       "manifest was altered or damaged: re-capture the bundle")

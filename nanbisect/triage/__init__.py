@@ -1,0 +1,71 @@
+"""`nanbisect triage DIR...`: every bundle under the given directories, replayed in parallel,
+grouped by culprit signature, for nightly jobs that must finish whatever the bundles do.
+
+Guarantees:
+- Every replay runs in a fresh process of its own (`nanbisect run` in a new session, started by
+  a joblib worker: loky processes here by default, or the workers of an existing Dask or Ray
+  cluster with ``backend="dask"|"ray"``). A replay that hangs past ``timeout`` seconds has its
+  whole process group killed; one that crashes (a segfault, ``os.abort``, a SIGKILL as by the
+  out-of-memory killer) or exits without a report becomes that bundle's row in ``errors``
+  ({bundle, error, kind}), with the reason ("replay killed by signal SIGSEGV", "replay exceeded
+  --timeout 5s"), never the whole run's failure. A bundle that cannot be read (corrupted files, a
+  manifest nested 100k levels deep, ``"files": []``, garbage) is an error row too: every
+  exception of one bundle is caught and named.
+- Nothing is left running: each replay's process holds a pipe to the process that started it and
+  forks a small guardian that kills the replay's whole process group and removes its scratch
+  directory as soon as that pipe closes (the starter finished with it or died, by any signal,
+  ``kill -9`` included); on Linux the replay also gets ``PR_SET_PDEATHSIG``. A loky worker
+  watches its parent and exits (killing its replays) when the triage process is gone.
+  SIGTERM/SIGINT stop the workers and their replays. A scratch directory that a ``kill -9`` in
+  the instant before a guardian existed leaves behind is removed by the next run.
+- The summary (``triage.json``, ``triage.md`` in ``out``) is written when the run starts (every
+  bundle pending), after each finished bundle, and at the end, each time by writing a temporary
+  file and renaming it over the old one, so a reader never sees half a file. On SIGTERM or SIGINT
+  triage writes what it knows (unfinished bundles become error rows, ``interrupted`` names the
+  signal) and returns; ``kill -9`` leaves the last summary written.
+- Analyses are cached as JSON in ``out/cache`` (nothing pickled), keyed by the manifest's sha256
+  (which holds every file's; the files are checked against it before each lookup), the entry
+  string, the sha256 of the entry file and of every user source file the manifest lists *as they
+  are on disk now* (editing the code invalidates the entry: a fixed bug does not keep its old
+  culprit), the replay options, and the nanbisect and torch versions; a moved or copied bundle
+  is still a hit, and copies found in one run are replayed once. Only replays that produced a
+  report are cached; errors are retried next time.
+- Directories that are not bundles are not searched further and are listed in ``skipped``
+  (the topmost such directory, with the reason); hidden directories are never searched, and
+  the staging directories killed captures leave (``.NAME.tmp-XXXXXXXX``) are listed in
+  ``leftovers`` (`nanbisect.bundle.leftovers`).
+
+Not guaranteed: a replay's descendants that start a session of their own are outside its process
+group (the multi-rank launcher's ranks are, and its own janitor ends them when the replay dies;
+other such processes live until their own time-outs). On a Dask or Ray cluster: an interrupted
+or killed triage cannot stop replays already running on the workers (they end at ``timeout``);
+the workers must see the bundle paths (a shared file system) and have nanbisect installed;
+joblib replays in the calling process when it counts a single slot, so a 1-thread Dask cluster
+is used as two slots and a Ray cluster needs 2 CPUs or more (fewer is refused); Ray's joblib
+backend returns results per wave of as many bundles as the cluster has CPUs (the summary is
+written per wave). Reading the manifests and hashing the files happens in the triage process,
+bounded by `nanbisect.bundle.format.read_bundle`'s limits, not by ``timeout``. Connecting to a
+cluster is bounded by ``NANBISECT_CONNECT_TIMEOUT`` (default 15 s; twice that for Ray). POSIX
+only.
+
+Exit protocol (for CI):
+  0  no failures: every bundle replayed clean
+  1  failures, all with known signatures (``--known``)
+  3  at least one new signature
+  2  no new signature, but some bundle could not be triaged (listed in ``errors``); an
+     interrupted run is never 0 or 1
+"""
+from __future__ import annotations
+
+from nanbisect.triage.backends import BACKENDS, CONNECT_TIMEOUT
+from nanbisect.triage.cache import CACHE_SCHEMA, cache_key, content_hash
+from nanbisect.triage.find import discover, find_bundles
+from nanbisect.triage.run import DEFAULT_TIMEOUT, triage
+from nanbisect.triage.signatures import normalise_module, signature
+from nanbisect.triage.summary import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW, SCHEMA,
+                                     TriageResult, load_known, to_markdown)
+
+__all__ = ["BACKENDS", "CACHE_SCHEMA", "CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "EXIT_CLEAN",
+           "EXIT_ERRORS", "EXIT_KNOWN", "EXIT_NEW", "SCHEMA", "TriageResult", "cache_key",
+           "content_hash", "discover", "find_bundles", "load_known", "normalise_module",
+           "signature", "to_markdown", "triage"]

@@ -1,0 +1,262 @@
+"""The run: discover, verify and look up every bundle, replay the rest through joblib, keep the
+summary current, and stop cleanly on SIGTERM/SIGINT.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from nanbisect.errors import BadInput, signal_name
+from nanbisect.triage.backends import _backend, _jobs
+from nanbisect.triage.cache import _Cache, cache_key
+from nanbisect.triage.find import _check_roots, discover
+from nanbisect.triage.summary import TriageResult, _State
+from nanbisect.triage.worker import _analyse_one
+
+DEFAULT_TIMEOUT = 1800.0            # seconds per bundle
+
+
+class _Interrupted(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _interruptible():
+    """SIGTERM and SIGINT raise `_Interrupted` in the main thread (once)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    sigs = [signal.SIGINT, signal.SIGTERM]
+    old = {s: signal.getsignal(s) for s in sigs}
+
+    def handler(signum, frame):
+        for s in sigs:                  # the second signal must not cut the summary's write
+            signal.signal(s, signal.SIG_IGN)
+        raise _Interrupted(signum)
+
+    for s in sigs:
+        signal.signal(s, handler)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = frozenset(),
+           cache: Path | None = None, options: dict | None = None, out: Path | None = None,
+           timeout: float = DEFAULT_TIMEOUT, backend: str = "loky",
+           scheduler: str | None = None, address: str | None = None) -> TriageResult:
+    """Triage every bundle under ``roots``; with ``out``, keep ``out/triage.json`` and
+    ``out/triage.md`` current and cache in ``out/cache`` (or ``cache``).
+
+    >>> import shutil, tempfile
+    >>> night = Path(tempfile.mkdtemp())
+    >>> _ = shutil.copytree("fixtures/bundles/nan_batch", night / "job1" / "step5",
+    ...                     ignore=shutil.ignore_patterns("nanbisect-report"))
+    >>> (night / "notes").mkdir()
+    >>> res = triage([night], jobs=1)
+    >>> [(g["signature"], g["count"]) for g in res.data["signatures"]], res.exit_code
+    ([('input-nonfinite · data', 1)], 3)
+    >>> [s["path"].endswith("notes") for s in res.data["skipped"]]
+    [True]
+    """
+    roots = [Path(r) for r in roots]
+    _check_roots(roots)
+    try:
+        timeout = float(timeout)
+    except (TypeError, ValueError):
+        raise BadInput(f"triage: --timeout {timeout!r} is not a number of seconds") from None
+    if not timeout > 0:
+        raise BadInput(f"triage: --timeout {timeout:g} must be more than 0 seconds")
+    if out is not None:
+        out = Path(out)
+        if out.exists() and not out.is_dir():
+            raise BadInput(f"triage: --out '{out}' is a file; pass a directory for triage.json, "
+                           "triage.md and the cache")
+        cache = cache if cache is not None else out / "cache"
+    options = {"reference": "none", **(options or {})}
+    from nanbisect.bundle.leftovers import find_leftovers
+
+    state = _State(roots, set(known), out, options, backend, timeout)
+    store = _Cache(cache)
+    with _interruptible():
+        try:
+            bundles, state.skipped = discover(roots, exclude=tuple(p for p in (out, cache) if p))
+            state.pending = {str(b) for b in bundles}
+            try:
+                state.leftovers = [x.to_json() for x in find_leftovers(roots)]
+            except Exception as e:  # noqa: BLE001 - a listing problem must not stop the night
+                state.leftovers = [{"path": "", "bytes": 0, "age_s": 0.0, "kind": "error",
+                                    "error": f"{type(e).__name__}: {str(e)[:200]}"}]
+            with _backend(backend, scheduler, address, jobs) as (config, n_jobs, wave):
+                if out is not None:
+                    try:
+                        out.mkdir(parents=True, exist_ok=True)
+                    except OSError as e:
+                        raise BadInput(f"triage: cannot create --out '{out}' ({e.strerror}); "
+                                       "pass a writable directory") from None
+                state.write()
+                todo = _lookup(bundles, options, store, state)
+                state.write()
+                todo, copies = _copies(todo)
+                if todo:
+                    if backend == "loky":
+                        n_jobs = _jobs([Path(b) for b, _ in todo], n_jobs)
+                    _replay(todo, copies, options, timeout, config, n_jobs, wave, store, state)
+        except _Interrupted as e:
+            state.interrupted = signal_name(e.signum)
+        except KeyboardInterrupt:
+            state.interrupted = "SIGINT"
+        except BadInput:
+            raise                        # before anything was written: one line, exit 2
+        except Exception as e:  # noqa: BLE001 - a bug of triage's own: keep what it knew
+            state.interrupted = f"an internal error ({type(e).__name__}: {str(e)[:200]})"
+            state.finished = True
+            state.write()
+            raise
+        state.finished = True
+        data = state.write(final=True)
+    return TriageResult(data, data["exit_code"])
+
+
+def _copies(todo: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], dict[str, list[str]]]:
+    """Bundles with the same key (copies: the same content, code and options) are replayed
+    once; the others take its result. (first of each key, first -> all of its copies)"""
+    first: dict[str, str] = {}
+    copies: dict[str, list[str]] = {}
+    for b, key in todo:
+        copies.setdefault(first.setdefault(key, b), []).append(b)
+    return [(b, k) for k, b in first.items()], copies
+
+
+def _lookup(bundles: list[Path], options: dict, store: _Cache, state: _State
+            ) -> list[tuple[str, str]]:
+    """Verify each bundle and answer from the cache; (bundle, key) of those left to replay.
+    Any failure of one bundle (BadInput, RecursionError, TypeError...) is its error row."""
+    from nanbisect.bundle.format import read_bundle
+
+    todo = []
+    for b in bundles:
+        name = str(b)
+        t0 = time.monotonic()
+        try:
+            key, _ = cache_key(read_bundle(b), options)
+        except BadInput as e:
+            state.add({"bundle": name, "error": str(e), "kind": "bad-input",
+                       "seconds": round(time.monotonic() - t0, 2)}, False)
+            continue
+        except Exception as e:  # noqa: BLE001 - a malformed bundle is its own row, never fatal
+            state.add({"bundle": name, "error": f"bundle '{b}' is malformed and cannot be read "
+                       f"({type(e).__name__}: {str(e)[:200]}); re-capture it",
+                       "kind": "malformed", "seconds": round(time.monotonic() - t0, 2)}, False)
+            continue
+        hit = store.get(key)
+        if hit is not None:
+            state.add({"bundle": name, "report": hit,
+                       "seconds": round(time.monotonic() - t0, 2)}, True)
+        else:
+            todo.append((name, key))
+    return todo
+
+
+def _replay(todo: list[tuple[str, str]], copies: dict[str, list[str]], options: dict,
+            timeout: float, config: dict, n_jobs: int, wave: int | None, store: _Cache,
+            state: _State) -> None:
+    """Run the replays through joblib; each result is cached and written as it arrives (for
+    the bundle and its ``copies``). A backend failure (a worker lost) retries what did not
+    finish, once. The replays' scratch directories go in one of this run's, removed at the end
+    (on SIGTERM/SIGINT too; after kill -9, each replay's guardian removes its own)."""
+    keys = dict(todo)
+    _sweep_scratch(timeout)
+    scratch = tempfile.mkdtemp(prefix=f"nanbisect-triage-{os.getpid()}-")
+    try:
+        _replay_all(keys, copies, options, timeout, config, n_jobs, wave, store, state, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _sweep_scratch(timeout: float) -> None:
+    """Remove what killed runs left in the temporary directory: a run's scratch directory
+    (``nanbisect-triage-PID-*``) whose process is gone (kill -9 of triage while a replay was
+    still starting, before its guardian existed), and loose replay scratch directories older
+    than a day and than twice ``timeout``."""
+    tmp = Path(tempfile.gettempdir())
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return
+    for e in entries:
+        m = re.fullmatch(r"nanbisect-triage-(?:(\d+)-)?[a-z0-9_]{8}", e.name)
+        if not m or not e.is_dir(follow_symlinks=False):
+            continue
+        if m.group(1):
+            try:
+                os.kill(int(m.group(1)), 0)
+                continue                # its run is alive (or the pid was reused): leave it
+            except ProcessLookupError:
+                pass
+            except OSError:
+                continue
+        else:
+            with contextlib.suppress(OSError):
+                if time.time() - e.stat(follow_symlinks=False).st_mtime < max(86400, 2 * timeout):
+                    continue
+        shutil.rmtree(e.path, ignore_errors=True)
+
+
+def _replay_all(keys: dict[str, str], copies: dict[str, list[str]], options: dict,
+                timeout: float, config: dict, n_jobs: int, wave: int | None, store: _Cache,
+                state: _State, scratch: str) -> None:
+    from joblib import Parallel, delayed, parallel_config
+
+    absolute = {b: str(Path(b).resolve()) for b in keys}
+    back = {v: k for k, v in absolute.items()}
+    cwd = os.getcwd()
+    parent = os.getpid()
+    for attempt in (1, 2):
+        left = [b for b in keys if b in state.pending]
+        if not left:
+            return
+        try:
+            with parallel_config(**config), warnings.catch_warnings():
+                warnings.simplefilter("ignore")     # joblib's note on a generator left early
+                chunks = [left] if wave is None else [left[i:i + wave]
+                                                      for i in range(0, len(left), wave)]
+                for chunk in chunks:
+                    tasks = (delayed(_analyse_one)(absolute[b], options, timeout, parent, cwd,
+                                                   scratch) for b in chunk)
+                    if wave is None:
+                        results = Parallel(n_jobs=n_jobs, batch_size=1,
+                                           return_as="generator_unordered")(tasks)
+                    else:
+                        results = Parallel(n_jobs=n_jobs, batch_size=1)(tasks)
+                    for res in results:
+                        b = back.get(res["bundle"], res["bundle"])
+                        res = {**res, "bundle": b}
+                        if "report" in res:
+                            store.put(keys[b], res["report"])
+                        for c in copies.get(b, [b]):
+                            same = {"same_as": b} if c != b else {}
+                            state.add({**res, "bundle": c, **same}, False)
+                        state.write()
+        except (_Interrupted, KeyboardInterrupt):
+            raise
+        except Exception as e:  # noqa: BLE001 - a worker lost (OOM, a node gone): retry once
+            if attempt == 2:
+                for b in [c for b in keys for c in copies.get(b, [b]) if c in state.pending]:
+                    state.add({"bundle": b, "kind": "backend",
+                               "error": f"the {config.get('backend')} backend failed twice "
+                                        f"before this bundle finished (a worker lost?) "
+                                        f"({type(e).__name__}: {str(e)[:200]})"}, False)
+                state.write()

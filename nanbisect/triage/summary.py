@@ -1,0 +1,185 @@
+"""The summary of a run: ``triage.json`` (rows, signature groups, exit code) and ``triage.md``,
+and the known signatures a run is compared with.
+
+Guarantees: each write replaces the whole file atomically (a reader never sees half of one).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from nanbisect import __version__
+from nanbisect.errors import BadInput
+from nanbisect.triage.find import _MAX_MANIFEST, MANIFEST
+from nanbisect.triage.signatures import signature
+from nanbisect.util.files import write_atomic
+
+SCHEMA = "nanbisect.triage/1"
+EXIT_CLEAN, EXIT_KNOWN, EXIT_ERRORS, EXIT_NEW = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class TriageResult:
+    data: dict
+    exit_code: int
+
+
+@dataclass
+class _State:
+    roots: list[Path]
+    known: set
+    out: Path | None
+    options: dict
+    backend: str
+    timeout: float
+    results: dict = field(default_factory=dict)     # bundle -> row
+    errors: dict = field(default_factory=dict)      # bundle -> {bundle, error, ...}
+    pending: set = field(default_factory=set)
+    skipped: list = field(default_factory=list)
+    leftovers: list = field(default_factory=list)
+    interrupted: str | None = None
+    finished: bool = False
+    started: float = field(default_factory=time.monotonic)
+    written: float = 0.0
+
+    def data(self) -> dict:
+        results = [self.results[k] for k in sorted(self.results)]
+        errors = [self.errors[k] for k in sorted(self.errors)]
+        if self.finished:
+            why = (f"triage interrupted by {self.interrupted} before this bundle finished"
+                   if self.interrupted else "triage ended before this bundle finished")
+            errors += [{"bundle": b, "error": why, "kind": "interrupted"}
+                       for b in sorted(self.pending) if b not in self.errors]
+            errors.sort(key=lambda e: e["bundle"])
+        groups: dict[str, dict] = {}
+        for r in results:
+            sig = r["signature"]
+            if sig is None:
+                continue
+            created = r.get("created")
+            g = groups.setdefault(sig, {"signature": sig, "count": 0, "first_seen": created,
+                                        "example": r["bundle"], "known": sig in self.known,
+                                        "classification": r.get("classification"),
+                                        "bundles": []})
+            g["count"] += 1
+            g["bundles"].append(r["bundle"])
+            if created and (g["first_seen"] is None or created < g["first_seen"]):
+                g["first_seen"], g["example"] = created, r["bundle"]
+        sigs = sorted(groups.values(), key=lambda g: (-g["count"], g["signature"]))
+        if any(not g["known"] for g in sigs):
+            code = EXIT_NEW
+        elif errors or self.interrupted or self.pending:
+            code = EXIT_ERRORS
+        elif sigs:
+            code = EXIT_KNOWN
+        else:
+            code = EXIT_CLEAN
+        return {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+                "nanbisect": __version__, "roots": [str(r) for r in self.roots],
+                "host": f"{socket.gethostname()}:{os.getpid()}",
+                "backend": self.backend, "timeout_s": self.timeout,
+                "options": self.options, "finished": self.finished,
+                "interrupted": self.interrupted,
+                "seconds": round(time.monotonic() - self.started, 1),
+                "pending": [] if self.finished else sorted(self.pending),
+                "bundles": [{k: v for k, v in r.items() if k != "created"} for r in results],
+                "signatures": sigs, "errors": errors, "skipped": self.skipped,
+                "leftovers": self.leftovers, "exit_code": code}
+
+    def write(self, final: bool = False) -> dict | None:
+        """Replace the summary files; during the run a failed write is retried at the next
+        bundle, the final one is `BadInput` when it fails. A night of more than 500 bundles is
+        rewritten at most once a second (each write is of the whole summary)."""
+        now = time.monotonic()
+        if not final and len(self.results) + len(self.errors) > 500 and now - self.written < 1:
+            return None
+        self.written = now
+        data = self.data()
+        if self.out is not None:
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+                write_atomic(self.out / "triage.json", json.dumps(data, indent=1))
+                write_atomic(self.out / "triage.md", to_markdown(data))
+            except OSError as e:
+                if final:
+                    raise BadInput(f"triage: cannot write triage.json into --out '{self.out}' "
+                                   f"({e.strerror or e}); pass a writable directory") from None
+        return data
+
+    def add(self, res: dict, cached: bool) -> None:
+        b = res["bundle"]
+        self.pending.discard(b)
+        if "error" in res:
+            self.errors[b] = res
+            return
+        rep = res["report"]
+        self.results[b] = {"bundle": b, "verdict": rep.get("verdict"),
+                           "classification": rep.get("classification"),
+                           "signature": signature(rep), "cached": cached,
+                           "seconds": res.get("seconds", 0.0), "worker": res.get("worker"),
+                           **({"same_as": res["same_as"]} if "same_as" in res else {}),
+                           "created": _created(Path(b))}
+
+
+def _created(bundle: Path) -> str | None:
+    """When the bundle was written (a multi-rank bundle written before the top manifest carried
+    it: rank 0's part)."""
+    for m in (bundle / MANIFEST, bundle / "rank0" / MANIFEST):
+        try:
+            if m.stat().st_size > _MAX_MANIFEST:
+                continue
+            created = json.loads(m.read_text()).get("created")
+        except Exception:  # noqa: BLE001 - garbage, too deep, not an object: no date
+            continue
+        if isinstance(created, str):
+            return created
+    return None
+
+
+def load_known(path: Path) -> set[str]:
+    """Known signatures: a previous triage.json, or a text file with one signature a line."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"--known '{path}': {getattr(e, 'strerror', None) or e}; pass a "
+                       "triage.json or a text file") from None
+    try:
+        return {g["signature"] for g in json.loads(text)["signatures"]}
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return {line.strip() for line in text.splitlines() if line.strip()}
+
+
+def to_markdown(data: dict) -> str:
+    state = ("" if data.get("finished", True) else
+             f" (running: {len(data.get('pending') or [])} bundle(s) still pending)")
+    if data.get("interrupted"):
+        state = f" (interrupted by {data['interrupted']})"
+    lines = ["# nanbisect triage", "", f"{len(data['bundles'])} bundle(s) triaged, "
+             f"{len(data['signatures'])} signature(s), {len(data['errors'])} error(s); exit "
+             f"code {data['exit_code']}{state}.", "",
+             "| count | signature (op, module, phase, dtypes, classification) | first seen | "
+             "example | known |", "|---|---|---|---|---|"]
+    for g in data["signatures"]:
+        lines.append(f"| {g['count']} | `{g['signature']}` | {g['first_seen'] or '-'} | "
+                     f"`{g['example']}` | {'yes' if g['known'] else '**new**'} |")
+    if data["errors"]:
+        lines += ["", "## Errors", ""] + [f"- `{e['bundle']}`: {e['error']}"
+                                          for e in data["errors"]]
+    clean = [b["bundle"] for b in data["bundles"] if b["signature"] is None]
+    if clean:
+        lines += ["", "## No failure", ""] + [f"- `{b}`" for b in clean]
+    if data.get("pending"):
+        lines += ["", "## Pending", ""] + [f"- `{b}`" for b in data["pending"]]
+    if data.get("skipped"):
+        lines += ["", "## Skipped (not bundles)", ""] + [f"- `{s['path']}`: {s['reason']}"
+                                                         for s in data["skipped"]]
+    if data.get("leftovers"):
+        lines += ["", "## Leftovers of killed captures (`nanbisect clean` removes them)", ""] + [
+            f"- `{x['path']}`: {x['bytes']} bytes, {x['age_s']:.0f} s old ({x['kind']})"
+            for x in data["leftovers"]]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,200 @@
+"""One bundle, in a worker: its replay in a process of its own (a fresh ``nanbisect run`` in a
+new session), guarded so that nothing outlives the process that started it.
+
+Guarantees: `_analyse_one` never raises; a hang, a crash or a missing report is a row of its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from nanbisect.errors import signal_name
+from nanbisect.triage.cache import _MAX_REPORT
+from nanbisect.util.files import read_json
+
+_STDERR_TAIL = 2000
+
+
+
+def _guard_replay() -> None:
+    """Called first in the replay process (``python -c _CHILD run BUNDLE ...``, in a session of
+    its own), which then runs the CLI. It dies with the thread that started it (Linux
+    ``PR_SET_PDEATHSIG``) and forks a guardian holding the read end of a pipe whose write end
+    only the starter has: when the starter is done with it or dies (SIGKILL too), the read
+    returns EOF and the guardian kills the replay's whole process group and removes the
+    replay's scratch directory (which a starter killed by SIGKILL cannot)."""
+    fd = int(os.environ.pop("NANBISECT_TRIAGE_FD"))
+    starter = int(os.environ.pop("NANBISECT_TRIAGE_PARENT"))
+    scratch = os.environ.pop("NANBISECT_TRIAGE_TMP", "")
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(Exception):
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))     # PR_SET_PDEATHSIG
+    if os.getppid() != starter:         # it died before the line above
+        os._exit(125)
+    group = os.getpgrp()
+    if os.fork() == 0:
+        said = b""                      # the starter writes "done" before it closes its end
+        try:
+            os.setpgid(0, 0)            # out of the group it is about to kill
+            os.closerange(0, fd)
+            while chunk := os.read(fd, 4096):
+                said += chunk[:16]
+        except BaseException:  # noqa: BLE001 - whatever happens, the group goes
+            pass
+        with contextlib.suppress(OSError):
+            os.killpg(group, signal.SIGKILL)
+        if os.path.basename(scratch).startswith("nanbisect-triage-"):
+            shutil.rmtree(scratch, ignore_errors=True)   # what a killed starter could not
+            up = os.path.dirname(scratch)
+            if not said.startswith(b"done") and os.path.basename(up).startswith(
+                    "nanbisect-triage-"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(up)        # the starter died: the run's directory, once empty
+        os._exit(0)
+    os.close(fd)
+    sys.argv[0] = "nanbisect"
+
+
+_CHILD = ("from nanbisect.triage.worker import _guard_replay; _guard_replay(); "
+          "from nanbisect.cli import main; main()")
+_active: set[int] = set()              # process groups of replays this process is running
+_active_lock = threading.Lock()
+_watchdog_for: list[int] = []
+
+
+def _watch_parent(parent: int) -> None:
+    """In a loky worker: when the triage process is gone (kill -9 included), kill our replays
+    and exit, instead of waiting for them as loky would."""
+    if _watchdog_for or os.getppid() != parent:
+        return                          # already watching, or not a child of triage (a cluster)
+    _watchdog_for.append(parent)
+
+    def loop() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.2)
+        with _active_lock:
+            for pg in list(_active):
+                with contextlib.suppress(OSError):
+                    os.killpg(pg, signal.SIGKILL)
+        os._exit(70)
+
+    threading.Thread(target=loop, name="nanbisect-triage-watchdog", daemon=True).start()
+
+
+_SIGNAL_HINT = {"SIGKILL": " (as the out-of-memory killer does)", "SIGSEGV": " (a crash in native "
+                "code)", "SIGABRT": " (os.abort or a failed native assertion)"}
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - 8192))
+            return f.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def _reason(stderr: str) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    for ln in reversed(lines):
+        if ln.startswith("nanbisect: error: "):
+            return ln[len("nanbisect: error: "):]
+    return lines[-1][:300] if lines else "no message"
+
+
+def _read_report(report_dir: Path) -> dict | None:
+    data = read_json(report_dir / "report.json", _MAX_REPORT)
+    return data if isinstance(data, dict) and isinstance(data.get("verdict"), str) else None
+
+
+def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
+                 cwd: str | None = None, scratch: str | None = None) -> dict:
+    """Replay one bundle with `nanbisect run` in a fresh process; never raises. Its scratch
+    directory goes under ``scratch`` (the triage run's, when this machine has it).
+
+    Returns {bundle, report, seconds} or {bundle, error, kind, seconds[, stderr]}."""
+    t0 = time.monotonic()
+
+    def done(**kw) -> dict:
+        return {"bundle": bundle, "seconds": round(time.monotonic() - t0, 2),
+                "worker": f"{socket.gethostname()}:{os.getpid()}", **kw}
+
+    try:
+        _watch_parent(parent)
+        tmp = Path(tempfile.mkdtemp(prefix="nanbisect-triage-", dir=scratch if scratch and
+                                    os.path.isdir(scratch) else None))
+    except Exception as e:  # noqa: BLE001
+        return done(error=f"could not start the replay ({type(e).__name__}: {e})", kind="crash")
+    proc = None
+    r = w = -1
+    try:
+        out = tmp / "report"            # `run --out` refuses existing directories: a fresh path
+        cmd = [sys.executable, "-c", _CHILD, "run", bundle, "--out", str(out),
+               "--reference", str(options.get("reference") or "none")]
+        if options.get("target"):
+            cmd += ["--target", str(options["target"])]
+        r, w = os.pipe()
+        env = {**os.environ, "NANBISECT_TRIAGE_FD": str(r),
+               "NANBISECT_TRIAGE_PARENT": str(os.getpid()), "NANBISECT_TRIAGE_TMP": str(tmp)}
+        with open(tmp / "stderr", "wb") as err:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=err, pass_fds=(r,), start_new_session=True, env=env,
+                                    cwd=cwd if cwd and os.path.isdir(cwd) else None)
+        os.close(r)
+        r = -1
+        with _active_lock:
+            _active.add(proc.pid)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return done(error=f"replay exceeded --timeout {timeout:g}s and was killed",
+                        kind="timeout")
+        stderr = _tail(tmp / "stderr")
+        report = _read_report(out) if rc in (0, 1, 3) else None
+        if report is not None:
+            return done(report=report)
+        extra = {"stderr": stderr[-_STDERR_TAIL:]} if stderr.strip() else {}
+        if rc < 0:
+            name = signal_name(-rc)
+            return done(error=f"replay killed by signal {name}{_SIGNAL_HINT.get(name, '')}",
+                        kind="signal", **extra)
+        if rc == 2:
+            return done(error=_reason(stderr), kind="bad-input", **extra)
+        return done(error=f"replay exited with code {rc} without a report: {_reason(stderr)}",
+                    kind="crash", **extra)
+    except Exception as e:  # noqa: BLE001 - one bundle must never stop the night
+        return done(error=f"replay could not run ({type(e).__name__}: {str(e)[:300]})",
+                    kind="crash")
+    finally:
+        if proc is not None:
+            if proc.poll() is None:     # interrupted while waiting: the replay goes too
+                with contextlib.suppress(OSError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    proc.wait(5)
+            with _active_lock:
+                _active.discard(proc.pid)
+        if w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(w, b"done")    # a finish, not a death: the run's directory stays
+        for fd in (r, w):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)       # closing w lets the guardian clear the process group
+        shutil.rmtree(tmp, ignore_errors=True)

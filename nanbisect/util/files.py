@@ -1,0 +1,109 @@
+"""Small file chores every stage does the same way: sha256 of a file, reading a JSON file that
+may be missing or garbage, writing a small file atomically.
+
+Guarantees: `file_sha256` streams (a file of any size costs 1 MiB of memory); `source_digest`
+never reads more than ``max_bytes`` nor blocks on a special file; `read_json` never raises for
+a missing, unreadable, oversized, malformed or too-deeply nested file; `atomic_file` leaves
+either the old file or the complete new one at ``dest``, never a partial one, and no staging
+file behind when its block fails.
+Not guaranteed: durability across a power loss (nothing here fsyncs).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Iterator
+
+from nanbisect.util.staging import staging_path
+
+_CHUNK = 1 << 20
+
+
+def file_sha256(path: Path, missing_ok: bool = False) -> str | None:
+    """sha256 (hex) of the file at ``path``; OSError when it cannot be read, or None then with
+    ``missing_ok``.
+
+    >>> file_sha256(Path("/nonexistent"), missing_ok=True) is None
+    True
+    """
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(_CHUNK), b""):
+                h.update(chunk)
+    except OSError:
+        if missing_ok:
+            return None
+        raise
+    return h.hexdigest()
+
+
+def source_digest(path: Path, max_bytes: int) -> str | None:
+    """sha256 of a regular file on disk now (None: missing); a file over ``max_bytes`` or a
+    special one by kind and size, so a hostile manifest listing /dev/zero cannot stall it.
+
+    >>> source_digest(Path("/dev/null"), 10).startswith("not-a-file:")
+    True
+    """
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return f"not-a-file:{stat.S_IFMT(st.st_mode)}"
+    if st.st_size > max_bytes:
+        return f"large:{st.st_size}:{st.st_mtime_ns}"
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            h.update(f.read(max_bytes + 1))
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def read_json(path: Path, max_bytes: int | None = None):
+    """The JSON in ``path``, or None when it is missing, unreadable, over ``max_bytes``, not
+    JSON or nested too deep to parse.
+
+    >>> read_json(Path("/nonexistent")) is None
+    True
+    """
+    try:
+        if max_bytes is not None and Path(path).stat().st_size > max_bytes:
+            return None
+        return json.loads(Path(path).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+
+
+@contextlib.contextmanager
+def atomic_file(dest: Path) -> Iterator[Path]:
+    """A staging path beside ``dest`` to write; renamed over ``dest`` (`os.replace`) when the
+    block succeeds, removed whatever happens.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> with atomic_file(d / "a.txt") as tmp:
+    ...     _ = tmp.write_text("x")
+    >>> [p.name for p in d.iterdir()], (d / "a.txt").read_text()
+    (['a.txt'], 'x')
+    """
+    tmp = staging_path(dest)
+    try:
+        yield tmp
+        os.replace(tmp, dest)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Replace the file ``path`` with ``text`` so that a reader sees the old or the new one."""
+    with atomic_file(path) as tmp:
+        with open(tmp, "w") as f:
+            f.write(text)
