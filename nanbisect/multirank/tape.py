@@ -37,6 +37,7 @@ from nanbisect.bundle.state import local
 from nanbisect.errors import BadInput
 from nanbisect.replay.recorder import collective_writes, is_collective, read_args
 from nanbisect.util.tensors import nan_inf_counts as _counts
+from nanbisect.util.tensors import tensor_bytes
 
 ROLE = "collectives"          # the tensor group of a part that holds the recorded outputs
 SCHEMA = 1
@@ -92,13 +93,16 @@ def ddp_internal(frame, ddp: bool = True) -> str | None:
 
 
 def _digest(tensors: list[torch.Tensor]) -> str:
-    # NB: not util.tensors.tensor_bytes: this views a 0-dim tensor as bytes without flattening
-    # it first, which raises; kept as it was by the utilities refactor (reported, not fixed)
+    """sha256 of the tensors' dtypes, shapes and bytes (a 0-dim one too: a collective on a
+    scalar, e.g. the loss all-reduced for logging).
+
+    >>> _digest([torch.tensor(1.0)]) == _digest([torch.tensor(1.0)]) != _digest([torch.ones(1)])
+    True
+    """
     h = hashlib.sha256()
     for t in tensors:
-        c = t.detach().to("cpu").contiguous()
-        h.update(f"{c.dtype}{tuple(c.shape)}".encode())
-        h.update(c.view(torch.uint8).numpy().tobytes() if c.numel() else b"")
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(bytes(tensor_bytes(t)))
     return h.hexdigest()
 
 

@@ -64,6 +64,7 @@ from nanbisect.reference.differential import (RandomTape, diverging_call, isolat
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.task import load_inject
+from nanbisect.util.files import write_atomic
 
 
 def _gather(obj):
@@ -83,12 +84,11 @@ _stage = _no_stage
 
 def _stage_file(partial: Path, rank: int):
     """A writer of ``PARTIAL/rank{r}.state``: this process's pid and the replay's stage."""
-    path, tmp = partial / f"rank{rank}.state", partial / f"rank{rank}.state.tmp"
+    path = partial / f"rank{rank}.state"
 
     def write(stage: str) -> None:
         try:
-            tmp.write_text(json.dumps({"rank": rank, "pid": os.getpid(), "stage": stage}))
-            os.replace(tmp, path)
+            write_atomic(path, json.dumps({"rank": rank, "pid": os.getpid(), "stage": stage}))
         except OSError:   # PARTIAL is gone: the launcher ended, and so will this rank
             pass
 

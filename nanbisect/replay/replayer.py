@@ -24,6 +24,7 @@ from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, resto
                                     restore_modes, restore_optimizer)
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
+from nanbisect.util.tensors import nonfinite
 
 PHASES = ("input", "forward", "backward", "optimizer")
 
@@ -37,15 +38,6 @@ def parse_device(spec: str, flag: str = "--target/--reference"
     (device(type='cpu'), torch.float64)
     """
     return devices.parse(spec, flag)
-
-
-def nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
-    """(nan, +inf, -inf) counts, read back to the host."""
-    if not t.is_floating_point() and not t.is_complex():
-        return 0, 0, 0
-    s = torch.stack([torch.isnan(t).sum(), torch.isposinf(t).sum(), torch.isneginf(t).sum()])
-    n, p, m = s.tolist()
-    return int(n), int(p), int(m)
 
 
 def _scan(where: str, named) -> list[BadValue]:
