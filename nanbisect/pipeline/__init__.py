@@ -1,0 +1,21 @@
+"""`run_bundle`: bundle -> replay(target) [+ replay(reference)] -> phase -> module -> op -> report.
+
+Passes over the step, each from the bundle's pre-step state:
+  1. module statistics over the whole step (cheap: one small reduction per module call);
+     decides reproduction and phase, and gives the module backtrace;
+  2. op recording over the failing phase only; provenance from the failed value to its root op;
+  3. a narrow replay that clones the root op's inputs (and takes the only Python stack), for the
+     standalone repro, which then runs once where nanbisect cannot be imported by it: on the CPU
+     in a fork of this process (torch loaded), elsewhere in a fresh interpreter started when the
+     run began (its ``import torch`` overlapped the passes; `nanbisect.report.rerun`), while this
+     process re-runs the culprit op on the reference.
+A failure recorded in the manifest that the replay does not show is reported as
+``not-reproduced``, never given an invented culprit. Each pass is announced to ``progress`` with
+a stable key from `STAGES` and a text for people, so callers can show or time the passes.
+"""
+from __future__ import annotations
+
+from nanbisect.pipeline.common import Progress, RunOptions, recorded_failure
+from nanbisect.pipeline.run import STAGES, run_bundle
+
+__all__ = ["STAGES", "Progress", "RunOptions", "recorded_failure", "run_bundle"]

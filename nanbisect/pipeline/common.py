@@ -1,0 +1,57 @@
+"""What every module of the pipeline shares: the options of a run, the state its passes
+share (`_Run`), and the guard that turns a failure of the user's code into a one-line
+`BadInput`.
+"""
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, ContextManager
+
+from nanbisect.errors import BadInput
+from nanbisect.records import RunFacts
+from nanbisect.replay.probe import ModuleProbe
+from nanbisect.replay.replayer import Replayer
+from nanbisect.report.rerun import Interpreter
+
+Progress = Callable[[str, str], None]
+
+@dataclass(frozen=True)
+class RunOptions:
+    target: str | None = None
+    reference: str | None = None
+    inject: str | None = None
+    entry: str | None = None
+    run_repro: bool = True
+    ranks: str | None = None      # "R,..." (multi-rank): replay only these, each alone
+    steps: int | None = None      # --steps K: replay the last K recorded steps (lookback)
+
+def recorded_failure(observed) -> bool:
+    """Does the manifest record a failure (not a spike a Guard captured while training went on)?"""
+    return bool(observed) and not (isinstance(observed, dict) and observed.get("first") == "spike")
+
+def _guarded(fn, what: str):
+    """Run user code; turn its exceptions into a one-line BadInput naming where it broke."""
+    try:
+        return fn()
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - any failure of user code is reported, not re-raised
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+        raise BadInput(f"{what} raised {type(e).__name__}: {str(e)[:200]}{where}; the entry's "
+                       "code fails on this bundle, fix it or pass --entry") from None
+
+@dataclass
+class _Run:
+    """What every pass of one run needs (private to this module)."""
+
+    rep: Replayer
+    probe: ModuleProbe
+    wrap: Callable[[], ContextManager]
+    opts: RunOptions
+    facts: RunFacts
+    progress: Progress
+    notes: list[str] = field(default_factory=list)
+    interp: Interpreter | None = None   # started ahead for the repro's run (opts.run_repro)

@@ -1,0 +1,173 @@
+"""A culprit's report: the op-recording and input-catch passes, the finisher (`nanbisect.finish`:
+culprit, repro started in the background, op check), the module-call repro when the op alone
+does not reproduce, and the classification from the evidence; or, without NaN, the isolated
+first divergence from the reference.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nanbisect.finish import Evidence, classify_culprit, finish
+from nanbisect.locate.catch import catch_inputs, catch_module_call
+from nanbisect.locate.ops import record_ops
+from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_parameter,
+                                        forward_producer, timeline)
+from nanbisect.pipeline.common import _guarded, _Run
+from nanbisect.records import (CallId, Caught, Culprit, Divergence, ModuleRepro, OpCheck,
+                               OpRecording, StepOutcome)
+from nanbisect.reference.differential import diverging_call, isolate_window
+from nanbisect.reference.side import ReferenceSide
+from nanbisect.report.model import Report
+from nanbisect.report.repro import write_module_repro
+from nanbisect.report.rerun import Fork, Interpreter, run_repro
+
+
+def _evidence(run: _Run, side: "ReferenceSide | None", op_check: OpCheck | None) -> Evidence:
+    """What a culprit's classification is decided from, in a single-process run."""
+    mismatch = run.facts.fidelity is not None and run.facts.fidelity.mismatch
+    if side is None:
+        return Evidence("none", None, torch.float32, op_check, mismatch)
+    return Evidence("failed" if side.failed else "finite", side.dtype, side.target_dtype,
+                    op_check, mismatch)
+
+def _repro_starter(run: _Run):
+    """How this run starts the repro's one run (None without opts.run_repro): on the CPU, for a
+    built-in op, a fork of this process; else the interpreter started ahead (or a new one)."""
+    if not run.opts.run_repro:
+        return None
+
+    def start(script: Path, caught: Caught):
+        if Fork.usable(run.rep.device.type, caught.op):
+            runner = Fork()
+        else:
+            runner, run.interp = run.interp or Interpreter(), None  # one script per interpreter
+        runner.submit(script, run.facts.target)
+
+        def result():
+            run.progress("repro", "waiting for the repro's run")
+            return runner.result()
+        return result
+    return start
+
+def _divergence_report(run: _Run, side: ReferenceSide, div: Divergence, tmp: Path) -> Report:
+    rep, phase = run.rep, div.phase
+    call = None
+    if phase in ("forward", "backward"):
+        call = diverging_call(run.probe.read(), side.probe.read(), phase, side.target_dtype)
+    finding, check, checked, uncomparable = _guarded(
+        lambda: isolate_window(rep, phase, call.call if call is not None else None, side.device,
+                               run.wrap),
+        "isolating the target's ops on the reference")
+    notes = [f"target and reference diverge first at {div.what}: "
+             + div.comparison.message().replace("\n", "; ")]
+    if uncomparable:
+        notes.append(f"{len(uncomparable)} op(s) could not be compared (no reference kernel "
+                     "or registered reference_impl): " + ", ".join(sorted({u.op for u in
+                                                                          uncomparable})))
+    caught = None
+    if finding is not None:
+        run.progress("input-catch", "catching the diverging op's inputs")
+        caught = _guarded(lambda: catch_inputs(rep, finding.site, run.wrap),
+                          "catching the op's inputs")
+    elif call is not None:
+        notes.append(f"every op inside the diverging module call passed its isolated check "
+                     f"({checked} checked): the divergence comes from the call as a "
+                     "whole (e.g. an op without a comparable reference)")
+    else:
+        notes.append("no module call or op could be isolated as the first divergence")
+    done = finish(rep, phase, "mismatch", finding=finding, caught=caught, call=call,
+                  op_check=check, repro_dir=tmp / "repro", target=run.facts.target,
+                  start_repro=_repro_starter(run), progress=run.progress)
+    classification = "device" if check is not None else "unknown"
+    if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
+        classification = "replay-mismatch"
+    return Report("culprit", classification, phase, "mismatch", done.culprit, run.facts,
+                  notes=notes, repro="repro/repro.py" if done.repro else None,
+                  timeline=timeline(run.probe.read(), phase),
+                  repro_result=done.pending() if done.pending else None,
+                  divergence=div, op_check=check, uncomparable=uncomparable)
+
+def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, ref,
+                    tmp: Path) -> Report:
+    rep, opts, target = run.rep, run.opts, run.facts.target
+    model, phase, kind = rep.task.model, first.phase, first.kind or "nan"
+    notes = list(run.notes)
+    table = run.probe.read()
+    call, parameter = None, None
+    if phase == "forward":
+        call = forward_producer(table, kind)
+    elif phase == "backward":
+        call, parameter = backward_producer(table, kind)
+    elif phase == "optimizer":
+        parameter = first_bad_parameter(model, [b.name for b in first.bad])
+
+    run.progress("op-recording", f"pass 2/3: recording the {phase} phase's ops")
+    scope = call.call if phase == "forward" and call is not None else None
+    finding = _guarded(lambda: record_ops(rep, phase, kind, run.wrap, scope),
+                       "recording the step's ops")
+    caught = None
+    if finding is None:
+        notes.append("op-level provenance found no root op inside the recorded phase; the "
+                     "culprit is the module call that produced the value")
+    else:
+        if finding.module_call is not None:   # the table row of the op's own module call
+            call = table.get(CallId(finding.module, finding.module_call)) or call
+        run.progress("input-catch", "pass 3/3: catching the culprit's inputs")
+        caught = _guarded(lambda: catch_inputs(rep, finding.site, run.wrap),
+                          "catching the op's inputs")
+        if caught is None:
+            notes.append("the culprit op could not be caught again in a narrow replay (the "
+                         "step is not deterministic); no repro was written")
+    trace = backtrace(table, call, phase, kind) if call is not None and phase != "optimizer" \
+        else []
+    done = finish(rep, phase, kind, finding=finding, caught=caught, call=call,
+                  parameter=parameter, micro_batch=first.micro_batch,
+                  check_on=ref[0] if ref is not None else None, wrap=run.wrap,
+                  repro_dir=tmp / "repro", target=target, start_repro=_repro_starter(run),
+                  progress=run.progress)
+    culprit, op_check = done.culprit, done.op_check
+    repro_result = module_repro = None
+    if done.repro is not None:
+        repro_result = done.pending() if done.pending else None
+        if repro_result and not repro_result.reproduced and opts.inject:
+            notes.append(f"the repro did not reproduce on {target}: it runs the op without "
+                         f"--inject {opts.inject}, which emulated the fault here; run "
+                         "repro/repro.py on the device that has the faulty kernel")
+        elif (repro_result and not repro_result.reproduced
+                and phase in ("forward", "backward")
+                and culprit.module and culprit.module_call is not None):
+            run.progress("module-repro", "the op alone did not reproduce: catching its module "
+                                         "call")
+            module_repro = _module_fallback(run, culprit, kind, tmp)
+            worked = (module_repro is not None and module_repro.result is not None
+                      and module_repro.result.reproduced)
+            notes.append("the culprit op alone did not reproduce (it depends on state "
+                         "outside its inputs); module_repro replays its module call "
+                         "with the module's state: " + ("reproduced" if worked else
+                                                        "did not reproduce either"))
+    classification, why = classify_culprit(_evidence(run, side, op_check))
+    notes += why
+    return Report(
+        "culprit", classification, phase, kind, culprit, run.facts, backtrace=trace,
+        timeline=timeline(table, phase), notes=notes,
+        repro="repro/repro.py" if done.repro else None, repro_result=repro_result,
+        inf_origin=finding.inf_origin if finding else None,
+        context=finding.context if finding else [], op_check=op_check,
+        module_repro=module_repro,
+        op_recording=(OpRecording(finding.scope, finding.phase, finding.recorded,
+                                  finding.total_ops) if finding else None),
+        uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [])
+
+def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> ModuleRepro | None:
+    """Write (and run once) a repro of the culprit's whole module call, with its state."""
+    mc = _guarded(lambda: catch_module_call(run.rep, CallId(culprit.module, culprit.module_call),
+                                            run.wrap, backward=culprit.phase == "backward"),
+                  "catching the culprit's module call")
+    if mc is None:
+        return None
+    script = write_module_repro(tmp / "repro", mc, culprit=culprit, kind=kind,
+                                target=run.facts.target, entry=run.rep.entry)
+    return ModuleRepro("repro/module_repro.py",
+                       run_repro(script, run.facts.target) if run.opts.run_repro else None)

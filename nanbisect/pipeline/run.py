@@ -1,0 +1,131 @@
+"""`run_bundle`: read and check the bundle, pick the target, hand a multi-rank bundle to the
+launcher, run one step (or a window of steps), time the passes and write the report.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from nanbisect import devices
+from nanbisect import history as hist
+from nanbisect.bundle import lookback
+from nanbisect.bundle.format import Bundle, read_bundle
+from nanbisect.errors import BadInput
+from nanbisect.multirank.alone import check_tape
+from nanbisect.multirank.launcher import parse_ranks, run_multirank
+from nanbisect.pipeline.common import Progress, RunOptions
+from nanbisect.pipeline.step import _analyse
+from nanbisect.pipeline.window import _run_steps
+from nanbisect.replay.replayer import parse_device
+from nanbisect.report.model import Report
+from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
+from nanbisect.task import load_inject
+
+# What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
+STAGES = ("steps", "build", "module-pass", "reference", "op-recording", "isolate",
+          "input-catch", "repro", "module-repro", "op-check", "report", "ranks")
+
+def _default_target(manifest: dict) -> str:
+    dev = (manifest.get("devices") or {}).get("captured_on", "cpu")
+    try:
+        parse_device(dev)
+        return dev
+    except BadInput:
+        return "cpu"
+
+class _Clock:
+    """The progress callback's wrapper that times the passes: each from its announcement to the
+    next; "read" is what came before the first (reading and checking the bundle)."""
+
+    def __init__(self, progress: Progress) -> None:
+        self.progress = progress
+        self.marks: list[tuple[str, float]] = [("read", time.perf_counter())]
+
+    def __call__(self, key: str, text: str) -> None:
+        self.marks.append((key, time.perf_counter()))
+        self.progress(key, text)
+
+    def seconds(self) -> dict[str, float]:
+        now, out = time.perf_counter(), {}
+        for (key, t), nxt in zip(self.marks, [m[1] for m in self.marks[1:]] + [now]):
+            out[key] = round(out.get(key, 0.0) + nxt - t, 4)
+        return out
+
+def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | None = None,
+               progress: Progress = lambda key, text: None) -> Report:
+    """Replay a bundle, bisect its failure down to an op, write the report directory.
+
+    ``out`` defaults to ``BUNDLE/nanbisect-report``; it is replaced atomically, and only when it
+    is absent, empty or an earlier report (anything else is refused before the replay starts:
+    `nanbisect.report.write.check_out`).
+
+    >>> import tempfile
+    >>> report = run_bundle("fixtures/bundles/forward_nan_behind_mask",
+    ...                     RunOptions(run_repro=False), Path(tempfile.mkdtemp()) / "r")
+    >>> report.culprit.op, report.culprit.module, report.culprit.module_call
+    ('aten.sqrt.default', 'blocks.1.mlp.act', 2)
+    """
+    clock = _Clock(progress)
+    # --ranks: verify only the parts replayed (a 1,000-rank bundle is not hashed whole for one)
+    bundle = read_bundle(path, verify=opts.ranks is None)
+    m = bundle.manifest
+    out = check_out(out if out is not None else bundle.path / DEFAULT_NAME, bundle.path)
+    target = opts.target or _default_target(m)
+    t_dev, t_dtype = parse_device(target)
+    if opts.ranks is not None and not bundle.multi_rank:
+        raise BadInput(f"--ranks {opts.ranks}: bundle '{bundle.path}' has one rank; drop --ranks")
+    if opts.steps is not None and bundle.multi_rank:
+        raise BadInput(f"--steps {opts.steps}: bundle '{bundle.path}' is multi-rank; replaying "
+                       "several steps is for single-process bundles yet: drop --steps")
+    if bundle.multi_rank:
+        subset = parse_ranks(opts.ranks, bundle.world_size) if opts.ranks is not None else None
+        if subset is not None:
+            check_tape(bundle, subset)     # verifies each replayed part, and what it references
+        reference = opts.reference or devices.default_reference(t_dev)
+        if reference != "none":
+            parse_device(reference)   # a bad --reference fails here, before any rank starts
+        if opts.inject:
+            load_inject(opts.inject)  # a bad --inject fails here, before any rank starts
+        progress("ranks", (f"replaying {bundle.world_size} ranks" if subset is None else
+                           f"replaying rank(s) {subset} of {bundle.world_size} alone")
+                 + f" on {target}" + (f" and on {reference}" if reference != "none" else ""))
+        return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry,
+                             reference=None if reference == "none" else reference,
+                             ranks=subset)
+    threads = torch.get_num_threads()
+    try:
+        return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype)
+    finally:
+        torch.set_num_threads(threads)     # the capture's count was this run's only
+
+def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, target: str,
+                t_dev: torch.device, t_dtype: torch.dtype | None) -> Report:
+    where = f"bundle '{bundle.path}'"
+    history = hist.parse(bundle.manifest, bundle.tensors(hist.ROLE), where)
+    window = None
+    if opts.steps is not None:
+        window = lookback.parse(bundle, where)
+        if window is None:
+            raise BadInput(f"--steps {opts.steps}: {where} records only its failing step; capture "
+                           "with Guard(..., lookback=K) to replay the steps before it, or drop "
+                           "--steps")
+    with staged(out, bundle.path) as tmp:
+        if window is not None:
+            report, rep = _run_steps(bundle, window, history, opts, progress, target, t_dev,
+                                     t_dtype, tmp)
+        else:
+            report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
+        if history is not None:
+            model = opt = None
+            if rep is not None and rep.bundle is bundle:   # the failing step's pre-state
+                rep.restore()
+                model, opt = rep.task.model, rep.task.optimizer
+            report = replace(report, history=history.to_json(),
+                             history_findings=hist.findings(history, model, opt))
+        report = replace(report, timings=progress.seconds())
+        progress("report", "writing the report")
+        write_report(report, tmp)
+    return report

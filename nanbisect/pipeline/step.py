@@ -1,0 +1,185 @@
+"""One step: the module pass on the target, the reference side, fidelity, and the verdict:
+clean, input-nonfinite, not-reproduced (and why), or a culprit (`culprit`).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from nanbisect import devices
+from nanbisect.bundle.format import Bundle
+from nanbisect.errors import BadInput
+from nanbisect.pipeline.common import Progress, RunOptions, _guarded, _Run, recorded_failure
+from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
+from nanbisect.records import Fidelity, Losses, RunFacts, StepOutcome, json_number
+from nanbisect.reference import kernels as registry
+from nanbisect.reference.differential import RandomTape, step_state
+from nanbisect.reference.side import ReferenceSide, model_dtype
+from nanbisect.replay.fidelity import check as fidelity_check
+from nanbisect.replay.fidelity import match_threads
+from nanbisect.replay.probe import ModuleProbe, probing
+from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.report.model import Report
+from nanbisect.report.rerun import Interpreter, take
+from nanbisect.task import load_inject
+
+
+def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
+             t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path
+             ) -> tuple[Report, Replayer]:
+    """One step: replay, reference, verdict and the passes that find a culprit."""
+    m = bundle.manifest
+    reference = opts.reference or devices.default_reference(t_dev)
+    ref = None if reference == "none" else parse_device(reference)
+    wrap = load_inject(opts.inject) if opts.inject else nullcontext
+    notes = [n for n in [match_threads(bundle, t_dev)] if n]
+    interp = None
+    if opts.run_repro and t_dev.type != "cpu" and (recorded_failure(m.get("observed"))
+                                                   or ref is not None):
+        # the repro's interpreter imports torch while the passes below find what it will run
+        # (on the CPU the repro of a built-in op runs in a fork of this process instead)
+        interp = take()
+    try:
+        return _analyse_step(bundle, opts, progress, target, t_dev, t_dtype, tmp, reference,
+                             ref, wrap, notes, interp)
+    finally:
+        if interp is not None:
+            interp.close()
+
+def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
+                  t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path, reference: str,
+                  ref, wrap, notes: list[str], interp: Interpreter | None
+                  ) -> tuple[Report, Replayer]:
+    """`_analyse`'s passes, with the repro's interpreter (if any) already starting."""
+    m = bundle.manifest
+    progress("build", "building the task")
+    rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
+    notes += rep.notes
+    probe = ModuleProbe(rep.task.model)
+    tape = RandomTape()
+
+    progress("module-pass", f"pass 1/3: replaying the step on {target} with module statistics")
+    # the injected context first: the tape, inside it, sees what it returns
+    first = _guarded(lambda: rep.run(phase=probing(probe), wrap=lambda: stacked(
+        wrap(), *([tape] if ref is not None else []))),
+                     "replaying the step on the target")
+    observed = m.get("observed")
+    original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
+    captured = torch.device(str((m.get("devices") or {}).get("captured_on", "cpu")))
+    fidelity = fidelity_check(bundle, rep.entry, original, first.loss,
+                              same_setup=captured.type == t_dev.type and t_dtype is None,
+                              override=opts.entry is not None)
+    notes += _fidelity_notes(fidelity)
+    losses = Losses(original, json_number(first.loss), None, fidelity.bit_exact)
+
+    side = None
+    if ref is not None and first.phase != "input":
+        registry.load_plugins()
+        progress("reference", f"replaying the step on the reference ({reference})")
+        side, side_note = _reference_side(bundle, rep, first, ref, tape)
+        notes += [side_note] if side_note else []
+        if side is not None:
+            losses = replace(losses, reference=json_number(side.outcome.loss))
+
+    facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
+                     fidelity)
+    run = _Run(rep, probe, wrap, opts, facts, progress, notes, interp)
+    return _decide(run, first, side, ref, tmp), rep
+
+def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tmp: Path) -> Report:
+    """The verdict, and for a culprit the passes that find it."""
+    facts = run.facts
+    failed = recorded_failure(facts.observed)
+    divergence = None
+    if first.phase is None and not failed and side is not None:
+        divergence = side.divergence()
+    if divergence is not None:
+        run.progress("isolate", "isolating the target's ops on the reference")
+        return _divergence_report(run, side, divergence, tmp)
+    fid = facts.fidelity
+    if first.phase is None and first.scaler_skipped:
+        scale = (run.rep.bundle.manifest.get("grad_scaler") or {}).get("scale")
+        run.notes.append(f"the GradScaler skipped this step: its gradients were not finite at "
+                         f"scale {scale}; that is normal unless it keeps happening "
+                         "(Guard(max_scaler_skips=N) bundles a stalled scaler)")
+    if first.phase is None:
+        if failed:
+            return _not_reproduced(run)
+        if facts.observed and side is None:
+            run.notes.append("the bundle is a loss spike the Guard captured while training went "
+                             "on; replay it with --reference cpu (or cpu:float64) to find where "
+                             "the target parts from a reference")
+        return Report("clean", "replay-mismatch" if fid and fid.mismatch else None, None, None,
+                      None, facts, notes=run.notes)
+    if first.phase == "input":
+        return Report("input-nonfinite", "data", "input", first.kind, None, facts,
+                      input_nonfinite=first.bad, notes=run.notes)
+    return _culprit_report(run, first, side, ref, tmp)
+
+def _fidelity_notes(f: Fidelity) -> list[str]:
+    notes = []
+    if f.code_changed:
+        notes.append("the code differs from the capture's: " + ", ".join(f.code_changed)
+                     + "; the replay runs today's code")
+    if f.code_missing:
+        notes.append("source files the capture ran are not here, so the code cannot be "
+                     "compared: " + ", ".join(f.code_missing[:5])
+                     + (f" and {len(f.code_missing) - 5} more" if len(f.code_missing) > 5 else ""))
+    if f.environment_changed:
+        notes.append("the environment differs from the capture's: "
+                     + "; ".join(f.environment_changed))
+    if f.mismatch:
+        notes.append("the replay does not compute the captured step: on the capture device and "
+                     "dtype its loss differs from the captured one (bit_exact false); likely "
+                     f"causes: {f.causes()}")
+    return notes
+
+def _not_reproduced(run: _Run) -> Report:
+    """The recorded failure did not come back: say why that is, as far as the evidence goes."""
+    f, facts = run.facts.fidelity, run.facts
+    if f is not None and f.code_changed:
+        classification, why = "code-changed", (
+            "the replay ran different code from the capture's (listed above): the edit, not the "
+            "hardware, is the first suspect; replay with the captured code to tell")
+    elif f is not None and f.mismatch:
+        classification, why = "replay-mismatch", (
+            "the replay does not compute the captured step, so it cannot tell whether the "
+            "failure would come back; make the Task describe the loop")
+    elif f is not None and f.faithful is None and not f.same_setup:
+        classification, why = "unknown", (
+            f"the replay ran on {facts.target}, not on the capture device: a fault of that "
+            "device or its kernels would not show here; replay on the capture device")
+    elif f is not None and f.code_missing:
+        classification, why = "unknown", (
+            "source files of the capture are missing here (listed above), so the replay may not "
+            "run the captured code; replay where the training code is")
+    elif f is not None and f.environment_changed:
+        classification, why = "unknown", (
+            "the replay ran with other versions than the capture (listed above): a change in "
+            "them is as likely a cause as a transient; replay with the captured versions")
+    else:
+        classification, why = "transient", (
+            "the replay ran the captured code from the same state, RNG and batch"
+            + (", with the captured loss bit for bit," if f is not None and f.faithful else "")
+            + " and was finite: suspect a transient (hardware, race, unsynchronised "
+            "communication)")
+    return Report("not-reproduced", classification, None, None, None, facts,
+                  notes=[f"the manifest records a non-finite step, but {why}", *run.notes])
+
+def _reference_side(bundle: Bundle, rep: Replayer, first: StepOutcome, ref, tape: RandomTape
+                    ) -> tuple["ReferenceSide | None", str | None]:
+    """Replay on the reference; (None, why) when the reference cannot run the step."""
+    target_state = step_state(rep, first)
+    ref_rep = _guarded(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry),
+                       "building the task on the reference")
+    side = ReferenceSide(ref_rep, ref[1], target_state, model_dtype(rep))
+    try:
+        _guarded(lambda: side.run(tape), "replaying the step on the reference")
+    except BadInput as e:
+        return None, (f"the reference could not replay the step ({e}); register reference "
+                      "implementations with nanbisect.reference_impl for ops it has no kernel "
+                      "for; classification is unknown")
+    return side, None

@@ -1,0 +1,95 @@
+"""``run --steps K``: the recorded window replayed on target and reference, the first step
+that parts found, and that step bisected alone (else the failing step).
+"""
+from __future__ import annotations
+
+import shutil
+from contextlib import nullcontext
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from nanbisect import devices
+from nanbisect import history as hist
+from nanbisect.bundle import lookback
+from nanbisect.bundle.format import Bundle
+from nanbisect.errors import BadInput
+from nanbisect.pipeline.common import Progress, RunOptions, _guarded
+from nanbisect.pipeline.step import _analyse
+from nanbisect.reference import kernels as registry
+from nanbisect.reference.window import replay_window
+from nanbisect.replay.fidelity import match_threads
+from nanbisect.replay.replayer import Replayer, parse_device
+from nanbisect.report.model import Report
+from nanbisect.task import load_inject
+
+
+def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History | None",
+               opts: RunOptions, progress: Progress, target: str, t_dev: torch.device,
+               t_dtype: torch.dtype | None, tmp: Path) -> tuple[Report, Replayer | None]:
+    """--steps K: the window on both sides, then the first step that parts bisected alone."""
+    k = opts.steps
+    reference = opts.reference or devices.default_reference(t_dev)
+    if reference == "none":
+        raise BadInput(f"--steps {k} compares the target's steps with a reference's; pass "
+                       "--reference cpu (or cpu:float64)")
+    ref = parse_device(reference)
+    wrap = load_inject(opts.inject) if opts.inject else nullcontext
+    note = match_threads(bundle, t_dev)
+    losses = {e["step"]: e.get("loss") for e in (history.entries if history else [])}
+    progress("steps", f"replaying the last {k} recorded steps on {target} and {reference}")
+    registry.load_plugins()
+    res = _guarded(lambda: replay_window(bundle, window, k, (t_dev, t_dtype), ref, wrap,
+                                         opts.entry, losses,
+                                         lambda text: progress("steps", text)),
+                   "replaying the recorded steps")
+    failing = window.steps[-1]["step"]
+    notes = ([note] if note else []) + res.notes
+    rows = {r.step: r for r in res.rows}
+    steps_json = res.to_json()
+    before = rows.get(failing - 1)
+    steps_json["failing_prestate_max_rel_diff"] = before.max_rel_diff if before else None
+    report = rep = None
+    analysed = failing
+    if res.step_view is not None:
+        s = res.first_divergent_step
+        progress("steps", f"bisecting step {s}, the first that parts from the reference")
+        report, rep = _analyse(res.step_view, opts, progress, target, t_dev, t_dtype, tmp)
+        if report.verdict == "clean":
+            notes.append(f"step {s} is the first whose state parts from the reference's over "
+                         "the window, but replayed alone from one state on both sides it stays "
+                         "within tolerance: the difference built up over the steps before it "
+                         "(rounding that compounds); the failing step is bisected instead")
+            for child in tmp.iterdir():
+                shutil.rmtree(child) if child.is_dir() else child.unlink()
+            report = None
+        else:
+            analysed = s
+    if report is None:
+        report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
+    if res.first_divergent_step is None:
+        notes.append(f"the {len(res.rows)} replayed step(s) stay within tolerance of the "
+                     "reference: nothing parts before the failing step")
+    elif analysed != failing:
+        drift = steps_json["failing_prestate_max_rel_diff"]
+        notes.append(f"target and reference part first at step {analysed}, "
+                     f"{failing - analysed} step(s) before the failing step {failing}; the culprit "
+                     f"is that step's first diverging op" + (
+                         f"; by the failing step the parameters had drifted by a relative "
+                         f"{drift:.3g}" if isinstance(drift, float) else ""))
+    culprit = report.culprit
+    if culprit is not None:
+        culprit = replace(culprit, step=analysed)
+    facts = replace(report.facts, observed=bundle.manifest.get("observed"))
+    classification = report.classification
+    captured = str((bundle.manifest.get("devices") or {}).get("captured_on", "cpu"))
+    reached = res.reached
+    if reached is not None and (not reached["bit_exact"] or reached["first_step_off_history"]
+                                is not None) and t_dtype is None and \
+            torch.device(captured).type == t_dev.type:
+        # on the capture device the window must reach the recorded state: it did not, so the
+        # replayed steps are not the run's and no verdict about the device follows from them
+        classification = "replay-mismatch"
+    return replace(report, culprit=culprit, facts=facts, steps=steps_json,
+                   classification=classification, notes=[*notes, *report.notes]), rep
