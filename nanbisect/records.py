@@ -597,6 +597,25 @@ class RankReference:
 
 
 @dataclass(frozen=True)
+class Subset:
+    """What a replay of some ranks alone (``--ranks``, collectives served as recorded) could and
+    could not decide (report.json ``subset``).
+
+    >>> Subset([1], 4).to_json()
+    {'replayed': [1], 'world_size': 4, 'decided': True, 'next_ranks': [], 'why': None}
+    """
+
+    replayed: list[int]
+    world_size: int
+    decided: bool = True          # False: the job's answer needs ranks not replayed
+    next_ranks: list[int] = field(default_factory=list)   # the ranks to replay next
+    why: str | None = None        # why it is not decided
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
 class RankResult:
     """What one rank worker hands the launcher (as JSON in ``PARTIAL/rank{r}.json``)."""
 

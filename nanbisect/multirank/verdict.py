@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, RankSummary,
+from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, RankSummary, Subset,
                                RunFacts, module_label)
 from nanbisect.report.model import Report
 
@@ -171,7 +171,6 @@ def subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) -
     collective that made NaN from finite inputs is ``communication`` only when every rank was
     replayed; a subset cannot re-run it (`subset.decided` false)."""
     replayed = sorted(r.rank for r in results)
-    observed = facts.observed or {}
     notes = [f"replayed rank(s) {replayed} of world size {world_size} alone, each in a process "
              "of its own, every collective served what the capture recorded for that rank"
              + (f" ({world_size - len(replayed)} rank(s) not replayed)"
@@ -185,18 +184,13 @@ def subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) -
                          "have: the replay does not compute the captured step exactly; replay "
                          "all ranks (drop --ranks)")
     common = dict(facts=facts, ranks=results)
-    subset = {"replayed": replayed, "world_size": world_size, "decided": True,
-              "next_ranks": [], "why": None}
-
-    def done(report: Report) -> Report:
-        return replace(report, subset=subset)
-
+    subset = Subset(replayed, world_size)
     bad_input = [r for r in results if r.summary and r.summary.phase == "input"]
     if bad_input:
         bad = [BadValue(b.where, f"rank {r.rank}: {b.name}", b.nan, b.posinf, b.neginf)
                for r in bad_input for b in r.summary.input_nonfinite]
-        return done(Report("input-nonfinite", "data", "input", bad[0].kind, None,
-                           input_nonfinite=bad, notes=notes, **common))
+        return Report("input-nonfinite", "data", "input", bad[0].kind, None,
+                      input_nonfinite=bad, notes=notes, subset=subset, **common)
     computed = [r for r in results if r.culprit is not None]
     if computed:
         own = computed[0]
@@ -206,85 +200,101 @@ def subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) -
                      + (f"; rank(s) {others} received it" if others else ""))
         notes += own.classification_notes
         kind = (own.summary.kind if own.summary else None) or "nan"
-        return done(Report("culprit", own.classification or "unknown", own.culprit.phase, kind,
-                           own.culprit, notes=notes, context=own.context,
-                           inf_origin=own.inf_origin, op_check=own.op_check, **common))
+        return Report("culprit", own.classification or "unknown", own.culprit.phase, kind,
+                      own.culprit, notes=notes, context=own.context, inf_origin=own.inf_origin,
+                      op_check=own.op_check, subset=subset, **common)
     received = [r for r in results if r.plan is not None and r.plan.through_collective]
     if received:
-        first = received[0]
-        how = (f"{first.root.op}{_where(first.root)}" if first.root is not None
-               else "the gradient reduction")
-        fed = {s for r in received for s in (r.received_from or [])}
-        senders = sorted(fed - set(replayed))
-        kind = (first.summary.kind if first.summary else None) or "nan"
-        # the capture says a replayed rank fed it NaN/inf, but replayed, that rank's input is
-        # finite: the failure does not come back there (another device, a transient): never
-        # blame the collective for it
-        contradicted = sorted((fed & set(replayed))
-                              | {r.rank for r in received if r.recorded_input_bad})
-        if contradicted:
-            subset.update(decided=False, next_ranks=[], why=(
-                f"rank(s) {contradicted} fed the collective NaN/inf at capture but compute "
-                "finite values when replayed"))
-            notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
-                         f"{how} as the capture recorded it, but rank(s) {contradicted}, whose "
-                         "input to it held NaN/inf at capture, compute finite values in this "
-                         f"replay on {facts.target}: the failure does not reproduce there (it "
-                         "needs the capture's device, or it was a transient); replay those "
-                         "ranks on the capture device")
-            return done(Report("not-reproduced", "unknown", None, None, None, notes=notes,
-                               **common))
-        if senders:
-            s = senders[0]
-            # where the sender's failure was at capture: its own loss non-finite -> forward;
-            # else the phase the collective ran in (a DDP reduction: backward)
-            seen = (observed.get(str(s)) or {}).get("first")
-            phase = "forward" if seen == "loss" else (
-                "backward" if first.root is None else (first.plan.phase or "forward"))
-            subset.update(decided=False, next_ranks=senders, why=(
-                f"rank(s) {senders} fed the failure into the collective and were not "
-                "replayed: their op is not known"))
-            notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
-                         f"{how} (finite inputs here, non-finite output as the capture "
-                         f"recorded it); at capture, rank(s) {senders} fed it non-finite input: "
-                         "the failure came from there (computed there, or received there in "
-                         f"turn); replay with --ranks {s} to find the op")
-            culprit = Culprit(phase, "", None, [], [], None, rank=s)
-            return done(Report("culprit", "unknown", phase, kind, culprit, notes=notes,
-                               **common))
-        phase = ("grad-reduce" if first.root is None or first.plan.phase == "backward"
-                 else first.plan.phase)
-        root = first.root
-        culprit = Culprit(phase, (root.module or "") if root else "",
-                          root.module_call if root else None,
-                          root.input_dtypes if root else [], root.input_shapes if root else [],
-                          None, op=root.op if root else None,
-                          op_index=root.op_index if root else None, rank=first.rank)
-        everyone = len(replayed) == world_size and not any(r.served_inputs_differ
-                                                           for r in results)
-        if everyone:
-            notes.append(f"every rank's input to {how} was finite in the replay and its output "
-                         "(as the capture recorded it) was not: the collective (or the code "
-                         "around it) is at fault")
-            return done(Report("culprit", "communication", phase, kind, culprit, notes=notes,
-                               **common))
-        subset.update(decided=False, next_ranks=[], why=(
-            "a faulty collective needs all its participants' inputs: replay all ranks"))
-        notes.append(f"rank(s) {[r.rank for r in received]} received the failure through {how}; "
-                     "every other rank's input to it was finite at capture, so no rank computed "
-                     "it and the collective (or its comm hook) looks at fault, but a replay of "
-                     "some ranks cannot re-run a collective: replay all ranks (drop --ranks) "
-                     "to decide")
-        return done(Report("culprit", "unknown", phase, kind, culprit, notes=notes, **common))
-    failed_at_capture = sorted(int(r) for r, o in observed.items()
+        return _received(facts, received, results, subset, notes)
+    return _stayed_finite(facts, results, subset, notes)
+
+
+def _received(facts: RunFacts, received: list[RankResult], results: list[RankResult],
+              subset: Subset, notes: list[str]) -> Report:
+    """`subset_report` when the replayed ranks only received the failure through a collective:
+    the capture's record names who fed it (next to replay), contradicts the replay, or says
+    that no rank did (communication, decided only with every rank replayed)."""
+    replayed, world_size, common = subset.replayed, subset.world_size, dict(facts=facts,
+                                                                             ranks=results)
+    first = received[0]
+    how = (f"{first.root.op}{_where(first.root)}" if first.root is not None
+           else "the gradient reduction")
+    fed = {s for r in received for s in (r.received_from or [])}
+    senders = sorted(fed - set(replayed))
+    kind = (first.summary.kind if first.summary else None) or "nan"
+    # the capture says a replayed rank fed it NaN/inf, but replayed, that rank's input is
+    # finite: the failure does not come back there (another device, a transient): never
+    # blame the collective for it
+    contradicted = sorted((fed & set(replayed))
+                          | {r.rank for r in received if r.recorded_input_bad})
+    if contradicted:
+        notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
+                     f"{how} as the capture recorded it, but rank(s) {contradicted}, whose "
+                     "input to it held NaN/inf at capture, compute finite values in this "
+                     f"replay on {facts.target}: the failure does not reproduce there (it "
+                     "needs the capture's device, or it was a transient); replay those "
+                     "ranks on the capture device")
+        return Report("not-reproduced", "unknown", None, None, None, notes=notes,
+                      subset=replace(subset, decided=False, why=(
+                          f"rank(s) {contradicted} fed the collective NaN/inf at capture but "
+                          "compute finite values when replayed")), **common)
+    if senders:
+        s = senders[0]
+        # where the sender's failure was at capture: its own loss non-finite -> forward;
+        # else the phase the collective ran in (a DDP reduction: backward)
+        seen = ((facts.observed or {}).get(str(s)) or {}).get("first")
+        phase = "forward" if seen == "loss" else (
+            "backward" if first.root is None else (first.plan.phase or "forward"))
+        notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
+                     f"{how} (finite inputs here, non-finite output as the capture "
+                     f"recorded it); at capture, rank(s) {senders} fed it non-finite input: "
+                     "the failure came from there (computed there, or received there in "
+                     f"turn); replay with --ranks {s} to find the op")
+        return Report("culprit", "unknown", phase, kind, Culprit(phase, "", None, [], [], None,
+                                                                 rank=s),
+                      notes=notes, subset=replace(subset, decided=False, next_ranks=senders,
+                                                  why=(f"rank(s) {senders} fed the failure "
+                                                       "into the collective and were not "
+                                                       "replayed: their op is not known")),
+                      **common)
+    phase = ("grad-reduce" if first.root is None or first.plan.phase == "backward"
+             else first.plan.phase)
+    root = first.root
+    culprit = Culprit(phase, (root.module or "") if root else "",
+                      root.module_call if root else None,
+                      root.input_dtypes if root else [], root.input_shapes if root else [],
+                      None, op=root.op if root else None,
+                      op_index=root.op_index if root else None, rank=first.rank)
+    if len(replayed) == world_size and not any(r.served_inputs_differ for r in results):
+        notes.append(f"every rank's input to {how} was finite in the replay and its output "
+                     "(as the capture recorded it) was not: the collective (or the code "
+                     "around it) is at fault")
+        return Report("culprit", "communication", phase, kind, culprit, notes=notes,
+                      subset=subset, **common)
+    notes.append(f"rank(s) {[r.rank for r in received]} received the failure through {how}; "
+                 "every other rank's input to it was finite at capture, so no rank computed "
+                 "it and the collective (or its comm hook) looks at fault, but a replay of "
+                 "some ranks cannot re-run a collective: replay all ranks (drop --ranks) "
+                 "to decide")
+    return Report("culprit", "unknown", phase, kind, culprit, notes=notes,
+                  subset=replace(subset, decided=False, why=(
+                      "a faulty collective needs all its participants' inputs: replay all "
+                      "ranks")), **common)
+
+
+def _stayed_finite(facts: RunFacts, results: list[RankResult], subset: Subset,
+                   notes: list[str]) -> Report:
+    """`subset_report` when no replayed rank failed: clean, or the failure was elsewhere."""
+    common = dict(facts=facts, ranks=results)
+    failed_at_capture = sorted(int(r) for r, o in (facts.observed or {}).items()
                                if o and o.get("first") in ("loss", "grad", "param"))
     if failed_at_capture:
-        others = [r for r in failed_at_capture if r not in replayed]
-        subset.update(decided=False, next_ranks=others, why=(
-            "the replayed ranks stay finite; the failure was seen on other ranks"))
+        others = [r for r in failed_at_capture if r not in subset.replayed]
         notes.append(f"the replayed rank(s) stay finite with the collectives they received at "
                      f"capture; the failure was seen at capture on rank(s) {failed_at_capture}"
                      + (f": replay with --ranks {others[0]}" if others else ""))
-        return done(Report("not-reproduced", "unknown", None, None, None, notes=notes,
-                           **common))
-    return done(Report("clean", None, None, None, None, notes=notes, **common))
+        return Report("not-reproduced", "unknown", None, None, None, notes=notes,
+                      subset=replace(subset, decided=False, next_ranks=others, why=(
+                          "the replayed ranks stay finite; the failure was seen on other "
+                          "ranks")), **common)
+    return Report("clean", None, None, None, None, notes=notes, subset=subset, **common)

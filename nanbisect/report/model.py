@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from nanbisect.records import (BadValue, Classification, ContextRow, Culprit, Divergence,
                                ModuleRepro, OpCheck, OpRecording, OpRef, RankResult, ReproResult,
-                               RunFacts, TimelineRow, TraceRow, Verdict)
+                               RunFacts, Subset, TimelineRow, TraceRow, Verdict)
 
 SCHEMA = "nanbisect.report/1"
 EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
@@ -51,9 +51,7 @@ class Report:
     # multi-rank: tensors the data-parallel replicas hold differently (the top manifest's
     # replicas.out_of_sync: {tensor, ranks grouped by identical bytes, max_abs_diff})
     replicas_out_of_sync: list[dict] = field(default_factory=list)
-    # --ranks: {replayed, world_size, decided, next_ranks, why}: what a replay of some ranks
-    # alone (collectives served as recorded) could and could not decide
-    subset: dict | None = None
+    subset: Subset | None = None              # --ranks: what a replay of some ranks decided
     # the bundle's last steps (Guard(history=N)), oldest first, and what they point out
     history: list[dict] | None = None
     history_findings: list[dict] = field(default_factory=list)
@@ -62,7 +60,7 @@ class Report:
     # seconds per pass of this run, in order ({"read": .., "build": .., "module-pass": .., ...}:
     # the keys of nanbisect.pipeline.STAGES plus "read"); up to the report's writing, which is
     # not in it. Single-process runs only.
-    timings: dict | None = None
+    timings: dict[str, float] | None = None
 
     def with_replicas(self, replicas: dict | None) -> "Report":
         """This report plus the finding of a bundle whose data-parallel replicas differ (its top
@@ -129,7 +127,7 @@ class Report:
             "timeline": [asdict(t) for t in self.timeline],
             "module_repro": opt(self.module_repro), "op_recording": opt(self.op_recording),
             "replicas_out_of_sync": list(self.replicas_out_of_sync),
-            **({"subset": dict(self.subset)} if self.subset is not None else {}),
+            **({"subset": self.subset.to_json()} if self.subset is not None else {}),
             **({"history": list(self.history), "history_findings": list(self.history_findings)}
                if self.history is not None else {}),
             **({"steps": dict(self.steps)} if self.steps is not None else {}),

@@ -190,8 +190,7 @@ def to_html(r: Report) -> str:
     from jinja2 import Environment, StrictUndefined
 
     c = r.culprit if r.verdict == "culprit" else None
-    if c is not None and r.subset and not r.subset.get("decided", True) and \
-            r.subset.get("next_ranks"):
+    if c is not None and r.subset and not r.subset.decided and r.subset.next_ranks:
         c = None     # a rank that was not replayed: the headline says which to replay next
     culprit = (c.module, c.module_call) if c else None
     env = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True,

@@ -16,8 +16,8 @@ def _fmt_stats(s: Stats | None) -> str:
 
 def headline(r: Report) -> str:
     """One line a person reads first."""
-    if r.verdict == "culprit" and r.culprit and r.subset and not r.subset.get("decided", True):
-        c, nxt = r.culprit, r.subset.get("next_ranks") or []
+    if r.verdict == "culprit" and r.culprit and r.subset and not r.subset.decided:
+        c, nxt = r.culprit, r.subset.next_ranks
         if nxt:
             return (f"{r.kind or 'non-finite'} came from rank {c.rank} ({c.phase}), which was "
                     f"not replayed: replay with --ranks {nxt[0]} to find the op")
@@ -71,8 +71,8 @@ def to_markdown(r: Report) -> str:
     rp = r.facts.losses
     lines.append(f"- loss: original {_num(rp.original)}, target {_num(rp.target)}, reference "
                  f"{_num(rp.reference)}")
-    if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset["decided"]
-                                                     and r.subset.get("next_ranks")):
+    if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset.decided
+                                                     and r.subset.next_ranks):
         c = r.culprit
         lines += ["", "## Culprit", "", "| field | value |", "|---|---|"]
         for k, v in asdict(c).items():
@@ -193,8 +193,8 @@ def _history_md(r: Report) -> list[str]:
 def terminal(r: Report, out: Path) -> str:
     """The short summary the CLI prints."""
     lines = [f"nanbisect: {r.verdict} - {headline(r)}"]
-    if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset["decided"]
-                                                     and r.subset.get("next_ranks")):
+    if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset.decided
+                                                     and r.subset.next_ranks):
         c = r.culprit
         lines.append(f"  phase={c.phase} module={module_label(c.module)} call={_num(c.module_call)} "
                      f"dtypes={c.input_dtypes} shapes={c.input_shapes}")
