@@ -30,6 +30,7 @@ from nanbisect.errors import BadInput
 from nanbisect.records import json_number
 from nanbisect.reference.compare import compare_step
 from nanbisect.reference.differential import RandomReplay, RandomTape, ReferenceKernels
+from nanbisect.reference.side import model_dtype
 from nanbisect.replay.replayer import Replayer, stacked
 
 
@@ -147,28 +148,10 @@ def replay_window(bundle: Bundle, window: Window, k: int, target: tuple, referen
     views += [views[0].with_step(window, i) for i in range(1, n)]
     t_rep = Replayer(views[0], target[0], target[1], entry=entry)
     r_rep = Replayer(views[0], reference[0], reference[1], entry=t_rep.entry)
-    t_dtype = next(t_rep.task.model.parameters(), torch.zeros(())).dtype
+    t_dtype = model_dtype(t_rep)
     first = n - k
     notes: list[str] = []
-    for i in range(first):   # to the window's start, on the target alone
-        progress(f"advancing to the window: step {window.steps[i]['step']} on the target")
-        t_rep.next_step(views[i])
-        out = t_rep.run(wrap=wrap, keep_state=i > 0)
-        if out.phase is not None:
-            raise BadInput(f"bundle '{bundle.path}': the target failed ({out.phase}) at step "
-                           f"{window.steps[i]['step']}, before the window of --steps {k} "
-                           f"starts; pass --steps {n - i} or more")
-    if first > 0:            # the reference starts where the target is
-        with torch.no_grad():
-            r_rep.restore()
-            r_rep.task.model.load_state_dict(t_rep.task.model.state_dict())
-            if r_rep.task.optimizer is not None:
-                # NB: a copy: load_state_dict keeps tensors already on the right device and
-                # dtype as they are, and the two sides would update one Adam moment twice
-                r_rep.task.optimizer.load_state_dict(
-                    copy.deepcopy(t_rep.task.optimizer.state_dict()))
-            if r_rep.task.grad_scaler is not None and t_rep.task.grad_scaler is not None:
-                r_rep.task.grad_scaler.load_state_dict(t_rep.task.grad_scaler.state_dict())
+    _advance(bundle, window, views, k, t_rep, r_rep, wrap, progress)
     rows: list[StepRow] = []
     divergent, pre_state, step_state, reached = None, None, None, None
     for i in range(first, n):
@@ -204,16 +187,57 @@ def replay_window(bundle: Bundle, window: Window, k: int, target: tuple, referen
             break
     view = None
     if divergent is not None and divergent != window.steps[-1]["step"]:
-        i = [s["step"] for s in window.steps].index(divergent)
-        if step_state is None:        # the window's first step: the snapshot itself
-            view = views[i]
-        else:
-            m = {**views[i].manifest, "model": step_state["model"],
-                 "optimizer": step_state["optimizer"], "grad_scaler": step_state["grad_scaler"],
-                 "observed": None}
-            inputs = window.step_tensors(i)
-            view = BundleView(bundle.path, m, view={**step_state["tensors"], **inputs})
-        view = BundleView(view.path, {**view.manifest, "observed": None}, view=view.view)
+        view = _divergent_view(bundle, window, views, divergent, step_state)
+    reached = _reached(window, rows, reached, notes)
+    return WindowResult(rows, divergent, first, reached, view, notes)
+
+
+def _advance(bundle: Bundle, window: Window, views: list, k: int, t_rep: Replayer,
+             r_rep: Replayer, wrap, progress) -> None:
+    """The steps before the window's start, on the target alone; then the reference starts
+    where the target is."""
+    n, first = len(window.steps), len(window.steps) - k
+    for i in range(first):
+        progress(f"advancing to the window: step {window.steps[i]['step']} on the target")
+        t_rep.next_step(views[i])
+        out = t_rep.run(wrap=wrap, keep_state=i > 0)
+        if out.phase is not None:
+            raise BadInput(f"bundle '{bundle.path}': the target failed ({out.phase}) at step "
+                           f"{window.steps[i]['step']}, before the window of --steps {k} "
+                           f"starts; pass --steps {n - i} or more")
+    if first == 0:
+        return
+    with torch.no_grad():
+        r_rep.restore()
+        r_rep.task.model.load_state_dict(t_rep.task.model.state_dict())
+        if r_rep.task.optimizer is not None:
+            # NB: a copy: load_state_dict keeps tensors already on the right device and
+            # dtype as they are, and the two sides would update one Adam moment twice
+            r_rep.task.optimizer.load_state_dict(
+                copy.deepcopy(t_rep.task.optimizer.state_dict()))
+        if r_rep.task.grad_scaler is not None and t_rep.task.grad_scaler is not None:
+            r_rep.task.grad_scaler.load_state_dict(t_rep.task.grad_scaler.state_dict())
+
+
+def _divergent_view(bundle: Bundle, window: Window, views: list, divergent: int,
+                    step_state: dict | None) -> BundleView:
+    """The first step that parts, as a one-step bundle from the target's pre-state of it."""
+    i = [s["step"] for s in window.steps].index(divergent)
+    if step_state is None:        # the window's first step: the snapshot itself
+        view = views[i]
+    else:
+        m = {**views[i].manifest, "model": step_state["model"],
+             "optimizer": step_state["optimizer"], "grad_scaler": step_state["grad_scaler"],
+             "observed": None}
+        inputs = window.step_tensors(i)
+        view = BundleView(bundle.path, m, view={**step_state["tensors"], **inputs})
+    return BundleView(view.path, {**view.manifest, "observed": None}, view=view.view)
+
+
+def _reached(window: Window, rows: list[StepRow], reached: dict | None,
+             notes: list[str]) -> dict | None:
+    """Whether the target's replay reached the recorded pre-state of the failing step (and the
+    notes when it did not, or when a step's loss is not the one the guarded run recorded)."""
     # on the capture device each replayed step gives the loss the guarded run recorded
     off = next((r for r in rows if r.original_loss is not None and r.target_loss is not None
                 and r.target_loss != r.original_loss), None)
@@ -233,4 +257,4 @@ def replay_window(bundle: Bundle, window: Window, k: int, target: tuple, referen
                          f"pre-state of the failing step bit for bit ({gap}): on the capture "
                          "device that means the loop does something between steps that the Task "
                          "does not describe (an EMA, a freeze, a mode switch)")
-    return WindowResult(rows, divergent, first, reached, view, notes)
+    return reached

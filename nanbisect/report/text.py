@@ -64,6 +64,7 @@ def headline(r: Report) -> str:
 
 
 def to_markdown(r: Report) -> str:
+    """report.md: the verdict and culprit first, then the evidence, each as a section."""
     lines = [f"# nanbisect report: {r.verdict}", "", f"**{headline(r)}**", "",
              f"- bundle: `{r.facts.bundle}`", f"- entry: `{r.facts.entry}`",
              f"- target: `{r.facts.target}`, reference: `{r.facts.reference}`",
@@ -81,6 +82,16 @@ def to_markdown(r: Report) -> str:
         o = r.inf_origin
         lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o.op}` "
                   f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` call {o.module_call})."]
+    lines += _ranks_md(r) + _checks_md(r) + _repro_md(r) + _backtrace_md(r)
+    lines += _steps_md(r) + _history_md(r)
+    if r.notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
+    return "\n".join(lines) + "\n"
+
+
+def _ranks_md(r: Report) -> list[str]:
+    """The ranks table of a multi-rank run."""
+    lines: list[str] = []
     if r.ranks:
         lines += ["", "## Ranks", "", "| rank | first bad phase | loss | into reduction bad | "
                   "out of reduction bad | culprit module call on this rank (in nan / out nan) | "
@@ -99,6 +110,13 @@ def to_markdown(r: Report) -> str:
                          f"{_num(s.loss if s else None)} | "
                          f"{_num(s.reduce_in_bad if s else None)} | "
                          f"{_num(s.reduce_out_bad if s else None)} | {cell} | {traced} |")
+    return lines
+
+
+def _checks_md(r: Report) -> list[str]:
+    """The culprit op in isolation on the reference, ops it could not compare, and the ops up
+    to the culprit."""
+    lines: list[str] = []
     if r.op_check:
         lines += ["", f"## The culprit op in isolation on `{r.facts.reference}`", "",
                   f"Same inputs on both sides; status **{r.op_check.status}** "
@@ -118,6 +136,12 @@ def to_markdown(r: Report) -> str:
                          f"{_num(c.module_call)} | {'yes' if c.out_nan else '-'} | "
                          f"{'yes' if c.out_inf else '-'} | "
                          f"{'-' if c.out_absmax is None else format(c.out_absmax, '.3g')} |")
+    return lines
+
+
+def _repro_md(r: Report) -> list[str]:
+    """The repro and what its run said; the non-finite values a step started with."""
+    lines: list[str] = []
     if r.repro:
         res = r.repro_result
         said = ("not run" if res is None or not res.ran else
@@ -134,6 +158,12 @@ def to_markdown(r: Report) -> str:
         if len(r.input_nonfinite) > 20:
             lines.append(f"| ... | {len(r.input_nonfinite) - 20} more (all in report.json) "
                          "| | | |")
+    return lines
+
+
+def _backtrace_md(r: Report) -> list[str]:
+    """The module calls around the culprit."""
+    lines: list[str] = []
     if r.backtrace:
         side = "inputs" if r.phase == "forward" else "grad arriving"
         out = "output" if r.phase == "forward" else "grad leaving"
@@ -144,10 +174,7 @@ def to_markdown(r: Report) -> str:
             mark = "**" if t.role == "culprit" else ""
             lines.append(f"| {t.order} | {mark}`{module_label(t.module)}`{mark} | {t.call} | "
                          f"{t.role} | {_fmt_stats(t.before)} | {_fmt_stats(t.after)} |")
-    lines += _steps_md(r) + _history_md(r)
-    if r.notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def _num(v) -> str:
