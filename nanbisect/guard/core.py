@@ -35,12 +35,12 @@ from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.lookback import Lookback
 from nanbisect.bundle.state import RngState, accelerator_types, local
 from nanbisect.errors import BadInput, NonFiniteStep
+from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
 from nanbisect.guard.entry import _check_out, resolve_entry_file
 from nanbisect.guard.screen import _bad_names, _kind, _listed, _norms
 from nanbisect.guard.snapshot import _live_scale, _Snapshot
+from nanbisect.guard.tape import record_step
 from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
-from nanbisect.multirank.coord import any_rank, broadcast_str, rank_info
-from nanbisect.multirank.tape import record_step
 from nanbisect.step import run_step
 from nanbisect.task import Task
 

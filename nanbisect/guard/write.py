@@ -6,7 +6,7 @@ the GradScaler's scale and growth tracker, every module's train/eval mode, every
 like (`Task.describe`) and the sha256 of the entry file and every user source file the process
 imported; with them, what a Guard adds (the recorded collectives, the history, the lookback).
 Under torch.distributed every rank writes its part of one bundle
-(`nanbisect.multirank.coord.write_all_ranks`). A Guard's failing step is never lost to a
+(`nanbisect.guard.coord.write_all_ranks`). A Guard's failing step is never lost to a
 single-process write that fails (`write_or_rescue`: the bundle goes to a rescue directory under
 the system's temporary directory, with a warning). Not guaranteed: a multi-rank write that fails
 is not rescued (the ranks would have to agree on another place): its error propagates.
@@ -28,9 +28,9 @@ from nanbisect.bundle.lookback import ROLE as LOOKBACK_ROLE
 from nanbisect.bundle.lookback import Lookback
 from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_model,
                                     encode_optimizer)
+from nanbisect.bundle.tape import ROLE as TAPE_ROLE
+from nanbisect.guard.coord import rank_info, tensor_labels, write_all_ranks
 from nanbisect.guard.entry import resolve_entry_file
-from nanbisect.multirank.coord import rank_info, tensor_labels, write_all_ranks
-from nanbisect.multirank.tape import ROLE as TAPE_ROLE
 from nanbisect.task import Task
 
 
@@ -82,7 +82,7 @@ def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
            lookback: Lookback | None = None) -> Path:
     """Write the bundle (every rank its part, under torch.distributed); return where it went
     (with ``unique``, a taken ``path`` gets the next free ``path-N``). Under torch.distributed,
-    state identical on several ranks is written once (`multirank.coord.write_all_ranks`); for a
+    state identical on several ranks is written once (`guard.coord.write_all_ranks`); for a
     DDP model its process group's replicas are compared and what differs is reported."""
     def build(p: Path) -> tuple[dict, dict]:
         manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
