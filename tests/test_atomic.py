@@ -1,6 +1,7 @@
-"""Guard never loses a bundle (bundle/atomic.py, guard.py): writers racing for one name all keep
-theirs, a bundle is never renamed over an existing path, and an ``out`` that disappears after
-the Guard checked it still gets the bundle written (to the rescue directory, with a warning)."""
+"""Guard never loses a bundle (bundle/atomic.py, guard/write.py): writers racing for one name all
+keep theirs, a bundle is never renamed over an existing path, and an ``out`` that disappears
+after the Guard checked it still gets the bundle written (to the rescue directory, with a
+warning)."""
 from __future__ import annotations
 
 import os

@@ -94,7 +94,7 @@ def put_file(path: Path, name: str, data: bytes) -> None:
 
 
 def multi(path: Path, world: int = 2, fresh: bool = False) -> Path:
-    """A real two-rank bundle laid out as multirank.coord writes it."""
+    """A real two-rank bundle laid out as guard.coord writes it."""
     path.mkdir()
     ranks = {}
     for r in range(world):

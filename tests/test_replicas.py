@@ -19,7 +19,7 @@ import torch
 from conftest import TEST_TASKS, cli, invoke, run_json
 from nanbisect import BadInput
 from nanbisect.bundle.format import read_bundle, read_header
-from nanbisect.multirank.coord import ReplicaPlan, out_of_sync, share
+from nanbisect.guard.coord import ReplicaPlan, out_of_sync, share
 
 # slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
 pytestmark = pytest.mark.slow

@@ -95,7 +95,7 @@ def _safe_name(name) -> bool:
 
 
 def _check_replicas(p: Path, v) -> None:
-    """The top manifest's ``replicas`` has the shape `multirank.coord` writes (what inspect and
+    """The top manifest's ``replicas`` has the shape `guard.coord` writes (what inspect and
     the report read from it)."""
     if v is None:
         return

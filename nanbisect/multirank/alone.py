@@ -24,13 +24,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from nanbisect.bundle.format import Bundle, read_bundle
+from nanbisect.bundle.tape import ROLE, Entry, TapeMismatch, parse
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import forward_producer
 from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
                                        root_of)
-from nanbisect.multirank.tape import ROLE, Entry, TapeMismatch, TapeServer, parse
+from nanbisect.multirank.tape import TapeServer
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
 from nanbisect.reference.differential import RandomTape, step_state
 from nanbisect.replay.probe import ModuleProbe, probing

@@ -407,6 +407,3 @@ def tensor_labels(model: torch.nn.Module, optimizer) -> dict[str, str]:
             out[f"optim/state/{i}/v{j}"] = f"{names.get(id(p), f'param {i}')}.{k}"
     return out
 
-
-# ------------------------------------------------------------------------------------------
-# DDP gradient reduction

@@ -1,0 +1,79 @@
+"""What a Guard checks before training starts: the entry names a function, ``out`` takes bundles.
+
+Guarantees: `resolve_entry_file` runs no code (it parses the entry file, or finds the module's
+spec; a module already imported is asked directly) and refuses only a name bound nowhere in the
+file; `_check_out` creates ``out`` and writes (then removes) one probe file there. Both raise
+`BadInput` naming the fix. Not guaranteed: that the entry function returns a Task (only
+running it tells), nor that ``out`` still takes bundles when a step fails (the Guard then writes
+to a rescue directory: `nanbisect.guard.write.write_or_rescue`).
+"""
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+from nanbisect.errors import BadInput
+from nanbisect.task import split_entry
+
+
+def resolve_entry_file(entry: str) -> str | None:
+    """Check that ``entry`` names a function that exists, without running any code; return the
+    absolute path of a file entry. Raises `BadInput` naming the fix."""
+    target, func = split_entry(entry)
+    if target.endswith(".py"):
+        path = Path(target)
+        if not path.is_file():
+            raise BadInput(f"entry '{entry}': {target} does not exist (from {os.getcwd()}); "
+                           "give the path of the file that defines the entry function")
+        source = path
+    else:
+        mod = sys.modules.get(target)
+        if mod is not None:
+            if not callable(getattr(mod, func, None)):
+                raise BadInput(f"entry '{entry}': module {target} has no function '{func}'; "
+                               "name the function that returns nanbisect.Task")
+            return None
+        try:
+            spec = importlib.util.find_spec(target)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None:
+            raise BadInput(f"entry '{entry}': module {target} cannot be found; install it, add "
+                           "its directory to PYTHONPATH, or give the entry as path/to/file.py:func")
+        if not spec.origin or not spec.origin.endswith(".py"):
+            return None
+        source = Path(spec.origin)
+    try:
+        tree = ast.parse(source.read_text())
+    except (OSError, SyntaxError, ValueError) as e:
+        raise BadInput(f"entry '{entry}': {source} cannot be read as Python ({e}); fix it")
+    # every name the module could bind, at any depth (a def inside `if`/`try` at the top level
+    # counts; a star import could bind anything): only a name bound nowhere is refused
+    names, star = set(), False
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            star = star or any(a.name == "*" for a in node.names)
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    if func not in names and not star:
+        raise BadInput(f"entry '{entry}': {source} defines no '{func}'; name the function that "
+                       "returns nanbisect.Task")
+    return str(source.resolve()) if target.endswith(".py") else None
+
+
+def _check_out(out: Path) -> None:
+    """Bundles can be written into ``out``: create it and write (then remove) a probe file."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".nanbisect-probe-"):
+            pass
+    except OSError as e:
+        raise BadInput(f"Guard(out='{out}'): bundles cannot be written there ({e.strerror}); "
+                       "pass a directory you can write to") from None

@@ -1,0 +1,60 @@
+"""A Guard's screen of a step and the exact check behind it.
+
+Guarantees: the screen (`_norms`, `_screen`) is device ops only, one float32 norm per tensor, so
+a healthy step costs no host synchronisation here; it is non-finite iff some element is, or the
+sum of squares overflows float32 (the exact check then clears it). The exact check (`_bad_names`)
+names every tensor holding a NaN (else an inf); `observed` lists at most `LISTED` names per kind,
+with the full counts (`_listed`).
+"""
+from __future__ import annotations
+
+import torch
+
+from nanbisect.bundle.state import local
+
+LISTED = 20     # names listed per kind in `observed`; the counts say how many there were
+
+
+def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+    """The float32 L2 norm of each tensor (0 for None), on ``device``: non-finite iff some element
+    is (or the sum of squares overflows float32: an exact check then clears it)."""
+    if not tensors:
+        return torch.zeros(0, device=device)
+    ts = [local(t) for t in tensors if t is not None]
+    if len(ts) == len(tensors) and all(t.device == device for t in ts):
+        try:
+            return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
+        except (RuntimeError, TypeError):   # a dtype foreach has no kernel for: one at a time
+            pass
+    zero = torch.zeros((), device=device)
+    return torch.stack([torch.linalg.vector_norm(local(t).detach().abs().float()).to(device)
+                        if t is not None else zero for t in tensors])
+
+
+def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The screen of a step: the sum of the parameters' norms (`_norms`), non-finite iff some
+    element is."""
+    return _norms(tensors, device).sum()
+
+
+def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
+    # NB: not util.tensors' counts: a name is bad or not, and .any() is all it needs
+    out = {"nan": [], "inf": []}
+    for name, t in named:
+        t = local(t)
+        if torch.isnan(t).any():
+            out["nan"].append(name)
+        elif torch.isinf(t).any():
+            out["inf"].append(name)
+    return out
+
+
+def _kind(x: float) -> str:
+    return "nan" if x != x else ("inf" if abs(x) == float("inf") else "finite")
+
+
+def _listed(names: dict) -> dict:
+    """Names per kind, at most `LISTED` each, with the full counts."""
+    return {**{k: v[:LISTED] for k, v in names.items()},
+            **{f"{k}_count": len(v) for k, v in names.items()}}
+

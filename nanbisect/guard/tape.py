@@ -1,0 +1,140 @@
+"""What every collective of the failing step gave each rank, recorded at capture (the tape a
+replay of a few ranks, ``nanbisect run --ranks R,...``, is served by `nanbisect.multirank.tape`).
+
+`record_step`, called by Guard on every rank when the failure flag trips: the failing
+step runs once more from its pre-step snapshot under `TapeRecorder`, a TorchDispatchMode that
+sees every dispatched collective (``c10d::*``: a tensor-parallel all-reduce, FSDP2's all-gather
+and reduce-scatter, a DTensor reduction in ``clip_grad_norm_``; ``_c10d_functional::*``), waits for
+it and keeps what it wrote, in order, with NaN/inf counts and a sha256 of what it read. DDP's
+gradient reduction is kept per parameter instead (each parameter's gradient after every
+micro-batch's backward, which is what the reduction, the user's comm hook included, left there),
+so that a replay's bucket layout, which DDP builds anew, does not have to match the capture's; the
+bucket collectives themselves are left out of the tape, as are DDP's bucket rebuilds. The format
+is `nanbisect.bundle.tape`'s. Guarantees: recording never raises into the step (a failure makes
+the tape unusable, not the step: `record_step` then returns None and why).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanbisect.bundle.state import local
+from nanbisect.bundle.tape import SCHEMA, Entry, input_digest
+from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
+                                          group_size, leaf_tensors, taped, wait_collective)
+from nanbisect.replay.recorder import read_args
+from nanbisect.util.tensors import nan_inf_counts as _counts
+
+
+@dataclass
+class Tape:
+    """What `record_step` kept: the entries and their tensors (``manifest()``: the part's
+    ``collectives`` section, as `nanbisect.bundle.tape` defines it)."""
+
+    entries: list[Entry] = field(default_factory=list)
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    ddp_params: list[str] | None = None       # DDP: names whose reduced grads are kept
+    micro_batches: int = 0
+    ddp_group: list[int] | None = None        # DDP: the ranks of its process group
+    rerun_failed: bool | None = None          # the re-run of the step failed again
+
+    def manifest(self) -> dict:
+        return {"schema": SCHEMA, "entries": [e.to_json() for e in self.entries],
+                "ddp": ({"params": self.ddp_params, "micro_batches": self.micro_batches,
+                         "group": self.ddp_group}
+                        if self.ddp_params is not None else None),
+                "rerun_failed": self.rerun_failed}
+
+
+class TapeRecorder(TorchDispatchMode):
+    """Capture: keep what every collective of the step wrote, in order (see the module doc)."""
+
+    def __init__(self, tape: Tape, ddp: bool = False) -> None:
+        super().__init__()
+        self.tape = tape
+        self.ddp = ddp
+        self.error: str | None = None     # the first thing that went wrong while recording
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not taped(func) or self.error is not None:
+            return func(*args, **kwargs)
+        # NB: never raise out of here: the step must go on, with its collectives matched on
+        # every rank; a failure to record makes the tape unusable, not the step
+        try:
+            internal = ddp_internal(caller(), self.ddp)
+            if internal == "rebuild":
+                return func(*args, **kwargs)
+            reads = leaf_tensors(read_args(func, args, kwargs))
+            in_nan, in_inf = _counts(reads)
+            digest = input_digest(reads) if internal is None else ""
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {str(e)[:200]}"
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        try:
+            wait_collective(func, out)
+            wrote = collective_outputs(func, args, kwargs, out)
+            out_nan, out_inf = _counts(wrote)
+            i = len([e for e in self.tape.entries if e.kind == "tape"])
+            e = Entry(str(func), group_size(func, args, kwargs), [list(t.shape) for t in wrote],
+                      [str(t.dtype).removeprefix("torch.") for t in wrote], digest, in_nan,
+                      in_inf, out_nan, out_inf, "ddp-bucket" if internal else "tape",
+                      group_ranks(func, args, kwargs))
+            self.tape.entries.append(e)
+            if internal is None:
+                for j, t in enumerate(wrote):
+                    self.tape.tensors[f"c{i}.{j}"] = t.detach().to("cpu", copy=True).contiguous()
+        except Exception as e:  # noqa: BLE001
+            self.error = f"{type(e).__name__}: {str(e)[:200]}"
+        return out
+
+
+def record_step(task, batch: Any) -> tuple[Tape | None, str | None]:
+    """Run the Task's step once under `TapeRecorder` (the caller restores the pre-step state and
+    RNG before and after); keep DDP's reduced gradients per parameter per micro-batch. Returns
+    the tape, or (None, why) when it could not be recorded (the step raised, or recording did):
+    the bundle is then written without one, never lost over it."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from nanbisect.step import run_step
+
+    tape = Tape()
+    model = task.model
+    ddp = isinstance(model, DistributedDataParallel)
+    if ddp:
+        tape.ddp_params = []
+        try:
+            tape.ddp_group = sorted(dist.get_process_group_ranks(model.process_group))
+        except (RuntimeError, ValueError, KeyError, AttributeError):
+            tape.ddp_group = None
+    if task.optimizer is not None:
+        task.optimizer.zero_grad(set_to_none=True)
+    rec = TapeRecorder(tape, ddp)
+    last = None
+    try:
+        with rec:
+            for ev in run_step(task, batch):
+                last = ev
+                if ev.phase == "backward" and ddp:
+                    m = tape.micro_batches
+                    for name, p in model.named_parameters():
+                        if p.grad is not None:
+                            if m == 0:
+                                tape.ddp_params.append(name)
+                            tape.tensors[f"ddp{m}.{name}"] = (
+                                local(p.grad).detach().to("cpu", copy=True).contiguous())
+                    tape.micro_batches += 1
+    except Exception as e:  # noqa: BLE001 - the bundle matters more than the tape
+        return None, f"re-running the step raised {type(e).__name__}: {str(e)[:200]}"
+    if rec.error is not None:
+        return None, f"recording a collective failed ({rec.error})"
+    loss = last.total if last is not None else None
+    finite = [bool(torch.isfinite(local(p.data)).all()) for p in model.parameters()]
+    tape.rerun_failed = not (all(finite) and (loss is None or bool(
+        torch.isfinite(local(loss).detach()).all())))
+    return tape, None

@@ -1,0 +1,153 @@
+"""Writing a step's bundle: its manifest and tensors, `capture` on demand, the rescue on failure.
+
+Guarantees: a bundle holds the state *before* its step (parameters, buffers, optimizer state,
+the GradScaler's scale and growth tracker, every module's train/eval mode, every parameter's
+``requires_grad``, RNG of Python/NumPy/torch CPU/accelerators), the batch, what the step looks
+like (`Task.describe`) and the sha256 of the entry file and every user source file the process
+imported; with them, what a Guard adds (the recorded collectives, the history, the lookback).
+Under torch.distributed every rank writes its part of one bundle
+(`nanbisect.guard.coord.write_all_ranks`). A Guard's failing step is never lost to a
+single-process write that fails (`write_or_rescue`: the bundle goes to a rescue directory under
+the system's temporary directory, with a warning). Not guaranteed: a multi-rank write that fails
+is not rescued (the ranks would have to agree on another place): its error propagates.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from nanbisect import history as hist
+from nanbisect.bundle.code import user_sources
+from nanbisect.bundle.format import write_bundle
+from nanbisect.bundle.lookback import ROLE as LOOKBACK_ROLE
+from nanbisect.bundle.lookback import Lookback
+from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_model,
+                                    encode_optimizer)
+from nanbisect.bundle.tape import ROLE as TAPE_ROLE
+from nanbisect.guard.coord import rank_info, tensor_labels, write_all_ranks
+from nanbisect.guard.entry import resolve_entry_file
+from nanbisect.task import Task
+
+
+def _device_of(model: torch.nn.Module) -> str:
+    t = next(model.parameters(), None)
+    return str(t.device) if t is not None else "cpu"
+
+def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: int | None,
+                  observed: dict | None, path: Path, entry_file: str | None,
+                  sources: dict[str, str], scaler_state: dict | None) -> tuple[dict, dict]:
+    tensors: dict[str, dict] = {"model": {}, "optimizer": {}, "batch": {}, "rng": {}}
+    entry_rel = os.path.relpath(entry_file, Path(path).resolve()) if entry_file else None
+    model = task.model
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    meta = encode_model(model, tensors["model"])
+    meta["training"] = {n: m.training for n, m in model.named_modules()}
+    meta["frozen"] = [n for n, p in model.named_parameters() if not p.requires_grad]
+    manifest = {
+        "entry": entry, "entry_file": entry_file, "entry_file_from_bundle": entry_rel,
+        "step": step, "world_size": rank_info().world_size, "rank": rank_info().rank,
+        "devices": {"captured_on": _device_of(model), "accelerators": accelerator_types()},
+        "dtypes": dtypes,
+        "observed": observed,
+        "task": task.describe(),
+        "grad_scaler": scaler_state,
+        "code": {"entry_file": entry_file, "sources": sources},
+        "model": meta,
+        "optimizer": (encode_optimizer(task.optimizer, tensors["optimizer"])
+                      if task.optimizer is not None else None),
+        "batch": encode(batch, "batch", tensors["batch"]),
+        "rng": rng.encode(tensors["rng"]),
+    }
+    return manifest, tensors
+
+
+def _scaler_state(task: Task) -> dict | None:
+    """The scaler's state (scale, growth tracker, factors) as the bundle stores it."""
+    s = task.grad_scaler
+    if s is None:
+        return None
+    d = s.state_dict()    # the scale is read back once, here, at capture
+    return {k: (float(v) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
+           entry_file: str | None, step: int | None, observed: dict | None,
+           sources: dict[str, str], scaler_state: dict | None, unique: bool = False,
+           tape=None, history: "hist.HealthLog | None" = None,
+           lookback: Lookback | None = None) -> Path:
+    """Write the bundle (every rank its part, under torch.distributed); return where it went
+    (with ``unique``, a taken ``path`` gets the next free ``path-N``). Under torch.distributed,
+    state identical on several ranks is written once (`guard.coord.write_all_ranks`); for a
+    DDP model its process group's replicas are compared and what differs is reported."""
+    def build(p: Path) -> tuple[dict, dict]:
+        manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
+                                          observed=observed, path=p, entry_file=entry_file,
+                                          sources=sources, scaler_state=scaler_state)
+        if tape is not None:   # what each collective of the step gave this rank (--ranks)
+            manifest["collectives"] = tape.manifest()
+            tensors[TAPE_ROLE] = tape.tensors
+        if history is not None:    # the last steps' health, the failing step last
+            manifest["history"] = history.encode(tensors.setdefault(hist.ROLE, {}))
+        if lookback is not None:   # a snapshot from up to 2K steps back and every step since
+            section = lookback.encode(tensors.setdefault(LOOKBACK_ROLE, {}))
+            if section is not None:
+                manifest["lookback"] = section
+        return manifest, tensors
+
+    if rank_info().distributed:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = task.model
+        group = (dist.get_process_group_ranks(model.process_group)
+                 if isinstance(model, DistributedDataParallel) else None)
+        return write_all_ranks(path, build, {"entry": entry, "step": step}, unique=unique,
+                               replica_group=group,
+                               labels=tensor_labels(model, task.optimizer))
+    manifest, tensors = build(path)
+    return write_bundle(path, manifest, tensors, unique=unique)
+
+
+def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int | None = None
+            ) -> Path:
+    """Write a bundle of the current model, optimizer and RNG state plus ``batch``.
+
+    Call it *before* running the step it should replay. Under torch.distributed, call it on
+    every rank: each writes its part of one bundle.
+
+    >>> import tempfile
+    >>> from nanbisect.task import import_target
+    >>> tasks = import_target("fixtures/tasks/healthy.py")
+    >>> path = capture(tasks.task(), next(tasks.batches()), Path(tempfile.mkdtemp()) / "step1",
+    ...                entry="fixtures/tasks/healthy.py:task", step=1)
+    >>> (path / "manifest.json").is_file()
+    True
+    """
+    entry_file = resolve_entry_file(entry)
+    return _write(task, batch, RngState.get(accelerator_types()), Path(path), entry=entry,
+                  entry_file=entry_file, step=step, observed=None,
+                  sources=user_sources(entry_file), scaler_state=_scaler_state(task))
+
+
+def write_or_rescue(write: Callable[[Path], Path], path: Path, out: Path, *,
+                    distributed: bool) -> Path:
+    """``write(path)``; when that fails with an `OSError` (``out`` went away or filled up since
+    the Guard checked it) in a single process, ``write`` into the rescue directory instead, with
+    a warning. Returns where the bundle went."""
+    try:
+        return write(path)
+    except OSError as e:
+        if distributed:   # the ranks would have to agree on another place
+            raise
+        # `out` went away or filled up since the Guard checked it: the failing step is
+        # what this run exists to keep, so keep it somewhere
+        rescue = Path(tempfile.gettempdir()) / f"nanbisect-rescue-{os.getuid()}" / path.name
+        path = write(rescue)
+        warnings.warn(f"Guard: could not write the bundle into '{out}' ({e.strerror or e}"
+                      f"); wrote it to '{path}' instead", RuntimeWarning, stacklevel=5)
+        return path
