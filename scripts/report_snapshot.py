@@ -12,7 +12,6 @@ temporary output paths (replaced by `<OUT>`); the repo root becomes `<REPO>`.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys

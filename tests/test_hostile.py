@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save, save_file
 
-from conftest import ROOT, cli, invoke
+from conftest import ROOT, invoke
 from nanbisect import BadInput, Task, capture
 from nanbisect.bundle import bounded
 from nanbisect.bundle import pack as pk

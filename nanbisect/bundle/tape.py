@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 
@@ -110,6 +109,3 @@ def parse(manifest, where: str) -> tuple[list[Entry], dict | None]:
         raise bad("have a DDP record that is not {params: [names], micro_batches: N}")
     return out, ddp
 
-
-def iter_recorded(manifest: dict, where: str = "bundle") -> Iterator[Entry]:
-    yield from parse(manifest, where)[0]
