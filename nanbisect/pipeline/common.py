@@ -17,6 +17,7 @@ from nanbisect.report.rerun import Interpreter
 
 Progress = Callable[[str, str], None]
 
+
 @dataclass(frozen=True)
 class RunOptions:
     target: str | None = None
@@ -27,9 +28,11 @@ class RunOptions:
     ranks: str | None = None      # "R,..." (multi-rank): replay only these, each alone
     steps: int | None = None      # --steps K: replay the last K recorded steps (lookback)
 
+
 def recorded_failure(observed) -> bool:
     """Does the manifest record a failure (not a spike a Guard captured while training went on)?"""
     return bool(observed) and not (isinstance(observed, dict) and observed.get("first") == "spike")
+
 
 def _guarded(fn, what: str):
     """Run user code; turn its exceptions into a one-line BadInput naming where it broke."""
@@ -42,6 +45,7 @@ def _guarded(fn, what: str):
         where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
         raise BadInput(f"{what} raised {type(e).__name__}: {str(e)[:200]}{where}; the entry's "
                        "code fails on this bundle, fix it or pass --entry") from None
+
 
 @dataclass
 class _Run:

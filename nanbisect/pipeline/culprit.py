@@ -32,6 +32,7 @@ def _evidence(run: _Run, side: "ReferenceSide | None", op_check: OpCheck | None)
     return Evidence("failed" if side.failed else "finite", side.dtype, side.target_dtype,
                     op_check, mismatch)
 
+
 def _repro_starter(run: _Run):
     """How this run starts the repro's one run (None without opts.run_repro): on the CPU, for a
     built-in op, a fork of this process; else the interpreter started ahead (or a new one)."""
@@ -50,6 +51,7 @@ def _repro_starter(run: _Run):
             return runner.result()
         return result
     return start
+
 
 def _divergence_report(run: _Run, side: ReferenceSide, div: Divergence, tmp: Path) -> Report:
     rep, phase = run.rep, div.phase
@@ -88,6 +90,7 @@ def _divergence_report(run: _Run, side: ReferenceSide, div: Divergence, tmp: Pat
                   timeline=timeline(run.probe.read(), phase),
                   repro_result=done.pending() if done.pending else None,
                   divergence=div, op_check=check, uncomparable=uncomparable)
+
 
 def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, ref,
                     tmp: Path) -> Report:
@@ -159,6 +162,7 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         op_recording=(OpRecording(finding.scope, finding.phase, finding.recorded,
                                   finding.total_ops) if finding else None),
         uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [])
+
 
 def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> ModuleRepro | None:
     """Write (and run once) a repro of the culprit's whole module call, with its state."""

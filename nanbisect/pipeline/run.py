@@ -24,9 +24,11 @@ from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
 
+
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
 STAGES = ("steps", "build", "module-pass", "reference", "op-recording", "isolate",
           "input-catch", "repro", "module-repro", "op-check", "report", "ranks")
+
 
 def _default_target(manifest: dict) -> str:
     dev = (manifest.get("devices") or {}).get("captured_on", "cpu")
@@ -35,6 +37,7 @@ def _default_target(manifest: dict) -> str:
         return dev
     except BadInput:
         return "cpu"
+
 
 class _Clock:
     """The progress callback's wrapper that times the passes: each from its announcement to the
@@ -53,6 +56,7 @@ class _Clock:
         for (key, t), nxt in zip(self.marks, [m[1] for m in self.marks[1:]] + [now]):
             out[key] = round(out.get(key, 0.0) + nxt - t, 4)
         return out
+
 
 def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | None = None,
                progress: Progress = lambda key, text: None) -> Report:
@@ -100,6 +104,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
         return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype)
     finally:
         torch.set_num_threads(threads)     # the capture's count was this run's only
+
 
 def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, target: str,
                 t_dev: torch.device, t_dtype: torch.dtype | None) -> Report:

@@ -49,6 +49,7 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
         if interp is not None:
             interp.close()
 
+
 def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
                   t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path, reference: str,
                   ref, wrap, notes: list[str], interp: Interpreter | None
@@ -89,6 +90,7 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     run = _Run(rep, probe, wrap, opts, facts, progress, notes, interp)
     return _decide(run, first, side, ref, tmp), rep
 
+
 def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tmp: Path) -> Report:
     """The verdict, and for a culprit the passes that find it."""
     facts = run.facts
@@ -119,6 +121,7 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
                       input_nonfinite=first.bad, notes=run.notes)
     return _culprit_report(run, first, side, ref, tmp)
 
+
 def _fidelity_notes(f: Fidelity) -> list[str]:
     notes = []
     if f.code_changed:
@@ -136,6 +139,7 @@ def _fidelity_notes(f: Fidelity) -> list[str]:
                      "dtype its loss differs from the captured one (bit_exact false); likely "
                      f"causes: {f.causes()}")
     return notes
+
 
 def _not_reproduced(run: _Run) -> Report:
     """The recorded failure did not come back: say why that is, as far as the evidence goes."""
@@ -168,6 +172,7 @@ def _not_reproduced(run: _Run) -> Report:
             "communication)")
     return Report("not-reproduced", classification, None, None, None, facts,
                   notes=[f"the manifest records a non-finite step, but {why}", *run.notes])
+
 
 def _reference_side(bundle: Bundle, rep: Replayer, first: StepOutcome, ref, tape: RandomTape
                     ) -> tuple["ReferenceSide | None", str | None]:
