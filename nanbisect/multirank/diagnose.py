@@ -1,0 +1,186 @@
+"""What the launcher says when a rank hangs or dies: where each rank was (its faulthandler stacks,
+classified as its own code, a library's, nanbisect's or a wait inside torch), its exit status
+or signal from torchrun's failure report, and the stage it reached.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from nanbisect.errors import signal_name
+from nanbisect.multirank.rundir import run_processes
+from nanbisect.util.files import read_json as _read_json
+
+# errors a rank sees when a peer died or left: consequences, not causes
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "remote worker crashing", "NCCL communicator was aborted")
+
+_TORCH = str(Path(torch.__file__).parent) + os.sep
+
+_OURS = str(Path(__file__).resolve().parent.parent) + os.sep   # nanbisect/
+
+_STDLIB = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("stdlib", "platstdlib")})
+
+_SITE = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("purelib", "platlib")})
+
+_FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
+
+def _category(path: str) -> str | None:
+    """What a frame's file is: None for the standard library (looked through)."""
+    if path.startswith("<frozen") or path.startswith(_STDLIB) and not path.startswith(_SITE):
+        return None
+    if path.startswith(_TORCH):
+        return "collective" if path.startswith(_TORCH + "distributed" + os.sep) else "torch"
+    if path.startswith(_OURS):
+        return "nanbisect"
+    return "library" if path.startswith(_SITE) else "user"
+
+@dataclass(frozen=True)
+class Where:
+    """A rank's innermost frame that is not the standard library's."""
+
+    category: str          # collective | torch | nanbisect | library | user
+    at: str                # "file.py:12 in func"
+
+    @property
+    def waiting(self) -> bool:
+        return self.category in ("collective", "torch")
+
+    def __str__(self) -> str:
+        return {"collective": "waited in a collective", "torch": "was inside torch",
+                "nanbisect": "was still inside nanbisect",
+                "library": "was still running library code",
+                "user": "was still running its own code"}[self.category] + f" at {self.at}"
+
+def where(dump: str) -> Where | None:
+    """The main thread's innermost non-stdlib frame in a faulthandler dump (the last dump)."""
+    threads: list[list[tuple[str, int, str]]] = []
+    for line in dump.splitlines():
+        if line.startswith(("Current thread 0x", "Thread 0x")):
+            threads.append([])
+            continue
+        m = _FRAME.match(line)
+        if m and threads:
+            threads[-1].append((m[1], int(m[2]), m[3]))
+    # the main thread is the one not started by `threading` (frames are innermost first)
+    main = [t for t in threads if t and not any(
+        f[2] in ("_bootstrap", "_bootstrap_inner") and f[0].endswith("threading.py") for f in t)]
+    for path, line, func in (main[0] if main else []):
+        cat = _category(path)
+        if cat is not None:
+            return Where(cat, f"{Path(path).name}:{line} in {func}")
+    return None
+
+def _stacks(partial: Path, ranks: list[int]) -> dict[int, Where | None]:
+    """Ask every rank in ``ranks`` for its stacks (SIGUSR1) and read where each one is."""
+    def size(r: int) -> int:
+        try:
+            return (partial / f"rank{r}.stacks").stat().st_size
+        except OSError:
+            return 0
+
+    before, live = {}, run_processes(partial)
+    for r in ranks:
+        state = _read_json(partial / f"rank{r}.state")
+        pid = state.get("pid") if state else None
+        if isinstance(pid, int) and pid in live:
+            before[r] = size(r)
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+    sizes: dict[int, int] = {}
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:   # until every dump is written and has stopped growing
+        time.sleep(0.2)
+        now = {r: size(r) for r in before}
+        if all(now[r] > before[r] for r in before) and now == sizes:
+            break
+        sizes = now
+    out = {}
+    for r in ranks:
+        text = ""
+        if r in before:
+            try:
+                with open(partial / f"rank{r}.stacks", errors="replace") as f:
+                    f.seek(before[r])
+                    text = f.read()
+            except OSError:
+                pass
+        out[r] = where(text) if text else None
+    return out
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+def exit_statuses(log: str) -> tuple[dict[int, int], int | None]:
+    """(rank -> exit status, the first rank that failed) from torchrun's failure report; a
+    negative status is the signal that killed the rank."""
+    statuses = {int(m[1]): int(m[2]) for m in _FAILURE.finditer(log)}
+    root = None
+    at = log.find("Root Cause")
+    if at >= 0:
+        m = _FAILURE.search(log, at)
+        root = int(m[1]) if m else None
+    return statuses, root
+
+def _stage(partial: Path, r: int) -> str:
+    state = _read_json(partial / f"rank{r}.state")
+    return f" ({state['stage']})" if state and state.get("stage") else ""
+
+def _died(partial: Path, r: int, status: int, then: str) -> str:
+    """One line for a rank that ended without a result."""
+    stage = _stage(partial, r)
+    if status > 0:
+        return (f"rank {r} exited with status {status} during the replay without a result"
+                f"{stage}{then}: the entry's code ended the process (os._exit, exit() in a C "
+                "library?); run that rank's code alone")
+    name = signal_name(-status)
+    dump = ""
+    try:
+        dump = (partial / f"rank{r}.stacks").read_text(errors="replace")
+    except OSError:
+        pass
+    fatal = where(dump) if "Fatal Python error" in dump else None
+    at = f" at {fatal.at}" if fatal else " during the replay"
+    why = ("SIGKILL comes from outside the process: the kernel's OOM killer (see dmesg) or a "
+           "kill -9" if -status == signal.SIGKILL else
+           "a crash in native code (an extension, a kernel, ctypes) at that place"
+           if -status in (signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE,
+                          signal.SIGABRT) else f"something sent it {name}")
+    return (f"rank {r} was killed by {name}{at}{stage}{then}; {why}; run that "
+            "rank's code alone")
+
+def _hang(partial: Path, world: int, timeout: float, finished: set[int],
+          stacks: dict[int, Where | None]) -> str:
+    """One line for a replay that outlived its deadline, naming the rank that hung: the one still
+    running code (or never started) while the others waited."""
+    def state(r: int) -> dict | None:
+        return _read_json(partial / f"rank{r}.state")
+
+    def said(r: int) -> str:
+        if r in finished:
+            return f"rank {r} had finished"
+        if state(r) is None:
+            return f"rank {r} had not started its replay"
+        w = stacks.get(r)
+        return f"rank {r} {w if w else 'did not say where it was'}{_stage(partial, r)}"
+
+    running = [r for r in range(world) if r not in finished and (
+        state(r) is None or (stacks.get(r) is not None and not stacks[r].waiting))]
+    if running:
+        others = [said(r) for r in range(world) if r not in running]
+        who = f"rank {running[0]}" if len(running) == 1 else f"ranks {running}"
+        return (f"{who} hung: after {timeout:.0f}s " + "; ".join(said(r) for r in running)
+                + (", while " + "; ".join(others) + ", waiting for it" if others else "")
+                + "; fix that code, or raise NANBISECT_RANK_TIMEOUT if it is only slow")
+    return (f"no rank finished within {timeout:.0f}s: " + "; ".join(said(r) for r in range(world))
+            + "; the ranks probably took different control paths (one skipped or added a "
+            "collective), or a collective never completed; run those ranks' code alone, or "
+            "raise NANBISECT_RANK_TIMEOUT")
