@@ -22,15 +22,21 @@ from nanbisect.util.files import read_json as _read_json
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
               "remote worker crashing", "NCCL communicator was aborted")
 
+
 _TORCH = str(Path(torch.__file__).parent) + os.sep
+
 
 _OURS = str(Path(__file__).resolve().parent.parent) + os.sep   # nanbisect/
 
+
 _STDLIB = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("stdlib", "platstdlib")})
+
 
 _SITE = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("purelib", "platlib")})
 
+
 _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
+
 
 def _category(path: str) -> str | None:
     """What a frame's file is: None for the standard library (looked through)."""
@@ -41,6 +47,7 @@ def _category(path: str) -> str | None:
     if path.startswith(_OURS):
         return "nanbisect"
     return "library" if path.startswith(_SITE) else "user"
+
 
 @dataclass(frozen=True)
 class Where:
@@ -58,6 +65,7 @@ class Where:
                 "nanbisect": "was still inside nanbisect",
                 "library": "was still running library code",
                 "user": "was still running its own code"}[self.category] + f" at {self.at}"
+
 
 def where(dump: str) -> Where | None:
     """The main thread's innermost non-stdlib frame in a faulthandler dump (the last dump)."""
@@ -77,6 +85,7 @@ def where(dump: str) -> Where | None:
         if cat is not None:
             return Where(cat, f"{Path(path).name}:{line} in {func}")
     return None
+
 
 def _stacks(partial: Path, ranks: list[int]) -> dict[int, Where | None]:
     """Ask every rank in ``ranks`` for its stacks (SIGUSR1) and read where each one is."""
@@ -117,7 +126,9 @@ def _stacks(partial: Path, ranks: list[int]) -> dict[int, Where | None]:
         out[r] = where(text) if text else None
     return out
 
+
 _FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
 
 def exit_statuses(log: str) -> tuple[dict[int, int], int | None]:
     """(rank -> exit status, the first rank that failed) from torchrun's failure report; a
@@ -130,9 +141,11 @@ def exit_statuses(log: str) -> tuple[dict[int, int], int | None]:
         root = int(m[1]) if m else None
     return statuses, root
 
+
 def _stage(partial: Path, r: int) -> str:
     state = _read_json(partial / f"rank{r}.state")
     return f" ({state['stage']})" if state and state.get("stage") else ""
+
 
 def _died(partial: Path, r: int, status: int, then: str) -> str:
     """One line for a rank that ended without a result."""
@@ -156,6 +169,7 @@ def _died(partial: Path, r: int, status: int, then: str) -> str:
                           signal.SIGABRT) else f"something sent it {name}")
     return (f"rank {r} was killed by {name}{at}{stage}{then}; {why}; run that "
             "rank's code alone")
+
 
 def _hang(partial: Path, world: int, timeout: float, finished: set[int],
           stacks: dict[int, Where | None]) -> str:

@@ -64,6 +64,7 @@ def rank_timeout() -> float:
                       shown=repr, what="a positive number of seconds",
                       fix="set it to e.g. 600 or unset it")
 
+
 def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
            timeout: float | None = None, entry: str | None = None,
            reference: str | None = None) -> list[RankResult]:
@@ -137,6 +138,7 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
         raise BadInput(f"rank {r} failed during replay: {errors[r]}")
     return sorted(results, key=lambda r: r.rank)
 
+
 def parse_ranks(spec: str, world: int) -> list[int]:
     """``--ranks 1,3`` -> [1, 3] (sorted, each once); `BadInput` for anything else.
 
@@ -151,6 +153,7 @@ def parse_ranks(spec: str, world: int) -> list[int]:
         raise BadInput(f"--ranks {spec!r}: give rank numbers from 0 to {world - 1} separated by "
                        "commas, e.g. --ranks 1 or --ranks 0,3")
     return ranks
+
 
 def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | None,
                  partial: Path, timeout: float, entry: str | None = None,
@@ -211,6 +214,7 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
                        f"recorded): {errors[r]}")
     return results
 
+
 def ranks_entry(entry: str | None, bundle: Bundle) -> str | None:
     """``--entry`` as every rank must import it (a file made absolute: the ranks look for it
     from here or from the bundle, as a one-rank replay does); fails before any rank starts."""
@@ -224,6 +228,7 @@ def ranks_entry(entry: str | None, bundle: Bundle) -> str | None:
             return f"{cand.resolve()}:{func}"
     raise BadInput(f"--entry file '{target}' not found (looked in the working directory and "
                    f"{bundle.path}); pass --entry with the file's path")
+
 
 def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                   run_repro_once: bool = True, entry: str | None = None,

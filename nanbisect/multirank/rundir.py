@@ -38,6 +38,7 @@ for pid in os.listdir("/proc"):
 shutil.rmtree(run, ignore_errors=True)
 """
 
+
 def run_processes(partial: Path) -> list[int]:
     """The live processes that name ``partial`` as one of their arguments (torchrun, the ranks)."""
     key, out = b"\0" + os.fsencode(str(partial)) + b"\0", []
@@ -50,6 +51,7 @@ def run_processes(partial: Path) -> list[int]:
         except OSError:
             continue
     return out
+
 
 def _kill_run(p: subprocess.Popen, partial: Path) -> None:
     """SIGKILL torchrun's session and every process of the run (torchrun starts each rank in a
@@ -74,6 +76,7 @@ def _kill_run(p: subprocess.Popen, partial: Path) -> None:
         if not left or time.monotonic() > deadline:
             return
         time.sleep(0.05)
+
 
 def sweep(tmp: Path | None = None) -> list[Path]:
     """Remove the run directories of runs that are gone (their lock is free): a launcher and its
@@ -100,6 +103,7 @@ def sweep(tmp: Path | None = None) -> list[Path]:
         finally:
             os.close(fd)
     return removed
+
 
 @contextmanager
 def run_dir() -> Iterator[Path]:
