@@ -115,7 +115,8 @@ def test_registering_a_type_makes_its_strings_parse_and_its_backend_chosen():
         with pytest.raises(BadInput, match="not available"):
             devices.parse("privateuseone:2")
         assert devices.collective_backend(["privateuseone"]) == "fakeccl"
-        assert devices.collective_backend(["privateuseone", "cpu"]) == "cpu:gloo,privateuseone:fakeccl"
+        both = devices.collective_backend(["privateuseone", "cpu"])
+        assert both == "cpu:gloo,privateuseone:fakeccl"
         assert "privateuseone" in devices.accelerators()
         assert devices.default_reference(torch.device("privateuseone", 0)) == "cpu"
     assert "privateuseone" not in devices.TYPES

@@ -130,7 +130,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     theirs = None
     if side is not None:
         stage("replay pass 1/3 on the reference")
-        theirs = side.run_rank(tape, rep, first, step_state(rep, first))
+        theirs, _ = side.run_rank(tape, rep, first, step_state(rep, first))
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read())
     result = RankResult(rank, summary=summary, reference=theirs,

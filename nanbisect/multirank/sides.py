@@ -4,7 +4,6 @@ side; the culprit module call's statistics; its root op."""
 from __future__ import annotations
 
 from contextlib import nullcontext
-
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -12,8 +11,8 @@ from typing import Callable
 from nanbisect import devices
 from nanbisect.finish import Evidence, classify_culprit, finish
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
-from nanbisect.records import (CallId, Caught, OpFinding, RankReference, RankResult, RankRoot,
-                               Stats, StepOutcome, json_number)
+from nanbisect.records import (CallId, Caught, Divergence, OpFinding, RankReference, RankResult,
+                               RankRoot, Stats, StepOutcome, json_number)
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.differential import StepState
 from nanbisect.reference.side import ReferenceSide, model_dtype
@@ -51,7 +50,8 @@ def rank_replayer(part, spec: str, entry: str | None, server=None
 class RankReferenceSide(ReferenceSide):
     """This rank's replay on the reference (``--reference``): the same part, the same world (or
     the same served collectives), the reference device; random ops draw what this rank's
-    target drew. Built before the target's first pass (its task build may run collectives)."""
+    target drew. Built before the target's first pass (its task build may run collectives), so the
+    target's step it is compared with is given to `run_rank`, not to the constructor."""
 
     def __init__(self, part, spec: str, entry: str, server=None) -> None:
         registry.load_plugins()
@@ -60,10 +60,10 @@ class RankReferenceSide(ReferenceSide):
         super().__init__(rep, rep.dtype, None, None)
 
     def run_rank(self, tape, target: Replayer, first: StepOutcome,
-                 target_state: StepState) -> RankReference:
-        """Replay on the reference and say how it ended, and where a finite target step parts
-        from it (a failed target parts from a finite reference trivially: only a finite
-        step's divergence is news)."""
+                 target_state: StepState) -> tuple[RankReference, Divergence | None]:
+        """Replay on the reference; how it ended (for the other ranks), and where a finite
+        target step parts from it (a failed target parts from a finite reference trivially:
+        only a finite step's divergence is news)."""
         self.target_state, self.target_dtype = target_state, model_dtype(target)
         served = (self.server,) if self.server is not None else ()
         outcome = self.run(tape, served=served, around=(
@@ -72,7 +72,7 @@ class RankReferenceSide(ReferenceSide):
         div = self.divergence() if first.phase is None else None
         return RankReference(outcome.phase, json_number(outcome.loss),
                              div.what if div else None,
-                             json_number(div.comparison.max_rel) if div else None)
+                             json_number(div.comparison.max_rel) if div else None), div
 
 
 def finish_rank(result: RankResult, rep: Replayer, phase: str, kind: str,

@@ -124,8 +124,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if side is not None:
         target_state = step_state(rep, first)   # before any other pass moves the parameters
         _stage("replay pass 1/3 on the reference")
-        theirs = side.run_rank(tape, rep, first, target_state)
-        div = side.divergence() if first.phase is None else None
+        theirs, div = side.run_rank(tape, rep, first, target_state)
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read())
     _stage("after replay pass 1/3: exchanging what each rank saw")
