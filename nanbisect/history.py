@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 from nanbisect.errors import BadInput
+from nanbisect.records import HistoryEntry
 
 ROLE = "history"
 SCHEMA = 1
@@ -138,9 +139,9 @@ class History:
     parameters: list[str]
     norms: torch.Tensor | None
 
-    def to_json(self) -> list[dict]:
-        return [{k: _plain(v) if isinstance(v, float) else v for k, v in e.items()}
-                for e in self.entries]
+    def records(self) -> list[HistoryEntry]:
+        """The entries as report.json's ``history`` holds them."""
+        return [HistoryEntry(**e) for e in self.entries]
 
 
 MAX_ENTRIES = 1 << 16

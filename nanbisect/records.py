@@ -597,6 +597,131 @@ class RankReference:
 
 
 @dataclass(frozen=True)
+class HistoryEntry:
+    """One step of a bundle's history (``Guard(history=N)``; report.json ``history``): what is
+    not known is None and left out of the JSON.
+
+    >>> HistoryEntry(12, loss=float("nan"), skipped=False).to_json()
+    {'step': 12, 'loss': 'nan', 'skipped': False}
+    """
+
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    skipped: bool | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {"step": self.step}
+        for k in ("loss", "grad_norm", "lr"):
+            if getattr(self, k) is not None:
+                out[k] = json_number(getattr(self, k))
+        if self.skipped is not None:
+            out["skipped"] = self.skipped
+        return out
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a bundle's history points out (report.json ``history_findings``): its ``kind``
+    (``lr-jump``, ``loss-jump``, ``grad-norm-jump``, ``param-extreme``, ``moment-extreme``), the
+    numbers that earn it and a sentence for people."""
+
+    kind: str
+    text: str
+    step: int | None = None
+    parameter: str | None = None
+    state: str | None = None          # an optimizer state's name (moment-extreme)
+    value: float | None = None
+    baseline: float | None = None
+    ratio: float | None = None
+    z: float | None = None            # robust z score (the jumps)
+    since_step: int | None = None     # param-extreme: above x2 of its baseline since then
+
+    KEYS = {"lr-jump": ("kind", "step", "value", "baseline", "ratio", "text"),
+            "loss-jump": ("kind", "step", "value", "baseline", "ratio", "z", "text"),
+            "grad-norm-jump": ("kind", "step", "value", "baseline", "ratio", "z", "text"),
+            "param-extreme": ("kind", "parameter", "value", "baseline", "ratio", "since_step",
+                              "text"),
+            "moment-extreme": ("kind", "parameter", "state", "value", "baseline", "ratio",
+                               "text")}
+
+    def to_json(self) -> dict:
+        keys = self.KEYS.get(self.kind) or [f.name for f in fields(self)
+                                            if getattr(self, f.name) is not None]
+        return {k: getattr(self, k) for k in keys}
+
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step of a ``--steps`` window, replayed on both sides."""
+
+    step: int
+    target_loss: float | str | None
+    reference_loss: float | str | None
+    original_loss: float | str | None     # the guarded run's, from the bundle's history
+    max_rel_diff: float | None
+    parted: bool
+    why: str | None = None                # what parted: "param:<name>", "target failed", ...
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "target_loss": self.target_loss,
+                "reference_loss": self.reference_loss, "original_loss": self.original_loss,
+                "max_rel_diff": self.max_rel_diff, "parted": self.parted,
+                **({"why": self.why} if self.why else {})}
+
+
+@dataclass(frozen=True)
+class StepsWindow:
+    """report.json ``steps`` (``run --steps K``): the replayed window and where it parts.
+
+    >>> StepsWindow([StepRow(7, 1.0, 1.0, 1.0, 0.0, False)], None, 0, None).to_json()["replayed"]
+    [{'step': 7, 'target_loss': 1.0, 'reference_loss': 1.0, 'original_loss': 1.0, \
+'max_rel_diff': 0.0, 'parted': False}]
+    """
+
+    replayed: list[StepRow]
+    first_divergent_step: int | None
+    advanced: int                  # steps replayed on the target alone before the window
+    # the target's pre-state of the failing step against the recorded one: bit_exact,
+    # max_rel_diff, parameters, first_step_off_history (and stopped_at when it never got there)
+    reached_recorded: dict[str, Any] | None
+    failing_prestate_max_rel_diff: float | None = None   # how far the failing step's pre-state
+                                                         # had drifted from the reference's
+
+    def to_json(self) -> dict:
+        return {"replayed": [r.to_json() for r in self.replayed],
+                "first_divergent_step": self.first_divergent_step,
+                "advanced": self.advanced, "reached_recorded": self.reached_recorded,
+                "failing_prestate_max_rel_diff": self.failing_prestate_max_rel_diff}
+
+
+@dataclass(frozen=True)
+class ReplicaDiff:
+    """A tensor the data-parallel replicas of a multi-rank bundle hold differently (report.json
+    ``replicas_out_of_sync``, from the top manifest's ``replicas.out_of_sync``).
+
+    >>> ReplicaDiff.from_json({"tensor": "model:w", "ranks": [[0], [1]], "max_abs_diff": 0.5})
+    ReplicaDiff(tensor='model:w', ranks=[[0], [1]], max_abs_diff=0.5, missing=[])
+    """
+
+    tensor: str                       # "model:fc.weight"
+    ranks: list[list[int]]            # ranks grouped by identical bytes, the first group first
+    max_abs_diff: float | str | None  # between the first copy and the others; None: not measured
+    missing: list[int] = field(default_factory=list)   # ranks that lack the tensor
+
+    @staticmethod
+    def from_json(d: dict) -> "ReplicaDiff":
+        return ReplicaDiff(d["tensor"], [list(g) for g in d["ranks"]], d.get("max_abs_diff"),
+                           list(d.get("missing") or []))
+
+    def to_json(self) -> dict:
+        return {"tensor": self.tensor, "ranks": self.ranks,
+                **({"missing": self.missing} if self.missing else {}),
+                "max_abs_diff": self.max_abs_diff}
+
+
+@dataclass(frozen=True)
 class Subset:
     """What a replay of some ranks alone (``--ranks``, collectives served as recorded) could and
     could not decide (report.json ``subset``).

@@ -18,6 +18,7 @@ from nanbisect.multirank.alone import check_tape
 from nanbisect.multirank.launcher import parse_ranks, run_multirank
 from nanbisect.pipeline.common import Progress, RunOptions
 from nanbisect.pipeline.step import _analyse
+from nanbisect.records import Finding
 from nanbisect.pipeline.window import _run_steps
 from nanbisect.replay.replayer import parse_device
 from nanbisect.report.model import Report
@@ -128,8 +129,8 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, t
             if rep is not None and rep.bundle is bundle:   # the failing step's pre-state
                 rep.restore()
                 model, opt = rep.task.model, rep.task.optimizer
-            report = replace(report, history=history.to_json(),
-                             history_findings=hist.findings(history, model, opt))
+            report = replace(report, history=history.records(), history_findings=[
+                Finding(**f) for f in hist.findings(history, model, opt)])
         report = replace(report, timings=progress.seconds())
         progress("report", "writing the report")
         write_report(report, tmp)

@@ -47,9 +47,8 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     failing = window.steps[-1]["step"]
     notes = ([note] if note else []) + res.notes
     rows = {r.step: r for r in res.rows}
-    steps_json = res.to_json()
     before = rows.get(failing - 1)
-    steps_json["failing_prestate_max_rel_diff"] = before.max_rel_diff if before else None
+    steps = res.record(before.max_rel_diff if before else None)
     report = rep = None
     analysed = failing
     if res.step_view is not None:
@@ -72,7 +71,7 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
         notes.append(f"the {len(res.rows)} replayed step(s) stay within tolerance of the "
                      "reference: nothing parts before the failing step")
     elif analysed != failing:
-        drift = steps_json["failing_prestate_max_rel_diff"]
+        drift = steps.failing_prestate_max_rel_diff
         notes.append(f"target and reference part first at step {analysed}, "
                      f"{failing - analysed} step(s) before the failing step {failing}; the culprit "
                      f"is that step's first diverging op" + (
@@ -91,5 +90,5 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
         # on the capture device the window must reach the recorded state: it did not, so the
         # replayed steps are not the run's and no verdict about the device follows from them
         classification = "replay-mismatch"
-    return replace(report, culprit=culprit, facts=facts, steps=steps_json,
+    return replace(report, culprit=culprit, facts=facts, steps=steps,
                    classification=classification, notes=[*notes, *report.notes]), rep

@@ -27,28 +27,11 @@ from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.lookback import BundleView, Window
 from nanbisect.bundle.state import encode_model, encode_optimizer, local
 from nanbisect.errors import BadInput
-from nanbisect.records import json_number
+from nanbisect.records import StepRow, StepsWindow, json_number
 from nanbisect.reference.compare import compare_step
 from nanbisect.reference.differential import RandomReplay, RandomTape, ReferenceKernels
 from nanbisect.reference.side import model_dtype
 from nanbisect.replay.replayer import Replayer, stacked
-
-
-@dataclass(frozen=True)
-class StepRow:
-    step: int
-    target_loss: float | str | None
-    reference_loss: float | str | None
-    original_loss: float | str | None     # the guarded run's, from the bundle's history
-    max_rel_diff: float | None
-    parted: bool
-    why: str | None = None                # what parted: "param:<name>", "target failed", ...
-
-    def to_json(self) -> dict:
-        return {"step": self.step, "target_loss": self.target_loss,
-                "reference_loss": self.reference_loss, "original_loss": self.original_loss,
-                "max_rel_diff": self.max_rel_diff, "parted": self.parted,
-                **({"why": self.why} if self.why else {})}
 
 
 @dataclass
@@ -60,10 +43,10 @@ class WindowResult:
     step_view: BundleView | None          # the first step that parts, from the target's pre-state
     notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict:
-        return {"replayed": [r.to_json() for r in self.rows],
-                "first_divergent_step": self.first_divergent_step,
-                "advanced": self.advanced, "reached_recorded": self.reached}
+    def record(self, failing_prestate_max_rel_diff: float | None) -> StepsWindow:
+        """report.json's ``steps``."""
+        return StepsWindow(list(self.rows), self.first_divergent_step, self.advanced,
+                           self.reached, failing_prestate_max_rel_diff)
 
 
 def _params(rep: Replayer) -> dict[str, torch.Tensor]:

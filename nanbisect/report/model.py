@@ -11,8 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from nanbisect.records import (BadValue, Classification, ContextRow, Culprit, Divergence,
-                               ModuleRepro, OpCheck, OpRecording, OpRef, RankResult, ReproResult,
-                               RunFacts, Subset, TimelineRow, TraceRow, Verdict)
+                               Finding, HistoryEntry, ModuleRepro, OpCheck, OpRecording, OpRef, RankResult, ReplicaDiff,
+                               ReproResult, RunFacts, StepsWindow, Subset, TimelineRow, TraceRow,
+                               Verdict)
 
 SCHEMA = "nanbisect.report/1"
 EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
@@ -48,15 +49,13 @@ class Report:
     timeline: list[TimelineRow] = field(default_factory=list)  # every module call, in order
     module_repro: ModuleRepro | None = None   # fallback repro of the culprit's module call
     op_recording: OpRecording | None = None   # what the op-recording pass covered
-    # multi-rank: tensors the data-parallel replicas hold differently (the top manifest's
-    # replicas.out_of_sync: {tensor, ranks grouped by identical bytes, max_abs_diff})
-    replicas_out_of_sync: list[dict] = field(default_factory=list)
+    # multi-rank: tensors the data-parallel replicas hold differently
+    replicas_out_of_sync: list[ReplicaDiff] = field(default_factory=list)
     subset: Subset | None = None              # --ranks: what a replay of some ranks decided
     # the bundle's last steps (Guard(history=N)), oldest first, and what they point out
-    history: list[dict] | None = None
-    history_findings: list[dict] = field(default_factory=list)
-    # --steps K: {replayed: [...], first_divergent_step, advanced, reached_recorded, ...}
-    steps: dict | None = None
+    history: list[HistoryEntry] | None = None
+    history_findings: list[Finding] = field(default_factory=list)
+    steps: StepsWindow | None = None          # --steps K: the window and where it parts
     # seconds per pass of this run, in order ({"read": .., "build": .., "module-pass": .., ...}:
     # the keys of nanbisect.pipeline.STAGES plus "read"); up to the report's writing, which is
     # not in it. Single-process runs only.
@@ -74,19 +73,19 @@ class Report:
         ...                  "max_abs_diff": 0.25}], "out_of_sync_count": 1}).notes[0][:38]
         'replicas out of sync on ranks [1] (vs '
         """
-        rows = (replicas or {}).get("out_of_sync") or []
+        rows = [ReplicaDiff.from_json(r) for r in (replicas or {}).get("out_of_sync") or []]
         if not rows:
             return self
         count = (replicas or {}).get("out_of_sync_count") or len(rows)
-        off = sorted({r for row in rows for ranks in row["ranks"][1:] for r in ranks}
-                     | {r for row in rows for r in row.get("missing", [])})
-        base = sorted({r for row in rows for r in (row["ranks"][0] if row["ranks"] else [])}
+        off = sorted({r for row in rows for ranks in row.ranks[1:] for r in ranks}
+                     | {r for row in rows for r in row.missing})
+        base = sorted({r for row in rows for r in (row.ranks[0] if row.ranks else [])}
                       - set(off))
 
-        def one(row: dict) -> str:
-            d = row.get("max_abs_diff")
-            return (f"{row['tensor']} (ranks {row['ranks']}"
-                    + (f", missing on {row['missing']}" if row.get("missing") else "")
+        def one(row: ReplicaDiff) -> str:
+            d = row.max_abs_diff
+            return (f"{row.tensor} (ranks {row.ranks}"
+                    + (f", missing on {row.missing}" if row.missing else "")
                     + (f", max |diff| {d:.3g}" if isinstance(d, (int, float)) else
                        f", max |diff| {d}" if d is not None else "") + ")")
 
@@ -94,7 +93,7 @@ class Report:
                 "differ (a bug of the job: unsynchronised init, a rank skipping a step, "
                 f"non-deterministic update): {count} tensor(s): "
                 + ", ".join(map(one, rows[:5])) + (f" and {count - 5} more" if count > 5 else ""))
-        return replace(self, notes=[*self.notes, note], replicas_out_of_sync=list(rows))
+        return replace(self, notes=[*self.notes, note], replicas_out_of_sync=rows)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
@@ -126,10 +125,11 @@ class Report:
             "ranks": [r.row() for r in self.ranks],
             "timeline": [asdict(t) for t in self.timeline],
             "module_repro": opt(self.module_repro), "op_recording": opt(self.op_recording),
-            "replicas_out_of_sync": list(self.replicas_out_of_sync),
+            "replicas_out_of_sync": [r.to_json() for r in self.replicas_out_of_sync],
             **({"subset": self.subset.to_json()} if self.subset is not None else {}),
-            **({"history": list(self.history), "history_findings": list(self.history_findings)}
+            **({"history": [e.to_json() for e in self.history],
+                "history_findings": [f.to_json() for f in self.history_findings]}
                if self.history is not None else {}),
-            **({"steps": dict(self.steps)} if self.steps is not None else {}),
+            **({"steps": self.steps.to_json()} if self.steps is not None else {}),
             **({"timings": dict(self.timings)} if self.timings is not None else {}),
         }

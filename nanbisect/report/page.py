@@ -125,15 +125,15 @@ def history_svg(r: Report) -> str:
         return ""
     w, h, pl, pr, pt, pb = 960, 200, 60, 20, 20, 40
     pw, ph = w - pl - pr, h - pt - pb
-    steps = [e["step"] for e in hs]
+    steps = [e.step for e in hs]
     x = lambda s: pl + pw * (s - steps[0]) / max(steps[-1] - steps[0], 1)  # noqa: E731
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
            f'viewBox="0 0 {w} {h}" font-family="sans-serif" font-size="11">',
            f'<rect x="0" y="0" width="{w}" height="{h}" fill="white"/>',
            f'<line x1="{pl}" y1="{pt + ph}" x2="{pl + pw}" y2="{pt + ph}" stroke="#333"/>']
     for key, colour in (("loss", "#1f77b4"), ("grad_norm", "#7f7f7f")):
-        vals = [(e["step"], math.log10(abs(e[key]) + 1e-30)) for e in hs
-                if isinstance(e.get(key), (int, float)) and math.isfinite(e[key])]
+        vals = [(e.step, math.log10(abs(getattr(e, key)) + 1e-30)) for e in hs
+                if getattr(e, key) is not None and math.isfinite(getattr(e, key))]
         if len(vals) < 2:
             continue
         lo, hi = min(v for _, v in vals), max(v for _, v in vals)
@@ -141,9 +141,9 @@ def history_svg(r: Report) -> str:
         pts = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in vals)
         out.append(f'<polyline points="{pts}" fill="none" stroke="{colour}" stroke-width="1.5">'
                    f'<title>{key} (log)</title></polyline>')
-    marks = [(f["step"], f["kind"]) for f in r.history_findings if "step" in f]
-    if r.steps and r.steps.get("first_divergent_step") is not None:
-        marks.append((r.steps["first_divergent_step"], "first divergent step"))
+    marks = [(f.step, f.kind) for f in r.history_findings if f.step is not None]
+    if r.steps and r.steps.first_divergent_step is not None:
+        marks.append((r.steps.first_divergent_step, "first divergent step"))
     for i, (s, what) in enumerate(marks):
         if steps[0] <= s <= steps[-1]:
             out.append(f'<line x1="{x(s):.1f}" y1="{pt}" x2="{x(s):.1f}" y2="{pt + ph}" '

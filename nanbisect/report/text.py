@@ -185,19 +185,19 @@ def _steps_md(r: Report) -> list[str]:
     if not r.steps:
         return []
     s = r.steps
-    first = s.get("first_divergent_step")
+    first = s.first_divergent_step
     lines = ["", "## Steps replayed on target and reference", "",
              f"First step whose state parts from the reference: **{_num(first)}**"
-             + (f" ({s['advanced']} earlier step(s) replayed on the target alone to reach the "
-                "window)" if s.get("advanced") else ""), "",
+             + (f" ({s.advanced} earlier step(s) replayed on the target alone to reach the "
+                "window)" if s.advanced else ""), "",
              "| step | original loss | target loss | reference loss | max rel diff | parts |",
              "|---|---|---|---|---|---|"]
-    for row in s.get("replayed", []):
-        mark = "**" if row["step"] == first else ""
-        lines.append(f"| {mark}{row['step']}{mark} | {_num(row.get('original_loss'))} | "
-                     f"{_num(row['target_loss'])} | {_num(row['reference_loss'])} | "
-                     f"{_num(row['max_rel_diff'])} | {row.get('why') or '-'} |")
-    reached = s.get("reached_recorded")
+    for row in s.replayed:
+        mark = "**" if row.step == first else ""
+        lines.append(f"| {mark}{row.step}{mark} | {_num(row.original_loss)} | "
+                     f"{_num(row.target_loss)} | {_num(row.reference_loss)} | "
+                     f"{_num(row.max_rel_diff)} | {row.why or '-'} |")
+    reached = s.reached_recorded
     if reached:
         lines += ["", "The target's replay reached the recorded pre-state of the failing step "
                   + ("bit for bit." if reached.get("bit_exact") else
@@ -209,11 +209,11 @@ def _history_md(r: Report) -> list[str]:
     if not r.history:
         return []
     lines = ["", f"## History (last {min(len(r.history), 12)} of {len(r.history)} steps)", ""]
-    lines += [f"- {f['text']}" for f in r.history_findings] or ["- nothing stands out"]
+    lines += [f"- {f.text}" for f in r.history_findings] or ["- nothing stands out"]
     lines += ["", "| step | loss | grad norm | lr | skipped |", "|---|---|---|---|---|"]
     for e in r.history[-12:]:
-        lines.append(f"| {e['step']} | {_num(e.get('loss'))} | {_num(e.get('grad_norm'))} | "
-                     f"{_num(e.get('lr'))} | {'yes' if e.get('skipped') else '-'} |")
+        lines.append(f"| {e.step} | {_num(e.loss)} | {_num(e.grad_norm)} | "
+                     f"{_num(e.lr)} | {'yes' if e.skipped else '-'} |")
     return lines
 
 
@@ -238,12 +238,12 @@ def terminal(r: Report, out: Path) -> str:
                             else ""))
     if r.replicas_out_of_sync:
         lines.append(f"  replicas out of sync: {len(r.replicas_out_of_sync)} tensor(s) differ "
-                     f"between data-parallel ranks, first {r.replicas_out_of_sync[0]['tensor']} "
+                     f"between data-parallel ranks, first {r.replicas_out_of_sync[0].tensor} "
                      "(see the notes)")
     if r.steps:
-        lines.append(f"  steps: {len(r.steps.get('replayed', []))} replayed, first divergent step "
-                     f"{r.steps.get('first_divergent_step')}")
+        lines.append(f"  steps: {len(r.steps.replayed)} replayed, first divergent step "
+                     f"{r.steps.first_divergent_step}")
     for f in r.history_findings[:3]:
-        lines.append(f"  history: {f['text']}")
+        lines.append(f"  history: {f.text}")
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     return "\n".join(lines)
