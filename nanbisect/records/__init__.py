@@ -1,0 +1,34 @@
+"""The records that cross stages: frozen dataclasses with typed fields, in one package (a module
+per family; every name is importable from here).
+
+What a replay saw (`StepOutcome`, `BadValue`, `Stats`), where the failure was born (`CallId`,
+`Culprit`, `OpSite`, `OpFinding`, `OpRef`, `ContextRow`), what a narrow replay caught for the
+repro (`Caught`, `ModuleCaught`) and what running it said (`ReproResult`), what the reference
+said (`Comparison`, `OpCheck`, `Divergence`), the facts every report shares (`Losses`,
+`RunFacts`), and the protocol between the multi-rank launcher and its rank workers (`Bucket`,
+`RankSummary`, `RankRoot`, `Plan`, `RankResult`). Records that become JSON say how, in
+``to_json``; those that come back from JSON (the rank workers' results) have ``from_json``.
+
+Guarantees: importing this module imports no torch; nothing here computes on tensors (records
+that hold tensors only carry them).
+"""
+from __future__ import annotations
+
+from nanbisect.records.compared import Comparison, Divergence, OpCheck
+from nanbisect.records.culprit import (Caught, ContextRow, Culprit, ModuleCaught, ModuleRepro,
+                                       OpFinding, OpRecording, OpRef, OpSite, ReproResult,
+                                       TimelineRow, TraceRow)
+from nanbisect.records.facts import (Fidelity, Finding, HistoryEntry, Losses, RunFacts, StepRow,
+                                     StepsWindow)
+from nanbisect.records.ranks import (Bucket, Plan, RankReference, RankResult, RankRoot, RankSummary,
+                                     ReplicaDiff, Subset)
+from nanbisect.records.seen import BadValue, CallId, Stats, StepOutcome
+from nanbisect.records.words import ROOT, Classification, Verdict, Word, json_number, module_label
+
+__all__ = ["json_number", "Word", "Verdict", "Classification", "ROOT", "module_label", "CallId",
+           "Stats", "BadValue", "StepOutcome", "Culprit", "TraceRow", "TimelineRow", "OpSite",
+           "OpRef", "ContextRow", "OpFinding", "OpRecording", "Caught", "ModuleCaught",
+           "ReproResult", "ModuleRepro", "Comparison", "OpCheck", "Divergence", "Losses",
+           "Fidelity", "RunFacts", "HistoryEntry", "Finding", "StepRow", "StepsWindow", "Bucket",
+           "RankSummary", "RankRoot", "Plan", "RankReference", "ReplicaDiff", "Subset",
+           "RankResult"]

@@ -1,0 +1,180 @@
+"""The facts every report of a run shares (`Losses`, `Fidelity`, `RunFacts`), and the parts of a
+report that say what came before the failing step (`HistoryEntry`, `Finding`, `StepRow`,
+`StepsWindow`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from nanbisect.records.words import json_number
+
+
+@dataclass(frozen=True)
+class Losses:
+    """The step's loss as captured and as replayed on each side (JSON numbers or "nan"/"inf")."""
+
+    original: float | str | None
+    target: float | str | None
+    reference: float | str | None = None
+    bit_exact: bool | None = None    # None: not decidable (no finite original, or no loss)
+
+    def to_json(self) -> dict:
+        d = {"original_loss": self.original, "target_loss": self.target,
+             "reference_loss": self.reference}
+        if self.bit_exact is not None:
+            d["bit_exact"] = self.bit_exact
+        return d
+
+@dataclass(frozen=True)
+class Fidelity:
+    """Whether the replay computes the captured step (see `nanbisect.replay.fidelity`)."""
+
+    code_changed: list[str]          # user source files that differ from the capture's
+    environment_changed: list[str]   # versions/settings that differ, e.g. "torch 2.4 at ..."
+    same_setup: bool                 # replayed on the capture device at the capture dtype
+    bit_exact: bool | None           # the loss equals the captured one (None: not decidable)
+    code_missing: list[str] = field(default_factory=list)   # recorded files not found now
+
+    @property
+    def mismatch(self) -> bool:
+        """The replay does not compute the captured step: same device and dtype, other loss."""
+        return self.same_setup and self.bit_exact is False
+
+    def causes(self) -> str:
+        """The likely reasons for a mismatch, most likely first."""
+        out = []
+        if self.code_changed:
+            out.append("the code changed since the capture: " + ", ".join(self.code_changed[:5])
+                       + (f" and {len(self.code_changed) - 5} more"
+                          if len(self.code_changed) > 5 else ""))
+        if self.environment_changed:
+            out.append("the environment changed: " + "; ".join(self.environment_changed))
+        out += ["the training loop does something the Task does not describe (its own loss "
+                "scaling, an extra forward, a hook, clipping or accumulation not given to Task)",
+                "autocast (or another mode) entered outside loss_fn, so the replay runs at "
+                "another precision",
+                "state outside the model, optimizer and RNG (a global, a data-dependent "
+                "schedule)"]
+        return "; ".join(out)
+
+    @property
+    def faithful(self) -> bool | None:
+        """True: same code and a bit-exact loss; False: other code or another loss; None: the
+        loss cannot tell (not finite at capture, or replayed elsewhere) and the code is the same."""
+        if self.code_changed or self.mismatch:
+            return False
+        return True if self.bit_exact and not self.code_missing else None
+
+    def to_json(self) -> dict:
+        return {"faithful": self.faithful, "code_changed": list(self.code_changed),
+                "code_missing": list(self.code_missing),
+                "environment_changed": list(self.environment_changed)}
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What every report of one run states, whatever the verdict."""
+
+    bundle: str
+    entry: str
+    target: str
+    reference: str
+    observed: Any                    # the manifest's `observed` (one rank's, or rank -> its)
+    losses: Losses
+    fidelity: Fidelity | None = None
+
+@dataclass(frozen=True)
+class HistoryEntry:
+    """One step of a bundle's history (``Guard(history=N)``; report.json ``history``): what is
+    not known is None and left out of the JSON.
+
+    >>> HistoryEntry(12, loss=float("nan"), skipped=False).to_json()
+    {'step': 12, 'loss': 'nan', 'skipped': False}
+    """
+
+    step: int
+    loss: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    skipped: bool | None = None
+
+    def to_json(self) -> dict:
+        out: dict = {"step": self.step}
+        for k in ("loss", "grad_norm", "lr"):
+            if getattr(self, k) is not None:
+                out[k] = json_number(getattr(self, k))
+        if self.skipped is not None:
+            out["skipped"] = self.skipped
+        return out
+
+@dataclass(frozen=True)
+class Finding:
+    """What a bundle's history points out (report.json ``history_findings``): its ``kind``
+    (``lr-jump``, ``loss-jump``, ``grad-norm-jump``, ``param-extreme``, ``moment-extreme``), the
+    numbers that earn it and a sentence for people."""
+
+    kind: str
+    text: str
+    step: int | None = None
+    parameter: str | None = None
+    state: str | None = None          # an optimizer state's name (moment-extreme)
+    value: float | None = None
+    baseline: float | None = None
+    ratio: float | None = None
+    z: float | None = None            # robust z score (the jumps)
+    since_step: int | None = None     # param-extreme: above x2 of its baseline since then
+
+    KEYS = {"lr-jump": ("kind", "step", "value", "baseline", "ratio", "text"),
+            "loss-jump": ("kind", "step", "value", "baseline", "ratio", "z", "text"),
+            "grad-norm-jump": ("kind", "step", "value", "baseline", "ratio", "z", "text"),
+            "param-extreme": ("kind", "parameter", "value", "baseline", "ratio", "since_step",
+                              "text"),
+            "moment-extreme": ("kind", "parameter", "state", "value", "baseline", "ratio",
+                               "text")}
+
+    def to_json(self) -> dict:
+        keys = self.KEYS.get(self.kind) or [f.name for f in fields(self)
+                                            if getattr(self, f.name) is not None]
+        return {k: getattr(self, k) for k in keys}
+
+@dataclass(frozen=True)
+class StepRow:
+    """One step of a ``--steps`` window, replayed on both sides."""
+
+    step: int
+    target_loss: float | str | None
+    reference_loss: float | str | None
+    original_loss: float | str | None     # the guarded run's, from the bundle's history
+    max_rel_diff: float | None
+    parted: bool
+    why: str | None = None                # what parted: "param:<name>", "target failed", ...
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "target_loss": self.target_loss,
+                "reference_loss": self.reference_loss, "original_loss": self.original_loss,
+                "max_rel_diff": self.max_rel_diff, "parted": self.parted,
+                **({"why": self.why} if self.why else {})}
+
+@dataclass(frozen=True)
+class StepsWindow:
+    """report.json ``steps`` (``run --steps K``): the replayed window and where it parts.
+
+    >>> StepsWindow([StepRow(7, 1.0, 1.0, 1.0, 0.0, False)], None, 0, None).to_json()["replayed"]
+    [{'step': 7, 'target_loss': 1.0, 'reference_loss': 1.0, 'original_loss': 1.0, \
+'max_rel_diff': 0.0, 'parted': False}]
+    """
+
+    replayed: list[StepRow]
+    first_divergent_step: int | None
+    advanced: int                  # steps replayed on the target alone before the window
+    # the target's pre-state of the failing step against the recorded one: bit_exact,
+    # max_rel_diff, parameters, first_step_off_history (and stopped_at when it never got there)
+    reached_recorded: dict[str, Any] | None
+    failing_prestate_max_rel_diff: float | None = None   # how far the failing step's pre-state
+                                                         # had drifted from the reference's
+
+    def to_json(self) -> dict:
+        return {"replayed": [r.to_json() for r in self.replayed],
+                "first_divergent_step": self.first_divergent_step,
+                "advanced": self.advanced, "reached_recorded": self.reached_recorded,
+                "failing_prestate_max_rel_diff": self.failing_prestate_max_rel_diff}

@@ -1,0 +1,192 @@
+"""The protocol between the multi-rank launcher and its rank workers (`Bucket`, `RankSummary`,
+`RankRoot`, `Plan`, `RankReference`, `RankResult`: JSON both ways), and what a multi-rank
+report adds (`ReplicaDiff`, `Subset`).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from nanbisect.records.compared import OpCheck
+from nanbisect.records.culprit import ContextRow, Culprit, OpRef
+from nanbisect.records.seen import BadValue, Stats
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One DDP gradient bucket: NaN/inf counts going into the collective and coming out."""
+
+    bucket: int
+    params: list[str]
+    in_nan: int
+    in_inf: int
+    out_nan: int
+    out_inf: int
+
+    @property
+    def in_bad(self) -> bool:
+        return bool(self.in_nan or self.in_inf)
+
+    @property
+    def out_bad(self) -> bool:
+        return bool(self.out_nan or self.out_inf)
+
+@dataclass(frozen=True)
+class RankSummary:
+    """What one rank's first pass saw; every rank gets every rank's, to decide the same plan."""
+
+    rank: int
+    phase: str | None
+    loss: float | str | None
+    kind: str | None
+    buckets: list[Bucket] = field(default_factory=list)
+    input_nonfinite: list[BadValue] = field(default_factory=list)
+
+    @property
+    def reduce_in_bad(self) -> bool:
+        return any(b.in_bad for b in self.buckets)
+
+    @property
+    def reduce_out_bad(self) -> bool:
+        return any(b.out_bad for b in self.buckets)
+
+@dataclass(frozen=True)
+class RankRoot:
+    """What one rank's op recording traced its failure to."""
+
+    op: str
+    op_index: int
+    module: str
+    module_call: int | None
+    input_dtypes: list[str]
+    input_shapes: list[list[int]]
+    collective: bool              # the root is a collective's output: the rank received it
+
+@dataclass(frozen=True)
+class Plan:
+    """The decision every rank takes alike: which phase to bisect on which rank."""
+
+    phase: str | None             # input | forward | backward | grad-reduce | optimizer | None
+    rank: int | None
+    through_collective: bool = False   # every failing rank traced it to a collective
+
+@dataclass(frozen=True)
+class RankReference:
+    """One rank's step on the reference (multi-rank ``--reference``): how it ended, and where
+    this rank's target step first parted from it (None: within tolerance, or no comparison)."""
+
+    phase: str | None             # the reference's own failing phase (None: finite)
+    loss: float | str | None
+    divergence: str | None = None  # "loss", "grad:NAME", "param:NAME"
+    max_rel: float | str | None = None
+
+@dataclass(frozen=True)
+class ReplicaDiff:
+    """A tensor the data-parallel replicas of a multi-rank bundle hold differently (report.json
+    ``replicas_out_of_sync``, from the top manifest's ``replicas.out_of_sync``).
+
+    >>> ReplicaDiff.from_json({"tensor": "model:w", "ranks": [[0], [1]], "max_abs_diff": 0.5})
+    ReplicaDiff(tensor='model:w', ranks=[[0], [1]], max_abs_diff=0.5, missing=[])
+    """
+
+    tensor: str                       # "model:fc.weight"
+    ranks: list[list[int]]            # ranks grouped by identical bytes, the first group first
+    max_abs_diff: float | str | None  # between the first copy and the others; None: not measured
+    missing: list[int] = field(default_factory=list)   # ranks that lack the tensor
+
+    @staticmethod
+    def from_json(d: dict) -> "ReplicaDiff":
+        return ReplicaDiff(d["tensor"], [list(g) for g in d["ranks"]], d.get("max_abs_diff"),
+                           list(d.get("missing") or []))
+
+    def to_json(self) -> dict:
+        return {"tensor": self.tensor, "ranks": self.ranks,
+                **({"missing": self.missing} if self.missing else {}),
+                "max_abs_diff": self.max_abs_diff}
+
+@dataclass(frozen=True)
+class Subset:
+    """What a replay of some ranks alone (``--ranks``, collectives served as recorded) could and
+    could not decide (report.json ``subset``).
+
+    >>> Subset([1], 4).to_json()
+    {'replayed': [1], 'world_size': 4, 'decided': True, 'next_ranks': [], 'why': None}
+    """
+
+    replayed: list[int]
+    world_size: int
+    decided: bool = True          # False: the job's answer needs ranks not replayed
+    next_ranks: list[int] = field(default_factory=list)   # the ranks to replay next
+    why: str | None = None        # why it is not decided
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank worker hands the launcher (as JSON in ``PARTIAL/rank{r}.json``)."""
+
+    rank: int
+    plan: Plan | None = None
+    summary: RankSummary | None = None
+    root: RankRoot | None = None
+    module_stats: dict[str, Stats | None] | None = None   # the culprit's module call here
+    culprit: Culprit | None = None                       # on the culprit rank
+    context: list[ContextRow] = field(default_factory=list)
+    inf_origin: OpRef | None = None
+    repro: str | None = None                             # path of the repro it wrote
+    error: str | None = None                             # one line: why this rank failed
+    reference: RankReference | None = None               # with --reference
+    op_check: OpCheck | None = None                      # the culprit op on the reference
+    classification: str | None = None                    # the culprit rank's, from its evidence
+    classification_notes: list[str] = field(default_factory=list)   # why, when the evidence
+                                                                     # needs words
+    received_from: list[int] | None = None   # replayed alone: ranks that fed it the failure
+    recorded_input_bad: bool = False   # alone: its own input to that collective held NaN/inf
+                                       # at capture (and is finite in this replay)
+    served_inputs_differ: list[int] = field(default_factory=list)   # tape entries whose input
+                                                                    # was not the capture's
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["op_check"] = self.op_check.to_json() if self.op_check is not None else None
+        return d
+
+    @staticmethod
+    def from_json(d: dict) -> "RankResult":
+        def opt(cls, v):
+            return None if v is None else cls(**v)
+
+        s = d.get("summary")
+        summary = None if s is None else RankSummary(
+            **{**s, "buckets": [Bucket(**b) for b in s.get("buckets", [])],
+               "input_nonfinite": [BadValue(**b) for b in s.get("input_nonfinite", [])]})
+        stats = d.get("module_stats")
+        return RankResult(
+            rank=d["rank"], plan=opt(Plan, d.get("plan")), summary=summary,
+            root=opt(RankRoot, d.get("root")),
+            module_stats=None if stats is None else {k: opt(Stats, v) for k, v in stats.items()},
+            culprit=opt(Culprit, d.get("culprit")),
+            context=[ContextRow(**c) for c in d.get("context", [])],
+            inf_origin=opt(OpRef, d.get("inf_origin")), repro=d.get("repro"),
+            error=d.get("error"), reference=opt(RankReference, d.get("reference")),
+            op_check=(OpCheck.from_json(d["op_check"]) if d.get("op_check") is not None
+                      else None),
+            classification=d.get("classification"),
+            classification_notes=list(d.get("classification_notes") or []),
+            received_from=d.get("received_from"),
+            recorded_input_bad=bool(d.get("recorded_input_bad", False)),
+            served_inputs_differ=d.get("served_inputs_differ", []))
+
+    def row(self) -> dict:
+        """This rank's row in report.json's ``ranks``."""
+        s = self.summary
+        return {"rank": self.rank, "phase": s.phase if s else None,
+                "loss": s.loss if s else None,
+                "reduction_in_bad": s.reduce_in_bad if s else None,
+                "reduction_out_bad": s.reduce_out_bad if s else None,
+                "buckets": [asdict(b) for b in s.buckets] if s else [],
+                "module_stats": ({k: asdict(v) if v is not None else None
+                                  for k, v in self.module_stats.items()}
+                                 if self.module_stats is not None else None),
+                "root": asdict(self.root) if self.root is not None else None,
+                **({"reference": asdict(self.reference)} if self.reference is not None else {})}
