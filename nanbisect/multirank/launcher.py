@@ -168,13 +168,12 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
     base += ["--inject", inject] if inject else []
     base += ["--entry", entry] if entry else []
     base += ["--reference", reference] if reference else []
-    t_dev = devices.parse(target)[0]
-    gpus = devices.entry(t_dev).count() if t_dev.type != "cpu" else 0
+    per_host = devices.entry(devices.parse(target)[0]).count()   # the CPU's: 1
     procs: dict[int, subprocess.Popen] = {}
     try:
         for i, r in enumerate(ranks):
             env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
-                   "LOCAL_RANK": str(i % gpus if gpus else 0)}
+                   "LOCAL_RANK": str(i % per_host if per_host else 0)}
             with open(partial / f"rank{r}.log", "w") as log:
                 procs[r] = subprocess.Popen(base, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, start_new_session=True,

@@ -37,10 +37,11 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
     wrap = load_inject(opts.inject) if opts.inject else nullcontext
     notes = [n for n in [match_threads(bundle, t_dev)] if n]
     interp = None
-    if opts.run_repro and t_dev.type != "cpu" and (recorded_failure(m.get("observed"))
-                                                   or ref is not None):
+    if opts.run_repro and not devices.entry(t_dev).forkable and (
+            recorded_failure(m.get("observed")) or ref is not None):
         # the repro's interpreter imports torch while the passes below find what it will run
-        # (on the CPU the repro of a built-in op runs in a fork of this process instead)
+        # (where the device seam lets it, the repro of a built-in op runs in a fork of this
+        # process instead: `rerun.Fork.usable`)
         interp = take()
     try:
         return _analyse_step(bundle, opts, progress, target, t_dev, t_dtype, tmp, reference,
