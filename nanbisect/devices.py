@@ -38,6 +38,11 @@ class DeviceType:
     extension: str | None = None   # imported before the type is used ("torch_npu")
     backend = "gloo"               # torch.distributed backend of a multi-rank replay on it
     forkable = False               # a repro may run in a fork of this process (CPU only)
+    # the ranks of a multi-rank replay may be forked from one interpreter that imported torch
+    # but used no device (`nanbisect.multirank.spawn`); else each rank is a fresh interpreter.
+    # Off for accelerators until checked on one: a driver initialised before the fork (even by
+    # an `is_available()` at import) is not usable in the child.
+    fork_ranks = False
 
     # -- the runtime -----------------------------------------------------------------------
     def module(self) -> Any:
@@ -136,6 +141,7 @@ class DeviceType:
 class Cpu(DeviceType):
     name = "cpu"
     forkable = True
+    fork_ranks = True
 
     def module(self) -> Any:
         return torch.cpu

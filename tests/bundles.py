@@ -1,7 +1,7 @@
 """Multi-rank bundles captured once per test session, shared by every test (and every xdist
 worker) that needs the same one: each caller gets a private copy.
 
-A capture under torchrun costs 5-15 s; several test files need the same few (rank1_nan,
+A multi-rank capture costs 5-15 s; several test files need the same few (rank1_nan,
 comm_corrupt, ...). The first caller captures into the session's cache under a lock; the others
 wait for it and copy the result. The cache is keyed by script, function and world size, and
 lives in the session's pytest temporary directory (`CACHE`, set by tests/conftest.py), so a new
@@ -19,12 +19,19 @@ from pathlib import Path
 CACHE: Path | None = None     # set by conftest.py for the session
 
 
+def run_ranks(script: Path, args: list[str], ranks: int, timeout: float = 240):
+    """Run ``script args`` on ``ranks`` ranks of one gloo process group, as torchrun would (its
+    environment, a TCPStore, a failed rank stopping the others), with the ranks forked from one
+    interpreter that imported torch (`nanbisect.multirank.spawn`): a new interpreter per rank
+    costs 2-4 s of CPU. tests/test_multirank_faults.py captures under torchrun itself."""
+    return subprocess.run([sys.executable, "-m", "nanbisect.multirank.spawn", f"--world={ranks}",
+                           "--group", "--preload=nanbisect.guard", "--preload=torch._dynamo",
+                           "--", str(script), *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def _capture(script: Path, func: str, out: Path, ranks: int) -> Path:
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                        f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
-                        "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={out}-torchrun-logs",
-                        str(script), func, str(out)],
-                       capture_output=True, text=True, timeout=240)
+    p = run_ranks(script, [func, str(out)], ranks)
     lines = [line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()
              if line.startswith("BUNDLE ")]
     assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-2000:]

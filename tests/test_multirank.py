@@ -1,4 +1,4 @@
-"""Multi-rank capture and replay with real processes: torchrun, 2 ranks, gloo, CPU."""
+"""Multi-rank capture and replay with real processes: 2 ranks, gloo, CPU."""
 from __future__ import annotations
 
 import json
@@ -11,13 +11,13 @@ import pytest
 from bundles import captured
 from conftest import TEST_TASKS, cli, run_json
 
-# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+# slow (multi-rank captures and replays): started first under -n 3 (tests/conftest.py)
 pytestmark = pytest.mark.slow
 
 TRAIN = TEST_TASKS / "ddp_train.py"
 
 
-def torchrun_capture(func: str, out: Path, ranks: int = 2) -> Path:
+def ranks_capture(func: str, out: Path, ranks: int = 2) -> Path:
     """Train ``func``'s task under Guard on ``ranks`` ranks; return (a private copy of) the bundle
     they wrote, captured once per test session (tests/bundles.py)."""
     return captured(TRAIN, func, out, ranks)
@@ -55,7 +55,7 @@ def rankworkers(bundle: Path) -> list[str]:
 
 
 def test_comm_hook_corrupting_reduced_grads_is_communication(tmp_path):
-    bundle = torchrun_capture("comm_corrupt", tmp_path / "g")
+    bundle = ranks_capture("comm_corrupt", tmp_path / "g")
     top = json.loads((bundle / "manifest.json").read_text())
     assert (top["kind"], top["world_size"], top["backend"]) == ("multi-rank", 2, "gloo")
     assert sorted(top["ranks"]) == ["0", "1"]
@@ -72,7 +72,7 @@ def test_comm_hook_corrupting_reduced_grads_is_communication(tmp_path):
 @pytest.fixture(scope="module")
 def rank1_nan(tmp_path_factory) -> Path:
     """ddp_train.py's rank1_nan: rank 1's forward takes sqrt of a negative number."""
-    return torchrun_capture("rank1_nan", tmp_path_factory.mktemp("rank1_nan") / "g")
+    return ranks_capture("rank1_nan", tmp_path_factory.mktemp("rank1_nan") / "g")
 
 
 def test_rank_that_computes_nan_locally_is_named(rank1_nan):
@@ -120,7 +120,7 @@ def test_entry_override_that_does_not_exist_fails_before_any_rank_starts(rank1_n
 
 
 def test_nan_in_one_ranks_batch_is_input_nonfinite_naming_the_rank(tmp_path):
-    bundle = torchrun_capture("rank1_nan_batch", tmp_path / "g")
+    bundle = ranks_capture("rank1_nan_batch", tmp_path / "g")
     rep = run_json(bundle)
     assert (rep["verdict"], rep["classification"], rep["phase"], rep["culprit"]) == (
         "input-nonfinite", "data", "input", None)
@@ -131,7 +131,7 @@ def test_nan_in_one_ranks_batch_is_input_nonfinite_naming_the_rank(tmp_path):
 
 
 def test_rank_crash_during_replay_is_named_and_leaves_no_process(tmp_path):
-    bundle = torchrun_capture("crash_on_replay", tmp_path / "g")
+    bundle = ranks_capture("crash_on_replay", tmp_path / "g")
     res, took = failing_replay(bundle, {"CRASH_ON_REPLAY": "1", "NANBISECT_RANK_TIMEOUT": "60"})
     assert "rank 1 failed during replay" in res.stderr
     assert took < 60
@@ -140,7 +140,7 @@ def test_rank_crash_during_replay_is_named_and_leaves_no_process(tmp_path):
 def test_tensor_parallel_nan_computed_on_one_rank_is_told_from_received(tmp_path):
     # The row-parallel layer all-reduces inside its forward: on both ranks the same module call
     # has clean inputs and a NaN output; only rank 1 computed the NaN (sqrt of its shard).
-    bundle = torchrun_capture("tp_rank1_nan", tmp_path / "g")
+    bundle = ranks_capture("tp_rank1_nan", tmp_path / "g")
     top = json.loads((bundle / "manifest.json").read_text())
     assert top["process_groups"] == {"world": [0, 1], "tp": [0, 1]}   # the layout, named
     shown = cli("inspect", bundle)
@@ -163,7 +163,7 @@ def test_tensor_parallel_nan_computed_on_one_rank_is_told_from_received(tmp_path
 
 
 def test_collective_that_returns_nan_from_finite_inputs_is_communication(tmp_path):
-    bundle = torchrun_capture("tp_healthy", tmp_path / "g")
+    bundle = ranks_capture("tp_healthy", tmp_path / "g")
     run_json(bundle, code=0)                    # healthy as captured
     inject = f"{TEST_TASKS / 'corrupt_allreduce.py'}:corrupt_allreduce"
     rep = run_json(bundle, "--inject", inject, "--out", tmp_path / "rep")
@@ -176,7 +176,7 @@ def test_collective_that_returns_nan_from_finite_inputs_is_communication(tmp_pat
 def test_fsdp2_backward_nan_on_one_rank_is_told_from_the_reduce_scatter(tmp_path):
     # FSDP2 (fully_shard): parameters and AdamW state are DTensor shards, the bundle holds each
     # rank's shard; rank 1's gate backward computes NaN, the reduce-scatter hands it to rank 0
-    bundle = torchrun_capture("fsdp_rank1_backward_nan", tmp_path / "g")
+    bundle = ranks_capture("fsdp_rank1_backward_nan", tmp_path / "g")
     top = json.loads((bundle / "manifest.json").read_text())
     assert top["ranks"]["1"]["observed"]["summary"]["grads"] == "nan"
     rep = run_json(bundle)
@@ -192,7 +192,7 @@ def test_fsdp2_backward_nan_on_one_rank_is_told_from_the_reduce_scatter(tmp_path
 
 
 def test_fsdp2_reduce_scatter_returning_nan_is_communication(tmp_path):
-    bundle = torchrun_capture("fsdp_healthy", tmp_path / "g")
+    bundle = ranks_capture("fsdp_healthy", tmp_path / "g")
     run_json(bundle, code=0)                    # the shards restore and replay healthy
     inject = f"{TEST_TASKS / 'corrupt_allreduce.py'}:corrupt_reduce_scatter"
     rep = run_json(bundle, "--inject", inject, "--out", tmp_path / "rep")
@@ -203,7 +203,7 @@ def test_fsdp2_reduce_scatter_returning_nan_is_communication(tmp_path):
 
 def test_rank_taking_a_different_control_path_ends_within_the_timeout(tmp_path):
     # rank 1 skips a collective that rank 0 waits in: a hang without the watchdog
-    bundle = torchrun_capture("tp_healthy", tmp_path / "g")
+    bundle = ranks_capture("tp_healthy", tmp_path / "g")
     t0 = time.monotonic()
     run_json(bundle, "--out", tmp_path / "healthy", code=0)
     # long enough for both ranks to reach their collectives however loaded the machine is

@@ -1,7 +1,9 @@
-"""Faults of a multi-rank replay, with real processes (torchrun, 2 ranks, gloo, CPU): a rank that
-hangs, one that is killed or crashes, and the `nanbisect run` process itself killed with SIGKILL.
-Every test replays the same healthy bundle of tests/tasks/mr_faults.py, with the fault switched on
-by the environment, under a private TMPDIR so that what a run leaves there can be counted."""
+"""Faults of a multi-rank replay, with real processes (2 ranks, gloo, CPU): a rank that hangs, one
+that is killed or crashes, and the `nanbisect run` process itself killed with SIGKILL. Every test
+replays the same healthy bundle of tests/tasks/mr_faults.py, with the fault switched on by the
+environment, under a private TMPDIR so that what a run leaves there can be counted. That bundle is
+captured under torchrun itself, as users capture (the other test files fork their ranks:
+`bundles.run_ranks`)."""
 from __future__ import annotations
 
 import math
@@ -17,7 +19,7 @@ from conftest import ROOT, TEST_TASKS, cli
 
 from nanbisect.multirank.launcher import PREFIX, sweep, where
 
-# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+# slow (multi-rank captures and replays): started first under -n 3 (tests/conftest.py)
 pytestmark = pytest.mark.slow
 
 FAULTS = TEST_TASKS / "mr_faults.py"
@@ -25,7 +27,8 @@ FAULTS = TEST_TASKS / "mr_faults.py"
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
-    """mr_faults.py's task, trained 3 healthy steps on 2 ranks; step 3 captured on both."""
+    """mr_faults.py's task, trained 3 healthy steps on 2 ranks under torchrun; step 3 captured on
+    both."""
     out = tmp_path_factory.mktemp("mr_faults")
     p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
                         "--nproc-per-node=2", "--rdzv-backend=c10d",
@@ -94,7 +97,7 @@ def hang_timeout(healthy) -> int:
 def test_healthy_replay_leaves_no_process_and_no_directory(healthy):
     res, _, left = healthy
     assert res.code == 0, res.stdout[-2000:] + res.stderr
-    assert left == ([], [])          # torchrun's logs too (torchelastic_* without --log-dir)
+    assert left == ([], [])          # nor a torchelastic_* directory
 
 
 def test_rank_that_hangs_in_its_own_code_is_named(bundle, healthy, tmp_path):
@@ -120,7 +123,7 @@ def test_rank_that_dies_is_named_with_its_signal_or_status(bundle, tmp_path, fau
     err = failed(res, left)
     assert said in err, err
     assert "rank 0" not in err.split(said)[0]      # the survivor is not the one blamed
-    assert took < 60                              # torchrun's report, not the timeout
+    assert took < 60                              # the exit status, not the timeout
 
 
 @pytest.mark.parametrize("when", ["ranks-started", "rank-1-hanging"])
@@ -138,8 +141,9 @@ def test_kill_9_of_nanbisect_run_leaves_no_process_and_no_directory(bundle, tmp_
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and p.poll() is None:
             procs, dirs = leftovers(bundle, tmp)
-            workers = [c for c in procs if "nanbisect.multirank.worker" in c]
-            if len(workers) == 2 and dirs and (when == "ranks-started" or mark.exists()):
+            # the spawner and the two ranks it forked (a fork keeps its parent's command line)
+            workers = [c for c in procs if "nanbisect.multirank.spawn" in c]
+            if len(workers) == 3 and dirs and (when == "ranks-started" or mark.exists()):
                 break
             time.sleep(0.05)
         else:

@@ -1,4 +1,4 @@
-"""Multi-rank ``--reference``: both sides replay the recorded world (real torchrun, gloo, CPU).
+"""Multi-rank ``--reference``: both sides replay the recorded world (real processes, gloo, CPU).
 
 A fused op of an MoE-like block (tests/tasks/mr_moe.py) is broken only on the target, through
 ``--inject`` (target-only): the reference, given the culprit op's own inputs, computes it right,
@@ -15,7 +15,7 @@ import pytest
 from bundles import captured
 from conftest import TEST_TASKS, run_json
 
-# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+# slow (multi-rank captures and replays): started first under -n 3 (tests/conftest.py)
 pytestmark = pytest.mark.slow
 
 MOE = TEST_TASKS / "mr_moe.py"
@@ -98,9 +98,9 @@ def test_rank_diverging_without_nan_is_isolated_to_its_op(moe_ddp, tmp_path):
 
 
 def test_ddp_nan_the_arithmetic_makes_everywhere_is_numerics(tmp_path):
-    from test_multirank import torchrun_capture
+    from test_multirank import ranks_capture
 
-    bundle = torchrun_capture("rank1_nan", tmp_path / "g")
+    bundle = ranks_capture("rank1_nan", tmp_path / "g")
     rep = run_json(bundle, "--reference", "cpu")
     c = rep["culprit"]
     assert (rep["classification"], c["rank"], c["op"], c["phase"]) == (
@@ -110,9 +110,9 @@ def test_ddp_nan_the_arithmetic_makes_everywhere_is_numerics(tmp_path):
 
 
 def test_ddp_comm_hook_fault_with_a_reference_is_communication(tmp_path):
-    from test_multirank import torchrun_capture
+    from test_multirank import ranks_capture
 
-    bundle = torchrun_capture("comm_corrupt", tmp_path / "g")
+    bundle = ranks_capture("comm_corrupt", tmp_path / "g")
     rep = run_json(bundle, "--reference", "cpu")
     assert (rep["verdict"], rep["classification"], rep["phase"]) == (
         "culprit", "communication", "grad-reduce")

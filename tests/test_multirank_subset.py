@@ -1,4 +1,4 @@
-"""``--ranks R,...``: replay some ranks of a multi-rank bundle alone (real torchrun captures,
+"""``--ranks R,...``: replay some ranks of a multi-rank bundle alone (real multi-rank captures,
 gloo, CPU; the replay processes run without any process group between them).
 
 At capture, Guard re-runs the failing step on every rank and records what each collective gave
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from conftest import cli, run_json
-from test_multirank import torchrun_capture
+from test_multirank import ranks_capture
 
-# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+# slow (multi-rank captures and replays): started first under -n 3 (tests/conftest.py)
 pytestmark = pytest.mark.slow
 
 
@@ -33,12 +33,12 @@ def culprit(rep: dict) -> tuple:
 
 @pytest.fixture(scope="module")
 def rank1_nan(tmp_path_factory) -> Path:
-    return torchrun_capture("rank1_nan", tmp_path_factory.mktemp("sub2") / "g")
+    return ranks_capture("rank1_nan", tmp_path_factory.mktemp("sub2") / "g")
 
 
 @pytest.fixture(scope="module")
 def rank1_nan_4(tmp_path_factory) -> Path:
-    return torchrun_capture("rank1_nan", tmp_path_factory.mktemp("sub4") / "g", ranks=4)
+    return ranks_capture("rank1_nan", tmp_path_factory.mktemp("sub4") / "g", ranks=4)
 
 
 @pytest.mark.parametrize("bundle", ["rank1_nan", "rank1_nan_4"])
@@ -88,7 +88,7 @@ def test_a_rank_alone_with_a_reference(rank1_nan, tmp_path):
 
 
 def test_tensor_parallel_and_fsdp2_ranks_alone(tmp_path):
-    tp = torchrun_capture("tp_rank1_nan", tmp_path / "tp")
+    tp = ranks_capture("tp_rank1_nan", tmp_path / "tp")
     rep = run_json(tp, "--ranks", "1", "--out", tmp_path / "tp1")
     assert culprit(rep) == (1, "forward", "aten.sqrt.default", "row", 0)
     rep = run_json(tp, "--ranks", "0", "--out", tmp_path / "tp0")
@@ -100,7 +100,7 @@ def test_tensor_parallel_and_fsdp2_ranks_alone(tmp_path):
     assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert "collective #0: the replay issued c10d.allreduce_.default writing [[3]]" in res.stderr
     assert "replay all ranks (drop --ranks)" in res.stderr and "Traceback" not in res.stderr
-    fsdp = torchrun_capture("fsdp_rank1_backward_nan", tmp_path / "fsdp")
+    fsdp = ranks_capture("fsdp_rank1_backward_nan", tmp_path / "fsdp")
     rep = run_json(fsdp, "--ranks", "1", "--out", tmp_path / "f1")
     assert culprit(rep) == (1, "backward", "aten.sqrt.default", "gate", 0)
     rep = run_json(fsdp, "--ranks", "0", "--out", tmp_path / "f0")
@@ -109,7 +109,7 @@ def test_tensor_parallel_and_fsdp2_ranks_alone(tmp_path):
 
 
 def test_a_faulty_collective_is_decided_only_with_every_rank(tmp_path):
-    bundle = torchrun_capture("comm_corrupt", tmp_path / "g")
+    bundle = ranks_capture("comm_corrupt", tmp_path / "g")
     some = run_json(bundle, "--ranks", "1", "--out", tmp_path / "one")
     assert (some["classification"], some["subset"]["decided"]) == ("unknown", False)
     assert "needs all its participants' inputs" in some["subset"]["why"]
@@ -127,7 +127,7 @@ def test_bad_ranks_are_one_line_errors(rank1_nan, tmp_path, spec):
 
 
 def test_ranks_need_a_bundle_that_recorded_its_collectives(tmp_path, fixture_bundle):
-    captured = torchrun_capture("tp_healthy", tmp_path / "g")   # nanbisect.capture: no re-run
+    captured = ranks_capture("tp_healthy", tmp_path / "g")   # nanbisect.capture: no re-run
     res = cli("run", "--ckpt", captured, "--ranks", "1", "--out", tmp_path / "r")
     assert res.code == 2 and "records no collectives" in res.stderr, res.stderr
     single = fixture_bundle("forward_nan_behind_mask")
@@ -165,7 +165,7 @@ def test_hostile_recorded_collectives_are_one_line_errors(rank1_nan, tmp_path, e
 def test_the_sender_is_found_among_the_collective_s_participants(tmp_path):
     # 4-rank tensor parallel, rank 2's shard is corrupt: after the all-reduce every rank's loss
     # is NaN, but only rank 2 fed the all-reduce NaN: that is the rank to replay next
-    bundle = torchrun_capture("tp_rank2_nan", tmp_path / "g", ranks=4)
+    bundle = ranks_capture("tp_rank2_nan", tmp_path / "g", ranks=4)
     rep = run_json(bundle, "--ranks", "0", "--out", tmp_path / "r0")
     assert rep["subset"]["next_ranks"] == [2] and rep["culprit"]["rank"] == 2
     rep = run_json(bundle, "--ranks", "2", "--out", tmp_path / "r2")

@@ -1,40 +1,36 @@
 """Replicas written once (the contract: "State that is identical on every rank of a data-parallel
 group (DDP replicas) is written once, not once per rank"), and replicas out of sync as a finding.
 
-Real processes: torchrun with gloo on CPU, 2 and 4 ranks, tests/tasks/replicas.py; each capture
-runs once per module (fixtures), replays write their reports under tmp_path.
+Real processes: a gloo process group on CPU (`bundles.run_ranks`), 2 and 4 ranks,
+tests/tasks/replicas.py; each capture runs once per module (fixtures), replays write their
+reports under tmp_path.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from bundles import run_ranks
 from conftest import TEST_TASKS, cli, invoke, run_json
 from nanbisect import BadInput
 from nanbisect.bundle.format import read_bundle, read_header
 from nanbisect.guard.coord import ReplicaPlan, out_of_sync, share
 
-# slow (torchrun captures and replays): started first under -n 3 (tests/conftest.py)
+# slow (multi-rank captures and replays): started first under -n 3 (tests/conftest.py)
 pytestmark = pytest.mark.slow
 
 TRAIN = TEST_TASKS / "replicas.py"
 FC = "model/module.fc.weight"
 
 
-def torchrun_capture(func: str, ranks: int, out: Path) -> Path:
+def ranks_capture(func: str, ranks: int, out: Path) -> Path:
     """Train ``func``'s task under Guard on ``ranks`` ranks; return the bundle they wrote."""
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-                        f"--nproc-per-node={ranks}", "--rdzv-backend=c10d",
-                        "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={out}-torchrun-logs",
-                        str(TRAIN), func, str(out)],
-                       capture_output=True, text=True, timeout=240)
+    p = run_ranks(TRAIN, [func, str(out)], ranks)
     lines = [line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()
              if line.startswith("BUNDLE ")]
     assert p.returncode == 0 and lines, p.stdout[-2000:] + p.stderr[-2000:]
@@ -44,19 +40,19 @@ def torchrun_capture(func: str, ranks: int, out: Path) -> Path:
 @pytest.fixture(scope="module")
 def ddp4(tmp_path_factory) -> Path:
     """4 ranks in sync; rank 1's forward takes sqrt of a negative number at step 1."""
-    return torchrun_capture("ddp_rank1_nan", 4, tmp_path_factory.mktemp("ddp4") / "g")
+    return ranks_capture("ddp_rank1_nan", 4, tmp_path_factory.mktemp("ddp4") / "g")
 
 
 @pytest.fixture(scope="module")
 def oos4(tmp_path_factory) -> Path:
     """4 ranks, healthy, odd ranks' fc.weight off by 0.25: copies [[0, 2], [1, 3]]."""
-    return torchrun_capture("ddp_out_of_sync", 4, tmp_path_factory.mktemp("oos4") / "g")
+    return ranks_capture("ddp_out_of_sync", 4, tmp_path_factory.mktemp("oos4") / "g")
 
 
 @pytest.fixture(scope="module")
 def oos2(tmp_path_factory) -> Path:
     """2 ranks, healthy, rank 1's fc.weight off by 0.25."""
-    return torchrun_capture("ddp_out_of_sync", 2, tmp_path_factory.mktemp("oos2") / "g")
+    return ranks_capture("ddp_out_of_sync", 2, tmp_path_factory.mktemp("oos2") / "g")
 
 
 def size(path: Path) -> int:

@@ -1,6 +1,6 @@
 """What the launcher says when a rank hangs or dies: where each rank was (its faulthandler stacks,
 classified as its own code, a library's, nanbisect's or a wait inside torch), its exit status
-or signal from torchrun's failure report, and the stage it reached.
+or signal as the spawner saw it (`nanbisect.multirank.spawn`), and the stage it reached.
 """
 from __future__ import annotations
 
@@ -127,19 +127,18 @@ def _stacks(partial: Path, ranks: list[int]) -> dict[int, Where | None]:
     return out
 
 
-_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
-
-
-def exit_statuses(log: str) -> tuple[dict[int, int], int | None]:
-    """(rank -> exit status, the first rank that failed) from torchrun's failure report; a
-    negative status is the signal that killed the rank."""
-    statuses = {int(m[1]): int(m[2]) for m in _FAILURE.finditer(log)}
-    root = None
-    at = log.find("Root Cause")
-    if at >= 0:
-        m = _FAILURE.search(log, at)
-        root = int(m[1]) if m else None
-    return statuses, root
+def exit_statuses(partial: Path) -> tuple[dict[int, int], int | None]:
+    """(rank -> exit status, the first rank that failed), as `nanbisect.multirank.spawn` wrote
+    them to ``partial/statuses.json``; a negative status is the signal that killed the rank.
+    Empty when the spawner itself was killed before it wrote them."""
+    got = _read_json(partial / "statuses.json") or {}
+    try:
+        statuses = {int(r): int(c) for r, c in (got.get("statuses") or {}).items()
+                    if c is not None}
+        root = got.get("root")
+        return statuses, (int(root) if root is not None else None)
+    except (TypeError, ValueError, AttributeError):
+        return {}, None
 
 
 def _stage(partial: Path, r: int) -> str:

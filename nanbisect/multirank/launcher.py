@@ -1,10 +1,12 @@
 """Replay a multi-rank bundle with its recorded world size and gather one report.
 
 Guarantees (each one tested with real processes in tests/test_multirank_faults.py):
-- the ranks are started by torch.distributed's own launcher (``torch.distributed.run``, gloo on
-  CPU, nccl on CUDA); every rank runs ``--entry`` when the user gives one (checked here before any
-  rank starts), else the entry its part recorded; an entry that is not the captured one makes a
-  failure that does not come back ``code-changed``, not ``transient``;
+- the ranks are started by `nanbisect.multirank.spawn`: torchrun's environment and TCPStore, one
+  process group (gloo on CPU, the device seam's backend elsewhere), each rank forked from one
+  interpreter that imported torch once (a fresh interpreter per rank where the device seam says
+  its extension cannot be forked); every rank runs ``--entry`` when the user gives one (checked
+  here before any rank starts), else the entry its part recorded; an entry that is not the
+  captured one makes a failure that does not come back ``code-changed``, not ``transient``;
 - the whole replay, start-up included, is bounded by ``NANBISECT_RANK_TIMEOUT`` seconds (default
   600). At the deadline every rank still running is asked for its Python stacks (SIGUSR1; the
   worker's faulthandler writes them from C, even from inside a blocked collective), and the error
@@ -12,15 +14,15 @@ Guarantees (each one tested with real processes in tests/test_multirank_faults.p
   while the others waited in a collective or inside torch. When every rank was waiting, it says
   where each one waited (the ranks took different control paths);
 - a rank that raises is named with its error; a rank that dies is named with its signal or exit
-  status, read from torchrun's failure report ("rank 1 was killed by SIGSEGV"), with the place
+  status, as the spawner saw it ("rank 1 was killed by SIGSEGV"), with the place
   faulthandler saw for a fatal signal; its peers' "connection closed" errors are not blamed;
 - every failure is one line (`BadInput`: exit 2 from the CLI, no traceback);
-- nothing is left behind. The run's files (rank results, stacks, torchrun's logs) live in one
+- nothing is left behind. The run's files (rank results, stacks, the ranks' output) live in one
   private directory PARTIAL (``$TMPDIR/nanbisect-ranks-*``), and every process of the run has
   PARTIAL on its command line: when the replay ends, fails or times out, every such process is
   killed and PARTIAL removed before `launch` returns. When this process is killed instead, even
   by SIGKILL, the kernel releases its exclusive lock on ``PARTIAL/.lock``; a janitor (a small
-  Python process without torch, in its own session, started before torchrun) waits for that
+  Python process without torch, in its own session, started before the ranks) waits for that
   lock, then kills every process of the run and removes PARTIAL, and every rank also waits for it
   and exits. A PARTIAL whose janitor was killed as well is removed by the next run (its lock is
   free). Only a kill in the few milliseconds between creating PARTIAL and starting the janitor
@@ -29,12 +31,10 @@ Guarantees (each one tested with real processes in tests/test_multirank_faults.p
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -65,6 +65,31 @@ def rank_timeout() -> float:
                       fix="set it to e.g. 600 or unset it")
 
 
+def _spawner(bundle: Bundle, target: str, partial: Path, worker: list[str], ranks: list[int],
+             *, group: bool, per_host: int) -> list[str]:
+    """The command that starts ``ranks`` of the run (`nanbisect.multirank.spawn`): forked from
+    one interpreter that imported torch, or fresh interpreters where the device's extension
+    cannot be used in a fork (`nanbisect.devices`)."""
+    fork = all(devices.entry(devices.parse(t)[0]).fork_ranks
+               for t in worker_devices(worker, target))
+    cmd = [sys.executable, "-m", "nanbisect.multirank.spawn", f"--world={bundle.world_size}",
+           f"--ranks={','.join(map(str, ranks))}", f"--per-host={per_host}",
+           f"--statuses={partial / 'statuses.json'}"]
+    cmd += ["--group"] if group else [f"--logs={partial}"]
+    cmd += [] if fork else ["--exec"]
+    cmd += ["--preload=nanbisect.multirank.worker", "--preload=torch._dynamo"]
+    return [*cmd, "--", "-m", "nanbisect.multirank.worker", str(bundle.path.resolve()),
+            str(partial), "--target", target, *worker]
+
+
+def worker_devices(worker: list[str], target: str) -> list[str]:
+    """The devices a rank's command line names (its target and reference)."""
+    out = [target]
+    if "--reference" in worker:
+        out.append(worker[worker.index("--reference") + 1])
+    return out
+
+
 def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
            timeout: float | None = None, entry: str | None = None,
            reference: str | None = None) -> list[RankResult]:
@@ -72,19 +97,13 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
     ``partial`` is the run's directory (`run_dir`); ``entry`` overrides every rank's."""
     timeout = rank_timeout() if timeout is None else timeout
     world = bundle.world_size
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
-           f"--nproc-per-node={world}", "--max-restarts=0", "--rdzv-backend=c10d",
-           "--rdzv-endpoint=127.0.0.1:0", f"--log-dir={partial / 'torchrun'}",
-           "-m", "nanbisect.multirank.worker",
-           str(bundle.path.resolve()), str(partial), "--target", target,
-           "--timeout", str(timeout)]
-    if inject:
-        cmd += ["--inject", inject]
-    if entry:
-        cmd += ["--entry", entry]
-    if reference:
-        cmd += ["--reference", reference]
-    log_path = partial / "torchrun.log"
+    worker = ["--timeout", str(timeout)]
+    worker += ["--inject", inject] if inject else []
+    worker += ["--entry", entry] if entry else []
+    worker += ["--reference", reference] if reference else []
+    cmd = _spawner(bundle, target, partial, worker, list(range(world)), group=True,
+                   per_host=world)
+    log_path = partial / "ranks.log"
     with open(log_path, "w") as log_file:
         p = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, start_new_session=True)
@@ -125,7 +144,7 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
                              stacks))
     if missing:
         then = (f"; rank(s) {sorted(errors)} then lost their peers" if errors else "")
-        statuses, root = exit_statuses(log)
+        statuses, root = exit_statuses(partial)
         dead = [r for r in missing if statuses.get(r) not in (None, 0, -signal.SIGTERM)]
         first = root if root in dead else (dead[0] if dead else None)
         if first is not None:
@@ -162,33 +181,26 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
     (`multirank.alone`): no process group between them, every collective served what the
     capture recorded. Bounded by ``timeout`` as a lockstep replay is; nothing is left behind
     (the same run directory, janitor and kill as `launch`)."""
-    world = bundle.world_size
-    base = [sys.executable, "-m", "nanbisect.multirank.worker", str(bundle.path.resolve()),
-            str(partial), "--alone", "--target", target, "--timeout", str(timeout)]
-    base += ["--inject", inject] if inject else []
-    base += ["--entry", entry] if entry else []
-    base += ["--reference", reference] if reference else []
+    worker = ["--alone", "--timeout", str(timeout)]
+    worker += ["--inject", inject] if inject else []
+    worker += ["--entry", entry] if entry else []
+    worker += ["--reference", reference] if reference else []
     per_host = devices.entry(devices.parse(target)[0]).count()   # the CPU's: 1
-    procs: dict[int, subprocess.Popen] = {}
+    cmd = _spawner(bundle, target, partial, worker, ranks, group=False,
+                   per_host=per_host or 1)
+    with open(partial / "ranks.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    hung: list[int] = []
     try:
-        for i, r in enumerate(ranks):
-            env = {**os.environ, "RANK": str(r), "WORLD_SIZE": str(world),
-                   "LOCAL_RANK": str(i % per_host if per_host else 0)}
-            with open(partial / f"rank{r}.log", "w") as log:
-                procs[r] = subprocess.Popen(base, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, start_new_session=True,
-                                            env=env)
-        deadline = time.monotonic() + timeout
-        hung: list[int] = []
-        for r, p in procs.items():
-            try:
-                p.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                hung.append(r)
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            hung = [r for r in ranks if not (partial / f"rank{r}.json").is_file()]
         stacks = _stacks(partial, hung) if hung else {}
     finally:
-        for p in procs.values():
-            _kill_run(p, partial)
+        _kill_run(p, partial)
+    statuses, _ = exit_statuses(partial)
     results, errors = [], {}
     for r in ranks:
         res = None
@@ -206,7 +218,7 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
                            f"{w if w else 'did not say where it was'}{_stage(partial, r)}; fix "
                            "that code, or raise NANBISECT_RANK_TIMEOUT if it is only slow")
         else:
-            raise BadInput(_died(partial, r, procs[r].returncode or 1, " (replayed alone)"))
+            raise BadInput(_died(partial, r, statuses.get(r) or 1, " (replayed alone)"))
     if errors:
         r = min(errors)
         raise BadInput(f"rank {r} failed during replay (alone, collectives served as "

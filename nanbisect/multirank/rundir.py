@@ -40,7 +40,8 @@ shutil.rmtree(run, ignore_errors=True)
 
 
 def run_processes(partial: Path) -> list[int]:
-    """The live processes that name ``partial`` as one of their arguments (torchrun, the ranks)."""
+    """The live processes that name ``partial`` as one of their arguments (the spawner, the
+    ranks)."""
     key, out = b"\0" + os.fsencode(str(partial)) + b"\0", []
     for d in (Path("/proc").iterdir() if Path("/proc").is_dir() else []):
         if not d.name.isdigit() or int(d.name) == os.getpid():
@@ -54,8 +55,8 @@ def run_processes(partial: Path) -> list[int]:
 
 
 def _kill_run(p: subprocess.Popen, partial: Path) -> None:
-    """SIGKILL torchrun's session and every process of the run (torchrun starts each rank in a
-    session of its own), then wait until none is left (5 s at most)."""
+    """SIGKILL the spawner's session (its ranks are in it) and every process of the run (one
+    that left the session too), then wait until none is left (5 s at most)."""
     if p.poll() is None:    # not reaped yet: its pid is still its own
         try:
             os.killpg(p.pid, signal.SIGKILL)
