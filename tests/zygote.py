@@ -37,27 +37,9 @@ def _child(req: dict) -> None:
         import tempfile
         tempfile.tempdir = None          # TMPDIR is read again, from this child's environment
         sys.path[0] = os.getcwd()        # what `python -m` puts first
-        sys.argv = ["-m", *req["argv"]]
-        import runpy
-        try:
-            runpy.run_module("nanbisect", run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as e:
-            if e.code is None:
-                code = 0
-            elif isinstance(e.code, int):
-                code = e.code
-            else:
-                print(e.code, file=sys.stderr)
-                code = 1
-        except BaseException:  # noqa: BLE001 - what the interpreter would print and exit 1 for
-            import traceback
-            traceback.print_exc()
-            code = 1
-        import atexit
-        import threading
-        threading._shutdown()            # as the interpreter's exit does: threads, then atexit
-        atexit._run_exitfuncs()
+        from nanbisect.multirank.spawn import run_main   # here: each child imports nanbisect
+
+        code = run_main(["-m", "nanbisect", *req["argv"]])
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

@@ -76,9 +76,14 @@ def _rank_env(a: argparse.Namespace, rank: int, local: int, count: int) -> dict[
     return env
 
 
-def _run_target(target: list[str]) -> int:
-    """Run ``target`` as ``python`` would run it in this (forked) process; its exit status."""
+def run_main(target: list[str]) -> int:
+    """Run ``target`` (``["-m", MODULE, ARG...]`` or ``[SCRIPT, ARG...]``) in this (forked)
+    process as ``python`` would run it as its main program, then end it as the interpreter's exit
+    does (non-daemon threads joined, then atexit); its exit status. For a module, ``sys.path[0]``
+    is the caller's to set (``python -m`` puts the working directory there)."""
+    import atexit
     import runpy
+    import threading
     import traceback
     import warnings
 
@@ -104,6 +109,8 @@ def _run_target(target: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - printed as the interpreter would, then exit 1
         traceback.print_exc()
         code = 1
+    threading._shutdown()                 # as the interpreter's exit does: threads, then atexit
+    atexit._run_exitfuncs()
     return code
 
 
@@ -114,7 +121,6 @@ def _fork_rank(env: dict[str, str], target: list[str], log: Path | None,
         return pid
     code = 1
     try:
-        import atexit
         import random
 
         for fd in close:                  # the other ranks' pipe ends and the parent's write ends:
@@ -133,8 +139,7 @@ def _fork_rank(env: dict[str, str], target: list[str], log: Path | None,
             if not port:                  # the store never came up: the parent said why
                 os._exit(1)
             os.environ["MASTER_PORT"] = port
-        code = _run_target(target)
-        atexit._run_exitfuncs()
+        code = run_main(target)
     except BaseException:  # noqa: BLE001 - never return into the parent's code
         import traceback
 
