@@ -11,6 +11,7 @@ import pytest
 from conftest import FIXTURES, TEST_TASKS, cli
 
 from nanbisect.triage import normalise_module
+from nanbisect.util.staging import make_staging_dir
 
 
 def make_tree(root):
@@ -30,8 +31,7 @@ def make_tree(root):
     (root / "other_tool").mkdir()
     (root / "other_tool" / "manifest.json").write_text('{"schema": "other.tool/2"}')
     # what a capture killed half-way leaves: listed as a leftover, never triaged as a bundle
-    left = root / "night2" / ".step000001.tmp-0123abcd"
-    left.mkdir()
+    left = make_staging_dir(root / "night2" / ".step000001.tmp-0123abcd")   # with its marker
     (left / "model.safetensors").write_bytes(b"12345")
     return root
 
@@ -71,8 +71,10 @@ def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
     skipped = {s["path"][len(str(root)) + 1:]: s["reason"] for s in data["skipped"]}
     assert set(skipped) == {"logs", "night2/job_without_bundle", "other_tool"}, skipped
     assert "other.tool/2" in skipped["other_tool"] and "no manifest" in skipped["logs"]
+    left = root / "night2" / ".step000001.tmp-0123abcd"
+    written = sum(f.stat().st_size for f in left.iterdir())
     assert [(x["path"].endswith("night2/.step000001.tmp-0123abcd"), x["bytes"], x["kind"])
-            for x in data["leftovers"]] == [(True, 5, "tmp")]
+            for x in data["leftovers"]] == [(True, written, "tmp")]
     assert not any(".tmp-" in b["bundle"] for b in data["bundles"] + data["errors"])
     assert "job_without_bundle" in md and ".step000001.tmp-0123abcd" in md
 
@@ -194,3 +196,4 @@ def test_cache_key_follows_the_code_on_disk(tmp_path):
     assert data["bundles"][0]["verdict"] == "clean"               # the fix, not the old culprit
     assert data["signatures"] == [] and second.code == 0
     assert len(list((out / "cache").glob("*.json"))) == 2          # one entry per code version
+

@@ -95,7 +95,7 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
             bundles, state.skipped = discover(roots, exclude=tuple(p for p in (out, cache) if p))
             state.pending = {str(b) for b in bundles}
             try:
-                state.leftovers = [x.to_json() for x in find_leftovers(roots)]
+                state.leftovers = [x.to_json() for x in find_leftovers(roots, beside=bundles)]
             except Exception as e:  # noqa: BLE001 - a listing problem must not stop the night
                 state.leftovers = [{"path": "", "bytes": 0, "age_s": 0.0, "kind": "error",
                                     "error": f"{type(e).__name__}: {str(e)[:200]}"}]
