@@ -206,14 +206,20 @@ def triage(
 @app.command()
 def pack(
     src: Path = typer.Argument(..., help="a bundle (after `run`) or a report directory"),
-    output: Path = typer.Option(Path("nanbisect-ticket.tar.gz"), "-o", "--output"),
+    output: Path = typer.Option(Path("nanbisect-ticket.tar.gz"), "-o", "--output",
+                                help="the archive to write: a new path outside any bundle"),
     full: bool = typer.Option(False, help="include the model and optimizer state"),
+    force: bool = typer.Option(False, "--force", help="replace -o when it is an earlier pack "
+                                                      "(never any other file)"),
 ) -> None:
-    """One archive for a ticket: report, repro, manifest(s), environment (under 10 MB)."""
+    """One archive for a ticket: report, repro, manifest(s), environment (under 10 MB).
+
+    Never replaces what it did not write: an existing -o is refused (with --force, unless it is
+    an earlier pack), as is -o inside a bundle or inside the directory being packed."""
     from nanbisect.bundle.pack import pack as do_pack
 
     try:
-        dest = do_pack(src, output, full=full)
+        dest = do_pack(src, output, full=full, force=force)
     except BadInput as e:
         _fail(e)
     typer.echo(f"nanbisect: wrote {dest} ({dest.stat().st_size} bytes)")
