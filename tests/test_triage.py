@@ -8,7 +8,8 @@ import textwrap
 
 import pytest
 
-from conftest import FIXTURES, TEST_TASKS, cli
+from conftest import FIXTURES, TEST_TASKS, cli, invoke
+from mounts import read_only, tmpfs
 
 from nanbisect.triage import normalise_module
 from nanbisect.util.staging import make_staging_dir
@@ -197,3 +198,21 @@ def test_cache_key_follows_the_code_on_disk(tmp_path):
     assert data["signatures"] == [] and second.code == 0
     assert len(list((out / "cache").glob("*.json"))) == 2          # one entry per code version
 
+
+def test_summary_on_a_full_or_read_only_out_is_one_line_before_any_replay(tmp_path):
+    """triage.json cannot be written: one line, exit 2, at the start (not after the night's
+    replays), and the --out directories it made are removed again."""
+    root = tmp_path / "night"
+    shutil.copytree(FIXTURES / "nan_batch", root / "b",
+                    ignore=shutil.ignore_patterns("nanbisect-report"))
+    with tmpfs(tmp_path / "full", "4k") as fs:
+        (fs / "filler").write_bytes(b"x" * 4000)
+        res = invoke("triage", root, "--out", fs / "t" / "night")
+        line = res.stderr.strip()
+        assert res.code == 2 and "\n" not in line and "No space left on device" in line, line
+        assert [p.name for p in fs.iterdir()] == ["filler"]      # no t/, no cache
+    with read_only(tmp_path / "ro") as ro:
+        res = invoke("triage", root, "--out", ro)
+        line = res.stderr.strip()
+        assert res.code == 2 and "\n" not in line and "Read-only file system" in line, line
+        assert list(ro.iterdir()) == []
