@@ -113,7 +113,7 @@ def test_report_from_before_the_marker_is_refused_not_replaced(fixture_bundle, t
         check_out(old)
     before = tree_digest(old)
     line = refused(fixture_bundle("nan_batch"), old, "written by an older nanbisect")
-    assert f"rm -r '{old}'" in line and "another --out" in line
+    assert "another --out" in line and "move it away" in line
     assert tree_digest(old) == before
     # a marker without the file list (the first marker format) proves nothing either
     (old / MARKER).write_text('{"schema": "nanbisect.report/1"}')

@@ -38,8 +38,6 @@ from nanbisect.util.staging import MARKER as STAGING_MARKER
 from nanbisect.util.staging import make_staging_dir, mark, staging_path, unmark
 
 MARKER = ".nanbisect-report"          # written into every report directory, holds its schema
-REPORT_FILES = {"report.json", "report.md", "report.html", "repro", MARKER}
-REPRO_FILES = {"repro.py", "inputs.safetensors", "module_repro.py", "module_inputs.safetensors"}
 DEFAULT_NAME = "nanbisect-report"     # BUNDLE/nanbisect-report, the default --out
 
 
@@ -157,8 +155,8 @@ def check_out(out: Path, bundle: Path | None = None) -> Path:
         if older_report(out):
             raise BadInput(f"--out '{given}' holds a report written by an older nanbisect, which "
                            "did not record what it wrote, so nanbisect cannot prove it "
-                           "unchanged and will not replace it: remove it yourself (rm -r "
-                           f"'{given}') or pass another --out")
+                           "unchanged and will not replace it: pass another --out, or move it "
+                           "away (or delete it yourself, keeping anything of yours in it)")
         held = sorted(p.name for p in out.iterdir())
         if held:
             shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
