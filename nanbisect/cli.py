@@ -206,14 +206,20 @@ def triage(
 @app.command()
 def pack(
     src: Path = typer.Argument(..., help="a bundle (after `run`) or a report directory"),
-    output: Path = typer.Option(Path("nanbisect-ticket.tar.gz"), "-o", "--output"),
+    output: Path = typer.Option(Path("nanbisect-ticket.tar.gz"), "-o", "--output",
+                                help="the archive to write: a new path outside any bundle"),
     full: bool = typer.Option(False, help="include the model and optimizer state"),
+    force: bool = typer.Option(False, "--force", help="replace -o when it is an earlier pack "
+                                                      "(never any other file)"),
 ) -> None:
-    """One archive for a ticket: report, repro, manifest(s), environment (under 10 MB)."""
+    """One archive for a ticket: report, repro, manifest(s), environment (under 10 MB).
+
+    Never replaces what it did not write: an existing -o is refused (with --force, unless it is
+    an earlier pack), as is -o inside a bundle or inside the directory being packed."""
     from nanbisect.bundle.pack import pack as do_pack
 
     try:
-        dest = do_pack(src, output, full=full)
+        dest = do_pack(src, output, full=full, force=force)
     except BadInput as e:
         _fail(e)
     typer.echo(f"nanbisect: wrote {dest} ({dest.stat().st_size} bytes)")
@@ -240,32 +246,31 @@ def unpack(
 
 @app.command()
 def clean(
-    dirs: list[Path] = typer.Argument(..., help="directories to search for leftovers"),
+    dirs: list[Path] = typer.Argument(..., help="directories to search for leftovers: Guard's "
+                                                "out, a bundle, the parent of a --out"),
     min_age: float = typer.Option(600.0, "--min-age", help="remove only leftovers nothing has "
                                                          "written to for this many seconds"),
     dry_run: bool = typer.Option(False, "--dry-run", help="list what would be removed"),
 ) -> None:
     """Remove what killed captures and report writes left behind (hidden .NAME.tmp-XXXXXXXX
-    directories); never a bundle, a report or anything else."""
+    directories that carry nanbisect's marker); never a bundle, a report or anything else.
+
+    Looks in each DIR and in the bundles directly inside it, nowhere deeper; a directory with
+    that name shape but without the marker (an older nanbisect's, or yours) is listed and kept."""
     from nanbisect.bundle.leftovers import find_leftovers, remove
 
     for d in dirs:
         if not d.is_dir():
             _fail(BadInput(f"clean: '{d}' is not a directory; pass directories that hold "
                            "bundles"))
-    found = find_leftovers(dirs)
-    if dry_run:
-        for x in found:
-            typer.echo(f"would remove {x.path} ({x.bytes} bytes, {x.age_s:.0f}s old)")
-        typer.echo(f"nanbisect: {len(found)} leftover(s), {sum(x.bytes for x in found)} bytes")
-        raise typer.Exit(0)
-    removed, kept = remove(found, min_age)
+    removed, kept = remove(find_leftovers(dirs), min_age, dry_run=dry_run)
+    verb = "would remove" if dry_run else "removed"
     for x in removed:
-        typer.echo(f"removed {x.path} ({x.bytes} bytes)")
+        typer.echo(f"{verb} {x.path} ({x.bytes} bytes, {x.age_s:.0f}s old)")
     for x, why in kept:
-        typer.echo(f"kept {x.path}: {why}")
-    typer.echo(f"nanbisect: removed {len(removed)} leftover(s), "
-               f"{sum(x.bytes for x in removed)} bytes; kept {len(kept)}")
+        typer.echo(f"{'would keep' if dry_run else 'kept'} {x.path}: {why}")
+    typer.echo(f"nanbisect: {verb} {len(removed)} leftover(s), "
+               f"{sum(x.bytes or 0 for x in removed)} bytes; kept {len(kept)}")
 
 
 @app.command()

@@ -1,7 +1,8 @@
 """What a capture killed half-way leaves (bundle/leftovers.py): never a directory that looks
-like a bundle; a hidden staging directory that `find_leftovers` lists with its size and
-`nanbisect clean` removes, while a young one (a capture that may still be running), bundles,
-reports and other files are kept."""
+like a bundle; a hidden staging directory, carrying nanbisect's marker, that `find_leftovers`
+lists with its size and `nanbisect clean` removes, while a young one (a capture that may still
+be running), one without the marker (a user's `.ssh.old-20240101`, an older nanbisect's),
+bundles, reports and other files are kept; `clean` looks only where nanbisect stages writes."""
 from __future__ import annotations
 
 import json
@@ -16,6 +17,7 @@ from conftest import FIXTURES, ROOT, TEST_TASKS, invoke
 
 from nanbisect.bundle.format import read_bundle
 from nanbisect.bundle.leftovers import find_leftovers
+from nanbisect.util.staging import MARKER, is_marked, make_staging_dir
 
 
 def killed_capture(out, tmp_path):
@@ -36,8 +38,8 @@ def killed_capture(out, tmp_path):
 def test_killed_capture_is_listed_and_cleaned(tmp_path):
     out = tmp_path / "out"
     left = killed_capture(out, tmp_path)
-    assert left.kind == "tmp" and left.path.parent == out
-    assert left.path.name.startswith(".step000001.tmp-")
+    assert left.kind == "tmp" and left.path.parent == out and left.marked
+    assert left.path.name.startswith(".step000001.tmp-") and is_marked(left.path)
     written = sum(f.stat().st_size for f in left.path.rglob("*") if f.is_file())
     assert left.bytes == written > 0
     assert not (out / "step000001").exists()          # nothing looks complete
@@ -59,8 +61,7 @@ def test_killed_capture_is_listed_and_cleaned(tmp_path):
 
 
 def test_clean_keeps_a_leftover_holding_a_link(tmp_path):
-    d = tmp_path / ".step000002.tmp-0123abcd"
-    d.mkdir()
+    d = make_staging_dir(tmp_path / ".step000002.tmp-0123abcd")
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
     os.symlink(victim, d / "model.safetensors")
@@ -88,3 +89,70 @@ def test_inspect_lists_bundles_and_leftovers_of_a_directory(tmp_path):
     assert f"nanbisect clean {out}" in res.stdout
     listing = json.loads(invoke("inspect", out, "--json").stdout)
     assert listing["leftovers"][0]["bytes"] == left.bytes and listing["bundles"] == ["step000000"]
+
+
+def aged(*paths, seconds=3 * 86400):
+    """Set every file and directory under ``paths`` (and they) to ``seconds`` ago."""
+    old = time.time() - seconds
+    for p in paths:
+        for q in sorted(p.rglob("*"), reverse=True) + [p]:
+            os.utime(q, (old, old), follow_symlinks=False)
+
+
+def digest(root):
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_clean_never_removes_by_name_alone(tmp_path):
+    """The user's directories that have a staging name's shape (an 8-digit date matches the
+    hex suffix), days old, are kept: the top-level one listed with why, the one in a
+    subdirectory that is no bundle not even looked at."""
+    ssh = tmp_path / ".ssh.old-20240101"
+    (ssh / "keys").mkdir(parents=True)
+    (ssh / "keys" / "id_ed25519").write_text("private key")
+    data = tmp_path / "proj" / ".data.tmp-00c0ffee"
+    data.mkdir(parents=True)
+    (data / "train.bin").write_bytes(b"\0" * 1000)
+    forged = tmp_path / ".step000003.tmp-89abcdef"     # a marker naming another directory
+    forged.mkdir()
+    (forged / MARKER).write_text('{"schema": "nanbisect.staging/1", "name": ".x.tmp-00000000"}')
+    aged(ssh, data, forged)
+    before = digest(tmp_path)
+    res = invoke("clean", tmp_path, "--min-age", "0")
+    assert res.code == 0, res.stdout + res.stderr
+    assert f"kept {ssh}: no nanbisect marker" in res.stdout, res.stdout
+    assert f"kept {forged}: no nanbisect marker" in res.stdout
+    assert "proj" not in res.stdout and "removed 0 leftover(s)" in res.stdout
+    assert digest(tmp_path) == before and ssh.is_dir() and data.is_dir() and forged.is_dir()
+    # listed, not looked into: no size for a directory nanbisect did not mark
+    [x] = [x for x in find_leftovers([tmp_path]) if x.path == ssh]
+    assert (x.marked, x.bytes) == (False, None)
+    assert "no nanbisect marker" in invoke("inspect", tmp_path).stdout
+
+
+def test_clean_looks_in_bundles_not_in_other_subdirectories(tmp_path):
+    """A report write killed in a bundle and a capture killed in the directory given are
+    removed; the same leftovers one level down in a directory that is no bundle are not looked
+    at; a pre-marker leftover (an older nanbisect's) in the bundle is listed and kept."""
+    bundle = tmp_path / "step000000"
+    shutil.copytree(FIXTURES / "healthy", bundle,
+                    ignore=shutil.ignore_patterns("nanbisect-report"))
+    report_left = make_staging_dir(bundle / ".nanbisect-report.tmp-0123abcd")
+    (report_left / "report.json").write_text("{}")
+    capture_left = make_staging_dir(tmp_path / ".step000001.tmp-0123abcd")
+    deeper = make_staging_dir(tmp_path / "logs" / ".step000002.tmp-0123abcd", parents=True)
+    older = bundle / ".nanbisect-report.old-fedcba98"     # no marker: before this version
+    older.mkdir()
+    (older / "report.md").write_text("# kept")
+    aged(report_left, capture_left, deeper, older)
+    res = invoke("clean", tmp_path, "--min-age", "0", "--dry-run")
+    assert res.code == 0 and f"would remove {report_left}" in res.stdout, res.stdout
+    assert f"would keep {older}: no nanbisect marker" in res.stdout and report_left.exists()
+    res = invoke("clean", tmp_path, "--min-age", "0")
+    assert res.code == 0 and "removed 2 leftover(s)" in res.stdout, res.stdout
+    assert not report_left.exists() and not capture_left.exists()
+    assert deeper.is_dir() and (older / "report.md").read_text() == "# kept"
+    read_bundle(bundle)
+    res = invoke("clean", tmp_path / "logs", "--min-age", "0")      # named: looked in
+    assert res.code == 0 and not deeper.exists(), res.stdout

@@ -1,13 +1,26 @@
-"""pack / unpack: small archive, repro runs after unpacking elsewhere, hostile archives refused."""
+"""pack / unpack: small archive, repro runs after unpacking elsewhere, hostile archives refused;
+`pack -o` never replaces or changes what nanbisect did not write (an existing path unless
+--force and an earlier pack, anything inside a bundle or the directory packed); a destination
+that cannot be written (full, read-only, busy, no permission) is one line, exit 2, nothing
+left."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
+import os
+import shutil
 import subprocess
 import sys
 import tarfile
 
-from conftest import cli
+import pytest
+from conftest import FIXTURES, cli, invoke
+from mounts import mode_bits_apply, read_only, tmpfs
+
+from nanbisect.bundle.format import read_bundle
+from nanbisect.bundle.pack import PACK_SCHEMA, is_pack
+from nanbisect.util.staging import MARKER as STAGING_MARKER
 
 
 def test_pack_under_limit_and_repro_runs_after_unpack(fixture_bundle, tmp_path):
@@ -62,3 +75,147 @@ def test_unpack_refuses_escaping_members(tmp_path):
 def test_pack_without_report_is_bad_input(fixture_bundle, tmp_path):
     res = cli("pack", fixture_bundle("healthy"), "-o", tmp_path / "x.tar.gz")
     assert res.code == 2 and "run `nanbisect run --ckpt" in res.stderr
+
+
+def digest(root) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def one_line_exit_2(res, *words):
+    line = res.stderr.strip()
+    assert res.code == 2, res.stdout + res.stderr
+    assert "\n" not in line and "Traceback" not in line, line
+    assert all(w in line for w in words), line
+    return line
+
+
+@pytest.fixture
+def reported(tmp_path):
+    """A copy of the nan_batch bundle with its report (in-process run)."""
+    b = tmp_path / "b"
+    shutil.copytree(FIXTURES / "nan_batch", b, ignore=shutil.ignore_patterns("nanbisect-report"))
+    assert invoke("run", b).code == 1
+    return b
+
+
+def test_pack_refuses_paths_inside_a_bundle(reported, tmp_path):
+    """`-o BUNDLE/model.safetensors` used to exit 0 and break the bundle's sha256."""
+    other = tmp_path / "other"
+    shutil.copytree(FIXTURES / "healthy", other, ignore=shutil.ignore_patterns("nanbisect-report"))
+    before, before_other = digest(reported), digest(other)
+    for dest, words in [(reported / "model.safetensors", "inside the bundle"),
+                        (reported / "new.tar.gz", "inside the bundle"),
+                        (reported / "nanbisect-report" / "t.tar.gz", "inside"),
+                        (other / "t.tar.gz", "inside the bundle"),
+                        (other / "sub" / "t.tar.gz", "inside the bundle")]:
+        one_line_exit_2(invoke("pack", reported, "-o", dest, "--force"), words)
+    assert digest(reported) == before and digest(other) == before_other
+    read_bundle(reported)
+    read_bundle(other)
+    # a report directory outside its bundle: not inside itself either
+    report = tmp_path / "report"
+    shutil.copytree(reported / "nanbisect-report", report)
+    one_line_exit_2(invoke("pack", report, "-o", report / "t.tar.gz"), "being packed")
+    assert not (report / "t.tar.gz").exists()
+
+
+def test_pack_never_replaces_a_file_a_directory_or_a_link(reported, tmp_path):
+    mine = tmp_path / "thesis.tar.gz"
+    mine.write_text("years of work")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "data.csv").write_text("1,2")
+    os.symlink(mine, tmp_path / "ln.tar.gz")
+    one_line_exit_2(invoke("pack", reported, "-o", mine), "exists", "--force")
+    one_line_exit_2(invoke("pack", reported, "-o", mine, "--force"), "is not a pack")
+    one_line_exit_2(invoke("pack", reported, "-o", tmp_path / "results", "--force"),
+                    "is a directory")
+    one_line_exit_2(invoke("pack", reported, "-o", tmp_path / "ln.tar.gz", "--force"),
+                    "symbolic link")
+    assert mine.read_text() == "years of work"
+    assert (tmp_path / "results" / "data.csv").read_text() == "1,2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b", "ln.tar.gz", "results",
+                                                         "thesis.tar.gz"]
+
+
+def test_pack_force_replaces_only_an_earlier_pack(reported, tmp_path):
+    ticket = tmp_path / "ticket.tar.gz"
+    assert invoke("pack", reported, "-o", ticket).code == 0
+    first = tarfile.open(ticket).getmembers()[0]
+    assert first.name == "pack.json" and is_pack(ticket)
+    assert json.loads(tarfile.open(ticket).extractfile(first).read())["schema"] == PACK_SCHEMA
+    one_line_exit_2(invoke("pack", reported, "-o", ticket), "exists", "--force")
+    res = invoke("pack", reported, "-o", ticket, "--force")
+    assert res.code == 0 and is_pack(ticket), res.stderr
+    # a pack of an older nanbisect (pack.json last, no schema): a pack too
+    old = tmp_path / "old.tar.gz"
+    with tarfile.open(old, "w:gz") as tar:
+        for name in ("report/report.md", "environment.json", "pack.json"):
+            data = b"{}"
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    assert is_pack(old) and invoke("pack", reported, "-o", old, "--force").code == 0
+    # the user's own archive with a pack.json in it is not
+    notes = tmp_path / "notes.tar.gz"
+    with tarfile.open(notes, "w:gz") as tar:
+        for name in ("pack.json", "environment.json", "notes/todo.md"):
+            info = tarfile.TarInfo(name)
+            info.size = 2
+            tar.addfile(info, io.BytesIO(b"{}"))
+    before = notes.read_bytes()
+    assert not is_pack(notes)
+    one_line_exit_2(invoke("pack", reported, "-o", notes, "--force"), "notes/todo.md")
+    assert notes.read_bytes() == before
+
+
+def no_staging_left(d):
+    return [p.name for p in d.rglob("*") if ".tmp-" in p.name or p.name == STAGING_MARKER]
+
+
+def test_pack_and_unpack_on_a_full_file_system_are_one_line(reported, tmp_path):
+    ticket = tmp_path / "ticket.tar.gz"
+    assert invoke("pack", reported, "-o", ticket).code == 0
+    with tmpfs(tmp_path / "full", "4k") as fs:
+        one_line_exit_2(invoke("pack", reported, "-o", fs / "new" / "t.tar.gz"),
+                        "No space left on device", "nothing was written")
+        assert list(fs.iterdir()) == []
+        one_line_exit_2(invoke("unpack", ticket, fs / "u"), "No space left on device",
+                        "nothing was kept")
+        assert list(fs.iterdir()) == []
+
+
+def test_pack_and_unpack_on_read_only_busy_or_locked_paths_are_one_line(reported, tmp_path):
+    ticket = tmp_path / "ticket.tar.gz"
+    assert invoke("pack", reported, "-o", ticket).code == 0
+    with read_only(tmp_path / "ro") as ro:
+        one_line_exit_2(invoke("pack", reported, "-o", ro / "t.tar.gz"), "Read-only file system")
+        one_line_exit_2(invoke("unpack", ticket, ro / "u"), "Read-only file system")
+        assert list(ro.iterdir()) == []
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:          # an empty mount point: EBUSY to rename
+        one_line_exit_2(invoke("unpack", ticket, mnt), "is a mount point")
+        assert list(mnt.iterdir()) == []
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        with mode_bits_apply():
+            packed = invoke("pack", reported, "-o", locked / "sub" / "t.tar.gz")
+            unpacked = invoke("unpack", ticket, locked / "u")
+    finally:
+        locked.chmod(0o755)
+    one_line_exit_2(packed, "Permission denied")
+    one_line_exit_2(unpacked, "Permission denied")
+    assert list(locked.iterdir()) == [] and no_staging_left(tmp_path) == []
+
+
+def test_unpacked_pack_holds_no_staging_marker_and_a_member_named_so_is_refused(reported,
+                                                                                 tmp_path):
+    ticket = tmp_path / "ticket.tar.gz"
+    assert invoke("pack", reported, "-o", ticket).code == 0
+    assert invoke("unpack", ticket, tmp_path / "u").code == 0
+    assert not (tmp_path / "u" / STAGING_MARKER).exists() and no_staging_left(tmp_path) == []
+    a = tmp_path / "forged.tar.gz"
+    _hostile(a, STAGING_MARKER)
+    one_line_exit_2(invoke("unpack", a, tmp_path / "v"), "reserves")
+    assert not (tmp_path / "v").exists()

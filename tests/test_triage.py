@@ -8,9 +8,11 @@ import textwrap
 
 import pytest
 
-from conftest import FIXTURES, TEST_TASKS, cli
+from conftest import FIXTURES, TEST_TASKS, cli, invoke
+from mounts import read_only, tmpfs
 
 from nanbisect.triage import normalise_module
+from nanbisect.util.staging import make_staging_dir
 
 
 def make_tree(root):
@@ -30,8 +32,7 @@ def make_tree(root):
     (root / "other_tool").mkdir()
     (root / "other_tool" / "manifest.json").write_text('{"schema": "other.tool/2"}')
     # what a capture killed half-way leaves: listed as a leftover, never triaged as a bundle
-    left = root / "night2" / ".step000001.tmp-0123abcd"
-    left.mkdir()
+    left = make_staging_dir(root / "night2" / ".step000001.tmp-0123abcd")   # with its marker
     (left / "model.safetensors").write_bytes(b"12345")
     return root
 
@@ -71,8 +72,10 @@ def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
     skipped = {s["path"][len(str(root)) + 1:]: s["reason"] for s in data["skipped"]}
     assert set(skipped) == {"logs", "night2/job_without_bundle", "other_tool"}, skipped
     assert "other.tool/2" in skipped["other_tool"] and "no manifest" in skipped["logs"]
+    left = root / "night2" / ".step000001.tmp-0123abcd"
+    written = sum(f.stat().st_size for f in left.iterdir())
     assert [(x["path"].endswith("night2/.step000001.tmp-0123abcd"), x["bytes"], x["kind"])
-            for x in data["leftovers"]] == [(True, 5, "tmp")]
+            for x in data["leftovers"]] == [(True, written, "tmp")]
     assert not any(".tmp-" in b["bundle"] for b in data["bundles"] + data["errors"])
     assert "job_without_bundle" in md and ".step000001.tmp-0123abcd" in md
 
@@ -194,3 +197,22 @@ def test_cache_key_follows_the_code_on_disk(tmp_path):
     assert data["bundles"][0]["verdict"] == "clean"               # the fix, not the old culprit
     assert data["signatures"] == [] and second.code == 0
     assert len(list((out / "cache").glob("*.json"))) == 2          # one entry per code version
+
+
+def test_summary_on_a_full_or_read_only_out_is_one_line_before_any_replay(tmp_path):
+    """triage.json cannot be written: one line, exit 2, at the start (not after the night's
+    replays), and the --out directories it made are removed again."""
+    root = tmp_path / "night"
+    shutil.copytree(FIXTURES / "nan_batch", root / "b",
+                    ignore=shutil.ignore_patterns("nanbisect-report"))
+    with tmpfs(tmp_path / "full", "4k") as fs:
+        (fs / "filler").write_bytes(b"x" * 4000)
+        res = invoke("triage", root, "--out", fs / "t" / "night")
+        line = res.stderr.strip()
+        assert res.code == 2 and "\n" not in line and "No space left on device" in line, line
+        assert [p.name for p in fs.iterdir()] == ["filler"]      # no t/, no cache
+    with read_only(tmp_path / "ro") as ro:
+        res = invoke("triage", root, "--out", ro)
+        line = res.stderr.strip()
+        assert res.code == 2 and "\n" not in line and "Read-only file system" in line, line
+        assert list(ro.iterdir()) == []

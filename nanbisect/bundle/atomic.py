@@ -3,7 +3,8 @@
 Guarantees: `place` renames a complete staging directory to its final name in one step, and
 never over an existing file or directory (Linux ``renameat2(RENAME_NOREPLACE)``; elsewhere, or
 on file systems without it, an exclusive ``mkdir`` reserves the name first and the rename then
-replaces only that empty directory of our own). With ``unique``, a taken name is not an error:
+replaces only that empty directory of our own; a file is hard-linked to its name, then
+unlinked). With ``unique``, a taken name is not an error:
 the next free ``NAME-1``, ``NAME-2``, ... is used, so two processes writing "the same" bundle at
 once both keep theirs.
 Not guaranteed: on the fallback path a process killed between the reservation and the rename
@@ -35,7 +36,8 @@ _renameat2 = _libc_renameat2()
 
 
 def rename_noreplace(src: Path, dst: Path) -> None:
-    """Rename ``src`` to ``dst``; `FileExistsError` when ``dst`` exists (nothing is replaced)."""
+    """Rename ``src`` (a directory or a file) to ``dst``; `FileExistsError` when ``dst`` exists
+    (nothing is replaced)."""
     src, dst = os.fsencode(src), os.fsencode(dst)
     if _renameat2 is not None:
         if _renameat2(_AT_FDCWD, src, _AT_FDCWD, dst, _RENAME_NOREPLACE) == 0:
@@ -45,6 +47,10 @@ def rename_noreplace(src: Path, dst: Path) -> None:
             raise FileExistsError(err, os.strerror(err), os.fsdecode(dst))
         if err not in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
             raise OSError(err, os.strerror(err), os.fsdecode(dst))
+    if not os.path.isdir(src):
+        os.link(src, dst)    # NB: a file: exclusive, raises FileExistsError when the name is taken
+        os.unlink(src)
+        return
     os.mkdir(dst)            # NB: exclusive: raises FileExistsError when the name is taken
     try:
         os.rename(src, dst)  # replaces only the empty directory just made

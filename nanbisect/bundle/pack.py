@@ -4,7 +4,14 @@ A pack holds report.md and report.json, the standalone repro, the bundle's manif
 environment summary (Python, torch, devices and driver versions, the environment variables that
 change numerics or communication). By default it leaves out the model and optimizer state and
 stays under `LIMIT` bytes; ``full=True`` adds the whole bundle. `pack` writes a hidden temporary
-file beside the archive and renames it into place (removed on any error).
+file beside the archive and renames it into place (removed on any error, with any directory it
+created for it).
+
+Guarantees of `pack` (it never replaces or deletes what it did not write): it refuses a
+destination that exists (a directory, a link, a special file, or a file: only with
+``force=True``, and then only a file that is a pack archive, `is_pack`), one inside the
+directory being packed or inside any bundle; a failure to write (no room, a read-only or busy
+file system, no permission) is a one-line `BadInput` and leaves nothing behind.
 
 Guarantees of `unpack` (archives from anyone): it streams (decompresses and writes one chunk at a
 time, memory stays flat whatever the archive holds); it reads at most ``max_bytes`` uncompressed
@@ -23,6 +30,8 @@ there), and a pack's contents being what its report claims (anyone can write a p
 from __future__ import annotations
 
 import bz2
+import contextlib
+import errno
 import gzip
 import io
 import json
@@ -42,11 +51,12 @@ from nanbisect.bundle.atomic import rename_noreplace
 from nanbisect.bundle.format import MANIFEST
 from nanbisect.errors import BadInput
 from nanbisect.util.env import env_number
-from nanbisect.util.files import atomic_file
-from nanbisect.util.staging import staging_name
+from nanbisect.util.staging import MARKER as STAGING_MARKER
+from nanbisect.util.staging import make_staging_dir, staging_name, staging_path, unmark
 from nanbisect.util.text import show
 
 LIMIT = 10 * 1024 * 1024
+PACK_SCHEMA = "nanbisect.pack/1"      # pack.json, the first member of every pack
 OPTIONAL = ("rng.safetensors", "batch.safetensors")   # kept while the pack stays under LIMIT
 ENV_PATTERN = re.compile(r"^(TORCH|CUDA|NCCL|HCCL|ASCEND|OMP|MKL|CUBLAS|CUDNN|PYTORCH|NVIDIA|"
                          r"NANBISECT|XLA|HIP|ROCM)_|^(WORLD_SIZE|RANK|LOCAL_RANK|MASTER_ADDR|"
@@ -96,8 +106,10 @@ def _members(src: Path, full: bool) -> list[tuple[Path, str]]:
     return out
 
 
-def pack(src: str | Path, dest: str | Path, full: bool = False) -> Path:
+def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = False) -> Path:
     """Write ``dest`` (.tar.gz) for a ticket; refuse to exceed `LIMIT` unless ``full``.
+
+    ``dest`` must be new; ``force`` replaces a file there only when it is a pack (`is_pack`).
 
     >>> import tempfile; from nanbisect.pipeline import RunOptions, run_bundle
     >>> d = Path(tempfile.mkdtemp())
@@ -105,9 +117,10 @@ def pack(src: str | Path, dest: str | Path, full: bool = False) -> Path:
     >>> pack(d / "report", d / "ticket.tar.gz").name
     'ticket.tar.gz'
     """
-    src, dest = Path(src), Path(dest)
+    src, given = Path(src), Path(dest)
     if not src.is_dir():
         raise BadInput(f"pack: '{src}' is not a directory; pass a bundle or report directory")
+    dest = check_dest(given, src, force)
     members = _members(src, full)
     size = sum(f.stat().st_size for f, _ in members)
     left_out = []
@@ -123,21 +136,150 @@ def pack(src: str | Path, dest: str | Path, full: bool = False) -> Path:
         big = max(members, key=lambda m: m[0].stat().st_size)
         raise BadInput(f"pack: {size} bytes exceed the {LIMIT}-byte ticket limit (largest: "
                        f"{big[1]}); pass --full to include everything anyway")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(dest) as tmp:
+    head = {"schema": PACK_SCHEMA, "full": full, "left_out": left_out,
+            "left_out_always": [] if full else ["model and optimizer state (use --full)"]}
+    made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]  # innermost first
+    tmp, done = staging_path(dest), False
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
         with tarfile.open(tmp, "w:gz") as tar:
-            for f, name in members:
-                tar.add(str(f), arcname=name, recursive=False)
-            for name, obj in (("environment.json", environment_summary()),
-                              ("pack.json", {"full": full, "left_out": left_out,
-                                             "left_out_always": [] if full else
-                                             ["model and optimizer state (use --full)"]})):
+            # NB: pack.json first: `is_pack` tells a pack from its first member
+            for name, obj in (("pack.json", head), ("environment.json", environment_summary())):
                 data = json.dumps(obj, indent=1).encode()
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 info.mode = 0o644
                 tar.addfile(info, io.BytesIO(data))
+            for f, name in members:
+                try:
+                    fobj = open(f, "rb")
+                except OSError as e:
+                    raise BadInput(f"pack: cannot read '{f}' ({e.strerror or e}); nothing was "
+                                   "written: check the directory being packed") from None
+                with fobj:
+                    tar.addfile(tar.gettarinfo(arcname=name, fileobj=fobj), fobj)
+        if force and dest.exists():
+            check_dest(given, src, force)    # NB: again, just before it is replaced
+            os.replace(tmp, dest)
+        else:
+            try:
+                rename_noreplace(tmp, dest)
+            except FileExistsError:
+                raise BadInput(f"pack: -o '{given}' was created by someone else while the pack "
+                               "was written; nothing was replaced: pass a new path") from None
+        done = True
+    except OSError as e:
+        raise BadInput(f"pack: cannot write '{given}' ({e.strerror or e}); nothing was "
+                       "written: pass -o with a path you can write to, on a file system with "
+                       "room for the archive") from None
+    finally:
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            for d in made:     # only the directories this call created, while empty
+                try:
+                    d.rmdir()
+                except OSError:
+                    break
     return dest
+
+
+def check_dest(dest: Path, src: Path, force: bool = False) -> Path:
+    """Refuse a ``pack -o`` that would replace or change what nanbisect did not write: an
+    existing path (with ``force``: anything but a pack), a path inside ``src`` or inside any
+    bundle. Returns the absolute path.
+
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp())
+    >>> check_dest(d, d / "src")
+    Traceback (most recent call last):
+    ...
+    nanbisect.errors.BadInput: pack: -o '...' is a directory; pass a file path for the archive...
+    """
+    given, dest = Path(dest), Path(os.path.abspath(dest))
+    real = dest.parent.resolve() / dest.name
+    for d in real.parents:
+        if _is_bundle(d):
+            raise BadInput(f"pack: -o '{given}' is inside the bundle '{d}'; writing there "
+                           "would change the bundle: pass a path outside any bundle")
+    if _inside(real, Path(src).resolve()):
+        raise BadInput(f"pack: -o '{given}' is inside '{src}', the directory being packed; "
+                       "writing there would change what is packed: pass a path outside it")
+    if dest.is_symlink():
+        raise BadInput(f"pack: -o '{given}' is a symbolic link; pack does not replace links: "
+                       "pass a new path")
+    if dest.is_dir():
+        raise BadInput(f"pack: -o '{given}' is a directory; pass a file path for the archive, "
+                       f"e.g. '{given / 'nanbisect-ticket.tar.gz'}'")
+    if dest.exists():
+        if not dest.is_file():
+            raise BadInput(f"pack: -o '{given}' exists and is not a plain file; pass a new path")
+        if not force:
+            raise BadInput(f"pack: -o '{given}' exists; pack never replaces a file: pass a new "
+                           "path, or --force to replace an earlier pack")
+        why = _not_a_pack(dest)
+        if why is not None:
+            raise BadInput(f"pack: -o '{given}' exists and is not a pack ({why}); --force "
+                           "replaces only an archive nanbisect pack wrote: pass a new path")
+    return dest
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+def _is_bundle(d: Path) -> bool:
+    """Whether ``d`` holds a nanbisect manifest (its first 4 KiB name the bundle schema)."""
+    try:
+        with open(d / MANIFEST, "rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return re.search(r'"schema"\s*:\s*"nanbisect\.bundle/', head) is not None
+
+
+def is_pack(path: str | Path) -> bool:
+    """Whether ``path`` is an archive `pack` wrote (the only kind ``--force`` replaces).
+
+    >>> import tempfile
+    >>> f = Path(tempfile.mkdtemp()) / "notes.tar.gz"
+    >>> _ = f.write_text("my notes"); is_pack(f)
+    False
+    """
+    return _not_a_pack(Path(path)) is None
+
+
+def _not_a_pack(path: Path) -> str | None:
+    """None for a pack; else why ``path`` is not one. A pack made since `PACK_SCHEMA` shows it
+    in its first member; an older one (pack.json last) is read to its end: every member under
+    report/ or bundle/, plus pack.json and environment.json."""
+    try:
+        with open(path, "rb") as raw:
+            if raw.read(2) != b"\x1f\x8b":
+                return "not a gzip file"
+            raw.seek(0)
+            stream = _Capped(gzip.GzipFile(fileobj=raw, mode="rb"), CEILING_BYTES
+                             + BIG_RATIO * path.stat().st_size, path)
+            names: set[str] = set()
+            with tarfile.open(fileobj=stream, mode="r|",
+                              tarinfo=_strict_tarinfo(path, [])) as tar:
+                for i, m in enumerate(tar):
+                    if i >= MAX_MEMBERS:
+                        return f"more than {MAX_MEMBERS} members"
+                    if i == 0 and m.name == "pack.json" and m.isfile() and m.size <= 1 << 20:
+                        head = json.loads(tar.extractfile(m).read())
+                        if isinstance(head, dict) and head.get("schema") == PACK_SCHEMA:
+                            return None
+                    if not (m.name in ("pack.json", "environment.json")
+                            or m.name.startswith(("report/", "bundle/"))):
+                        return f"it holds {show(m.name)}, which no pack holds"
+                    names.add(m.name)
+    except (BadInput, OSError, tarfile.TarError, EOFError, zlib.error, ValueError,
+            RecursionError) as e:
+        return f"not a readable pack: {type(e).__name__}"
+    if not {"pack.json", "environment.json"} <= names:
+        return "it has no pack.json"
+    return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,6 +450,10 @@ def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int) -> int:
                 raise BadInput(f"unpack: '{archive}' holds more than {MAX_MEMBERS} members; no "
                                "pack has that many: refusing the whole archive")
             parts = _check_name(m, archive)
+            if parts == (STAGING_MARKER,):
+                raise BadInput(f"unpack: '{archive}' holds {show(m.name)}, a name nanbisect "
+                               "reserves for its own staging directories; no pack holds it: "
+                               "refusing the whole archive")
             if parts in named or any(parts[:i] in files for i in range(1, len(parts))) or (
                     not m.isdir() and parts in parents):
                 raise BadInput(f"unpack: '{archive}' holds {show(m.name)} twice (or a file and a "
@@ -338,6 +484,10 @@ def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int) -> int:
                     except OSError as e:
                         raise _cannot_write(dest, e) from None
                     written += len(chunk)
+                try:
+                    out.close()      # NB: the last buffered bytes meet a full disk here
+                except OSError as e:
+                    raise _cannot_write(dest, e) from None
             if written != m.size:
                 raise BadInput(f"unpack: '{archive}' is truncated ({show(m.name)} holds "
                                f"{written} of {m.size} bytes); copy it again")
@@ -376,6 +526,10 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
     if dest.is_dir() and any(dest.iterdir()):
         raise BadInput(f"unpack: '{dest}' exists and is not empty; unpack never writes over "
                        "files: pass a new or empty directory")
+    if dest.is_dir() and os.path.ismount(dest):
+        raise BadInput(f"unpack: '{dest}' is a mount point; unpack renames the finished "
+                       "directory into place, which a mount point cannot be: pass a new "
+                       f"directory inside it (e.g. {dest / 'pack'})")
     cap = _max_bytes(archive, max_bytes)
     parent = Path(os.path.abspath(dest)).parent
     made = [d for d in (parent, *parent.parents) if not d.exists()]   # innermost first
@@ -384,7 +538,7 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
     try:
         try:
             parent.mkdir(parents=True, exist_ok=True)
-            staging.mkdir()
+            make_staging_dir(staging)     # marked: `nanbisect clean` may remove it
         except OSError as e:
             raise _cannot_write(dest, e) from None
         with open(archive, "rb") as raw:
@@ -393,11 +547,14 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
             while stream.read(_CHUNK):   # to the end: gzip checks its CRC and length there
                 pass
         try:
+            unmark(staging)
             if dest.is_dir():
                 os.rename(staging, dest)     # replaces only an empty directory
             else:
                 rename_noreplace(staging, dest)
         except OSError as e:
+            if e.errno not in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+                raise _cannot_write(dest, e) from None
             raise BadInput(f"unpack: '{dest}' was taken while unpacking ({e.strerror or e}); "
                            "nothing was written there: pass a new or empty directory") from None
         done = True

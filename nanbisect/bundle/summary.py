@@ -8,7 +8,8 @@ world size up to 2**20 that must match the parts actually listed and present, sa
 checked against the file's real size): a malformed or hostile bundle is a one-line `BadInput`.
 The text form escapes control characters from the manifest (no terminal escape sequences get
 through). A directory that is not a bundle but holds bundles or leftovers of killed captures is
-listed instead (`directory_summary`: directory entries only). Not guaranteed: time to hash tensor files that really are huge.
+listed instead (`directory_summary`: directory entries and staging markers only).
+Not guaranteed: time to hash tensor files that really are huge.
 """
 from __future__ import annotations
 
@@ -47,12 +48,14 @@ MAX_WALKED = 20000   # directories looked at under it
 
 def directory_summary(path: str | Path) -> dict | None:
     """For a directory that is not a bundle: the bundles under it (by name, unverified) and the
-    leftovers of killed captures (`nanbisect.bundle.leftovers`), or None when it holds neither.
+    leftovers of killed captures in it and beside those bundles (`nanbisect.bundle.leftovers`),
+    or None when it holds neither.
     Reads directory entries only.
 
     >>> import tempfile
     >>> d = Path(tempfile.mkdtemp())
-    >>> (d / ".step000001.tmp-0123abcd").mkdir()
+    >>> from nanbisect.util.staging import make_staging_dir
+    >>> _ = make_staging_dir(d / ".step000001.tmp-0123abcd")
     >>> directory_summary(d)["leftovers"][0]["path"].endswith(".step000001.tmp-0123abcd")
     True
     """
@@ -66,7 +69,7 @@ def directory_summary(path: str | Path) -> dict | None:
             dirnames[:] = []           # a multi-rank bundle's parts belong to it
             continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-    left = find_leftovers([root])
+    left = find_leftovers([root], beside=[root / b for b in bundles])
     if not bundles and not left:
         return None
     return {"directory": str(root), "bundles": sorted(bundles)[:MAX_LISTED],
@@ -81,9 +84,11 @@ def directory_text(info: dict) -> str:
     if info["bundle_count"] > len(info["bundles"]):
         lines.append(f"  ... and {info['bundle_count'] - len(info['bundles'])} more")
     lines += [f"  leftover  {x['path']}  {x['bytes']} bytes, last written {x['age_s']:.0f}s ago"
-              for x in left]
-    if left:
-        lines.append(f"remove the leftovers with: nanbisect clean {info['directory']}")
+              if x.get("marked", True) else f"  leftover  {x['path']}  no nanbisect marker (an "
+              "older nanbisect's, or not nanbisect's): `nanbisect clean` keeps it" for x in left]
+    where = sorted({str(Path(x["path"]).parent) for x in left if x.get("marked", True)})
+    if where:
+        lines.append(f"remove the leftovers with: nanbisect clean {' '.join(where)}")
     if info["bundles"]:
         lines.append("inspect a bundle with: nanbisect inspect DIRECTORY/BUNDLE")
     return "\n".join(_clean(line) for line in lines)

@@ -22,7 +22,7 @@ from nanbisect.bundle.atomic import place
 from nanbisect.bundle.schema import MANIFEST, ROLES, SCHEMA, SUFFIX, _safe_name
 from nanbisect.bundle.state import Tensors
 from nanbisect.util.files import file_sha256 as _sha256
-from nanbisect.util.staging import staging_path
+from nanbisect.util.staging import make_staging_dir, staging_path, unmark
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -83,8 +83,7 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
     if path.exists() and not unique:
         raise FileExistsError(f"{path} already exists; choose a new bundle path or remove it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_path(path)
-    tmp.mkdir()
+    tmp = make_staging_dir(staging_path(path))    # its marker: `nanbisect clean` may remove it
     try:
         files = {}
         for role in [*ROLES, *sorted(set(tensors) - set(ROLES))]:
@@ -103,6 +102,7 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
         _fsync_write(tmp / MANIFEST, json.dumps(full, indent=1, allow_nan=False).encode())
         # never over an existing path; with ``unique`` a taken name gets the next free NAME-N,
         # so two processes writing the same step both keep their bundle
+        unmark(tmp)
         path = place(tmp, path, unique=unique)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -40,7 +40,7 @@ from safetensors import safe_open
 from nanbisect.bundle.atomic import place
 from nanbisect.bundle.format import MANIFEST, PER_RANK, SCHEMA, SUFFIX, environment, write_bundle
 from nanbisect.util.files import file_sha256
-from nanbisect.util.staging import staging_path
+from nanbisect.util.staging import make_staging_dir, staging_path, unmark
 from nanbisect.util.tensors import tensor_bytes
 
 
@@ -117,7 +117,7 @@ def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]]
     tmp_name = broadcast_str(staging_path(final).name)
     tmp = final.parent / tmp_name
     if info.rank == 0:
-        tmp.mkdir(parents=True, exist_ok=True)
+        make_staging_dir(tmp, parents=True)    # its marker: `nanbisect clean` may remove it
     dist.barrier()
     part_dir = tmp / f"rank{info.rank}"
     part_manifest, tensors = build_part(part_dir)
@@ -153,6 +153,7 @@ def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]]
             f.write(json.dumps(top, indent=1, allow_nan=False))
             f.flush()
             os.fsync(f.fileno())
+        unmark(tmp)
         final = place(tmp, final, unique=unique)
     return Path(broadcast_str(str(final)))   # also the barrier: every rank gets rank 0's name
 

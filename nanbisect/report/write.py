@@ -2,18 +2,25 @@
 beside its final place, then renamed over it).
 
 Guarantees: nanbisect never deletes what it did not write. `check_out` refuses a report directory
-that would replace anything but an earlier nanbisect report (recognised by its `MARKER` file,
-which lists every file the report was written with and its sha256: a file added or edited since
-makes the directory not ours; or, for reports written before the marker existed, by holding only
-the names a report holds, in repro/ too), an
-existing file, the bundle itself, a path inside the bundle other than ``BUNDLE/nanbisect-report``,
-and a directory that holds the bundle; an empty directory is taken as it is. `staged` checks
-again just before it renames, and once more after moving the old report aside (so a file added
-in that instant is put back, not deleted); the new report is renamed in without ever replacing
-a directory that appeared meanwhile.
+that would replace anything but an earlier nanbisect report it can prove unchanged (by its
+`MARKER` file, which lists every file the report was written with and its sha256: a file added
+or edited since makes the directory not ours; a report from before the marker listed its files
+cannot be proven unchanged and is refused with how to proceed), an existing file, a mount point,
+the bundle itself, a path inside the bundle other than ``BUNDLE/nanbisect-report``, and a
+directory that holds the bundle; an empty directory is taken as it is. `staged` checks again just
+before it renames, and once more after moving the old report aside (so a file added in that
+instant is put back, not deleted); the new report is renamed in without ever replacing a
+directory that appeared meanwhile. A report that cannot be written there (no room, a read-only
+or busy file system, no permission) is a one-line `BadInput` and leaves nothing behind: the
+staging directory and any directories `staged` created are removed, an old report moved aside is
+put back.
+Not guaranteed: that an OS error without a file name during the block (no room, read-only) came
+from writing the report rather than from the replay's own code.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import shutil
@@ -26,49 +33,61 @@ from nanbisect.errors import BadInput
 from nanbisect.report.model import Report
 from nanbisect.report.page import to_html
 from nanbisect.report.text import to_markdown
-from nanbisect.util.files import file_sha256
-from nanbisect.util.staging import staging_path
+from nanbisect.util.files import file_sha256, os_error
+from nanbisect.util.staging import MARKER as STAGING_MARKER
+from nanbisect.util.staging import make_staging_dir, mark, staging_path, unmark
 
 MARKER = ".nanbisect-report"          # written into every report directory, holds its schema
-REPORT_FILES = {"report.json", "report.md", "report.html", "repro", MARKER}
-REPRO_FILES = {"repro.py", "inputs.safetensors", "module_repro.py", "module_inputs.safetensors"}
 DEFAULT_NAME = "nanbisect-report"     # BUNDLE/nanbisect-report, the default --out
 
 
 def foreign_files(path: Path) -> list[str] | None:
-    """What in directory ``path`` nanbisect did not write as a report: [] for a report it may
-    replace, None when ``path`` is no report at all."""
+    """What in directory ``path`` nanbisect did not write as a report, or edited since: [] for a
+    report it may replace, None when ``path`` is no report nanbisect can prove its own (no
+    `MARKER` listing its files: not a report, or one from before the marker, see
+    `older_report`)."""
     path = Path(path)
     if path.is_symlink() or not path.is_dir():
         return None
-    marker, head = path / MARKER, None
-    if marker.is_file() and not marker.is_symlink():
-        try:
-            head = json.loads(marker.read_text())
-        except (OSError, ValueError):
-            return None
-        if not isinstance(head, dict) or not str(head.get("schema", "")).startswith(
-                "nanbisect.report/"):
-            return None
-    if isinstance(head, dict) and isinstance(head.get("files"), dict):
-        ours = {f: d for f, d in head["files"].items() if isinstance(f, str)}
-        # a file added since, or one of ours edited since (the user's notes in report.md)
-        return sorted(f for f in _files(path) if f != MARKER
-                      and (f not in ours or file_sha256(path / f, missing_ok=True) != ours[f]))
-    # a report from before the marker listed its files: report.json with our schema, and at the
-    # top level nothing a report does not hold
+    head = _marker(path)
+    if not (isinstance(head, dict) and isinstance(head.get("files"), dict)):
+        return None
+    ours = {f: d for f, d in head["files"].items() if isinstance(f, str)}
+    # a file added since, or one of ours edited since (the user's notes in report.md)
+    return sorted(f for f in _files(path) if f != MARKER
+                  and (f not in ours or file_sha256(path / f, missing_ok=True) != ours[f]))
+
+
+def _marker(path: Path) -> dict | None:
+    """The report marker in ``path`` when it is a plain file holding a report schema."""
+    marker = path / MARKER
+    if not marker.is_file() or marker.is_symlink():
+        return None
     try:
-        names = {p.name for p in path.iterdir()}
-        report = json.loads((path / "report.json").read_text()) if head is None else {}
-    except (OSError, ValueError):
+        head = json.loads(marker.read_text())
+    except (OSError, ValueError, RecursionError):
         return None
-    if head is None and not (isinstance(report, dict) and str(report.get("schema", "")).startswith(
-            "nanbisect.report/")):
+    if not isinstance(head, dict) or not str(head.get("schema", "")).startswith(
+            "nanbisect.report/"):
         return None
-    repro = path / "repro"
-    inside = ([f"repro/{f}" for f in _files(repro) if f not in REPRO_FILES]
-              if repro.is_dir() and not repro.is_symlink() else [])
-    return sorted(names - REPORT_FILES) + inside
+    return head
+
+
+def older_report(path: Path) -> bool:
+    """Whether ``path`` holds a report written before the marker listed its files (report.json
+    with our schema, or a marker without a file list): nanbisect wrote it, but cannot prove that
+    nobody edited it since, so it is never replaced."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_dir() or foreign_files(path) is not None:
+        return False
+    if _marker(path) is not None:
+        return True
+    try:
+        report = json.loads((path / "report.json").read_text())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(report, dict) and str(report.get("schema", "")).startswith(
+        "nanbisect.report/")
 
 
 def is_report_dir(path: Path) -> bool:
@@ -121,6 +140,10 @@ def check_out(out: Path, bundle: Path | None = None) -> Path:
                        "pass a plain directory path")
     if out.exists() and not out.is_dir():
         raise BadInput(f"--out '{given}' is a file; pass a directory path for the report")
+    if out.is_dir() and os.path.ismount(out):
+        raise BadInput(f"--out '{given}' is a mount point; the report directory is replaced as "
+                       "a whole, which a mount point cannot be: pass a directory inside it "
+                       f"(e.g. {given}/report)")
     foreign = foreign_files(out)
     if foreign:
         shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3
@@ -129,6 +152,11 @@ def check_out(out: Path, bundle: Path | None = None) -> Path:
                        "written by nanbisect and would be deleted: move it out, or pass a new "
                        "directory")
     if out.is_dir() and foreign is None:
+        if older_report(out):
+            raise BadInput(f"--out '{given}' holds a report written by an older nanbisect, which "
+                           "did not record what it wrote, so nanbisect cannot prove it "
+                           "unchanged and will not replace it: pass another --out, or move it "
+                           "away (or delete it yourself, keeping anything of yours in it)")
         held = sorted(p.name for p in out.iterdir())
         if held:
             shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
@@ -141,45 +169,104 @@ def check_out(out: Path, bundle: Path | None = None) -> Path:
 @contextmanager
 def staged(out: Path, bundle: Path | None = None) -> Iterator[Path]:
     """A hidden directory beside ``out`` that replaces it only if the block succeeds, and only
-    if ``out`` is still absent, empty or a report (`check_out`)."""
+    if ``out`` is still absent, empty or a report (`check_out`). A failure to write there (in
+    the block too: the repro's tensors, the report's files) is a one-line `BadInput`."""
     out = check_out(out, bundle)
-    tmp = staging_path(out)
+    made = [d for d in (out.parent, *out.parent.parents) if not d.exists()]   # innermost first
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp.mkdir()
+        tmp = make_staging_dir(staging_path(out))   # marked: `nanbisect clean` may remove it
     except OSError as e:
-        raise BadInput(f"--out '{out}': the report cannot be written there ({e.strerror or e}); "
-                       "pass --out with a directory you can write to") from None
+        _remove_empty(made)
+        raise _cannot_write(out, e) from None
     try:
         yield tmp
         # the marker lists what was written, with each file's sha256: a file someone adds or
         # edits later makes the directory no longer only ours
-        files = {f: file_sha256(tmp / f, missing_ok=True) for f in sorted(_files(tmp))}
+        files = {f: file_sha256(tmp / f, missing_ok=True) for f in sorted(_files(tmp))
+                 if f != STAGING_MARKER}
         (tmp / MARKER).write_text(json.dumps({"schema": "nanbisect.report/1", "files": files},
                                              indent=1) + "\n")
         check_out(out, bundle)     # NB: again: the block ran for minutes; the path may be taken
-        old = None
-        if out.exists():
-            was_empty = out.is_dir() and not any(out.iterdir())
-            old = staging_path(out, "old")
-            out.rename(old)
-            # NB: and once more, now that nobody can add to it: what we delete must be ours
-            if not (foreign_files(old) == [] or (was_empty and not any(old.iterdir()))):
-                rename_noreplace(old, out)
-                raise BadInput(f"--out '{out}' changed while the report was written (files "
-                               "were added to it); nothing was replaced: pass a new directory")
-        try:
-            rename_noreplace(tmp, out)
-        except FileExistsError:
+        _replace(tmp, out)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(made)
+        err = None if isinstance(e, BadInput) else os_error(e)
+        if err is not None and _about_out(err, out, tmp):
+            raise _cannot_write(out, err) from None
+        raise
+
+
+def _replace(tmp: Path, out: Path) -> None:
+    """Rename the finished ``tmp`` to ``out``, moving an earlier report there aside first and
+    deleting it only after; on any failure the earlier report is put back."""
+    old = None
+    if out.exists():
+        was_empty = out.is_dir() and not any(out.iterdir())
+        old = staging_path(out, "old")
+        out.rename(old)
+        # NB: and once more, now that nobody can add to it: what we delete must be ours
+        if not (foreign_files(old) == [] or (was_empty and not any(old.iterdir()))):
+            rename_noreplace(old, out)
+            raise BadInput(f"--out '{out}' changed while the report was written (files "
+                           "were added to it); nothing was replaced: pass a new directory")
+        with contextlib.suppress(OSError):
+            mark(old)       # proven ours: if we are killed now, `nanbisect clean` may remove it
+    try:
+        unmark(tmp)
+        rename_noreplace(tmp, out)
+    except BaseException as e:
+        if old is not None:
+            with contextlib.suppress(OSError):
+                unmark(old)
+            if not isinstance(e, FileExistsError):
+                with contextlib.suppress(OSError):
+                    rename_noreplace(old, out)      # put the earlier report back
+                    old = None
+        if isinstance(e, FileExistsError):
             raise BadInput(f"--out '{out}' was created by someone else while the report was "
                            "written; nothing was replaced"
                            + (f" (the previous report is in '{old}')" if old else "")
                            + ": pass a new directory") from None
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        err = os_error(e)
+        if old is not None and err is not None:
+            raise BadInput(f"--out '{out}': the report cannot be written there "
+                           f"({err.strerror or err}); the previous report is in '{old}': move "
+                           "it back, or pass --out with a directory you can write to") from None
         raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# what a write to a file system can fail with, whoever's file it was
+_NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def _about_out(err: OSError, out: Path, tmp: Path) -> bool:
+    """Whether ``err`` came from writing the report: it names a path there (beside ``out`` or
+    inside ``tmp`` or ``out``), or it names none and says the file system is full or
+    read-only."""
+    names = [n for n in (err.filename, err.filename2) if n is not None]
+    if not names:
+        return err.errno in _NO_ROOM
+    paths = [Path(os.path.abspath(os.fsdecode(n))) for n in names]
+    return any(p.parent == out.parent or _inside(p, tmp) or _inside(p, out) for p in paths)
+
+
+def _cannot_write(out: Path, e: OSError) -> BadInput:
+    return BadInput(f"--out '{out}': the report cannot be written there ({e.strerror or e}); "
+                    "nothing was written: pass --out with a directory you can write to, on a "
+                    "file system with room for it")
+
+
+def _remove_empty(made: list[Path]) -> None:
+    """Remove the directories a write created (innermost first) while they are empty."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 def write_report(r: Report, out: Path) -> None:

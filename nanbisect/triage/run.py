@@ -95,18 +95,26 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
             bundles, state.skipped = discover(roots, exclude=tuple(p for p in (out, cache) if p))
             state.pending = {str(b) for b in bundles}
             try:
-                state.leftovers = [x.to_json() for x in find_leftovers(roots)]
+                state.leftovers = [x.to_json() for x in find_leftovers(roots, beside=bundles)]
             except Exception as e:  # noqa: BLE001 - a listing problem must not stop the night
                 state.leftovers = [{"path": "", "bytes": 0, "age_s": 0.0, "kind": "error",
                                     "error": f"{type(e).__name__}: {str(e)[:200]}"}]
             with _backend(backend, scheduler, address, jobs) as (config, n_jobs, wave):
+                made = [] if out is None else [
+                    d for d in (out, *out.absolute().parents) if not d.exists()]
                 if out is not None:
                     try:
                         out.mkdir(parents=True, exist_ok=True)
                     except OSError as e:
                         raise BadInput(f"triage: cannot create --out '{out}' ({e.strerror}); "
                                        "pass a writable directory") from None
-                state.write()
+                try:
+                    state.write(final=True)   # NB: strict: a full or read-only --out fails now,
+                except BadInput:              # not after the night's replays
+                    for d in made:
+                        with contextlib.suppress(OSError):
+                            d.rmdir()
+                    raise
                 todo = _lookup(bundles, options, store, state)
                 state.write()
                 todo, copies = _copies(todo)

@@ -181,5 +181,7 @@ def to_markdown(data: dict) -> str:
     if data.get("leftovers"):
         lines += ["", "## Leftovers of killed captures (`nanbisect clean` removes them)", ""] + [
             f"- `{x['path']}`: {x['bytes']} bytes, {x['age_s']:.0f} s old ({x['kind']})"
+            if x.get("marked", True) else f"- `{x['path']}`: no nanbisect marker (an older "
+            f"nanbisect's, or not nanbisect's), kept by `nanbisect clean` ({x['kind']})"
             for x in data["leftovers"]]
     return "\n".join(lines) + "\n"

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import stat
 from pathlib import Path
 from typing import Iterator
@@ -107,3 +108,25 @@ def write_atomic(path: Path, text: str) -> None:
     with atomic_file(path) as tmp:
         with open(tmp, "w") as f:
             f.write(text)
+
+
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")
+
+
+def os_error(e: BaseException) -> OSError | None:
+    """The OS error ``e`` stands for: ``e`` itself when it is an `OSError`, or the one a library
+    wrapped in its own exception type (safetensors raises ``SafetensorError("... No space left
+    on device (os error 28)")``), else None.
+
+    >>> os_error(RuntimeError("I/O error: No space left on device (os error 28)")).strerror
+    'No space left on device'
+    >>> os_error(ValueError("bad")) is None
+    True
+    """
+    if isinstance(e, OSError):
+        return e
+    m = _OS_ERROR.search(str(e))
+    if m is None:
+        return None
+    code = int(m.group(1))
+    return OSError(code, os.strerror(code))
