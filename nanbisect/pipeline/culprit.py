@@ -16,7 +16,7 @@ from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_
                                         forward_producer, timeline)
 from nanbisect.pipeline.common import _guarded, _Run
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, ModuleRepro, OpCheck,
-                               OpRecording, StepOutcome)
+                               OpFinding, OpRecording, StepOutcome, module_label)
 from nanbisect.reference.differential import diverging_call, isolate_window
 from nanbisect.reference.side import ReferenceSide
 from nanbisect.report.model import Report
@@ -108,13 +108,16 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
 
     run.progress("op-recording", f"pass 2/3: recording the {phase} phase's ops")
     scope = call.call if phase == "forward" and call is not None else None
-    finding = _guarded(lambda: record_ops(rep, phase, kind, run.wrap, scope),
+    finding = _guarded(lambda: record_ops(rep, phase, kind, run.wrap, scope,
+                                          progress=run.progress),
                        "recording the step's ops")
     caught = None
     if finding is None:
         notes.append("op-level provenance found no root op inside the recorded phase; the "
                      "culprit is the module call that produced the value")
     else:
+        if finding.surfaced is not None:
+            notes.append(_surfaced_note(finding, kind))
         if finding.module_call is not None:   # the table row of the op's own module call
             call = table.get(CallId(finding.module, finding.module_call)) or call
         run.progress("input-catch", "pass 3/3: catching the culprit's inputs")
@@ -159,9 +162,20 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         inf_origin=finding.inf_origin if finding else None,
         context=finding.context if finding else [], op_check=op_check,
         module_repro=module_repro,
-        op_recording=(OpRecording(finding.scope, finding.phase, finding.recorded,
-                                  finding.total_ops) if finding else None),
+        op_recording=(OpRecording(finding.scope, phase, finding.recorded, finding.total_ops,
+                                  finding.phases) if finding else None),
         uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [])
+
+
+def _surfaced_note(f: OpFinding, kind: str) -> str:
+    """In words: where a failure was born, how that phase hid it, where it surfaced."""
+    def at(module: str | None, call: int | None) -> str:
+        return module_label(module or "") + (f", call {call}" if call is not None else "")
+    s = f.surfaced
+    kind = f"as {kind} " if kind != f.born else ""
+    return (f"{f.born} born in {f.op} in {f.phase} ({at(f.module, f.module_call)}), {f.hidden}, "
+            f"surfaced {kind}in {s.phase} at {s.op} ({at(s.module, s.module_call)}): the culprit "
+            "is where it was born, culprit.surfaced where it became visible")
 
 
 def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> ModuleRepro | None:
