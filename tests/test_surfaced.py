@@ -59,6 +59,13 @@ def test_where_over_a_bad_branch_is_born_in_forward(tmp_path, func, op, made, su
     assert f"{made} born in {op} in forward (act, call 0), masked there by aten.where.self" in note
     assert r.repro_result.reproduced
     assert f"produces {made} from {made}-free inputs" in r.repro_result.output
+    # the backward op gets a repro of its own where it shows the failure alone (log's 0/0),
+    # not where it was handed the NaN (sqrt's saved result)
+    if made == "nan":
+        assert r.surfaced_repro is None and "surfaced-repro" not in passes
+    else:
+        assert r.surfaced_repro.result.reproduced
+        assert (tmp_path / "report" / "repro" / "surfaced" / "inputs.safetensors").is_file()
     data = json.loads((tmp_path / "report" / "report.json").read_text())
     assert data["culprit"]["surfaced"] == {"phase": "backward", "op": s.op, "module": "act",
                                            "module_call": 0, "op_index": s.op_index}
@@ -92,6 +99,9 @@ def test_layer_norm_fp16_constant_row_saved_rstd_inf(tmp_path):
         "aten.native_layer_norm.default", "forward", "act", c.op_index)
     assert any("kept in output 2 of 3, which nothing in forward read" in n for n in r.notes)
     assert r.repro_result.reproduced and "produces inf" in r.repro_result.output
+    out = r.surfaced_repro.result.output       # the saved inf turned into NaN, alone
+    assert "nan=0 inf=2\noutputs: nan=16" in out          # rstd's two inf rows in, NaN out
+    assert "REPRODUCED: aten.native_layer_norm_backward.default produces nan" in out
     md = to_markdown(r)
     assert "The inputs of the op where it surfaced carried inf" in md
     assert "Surfaced in backward at `aten.native_layer_norm_backward.default`" in md

@@ -178,6 +178,12 @@ def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None) -> OpF
         return _make(table, root, "backward", None, origin, None, phases=phases)
     origin = inf_origin(table, root) or inf_origin(table, surfaced)
     out = root.op.outputs[root.output]
+    s_out = surfaced.op.outputs[surfaced.output]
+    # the surfaced op alone shows the failure only when its inputs are free of it (log's
+    # backward divides 0 by 0; sqrt's multiplies a NaN it was handed)
+    shows = not any(i.flags.bad(kind) for i in surfaced.op.inputs_for(s_out))
     return _make(table, root, "backward", None, origin, None, phases=phases,
                  surfaced=op_ref(surfaced), born="nan" if out.flags.nan else "inf",
-                 hidden=hidden_by(table, root))
+                 hidden=hidden_by(table, root),
+                 surfaced_site=(OpSite(surfaced.op.op, surfaced.op.phase, surfaced.op.occurrence)
+                                if shows else None))

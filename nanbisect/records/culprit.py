@@ -127,6 +127,9 @@ class OpFinding:
     born: str | None = None
     hidden: str | None = None
     phases: tuple[str, ...] = ()  # the phases recorded, when more than the failing one
+    # where to catch the surfaced op again, when it alone shows the failure (its inputs are
+    # free of it) and a repro of it helps
+    surfaced_site: OpSite | None = None
 
     @property
     def op(self) -> str:
