@@ -165,6 +165,8 @@ def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None) -> OpF
     surfaced: Root | None = None
     if root.op.phase == "forward":
         surfaced = surfaced_at(table, list(starts.values()), kind, root)
+        if surfaced is None:    # not reached through a backward op: nothing to say it surfaced
+            return alone
     else:
         born = born_in_forward(table, root)
         if born is not None:
