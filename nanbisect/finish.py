@@ -75,8 +75,10 @@ def finish(rep: Replayer, phase: str, kind: str, *, finding: OpFinding | None,
                            source=caught.source if caught else None)
     if caught is None or finding is None:
         return Finished(culprit, op_check=op_check)
-    script = write_repro(repro_dir, caught, culprit=culprit, kind=kind, target=target,
-                         imports=repro_imports(caught.op, rep.entry))
+    # a culprit that surfaced elsewhere is reproduced by what it made (log's -inf, not the NaN
+    # its backward made of it)
+    script = write_repro(repro_dir, caught, culprit=culprit, kind=finding.born or kind,
+                         target=target, imports=repro_imports(caught.op, rep.entry))
     pending = start_repro(script, caught) if start_repro is not None else None
     if check_on is not None and op_check is None:   # in this process, while the repro runs
         progress("op-check", "re-running the culprit op on the reference")

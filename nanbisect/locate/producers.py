@@ -145,7 +145,8 @@ def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | Non
                        input_dtypes=finding.input_dtypes, input_shapes=finding.input_shapes,
                        source=source, op=finding.op, op_index=finding.op_index, rank=rank,
                        parameter=finding.parameter or parameter,
-                       micro_batch=None if phase == "optimizer" else finding.micro_batch)
+                       micro_batch=None if phase == "optimizer" else finding.micro_batch,
+                       surfaced=finding.surfaced)
     if call is not None:
         return Culprit(phase=phase, module=call.call.module, module_call=call.call.call,
                        input_dtypes=call.input_dtypes, input_shapes=call.input_shapes,

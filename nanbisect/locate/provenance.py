@@ -7,6 +7,13 @@ never reached the start (a NaN that ``masked_fill_`` removed inside a backward f
 relu's backward zeroed) are never visited, so they are never blamed. A legitimate ``-inf`` never
 makes a NaN root: for a NaN failure only NaN counts as bad. When the culprit's inputs carried inf,
 `inf_origin` follows that inf back to where it was born from finite values (an overflow, a mask).
+
+Across phases (a table that holds forward and backward ops): a backward failure can come from a
+value forward made and hid (masked by ``where``, or kept in a secondary output saved for
+backward). `points_to_forward` says, from a backward-only table, whether the failure may lead
+there; `surfaced_at` names the backward op where such a value became visible, `born_in_forward`
+the forward op whose backward formula turned its non-finite value into the failure, and
+`hidden_by` how forward hid it.
 """
 from __future__ import annotations
 
@@ -97,3 +104,102 @@ def op_ref(root: Root) -> OpRef:
     """The report's name for a root op."""
     rec = root.op
     return OpRef(rec.op, rec.index, rec.phase, rec.module, rec.module_call)
+
+
+def _nonfinite(f: Flags) -> bool:
+    return f.nan or f.inf
+
+
+def points_to_forward(table: OpTable, starts: list[tuple[int, int]], root: Root | None,
+                      kind: str) -> bool:
+    """From a table of the backward phase alone: may the failure come from a value forward made?
+
+    Yes when no root op was found, when the walk from ``starts`` meets a bad value no recorded
+    op produced (forward made it), when the root's inf came from outside, and when the root ran
+    in a built-in backward formula from finite values (or from an inf born in that same
+    formula): the derivative at a point where the forward op itself was not finite (``log`` at
+    0 behind a ``where``)."""
+    if root is None or reaches_outside(table, starts, kind):
+        return True
+    ins = root.op.inputs_for(root.op.outputs[root.output])
+    infs = [(i.producer, i.output) for i in ins if i.flags.inf and i.producer is not None]
+    if any(i.flags.inf and i.producer is None for i in ins) or (
+            infs and reaches_outside(table, infs, "inf")):
+        return True
+    if root.op.formula:
+        origin = inf_origin(table, root)
+        return not infs or (origin is not None and origin.op.node == root.op.node)
+    return False
+
+
+def surfaced_at(table: OpTable, starts: list[tuple[int, int]], kind: str,
+                root: Root) -> Root | None:
+    """The earliest op on the failure's path, in a later phase than ``root``, that read a bad
+    value made in ``root``'s phase: where a failure born there became visible."""
+    bad, ops = _pred(kind), table.ops
+    best: Root | None = None
+    for p, j, bad_inputs in _walk(table, starts, bad):
+        if ops[p].phase != root.op.phase and any(
+                i.producer is not None and ops[i.producer].phase == root.op.phase
+                for i in bad_inputs) and (best is None or p < best.op.pos):
+            best = Root(ops[p], j)
+    return best
+
+
+def forward_op_of(table: OpTable, op: OpRecord) -> OpRecord | None:
+    """The forward op that created the autograd node a backward op of a built-in formula ran
+    in (recorded with ``OpRecorder(nodes=True)``)."""
+    if op.phase != "backward" or not op.formula or op.node is None:
+        return None
+    return next((o for o in table.ops if o.phase == "forward" and o.node == op.node), None)
+
+
+def born_in_forward(table: OpTable, root: Root) -> Root | None:
+    """For a backward root made inside a built-in formula: where the non-finite value of the
+    forward op that formula differentiates was born, when that op's outputs held one (``log``
+    gave -inf at 0, and its backward then divides 0 by 0). None when the forward op was finite,
+    or when the root consumed an inf that another backward formula made (that inf, not the
+    forward op, explains it)."""
+    fwd = forward_op_of(table, root.op)
+    if fwd is None:
+        return None
+    outs = [(fwd.pos, j) for j, o in enumerate(fwd.outputs) if _nonfinite(o.flags)]
+    if not outs:
+        return None
+    origin = inf_origin(table, root)
+    if origin is not None and origin.op.phase == "backward" and origin.op.node != root.op.node:
+        return None
+    return trace(table, outs, _nonfinite)
+
+
+def hidden_by(table: OpTable, root: Root) -> str:
+    """In words, how the phase of ``root`` hid the non-finite values it made: the first op of
+    that phase that read them and gave a finite result (``where``, ``masked_fill``, a multiply
+    by 0), else that nothing there read them (a secondary output kept for backward)."""
+    ops, phase = table.ops, root.op.phase
+    consumers: dict[tuple[int, int], list[OpRecord]] = {}
+    for op in ops[root.op.pos + 1:]:
+        if op.phase == phase and op.outputs:    # a view or detach makes no new value
+            for i in op.inputs:
+                if i.producer is not None:
+                    consumers.setdefault((i.producer, i.output), []).append(op)
+    bad = [(root.op.pos, j) for j, o in enumerate(root.op.outputs) if _nonfinite(o.flags)]
+    todo, seen, read, masker = list(bad), set(bad), False, None
+    while todo:
+        value = todo.pop()
+        for op in consumers.get(value, []):
+            read = True
+            for j, out in enumerate(op.outputs):
+                if not any((i.producer, i.output) == value for i in op.inputs_for(out)):
+                    continue
+                if not _nonfinite(out.flags):
+                    masker = op if masker is None or op.pos < masker.pos else masker
+                elif (op.pos, j) not in seen:
+                    seen.add((op.pos, j))
+                    todo.append((op.pos, j))
+    if masker is not None:
+        return f"masked there by {masker.op}"
+    n = len(root.op.outputs)
+    which = (f"in output {root.output} of {n}" if n > 1 else "in its output")
+    return (f"kept {which}, which nothing in {phase} read (saved for backward)" if not read
+            else f"{which}, which {phase} passed on without it reaching the loss")

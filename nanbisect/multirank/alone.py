@@ -148,7 +148,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
                        received_from=feeders, recorded_input_bad=mine_bad)
     kind = first.kind or "nan"
     stage("replay pass 2/3: op recording")
-    finding = record_ops(rep, phase, kind, wrap)
+    finding = record_ops(rep, phase, kind, wrap, cross_phase=False)
     root = root_of(finding)
     result = replace(result, root=root)
     if root is not None and root.collective:

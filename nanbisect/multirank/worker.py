@@ -139,7 +139,8 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         return result
     kind = everyone[culprit_rank].kind or "nan"
     _stage("replay pass 2/3: op recording")
-    finding = record_ops(rep, phase, kind, wrap)          # every rank: same passes
+    finding = record_ops(rep, phase, kind, wrap,          # every rank: same passes
+                         cross_phase=False)
     roots = _gather(root_of(finding))
     culprit_rank, through = choose_rank(roots, culprit_rank)
     plan = replace(plan, rank=culprit_rank, through_collective=through)

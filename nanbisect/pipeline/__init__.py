@@ -3,7 +3,9 @@
 Passes over the step, each from the bundle's pre-step state:
   1. module statistics over the whole step (cheap: one small reduction per module call);
      decides reproduction and phase, and gives the module backtrace;
-  2. op recording over the failing phase only; provenance from the failed value to its root op;
+  2. op recording over the failing phase only; provenance from the failed value to its root op
+     (a backward failure that points to forward: forward and backward once more, together, and
+     the root is where the value was born, ``culprit.surfaced`` where it showed);
   3. a narrow replay that clones the root op's inputs (and takes the only Python stack), for the
      standalone repro, which then runs once where nanbisect cannot be imported by it: on the CPU
      in a fork of this process (torch loaded), elsewhere in a fresh interpreter started when the

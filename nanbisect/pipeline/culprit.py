@@ -16,11 +16,11 @@ from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_
                                         forward_producer, timeline)
 from nanbisect.pipeline.common import _guarded, _Run
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, ModuleRepro, OpCheck,
-                               OpRecording, StepOutcome)
+                               OpFinding, OpRecording, StepOutcome, module_label)
 from nanbisect.reference.differential import diverging_call, isolate_window
 from nanbisect.reference.side import ReferenceSide
 from nanbisect.report.model import Report
-from nanbisect.report.repro import write_module_repro
+from nanbisect.report.repro import repro_imports, write_module_repro, write_repro
 from nanbisect.report.rerun import Fork, Interpreter, run_repro
 
 
@@ -108,13 +108,16 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
 
     run.progress("op-recording", f"pass 2/3: recording the {phase} phase's ops")
     scope = call.call if phase == "forward" and call is not None else None
-    finding = _guarded(lambda: record_ops(rep, phase, kind, run.wrap, scope),
+    finding = _guarded(lambda: record_ops(rep, phase, kind, run.wrap, scope,
+                                          progress=run.progress),
                        "recording the step's ops")
     caught = None
     if finding is None:
         notes.append("op-level provenance found no root op inside the recorded phase; the "
                      "culprit is the module call that produced the value")
     else:
+        if finding.surfaced is not None:
+            notes.append(_surfaced_note(finding, kind))
         if finding.module_call is not None:   # the table row of the op's own module call
             call = table.get(CallId(finding.module, finding.module_call)) or call
         run.progress("input-catch", "pass 3/3: catching the culprit's inputs")
@@ -150,6 +153,16 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
                          "outside its inputs); module_repro replays its module call "
                          "with the module's state: " + ("reproduced" if worked else
                                                         "did not reproduce either"))
+    surfaced_repro = None
+    if finding is not None and finding.surfaced_site is not None and caught is not None:
+        run.progress("surfaced-repro", "catching the op where the failure surfaced")
+        surfaced_repro = _surfaced_repro(run, finding, kind, tmp)
+        if surfaced_repro is not None:
+            res = surfaced_repro.result
+            notes.append(f"{surfaced_repro.script} re-runs {finding.surfaced.op}, where it "
+                         f"surfaced, from its inputs in {finding.surfaced.phase}"
+                         + ("" if res is None else ": reproduced" if res.reproduced
+                            else ": did not reproduce"))
     classification, why = classify_culprit(_evidence(run, side, op_check))
     notes += why
     return Report(
@@ -158,10 +171,44 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         repro="repro/repro.py" if done.repro else None, repro_result=repro_result,
         inf_origin=finding.inf_origin if finding else None,
         context=finding.context if finding else [], op_check=op_check,
-        module_repro=module_repro,
-        op_recording=(OpRecording(finding.scope, finding.phase, finding.recorded,
-                                  finding.total_ops) if finding else None),
+        module_repro=module_repro, surfaced_repro=surfaced_repro,
+        op_recording=(OpRecording(finding.scope, phase, finding.recorded, finding.total_ops,
+                                  finding.phases) if finding else None),
         uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [])
+
+
+def _surfaced_note(f: OpFinding, kind: str) -> str:
+    """In words: where a failure was born, how that phase hid it, where it surfaced."""
+    def at(module: str | None, call: int | None) -> str:
+        return module_label(module or "") + (f", call {call}" if call is not None else "")
+    s = f.surfaced
+    kind = f"as {kind} " if kind != f.born else ""
+    return (f"{f.born} born in {f.op} in {f.phase} ({at(f.module, f.module_call)}), {f.hidden}, "
+            f"surfaced {kind}in {s.phase} at {s.op} ({at(s.module, s.module_call)}): the culprit "
+            "is where it was born, culprit.surfaced where it became visible")
+
+
+def _surfaced_repro(run: _Run, finding: OpFinding, kind: str, tmp: Path) -> ModuleRepro | None:
+    """Catch the op where a failure born earlier surfaced and write (and run once) its repro,
+    ``repro/surfaced/repro.py``: it shows how the earlier phase's value turns into the
+    failure (the saved rstd inf into NaN in layer norm's backward)."""
+    site, s = finding.surfaced_site, finding.surfaced
+    caught = _guarded(lambda: catch_inputs(run.rep, site, run.wrap),
+                      "catching the op where the failure surfaced")
+    if caught is None:
+        return None
+    tensors = [t for t in torch.utils._pytree.tree_leaves((caught.args, caught.kwargs))
+               if isinstance(t, torch.Tensor)]
+    culprit = Culprit(s.phase, s.module or "", s.module_call,
+                      [str(t.dtype).removeprefix("torch.") for t in tensors],
+                      [list(t.shape) for t in tensors], caught.source, s.op, s.op_index)
+    script = write_repro(tmp / "repro" / "surfaced", caught, culprit=culprit, kind=kind,
+                         target=run.facts.target, imports=repro_imports(caught.op,
+                                                                        run.rep.entry),
+                         role="Where a failure born earlier surfaced (its culprit: ../repro.py)")
+    start = _repro_starter(run)
+    return ModuleRepro("repro/surfaced/repro.py",
+                       start(script, caught)() if start is not None else None)
 
 
 def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> ModuleRepro | None:

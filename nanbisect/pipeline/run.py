@@ -27,8 +27,8 @@ from nanbisect.task import load_inject
 
 
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
-STAGES = ("steps", "build", "module-pass", "reference", "op-recording", "isolate",
-          "input-catch", "repro", "module-repro", "op-check", "report", "ranks")
+STAGES = ("steps", "build", "module-pass", "reference", "op-recording", "cross-phase", "isolate",
+          "input-catch", "repro", "module-repro", "op-check", "surfaced-repro", "report", "ranks")
 
 
 def _default_target(manifest: dict) -> str:

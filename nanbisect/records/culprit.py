@@ -29,12 +29,20 @@ class Culprit:
     parameter: str | None = None      # the parameter whose gradient or update went bad
     micro_batch: int | None = None    # which micro-batch of the step (Task.accumulate)
     step: int | None = None           # --steps: the step bisected (the first that parts)
+    # where the failure became visible when that is not where it was born (a NaN made in
+    # forward, hidden there, surfacing in backward); None: born where it surfaced
+    surfaced: "OpRef | None" = None
 
     def to_json(self) -> dict:
         out = asdict(self)
         if out["step"] is None:
             del out["step"]
         return out
+
+    @staticmethod
+    def from_json(d: dict) -> "Culprit":
+        s = d.get("surfaced")
+        return Culprit(**{**d, "surfaced": OpRef(**s) if s is not None else None})
 
 @dataclass(frozen=True)
 class TraceRow:
@@ -113,6 +121,15 @@ class OpFinding:
     recorded: int = 0             # ops recorded (all of the phase, or only the scoped call's)
     scope: CallId | None = None   # the module call recording started at
     micro_batch: int = 0          # the micro-batch the op ran in (Task.accumulate)
+    # born in an earlier phase than it surfaced: where it surfaced, what the op made ("nan" or
+    # "inf": what its repro looks for), and in words how that phase hid it
+    surfaced: OpRef | None = None
+    born: str | None = None
+    hidden: str | None = None
+    phases: tuple[str, ...] = ()  # the phases recorded, when more than the failing one
+    # where to catch the surfaced op again, when it alone shows the failure (its inputs are
+    # free of it) and a repro of it helps
+    surfaced_site: OpSite | None = None
 
     @property
     def op(self) -> str:
@@ -130,12 +147,14 @@ class OpRecording:
     phase: str
     recorded_ops: int
     step_ops: int
+    phases: tuple[str, ...] = ()   # the phases recorded, when more than ``phase`` (cross-phase)
 
     def to_json(self) -> dict:
         return {"scope": ({"module": self.scope.module, "module_call": self.scope.call}
                           if self.scope else None),
                 "phase": self.phase, "recorded_ops": self.recorded_ops,
-                "step_ops": self.step_ops}
+                "step_ops": self.step_ops, **({"phases": list(self.phases)} if self.phases
+                                              else {})}
 
 @dataclass(frozen=True)
 class Caught:

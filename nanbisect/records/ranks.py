@@ -165,7 +165,7 @@ class RankResult:
             rank=d["rank"], plan=opt(Plan, d.get("plan")), summary=summary,
             root=opt(RankRoot, d.get("root")),
             module_stats=None if stats is None else {k: opt(Stats, v) for k, v in stats.items()},
-            culprit=opt(Culprit, d.get("culprit")),
+            culprit=Culprit.from_json(d["culprit"]) if d.get("culprit") else None,
             context=[ContextRow(**c) for c in d.get("context", [])],
             inf_origin=opt(OpRef, d.get("inf_origin")), repro=d.get("repro"),
             error=d.get("error"), reference=opt(RankReference, d.get("reference")),

@@ -20,15 +20,23 @@ waiting for it shows in the first pass, not in this one) and treats what it writ
 value produced by the collective; its output buffers are not inputs. Values of ops that return
 uninitialised memory (``empty``) are clean by definition, and ``copy_``/``fill_``/``zero_`` do
 not read their destination.
+
+Autograd nodes: every backward op records the node it runs in (``OpRecord.node``, the node's
+sequence number, and ``formula``: a built-in backward formula rather than a custom
+``autograd.Function``'s or a custom op's backward). With ``nodes=True`` a forward op records the
+node it created (read from its outputs' ``grad_fn`` when the next op starts, so nothing is held),
+which links a backward formula to the forward op it differentiates.
 """
 from __future__ import annotations
 
 import math
+import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -182,6 +190,10 @@ class OpRecord:
     occurrence: int = 0              # calls of the same op before it in its phase (all of them,
                                      # recorded or outside the scope)
     micro: int = 0                   # the micro-batch it ran in (Task.accumulate)
+    # the autograd node (its sequence number): for a backward op the node whose backward ran it;
+    # for a forward op (recorded with nodes=True) the node it created; None: none or unknown
+    node: int | None = None
+    formula: bool = False            # a backward op of a built-in formula (not a custom Function)
 
     def inputs_for(self, out: OutputRef) -> list[InputRef]:
         """The inputs that fed one output (the matching list element for foreach ops)."""
@@ -218,11 +230,13 @@ class OpRecorder(TorchDispatchMode):
 
     def __init__(self, tracker: ModuleTracker | None, phases: set[str],
                  keep: Callable[[], bool] | None = None,
-                 scope: Callable[[], bool] | None = None) -> None:
+                 scope: Callable[[], bool] | None = None, nodes: bool = False) -> None:
         super().__init__()
         self.tracker = tracker
         self.keep = keep
         self.scope = scope      # when given, only ops for which scope() is true are recorded
+        self.nodes = nodes      # forward ops: remember the autograd node each one created
+        self._pending: list[tuple[int, list]] = []   # (op, weak refs to its outputs)
         self._occ: dict[tuple[str, str], int] = {}
         # pos -> (args, kwargs, written tensors) cloned, for ops where ``keep()`` was true
         self.kept: dict[int, tuple[list, dict, list[torch.Tensor]]] = {}
@@ -277,11 +291,12 @@ class OpRecorder(TorchDispatchMode):
         self._rows.append(torch.stack([lo.float(), hi.float(), fin.float().to(lo.device)]))
         return len(self._rows) - 1
 
-    def _where(self) -> tuple[str | None, int | None]:
+    def _where(self, node) -> tuple[str | None, int | None]:
+        """The module call of the running op (``node``: the autograd node running, backward)."""
         if self.tracker is None:
             return None, None
         if self.phase == "backward":
-            call = self.tracker.node_call(torch._C._current_autograd_node())
+            call = self.tracker.node_call(node)
         elif self.phase == "forward":
             call = self.tracker.current()
             if call is None:
@@ -290,8 +305,22 @@ class OpRecorder(TorchDispatchMode):
             return None, None
         return call if call is not None else (None, None)
 
+    def _resolve(self) -> None:
+        """The nodes the last recorded forward op created: autograd sets its outputs'
+        ``grad_fn`` after the op returns, so they are read when the next op starts."""
+        for pos, refs in self._pending:
+            for ref in refs:
+                t = ref()
+                fn = t.grad_fn if t is not None else None
+                if fn is not None:
+                    self._ops[pos]["node"] = fn._sequence_nr()
+                    break
+        self._pending.clear()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._pending:
+            self._resolve()
         if func in SKIP:
             return func(*args, **kwargs)
         index = self.count
@@ -349,17 +378,28 @@ class OpRecorder(TorchDispatchMode):
         if keeping:
             self.kept[pos] = (kept_args, kept_kwargs, [t.detach().clone()
                                                        for t, _ in tensor_args(written)])
-        module, call = self._where()
+        node, formula = None, False
+        if self.phase == "backward":
+            fn = torch._C._current_autograd_node()
+            if fn is not None:
+                node, formula = fn._sequence_nr(), not isinstance(fn, BackwardCFunction)
+            module, call = self._where(fn)
+        else:
+            module, call = self._where(None)
+            if self.nodes and self.phase == "forward":
+                self._pending.append((pos, [weakref.ref(t) for t, _ in tensor_args(returned)]))
         self._ops.append({"index": index, "op": str(func), "phase": self.phase, "module": module,
                           "occurrence": occurrence, "micro": max(self.micro, 0),
                           "call": call, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),
                                                  tuple(t.shape)) for src, elem, t in ins],
-                          "outs": outs})
+                          "outs": outs, "node": node, "formula": formula})
         return out
 
     def follow(self, phase: str) -> nullcontext:
         """For `Replayer.run`'s ``phase``: label the ops that follow with ``phase`` (each
         forward starts the next micro-batch)."""
+        if self._pending:
+            self._resolve()
         self.phase = phase
         if phase == "forward":
             self.micro += 1
@@ -373,6 +413,8 @@ class OpRecorder(TorchDispatchMode):
     # -- reading ---------------------------------------------------------------------------
     def read(self) -> tuple[OpTable, dict[str, tuple[int, int] | None]]:
         """One transfer of all flags; returns the table and the marked values' producers."""
+        if self._pending:
+            self._resolve()
         raw = torch.stack([r.cpu() for r in self._rows]).tolist() if self._rows else []
 
         def flags(row: int | None) -> Flags:
@@ -396,6 +438,7 @@ class OpRecorder(TorchDispatchMode):
                     ins.append(InputRef(None, 0, flags(src[1]), elem, dtype, shape))
             outs = tuple(OutputRef(flags(r), elem) for r, elem in o["outs"])
             ops.append(OpRecord(pos, o["index"], o["op"], o["phase"], o["module"], o["call"],
-                                tuple(ins), outs, o["occurrence"], o["micro"]))
+                                tuple(ins), outs, o["occurrence"], o["micro"], o["node"],
+                                o["formula"]))
         marks = {k: (v if isinstance(v, tuple) else None) for k, v in self._marks.items()}
         return OpTable(ops, self.count), marks

@@ -48,6 +48,8 @@ class Report:
     ranks: list[RankResult] = field(default_factory=list)  # multi-rank: what each rank saw
     timeline: list[TimelineRow] = field(default_factory=list)  # every module call, in order
     module_repro: ModuleRepro | None = None   # fallback repro of the culprit's module call
+    # a culprit that surfaced in a later phase: the repro of the op where it surfaced
+    surfaced_repro: ModuleRepro | None = None
     op_recording: OpRecording | None = None   # what the op-recording pass covered
     # multi-rank: tensors the data-parallel replicas hold differently
     replicas_out_of_sync: list[ReplicaDiff] = field(default_factory=list)
@@ -127,6 +129,8 @@ class Report:
             "module_repro": opt(self.module_repro), "op_recording": opt(self.op_recording),
             "replicas_out_of_sync": [r.to_json() for r in self.replicas_out_of_sync],
             **({"subset": self.subset.to_json()} if self.subset is not None else {}),
+            **({"surfaced_repro": self.surfaced_repro.to_json()}
+               if self.surfaced_repro is not None else {}),
             **({"history": [e.to_json() for e in self.history],
                 "history_findings": [f.to_json() for f in self.history_findings]}
                if self.history is not None else {}),

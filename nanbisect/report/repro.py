@@ -40,8 +40,10 @@ def repro_imports(op: str, entry: str) -> list[str]:
 
 
 def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, target: str,
-                imports: list[str]) -> Path:
-    """Write ``out/repro.py`` and ``out/inputs.safetensors``; return the script's path."""
+                imports: list[str], role: str = "Culprit") -> Path:
+    """Write ``out/repro.py`` and ``out/inputs.safetensors``; return the script's path.
+    ``role`` names what the op is in the script's docstring (the culprit, or where it
+    surfaced)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     meta = {"op": caught.op, "args": encode(caught.args, "args", tensors),
@@ -50,7 +52,7 @@ def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, targe
     save_file(tensors, str(out / "inputs.safetensors"), metadata={"nanbisect": json.dumps(meta)})
     umask_mode(out / "inputs.safetensors")     # safetensors writes 0600: a colleague must read it
     text = _template("repro.py.tmpl").substitute(
-        version=__version__, op=caught.op, phase=culprit.phase,
+        version=__version__, role=role, op=caught.op, phase=culprit.phase,
         module=module_label(culprit.module),
         module_call=culprit.module_call, op_index=culprit.op_index, source=culprit.source,
         kind=kind, target=target, imports=repr(imports))

@@ -40,6 +40,12 @@ def headline(r: Report) -> str:
         if c.parameter:
             where += f", parameter {c.parameter}"
         op = f" in {c.op}" if c.op else ""
+        if c.surfaced is not None:      # born in one phase, visible in a later one
+            born = _born_kind(r)
+            kind = r.kind or "non-finite"
+            return (f"{born} born{op} in {c.phase} at module {where}, surfaced"
+                    f"{f' as {kind}' if kind != born else ''} in {c.surfaced.phase} at "
+                    f"{c.surfaced.op}")
         return f"{r.kind or 'non-finite'} born{op} in {c.phase} at module {where}"
     if r.verdict == "input-nonfinite":
         if not r.input_nonfinite:
@@ -63,6 +69,22 @@ def headline(r: Report) -> str:
     return "the step replays clean: no non-finite loss, gradient or parameter"
 
 
+def _born_kind(r: Report) -> str:
+    """What a culprit that surfaced elsewhere made: its first context row is the culprit."""
+    row = next((c for c in r.context if c.culprit), None)
+    return "nan" if row is None or row.out_nan else "inf"
+
+
+def _surfaced_line(r: Report) -> str | None:
+    c = r.culprit
+    if c is None or c.surfaced is None:
+        return None
+    s = c.surfaced
+    call = f" call {s.module_call}" if s.module_call is not None else ""
+    return (f"Surfaced in {s.phase} at `{s.op}` (op #{s.op_index}, module "
+            f"`{module_label(s.module or '')}`{call}); the culprit above is where it was born.")
+
+
 def to_markdown(r: Report) -> str:
     """report.md: the verdict and culprit first, then the evidence, each as a section."""
     lines = [f"# nanbisect report: {r.verdict}", "", f"**{headline(r)}**", "",
@@ -77,10 +99,17 @@ def to_markdown(r: Report) -> str:
         c = r.culprit
         lines += ["", "## Culprit", "", "| field | value |", "|---|---|"]
         for k, v in asdict(c).items():
+            if k == "surfaced":
+                continue            # a sentence of its own, below the table
             lines.append(f"| {k} | `{v}` |" if v is not None else f"| {k} | - |")
+        surfaced = _surfaced_line(r)
+        if surfaced:
+            lines += ["", surfaced]
     if r.inf_origin:
         o = r.inf_origin
-        lines += ["", f"The culprit's inputs carried inf, born from finite values in `{o.op}` "
+        whose = ("The inputs of the op where it surfaced" if r.culprit and r.culprit.surfaced
+                 else "The culprit's inputs")
+        lines += ["", f"{whose} carried inf, born from finite values in `{o.op}` "
                   f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` call {o.module_call})."]
     lines += _ranks_md(r) + _checks_md(r) + _repro_md(r) + _backtrace_md(r)
     lines += _steps_md(r) + _history_md(r)
@@ -229,6 +258,10 @@ def terminal(r: Report, out: Path) -> str:
             lines.append(f"  op={c.op} op_index={c.op_index}")
         if c.source:
             lines.append(f"  source: {c.source}")
+        if c.surfaced is not None:
+            sf = c.surfaced
+            lines.append(f"  surfaced: {sf.op} in {sf.phase} (op #{sf.op_index}, module "
+                         f"{module_label(sf.module or '')})")
         if r.inf_origin:
             o = r.inf_origin
             lines.append(f"  inf born in: {o.op} (op #{o.op_index}, module {module_label(o.module)})")
