@@ -31,17 +31,22 @@ class NonFiniteStep(RuntimeError):
 
     ``bundle`` is the directory that replays the failing step from its pre-step state (under
     torchrun, a bundle whose top manifest has ``partial`` lacks the parts of the ranks that
-    could not write theirs). It is None when no bundle could be written anywhere, not even in
-    the rescue directory: ``error`` (also in the message) then says why. ``observed`` is what the
-    guard saw (also stored in the bundle's manifest).
+    could not write theirs; ``ranks`` then lists the ranks it holds, and the message says to
+    replay them with ``--ranks``). It is None when no bundle could be written anywhere, not even
+    in the rescue directory: ``error`` (also in the message) then says why. ``observed`` is what
+    the guard saw (also stored in the bundle's manifest).
     """
 
-    def __init__(self, bundle: Path | None, observed: dict, error: str | None = None):
+    def __init__(self, bundle: Path | None, observed: dict, error: str | None = None,
+                 ranks: list[int] | None = None):
         self.bundle = Path(bundle) if bundle is not None else None
         self.observed = observed
         self.error = error
         what = ", ".join(f"{k}={v}" for k, v in observed.get("summary", {}).items())
-        then = (f"replay it with: nanbisect run --ckpt {self.bundle}" if self.bundle is not None
+        held = (f" --ranks {','.join(map(str, ranks))} (a partial bundle: the other ranks could "
+                "not write their parts)" if ranks else "")
+        then = (f"replay it with: nanbisect run --ckpt {self.bundle}{held}"
+                if self.bundle is not None
                 else f"no bundle could be written: {error or 'see the warnings above'}")
         super().__init__(f"non-finite training step {observed.get('step')}: "
                          f"{what or 'see manifest'}; {then}")

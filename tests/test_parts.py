@@ -23,11 +23,12 @@ pytestmark = pytest.mark.slow
 
 SCRIPT = TEST_TASKS / "write_faults.py"
 TIMEOUT = 3
+MESSAGES: dict[int, str] = {}
 
 
 def train(tmp_path: Path, out: Path, fault: str, rank: int) -> tuple[dict, dict, float]:
     """Run write_faults.py with ``fault`` on ``rank``: (rank -> the bundle path it printed,
-    rank -> exit status, seconds)."""
+    rank -> exit status, seconds); rank -> its NonFiniteStep's message in ``MESSAGES``."""
     (tmp_path / "tmp").mkdir()
     t0 = time.monotonic()
     p = run_ranks(SCRIPT, [str(out)], 2, timeout=200, statuses=tmp_path / "statuses.json",
@@ -36,6 +37,9 @@ def train(tmp_path: Path, out: Path, fault: str, rank: int) -> tuple[dict, dict,
     took = time.monotonic() - t0
     said = {int(line.split()[1]): line.split(" ", 3)[3] for line in p.stdout.splitlines()
             if line.startswith("RANK ") and " BUNDLE " in line}
+    MESSAGES.clear()
+    MESSAGES.update({int(line.split()[1]): line.split(" ", 3)[3] for line in p.stdout.splitlines()
+                     if line.startswith("RANK ") and " MESSAGE " in line})
     statuses = json.loads((tmp_path / "statuses.json").read_text())["statuses"]
     return said, {int(r): c for r, c in statuses.items()}, took
 
@@ -53,6 +57,8 @@ def test_rank_0_out_of_space_leaves_a_partial_bundle_that_replays(tmp_path, tmpf
     said, statuses, _ = train(tmp_path, out, "enospc", 0)
     assert statuses == {0: 0, 1: 0}
     assert said[0] == said[1] == str(out / "step000001"), said
+    assert MESSAGES[0].endswith(f"replay it with: nanbisect run --ckpt {said[0]} --ranks 1 (a "
+                                "partial bundle: the other ranks could not write their parts)")
     b = read_bundle(said[0])                                  # verified: every listed part
     partial = b.manifest["partial"]
     assert partial["missing_ranks"] == [0] and list(b.manifest["ranks"]) == ["1"]
@@ -111,3 +117,25 @@ def test_rank_whose_write_hangs_is_bounded_by_the_write_timeout(tmp_path):
     rescue = read_bundle(rescued(tmp_path, 1))
     assert rescue.manifest["rank"] == 1 and "shared" not in rescue.manifest
     assert took < 120
+
+
+def test_no_rank_can_write_every_rank_still_raises_with_its_part_rescued(tmp_path, tmpfs):
+    """``out`` full for every rank: no bundle; each rank's NonFiniteStep has bundle None and
+    every rank's reason, and each rank's whole part is in its rescue directory."""
+    out = tmpfs(tmp_path / "out", "1m")
+    with open(out / "filler", "wb") as f:        # full before training starts (the Guard's
+        try:                                     # check of `out` writes no byte: it passes)
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    said, statuses, _ = train(tmp_path, out, "", 0)
+    assert statuses == {0: 0, 1: 0} and said == {0: "None", 1: "None"}, said
+    for r in (0, 1):
+        msg = MESSAGES[r]
+        assert "no bundle could be written: no rank could write its part of the bundle" in msg
+        assert msg.count("No space left on device") == 2, msg      # both ranks' reasons
+        assert str(rescued(tmp_path, 0)) in msg and str(rescued(tmp_path, 1)) in msg
+        assert "shared" not in read_bundle(rescued(tmp_path, r)).manifest
+    assert sorted(p.name for p in out.iterdir()) == ["filler"]      # nothing half-written

@@ -38,6 +38,7 @@ from nanbisect.errors import BadInput, NonFiniteStep
 from nanbisect.guard.agree import write_timeout
 from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
 from nanbisect.guard.entry import _check_out, resolve_entry_file
+from nanbisect.guard.parts import held_ranks
 from nanbisect.guard.screen import _bad_names, _kind, _listed, _norms
 from nanbisect.guard.snapshot import _live_scale, _Snapshot
 from nanbisect.guard.tape import record_step
@@ -218,7 +219,8 @@ class Guard:
         self._restore(scale)
         tape = self._record_tape(batch, rng, scale, dev) if self._rank.distributed else None
         path, error = self._write_failure(batch, rng, observed, tape)
-        raise NonFiniteStep(path, observed, error)
+        raise NonFiniteStep(path, observed, error,
+                            ranks=held_ranks(path) if self._rank.distributed else None)
 
     def _read_screen(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
                      skipped: torch.Tensor | None

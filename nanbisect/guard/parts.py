@@ -65,6 +65,16 @@ def rescue_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"nanbisect-rescue-{os.getuid()}"
 
 
+def held_ranks(path: Path | None) -> list[int] | None:
+    """The ranks a partial multi-rank bundle this process just wrote holds; None when it is
+    complete (or unreadable: the bundle's own reader says why, later)."""
+    try:
+        top = json.loads((Path(path) / MANIFEST).read_text())
+        return sorted(map(int, top["ranks"])) if top.get("partial") else None
+    except Exception:  # noqa: BLE001 - only a hint for NonFiniteStep's message
+        return None
+
+
 def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]],
                     manifest: dict, unique: bool = False, *,
                     replica_group: list[int] | None = None,
@@ -104,8 +114,13 @@ def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]]
                "process_groups": _merge_groups(groups, info.world_size),
                "replicas": {"groups": plan.groups(), "out_of_sync_count": len(rows),
                             "uncompared": uncompared}}
-        return job.run(kept, shared, refused, top,
-                       lambda: [_measured_or_not(tmp, plan, row) for row in rows[:LISTED]])
+        try:
+            return job.run(kept, shared, refused, top,
+                           lambda: [_measured_or_not(tmp, plan, row) for row in rows[:LISTED]])
+        except BundleNotWritten:
+            raise
+        except Exception as e:  # noqa: BLE001 - the store itself failed: keep this rank's part
+            job.lost(f"the ranks could not agree on it ({exception_line(e)})")
 
 
 class _Job:

@@ -12,8 +12,8 @@ files under OUT_DIR only (never the rescue directory):
   tmpfs the test mounted), so its own write gets ENOSPC from the kernel (safetensors raises its
   own SafetensorError); the filler is removed after that write failed;
 - hang: the rank's write sleeps for an hour.
-Every rank prints ``RANK r BUNDLE <path>`` (``None`` when no bundle was written), and with no
-bundle ``RANK r ERROR <text>``, each in one write.
+Every rank prints ``RANK r BUNDLE <path>`` (``None`` when no bundle was written) and ``RANK r
+MESSAGE <the NonFiniteStep's message>``, in one write.
 """
 import errno
 import gc
@@ -111,9 +111,8 @@ def main():
         for step in range(3):
             guard.step(batch(step))
     except nanbisect.NonFiniteStep as e:
-        said = f"RANK {dist.get_rank()} BUNDLE {e.bundle}\n"
-        if e.bundle is None:
-            said += f"RANK {dist.get_rank()} ERROR {e.error}\n"
+        said = (f"RANK {dist.get_rank()} BUNDLE {e.bundle}\n"
+                f"RANK {dist.get_rank()} MESSAGE {e}\n")
     sys.stdout.write(said)
     sys.stdout.flush()
     del t, guard
