@@ -164,31 +164,6 @@ def fixture_bundle(tmp_path):
     return copy
 
 
-@pytest.fixture
-def tmpfs():
-    """``tmpfs(dir, size)``: a real, tiny file system mounted on ``dir`` (made if needed) for
-    "disk full" tests, unmounted when the test ends; the test is skipped (with the reason) where
-    this machine does not let it mount one (not root, no CAP_SYS_ADMIN, a container)."""
-    mounted: list[Path] = []
-
-    def mount(where: Path, size: str = "256k") -> Path:
-        where.mkdir(parents=True, exist_ok=True)
-        try:
-            p = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755",
-                                "tmpfs", str(where)], capture_output=True, text=True)
-        except OSError as e:   # no mount(8) at all
-            p = subprocess.CompletedProcess([], 1, "", str(e))
-        if p.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({(p.stderr or p.stdout).strip()}); "
-                        "the disk-full test needs root in a VM")
-        mounted.append(where)
-        return where
-
-    yield mount
-    for where in reversed(mounted):
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)
-
-
 def same_run(name: str):
     """Mark for the tests that read the `replayed` run of shipped bundle ``name``: one
     pytest-xdist group, so they go to one worker (scripts/test.sh: --dist loadgroup), where that

@@ -15,6 +15,7 @@ import pytest
 
 from bundles import run_ranks
 from conftest import TEST_TASKS, cli, invoke
+from mounts import tmpfs
 from nanbisect.bundle.format import read_bundle
 from nanbisect.bundle.summary import directory_summary
 
@@ -48,39 +49,39 @@ def rescued(tmp_path: Path, rank: int) -> Path:
     return tmp_path / "tmp" / f"nanbisect-rescue-{os.getuid()}" / f"step000001-rank{rank}"
 
 
-def test_rank_0_out_of_space_leaves_a_partial_bundle_that_replays(tmp_path, tmpfs):
+def test_rank_0_out_of_space_leaves_a_partial_bundle_that_replays(tmp_path):
     """Rank 0 (which writes the replicas every rank shares) gets ENOSPC from the kernel: its part
     goes to its rescue directory, rank 1 rewrites its part whole (it took the model from rank
     0's) and adds the top manifest. `inspect` shows the bundle partial, `run` refuses it with
     one line, and `run --ranks 1` replays the rank it holds."""
-    out = tmpfs(tmp_path / "out", "2m")
-    said, statuses, _ = train(tmp_path, out, "enospc", 0)
-    assert statuses == {0: 0, 1: 0}
-    assert said[0] == said[1] == str(out / "step000001"), said
-    assert MESSAGES[0].endswith(f"replay it with: nanbisect run --ckpt {said[0]} --ranks 1 (a "
-                                "partial bundle: the other ranks could not write their parts)")
-    b = read_bundle(said[0])                                  # verified: every listed part
-    partial = b.manifest["partial"]
-    assert partial["missing_ranks"] == [0] and list(b.manifest["ranks"]) == ["1"]
-    reason = partial["reasons"]["0"]
-    assert "No space left on device" in reason and str(rescued(tmp_path, 0)) in reason, reason
-    one = b.part(1)
-    assert "shared" not in one.manifest                       # whole: nothing from rank 0
-    assert set(one.tensors("model")) == set(read_bundle(rescued(tmp_path, 0)).tensors("model"))
-    assert sorted(p.name for p in out.iterdir()) == ["step000001"]   # no filler, no leftover
+    with tmpfs(tmp_path / "out", "2m") as out:
+        said, statuses, _ = train(tmp_path, out, "enospc", 0)
+        assert statuses == {0: 0, 1: 0}
+        assert said[0] == said[1] == str(out / "step000001"), said
+        assert MESSAGES[0].endswith(f"replay it with: nanbisect run --ckpt {said[0]} --ranks 1 (a "
+                                    "partial bundle: the other ranks could not write their parts)")
+        b = read_bundle(said[0])                                  # verified: every listed part
+        partial = b.manifest["partial"]
+        assert partial["missing_ranks"] == [0] and list(b.manifest["ranks"]) == ["1"]
+        reason = partial["reasons"]["0"]
+        assert "No space left on device" in reason and str(rescued(tmp_path, 0)) in reason, reason
+        one = b.part(1)
+        assert "shared" not in one.manifest                       # whole: nothing from rank 0
+        assert set(one.tensors("model")) == set(read_bundle(rescued(tmp_path, 0)).tensors("model"))
+        assert sorted(p.name for p in out.iterdir()) == ["step000001"]   # no filler, no leftover
 
-    res = invoke("inspect", said[0])
-    assert res.code == 0 and "partial   rank(s) [0] could not write their parts" in res.stdout
-    res = invoke("run", "--ckpt", said[0])
-    assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "is partial: rank(s) [0] could not write their parts" in res.stderr
-    assert "No space left on device" in res.stderr and "--ranks 1" in res.stderr
-    res = invoke("run", "--ckpt", said[0], "--ranks", "0,1")
-    assert res.code == 2 and "--ranks names rank(s) [0]" in res.stderr
-    res = cli("run", "--ckpt", said[0], "--ranks", "1", "--out", tmp_path / "rep", "--json")
-    assert res.code == 1, res.stdout[-2000:] + res.stderr
-    culprit = json.loads(res.stdout)["culprit"]
-    assert (culprit["rank"], culprit["op"]) == (1, "aten.sqrt.default")
+        res = invoke("inspect", said[0])
+        assert res.code == 0 and "partial   rank(s) [0] could not write their parts" in res.stdout
+        res = invoke("run", "--ckpt", said[0])
+        assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert "is partial: rank(s) [0] could not write their parts" in res.stderr
+        assert "No space left on device" in res.stderr and "--ranks 1" in res.stderr
+        res = invoke("run", "--ckpt", said[0], "--ranks", "0,1")
+        assert res.code == 2 and "--ranks names rank(s) [0]" in res.stderr
+        res = cli("run", "--ckpt", said[0], "--ranks", "1", "--out", tmp_path / "rep", "--json")
+        assert res.code == 1, res.stdout[-2000:] + res.stderr
+        culprit = json.loads(res.stdout)["culprit"]
+        assert (culprit["rank"], culprit["op"]) == (1, "aten.sqrt.default")
 
 
 def test_rank_that_exits_while_writing_leaves_a_partial_bundle(tmp_path):
@@ -119,23 +120,24 @@ def test_rank_whose_write_hangs_is_bounded_by_the_write_timeout(tmp_path):
     assert took < 120
 
 
-def test_no_rank_can_write_every_rank_still_raises_with_its_part_rescued(tmp_path, tmpfs):
-    """``out`` full for every rank: no bundle; each rank's NonFiniteStep has bundle None and
-    every rank's reason, and each rank's whole part is in its rescue directory."""
-    out = tmpfs(tmp_path / "out", "1m")
-    with open(out / "filler", "wb") as f:        # full before training starts (the Guard's
-        try:                                     # check of `out` writes no byte: it passes)
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-    said, statuses, _ = train(tmp_path, out, "", 0)
-    assert statuses == {0: 0, 1: 0} and said == {0: "None", 1: "None"}, said
-    for r in (0, 1):
-        msg = MESSAGES[r]
-        assert "no bundle could be written: no rank could write its part of the bundle" in msg
-        assert msg.count("No space left on device") == 2, msg      # both ranks' reasons
-        assert str(rescued(tmp_path, 0)) in msg and str(rescued(tmp_path, 1)) in msg
-        assert "shared" not in read_bundle(rescued(tmp_path, r)).manifest
-    assert sorted(p.name for p in out.iterdir()) == ["filler"]      # nothing half-written
+def test_no_rank_can_write_every_rank_still_raises_with_its_part_rescued(tmp_path):
+    """``out`` full for every rank (not even the bundle's staging directory, with its marker,
+    can be made): no bundle; each rank's NonFiniteStep has bundle None and every rank's reason,
+    and each rank's whole part is in its rescue directory."""
+    with tmpfs(tmp_path / "out", "1m") as out:
+        with open(out / "filler", "wb") as f:        # full before training starts (the Guard's
+            try:                                     # check of `out` writes no byte: it passes)
+                while True:
+                    f.write(b"\0" * 65536)
+                    f.flush()
+            except OSError:
+                pass
+        said, statuses, _ = train(tmp_path, out, "", 0)
+        assert statuses == {0: 0, 1: 0} and said == {0: "None", 1: "None"}, said
+        for r in (0, 1):
+            msg = MESSAGES[r]
+            assert "no bundle could be written: no rank could write its part of the bundle" in msg
+            assert msg.count("No space left on device") == 2, msg      # both ranks' reasons
+            assert str(rescued(tmp_path, 0)) in msg and str(rescued(tmp_path, 1)) in msg
+            assert "shared" not in read_bundle(rescued(tmp_path, r)).manifest
+        assert sorted(p.name for p in out.iterdir()) == ["filler"]      # nothing half-written
