@@ -1,7 +1,8 @@
 """Exceptions that cross module boundaries.
 
 `BadInput` carries a one-line message that names the problem and the fix; the CLI prints it and
-exits 2 without a traceback. `NonFiniteStep` is what `Guard` raises after writing a bundle.
+exits 2 without a traceback. `NonFiniteStep` is what `Guard` raises after writing a bundle (or
+after failing to write one anywhere: ``bundle`` None).
 """
 from __future__ import annotations
 
@@ -28,15 +29,24 @@ class BadInput(Exception):
 class NonFiniteStep(RuntimeError):
     """A guarded training step produced a non-finite loss, gradient or parameter.
 
-    ``bundle`` is the directory that replays the failing step from its pre-step state;
-    ``observed`` is what the guard saw (also stored in the bundle's manifest).
+    ``bundle`` is the directory that replays the failing step from its pre-step state (under
+    torchrun, a bundle whose top manifest has ``partial`` lacks the parts of the ranks that
+    could not write theirs; ``ranks`` then lists the ranks it holds, and the message says to
+    replay them with ``--ranks``). It is None when no bundle could be written anywhere, not even
+    in the rescue directory: ``error`` (also in the message) then says why. ``observed`` is what
+    the guard saw (also stored in the bundle's manifest).
     """
 
-    def __init__(self, bundle: Path, observed: dict):
-        self.bundle = Path(bundle)
+    def __init__(self, bundle: Path | None, observed: dict, error: str | None = None,
+                 ranks: list[int] | None = None):
+        self.bundle = Path(bundle) if bundle is not None else None
         self.observed = observed
+        self.error = error
         what = ", ".join(f"{k}={v}" for k, v in observed.get("summary", {}).items())
-        super().__init__(
-            f"non-finite training step {observed.get('step')}: {what or 'see manifest'}; "
-            f"replay it with: nanbisect run --ckpt {self.bundle}"
-        )
+        held = (f" --ranks {','.join(map(str, ranks))} (a partial bundle: the other ranks could "
+                "not write their parts)" if ranks else "")
+        then = (f"replay it with: nanbisect run --ckpt {self.bundle}{held}"
+                if self.bundle is not None
+                else f"no bundle could be written: {error or 'see the warnings above'}")
+        super().__init__(f"non-finite training step {observed.get('step')}: "
+                         f"{what or 'see manifest'}; {then}")

@@ -4,6 +4,7 @@ after the Guard checked it still gets the bundle written (to the rescue director
 warning)."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +16,7 @@ import warnings
 import pytest
 import torch
 from conftest import ROOT, TASKS, TEST_TASKS
+from mounts import tmpfs
 
 from nanbisect import Guard, NonFiniteStep
 from nanbisect.bundle.atomic import place
@@ -102,3 +104,66 @@ def test_guard_refuses_an_out_it_cannot_write_at_construction(tmp_path):
     with pytest.raises(BadInput, match="cannot be written there") as e:
         Guard(nan_batch.task(), entry=str(TASKS / "nan_batch.py") + ":task", out=blocker / "out")
     assert str(blocker / "out") in str(e.value) and "\n" not in str(e.value)
+
+
+def _fill(fs, leave: int = 0) -> None:
+    """Fill the file system holding ``fs`` to the last byte (a real ENOSPC from the kernel), then
+    give ``leave`` bytes back."""
+    with open(fs / "filler", "wb", buffering=0) as f:
+        with pytest.raises(OSError) as e:
+            while True:
+                f.write(b"\0" * 4096)
+        assert e.value.errno == 28
+        f.truncate(max(0, f.tell() - leave))
+
+
+def _nan_guard(out):
+    sys.path.insert(0, str(TASKS))
+    import nan_batch
+
+    guard = Guard(nan_batch.task(), entry=str(TASKS / "nan_batch.py") + ":task", out=out,
+                  start_step=3)
+    return guard, list(zip(range(4), nan_batch.batches()))[3][1]
+
+
+def test_full_disk_safetensors_error_still_rescues_the_bundle(tmp_path, monkeypatch):
+    """The issue's case: ``out`` on a full file system, room in $TMPDIR. safetensors raises its
+    own SafetensorError ("No space left on device"), not an OSError: the bundle still goes to
+    the rescue directory and NonFiniteStep is raised."""
+    with tmpfs(tmp_path / "out", "256k") as out:
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+        (tmp_path / "tmp").mkdir()
+        guard, batch = _nan_guard(out)        # the Guard checked `out`: it was writable then
+        _fill(out, leave=8192)    # room for the staging directory's marker and one small file
+        with warnings.catch_warnings(record=True) as caught, pytest.raises(NonFiniteStep) as e:
+            warnings.simplefilter("always")
+            guard.step(batch)
+        assert e.value.bundle.parent == tmp_path / "tmp" / f"nanbisect-rescue-{os.getuid()}"
+        assert read_bundle(e.value.bundle).manifest["observed"]["first"] == "loss"   # verified
+        said = [str(w.message) for w in caught if "could not write the bundle" in str(w.message)]
+        assert len(said) == 1 and "Error while serializing" in said[0], said   # safetensors' own
+        assert "No space left on device" in said[0] and str(e.value.bundle) in said[0]
+        assert sorted(p.name for p in out.iterdir()) == ["filler"]   # nothing half-written left
+
+
+def test_no_room_anywhere_still_raises_non_finite_step_without_a_bundle(tmp_path):
+    """Every write of the process fails (RLIMIT_FSIZE in a child: EFBIG), the bundle's and the
+    rescue's: NonFiniteStep all the same, bundle None, both reasons in its message; never a bare
+    library exception, nothing half-written left."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT),   # this checkout's
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    p = subprocess.run([sys.executable, str(TEST_TASKS / "guard_file_limit.py"),
+                        str(tmp_path / "out"), "1024"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["bundle"] is None
+    msg = got["message"]
+    assert msg.startswith("non-finite training step 3: loss=nan") and "\n" not in msg
+    assert "no bundle could be written: writing it into" in msg
+    assert msg.count("File too large") == 2, msg          # into out, then into the rescue
+    assert f"nanbisect-rescue-{os.getuid()}" in msg and got["error"] in msg
+    assert list((tmp_path / "out").iterdir()) == []
+    assert list((tmp / f"nanbisect-rescue-{os.getuid()}").iterdir()) == []

@@ -13,7 +13,9 @@ A part of a multi-rank bundle may take tensors from lower ranks' files (its mani
 ``shared``, see `_borrowed`); `Bundle.part` resolves them to the owner's file, verified by its
 sha256, and refuses a reference to a rank, file or tensor that is not there, to a rank that is
 not lower, to batch or RNG, or to any name that is not a plain tensor file of a part. Bundles
-without ``shared`` read as before.
+without ``shared`` read as before. A multi-rank bundle whose top manifest has ``partial``
+(`nanbisect.bundle.schema.check_partial`: ranks that could not write their parts when it was
+captured) lists only the other parts; asking for a missing rank's part is a `BadInput` naming it.
 This module is the reader; the writer is `nanbisect.bundle.writer`, the bounded parsing of files
 nobody vouches for `nanbisect.bundle.bounded`, the manifest's field checks
 `nanbisect.bundle.schema`; their public names are re-exported here.
@@ -35,7 +37,8 @@ from nanbisect.bundle.bounded import (DTYPE_BITS, MAX_HEADER_BYTES, MAX_JSON_DEP
                                      parse_json, read_header)
 from nanbisect.bundle.schema import (MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
                                     SUFFIX, _REQUIRED, _REQUIRED_MULTI, _check_fields,
-                                    _check_replicas, _int, _safe_name, _strs, field_problem)
+                                    _check_replicas, _int, _safe_name, _strs, check_partial,
+                                    field_problem)
 from nanbisect.bundle.state import Tensors
 from nanbisect.bundle.writer import environment, umask_mode, write_bundle
 from nanbisect.errors import BadInput
@@ -100,11 +103,23 @@ class Bundle:
     def multi_rank(self) -> bool:
         return self.manifest.get("kind") == "multi-rank"
 
+    @property
+    def missing_ranks(self) -> list[int]:
+        """The ranks whose parts a partial multi-rank bundle lacks (its top manifest's
+        ``partial``, checked by `read_bundle`); [] for a complete bundle."""
+        return list((self.manifest.get("partial") or {}).get("missing_ranks") or [])
+
     def part(self, rank: int, verify: bool = True) -> "Bundle":
         """The verified part of one rank of a multi-rank bundle; the tensors it takes from lower
         ranks' parts are resolved and checked (the owner's file holds each one; with
         ``verify``, the owner's manifest and file match their sha256)."""
-        info = self.manifest["ranks"][str(rank)]
+        info = self.manifest["ranks"].get(str(rank))
+        if info is None:     # a partial bundle (`read_bundle` checked it lists the others)
+            why = ((self.manifest.get("partial") or {}).get("reasons") or {}).get(str(rank))
+            held = ",".join(sorted(self.manifest["ranks"], key=int))
+            raise BadInput(f"bundle '{self.path}' is partial: rank {rank} could not write its "
+                           f"part{f' ({show(why, 300)})' if why else ''}; replay the ranks it "
+                           f"holds with --ranks {held}")
         if verify:   # also when the whole bundle was opened without verifying (``--ranks``)
             d = self.path / info["dir"]
             if os.path.islink(d):
@@ -244,9 +259,13 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
         raise BadInput(f"bundle '{p}': the top manifest's world_size is null, not an integer from "
                        f"1 to {MAX_WORLD_SIZE}; re-capture the bundle")
     # NB: compare counts first: nothing is built per claimed rank before the parts are counted
-    if len(ranks) != world or set(ranks) != set(map(str, range(world))):
+    missing = check_partial(p, manifest.get("partial"), world, ranks)
+    if not ranks or len(ranks) + len(missing) != world or \
+            not set(ranks) <= set(map(str, range(world))):
         raise BadInput(f"bundle '{p}': the top manifest lists {len(ranks)} parts, not one per "
-                       f"rank 0..{world - 1} of its world size {world}; re-capture the bundle")
+                       f"rank 0..{world - 1} of its world size {world}"
+                       f"{f' (with {len(missing)} missing)' if missing else ''}; re-capture the "
+                       "bundle")
     dirs = []
     for r, info in ranks.items():
         d = info.get("dir") if type(info) is dict else None
@@ -333,6 +352,9 @@ def _borrowed(top: Bundle, rank: int, part: Bundle, verify: bool) -> dict:
             if not 0 <= owner < world:
                 raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, which is not "
                                f"a rank of this bundle (world size {world}); {fix}")
+            if str(owner) not in ranks:
+                raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, whose part "
+                               f"this partial bundle lacks; {fix}")
             if owner >= rank:
                 raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, not a lower "
                                f"rank (the lowest rank holding them writes them); {fix}")

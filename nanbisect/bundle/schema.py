@@ -65,6 +65,8 @@ _FIELDS = {
     "shared": (lambda v: v is None or isinstance(v, dict),
                "null or an object of tensor file -> {rank, tensors} (tensors of lower ranks)"),
     "replicas": (lambda v: v is None or isinstance(v, dict), "null or an object"),
+    "partial": (lambda v: v is None or isinstance(v, dict),
+                "null or an object {missing_ranks: [ranks], reasons: {rank: text}}"),
 }
 _REQUIRED = ("entry", "files", "model", "batch", "rng")
 _REQUIRED_MULTI = ("entry", "world_size", "ranks")
@@ -117,3 +119,36 @@ def _check_replicas(p: Path, v) -> None:
         raise BadInput(f"bundle '{p}': the top manifest's 'replicas' is not {{groups, "
                        "shared_bytes, out_of_sync: [{tensor, ranks, max_abs_diff}]}; the "
                        "manifest was altered or damaged: re-capture the bundle")
+
+
+MAX_REASON = 4096   # characters of one missing rank's reason in ``partial``
+
+
+def check_partial(p: Path, v, world: int, listed) -> list[int]:
+    """The ranks a partial multi-rank bundle lacks (its top manifest's ``partial``, as
+    `nanbisect.guard.parts` writes it: ``{"missing_ranks": [r, ...] (increasing), "reasons":
+    {"r": text}}``); [] for a complete one. The ranks listed (``listed``: the ``ranks`` keys)
+    and the missing ones together are every rank 0..world-1, each once: anything else is
+    `BadInput`. Bounded by the size of the lists given (nothing is built per claimed rank)."""
+    if v is None:
+        return []
+    fix = "the manifest was altered or damaged: re-capture the bundle"
+    missing, reasons = v.get("missing_ranks"), v.get("reasons", {})
+    if not (isinstance(missing, list) and missing and all(_int(r) for r in missing)
+            and all(a < b for a, b in zip(missing, missing[1:]))
+            and 0 <= missing[0] and missing[-1] < world):
+        raise BadInput(f"bundle '{p}': the top manifest's 'partial' has missing_ranks "
+                       f"{_kind(missing)}, not a non-empty increasing list of ranks from 0 to "
+                       f"{world - 1}; {fix}")
+    if not (isinstance(reasons, dict) and all(
+            isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 10
+            and isinstance(t, str) and len(t) <= MAX_REASON for k, t in reasons.items())
+            and {int(k) for k in reasons} <= set(missing)):
+        raise BadInput(f"bundle '{p}': the top manifest's 'partial' has reasons {_kind(reasons)}, "
+                       f"not an object of missing rank -> text (at most {MAX_REASON} characters); "
+                       f"{fix}")
+    if len(listed) + len(missing) != world or any(str(r) in listed for r in missing):
+        raise BadInput(f"bundle '{p}': the top manifest lists {len(listed)} parts and "
+                       f"{len(missing)} missing ranks, not each rank 0..{world - 1} of its world "
+                       f"size {world} once; {fix}")
+    return missing

@@ -30,8 +30,9 @@ def summarize(path: str | Path) -> dict:
     if b.multi_rank:
         m = b.manifest
         parts = {r: _summary(b.part(int(r), verify=False)) for r in m["ranks"]}
-        first = parts["0"]
+        first = parts[min(m["ranks"], key=int)]    # rank 0's, unless the bundle is partial
         return {**first, "bundle": str(b.path), "world_size": m["world_size"], "rank": "all",
+                "partial": m.get("partial"),
                 "backend": m.get("backend"), "process_groups": m.get("process_groups"),
                 "observed": {r: p["observed"] for r, p in parts.items()},
                 "files": {f"rank{r}/{n}": f for r, p in parts.items()
@@ -156,6 +157,8 @@ def summary_text(info: dict) -> str:
     if info.get("history_steps") is not None or info.get("lookback_steps") is not None:
         lines.append(f"steps     history of {info.get('history_steps') or 0}, replayable with "
                      f"--steps up to {info.get('lookback_steps') or 0}")
+    if info.get("partial"):
+        lines.append("partial   " + partial_text(info["partial"]))
     groups = info.get("process_groups")
     if groups and len(groups) > 1:   # more than the world: the job's layout
         lines.append("groups    " + "; ".join(f"{n}: {r}" for n, r in groups.items()))
@@ -169,6 +172,18 @@ def summary_text(info: dict) -> str:
         lines.append(f"  {name:<22} {n['bytes']:>10} bytes  {n['tensors']:>4} tensors  in rank "
                      f"{n['rank']}'s file (written once)")
     return "\n".join(_clean(line) for line in lines)
+
+
+def partial_text(partial: dict) -> str:
+    """One line on a partial bundle's ``partial`` (what `schema.check_partial` accepted).
+
+    >>> partial_text({"missing_ranks": [1], "reasons": {"1": "disk full"}}).split("; ")[0]
+    'rank(s) [1] could not write their parts (rank 1: disk full)'
+    """
+    missing, reasons = partial["missing_ranks"], partial.get("reasons") or {}
+    said = "; ".join(f"rank {r}: {reasons[str(r)]}" for r in missing[:8] if str(r) in reasons)
+    return (f"rank(s) {missing} could not write their parts" + (f" ({said})" if said else "")
+            + "; replay the others with --ranks")
 
 
 def replicas_text(rep: dict) -> str:

@@ -13,6 +13,7 @@ import os
 import platform
 import shutil
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import save_file
@@ -67,11 +68,16 @@ def environment() -> dict:
 
 
 def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
-                 unique: bool = False) -> Path:
+                 unique: bool = False, *, staging: Path | None = None,
+                 claim: Callable[[], None] | None = None) -> Path:
     """Write ``tensors`` (role -> flat tensor dict) and ``manifest`` atomically to ``path``.
 
     Every role with tensors gets ``ROLE.safetensors`` (the `ROLES` first, then any other role,
-    e.g. a part's ``collectives``, by name); a role with none gets no file.
+    e.g. a part's ``collectives``, by name); a role with none gets no file. ``staging`` (a new
+    directory's path, default ``.NAME.tmp-XXXXXXXX`` beside ``path``) is where it is written
+    first; ``claim()`` runs when everything is on disk, just before the rename into place, and
+    may refuse it by raising (the staging directory is then removed): a rank of a multi-rank
+    bundle claims its place there (`nanbisect.guard.parts`).
 
     >>> import tempfile
     >>> path = write_bundle(Path(tempfile.mkdtemp()) / "b", {"entry": "m:f"},
@@ -83,7 +89,8 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
     if path.exists() and not unique:
         raise FileExistsError(f"{path} already exists; choose a new bundle path or remove it")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_staging_dir(staging_path(path))    # its marker: `nanbisect clean` may remove it
+    # its marker: `nanbisect clean` may remove it
+    tmp = make_staging_dir(staging_path(path) if staging is None else Path(staging))
     try:
         files = {}
         for role in [*ROLES, *sorted(set(tensors) - set(ROLES))]:
@@ -100,6 +107,8 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
         full = {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
                 "environment": environment(), **manifest, "files": files}
         _fsync_write(tmp / MANIFEST, json.dumps(full, indent=1, allow_nan=False).encode())
+        if claim is not None:
+            claim()
         # never over an existing path; with ``unique`` a taken name gets the next free NAME-N,
         # so two processes writing the same step both keep their bundle
         unmark(tmp)

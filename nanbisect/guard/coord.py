@@ -1,10 +1,9 @@
-"""Capture-time rank coordination: who we are, agreeing on a failure, one bundle from all ranks.
+"""Capture-time rank coordination: who we are, agreeing on a failure, what the ranks write once.
 
 Guarantees: a guarded step costs one extra collective, an all-reduce (MAX) of a one-element flag,
 only when a process group is initialised. A failing step, on any rank, makes *every* rank write
-its part (``rank{r}/``) of one bundle; rank 0 adds the top manifest (world size, backend,
-process-group layout, each part's checksum) and renames the directory into place only after a
-barrier, so a bundle that exists is complete. Watching DDP's reduction is `multirank.ddp`.
+its part (``rank{r}/``) of one bundle (`nanbisect.guard.parts`: the write, the bounded agreement
+on which parts made it, the top manifest). Watching DDP's reduction is `multirank.ddp`.
 
 Replicas are written once: a tensor (any role but batch and RNG, which every rank writes itself)
 whose bytes, dtype and shape equal the same-named tensor of a lower rank is written only by the
@@ -18,11 +17,10 @@ the bytes written once and what is out of sync ({tensor, ranks grouped by identi
 max_abs_diff}, at most `LISTED` listed, with the count). Not guaranteed: with more than
 `MAX_COMPARED` distinct copies of a role, ranks beyond them are deduplicated only against those
 and against their own copy, and listed as ``uncompared``; the parts are on a file system every
-rank sees (as for the parts themselves: rank 0 reads them back).
+rank sees (as for the parts themselves: the rank that adds the top manifest reads them back).
 """
 from __future__ import annotations
 
-import datetime as _dt
 import hashlib
 import json
 import math
@@ -30,17 +28,13 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from safetensors import safe_open
 
-from nanbisect.bundle.atomic import place
-from nanbisect.bundle.format import MANIFEST, PER_RANK, SCHEMA, SUFFIX, environment, write_bundle
-from nanbisect.util.files import file_sha256
-from nanbisect.util.staging import make_staging_dir, staging_path, unmark
+from nanbisect.bundle.format import PER_RANK, SUFFIX
 from nanbisect.util.tensors import tensor_bytes
 
 
@@ -96,66 +90,6 @@ def _merge_groups(per_rank: list[dict], world_size: int) -> dict[str, list[int]]
             if ranks != everyone or name != "0":
                 merged.setdefault(name, ranks)
     return merged
-
-
-def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]],
-                    manifest: dict, unique: bool = False, *,
-                    replica_group: list[int] | None = None,
-                    labels: dict[str, str] | None = None) -> Path:
-    """Every rank writes ``tmp/rank{r}`` from ``build_part(dir) -> (manifest, tensors)``; rank 0
-    writes the top manifest and renames ``tmp`` to ``final`` after all parts exist, never over an
-    existing path (with ``unique``, the first free ``final-N``). Returns where it went, on every
-    rank.
-
-    A tensor (of any role but batch and RNG) whose bytes, dtype and shape equal those of the
-    same-named tensor of a lower rank is written only by the lowest such rank; the others'
-    parts reference it (`share`). ``replica_group`` (the ranks of this rank's data-parallel
-    group, for a DDP model) asks for the replicas to be compared: the top manifest's
-    ``replicas`` lists what differs between ranks of a group (`out_of_sync`); ``labels`` names
-    tensors there (``optim/state/0/v0`` -> ``fc.weight.exp_avg``)."""
-    info = rank_info()
-    tmp_name = broadcast_str(staging_path(final).name)
-    tmp = final.parent / tmp_name
-    if info.rank == 0:
-        make_staging_dir(tmp, parents=True)    # its marker: `nanbisect clean` may remove it
-    dist.barrier()
-    part_dir = tmp / f"rank{info.rank}"
-    part_manifest, tensors = build_part(part_dir)
-    keys = tensor_keys(tensors)
-    plan = exchange(keys, replica_group)
-    kept, shared = share(plan, info.rank, keys, tensors)
-    write_bundle(part_dir, {**part_manifest, "shared": shared} if shared else part_manifest,
-                 kept)
-    groups: list = [None] * info.world_size
-    dist.all_gather_object(groups, process_groups())   # also the barrier after the parts
-    if info.rank == 0:
-        parts, saved = {}, [0, 0]
-        for r in range(info.world_size):
-            m = tmp / f"rank{r}" / MANIFEST
-            pm = json.loads(m.read_text())
-            parts[str(r)] = {"dir": f"rank{r}", "manifest_sha256": file_sha256(m),
-                             "observed": pm.get("observed")}
-            for ref in (pm.get("shared") or {}).values():
-                saved[0], saved[1] = saved[0] + ref["bytes"], saved[1] + ref["tensors"]
-        rows, uncompared = out_of_sync(plan, labels or {})
-        top = {"schema": SCHEMA, "kind": "multi-rank",
-               "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
-               "environment": environment(),
-               **manifest, "world_size": info.world_size, "backend": info.backend,
-               "process_groups": _merge_groups(groups, info.world_size), "ranks": parts,
-               "replicas": {"groups": plan.groups(), "shared_bytes": saved[0],
-                            "shared_tensors": saved[1],
-                            "out_of_sync": [_measured_or_not(tmp, plan, row)
-                                            for row in rows[:LISTED]],
-                            "out_of_sync_count": len(rows), "uncompared": uncompared},
-               "files": {}}
-        with open(tmp / MANIFEST, "w") as f:
-            f.write(json.dumps(top, indent=1, allow_nan=False))
-            f.flush()
-            os.fsync(f.fileno())
-        unmark(tmp)
-        final = place(tmp, final, unique=unique)
-    return Path(broadcast_str(str(final)))   # also the barrier: every rank gets rank 0's name
 
 
 # ------------------------------------------------------------------------------------------

@@ -35,14 +35,17 @@ from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.lookback import Lookback
 from nanbisect.bundle.state import RngState, accelerator_types, local
 from nanbisect.errors import BadInput, NonFiniteStep
+from nanbisect.guard.agree import write_timeout
 from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
 from nanbisect.guard.entry import _check_out, resolve_entry_file
+from nanbisect.guard.parts import held_ranks
 from nanbisect.guard.screen import _bad_names, _kind, _listed, _norms
 from nanbisect.guard.snapshot import _live_scale, _Snapshot
 from nanbisect.guard.tape import record_step
 from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
 from nanbisect.step import run_step
 from nanbisect.task import Task
+from nanbisect.util.text import exception_line
 
 
 @dataclass
@@ -105,6 +108,8 @@ class Guard:
             raise BadInput(f"Guard(snapshot_stream={snapshot_stream!r}): give True or False")
         self._snapshot = _Snapshot(side_stream=snapshot_stream)
         self._rank = rank_info()
+        # read now: a bad NANBISECT_WRITE_TIMEOUT fails here, not when the bundle is written
+        self._write_timeout = write_timeout() if self._rank.distributed else None
         self._sources = user_sources(self._entry_file)   # the code as training started
         if history is not None and (type(history) is not int or history < 0):
             raise BadInput(f"Guard(history={history!r}): give a number of steps (0 or None: "
@@ -213,8 +218,9 @@ class Guard:
             return
         self._restore(scale)
         tape = self._record_tape(batch, rng, scale, dev) if self._rank.distributed else None
-        path = self._write_failure(batch, rng, observed, tape)
-        raise NonFiniteStep(path, observed)
+        path, error = self._write_failure(batch, rng, observed, tape)
+        raise NonFiniteStep(path, observed, error,
+                            ranks=held_ranks(path) if self._rank.distributed else None)
 
     def _read_screen(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
                      skipped: torch.Tensor | None
@@ -296,8 +302,10 @@ class Guard:
             tape = None
         return tape
 
-    def _write_failure(self, batch: Any, rng: RngState, observed: dict, tape) -> Path:
-        """Write the failing step's bundle (rescued elsewhere if ``out`` fails); where it went."""
+    def _write_failure(self, batch: Any, rng: RngState, observed: dict, tape
+                       ) -> tuple[Path | None, str | None]:
+        """Write the failing step's bundle (rescued elsewhere if ``out`` fails): (where it went,
+        None), or (None, why) when it could not be written anywhere."""
         path = self._free_path()
         if self._rank.distributed:
             path = Path(broadcast_str(str(path)))
@@ -307,7 +315,8 @@ class Guard:
         write = partial(_write, self.task, batch, rng, entry=self.entry,
                         entry_file=self._entry_file, step=self.step_index, observed=observed,
                         sources=sources, scaler_state=_scaler_state(self.task), unique=True,
-                        tape=tape, history=self._history, lookback=self._lookback)
+                        tape=tape, history=self._history, lookback=self._lookback,
+                        write_timeout=self._write_timeout)
         return write_or_rescue(write, path, self.out, distributed=self._rank.distributed)
 
     def _check_spike(self, batch: Any, rng: RngState, loss: float | None) -> None:
@@ -335,9 +344,9 @@ class Guard:
                           entry_file=self._entry_file, step=self.step_index, observed=observed,
                           sources=sources, scaler_state=_scaler_state(self.task), unique=True,
                           history=self._history, lookback=self._lookback)
-        except OSError as e:
+        except Exception as e:  # noqa: BLE001 - a spike must never stop the training
             warnings.warn(f"Guard: could not write the spike bundle of step {self.step_index} "
-                          f"into '{self.out}' ({e.strerror or e}); training goes on",
+                          f"into '{self.out}' ({exception_line(e)}); training goes on",
                           RuntimeWarning, stacklevel=4)
             return
         finally:

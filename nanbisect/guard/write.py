@@ -6,15 +6,16 @@ the GradScaler's scale and growth tracker, every module's train/eval mode, every
 like (`Task.describe`) and the sha256 of the entry file and every user source file the process
 imported; with them, what a Guard adds (the recorded collectives, the history, the lookback).
 Under torch.distributed every rank writes its part of one bundle
-(`nanbisect.guard.coord.write_all_ranks`). A Guard's failing step is never lost to a
-single-process write that fails (`write_or_rescue`: the bundle goes to a rescue directory under
-the system's temporary directory, with a warning). Not guaranteed: a multi-rank write that fails
-is not rescued (the ranks would have to agree on another place): its error propagates.
+(`nanbisect.guard.parts.write_all_ranks`). A Guard's failing step is never lost to a write that
+fails (`write_or_rescue`), whatever the writer raises (an `OSError`, safetensors' own
+``SafetensorError`` on a full disk, anything else): in a single process the bundle goes to a
+rescue directory under the system's temporary directory, with a warning; under torch.distributed
+a rank that cannot write sends its part there and the bundle is marked partial. When even that
+fails, `NonFiniteStep` is raised all the same, with ``bundle`` None and the reasons in its message.
 """
 from __future__ import annotations
 
 import os
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -29,9 +30,11 @@ from nanbisect.bundle.lookback import Lookback
 from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_model,
                                     encode_optimizer)
 from nanbisect.bundle.tape import ROLE as TAPE_ROLE
-from nanbisect.guard.coord import rank_info, tensor_labels, write_all_ranks
+from nanbisect.guard.coord import rank_info, tensor_labels
+from nanbisect.guard.parts import rescue_dir, write_all_ranks
 from nanbisect.guard.entry import resolve_entry_file
 from nanbisect.task import Task
+from nanbisect.util.text import exception_line
 
 
 def _device_of(model: torch.nn.Module) -> str:
@@ -79,11 +82,12 @@ def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
            entry_file: str | None, step: int | None, observed: dict | None,
            sources: dict[str, str], scaler_state: dict | None, unique: bool = False,
            tape=None, history: "hist.HealthLog | None" = None,
-           lookback: Lookback | None = None) -> Path:
+           lookback: Lookback | None = None, write_timeout: float | None = None) -> Path:
     """Write the bundle (every rank its part, under torch.distributed); return where it went
     (with ``unique``, a taken ``path`` gets the next free ``path-N``). Under torch.distributed,
-    state identical on several ranks is written once (`guard.coord.write_all_ranks`); for a
-    DDP model its process group's replicas are compared and what differs is reported."""
+    state identical on several ranks is written once (`guard.parts.write_all_ranks`, each rank's
+    write bounded by ``write_timeout``, default ``NANBISECT_WRITE_TIMEOUT``); for a DDP model
+    its process group's replicas are compared and what differs is reported."""
     def build(p: Path) -> tuple[dict, dict]:
         manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
                                           observed=observed, path=p, entry_file=entry_file,
@@ -108,7 +112,8 @@ def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
                  if isinstance(model, DistributedDataParallel) else None)
         return write_all_ranks(path, build, {"entry": entry, "step": step}, unique=unique,
                                replica_group=group,
-                               labels=tensor_labels(model, task.optimizer))
+                               labels=tensor_labels(model, task.optimizer),
+                               timeout=write_timeout)
     manifest, tensors = build(path)
     return write_bundle(path, manifest, tensors, unique=unique)
 
@@ -135,19 +140,24 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
 
 
 def write_or_rescue(write: Callable[[Path], Path], path: Path, out: Path, *,
-                    distributed: bool) -> Path:
-    """``write(path)``; when that fails with an `OSError` (``out`` went away or filled up since
-    the Guard checked it) in a single process, ``write`` into the rescue directory instead, with
-    a warning. Returns where the bundle went."""
+                    distributed: bool) -> tuple[Path | None, str | None]:
+    """``write(path)``: (where the bundle went, None). When that raises anything (``out`` went
+    away or filled up since the Guard checked it; safetensors raises its own error), in a single
+    process ``write`` goes into the rescue directory instead, with a warning; under
+    torch.distributed each rank already sent its part there (`write_all_ranks`). When no bundle
+    could be written anywhere: (None, why)."""
     try:
-        return write(path)
-    except OSError as e:
-        if distributed:   # the ranks would have to agree on another place
-            raise
-        # `out` went away or filled up since the Guard checked it: the failing step is
-        # what this run exists to keep, so keep it somewhere
-        rescue = Path(tempfile.gettempdir()) / f"nanbisect-rescue-{os.getuid()}" / path.name
+        return write(path), None
+    except Exception as e:  # noqa: BLE001 - the failing step is what this run exists to keep
+        why = exception_line(e, limit=4000)
+        if distributed:      # `BundleNotWritten`: why, rank by rank, and where this part went
+            return None, why
+    rescue = rescue_dir() / path.name
+    try:
         path = write(rescue)
-        warnings.warn(f"Guard: could not write the bundle into '{out}' ({e.strerror or e}"
-                      f"); wrote it to '{path}' instead", RuntimeWarning, stacklevel=5)
-        return path
+    except Exception as e:  # noqa: BLE001 - NonFiniteStep still tells what happened
+        return None, (f"writing it into '{out}' failed ({why}), and into the rescue directory "
+                      f"'{rescue.parent}' too ({exception_line(e)})")
+    warnings.warn(f"Guard: could not write the bundle into '{out}' ({why}); wrote it to "
+                  f"'{path}' instead", RuntimeWarning, stacklevel=5)
+    return path, None

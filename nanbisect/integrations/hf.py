@@ -81,10 +81,10 @@ class NanbisectTrainerCallback(TrainerCallback):
             task.accumulate = len(self._mbs)
             self._w.batch = self._mbs if len(self._mbs) > 1 else self._mbs[0]
         self._w.loss = self._total
-        bundle = close_step(cm)
+        failed = close_step(cm)
         task.accumulate = args.gradient_accumulation_steps
-        if bundle is not None:
-            self.bundle = bundle
+        if failed is not None:       # the step failed, even if no bundle could be written
+            self.bundle = failed.bundle
             control.should_training_stop = True
 
     def on_train_end(self, args, state, control, **kwargs):

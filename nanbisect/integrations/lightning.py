@@ -95,9 +95,9 @@ class NanbisectCallback(L.Callback):
             self._w.batch = list(self._mbs)
         self._w.loss = self._total
         cm, self._cm = self._cm, None
-        bundle = close_step(cm)
-        if bundle is not None:
-            self.bundle = bundle
+        failed = close_step(cm)
+        if failed is not None:       # the step failed, even if no bundle could be written
+            self.bundle = failed.bundle
             trainer.should_stop = True
 
     @staticmethod

@@ -76,8 +76,8 @@ def _feeders(top: Bundle, me: int, entry: Entry | None, occurrence: int) -> tupl
                 and e.group == entry.group]
         return len(same) > occurrence and bool(same[occurrence].in_nan or same[occurrence].in_inf)
 
-    feeders = [r for r in group if r != me and 0 <= r < top.world_size
-               and bad_input(_recorded(top, r)[0])]
+    feeders = [r for r in group if r != me and str(r) in top.manifest["ranks"]   # partial: its
+               and bad_input(_recorded(top, r)[0])]                              # parts only
     return feeders, bad_input(mine)
 
 

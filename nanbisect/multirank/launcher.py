@@ -256,7 +256,7 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
             results = launch_alone(bundle, ranks, target, inject, partial, timeout, entry,
                                    reference)
         m = bundle.manifest
-        part = bundle.part(0)
+        part = bundle.part(min(map(int, m["ranks"])))   # rank 0's, unless the bundle is partial
         used = entry or resolve_entry(part)
         fidelity = fidelity_check(part, used, None, None, same_setup=False,
                                   override=entry is not None)

@@ -24,6 +24,7 @@ from nanbisect.replay.replayer import parse_device
 from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
+from nanbisect.util.text import show
 
 
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
@@ -87,6 +88,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
                        "several steps is for single-process bundles yet: drop --steps")
     if bundle.multi_rank:
         subset = parse_ranks(opts.ranks, bundle.world_size) if opts.ranks is not None else None
+        _check_partial(bundle, subset)
         if subset is not None:
             check_tape(bundle, subset)     # verifies each replayed part, and what it references
         reference = opts.reference or devices.default_reference(t_dev)
@@ -105,6 +107,26 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
         return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype)
     finally:
         torch.set_num_threads(threads)     # the capture's count was this run's only
+
+
+def _check_partial(bundle: Bundle, subset: list[int] | None) -> None:
+    """A partial bundle (ranks that could not write their parts at capture) replays only with
+    ``--ranks`` naming ranks it holds: `BadInput` otherwise, naming the missing ranks and why."""
+    missing = bundle.missing_ranks
+    if not missing or (subset is not None and not set(subset) & set(missing)):
+        return
+    present = ",".join(sorted(bundle.manifest["ranks"], key=int))
+    reasons = bundle.manifest["partial"].get("reasons") or {}
+    first = next((f"rank {r}: {show(reasons[str(r)], 200)}" for r in missing
+                  if str(r) in reasons), None)
+    why = f" ({first})" if first else ""
+    if subset is None:
+        raise BadInput(f"bundle '{bundle.path}' is partial: rank(s) {missing} could not write "
+                       f"their parts when it was captured{why}; replay the ranks it holds "
+                       f"alone with --ranks {present}")
+    raise BadInput(f"bundle '{bundle.path}' is partial: --ranks names rank(s) "
+                   f"{sorted(set(subset) & set(missing))}, which could not write their parts "
+                   f"when it was captured{why}; pass only ranks it holds (--ranks {present})")
 
 
 def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, target: str,

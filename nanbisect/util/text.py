@@ -16,3 +16,20 @@ def show(value, limit: int = 60) -> str:
     if len(r) <= limit:
         return r
     return r[:limit - 4] + "..." + (r[0] if r[0] in "'\"" else "")
+
+
+def exception_line(e: BaseException, limit: int = 300) -> str:
+    """What went wrong, on one line: an `OSError`'s reason and file, else the exception's own
+    text (a library's, e.g. safetensors' "No space left on device"), else its type's name.
+
+    >>> exception_line(OSError(28, "No space left on device", "/out/x"))
+    "No space left on device: '/out/x'"
+    >>> exception_line(RuntimeError("a\\n  b")), exception_line(KeyError())
+    ('a b', 'KeyError')
+    """
+    if isinstance(e, OSError) and e.strerror:
+        text = e.strerror + (f": '{e.filename}'" if e.filename else "")
+    else:
+        text = str(e) or type(e).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
