@@ -35,10 +35,11 @@ from nanbisect.bundle.bounded import (DTYPE_BITS, MAX_HEADER_BYTES, MAX_JSON_DEP
                                      MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_TENSORS,
                                      MAX_WORLD_SIZE, _FIX, _kind, _limit, _load, _regular, _uint,
                                      parse_json, read_header)
+from nanbisect.bundle.check import check_state
 from nanbisect.bundle.schema import (MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
                                     SUFFIX, _REQUIRED, _REQUIRED_MULTI, _check_fields,
                                     _check_replicas, _int, _safe_name, _strs, check_partial,
-                                    field_problem)
+                                    check_section, field_problem)
 from nanbisect.bundle.state import Tensors
 from nanbisect.bundle.writer import environment, umask_mode, write_bundle
 from nanbisect.errors import BadInput
@@ -133,7 +134,10 @@ class Bundle:
         b = read_bundle(self.path / info["dir"], verify, _part=rank)
         if not b.manifest.get("shared"):
             return b
-        return replace(b, borrowed=_borrowed(self, rank, b, verify))
+        borrowed = _borrowed(self, rank, b, verify)
+        if verify:
+            _check_lent(self, b, borrowed)
+        return replace(b, borrowed=borrowed)
 
 
 def _bundles_inside(p: Path, limit: int = 10_000) -> list[str]:
@@ -229,26 +233,80 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
         if not _safe_name(name) or name == MANIFEST:
             raise BadInput(f"bundle '{p}': the manifest lists file {show(name)}, which is not a "
                            "plain file name in the bundle directory; re-capture the bundle")
-        if not (isinstance(info, dict) and isinstance(info.get("sha256", ""), str)
-                and _uint(info.get("bytes", 0))):
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str)
+                and _uint(info.get("bytes"))):
             raise BadInput(f"bundle '{p}': the manifest's entry for {show(name)} is "
                            f"{_kind(info)}, not {{sha256: string, bytes: integer}}; re-capture "
                            "the bundle")
     if verify:
+        # NB: the cheap checks of every file first (sizes, headers, what the manifest names in
+        # them), the hashing last: a wrong size or a hostile header is refused in milliseconds,
+        # never after hashing the files before it
         for name, info in manifest["files"].items():
             f = p / name
             if not os.path.lexists(f):
                 raise BadInput(f"bundle '{p}': file '{name}' listed in the manifest is missing; "
                                "copy the whole bundle directory or re-capture it")
             st = _regular(f, f"bundle '{p}': {name}")
-            if "bytes" in info and st.st_size != info["bytes"]:
+            if st.st_size != info["bytes"]:
                 raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
                                f"({st.st_size} bytes, the manifest says {info['bytes']}: "
                                "truncated or altered); copy the bundle again or re-capture it")
-            if _sha256(f) != info.get("sha256"):
-                raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
-                               "(truncated or altered); copy the bundle again or re-capture it")
+        try:
+            heads = _heads(p, manifest)
+            if not manifest.get("shared"):   # a part that borrows: checked by `Bundle.part`
+                check_state(p, manifest, heads)
+        except BadInput:
+            # a damaged file is named as such, not by what it broke; but only the small ones
+            # are hashed for that: a hostile bundle is refused in bounded time
+            _check_hashes(p, manifest, RECHECK_BYTES)
+            raise
+        _check_hashes(p, manifest)
     return Bundle(p, manifest)
+
+
+RECHECK_BYTES = 1 << 28
+
+
+def _check_hashes(p: Path, manifest: dict, limit: int | None = None) -> None:
+    for name, info in manifest["files"].items():
+        if limit is not None and info["bytes"] > limit:
+            continue
+        if _sha256(p / name) != info["sha256"]:
+            raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
+                           "(truncated or altered); copy the bundle again or re-capture it")
+
+
+def _heads(p: Path, manifest: dict, cache: dict | None = None) -> dict[str, dict]:
+    """The safetensors headers of a bundle's tensor files (file name -> header), each read once
+    per ``cache``."""
+    out = {}
+    for name in manifest["files"]:
+        if name.endswith(SUFFIX):
+            key = ("head", str(p / name))
+            if cache is None or key not in cache:
+                head = read_header(p / name, f"bundle '{p}': {name}")
+                if cache is None:
+                    out[name] = head
+                    continue
+                cache[key] = head
+            out[name] = cache[key]
+    return out
+
+
+def _check_lent(top: "Bundle", part: "Bundle", borrowed: dict) -> None:
+    """`check_state` of a part that takes tensors from lower ranks' files (``borrowed``, as
+    `_borrowed` resolved it), with their header entries."""
+    lent: dict[str, dict] = {}
+    for name, owners in borrowed.items():
+        for owner_dir, names in owners:
+            key = ("head", str(owner_dir / name))
+            if key not in top._cache:
+                top._cache[key] = read_header(owner_dir / name,
+                                              f"bundle '{top.path}': {owner_dir.name}/{name}")
+            head = top._cache[key]
+            lent.setdefault(name, {}).update({n: head[n] for n in names})
+    check_state(part.path, part.manifest, _heads(part.path, part.manifest), lent)
 
 
 def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
@@ -276,6 +334,7 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
         if type(info.get("manifest_sha256", "")) is not str:
             raise BadInput(f"bundle '{p}': the top manifest's manifest_sha256 of rank {r} is not a "
                            "string; re-capture the bundle")
+        check_section(p, "observed", info.get("observed"), f"ranks.{r}.observed")
         dirs.append(d)
     if len(set(dirs)) != len(dirs):
         seen: set = set()
@@ -302,7 +361,7 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
         for r, info in ranks.items():
             part = read_bundle(p / info["dir"], verify=False, _part=int(r))
             if part.manifest.get("shared"):
-                _borrowed(top, int(r), part, verify=False)
+                _check_lent(top, part, _borrowed(top, int(r), part, verify=False))
     return top
 
 
@@ -399,6 +458,7 @@ def _owner_names(top: Bundle, owner: int, name: str, shown: str, verify: bool) -
                        "re-capture it")
     f = d / name   # NB: the caller checked that ``name`` is a plain file name
     head = read_header(f, f"bundle '{top.path}': {info['dir']}/{name}")
+    top._cache[("head", str(f))] = head
     if verify:
         st = _regular(f, f"bundle '{top.path}': {info['dir']}/{name}")
         if st.st_size != entry.get("bytes", st.st_size) or _sha256(f) != entry.get("sha256"):
