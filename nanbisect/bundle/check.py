@@ -93,10 +93,12 @@ def check_state(p: Path, m: dict, heads: dict[str, dict],
 
 def _check_state(where: str, m: dict, heads: dict[str, dict], borrowed: dict[str, dict]
                  ) -> None:
+    def role(name: str) -> dict[str, dict]:   # NB: as Bundle.tensors: own file, then borrowed
+        return {**heads.get(name + SUFFIX, {}), **borrowed.get(name + SUFFIX, {})}
+
     merged: dict[str, dict] = {}
-    for role in ROLES:   # NB: as Bundle.all_tensors merges them: own file, then borrowed
-        merged.update(heads.get(role + SUFFIX, {}))
-        merged.update(borrowed.get(role + SUFFIX, {}))
+    for name in ROLES:   # as Bundle.all_tensors merges them
+        merged.update(role(name))
     state = HeaderTensors(merged)
     model_keys(m["model"], state, where)
     decode(m["batch"], state)
@@ -112,8 +114,8 @@ def _check_state(where: str, m: dict, heads: dict[str, dict], borrowed: dict[str
     if extra:
         raise BadInput(f"{where}: its tensor files hold {len(extra)} tensor(s) the manifest does "
                        f"not name (e.g. {show(extra[0])}); {_FIX}")
-    hist.parse(m, HeaderTensors(heads.get(hist.ROLE + SUFFIX, {})), where)
-    lookback_steps(m, HeaderTensors(heads.get(LOOKBACK + SUFFIX, {})), where)
+    hist.parse(m, HeaderTensors(role(hist.ROLE)), where)
+    lookback_steps(m, HeaderTensors(role(LOOKBACK)), where)
     if m.get("collectives") is not None:
         tape.parse(m["collectives"], where)
 
