@@ -440,8 +440,9 @@ DECODED = {
                                         "integer from 1 to 65536", "environment"),
     "code-sources-list": _section("sources", ["/x.py"], "field 'code.sources' is a list",
                                   "code"),
-    "entry-control-characters": _field("entry", "evil.py:task]0;pwned", "field 'entry' "
-                                       "is a string, not an entry 'pkg.module:function'"),
+    "entry-control-characters": _field("entry", "evil.py:task\x1b]0;pwned\x07", "field 'entry' "
+                                       r"'evil.py:task\x1b]0;pwned\x07' is not of the form "
+                                       "'pkg.module:function'"),
     "entry-file-from-bundle-absolute": _field("entry_file_from_bundle", "/etc/passwd",
                                               "field 'entry_file_from_bundle' is a string, not "
                                               "null or a path to a .py file relative"),

@@ -8,7 +8,10 @@ checked on load. Reading a bundle parses JSON and safetensors only: it never unp
 imports user code, and it is bounded in time and memory whatever the manifest or a safetensors
 header claims (`read_bundle`, `read_header`: size, JSON values and depth, world size, tensor
 count, offsets against the file's real size); a malformed manifest, header, field type, symbolic
-link or part directory outside the bundle is a `BadInput` naming the file and the fix.
+link or part directory outside the bundle is a `BadInput` naming the file and the fix. It is the
+one validation `run` and `inspect` share: JSON without NaN or Infinity, every section's known keys
+typed (`nanbisect.bundle.schema`), and what the manifest names checked against the headers
+(`nanbisect.bundle.check`), all before any file is hashed.
 A part of a multi-rank bundle may take tensors from lower ranks' files (its manifest's
 ``shared``, see `_borrowed`); `Bundle.part` resolves them to the owner's file, verified by its
 sha256, and refuses a reference to a rank, file or tensor that is not there, to a rank that is

@@ -14,6 +14,7 @@ import torch
 from nanbisect.bundle.bounded import MAX_WORLD_SIZE, _kind, _too_deep, _uint
 from nanbisect.errors import BadInput
 from nanbisect.task import split_entry
+from nanbisect.util.text import show
 
 SCHEMA = "nanbisect.bundle/1"
 SCHEMA_VERSION = 1
@@ -194,11 +195,14 @@ def check_sections(p: Path, m: dict) -> None:
     if "entry" in m:
         try:
             split_entry(m["entry"])
+            ok = _path(m["entry"])
         except BadInput:
-            raise _bad(p, "entry", m["entry"], "an entry 'pkg.module:function' or "
-                       "'path/to/file.py:function' (or replay it with --entry)") from None
-        if not _path(m["entry"]):
-            raise _bad(p, "entry", m["entry"], "an entry string without NUL")
+            ok = False
+        if not ok:
+            raise BadInput(f"bundle '{p}': manifest.json field 'entry' {show(m['entry'], 60)} "
+                           "is not of the form 'pkg.module:function' or "
+                           "'path/to/file.py:function'; replay it with --entry ENTRY, or "
+                           "re-capture the bundle")
     if m.get("entry_file") is not None and not _path(m["entry_file"]):
         raise _bad(p, "entry_file", m["entry_file"], "null or a path")
     rel = m.get("entry_file_from_bundle")
