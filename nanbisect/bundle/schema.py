@@ -164,25 +164,42 @@ def _bad(p: Path, field: str, value, want: str) -> BadInput:
                     f"{want}; the manifest was altered or damaged: re-capture the bundle")
 
 
+_SCALER_KEYS = "{} or {scale, growth_factor, backoff_factor, growth_interval, _growth_tracker}"
+
+
+def _section_problem(name: str, v: dict) -> tuple[str | None, str] | None:
+    """The first problem of ``v`` as section ``name``: (its key, or None for the section
+    itself; what it must be), or None."""
+    spec = _SECTIONS[name]
+    if name == "grad_scaler" and v and not set(spec) <= set(v):   # what load_state_dict reads
+        return None, _SCALER_KEYS
+    for key, (ok, want) in spec.items():
+        if key in v and not ok(v[key]):
+            return key, want
+    if _too_deep(v, MAX_SECTION_DEPTH):
+        return None, f"nested at most {MAX_SECTION_DEPTH} levels deep"
+    return None
+
+
 def check_section(p: Path, name: str, v, field: str | None = None) -> None:
     """`BadInput` unless ``v`` is null or the section ``name`` as its writer writes it (shown as
     manifest field ``field``, default ``name``)."""
     field = field or name
     if v is None:
         return
-    spec = _SECTIONS[name]
     if not isinstance(v, dict):
         raise _bad(p, field, v, "null or an object")
-    if name == "grad_scaler" and v and set(v) != set(spec):
-        raise _bad(p, field, v, "{} or {scale, growth_factor, backoff_factor, "
-                                "growth_interval, _growth_tracker}")
-    for key, (ok, want) in spec.items():
-        if key in v and not ok(v[key]):
-            raise _bad(p, f"{field}.{key}", v[key], want)
-    if _too_deep(v, MAX_SECTION_DEPTH):
-        raise BadInput(f"bundle '{p}': manifest.json field '{field}' is nested deeper than "
-                       f"{MAX_SECTION_DEPTH} levels; the manifest was altered or damaged: "
-                       "re-capture the bundle")
+    problem = _section_problem(name, v)
+    if problem is None:
+        return
+    key, want = problem
+    if key is not None:
+        raise _bad(p, f"{field}.{key}", v[key], want)
+    if want == _SCALER_KEYS:
+        raise _bad(p, field, v, want)
+    raise BadInput(f"bundle '{p}': manifest.json field '{field}' is nested deeper than "
+                   f"{MAX_SECTION_DEPTH} levels; the manifest was altered or damaged: "
+                   "re-capture the bundle")
 
 
 def check_sections(p: Path, m: dict) -> None:
@@ -218,10 +235,12 @@ def field_problem(key: str, value) -> str | None:
     ok, want = _FIELDS[key]
     if not ok(value):
         return want
-    for k, (ok, want) in _SECTIONS.get(key, {}).items() if isinstance(value, dict) else ():
-        if k in value and not ok(value[k]):
-            return f"an object whose '{k}' is {want}"
-    return None
+    problem = _section_problem(key, value) if key in _SECTIONS and isinstance(value, dict) \
+        else None
+    if problem is None:
+        return None
+    k, want = problem
+    return want if k is None else f"an object whose '{k}' is {want}"
 
 
 def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
