@@ -210,9 +210,12 @@ def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
     return head
 
 
-def _load(path: Path, shown: str, names: list[str] | None = None) -> Tensors:
-    """The tensors of one safetensors file (only ``names`` when given), header checked first."""
-    read_header(path, shown)   # NB: ours first: sizes, offsets, no link
+def _load(path: Path, shown: str, names: list[str] | None = None, checked: bool = False
+          ) -> Tensors:
+    """The tensors of one safetensors file (only ``names`` when given), header checked first
+    (``checked``: `read_bundle` just checked it)."""
+    if not checked:
+        read_header(path, shown)   # NB: ours first: sizes, offsets, no link
     try:
         if names is None:
             return load_file(str(path))

@@ -77,7 +77,8 @@ class Bundle:
         those this part takes from lower ranks' parts included (from their own files, which
         `part` verified by their sha256)."""
         name = f"{role}{SUFFIX}"
-        out = (_load(self.path / name, f"bundle '{self.path}': {name}")
+        out = (_load(self.path / name, f"bundle '{self.path}': {name}",
+                     checked=("head", str(self.path / name)) in self._cache)
                if name in self.manifest["files"] else {})
         ref = (self.manifest.get("shared") or {}).get(name)
         if ref is None:
@@ -223,6 +224,7 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
         raise BadInput(f"bundle '{p}' is a file, not a directory; pass the bundle directory "
                        "that holds manifest.json")
     manifest = _read_manifest(p)
+    cache: dict = {}
     if manifest.get("kind") == "multi-rank":
         if _part is not None:
             raise BadInput(f"bundle '{p}': the part of rank {_part} is itself a multi-rank bundle; "
@@ -256,7 +258,7 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
                                f"({st.st_size} bytes, the manifest says {info['bytes']}: "
                                "truncated or altered); copy the bundle again or re-capture it")
         try:
-            heads = _heads(p, manifest)
+            heads = _heads(p, manifest, cache)
             if not manifest.get("shared"):   # a part that borrows: checked by `Bundle.part`
                 check_state(p, manifest, heads)
         except BadInput:
@@ -265,7 +267,8 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
             _check_hashes(p, manifest, RECHECK_BYTES)
             raise
         _check_hashes(p, manifest)
-    return Bundle(p, manifest)
+    # the headers just checked are kept: `Bundle.tensors` and `inspect` do not read them again
+    return Bundle(p, manifest, _cache=cache)
 
 
 RECHECK_BYTES = 1 << 28
@@ -309,7 +312,7 @@ def _check_lent(top: "Bundle", part: "Bundle", borrowed: dict) -> None:
                                               f"bundle '{top.path}': {owner_dir.name}/{name}")
             head = top._cache[key]
             lent.setdefault(name, {}).update({n: head[n] for n in names})
-    check_state(part.path, part.manifest, _heads(part.path, part.manifest), lent)
+    check_state(part.path, part.manifest, _heads(part.path, part.manifest, part._cache), lent)
 
 
 def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:

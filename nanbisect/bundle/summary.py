@@ -101,7 +101,8 @@ def _summary(b: Bundle) -> dict:
     m = b.manifest
     files = {}
     for name, info in m["files"].items():
-        head = read_header(b.path / name, f"bundle '{b.path}': {name}")
+        head = b._cache.get(("head", str(b.path / name))) or \
+            read_header(b.path / name, f"bundle '{b.path}': {name}")   # (read_bundle's, if kept)
         dtypes: dict[str, int] = {}
         for t in head.values():
             dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
