@@ -96,7 +96,7 @@ def _path(v) -> bool:
     return isinstance(v, str) and v != "" and "\x00" not in v and len(v) <= 4096
 
 
-def _uints(v) -> bool:
+def _count(v) -> bool:
     return type(v) is int and 0 <= v < 1 << 63
 
 
@@ -111,7 +111,7 @@ def _dtype_name(v) -> bool:
 
 def _names(v) -> bool:
     """nonfinite_grads / nonfinite_params as the Guard writes them."""
-    return isinstance(v, dict) and all(_strs(x) if k in ("nan", "inf") else _uints(x)
+    return isinstance(v, dict) and all(_strs(x) if k in ("nan", "inf") else _count(x)
                                        for k, x in v.items())
 
 
@@ -129,7 +129,7 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "summary": (_str_map, "an object of strings"),
         "nonfinite_grads": (_names, "{nan: [names], inf: [names], nan_count, inf_count}"),
         "nonfinite_params": (_names, "{nan: [names], inf: [names], nan_count, inf_count}"),
-        "scaler_skips": (_uints, "an integer >= 0"),
+        "scaler_skips": (_count, "an integer >= 0"),
         "rank": (lambda v: _int(v) and 0 <= v < MAX_WORLD_SIZE, "an integer >= 0"),
         "spike": (lambda v: isinstance(v, dict) and all(map(_num, v.values())),
                   "an object of numbers")},
@@ -142,7 +142,7 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "autocast": (lambda v: v is None or _dtype_name(v), "null or a torch dtype name"),
         "compiled": (lambda v: v is None or isinstance(v, dict), "null or an object")},
     "grad_scaler": {   # torch's GradScaler.state_dict(): all five, or {} (a disabled scaler)
-        "scale": (lambda v: _num(v) and v > 0, "a number > 0"),
+        "scale": (lambda v: _num(v) and v >= 0, "a number >= 0"),
         "growth_factor": (_num, "a number"), "backoff_factor": (_num, "a number"),
         "growth_interval": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
         "_growth_tracker": (lambda v: _int(v) and v >= 0, "an integer >= 0")},
