@@ -13,7 +13,7 @@ import sys
 
 
 def _drop_working_directory() -> None:
-    if sys.flags.safe_path or not sys.path:   # python -P: nothing was put there
+    if getattr(sys.flags, "safe_path", False) or not sys.path:   # -P (3.11): nothing put there
         return
     try:
         cwd = os.getcwd()
