@@ -58,7 +58,7 @@ def _guard_replay() -> None:
             shutil.rmtree(scratch, ignore_errors=True)   # what a killed starter could not
             up = os.path.dirname(scratch)
             if not said.startswith(b"done") and os.path.basename(up).startswith(
-                    "nanbisect-triage-") and lockdir.state(up) == "free":
+                    "nanbisect-triage-") and lockdir.freed(up, 2.0):
                 # the starter died and so did the run (its lock is free): the run's directory
                 shutil.rmtree(up, ignore_errors=True)
         os._exit(0)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import fcntl
 import os
 import tempfile
+import time
 from pathlib import Path
 
 LOCK = ".lock"
@@ -60,3 +61,15 @@ def state(path: str | Path) -> str:
     finally:
         os.close(fd)
     return "free"
+
+
+def freed(path: str | Path, within: float) -> bool:
+    """Whether the lock of ``path`` is free, or comes free within ``within`` seconds (an owner
+    that is exiting: the kernel lets go of its lock as it closes its files, maybe a moment after
+    another of them, e.g. a pipe, told a watcher it died)."""
+    deadline = time.monotonic() + within
+    while True:
+        now = state(path)
+        if now != "held" or time.monotonic() >= deadline:
+            return now == "free"
+        time.sleep(0.02)
