@@ -7,10 +7,9 @@ import torch.
 >>> nanbisect.Task.__name__, nanbisect.__version__ == __import__("nanbisect").__version__
 ('Task', True)
 """
-from __future__ import annotations
-
+# NB: nothing but importlib, which `python -m` loaded to get here: this runs before
+# `nanbisect.__main__` takes the working directory off sys.path
 import importlib
-from typing import Any
 
 __version__ = "0.1.0"
 
@@ -23,7 +22,7 @@ __all__ = ["Task", "capture", "Guard", "StepWatch", "Spike", "NonFiniteStep", "B
            "__version__"]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value     # later lookups do not come back here

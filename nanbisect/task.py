@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.machinery
 import importlib.util
+import os
 import sys
 import traceback
 from dataclasses import dataclass
@@ -117,6 +119,26 @@ def _import_file(path: Path, shown: str) -> Any:
     return module
 
 
+def _from_working_directory(target: str) -> None:
+    """Let the dotted ``target`` (``pkg.module``) be found in the working directory, as
+    ``python -m`` and ``python script.py`` users expect: when its top-level package or module
+    is there, the working directory goes first on sys.path (as a file entry's directory does).
+    ``python -m nanbisect`` took it off before importing its own dependencies (a ``typer.py``
+    in a bundle directory must not replace typer), so here it is put back explicitly, for the
+    entry only, the same for ``python -m nanbisect`` and for the ``nanbisect`` command."""
+    top = target.split(".")[0]
+    if top in sys.modules or not top.isidentifier():
+        return
+    try:
+        cwd = os.getcwd()
+        found = importlib.machinery.PathFinder.find_spec(top, [cwd]) is not None
+    except (OSError, ImportError, ValueError):
+        return
+    if found and cwd not in sys.path:
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
+
+
 def import_target(target: str, search: list[Path] = ()) -> Any:
     """Import a module by dotted name or by file path (tried as given, then under ``search``)."""
     if target.endswith(".py"):
@@ -127,6 +149,7 @@ def import_target(target: str, search: list[Path] = ()) -> Any:
                            f"{' and ' + ', '.join(map(str, search)) if search else ''}); run from "
                            "the directory the entry is relative to, or pass --entry with its path")
         return _import_file(path, target)
+    _from_working_directory(target)
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as e:

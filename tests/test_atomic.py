@@ -21,6 +21,7 @@ from mounts import tmpfs
 from nanbisect import Guard, NonFiniteStep
 from nanbisect.bundle.atomic import place
 from nanbisect.bundle.format import read_bundle, write_bundle
+from nanbisect.bundle.state import RngState
 
 
 def test_place_never_replaces(tmp_path):
@@ -33,15 +34,22 @@ def test_place_never_replaces(tmp_path):
     assert place(tmp_path / "a", tmp_path / "b", unique=True) == tmp_path / "b-1"
 
 
-M = {"entry": "m:f", "model": {"params": [], "buffers": [], "aliases": {}}, "batch": {},
-     "rng": {}}
+_RNG: dict = {}
+# the smallest manifest `read_bundle` accepts: a batch of one tensor, a real RNG state
+M = {"entry": "m:f", "model": {"params": [], "buffers": [], "aliases": {}},
+     "batch": {"__tensor__": "x", "requires_grad": False, "device": "cpu"},
+     "rng": RngState.get([]).encode(_RNG)}
+
+
+def tensors(x: torch.Tensor) -> dict:
+    return {"batch": {"x": x}, "rng": _RNG}
 
 
 def test_write_bundle_unique_takes_the_next_free_name(tmp_path):
-    one = write_bundle(tmp_path / "step1", M, {"batch": {"x": torch.ones(2)}})
+    one = write_bundle(tmp_path / "step1", M, tensors(torch.ones(2)))
     with pytest.raises(FileExistsError):
-        write_bundle(tmp_path / "step1", M, {"batch": {"x": torch.ones(2)}})
-    two = write_bundle(tmp_path / "step1", M, {"batch": {"x": torch.zeros(2)}}, unique=True)
+        write_bundle(tmp_path / "step1", M, tensors(torch.ones(2)))
+    two = write_bundle(tmp_path / "step1", M, tensors(torch.zeros(2)), unique=True)
     assert (one.name, two.name) == ("step1", "step1-1")
     assert read_bundle(one).tensors("batch")["x"].sum() == 2
     assert read_bundle(two).tensors("batch")["x"].sum() == 0

@@ -10,7 +10,8 @@ longer random campaign, locally:
     NANBISECT_FUZZ_EXAMPLES=5000 python -m pytest tests/test_fuzz.py -p no:cacheprovider
 
 (random seeds, that many examples per property; a failure prints the seed and the minimal
-example; add what it finds as a case in tests/test_hostile.py).
+example; add what it finds as a case in tests/test_hostile.py). `run` itself is fuzzed too, on
+a real fixture bundle, against `inspect`: the two must accept and refuse the same mutants.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from hypothesis.errors import InvalidArgument
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from conftest import FIXTURES, invoke
 from nanbisect import BadInput
 from nanbisect.bundle.format import read_bundle, read_header
 from nanbisect.bundle.pack import unpack
@@ -403,6 +405,65 @@ def test_archive_of_random_members(tmp_path_factory, members, fmt):
         assert len(set(read)) == len(read), read
         assert set(read) <= {"a", "b", "a/b", "a/b/c", "ü", "rep"}, read
     shutil.rmtree(d)
+
+
+# --------------------------------------------------------------------------------------------
+# `run` itself (the code the CLI runs, in this process) against `inspect`, on mutated manifests
+# of a real bundle: a report or a one-line error, never another exception, and the same verdict
+# on the bundle from both
+
+# What only the entry's code can tell, and `inspect` never runs it: the model it builds, its
+# optimizer, its loss_fn on the batch. A mutant `inspect` accepts may still be refused by `run`
+# for these (the message says so), never for anything else.
+ENTRY_ONLY = ("replay with the code that captured it", "the entry's code fails on this bundle")
+RUN_FUZZ = settings(FUZZ, max_examples=_N or 40)
+
+
+@pytest.fixture(scope="module")
+def nan_batch(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run-fuzz") / "nan_batch"
+    shutil.copytree(FIXTURES / "nan_batch", path,
+                    ignore=shutil.ignore_patterns("nanbisect-report"))
+    return path, json.loads((path / "manifest.json").read_text())
+
+
+def cli_outcome(*args) -> tuple[str, str]:
+    """("ok", "") for exit 0, 1 or 3; ("bad-input", the line) for a one-line exit 2. Any other
+    exception propagates out of `invoke`: the property fails."""
+    res = invoke(*args)
+    if res.code == 2:
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("nanbisect: error: "), res.stderr
+        return "bad-input", lines[0]
+    assert res.code in (0, 1, 3), (res.code, res.stderr[-2000:])
+    return "ok", ""
+
+
+def inspect_and_run(path: Path, out: Path) -> tuple[str, str, str]:
+    seen, _ = cli_outcome("inspect", path)
+    ran, why = cli_outcome("run", path, "--out", out, "--json")
+    assert (out / "report.json").is_file() if ran == "ok" else not out.exists(), why
+    return seen, ran, why
+
+
+def test_fuzz_harness_runs_the_bundle(nan_batch, tmp_path):
+    assert inspect_and_run(nan_batch[0], tmp_path / "out")[:2] == ("ok", "ok")
+
+
+@RUN_FUZZ
+@given(data=st.data(), depth=st.sampled_from([3, 255, 300]))
+def test_run_and_inspect_agree_on_mutated_manifests(nan_batch, tmp_path_factory, data, depth):
+    path, base = nan_batch
+    out = tmp_path_factory.getbasetemp() / "run-fuzz-out"
+    (path / "manifest.json").write_bytes(dumps(data.draw(mutated(base)), depth))
+    try:
+        seen, ran, why = inspect_and_run(path, out)
+        assert seen == ran or (seen == "ok" and any(p in why for p in ENTRY_ONLY)), \
+            (seen, ran, why)
+        _event(f"inspect {seen}, run {ran}")
+    finally:
+        (path / "manifest.json").write_text(json.dumps(base))
+        shutil.rmtree(out, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------------------------

@@ -327,6 +327,146 @@ def _header_too_deep(d: Path):
     return d, "nested deeper than 256 levels"
 
 
+def _raw(change, phrase):
+    """The manifest rewritten by Python's own json.dumps (which writes NaN and Infinity)."""
+    def build(d: Path):
+        bundle(d)
+        m = json.loads((d / "manifest.json").read_text())
+        change(m)
+        (d / "manifest.json").write_text(json.dumps(m))    # NB: allow_nan, as a hand edit may
+        return d, phrase
+    return build
+
+
+def _text(old: str, new: str, phrase: str):
+    """The manifest's text with ``old`` replaced by ``new`` (what no dict can hold)."""
+    def build(d: Path):
+        bundle(d)
+        text = json.dumps(json.loads((d / "manifest.json").read_text()))
+        assert old in text, old
+        (d / "manifest.json").write_text(text.replace(old, new, 1))
+        return d, phrase
+    return build
+
+
+def _section(key, value, phrase, section):
+    def build(d: Path):
+        bundle(d)
+        edit(d, lambda m: m.update({section: {**(m.get(section) or {}), key: value}}))
+        return d, phrase
+    return build
+
+
+def _header_without_the_manifests_tensors(d: Path):
+    """A safetensors header of 5,000 tensors (300 kB; the issue's was 90 MB), none of them one
+    the manifest names: `inspect` used to list it, `run` refused it."""
+    bundle(d)
+    head = {f"junk/{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+            for i in range(5_000)}
+    put_file(d, "model.safetensors", st(head, b""))
+    return d, "tensor 'model/0.weight' named in the manifest is missing from the bundle's " \
+              "model.safetensors"
+
+
+def _unnamed_tensor(d: Path):
+    bundle(d)
+    tensors = read_bundle(d).tensors("model")
+    put_file(d, "model.safetensors", save({**tensors, "model/stowaway": torch.zeros(3)}))
+    return d, "its tensor files hold 1 tensor(s) the manifest does not name (e.g. " \
+              "'model/stowaway')"
+
+
+def _size_before_hash(d: Path):
+    """A 32 GiB (sparse) model.safetensors listed first with its size, and a later file whose
+    size is wrong: refused by the size, without hashing 32 GiB first (that took 159 s)."""
+    bundle(d)
+    with open(d / "model.safetensors", "r+b") as f:
+        f.truncate(32 << 30)
+    edit(d, lambda m: (m["files"]["model.safetensors"].update(bytes=32 << 30),
+                       m["files"]["rng.safetensors"].update(
+                           bytes=m["files"]["rng.safetensors"]["bytes"] + 1)))
+    assert list(json.loads((d / "manifest.json").read_text())["files"])[0] == "model.safetensors"
+    return d, "rng.safetensors does not match its sha256 in the manifest ("
+
+
+def _optimizer_group_without_params(d: Path):
+    bundle(d)
+    edit(d, lambda m: m["optimizer"].update(param_groups=[{"__dict__": [["lr", 0.1]]}]))
+    return d, "the bundle's optimizer state is not {state:"
+
+
+def _batch_names_missing_tensor(d: Path):
+    bundle(d)
+    edit(d, lambda m: m["batch"].update({"__tensor__": "batch/nope"}))
+    return d, "tensor 'batch/nope' named in the manifest is missing"
+
+
+def _rank_observed(d: Path):
+    multi(d)
+    edit(d, lambda m: m["ranks"]["1"].update(observed=[1]))
+    return d, "field 'ranks.1.observed' is a list, not null or an object"
+
+
+_DEV = "not a device such as 'cpu' or 'cuda:0'"
+# what `run` ended in a traceback for (exit 1) while `inspect` accepted it (issue 23), and what
+# `run` refused (exit 2) while `inspect` accepted it
+DECODED = {
+    "observed-loss-NaN": _raw(lambda m: m.update(observed={"loss": float("nan")}),
+                              "manifest.json holds NaN, which is not a finite JSON number"),
+    "observed-summary-Infinity": _raw(lambda m: m.update(
+        observed={"summary": {"loss": float("inf")}}), "holds Infinity"),
+    "observed-step-minus-Infinity": _raw(lambda m: m.update(observed={"step": float("-inf")}),
+                                         "holds -Infinity"),
+    "observed-loss-1e999": _text('"observed": null', '"observed": {"loss": 1e999}',
+                                 "holds 1e999, which is not a finite JSON number"),
+    "captured-on-list": _section("captured_on", ["cpu"], "field 'devices.captured_on' is a "
+                                 f"list, {_DEV}", "devices"),
+    "captured-on-object": _section("captured_on", {"type": "cpu"}, "is an object, " + _DEV,
+                                   "devices"),
+    "captured-on-empty": _section("captured_on", "", "is a string, " + _DEV, "devices"),
+    "captured-on-integer": _section("captured_on", 0, "is an integer, " + _DEV, "devices"),
+    "observed-250-deep": _section("x", json.loads("[" * 250 + "]" * 250), "field 'observed' is "
+                                  "nested deeper than 8 levels", "observed"),
+    "observed-summary-list": _section("summary", [1], "field 'observed.summary' is a list",
+                                      "observed"),
+    "task-accumulate-string": _section("accumulate", "2", "field 'task.accumulate' is a string",
+                                       "task"),
+    "task-autocast-not-a-dtype": _section("autocast", "Tensor", "field 'task.autocast' is a "
+                                          "string, not null or a torch dtype name", "task"),
+    "grad-scaler-missing-keys": _field("grad_scaler", {"scale": 1.0}, "field 'grad_scaler' is "
+                                       "an object, not {} or {scale, growth_factor"),
+    "environment-threads-1e9": _section("torch_threads", 10 ** 9, "field "
+                                        "'environment.torch_threads' is an integer, not an "
+                                        "integer from 1 to 65536", "environment"),
+    "code-sources-list": _section("sources", ["/x.py"], "field 'code.sources' is a list",
+                                  "code"),
+    "entry-control-characters": _field("entry", "evil.py:task\x1b]0;pwned\x07", "field 'entry' "
+                                       r"'evil.py:task\x1b]0;pwned\x07' is not of the form "
+                                       "'pkg.module:function'"),
+    "entry-file-from-bundle-absolute": _field("entry_file_from_bundle", "/etc/passwd",
+                                              "field 'entry_file_from_bundle' is a string, not "
+                                              "null or a path to a .py file relative"),
+    "entry-file-NUL": _field("entry_file", "/x\x00.py", "field 'entry_file' is a string, not "
+                             "null or a path"),
+    "history-is-string": _field("history", "x", "unreadable history"),
+    "lookback-is-list": _field("lookback", [], "unreadable lookback"),
+    "rng-numpy-position-1e9": _section("numpy", ["MT19937", 10 ** 9, 0, 0.0], "'numpy' is "
+                                       "['MT19937', 1000000000, 0, 0.0], not ['MT19937', "
+                                       "position 0..624", "rng"),
+    "rng-accel-count-negative": _section("accel", {"cuda": -1}, "'accel' is {'cuda': -1}",
+                                         "rng"),
+    "batch-names-a-missing-tensor": _batch_names_missing_tensor,
+    "model-lists-a-parameter-not-in-its-file": _model_field(
+        "params", ["0.weight", "0.bias", "2.weight", "2.bias", "ghost"],
+        "tensor 'model/ghost' named in the manifest is missing from the bundle's "
+        "model.safetensors"),
+    "optimizer-group-without-params": _optimizer_group_without_params,
+    "st-header-5000-tensors-none-of-the-manifests": _header_without_the_manifests_tensors,
+    "st-tensor-the-manifest-does-not-name": _unnamed_tensor,
+    "size-checked-before-hashing-32GiB": _size_before_hash,
+    "rank-observed-is-list": _rank_observed,
+}
+
 BIG = "world-size-2**20-listed-parts-absent"     # 55 MB of manifest: seconds, not milliseconds
 HOSTILE_BUNDLES = {
     # size and shape of the manifest
@@ -423,6 +563,8 @@ HOSTILE_BUNDLES = {
     "st-7-byte-file": _header(b"\x01" * 7, "7 bytes, shorter than a header"),
     "st-header-100k-deep": _header_too_deep,
     "st-header-trailing-nul": _header(st(json.dumps(HEAD).encode() + b"\0\0"), "not valid JSON"),
+    # every decode is total: values of the wrong type or non-finite numbers anywhere (issue 23)
+    **DECODED,
 }
 
 
@@ -452,6 +594,21 @@ def test_hostile_bundle_is_one_line_exit_2(tmp_path, case):
             b = read_bundle(path)
             b.all_tensors() if not b.multi_rank else [b.part(r).all_tensors() for r in range(2)]
     assert sorted(p.name for p in tmp_path.rglob("*")) == before   # nothing written
+
+
+@pytest.mark.parametrize("case", sorted(DECODED))
+def test_run_refuses_what_inspect_refuses(tmp_path, case):
+    """One validation for both: `run` gives the same one line as `inspect` (before: a
+    traceback and exit 1 for non-finite numbers and devices.captured_on of another type), and
+    writes nothing (no report directory)."""
+    path, phrase = DECODED[case](tmp_path / "b")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    seen = invoke("inspect", path)
+    ran = invoke("run", path, "--out", tmp_path / "out")   # any other exception fails here
+    assert seen.code == ran.code == 2, (seen, ran)
+    assert ran.stderr == seen.stderr and len(ran.stderr.strip().splitlines()) == 1
+    assert phrase in ran.stderr, ran.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 
 @pytest.mark.slow
@@ -557,7 +714,7 @@ def test_limits_can_be_raised_for_a_real_giant(tmp_path, monkeypatch):
 
 def test_inspect_text_escapes_terminal_control_characters(tmp_path):
     path = bundle(tmp_path / "b")
-    edit(path, lambda m: m.update(entry="evil.py:task\x1b]0;pwned\x07\r\nfake line",
+    edit(path, lambda m: m.update(created="2026\x1b]0;pwned\x07\r\nfake line",
                                   observed={"summary": {"loss": "\x1b[2J"}, "first": "x"}))
     text = summary_text(summarize(path))
     assert "\x1b" not in text and "\r" not in text and "\x07" not in text

@@ -3,12 +3,18 @@ skipped and left over, and the JSON cache (hits, and misses when the code change
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import textwrap
+import time
+from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, TEST_TASKS, cli, invoke
+from conftest import FIXTURES, ROOT, TEST_TASKS, cli, invoke
 from mounts import read_only, tmpfs
 
 from nanbisect.triage import normalise_module
@@ -216,3 +222,95 @@ def test_summary_on_a_full_or_read_only_out_is_one_line_before_any_replay(tmp_pa
         line = res.stderr.strip()
         assert res.code == 2 and "\n" not in line and "Read-only file system" in line, line
         assert list(ro.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# the sweep of what killed triage runs left in $TMPDIR: decided by a lock the live run holds
+# (nanbisect.util.lockdir), never by the pid in a directory's name
+
+# holds a scratch directory's lock as a live triage run does, until killed
+_HOLD = """
+import sys, time
+from nanbisect.util import lockdir
+path, fd = lockdir.make(sys.argv[1], sys.argv[2])
+print(path, flush=True)
+time.sleep(600)
+"""
+
+
+def hold_scratch(tmp: Path, prefix: str, pid_namespace: bool = False
+                 ) -> tuple[subprocess.Popen, Path]:
+    """A live process (in a PID namespace of its own with ``pid_namespace``: ``unshare``)
+    holding the lock of a new ``tmp/PREFIX*`` directory: (the process, the directory)."""
+    cmd = [sys.executable, "-c", _HOLD, prefix, str(tmp)]
+    if pid_namespace:
+        cmd = ["unshare", "--pid", "--fork", "--kill-child", *cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    line = p.stdout.readline().strip()
+    if not line:
+        p.wait(30)
+        raise OSError(p.stderr.read().strip() or f"exit {p.returncode}")
+    return p, Path(line)
+
+
+def _can_unshare_pid() -> str | None:
+    """None when ``unshare --pid --fork`` works here, else why not."""
+    if shutil.which("unshare") is None:
+        return "no unshare command"
+    p = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True, text=True)
+    return None if p.returncode == 0 else f"unshare --pid: {p.stderr.strip()[:200]}"
+
+
+def test_sweep_keeps_live_runs_and_removes_dead_ones_whatever_their_names(tmp_path,
+                                                                          monkeypatch):
+    from nanbisect.triage.run import _sweep_scratch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    holders = []
+    try:
+        # alive in another process, its name a pid that lives nowhere
+        p, live = hold_scratch(tmp_path, "nanbisect-triage-999999999-")
+        holders.append(p)
+        # alive in another PID namespace (a container sharing $TMPDIR): the pid in its name
+        # means nothing here
+        why = _can_unshare_pid()
+        live_ns = None
+        if why is None:
+            p, live_ns = hold_scratch(tmp_path, "nanbisect-triage-999999998-", True)
+            holders.append(p)
+        # a loose replay scratch directory whose starter is alive
+        p, loose_live = hold_scratch(tmp_path, "nanbisect-triage-")
+        holders.append(p)
+        # dead: its holder killed by SIGKILL; its name an unrelated live pid (this one's)
+        p, dead = hold_scratch(tmp_path, f"nanbisect-triage-{os.getpid()}-")
+        p.kill()
+        p.wait(10)
+        p, loose_dead = hold_scratch(tmp_path, "nanbisect-triage-")
+        p.kill()
+        p.wait(10)
+        # no lock (an older nanbisect's, or killed before its lock existed): by age only
+        young = tmp_path / "nanbisect-triage-12345-abcd1234"
+        old = tmp_path / "nanbisect-triage-12346-abcd1234"
+        for d in (young, old):
+            d.mkdir()
+            (d / "stderr").write_text("x")
+        os.utime(old, (time.time() - 3 * 86400,) * 2)
+        other = tmp_path / "not-nanbisect-triage-1-abcd1234"    # not a name of ours
+        other.mkdir()
+
+        _sweep_scratch(timeout=60)
+
+        kept = {live, loose_live, young, other} | ({live_ns} if live_ns else set())
+        assert {d for d in kept if not d.is_dir()} == set()
+        assert [d.name for d in (dead, loose_dead, old) if d.exists()] == []
+        assert all(p.poll() is None for p in holders)     # the sweep touched no process
+        if why is not None:
+            pytest.skip(f"the other PID namespace was not tried: {why}")
+    finally:
+        for p in holders:
+            p.kill()
+            p.wait(10)
+    _sweep_scratch(timeout=60)                 # their holders gone, the live ones go too
+    assert not live.exists() and not loose_live.exists()

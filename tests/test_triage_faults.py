@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES, ROOT, TEST_TASKS, cli
+from nanbisect.util import lockdir
+from test_triage import hold_scratch
 
 FAULTS = TEST_TASKS / "triage_faults.py"
 
@@ -190,15 +192,18 @@ def test_crashes_and_malformed_bundles_are_error_rows(tmp_path):
 def test_a_hanging_replay_is_killed_at_the_timeout(tmp_path):
     capture_fault("hang", tmp_path / "night" / "hang")
     out = tmp_path / "t"
-    # what killed runs left: the scratch of a run whose process is gone goes, a live run's stays
+    # what killed runs left: the scratch of a run whose lock is free goes (its name a live pid,
+    # this one's), a live run's stays (its name a pid alive nowhere): test_triage.py has more
     env = scratch_env(tmp_path)
-    dead = tmp_path / "scratch" / "nanbisect-triage-999999999-abcd1234"
-    live = tmp_path / "scratch" / f"nanbisect-triage-{os.getpid()}-abcd1234"
-    for d in (dead, live):
-        d.mkdir()
-        (d / "stderr").write_text("x")
+    holder, live = hold_scratch(tmp_path / "scratch", "nanbisect-triage-999999999-")
+    dead, fd = lockdir.make(f"nanbisect-triage-{os.getpid()}-", str(tmp_path / "scratch"))
+    os.close(fd)
     t0 = time.monotonic()
-    res = cli("triage", tmp_path / "night", "--out", out, "--timeout", "4", env=env)
+    try:
+        res = cli("triage", tmp_path / "night", "--out", out, "--timeout", "4", env=env)
+    finally:
+        holder.kill()
+        holder.wait(10)
     took = time.monotonic() - t0
     assert res.code == 2, res.stdout + res.stderr
     (err,) = json.loads((out / "triage.json").read_text())["errors"]

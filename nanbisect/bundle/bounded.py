@@ -73,8 +73,25 @@ def _too_deep(obj, limit: int) -> bool:
     return False
 
 
+class _NonFinite(Exception):
+    """``NaN``, ``Infinity`` or ``-Infinity`` in JSON text (Python's json reads them; the JSON
+    standard and every nanbisect writer do not)."""
+
+
+def _no_constant(name: str):
+    raise _NonFinite(name)
+
+
+def _finite(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):   # 1e999: a JSON number that no float holds
+        raise _NonFinite(show(text, 40)[1:-1])
+    return x
+
+
 def parse_json(raw: bytes, what: str, fix: str, unique_keys: bool = False):
-    """Parse UTF-8 JSON within `MAX_JSON_ITEMS` and `MAX_JSON_DEPTH`; `BadInput` otherwise.
+    """Parse UTF-8 JSON within `MAX_JSON_ITEMS` and `MAX_JSON_DEPTH`; `BadInput` otherwise,
+    also for ``NaN``/``Infinity`` (not JSON numbers: no reader downstream ever meets one).
 
     >>> parse_json(b"[" * 300 + b"]" * 300, "x.json", "fix it")
     Traceback (most recent call last):
@@ -89,7 +106,10 @@ def parse_json(raw: bytes, what: str, fix: str, unique_keys: bool = False):
                        "NANBISECT_MAX_JSON_ITEMS)")
     try:
         obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys if unique_keys
-                         else None)
+                         else None, parse_constant=_no_constant, parse_float=_finite)
+    except _NonFinite as e:
+        raise BadInput(f"{what} holds {e}, which is not a finite JSON number (nanbisect writes a "
+                       f"non-finite value as a string, e.g. \"nan\"); {fix}") from None
     except RecursionError:
         obj = None
         deep = True
@@ -190,9 +210,12 @@ def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
     return head
 
 
-def _load(path: Path, shown: str, names: list[str] | None = None) -> Tensors:
-    """The tensors of one safetensors file (only ``names`` when given), header checked first."""
-    read_header(path, shown)   # NB: ours first: sizes, offsets, no link
+def _load(path: Path, shown: str, names: list[str] | None = None, checked: bool = False
+          ) -> Tensors:
+    """The tensors of one safetensors file (only ``names`` when given), header checked first
+    (``checked``: `read_bundle` just checked it)."""
+    if not checked:
+        read_header(path, shown)   # NB: ours first: sizes, offsets, no link
     try:
         if names is None:
             return load_file(str(path))

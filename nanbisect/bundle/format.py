@@ -8,7 +8,10 @@ checked on load. Reading a bundle parses JSON and safetensors only: it never unp
 imports user code, and it is bounded in time and memory whatever the manifest or a safetensors
 header claims (`read_bundle`, `read_header`: size, JSON values and depth, world size, tensor
 count, offsets against the file's real size); a malformed manifest, header, field type, symbolic
-link or part directory outside the bundle is a `BadInput` naming the file and the fix.
+link or part directory outside the bundle is a `BadInput` naming the file and the fix. It is the
+one validation `run` and `inspect` share: JSON without NaN or Infinity, every section's known keys
+typed (`nanbisect.bundle.schema`), and what the manifest names checked against the headers
+(`nanbisect.bundle.check`), all before any file is hashed.
 A part of a multi-rank bundle may take tensors from lower ranks' files (its manifest's
 ``shared``, see `_borrowed`); `Bundle.part` resolves them to the owner's file, verified by its
 sha256, and refuses a reference to a rank, file or tensor that is not there, to a rank that is
@@ -35,10 +38,11 @@ from nanbisect.bundle.bounded import (DTYPE_BITS, MAX_HEADER_BYTES, MAX_JSON_DEP
                                      MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_TENSORS,
                                      MAX_WORLD_SIZE, _FIX, _kind, _limit, _load, _regular, _uint,
                                      parse_json, read_header)
+from nanbisect.bundle.check import check_state
 from nanbisect.bundle.schema import (MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
                                     SUFFIX, _REQUIRED, _REQUIRED_MULTI, _check_fields,
                                     _check_replicas, _int, _safe_name, _strs, check_partial,
-                                    field_problem)
+                                    check_section, field_problem)
 from nanbisect.bundle.state import Tensors
 from nanbisect.bundle.writer import environment, umask_mode, write_bundle
 from nanbisect.errors import BadInput
@@ -73,7 +77,8 @@ class Bundle:
         those this part takes from lower ranks' parts included (from their own files, which
         `part` verified by their sha256)."""
         name = f"{role}{SUFFIX}"
-        out = (_load(self.path / name, f"bundle '{self.path}': {name}")
+        out = (_load(self.path / name, f"bundle '{self.path}': {name}",
+                     checked=("head", str(self.path / name)) in self._cache)
                if name in self.manifest["files"] else {})
         ref = (self.manifest.get("shared") or {}).get(name)
         if ref is None:
@@ -133,7 +138,10 @@ class Bundle:
         b = read_bundle(self.path / info["dir"], verify, _part=rank)
         if not b.manifest.get("shared"):
             return b
-        return replace(b, borrowed=_borrowed(self, rank, b, verify))
+        borrowed = _borrowed(self, rank, b, verify)
+        if verify:
+            _check_lent(self, b, borrowed)
+        return replace(b, borrowed=borrowed)
 
 
 def _bundles_inside(p: Path, limit: int = 10_000) -> list[str]:
@@ -216,6 +224,7 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
         raise BadInput(f"bundle '{p}' is a file, not a directory; pass the bundle directory "
                        "that holds manifest.json")
     manifest = _read_manifest(p)
+    cache: dict = {}
     if manifest.get("kind") == "multi-rank":
         if _part is not None:
             raise BadInput(f"bundle '{p}': the part of rank {_part} is itself a multi-rank bundle; "
@@ -229,26 +238,81 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
         if not _safe_name(name) or name == MANIFEST:
             raise BadInput(f"bundle '{p}': the manifest lists file {show(name)}, which is not a "
                            "plain file name in the bundle directory; re-capture the bundle")
-        if not (isinstance(info, dict) and isinstance(info.get("sha256", ""), str)
-                and _uint(info.get("bytes", 0))):
+        if not (isinstance(info, dict) and isinstance(info.get("sha256"), str)
+                and _uint(info.get("bytes"))):
             raise BadInput(f"bundle '{p}': the manifest's entry for {show(name)} is "
                            f"{_kind(info)}, not {{sha256: string, bytes: integer}}; re-capture "
                            "the bundle")
     if verify:
+        # NB: the cheap checks of every file first (sizes, headers, what the manifest names in
+        # them), the hashing last: a wrong size or a hostile header is refused in milliseconds,
+        # never after hashing the files before it
         for name, info in manifest["files"].items():
             f = p / name
             if not os.path.lexists(f):
                 raise BadInput(f"bundle '{p}': file '{name}' listed in the manifest is missing; "
                                "copy the whole bundle directory or re-capture it")
             st = _regular(f, f"bundle '{p}': {name}")
-            if "bytes" in info and st.st_size != info["bytes"]:
+            if st.st_size != info["bytes"]:
                 raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
                                f"({st.st_size} bytes, the manifest says {info['bytes']}: "
                                "truncated or altered); copy the bundle again or re-capture it")
-            if _sha256(f) != info.get("sha256"):
-                raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
-                               "(truncated or altered); copy the bundle again or re-capture it")
-    return Bundle(p, manifest)
+        try:
+            heads = _heads(p, manifest, cache)
+            if not manifest.get("shared"):   # a part that borrows: checked by `Bundle.part`
+                check_state(p, manifest, heads)
+        except BadInput:
+            # a damaged file is named as such, not by what it broke; but only the small ones
+            # are hashed for that: a hostile bundle is refused in bounded time
+            _check_hashes(p, manifest, RECHECK_BYTES)
+            raise
+        _check_hashes(p, manifest)
+    # the headers just checked are kept: `Bundle.tensors` and `inspect` do not read them again
+    return Bundle(p, manifest, _cache=cache)
+
+
+RECHECK_BYTES = 1 << 28
+
+
+def _check_hashes(p: Path, manifest: dict, limit: int | None = None) -> None:
+    for name, info in manifest["files"].items():
+        if limit is not None and info["bytes"] > limit:
+            continue
+        if _sha256(p / name) != info["sha256"]:
+            raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
+                           "(truncated or altered); copy the bundle again or re-capture it")
+
+
+def _heads(p: Path, manifest: dict, cache: dict | None = None) -> dict[str, dict]:
+    """The safetensors headers of a bundle's tensor files (file name -> header), each read once
+    per ``cache``."""
+    out = {}
+    for name in manifest["files"]:
+        if name.endswith(SUFFIX):
+            key = ("head", str(p / name))
+            if cache is None or key not in cache:
+                head = read_header(p / name, f"bundle '{p}': {name}")
+                if cache is None:
+                    out[name] = head
+                    continue
+                cache[key] = head
+            out[name] = cache[key]
+    return out
+
+
+def _check_lent(top: "Bundle", part: "Bundle", borrowed: dict) -> None:
+    """`check_state` of a part that takes tensors from lower ranks' files (``borrowed``, as
+    `_borrowed` resolved it), with their header entries."""
+    lent: dict[str, dict] = {}
+    for name, owners in borrowed.items():
+        for owner_dir, names in owners:
+            key = ("head", str(owner_dir / name))
+            if key not in top._cache:
+                top._cache[key] = read_header(owner_dir / name,
+                                              f"bundle '{top.path}': {owner_dir.name}/{name}")
+            head = top._cache[key]
+            lent.setdefault(name, {}).update({n: head[n] for n in names})
+    check_state(part.path, part.manifest, _heads(part.path, part.manifest, part._cache), lent)
 
 
 def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
@@ -276,6 +340,7 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
         if type(info.get("manifest_sha256", "")) is not str:
             raise BadInput(f"bundle '{p}': the top manifest's manifest_sha256 of rank {r} is not a "
                            "string; re-capture the bundle")
+        check_section(p, "observed", info.get("observed"), f"ranks.{r}.observed")
         dirs.append(d)
     if len(set(dirs)) != len(dirs):
         seen: set = set()
@@ -302,7 +367,7 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
         for r, info in ranks.items():
             part = read_bundle(p / info["dir"], verify=False, _part=int(r))
             if part.manifest.get("shared"):
-                _borrowed(top, int(r), part, verify=False)
+                _check_lent(top, part, _borrowed(top, int(r), part, verify=False))
     return top
 
 
@@ -399,6 +464,7 @@ def _owner_names(top: Bundle, owner: int, name: str, shown: str, verify: bool) -
                        "re-capture it")
     f = d / name   # NB: the caller checked that ``name`` is a plain file name
     head = read_header(f, f"bundle '{top.path}': {info['dir']}/{name}")
+    top._cache[("head", str(f))] = head
     if verify:
         st = _regular(f, f"bundle '{top.path}': {info['dir']}/{name}")
         if st.st_size != entry.get("bytes", st.st_size) or _sha256(f) != entry.get("sha256"):

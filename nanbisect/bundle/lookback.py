@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from nanbisect.bundle.format import Bundle, field_problem
+from nanbisect.bundle.check import MAX_LOOKBACK_STEPS, lookback_steps
+from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.state import (RngState, Tensors, encode, encode_model, encode_optimizer,
                                     local)
 from nanbisect.errors import BadInput
@@ -208,40 +209,16 @@ class BundleView(Bundle):
         return BundleView(self.path, m, view={**base, **w.step_tensors(i)})
 
 
-MAX_STEPS = 1 << 14
+MAX_STEPS = MAX_LOOKBACK_STEPS
 
 
 def parse(bundle: Bundle, where: str) -> Window | None:
-    """The bundle's lookback, checked as untrusted input; None when it has none."""
-    lb = bundle.manifest.get("lookback")
-    if lb is None:
+    """The bundle's lookback, checked as untrusted input (`nanbisect.bundle.check.lookback_steps`,
+    what `read_bundle` checked against the headers, now with the tensors); None when it has
+    none."""
+    if bundle.manifest.get("lookback") is None:
         return None
-    fix = "the manifest's lookback was altered or damaged; re-capture the bundle"
-    if not isinstance(lb, dict) or lb.get("schema") != SCHEMA:
-        raise BadInput(f"{where}: unreadable lookback (schema {SCHEMA} expected); {fix}")
-    steps = lb.get("steps")
-    if not isinstance(steps, list) or not 1 <= len(steps) <= MAX_STEPS or not all(
-            isinstance(s, dict) and type(s.get("step")) is int and isinstance(s.get("rng"), dict)
-            and "batch" in s and "groups" in s for s in steps):
-        raise BadInput(f"{where}: the lookback's steps are not a list of {{step, rng, batch, "
-                       f"groups}}; {fix}")
-    numbers = [s["step"] for s in steps]
-    if numbers != list(range(numbers[0], numbers[0] + len(numbers))) or \
-            lb.get("start_step") != numbers[0] or type(lb.get("k")) is not int:
-        raise BadInput(f"{where}: the lookback's steps are not consecutive from its start step; "
-                       f"{fix}")
-    if numbers[-1] != bundle.manifest.get("step"):
-        raise BadInput(f"{where}: the lookback ends at step {numbers[-1]}, not at the bundle's "
-                       f"step {bundle.manifest.get('step')}; {fix}")
-    if "model" not in lb:
-        raise BadInput(f"{where}: the lookback has no model section; {fix}")
-    for key in ("model", "optimizer", "grad_scaler"):
-        want = field_problem(key, lb.get(key))
-        if want is not None:
-            raise BadInput(f"{where}: the lookback's {key} is not {want}; {fix}")
-    if any(field_problem("rng", s["rng"]) for s in steps):
-        raise BadInput(f"{where}: a lookback step's RNG state is not an object; {fix}")
-    if not all(isinstance(s["groups"], (list, dict)) for s in steps):
-        raise BadInput(f"{where}: the lookback's parameter groups are malformed; {fix}")
     tensors = bundle.tensors(ROLE)
-    return Window(numbers[0], lb["k"], steps, lb, tensors)
+    steps = lookback_steps(bundle.manifest, tensors, where)
+    lb = bundle.manifest["lookback"]
+    return Window(steps[0]["step"], lb["k"], steps, lb, tensors)

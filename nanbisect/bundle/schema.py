@@ -6,10 +6,15 @@ wrong type is `BadInput` naming the bundle, the field and what it must be.
 """
 from __future__ import annotations
 
-from pathlib import Path
+import re
+from pathlib import Path, PurePosixPath
 
-from nanbisect.bundle.bounded import MAX_WORLD_SIZE, _kind, _uint
+import torch
+
+from nanbisect.bundle.bounded import MAX_WORLD_SIZE, _kind, _too_deep, _uint
 from nanbisect.errors import BadInput
+from nanbisect.task import split_entry
+from nanbisect.util.text import show
 
 SCHEMA = "nanbisect.bundle/1"
 SCHEMA_VERSION = 1
@@ -72,11 +77,170 @@ _REQUIRED = ("entry", "files", "model", "batch", "rng")
 _REQUIRED_MULTI = ("entry", "world_size", "ranks")
 
 
+# --------------------------------------------------------------------------------------------
+# the sections: what every key a writer puts in them must be (a key a newer nanbisect adds is
+# let through; a known key of another type is not). NB: parse_json let no NaN or Infinity in.
+
+MAX_SECTION_DEPTH = 8     # levels below a section (the deepest the Guard writes: 3)
+MAX_THREADS = 1 << 16
+MAX_ACCUMULATE = 1 << 20
+_DEVICE = re.compile(r"[a-z][a-z0-9_]{0,31}(:[0-9]{1,6})?")
+
+
+def _num(v) -> bool:
+    return type(v) in (int, float)
+
+
+def _path(v) -> bool:
+    """A path nanbisect may hand to the file system: no NUL (Path.is_file raises on one)."""
+    return isinstance(v, str) and v != "" and "\x00" not in v and len(v) <= 4096
+
+
+def _count(v) -> bool:
+    return type(v) is int and 0 <= v < 1 << 63
+
+
+def _device(v) -> bool:
+    return isinstance(v, str) and _DEVICE.fullmatch(v) is not None
+
+
+def _dtype_name(v) -> bool:
+    return isinstance(v, str) and v.isidentifier() and isinstance(getattr(torch, v, None),
+                                                                   torch.dtype)
+
+
+def _names(v) -> bool:
+    """nonfinite_grads / nonfinite_params as the Guard writes them."""
+    return isinstance(v, dict) and all(_strs(x) if k in ("nan", "inf") else _count(x)
+                                       for k, x in v.items())
+
+
+_LOSS = (lambda v: v is None or _num(v) or isinstance(v, str),
+         "null, a number or a string such as 'nan'")
+_SECTIONS: dict[str, dict[str, tuple]] = {
+    "devices": {
+        "captured_on": (_device, "a device such as 'cpu' or 'cuda:0'"),
+        "accelerators": (lambda v: isinstance(v, list) and all(map(_device, v)),
+                         "a list of device types")},
+    "observed": {
+        "step": (lambda v: v is None or _int(v), "null or an integer"),
+        "first": (lambda v: v is None or isinstance(v, str), "null or a string"),
+        "loss": _LOSS, "grad_norm": _LOSS,
+        "summary": (_str_map, "an object of strings"),
+        "nonfinite_grads": (_names, "{nan: [names], inf: [names], nan_count, inf_count}"),
+        "nonfinite_params": (_names, "{nan: [names], inf: [names], nan_count, inf_count}"),
+        "scaler_skips": (_count, "an integer >= 0"),
+        "rank": (lambda v: _int(v) and 0 <= v < MAX_WORLD_SIZE, "an integer >= 0"),
+        "spike": (lambda v: isinstance(v, dict) and all(map(_num, v.values())),
+                  "an object of numbers")},
+    "task": {
+        "accumulate": (lambda v: _int(v) and 1 <= v <= MAX_ACCUMULATE,
+                       f"an integer from 1 to {MAX_ACCUMULATE}"),
+        "clip_grad_norm": (lambda v: v is None or (_num(v) and v > 0), "null or a number > 0"),
+        "grad_scaler": (lambda v: isinstance(v, bool), "true or false"),
+        "loss_normalized": (lambda v: isinstance(v, bool), "true or false"),
+        "autocast": (lambda v: v is None or _dtype_name(v), "null or a torch dtype name"),
+        "compiled": (lambda v: v is None or isinstance(v, dict), "null or an object")},
+    "grad_scaler": {   # torch's GradScaler.state_dict(): all five, or {} (a disabled scaler)
+        "scale": (lambda v: _num(v) and v >= 0, "a number >= 0"),
+        "growth_factor": (_num, "a number"), "backoff_factor": (_num, "a number"),
+        "growth_interval": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
+        "_growth_tracker": (lambda v: _int(v) and v >= 0, "an integer >= 0")},
+    "code": {
+        "entry_file": (lambda v: v is None or _path(v), "null or a path"),
+        "sources": (lambda v: isinstance(v, dict) and all(map(_path, v))
+                    and _str_map(v), "an object of path -> sha256")},
+    "environment": {
+        **{k: (lambda v: isinstance(v, str), "a string")
+           for k in ("nanbisect", "torch", "python", "numpy", "safetensors", "platform")},
+        "torch_threads": (lambda v: _int(v) and 1 <= v <= MAX_THREADS,
+                          f"an integer from 1 to {MAX_THREADS}"),
+        "hardware": (lambda v: isinstance(v, dict), "an object")},
+}
+
+
+def _bad(p: Path, field: str, value, want: str) -> BadInput:
+    return BadInput(f"bundle '{p}': manifest.json field '{field}' is {_kind(value)}, not "
+                    f"{want}; the manifest was altered or damaged: re-capture the bundle")
+
+
+_SCALER_KEYS = "{} or {scale, growth_factor, backoff_factor, growth_interval, _growth_tracker}"
+
+
+def _section_problem(name: str, v: dict) -> tuple[str | None, str] | None:
+    """The first problem of ``v`` as section ``name``: (its key, or None for the section
+    itself; what it must be), or None."""
+    spec = _SECTIONS[name]
+    if name == "grad_scaler" and v and not set(spec) <= set(v):   # what load_state_dict reads
+        return None, _SCALER_KEYS
+    for key, (ok, want) in spec.items():
+        if key in v and not ok(v[key]):
+            return key, want
+    if _too_deep(v, MAX_SECTION_DEPTH):
+        return None, f"nested at most {MAX_SECTION_DEPTH} levels deep"
+    return None
+
+
+def check_section(p: Path, name: str, v, field: str | None = None) -> None:
+    """`BadInput` unless ``v`` is null or the section ``name`` as its writer writes it (shown as
+    manifest field ``field``, default ``name``)."""
+    field = field or name
+    if v is None:
+        return
+    if not isinstance(v, dict):
+        raise _bad(p, field, v, "null or an object")
+    problem = _section_problem(name, v)
+    if problem is None:
+        return
+    key, want = problem
+    if key is not None:
+        raise _bad(p, f"{field}.{key}", v[key], want)
+    if want == _SCALER_KEYS:
+        raise _bad(p, field, v, want)
+    raise BadInput(f"bundle '{p}': manifest.json field '{field}' is nested deeper than "
+                   f"{MAX_SECTION_DEPTH} levels; the manifest was altered or damaged: "
+                   "re-capture the bundle")
+
+
+def check_sections(p: Path, m: dict) -> None:
+    """Every known key of the manifest's sections (`_SECTIONS`) of the type its writer gives it,
+    each section at most `MAX_SECTION_DEPTH` levels deep, and the entry and its files usable as
+    an entry string and paths; `BadInput` naming the first field that is not. Pure and bounded
+    by the manifest's size (its depth was bounded when it was parsed)."""
+    for name in _SECTIONS:
+        check_section(p, name, m.get(name))
+    if "entry" in m:
+        try:
+            split_entry(m["entry"])
+            ok = _path(m["entry"])
+        except BadInput:
+            ok = False
+        if not ok:
+            raise BadInput(f"bundle '{p}': manifest.json field 'entry' {show(m['entry'], 60)} "
+                           "is not of the form 'pkg.module:function' or "
+                           "'path/to/file.py:function'; replay it with --entry ENTRY, or "
+                           "re-capture the bundle")
+    if m.get("entry_file") is not None and not _path(m["entry_file"]):
+        raise _bad(p, "entry_file", m["entry_file"], "null or a path")
+    rel = m.get("entry_file_from_bundle")
+    if rel is not None and not (_path(rel) and rel.endswith(".py")
+                                and not PurePosixPath(rel).is_absolute()):
+        raise _bad(p, "entry_file_from_bundle", rel,
+                   "null or a path to a .py file relative to the bundle")
+
+
 def field_problem(key: str, value) -> str | None:
     """What ``value`` must be as the manifest's field ``key`` when it is not that, else None
     (sections that hold a copy of such a field, e.g. the lookback's model, are checked alike)."""
     ok, want = _FIELDS[key]
-    return None if ok(value) else want
+    if not ok(value):
+        return want
+    problem = _section_problem(key, value) if key in _SECTIONS and isinstance(value, dict) \
+        else None
+    if problem is None:
+        return None
+    k, want = problem
+    return want if k is None else f"an object whose '{k}' is {want}"
 
 
 def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
@@ -85,8 +249,8 @@ def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
             raise BadInput(f"bundle '{p}': manifest.json lacks '{key}'; re-capture the bundle")
     for key, (ok, want) in _FIELDS.items():
         if key in m and not ok(m[key]):
-            raise BadInput(f"bundle '{p}': manifest.json field '{key}' is {_kind(m[key])}, not "
-                           f"{want}; the manifest was altered or damaged: re-capture the bundle")
+            raise _bad(p, key, m[key], want)
+    check_sections(p, m)
 
 
 def _safe_name(name) -> bool:

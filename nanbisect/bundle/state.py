@@ -24,6 +24,7 @@ from nanbisect import devices
 from nanbisect.errors import BadInput
 
 Tensors = dict[str, torch.Tensor]
+MAX_ACCEL_STATES = 1024   # RNG states of one accelerator type (one per device) in a bundle
 
 # --------------------------------------------------------------------------------------------
 # plain values and pytrees
@@ -197,6 +198,25 @@ def encode_model(model: torch.nn.Module, tensors: Tensors, copy: Callable = _ten
     return {"params": names["param"], "buffers": names["buffer"], "aliases": aliases}
 
 
+def model_keys(meta: dict, tensors, where: str) -> dict[str, str]:
+    """Each parameter and buffer the manifest's ``model`` lists -> its tensor's name (a tied one:
+    the name it is tied to); `BadInput` when ``tensors`` (a mapping: tensors, or the headers'
+    `nanbisect.bundle.check.HeaderTensors`) does not hold it.
+
+    >>> model_keys({"params": ["a", "b"], "buffers": [], "aliases": {"b": "a"}},
+    ...            {"model/a": torch.ones(1)}, "x")
+    {'a': 'model/a', 'b': 'model/a'}
+    """
+    keys = {}
+    for name in (*meta["params"], *meta["buffers"]):
+        key = f"model/{meta['aliases'].get(name, name)}"
+        if key not in tensors:
+            raise BadInput(f"{where}: tensor {_show(key)} named in the manifest is missing from "
+                           "the bundle's model.safetensors; re-capture the bundle")
+        keys[name] = key
+    return keys
+
+
 @torch.no_grad()
 def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: str) -> None:
     """Copy saved values into ``model`` in place (keeps ties, devices and dtypes of the model)."""
@@ -209,12 +229,9 @@ def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: s
             f"{where}: the model built by the entry does not match the bundle (bundle only: "
             f"{missing or '-'}; model only: {extra or '-'}); replay with the code that captured it"
         )
+    keys = model_keys(meta, tensors, where)
     for name, t, _ in entries:
-        key = f"model/{meta['aliases'].get(name, name)}"
-        if key not in tensors:
-            raise BadInput(f"{where}: tensor {_show(key)} named in the manifest is missing from "
-                           "the bundle's model.safetensors; re-capture the bundle")
-        saved = tensors[key]
+        saved = tensors[keys[name]]
         t = local(t)
         if saved.shape != t.shape:
             raise BadInput(f"{where}: '{name}' has shape {tuple(saved.shape)} in the bundle but "
@@ -258,11 +275,15 @@ def encode_optimizer(opt: torch.optim.Optimizer, tensors: Tensors,
             "state": state, "param_groups": groups}
 
 
-def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, where: str) -> None:
-    cls = type(opt).__module__ + "." + type(opt).__qualname__
-    if cls != meta["class"]:
-        raise BadInput(f"{where}: the bundle holds a {meta['class']} state but the entry built a "
-                       f"{cls}; replay with the code that captured it")
+def decode_optimizer(meta: dict, tensors, where: str) -> dict:
+    """The optimizer's ``state_dict`` the manifest's ``optimizer`` holds; `BadInput` unless it
+    has the shape every torch optimizer's ``load_state_dict`` reads: state keyed by parameter
+    index, each an object; groups of objects, each with ``params``, a list of distinct indices
+    that covers every state's index. What fits only a given optimizer (how many groups and
+    parameters, which state keys) is for `restore_optimizer` to find."""
+    bad = (f"{where}: the bundle's optimizer state is not {{state: {{index: {{...}}}}, "
+           "param_groups: [{params: [index, ...], ...}]}; the manifest was altered or damaged: "
+           "re-capture the bundle")
     if not all(isinstance(i, str) and i.isascii() and i.isdigit() and len(i) < 10
                for i in meta["state"]):
         raise BadInput(f"{where}: the bundle's optimizer state is keyed by "
@@ -270,6 +291,22 @@ def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, 
                        "was altered or damaged: re-capture the bundle")
     sd = {"state": {int(i): decode(s, tensors) for i, s in meta["state"].items()},
           "param_groups": [decode(g, tensors) for g in meta["param_groups"]]}
+    indices = [i for g in sd["param_groups"] if isinstance(g, dict)
+               for i in (g.get("params") if isinstance(g.get("params"), list) else [None])]
+    if not (all(isinstance(g, dict) for g in sd["param_groups"])
+            and all(isinstance(st, dict) for st in sd["state"].values())
+            and all(type(i) is int for i in indices) and len(set(indices)) == len(indices)
+            and set(sd["state"]) <= set(indices)):
+        raise BadInput(bad)
+    return sd
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, where: str) -> None:
+    cls = type(opt).__module__ + "." + type(opt).__qualname__
+    if cls != meta["class"]:
+        raise BadInput(f"{where}: the bundle holds a {meta['class']} state but the entry built a "
+                       f"{cls}; replay with the code that captured it")
+    sd = decode_optimizer(meta, tensors, where)
     try:
         opt.load_state_dict(sd)
     except (LookupError, TypeError, ValueError, ArithmeticError, AttributeError,
@@ -347,8 +384,45 @@ class RngState:
                 "accel": {name: len(states) for name, states in self.accel.items()}}
 
     @staticmethod
+    def check(meta, tensors) -> None:
+        """`BadInput` unless ``meta`` has the shape `encode` writes and ``tensors`` (a mapping:
+        tensors, or the headers' `nanbisect.bundle.check.HeaderTensors`) hold its tensors with
+        their dtypes and sizes: all of `decode` that reads no tensor data."""
+        def bad(why: str):
+            raise BadInput(f"the bundle's RNG state is incomplete or malformed ({why}); "
+                           "re-capture the bundle")
+
+        if not isinstance(meta, dict):
+            bad(f"it is {type(meta).__name__}, not an object")
+        py, npy, acc = meta.get("python"), meta.get("numpy"), meta.get("accel")
+        if not (isinstance(py, list) and len(py) == 2 and type(py[0]) is int and py[0] == 3
+                and (py[1] is None or type(py[1]) is float)):
+            bad(f"'python' is {_show(py, 40)}, not [3, gauss: null or a number]")
+        if not (isinstance(npy, list) and len(npy) == 4 and npy[0] == "MT19937"
+                and type(npy[1]) is int and 0 <= npy[1] <= 624 and type(npy[2]) is int
+                and npy[2] in (0, 1) and type(npy[3]) in (int, float)):
+            bad(f"'numpy' is {_show(npy, 40)}, not ['MT19937', position 0..624, has_gauss 0 "
+                "or 1, gauss]")
+        if not (isinstance(acc, dict) and all(type(n) is int and 0 <= n <= MAX_ACCEL_STATES
+                                              for n in acc.values())):
+            bad(f"'accel' is {_show(acc, 40)}, not {{device type: number of states}}")
+        want = [("rng/python_words", torch.int64, 625), ("rng/numpy_keys", torch.int64, 624),
+                ("rng/torch_cpu", torch.uint8, None)]
+        want += [(f"rng/{name}/{i}", torch.uint8, None) for name, n in acc.items()
+                 for i in range(n)]
+        for name, dtype, size in want:
+            t = tensors.get(name)
+            if t is None:
+                bad(f"tensor {name} is missing")
+            if t.dtype != dtype or t.dim() != 1 or size not in (None, t.numel()):
+                bad(f"tensor {name} is {str(t.dtype).removeprefix('torch.')} "
+                    f"{list(t.shape)}, not {str(dtype).removeprefix('torch.')} "
+                    f"[{size or 'N'}]")
+
+    @staticmethod
     def decode(meta: dict, tensors: Tensors) -> "RngState":
         """The state ``encode`` wrote; `BadInput` when the manifest or tensors do not hold it."""
+        RngState.check(meta, tensors)
         try:
             return RngState._decode(meta, tensors)
         except (LookupError, TypeError, ValueError, ArithmeticError, AttributeError,

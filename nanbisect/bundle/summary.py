@@ -1,7 +1,9 @@
 """`nanbisect inspect`: what a bundle holds, read from its manifest and safetensors headers.
 
 Guarantees: imports no user code, unpickles nothing, loads no tensor data (headers only), and
-verifies every file's size and sha256 first, so it is safe on bundles from anyone. Its time and
+first verifies the bundle as `run` does (`read_bundle`: every field's type, every file's size,
+its header against what the manifest names, then its sha256), so it refuses what `run` refuses
+and is safe on bundles from anyone. Its time and
 memory are bounded whatever the manifest claims (see `nanbisect.bundle.format.read_bundle` and
 `read_header` for the limits: a manifest of at most 64 MiB, 4M JSON values, 256 levels deep, a
 world size up to 2**20 that must match the parts actually listed and present, safetensors headers
@@ -99,7 +101,8 @@ def _summary(b: Bundle) -> dict:
     m = b.manifest
     files = {}
     for name, info in m["files"].items():
-        head = read_header(b.path / name, f"bundle '{b.path}': {name}")
+        head = b._cache.get(("head", str(b.path / name))) or \
+            read_header(b.path / name, f"bundle '{b.path}': {name}")   # (read_bundle's, if kept)
         dtypes: dict[str, int] = {}
         for t in head.values():
             dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1

@@ -29,6 +29,17 @@ class RunOptions:
     steps: int | None = None      # --steps K: replay the last K recorded steps (lookback)
 
 
+def captured_type(manifest: dict) -> str:
+    """The type of the device the bundle was captured on (``"cuda"`` for ``"cuda:1"``), as a
+    string: a device type this machine's torch does not know (``npu`` without torch_npu) is
+    compared, never built into a `torch.device`.
+
+    >>> captured_type({"devices": {"captured_on": "npu:3"}}), captured_type({})
+    ('npu', 'cpu')
+    """
+    return str((manifest.get("devices") or {}).get("captured_on") or "cpu").split(":")[0]
+
+
 def recorded_failure(observed) -> bool:
     """Does the manifest record a failure (not a spike a Guard captured while training went on)?"""
     return bool(observed) and not (isinstance(observed, dict) and observed.get("first") == "spike")

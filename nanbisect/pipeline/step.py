@@ -12,7 +12,8 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
-from nanbisect.pipeline.common import Progress, RunOptions, _guarded, _Run, recorded_failure
+from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, captured_type,
+                                       recorded_failure)
 from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
 from nanbisect.records import Fidelity, Losses, RunFacts, StepOutcome, json_number
 from nanbisect.reference import kernels as registry
@@ -70,9 +71,8 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
                      "replaying the step on the target")
     observed = m.get("observed")
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
-    captured = torch.device(str((m.get("devices") or {}).get("captured_on", "cpu")))
     fidelity = fidelity_check(bundle, rep.entry, original, first.loss,
-                              same_setup=captured.type == t_dev.type and t_dtype is None,
+                              same_setup=captured_type(m) == t_dev.type and t_dtype is None,
                               override=opts.entry is not None)
     notes += _fidelity_notes(fidelity)
     losses = Losses(original, json_number(first.loss), None, fidelity.bit_exact)

@@ -15,7 +15,7 @@ from nanbisect import history as hist
 from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
-from nanbisect.pipeline.common import Progress, RunOptions, _guarded
+from nanbisect.pipeline.common import Progress, RunOptions, _guarded, captured_type
 from nanbisect.pipeline.step import _analyse
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.window import replay_window
@@ -82,11 +82,10 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
         culprit = replace(culprit, step=analysed)
     facts = replace(report.facts, observed=bundle.manifest.get("observed"))
     classification = report.classification
-    captured = str((bundle.manifest.get("devices") or {}).get("captured_on", "cpu"))
     reached = res.reached
     if reached is not None and (not reached["bit_exact"] or reached["first_step_off_history"]
                                 is not None) and t_dtype is None and \
-            torch.device(captured).type == t_dev.type:
+            captured_type(bundle.manifest) == t_dev.type:
         # on the capture device the window must reach the recorded state: it did not, so the
         # replayed steps are not the run's and no verdict about the device follows from them
         classification = "replay-mismatch"

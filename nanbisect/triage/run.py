@@ -20,6 +20,7 @@ from nanbisect.triage.cache import _Cache, cache_key
 from nanbisect.triage.find import _check_roots, discover
 from nanbisect.triage.summary import TriageResult, _State
 from nanbisect.triage.worker import _analyse_one
+from nanbisect.util import lockdir
 
 DEFAULT_TIMEOUT = 1800.0            # seconds per bundle
 
@@ -184,21 +185,28 @@ def _replay(todo: list[tuple[str, str]], copies: dict[str, list[str]], options: 
     """Run the replays through joblib; each result is cached and written as it arrives (for
     the bundle and its ``copies``). A backend failure (a worker lost) retries what did not
     finish, once. The replays' scratch directories go in one of this run's, removed at the end
-    (on SIGTERM/SIGINT too; after kill -9, each replay's guardian removes its own)."""
+    (on SIGTERM/SIGINT too; after kill -9, each replay's guardian removes its own, and the
+    run's goes once its lock is free)."""
     keys = dict(todo)
     _sweep_scratch(timeout)
-    scratch = tempfile.mkdtemp(prefix=f"nanbisect-triage-{os.getpid()}-")
+    # NB: the pid in the name is for people; whether the run is alive is its lock's to say
+    scratch, lock = lockdir.make(f"nanbisect-triage-{os.getpid()}-")
     try:
-        _replay_all(keys, copies, options, timeout, config, n_jobs, wave, store, state, scratch)
+        _replay_all(keys, copies, options, timeout, config, n_jobs, wave, store, state,
+                    str(scratch))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+        os.close(lock)
 
 
 def _sweep_scratch(timeout: float) -> None:
-    """Remove what killed runs left in the temporary directory: a run's scratch directory
-    (``nanbisect-triage-PID-*``) whose process is gone (kill -9 of triage while a replay was
-    still starting, before its guardian existed), and loose replay scratch directories older
-    than a day and than twice ``timeout``."""
+    """Remove what killed runs left in the temporary directory: a scratch directory
+    (``nanbisect-triage-[PID-]*``) whose lock (`nanbisect.util.lockdir`) no live process holds
+    (kill -9 of triage while a replay was still starting, before its guardian existed),
+    whatever pid its name holds: a triage in another PID namespace sharing ``$TMPDIR`` holds
+    its lock as well as one here, and a dead run's pid may have gone to an unrelated process.
+    One without a lock (an older nanbisect's, or killed before its lock existed) goes only
+    when older than a day and than twice ``timeout``."""
     tmp = Path(tempfile.gettempdir())
     try:
         entries = list(os.scandir(tmp))
@@ -208,15 +216,10 @@ def _sweep_scratch(timeout: float) -> None:
         m = re.fullmatch(r"nanbisect-triage-(?:(\d+)-)?[a-z0-9_]{8}", e.name)
         if not m or not e.is_dir(follow_symlinks=False):
             continue
-        if m.group(1):
-            try:
-                os.kill(int(m.group(1)), 0)
-                continue                # its run is alive (or the pid was reused): leave it
-            except ProcessLookupError:
-                pass
-            except OSError:
-                continue
-        else:
+        owner = lockdir.state(e.path)
+        if owner == "held":
+            continue                    # its run is alive, here or in another PID namespace
+        if owner == "none":
             with contextlib.suppress(OSError):
                 if time.time() - e.stat(follow_symlinks=False).st_mtime < max(86400, 2 * timeout):
                     continue

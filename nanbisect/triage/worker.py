@@ -12,13 +12,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from nanbisect.errors import signal_name
 from nanbisect.triage.cache import _MAX_REPORT
+from nanbisect.util import lockdir
 from nanbisect.util.files import read_json
 
 _STDERR_TAIL = 2000
@@ -58,9 +58,9 @@ def _guard_replay() -> None:
             shutil.rmtree(scratch, ignore_errors=True)   # what a killed starter could not
             up = os.path.dirname(scratch)
             if not said.startswith(b"done") and os.path.basename(up).startswith(
-                    "nanbisect-triage-"):
-                with contextlib.suppress(OSError):
-                    os.rmdir(up)        # the starter died: the run's directory, once empty
+                    "nanbisect-triage-") and lockdir.freed(up, 2.0):
+                # the starter died and so did the run (its lock is free): the run's directory
+                shutil.rmtree(up, ignore_errors=True)
         os._exit(0)
     os.close(fd)
     sys.argv[0] = "nanbisect"
@@ -134,8 +134,9 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
 
     try:
         _watch_parent(parent)
-        tmp = Path(tempfile.mkdtemp(prefix="nanbisect-triage-", dir=scratch if scratch and
-                                    os.path.isdir(scratch) else None))
+        # held while this replay runs: a sweep elsewhere (another PID namespace too) leaves it
+        tmp, lock = lockdir.make("nanbisect-triage-", scratch if scratch and
+                                 os.path.isdir(scratch) else None)
     except Exception as e:  # noqa: BLE001
         return done(error=f"could not start the replay ({type(e).__name__}: {e})", kind="crash")
     proc = None
@@ -198,3 +199,4 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                 with contextlib.suppress(OSError):
                     os.close(fd)       # closing w lets the guardian clear the process group
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
