@@ -65,29 +65,39 @@ def rank_timeout() -> float:
                       fix="set it to e.g. 600 or unset it")
 
 
-def _spawner(bundle: Bundle, target: str, partial: Path, worker: list[str], ranks: list[int],
-             *, group: bool, per_host: int) -> list[str]:
-    """The command that starts ``ranks`` of the run (`nanbisect.multirank.spawn`): forked from
-    one interpreter that imported torch, or fresh interpreters where the device's extension
-    cannot be used in a fork (`nanbisect.devices`)."""
-    fork = all(devices.entry(devices.parse(t)[0]).fork_ranks
-               for t in worker_devices(worker, target))
+def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, timeout: float,
+               *, alone: bool, per_host: int, inject: str | None, entry: str | None,
+               reference: str | None) -> tuple[int | None, dict | None]:
+    """Start ``ranks`` of the run through `nanbisect.multirank.spawn` (forked from one interpreter
+    that imported torch, or fresh interpreters where the device seam says its ranks cannot be
+    forked), wait at most ``timeout`` and kill whatever is left of the run. Returns the spawner's
+    exit status and, when the deadline passed, the stacks of the ranks that had not written a
+    result (None when it did not pass)."""
+    fork = all(devices.entry(devices.parse(t)[0]).fork_ranks for t in (target, reference) if t)
+    worker = ["--target", target, "--timeout", str(timeout)] + (["--alone"] if alone else [])
+    worker += ["--inject", inject] if inject else []
+    worker += ["--entry", entry] if entry else []
+    worker += ["--reference", reference] if reference else []
     cmd = [sys.executable, "-m", "nanbisect.multirank.spawn", f"--world={bundle.world_size}",
            f"--ranks={','.join(map(str, ranks))}", f"--per-host={per_host}",
            f"--statuses={partial / 'statuses.json'}"]
-    cmd += ["--group"] if group else [f"--logs={partial}"]
+    cmd += [f"--logs={partial}"] if alone else ["--group"]
     cmd += [] if fork else ["--exec"]
-    cmd += ["--preload=nanbisect.multirank.worker", "--preload=torch._dynamo"]
-    return [*cmd, "--", "-m", "nanbisect.multirank.worker", str(bundle.path.resolve()),
-            str(partial), "--target", target, *worker]
-
-
-def worker_devices(worker: list[str], target: str) -> list[str]:
-    """The devices a rank's command line names (its target and reference)."""
-    out = [target]
-    if "--reference" in worker:
-        out.append(worker[worker.index("--reference") + 1])
-    return out
+    cmd += ["--preload=nanbisect.multirank.worker", "--preload=torch._dynamo", "--",
+            "-m", "nanbisect.multirank.worker", str(bundle.path.resolve()), str(partial), *worker]
+    with open(partial / "ranks.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+    stacks = None
+    try:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stacks = _stacks(partial, [r for r in ranks
+                                       if not (partial / f"rank{r}.json").is_file()])
+    finally:
+        _kill_run(p, partial)
+    return p.returncode, stacks
 
 
 def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
@@ -97,26 +107,9 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
     ``partial`` is the run's directory (`run_dir`); ``entry`` overrides every rank's."""
     timeout = rank_timeout() if timeout is None else timeout
     world = bundle.world_size
-    worker = ["--timeout", str(timeout)]
-    worker += ["--inject", inject] if inject else []
-    worker += ["--entry", entry] if entry else []
-    worker += ["--reference", reference] if reference else []
-    cmd = _spawner(bundle, target, partial, worker, list(range(world)), group=True,
-                   per_host=world)
-    log_path = partial / "ranks.log"
-    with open(log_path, "w") as log_file:
-        p = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-    stacks = None
-    try:
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            done = [r for r in range(world) if (partial / f"rank{r}.json").is_file()]
-            stacks = _stacks(partial, [r for r in range(world) if r not in done])
-    finally:
-        _kill_run(p, partial)
-    log = log_path.read_text(errors="replace")
+    code, stacks = _run_ranks(bundle, list(range(world)), target, partial, timeout, alone=False,
+                              per_host=world, inject=inject, entry=entry, reference=reference)
+    log = (partial / "ranks.log").read_text(errors="replace")
     results, missing, errors = [], [], {}
     for r in range(world):
         f = partial / f"rank{r}.json"
@@ -150,7 +143,7 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
         if first is not None:
             raise BadInput(_died(partial, first, statuses[first], then))
         tail = " | ".join(line for line in log.strip().splitlines()[-3:])
-        raise BadInput(f"rank(s) {missing} ended without a result (launcher exit {p.returncode}"
+        raise BadInput(f"rank(s) {missing} ended without a result (launcher exit {code}"
                        f"{': ' + tail if tail else ''}){then}; run those ranks' code alone")
     if errors:
         r = min(errors)
@@ -181,25 +174,11 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
     (`multirank.alone`): no process group between them, every collective served what the
     capture recorded. Bounded by ``timeout`` as a lockstep replay is; nothing is left behind
     (the same run directory, janitor and kill as `launch`)."""
-    worker = ["--alone", "--timeout", str(timeout)]
-    worker += ["--inject", inject] if inject else []
-    worker += ["--entry", entry] if entry else []
-    worker += ["--reference", reference] if reference else []
     per_host = devices.entry(devices.parse(target)[0]).count()   # the CPU's: 1
-    cmd = _spawner(bundle, target, partial, worker, ranks, group=False,
-                   per_host=per_host or 1)
-    with open(partial / "ranks.log", "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-    hung: list[int] = []
-    try:
-        try:
-            p.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            hung = [r for r in ranks if not (partial / f"rank{r}.json").is_file()]
-        stacks = _stacks(partial, hung) if hung else {}
-    finally:
-        _kill_run(p, partial)
+    _, stacks = _run_ranks(bundle, ranks, target, partial, timeout, alone=True,
+                           per_host=per_host or 1, inject=inject, entry=entry,
+                           reference=reference)
+    hung = list(stacks or {})                # the ranks without a result at the deadline
     statuses, _ = exit_statuses(partial)
     results, errors = [], {}
     for r in ranks:
