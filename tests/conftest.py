@@ -2,6 +2,7 @@
 dirs."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -150,6 +151,22 @@ def run_json(bundle, *flags, env: dict | None = None, code: int = 1) -> dict:
     res = cli("run", "--ckpt", bundle, "--json", *flags, env=env)
     assert res.code == code, res.stdout[-2000:] + res.stderr
     return json.loads(res.stdout)
+
+
+def one_line_exit_2(res: CliResult, *words: str) -> str:
+    """Assert a CLI result is a one-line error with exit 2 naming every one of ``words``, no
+    traceback; the line."""
+    line = res.stderr.strip()
+    assert res.code == 2, res.stdout + res.stderr
+    assert "\n" not in line and "Traceback" not in line, line
+    assert all(w in line for w in words), line
+    return line
+
+
+def tree_digest(root) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> sha256): to show a tree was left untouched."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(Path(root).rglob("*")) if p.is_file()}
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ that cannot be written (full, read-only, busy, no permission) is one line, exit 
 left."""
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -15,7 +14,7 @@ import sys
 import tarfile
 
 import pytest
-from conftest import FIXTURES, cli, invoke
+from conftest import FIXTURES, cli, invoke, one_line_exit_2, tree_digest
 from mounts import mode_bits_apply, read_only, tmpfs
 
 from nanbisect.bundle.format import read_bundle
@@ -77,19 +76,6 @@ def test_pack_without_report_is_bad_input(fixture_bundle, tmp_path):
     assert res.code == 2 and "run `nanbisect run --ckpt" in res.stderr
 
 
-def digest(root) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def one_line_exit_2(res, *words):
-    line = res.stderr.strip()
-    assert res.code == 2, res.stdout + res.stderr
-    assert "\n" not in line and "Traceback" not in line, line
-    assert all(w in line for w in words), line
-    return line
-
-
 @pytest.fixture
 def reported(tmp_path):
     """A copy of the nan_batch bundle with its report (in-process run)."""
@@ -103,14 +89,14 @@ def test_pack_refuses_paths_inside_a_bundle(reported, tmp_path):
     """`-o BUNDLE/model.safetensors` used to exit 0 and break the bundle's sha256."""
     other = tmp_path / "other"
     shutil.copytree(FIXTURES / "healthy", other, ignore=shutil.ignore_patterns("nanbisect-report"))
-    before, before_other = digest(reported), digest(other)
+    before, before_other = tree_digest(reported), tree_digest(other)
     for dest, words in [(reported / "model.safetensors", "inside the bundle"),
                         (reported / "new.tar.gz", "inside the bundle"),
                         (reported / "nanbisect-report" / "t.tar.gz", "inside"),
                         (other / "t.tar.gz", "inside the bundle"),
                         (other / "sub" / "t.tar.gz", "inside the bundle")]:
         one_line_exit_2(invoke("pack", reported, "-o", dest, "--force"), words)
-    assert digest(reported) == before and digest(other) == before_other
+    assert tree_digest(reported) == before and tree_digest(other) == before_other
     read_bundle(reported)
     read_bundle(other)
     # a report directory outside its bundle: not inside itself either

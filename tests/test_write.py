@@ -6,11 +6,10 @@ An --out that cannot be written (a full, read-only or busy file system, no permi
 line, exit 2, with nothing written."""
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest
-from conftest import cli, invoke
+from conftest import cli, invoke, one_line_exit_2, tree_digest
 from mounts import mode_bits_apply, read_only, tmpfs
 from safetensors.torch import save_file
 
@@ -18,11 +17,6 @@ from nanbisect.errors import BadInput
 from nanbisect.report.write import MARKER, check_out, is_report_dir, older_report, staged
 from nanbisect.util.staging import MARKER as STAGING_MARKER
 from nanbisect.util.staging import is_marked
-
-
-def tree_digest(root) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def refused(bundle, out, words: str):
@@ -133,14 +127,6 @@ def test_the_staging_directory_carries_the_marker_and_the_report_does_not(tmp_pa
     assert sorted(p.name for p in out.iterdir()) == [MARKER, "report.json"]
     assert STAGING_MARKER not in (out / MARKER).read_text() and is_report_dir(out)
     assert [p.name for p in tmp_path.iterdir()] == ["r"]
-
-
-def one_line_exit_2(res, *words):
-    line = res.stderr.strip()
-    assert res.code == 2, res.stdout + res.stderr
-    assert "\n" not in line and "Traceback" not in line, line
-    assert all(w in line for w in words), line
-    return line
 
 
 @pytest.mark.parametrize("fixture,size", [("nan_batch", "4k"),
