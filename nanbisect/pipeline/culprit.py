@@ -153,16 +153,9 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
                          "outside its inputs); module_repro replays its module call "
                          "with the module's state: " + ("reproduced" if worked else
                                                         "did not reproduce either"))
-    surfaced_repro = None
-    if finding is not None and finding.surfaced_site is not None and caught is not None:
-        run.progress("surfaced-repro", "catching the op where the failure surfaced")
-        surfaced_repro = _surfaced_repro(run, finding, kind, tmp)
-        if surfaced_repro is not None:
-            res = surfaced_repro.result
-            notes.append(f"{surfaced_repro.script} re-runs {finding.surfaced.op}, where it "
-                         f"surfaced, from its inputs in {finding.surfaced.phase}"
-                         + ("" if res is None else ": reproduced" if res.reproduced
-                            else ": did not reproduce"))
+    surfaced_repro = (_surfaced_repro(run, finding, kind, tmp, notes)
+                      if finding is not None and finding.surfaced_site is not None
+                      and caught is not None else None)
     classification, why = classify_culprit(_evidence(run, side, op_check))
     notes += why
     return Report(
@@ -188,10 +181,13 @@ def _surfaced_note(f: OpFinding, kind: str) -> str:
             "is where it was born, culprit.surfaced where it became visible")
 
 
-def _surfaced_repro(run: _Run, finding: OpFinding, kind: str, tmp: Path) -> ModuleRepro | None:
+def _surfaced_repro(run: _Run, finding: OpFinding, kind: str, tmp: Path,
+                    notes: list[str]) -> ModuleRepro | None:
     """Catch the op where a failure born earlier surfaced and write (and run once) its repro,
     ``repro/surfaced/repro.py``: it shows how the earlier phase's value turns into the
-    failure (the saved rstd inf into NaN in layer norm's backward)."""
+    failure (the saved rstd inf into NaN in layer norm's backward). Its outcome goes into
+    ``notes``."""
+    run.progress("surfaced-repro", "catching the op where the failure surfaced")
     site, s = finding.surfaced_site, finding.surfaced
     caught = _guarded(lambda: catch_inputs(run.rep, site, run.wrap),
                       "catching the op where the failure surfaced")
@@ -207,8 +203,11 @@ def _surfaced_repro(run: _Run, finding: OpFinding, kind: str, tmp: Path) -> Modu
                                                                         run.rep.entry),
                          role="Where a failure born earlier surfaced (its culprit: ../repro.py)")
     start = _repro_starter(run)
-    return ModuleRepro("repro/surfaced/repro.py",
-                       start(script, caught)() if start is not None else None)
+    res = start(script, caught)() if start is not None else None
+    notes.append(f"repro/surfaced/repro.py re-runs {s.op}, where it surfaced, from its inputs in "
+                 f"{s.phase}" + ("" if res is None else ": reproduced" if res.reproduced
+                                 else ": did not reproduce"))
+    return ModuleRepro("repro/surfaced/repro.py", res)
 
 
 def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> ModuleRepro | None:
