@@ -101,21 +101,7 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
                 state.leftovers = [{"path": "", "bytes": 0, "age_s": 0.0, "kind": "error",
                                     "error": f"{type(e).__name__}: {str(e)[:200]}"}]
             with _backend(backend, scheduler, address, jobs) as (config, n_jobs, wave):
-                made = [] if out is None else [
-                    d for d in (out, *out.absolute().parents) if not d.exists()]
-                if out is not None:
-                    try:
-                        out.mkdir(parents=True, exist_ok=True)
-                    except OSError as e:
-                        raise BadInput(f"triage: cannot create --out '{out}' ({e.strerror}); "
-                                       "pass a writable directory") from None
-                try:
-                    state.write(final=True)   # NB: strict: a full or read-only --out fails now,
-                except BadInput:              # not after the night's replays
-                    for d in made:
-                        with contextlib.suppress(OSError):
-                            d.rmdir()
-                    raise
+                _first_write(out, state)
                 todo = _lookup(bundles, options, store, state)
                 state.write()
                 todo, copies = _copies(todo)
@@ -137,6 +123,25 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
         state.finished = True
         data = state.write(final=True)
     return TriageResult(data, data["exit_code"])
+
+
+def _first_write(out: Path | None, state: _State) -> None:
+    """Create ``out`` and write the night's summary once, strictly: a full or read-only --out
+    fails now (`BadInput`, the directories made for it removed again), not after the replays."""
+    made = [] if out is None else [d for d in (out, *out.absolute().parents) if not d.exists()]
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BadInput(f"triage: cannot create --out '{out}' ({e.strerror}); "
+                           "pass a writable directory") from None
+    try:
+        state.write(final=True)
+    except BadInput:
+        for d in made:
+            with contextlib.suppress(OSError):
+                d.rmdir()
+        raise
 
 
 def _copies(todo: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], dict[str, list[str]]]:
