@@ -6,14 +6,11 @@ import hashlib
 import json
 import os
 import re
-import select
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +37,7 @@ class CliResult:
 def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 300,
         fresh: bool = False) -> CliResult:
     """Run ``python -m nanbisect ARGS`` in a process of its own: forked from this worker's fork
-    server (tests/zygote.py: torch imported once), or, with ``fresh`` (or an environment that
+    server (`nanbisect.util.forks`: torch imported once), or, with ``fresh`` (or an environment that
     differs in what torch reads at import, or ``NANBISECT_FRESH_CLI=1``), a fresh interpreter."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NANBISECT_TEST")}
     full_env.update({k: str(v) for k, v in (env or {}).items()})
@@ -55,8 +52,9 @@ def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 30
 
 
 class _Zygote:
-    """This worker's fork server (tests/zygote.py), started on first use; None from `run` when
-    it cannot serve a request (then the caller starts a fresh interpreter)."""
+    """This worker's fork server (the product's, `nanbisect.util.forks`: torch imported once),
+    started on first use; None from `run` when it cannot serve a request (then the caller starts
+    a fresh interpreter)."""
 
     # what torch (or Python) reads when it is imported: a child forked from the server would
     # not see a change of these
@@ -64,30 +62,9 @@ class _Zygote:
                              r"PYTHON|LD_)")
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
+        self.server = None
         self.env: dict[str, str] = {}
         self.lock = threading.Lock()
-        self.buf = b""
-
-    def _start(self, env: dict[str, str]) -> None:
-        self.env = dict(env)
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "zygote.py")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env,
-                                     cwd=ROOT, bufsize=0)
-        self.buf = b""
-
-    def _line(self, deadline: float | None) -> dict | None:
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self.buf:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not select.select([fd], [], [], wait)[0]:
-                return None                       # timed out
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise OSError("the fork server ended")
-            self.buf += chunk
-        line, _, self.buf = self.buf.partition(b"\n")
-        return json.loads(line)
 
     def _same_import_env(self, env: dict[str, str]) -> bool:
         keys = {k for k in (*env, *self.env) if self.IMPORT_TIME.match(k)}
@@ -95,28 +72,29 @@ class _Zygote:
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float
             ) -> CliResult | None:
+        from nanbisect.util.forks import ForkServer
+
         if not self.lock.acquire(blocking=False):      # a test running CLIs side by side
             return None
         try:
-            if self.proc is not None and (self.proc.poll() is not None
-                                          or not self._same_import_env(env)):
+            if self.server is not None and (self.server.proc.poll() is not None
+                                            or not self._same_import_env(env)):
                 self.close()
-            if self.proc is None:
-                self._start(env)
-            if not self._same_import_env(env):
-                return None
+            if self.server is None:
+                self.env = dict(env)
+                self.server = ForkServer(env)
             with tempfile.TemporaryDirectory(prefix="nanbisect-cli-") as d:
                 out, err = Path(d) / "out", Path(d) / "err"
-                req = {"argv": argv, "cwd": str(cwd), "env": env, "out": str(out),
-                       "err": str(err)}
-                self.proc.stdin.write((json.dumps(req) + "\n").encode())
-                pid = self._line(None)["pid"]
-                done = self._line(time.monotonic() + timeout)
-                if done is None:
-                    os.kill(pid, signal.SIGKILL)
-                    self._line(None)
-                    raise subprocess.TimeoutExpired(["nanbisect", *argv], timeout)
-                return CliResult(done["code"], out.read_text(errors="replace"),
+                with open(out, "wb") as fo, open(err, "wb") as fe:
+                    child = self.server.start(["-m", "nanbisect", *argv], cwd=str(cwd),
+                                              env=env, stdout=fo.fileno(), stderr=fe.fileno())
+                try:
+                    code = child.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    child.kill_group()
+                    child.wait()
+                    raise subprocess.TimeoutExpired(["nanbisect", *argv], timeout) from None
+                return CliResult(code, out.read_text(errors="replace"),
                                  err.read_text(errors="replace"))
         except OSError:
             self.close()
@@ -125,10 +103,10 @@ class _Zygote:
             self.lock.release()
 
     def close(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
+        if self.server is not None:
+            self.server.proc.kill()
+            self.server.close()
+            self.server = None
 
 
 _ZYGOTE = _Zygote()

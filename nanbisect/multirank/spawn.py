@@ -40,6 +40,8 @@ import sys
 import time
 from pathlib import Path
 
+from nanbisect.util.forks import end_child, run_main
+
 _STOP_GRACE = 30.0     # seconds between SIGTERM and SIGKILL for the ranks of a failed group
 
 
@@ -76,44 +78,6 @@ def _rank_env(a: argparse.Namespace, rank: int, local: int, count: int) -> dict[
     return env
 
 
-def run_main(target: list[str]) -> int:
-    """Run ``target`` (``["-m", MODULE, ARG...]`` or ``[SCRIPT, ARG...]``) in this (forked)
-    process as ``python`` would run it as its main program, then end it as the interpreter's exit
-    does (non-daemon threads joined, then atexit); its exit status. For a module, ``sys.path[0]``
-    is the caller's to set (``python -m`` puts the working directory there)."""
-    import atexit
-    import runpy
-    import threading
-    import traceback
-    import warnings
-
-    code = 0
-    try:
-        if target[0] == "-m":
-            sys.argv = [target[1], *target[2:]]
-            with warnings.catch_warnings():   # preloaded: "found in sys.modules" is expected
-                warnings.filterwarnings("ignore", category=RuntimeWarning, module="runpy")
-                runpy.run_module(target[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv = list(target)
-            sys.path[0] = str(Path(target[0]).resolve().parent)
-            runpy.run_path(target[0], run_name="__main__")
-    except SystemExit as e:
-        if e.code is None:
-            code = 0
-        elif isinstance(e.code, int):
-            code = e.code
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then exit 1
-        traceback.print_exc()
-        code = 1
-    threading._shutdown()                 # as the interpreter's exit does: threads, then atexit
-    atexit._run_exitfuncs()
-    return code
-
-
 def _fork_rank(env: dict[str, str], target: list[str], log: Path | None,
                port_pipe: int | None, close: list[int]) -> int:
     pid = os.fork()
@@ -145,11 +109,7 @@ def _fork_rank(env: dict[str, str], target: list[str], log: Path | None,
 
         traceback.print_exc()
     finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
+        end_child(code)
 
 
 def _exec_rank(env: dict[str, str], target: list[str], log: Path | None, port: int | None):

@@ -1,5 +1,6 @@
-"""One bundle, in a worker: its replay in a process of its own (a fresh ``nanbisect run`` in a
-new session), guarded so that nothing outlives the process that started it.
+"""One bundle, in a worker: its replay in a process of its own (``nanbisect run`` in a new
+session, forked from the worker's fork server, `nanbisect.util.forks`: torch is imported once per
+worker, not once per bundle), guarded so that nothing outlives the process that started it.
 
 Guarantees: `_analyse_one` never raises; a hang, a crash or a missing report is a row of its own.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from nanbisect.errors import signal_name
 from nanbisect.triage.cache import _MAX_REPORT
-from nanbisect.util import lockdir
+from nanbisect.util import forks, lockdir
 from nanbisect.util.files import read_json
 
 _STDERR_TAIL = 2000
@@ -26,14 +27,16 @@ _STDERR_TAIL = 2000
 
 
 def _guard_replay() -> None:
-    """Called first in the replay process (``python -c _CHILD run BUNDLE ...``, in a session of
-    its own), which then runs the CLI. It dies with the thread that started it (Linux
-    ``PR_SET_PDEATHSIG``) and forks a guardian holding the read end of a pipe whose write end
-    only the starter has: when the starter is done with it or dies (SIGKILL too), the read
-    returns EOF and the guardian kills the replay's whole process group and removes the
-    replay's scratch directory (which a starter killed by SIGKILL cannot)."""
+    """Called first in the replay process (in a session of its own: a fork of this worker's
+    fork server, or ``python -c _CHILD run BUNDLE ...``), which then runs the CLI. It dies with
+    its parent (Linux ``PR_SET_PDEATHSIG``: the thread that started it, or the fork server's
+    reaper, which lives as long as it does) and forks a guardian holding the read end of a
+    pipe whose write end only the starter has: when the starter is done with it or dies
+    (SIGKILL too), the read returns EOF and the guardian kills the replay's whole process
+    group and removes the replay's scratch directory (which a starter killed by SIGKILL
+    cannot)."""
     fd = int(os.environ.pop("NANBISECT_TRIAGE_FD"))
-    starter = int(os.environ.pop("NANBISECT_TRIAGE_PARENT"))
+    starter = int(os.environ.pop("NANBISECT_TRIAGE_PARENT") or os.getppid())
     scratch = os.environ.pop("NANBISECT_TRIAGE_TMP", "")
     if sys.platform.startswith("linux"):
         with contextlib.suppress(Exception):
@@ -120,6 +123,32 @@ def _read_report(report_dir: Path) -> dict | None:
     return data if isinstance(data, dict) and isinstance(data.get("verdict"), str) else None
 
 
+def _forks() -> bool:
+    """Replays are forked from this worker's fork server (torch imported once per worker)
+    unless ``NANBISECT_TRIAGE_FORK=0`` or the platform has no fork and descriptor passing."""
+    return (os.environ.get("NANBISECT_TRIAGE_FORK", "1") != "0" and hasattr(os, "fork")
+            and hasattr(socket, "send_fds") and hasattr(socket, "SOCK_SEQPACKET"))
+
+
+def _start(args: list[str], r: int, err: int, tmp: Path, cwd: str | None):
+    """Start ``nanbisect ARGS`` in a session of its own, guarded by the read end ``r`` of the
+    starter's pipe (`_guard_replay`): forked from this worker's fork server, or, when that is
+    off or cannot start, a fresh interpreter. Returns what has ``pid``, ``wait``, ``poll``."""
+    env = {**os.environ, "NANBISECT_TRIAGE_TMP": str(tmp)}
+    if _forks():
+        try:
+            return forks.ForkServer.get().start(
+                ["-m", "nanbisect", *args], cwd=cwd or os.getcwd(), stderr=err,
+                env={**env, "NANBISECT_TRIAGE_PARENT": ""}, keep={"NANBISECT_TRIAGE_FD": r},
+                prelude="nanbisect.triage.worker:_guard_replay")
+        except OSError:
+            pass                        # a fresh interpreter, as without the server
+    env.update(NANBISECT_TRIAGE_FD=str(r), NANBISECT_TRIAGE_PARENT=str(os.getpid()))
+    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=err, pass_fds=(r,),
+                            start_new_session=True, env=env, cwd=cwd)
+
+
 def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                  cwd: str | None = None, scratch: str | None = None) -> dict:
     """Replay one bundle with `nanbisect run` in a fresh process; never raises. Its scratch
@@ -143,17 +172,13 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
     r = w = -1
     try:
         out = tmp / "report"            # `run --out` refuses existing directories: a fresh path
-        cmd = [sys.executable, "-c", _CHILD, "run", bundle, "--out", str(out),
-               "--reference", str(options.get("reference") or "none")]
+        args = ["run", bundle, "--out", str(out),
+                "--reference", str(options.get("reference") or "none")]
         if options.get("target"):
-            cmd += ["--target", str(options["target"])]
+            args += ["--target", str(options["target"])]
         r, w = os.pipe()
-        env = {**os.environ, "NANBISECT_TRIAGE_FD": str(r),
-               "NANBISECT_TRIAGE_PARENT": str(os.getpid()), "NANBISECT_TRIAGE_TMP": str(tmp)}
         with open(tmp / "stderr", "wb") as err:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=err, pass_fds=(r,), start_new_session=True, env=env,
-                                    cwd=cwd if cwd and os.path.isdir(cwd) else None)
+            proc = _start(args, r, err.fileno(), tmp, cwd if cwd and os.path.isdir(cwd) else None)
         os.close(r)
         r = -1
         with _active_lock:

@@ -1,0 +1,115 @@
+"""The fork server (`nanbisect.util.forks`) that triage's workers and the tests' CLI runs start
+their children from: real processes, real signals, real exit statuses."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import FIXTURES
+from nanbisect.util import forks
+
+
+@pytest.fixture(scope="module")
+def server():
+    return forks.ForkServer.get()       # this process's, as triage's worker uses it
+
+
+def _start(server, tmp_path: Path, code: str, *args: str, **kw) -> tuple[forks.Child, Path]:
+    script = tmp_path / "child.py"
+    script.write_text(code)
+    err = tmp_path / "err"
+    with open(err, "wb") as f:
+        child = server.start([str(script), *args], cwd=str(tmp_path),
+                             env={"PATH": os.environ.get("PATH", ""), **kw.pop("env", {})},
+                             stderr=f.fileno(), **kw)
+    return child, err
+
+
+def test_a_child_is_a_process_of_its_own(server, tmp_path):
+    """Exit status, argv, working directory, exactly the environment given, a session of its
+    own, stdout where asked, and ps showing the command it runs."""
+    out = tmp_path / "out"
+    code = ("import json, os, sys\n"
+            "print(json.dumps([sys.argv[1:], os.getcwd(), sorted(os.environ),\n"
+            "                  os.getsid(0) == os.getpid()]))\n"
+            "print(open('/proc/self/cmdline').read().replace(chr(0), ' '), file=sys.stderr)\n"
+            "sys.exit(7)\n")
+    with open(out, "wb") as f:
+        child, err = _start(server, tmp_path, code, "a b", env={"ONLY": "1"}, stdout=f.fileno())
+    assert child.wait(60) == 7
+    argv, cwd, env, own_session = json.loads(out.read_text())
+    assert argv == ["a b"] and cwd == str(tmp_path) and own_session
+    assert "ONLY" in env and "HOME" not in env
+    assert str(tmp_path / "child.py") in err.read_text()      # not the server's command line
+
+
+def test_a_signal_and_a_timeout_read_as_subprocess_reports_them(server, tmp_path):
+    child, _ = _start(server, tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
+    assert child.wait(60) == -signal.SIGSEGV
+    child, _ = _start(server, tmp_path, "import os, time\nos.fork()\ntime.sleep(600)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        child.wait(0.5)
+    assert child.poll() is None
+    child.kill_group()                  # its own child too: the whole session's group
+    assert child.wait(30) == -signal.SIGKILL
+
+
+def test_a_kept_descriptor_arrives_under_the_number_its_variable_says(server, tmp_path):
+    r, w = os.pipe()
+    try:
+        child, err = _start(server, tmp_path, "import os\nos.write(int(os.environ['FD']), b'hi')",
+                            keep={"FD": w})
+    finally:
+        os.close(w)
+    assert child.wait(60) == 0, err.read_text()
+    assert os.read(r, 10) == b"hi"
+    os.close(r)
+
+
+def test_the_server_goes_when_its_client_does(tmp_path):
+    """A client killed -9 closes its end: the server ends (no orphan waiting for requests)."""
+    code = ("import sys, time\nfrom nanbisect.util.forks import ForkServer\n"
+            "print(ForkServer.get().proc.pid, flush=True)\ntime.sleep(600)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+        os.kill(pid, 0)                 # alive
+    finally:
+        p.kill()
+        p.wait()
+    end = time.monotonic() + 30
+    while time.monotonic() < end:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            break
+        if state == "Z":
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the fork server {pid} outlived its client")
+
+
+def test_triage_replays_bundles_in_forks_of_one_server(server, tmp_path, monkeypatch):
+    """A worker's replays come from its one server (torch imported once); with
+    ``NANBISECT_TRIAGE_FORK=0`` a fresh interpreter gives the same report."""
+    import shutil
+
+    from nanbisect.triage import worker
+
+    bundle = tmp_path / "b"
+    shutil.copytree(FIXTURES / "fully_masked_row", bundle,
+                    ignore=shutil.ignore_patterns("nanbisect-report"))
+    rows = [worker._analyse_one(str(bundle), {}, 300, os.getppid())]
+    assert forks.ForkServer.get() is server and server.proc.poll() is None
+    monkeypatch.setenv("NANBISECT_TRIAGE_FORK", "0")
+    rows.append(worker._analyse_one(str(bundle), {}, 300, os.getppid()))
+    culprits = [r.get("report", r)["culprit"] for r in rows]
+    assert culprits[0]["op"] and culprits[0] == culprits[1]
