@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -56,19 +55,15 @@ class _Zygote:
     started on first use; None from `run` when it cannot serve a request (then the caller starts
     a fresh interpreter)."""
 
-    # what torch (or Python) reads when it is imported: a child forked from the server would
-    # not see a change of these
-    IMPORT_TIME = re.compile(r"^(OMP_|MKL_|KMP_|GOMP_|OPENBLAS_|ATEN_|TORCH|PYTORCH_|CUDA_|"
-                             r"PYTHON|LD_)")
-
     def __init__(self) -> None:
         self.server = None
         self.env: dict[str, str] = {}
         self.lock = threading.Lock()
 
     def _same_import_env(self, env: dict[str, str]) -> bool:
-        keys = {k for k in (*env, *self.env) if self.IMPORT_TIME.match(k)}
-        return all(env.get(k) == self.env.get(k) for k in keys)
+        from nanbisect.util.forks import import_env
+
+        return import_env(env) == import_env(self.env)
 
     def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float
             ) -> CliResult | None:
@@ -87,7 +82,8 @@ class _Zygote:
                 out, err = Path(d) / "out", Path(d) / "err"
                 with open(out, "wb") as fo, open(err, "wb") as fe:
                     child = self.server.start(["-m", "nanbisect", *argv], cwd=str(cwd),
-                                              env=env, stdout=fo.fileno(), stderr=fe.fileno())
+                                              env=env, stdout=fo.fileno(), stderr=fe.fileno(),
+                                              share=True)
                 try:
                     code = child.wait(timeout)
                 except subprocess.TimeoutExpired:

@@ -113,3 +113,37 @@ def test_triage_replays_bundles_in_forks_of_one_server(server, tmp_path, monkeyp
     rows.append(worker._analyse_one(str(bundle), {}, 300, os.getppid()))
     culprits = [r.get("report", r)["culprit"] for r in rows]
     assert culprits[0]["op"] and culprits[0] == culprits[1]
+
+
+def test_a_shared_child_forks_its_own_children_from_the_server(server, tmp_path):
+    """A child started with ``share`` (a test's `nanbisect run`, a triage replay) forks the
+    multi-rank spawner from the same server (`launcher._start_spawner`), not from a fresh
+    interpreter, and its ranks still get torchrun's one thread each; with another value of what
+    torch reads at import it starts a fresh interpreter."""
+    rank = tmp_path / "rank.py"
+    rank.write_text("import os, torch\n"
+                    "def up(pid):\n"
+                    "    stat = open(f'/proc/{pid}/stat').read()\n"
+                    "    return int(stat.rsplit(')', 1)[1].split()[1])\n"
+                    "print('rank', torch.get_num_threads(), up(up(os.getppid())), flush=True)\n")
+    code = ("import os, sys\n"
+            "from nanbisect.multirank.launcher import _start_spawner\n"
+            "for extra in ({}, {'ATEN_CPU_CAPABILITY': 'default'}):\n"
+            "    os.environ.update(extra)\n"
+            "    p = _start_spawner([sys.executable, '-m', 'nanbisect.multirank.spawn',\n"
+            f"                        '--world=2', '--group', '--', {str(rank)!r}], 1)\n"
+            "    print('spawner', type(p).__name__, p.wait(120), flush=True)\n")
+    out = tmp_path / "out"
+    with open(out, "wb") as f:
+        child, err = _start(server, tmp_path, code, env=dict(os.environ), stdout=f.fileno(),
+                            share=True)
+    assert child.wait(180) == 0, err.read_text()
+    lines = [ln.split() for ln in out.read_text().splitlines()]
+    assert [ln[0] for ln in lines] == ["rank", "rank", "spawner"] * 2, lines
+    forked, fresh = lines[:3], lines[3:]
+    assert forked[2][1:] == ["Child", "0"] and fresh[2][1:] == ["Popen", "0"]
+    # rank -> spawner -> the server's reaper -> the server; one thread each, forked or not
+    assert [r[2] for r in forked[:2]] == [str(server.proc.pid)] * 2
+    assert str(server.proc.pid) not in (fresh[0][2], fresh[1][2])
+    threads = os.environ.get("OMP_NUM_THREADS", "1")    # the spawner's default for a group
+    assert [r[1] for r in forked[:2] + fresh[:2]] == [threads] * 4

@@ -31,6 +31,7 @@ Guarantees (each one tested with real processes in tests/test_multirank_faults.p
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,7 @@ from nanbisect.report.model import Report
 from nanbisect.report.rerun import Fork, run_repro
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
+from nanbisect.util import forks
 from nanbisect.util.env import env_number
 
 __all__ = ["PREFIX", "launch", "launch_alone", "parse_ranks", "rank_timeout", "run_multirank",
@@ -86,8 +88,7 @@ def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, tim
     cmd += ["--preload=nanbisect.multirank.worker", "--preload=torch._dynamo", "--",
             "-m", "nanbisect.multirank.worker", str(bundle.path.resolve()), str(partial), *worker]
     with open(partial / "ranks.log", "w") as log:
-        p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                             stdin=subprocess.DEVNULL, start_new_session=True)
+        p = _start_spawner(cmd, log.fileno())
     stacks = None
     try:
         try:
@@ -98,6 +99,23 @@ def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, tim
     finally:
         _kill_run(p, partial)
     return p.returncode, stacks
+
+
+def _start_spawner(cmd: list[str], log: int):
+    """The spawner, in a session of its own: forked from the fork server this process came
+    from when there is one (a triage replay, a test's CLI run: torch is imported there already,
+    `nanbisect.util.forks`), else a fresh interpreter. Has ``pid``, ``wait``, ``poll``."""
+    server = forks.ForkServer.inherited(dict(os.environ))
+    if server is not None:
+        try:
+            return server.start(cmd[1:], cwd=os.getcwd(), env=dict(os.environ), stdout=log,
+                                stderr=log)
+        except OSError:
+            pass                        # gone: a fresh interpreter, as without it
+        finally:
+            server.close()
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,

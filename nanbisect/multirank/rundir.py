@@ -31,7 +31,8 @@ key = b"\0" + os.fsencode(run) + b"\0"
 for pid in os.listdir("/proc"):
     try:
         with open("/proc/%s/cmdline" % pid, "rb") as f:
-            if key in b"\0" + f.read():
+            cmd = b"\0" + f.read().rstrip(b"\0") + b"\0"
+            if key in cmd or key in cmd.replace(b" ", b"\0"):
                 os.kill(int(pid), signal.SIGKILL)
     except (OSError, ValueError):
         pass
@@ -41,13 +42,15 @@ shutil.rmtree(run, ignore_errors=True)
 
 def run_processes(partial: Path) -> list[int]:
     """The live processes that name ``partial`` as one of their arguments (the spawner, the
-    ranks)."""
+    ranks): in their command line, or in the title a fork server's child shows instead
+    (`nanbisect.util.forks`: the arguments joined by spaces)."""
     key, out = b"\0" + os.fsencode(str(partial)) + b"\0", []
     for d in (Path("/proc").iterdir() if Path("/proc").is_dir() else []):
         if not d.name.isdigit() or int(d.name) == os.getpid():
             continue
         try:
-            if key in b"\0" + (d / "cmdline").read_bytes():   # empty for zombies
+            cmd = b"\0" + (d / "cmdline").read_bytes().rstrip(b"\0") + b"\0"   # zombies: empty
+            if key in cmd or key in cmd.replace(b" ", b"\0"):
                 out.append(int(d.name))
         except OSError:
             continue

@@ -103,6 +103,13 @@ def _fork_rank(env: dict[str, str], target: list[str], log: Path | None,
             if not port:                  # the store never came up: the parent said why
                 os._exit(1)
             os.environ["MASTER_PORT"] = port
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if threads.isdigit() and int(threads) > 0:
+            # what OpenMP would have read had it loaded after the variable was set: this
+            # spawner may itself be a fork of a server that imported torch before it was
+            import torch
+
+            torch.set_num_threads(int(threads))
         code = run_main(target)
     except BaseException:  # noqa: BLE001 - never return into the parent's code
         import traceback

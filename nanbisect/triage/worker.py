@@ -140,7 +140,7 @@ def _start(args: list[str], r: int, err: int, tmp: Path, cwd: str | None):
             return forks.ForkServer.get().start(
                 ["-m", "nanbisect", *args], cwd=cwd or os.getcwd(), stderr=err,
                 env={**env, "NANBISECT_TRIAGE_PARENT": ""}, keep={"NANBISECT_TRIAGE_FD": r},
-                prelude="nanbisect.triage.worker:_guard_replay")
+                prelude="nanbisect.triage.worker:_guard_replay", share=True)
         except OSError:
             pass                        # a fresh interpreter, as without the server
     env.update(NANBISECT_TRIAGE_FD=str(r), NANBISECT_TRIAGE_PARENT=str(os.getpid()))

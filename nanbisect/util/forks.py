@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -33,6 +34,18 @@ from pathlib import Path
 
 _MAX_MSG = 1 << 20
 _MAX_FDS = 8
+
+# what torch (or Python) reads when it is imported: a child forked from a server would not see
+# another value of these than the server's
+IMPORT_TIME = re.compile(r"^(OMP_|MKL_|KMP_|GOMP_|OPENBLAS_|ATEN_|TORCH|PYTORCH_|CUDA_|PYTHON|LD_)")
+
+# in a child started with ``share``: its server's socket and what that server read at import
+_inherited: tuple[int, dict[str, str]] | None = None
+
+
+def import_env(env: dict[str, str]) -> dict[str, str]:
+    """The variables of ``env`` that torch or Python read when they are imported."""
+    return {k: v for k, v in env.items() if IMPORT_TIME.match(k)}
 
 
 def run_main(target: list[str]) -> int:
@@ -111,6 +124,7 @@ def _child(req: dict, err: int, out: int, keep: list[int]) -> None:
     """In the forked child: a session of its own, stdin on /dev/null, stdout on ``out`` (else
     /dev/null), stderr on ``err``, ``cwd`` and exactly ``env``; the ``prelude``
     (``module:function``) called first, then the target run as ``python`` would run it."""
+    global _inherited
     code = 1
     try:
         os.setsid()
@@ -121,6 +135,10 @@ def _child(req: dict, err: int, out: int, keep: list[int]) -> None:
             os.dup2(fd, target)
         for fd in {null, err, out} - {-1, 0, 1, 2}:
             os.close(fd)
+        if req.get("share"):              # the server's socket: this process's, not inherited
+            os.set_inheritable(keep[-1], False)
+            _inherited = (keep[-1], import_env(req["env"]))
+            keep = keep[:-1]
         for name, fd in zip(req.get("fd_env", []), keep):
             os.set_inheritable(fd, True)
             req["env"][name] = str(fd)
@@ -253,7 +271,12 @@ class ForkServer:
     _instance: ForkServer | None = None
     _owner = 0
 
-    def __init__(self, env: dict[str, str] | None = None) -> None:
+    def __init__(self, env: dict[str, str] | None = None, *, sock: socket.socket | None = None
+                 ) -> None:
+        self.proc: subprocess.Popen | None = None
+        if sock is not None:            # a server this process was forked from (`inherited`)
+            self.sock = sock
+            return
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # started where this nanbisect was imported from (a checkout's root, site-packages),
         # so the server and its children run this copy; `serve` takes that off sys.path again
@@ -277,30 +300,41 @@ class ForkServer:
             raise OSError("the fork server did not start")
 
     @classmethod
+    def inherited(cls, env: dict[str, str]) -> ForkServer | None:
+        """In a child a server started with ``share``: that server, to fork a child with
+        ``env`` from, when ``env`` holds what the server read at import; else None."""
+        if _inherited is None or import_env(env) != _inherited[1]:
+            return None
+        return cls(sock=socket.socket(fileno=os.dup(_inherited[0])))
+
+    @classmethod
     def get(cls) -> ForkServer:
         """This process's server, started on first use (again after a fork or its death)."""
         with cls._lock:
             me = cls._instance
             if me is None or cls._owner != os.getpid() or me.proc.poll() is not None:
+                # NB: not an inherited server: a worker's replays must not outlive it
                 cls._instance, cls._owner = cls(), os.getpid()
             return cls._instance
 
     def start(self, target: list[str], *, cwd: str, env: dict[str, str], stderr: int,
               stdout: int | None = None, keep: dict[str, int] | None = None,
-              prelude: str = "") -> Child:
+              prelude: str = "", share: bool = False) -> Child:
         """Fork a child running ``target`` (as `run_main` takes it) with exactly ``env`` in
         ``cwd``, in a session of its own (its pid is its process group); its stderr (and
         stdout, else /dev/null) on the descriptors given. ``keep``: {variable: descriptor} the
         child keeps open; it finds each one's number (another than here) in that environment
-        variable. ``prelude``: ``module:function`` the child calls before the target. OSError
-        when the server cannot (it died: `get` starts another)."""
+        variable. ``prelude``: ``module:function`` the child calls before the target.
+        ``share``: the child may fork children of its own from this server (`inherited`).
+        OSError when the server cannot (it died: `get` starts another)."""
         keep = keep or {}
         answer, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             msg = json.dumps({"target": target, "cwd": cwd, "env": env, "prelude": prelude,
-                              "stdout": stdout is not None, "fd_env": list(keep)}).encode()
+                              "stdout": stdout is not None, "fd_env": list(keep),
+                              "share": share}).encode()
             fds = [theirs.fileno(), stderr, *([stdout] if stdout is not None else []),
-                   *keep.values()]
+                   *keep.values(), *([self.sock.fileno()] if share else [])]
             socket.send_fds(self.sock, [msg], fds)
         finally:
             theirs.close()
@@ -318,9 +352,11 @@ class ForkServer:
         return child
 
     def close(self) -> None:
-        """End the server (its children are not touched)."""
+        """End the server (its children are not touched); for an inherited one, let go of it."""
         with contextlib.suppress(OSError):
             self.sock.close()
+        if self.proc is None:
+            return
         try:
             self.proc.wait(5)
         except subprocess.TimeoutExpired:
