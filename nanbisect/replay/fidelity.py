@@ -87,6 +87,7 @@ def check(bundle: Bundle, entry: str, original, replayed: float | None, same_set
 
 # per-device values of a fingerprint (lists in device order): one device's is compared
 _PER_DEVICE = ("devices", "capability", "memory")
+_MAX_CHANGES = 16    # a manifest's fingerprint is untrusted: its differences are bounded too
 
 
 def hardware_changes(then: dict, now: dict, captured_on: str, device: torch.device
@@ -114,8 +115,8 @@ def hardware_changes(then: dict, now: dict, captured_on: str, device: torch.devi
             continue          # unknown on one side: not compared, never guessed
         a, b = _pick(key, theirs[key], cidx), _pick(key, mine[key], tidx)
         if a != b:
-            out.append(f"{device.type} {key}: {_show(a)} at capture, {_show(b)} now")
-    return out
+            out.append(f"{device.type} {_show(key)}: {_show(a)} at capture, {_show(b)} now")
+    return out[:_MAX_CHANGES]
 
 
 def _pick(key: str, value, index: int):
@@ -125,7 +126,8 @@ def _pick(key: str, value, index: int):
 
 
 def _show(value) -> str:
-    text = value if isinstance(value, str) else json.dumps(value)
+    """A fingerprint's value (the manifest's: any JSON) on one line, at most 80 characters."""
+    text = value if isinstance(value, str) and value.isprintable() else json.dumps(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
