@@ -287,6 +287,11 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
         if fidelity.code_changed:
             notes.insert(0, "the code differs from the capture's: "
                          + ", ".join(fidelity.code_changed) + "; every rank ran today's code")
+            if report.verdict == "not-reproduced" and report.classification != "code-changed":
+                report = replace(report, classification="code-changed", notes=[
+                    *report.notes, "the replay ran different code from the capture's: the "
+                    "edit, not the hardware, is the first suspect; replay with the captured "
+                    "code to tell"])     # --ranks: its own reasons came first
         report = replace(report, notes=[*report.notes, *notes])
         with staged(out) as tmp:
             own = next((r for r in results if report.culprit is not None
