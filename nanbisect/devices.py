@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -171,11 +172,18 @@ class Cpu(DeviceType):
         return None
 
     def fingerprint(self) -> dict:
-        out = {"machine": platform.machine(), "processor": _cpu_model()}
+        """The CPU's model and vendor, the instruction set ATen's kernels use
+        (``ATEN_CPU_CAPABILITY`` can lower it) and the BLAS and oneDNN torch was built with."""
+        out = {"machine": platform.machine(), "processor": _cpuinfo("model name")
+               or platform.processor()}
+        vendor = _cpuinfo("vendor_id")
+        if vendor:
+            out["vendor"] = vendor
         try:
             out["capability"] = torch.backends.cpu.get_cpu_capability()
         except Exception:  # noqa: BLE001 - older torch
             pass
+        out.update(_cpu_libraries())
         return out
 
 
@@ -184,11 +192,18 @@ class Cuda(DeviceType):
     backend = "nccl"
 
     def fingerprint(self) -> dict:
+        """Per GPU its name, compute capability and memory (lists in device order); the driver,
+        CUDA (or HIP), cuDNN and NCCL versions."""
         out = super().fingerprint()
-        out["cuda"] = torch.version.cuda
+        for key, value in (("cuda", torch.version.cuda),
+                           ("hip", getattr(torch.version, "hip", None)),
+                           ("driver", _nvidia_driver())):
+            if value:
+                out[key] = str(value)
         try:
-            out["capability"] = [list(torch.cuda.get_device_capability(i))
-                                 for i in range(self.count())]
+            props = [torch.cuda.get_device_properties(i) for i in range(self.count())]
+            out["capability"] = [[p.major, p.minor] for p in props]
+            out["memory"] = [int(p.total_memory) for p in props]
             out["cudnn"] = torch.backends.cudnn.version()
             out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         except Exception:  # noqa: BLE001 - partial stacks: what is known is kept
@@ -200,6 +215,20 @@ class Npu(DeviceType):
     name = "npu"
     extension = "torch_npu"
     backend = "hccl"
+
+    def fingerprint(self) -> dict:
+        """Per NPU its name; the torch_npu and CANN versions where the extension says them."""
+        out = super().fingerprint()
+        try:
+            import torch_npu
+
+            out["torch_npu"] = str(torch_npu.__version__)
+        except Exception:  # noqa: BLE001 - no extension: nothing to say
+            pass
+        cann = getattr(torch.version, "cann", None)     # set by torch_npu where it knows it
+        if isinstance(cann, str) and cann:
+            out["cann"] = cann
+        return out
 
 
 class Xpu(DeviceType):
@@ -217,15 +246,44 @@ class Mps(DeviceType):
         return torch.device("mps")
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` of /proc/cpuinfo (Linux), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip() or None
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def _cpu_libraries() -> dict:
+    """The BLAS and oneDNN torch was built with, from its build configuration (only what it
+    names: an OpenBLAS build names no version)."""
+    try:
+        config = torch.__config__.show()
+    except Exception:  # noqa: BLE001 - a build without it: nothing to say
+        return {}
+    out = {}
+    blas = re.search(r"BLAS_INFO=(\w+)", config)
+    mkl = re.search(r"Math Kernel Library Version (\S+)", config)
+    if blas or mkl:
+        out["blas"] = " ".join(x for x in (blas and blas.group(1), mkl and mkl.group(1)) if x)
+    dnn = re.search(r"(?:MKL-DNN|oneDNN) v(\S+)", config)
+    if dnn:
+        out["onednn"] = dnn.group(1)
+    return out
+
+
+def _nvidia_driver() -> str | None:
+    """The NVIDIA kernel driver's version (Linux), or None."""
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            found = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", f.read())
+    except OSError:
+        return None
+    return found.group(1) if found else None
 
 
 TYPES: dict[str, DeviceType] = {}

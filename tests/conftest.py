@@ -184,6 +184,22 @@ def replayed(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def travel_bundle(tmp_path_factory):
+    """One capture of tests/tasks/travel.py on this machine (an optimizer NaN after a finite
+    loss whose last bits depend on the CPU's instruction set), shared by the session's tests:
+    replay a copy (`shutil.copytree`), never the bundle itself."""
+    import travel
+
+    from nanbisect import Guard, NonFiniteStep
+
+    guard = Guard(travel.task(), entry=f"{TEST_TASKS / 'travel.py'}:task",
+                  out=tmp_path_factory.mktemp("travel"))
+    with pytest.raises(NonFiniteStep) as e:
+        guard.step(travel.batch())
+    return e.value.bundle
+
+
 def pytest_configure(config):
     """One progress line per test file as it finishes (tests/progress.py)."""
     from progress import FileProgress

@@ -129,3 +129,15 @@ def test_parse_refuses_what_is_not_a_device_or_a_floating_dtype():
         with pytest.raises(BadInput, match=why):
             devices.parse(bad)
     assert devices.default_reference(torch.device("cpu")) == "none"
+
+
+def test_the_cpu_fingerprint_names_the_instruction_set_aten_uses():
+    """``manifest.environment.hardware.cpu``: what a replay on another CPU is compared by."""
+    import platform
+
+    fp = devices.fingerprint()["cpu"]
+    assert fp["capability"] == torch.backends.cpu.get_cpu_capability()
+    assert fp["machine"] == platform.machine()
+    assert all(isinstance(v, str) for v in fp.values()), fp
+    if "MKL-DNN v" in torch.__config__.show():        # a build with oneDNN names its version
+        assert fp["onednn"][0].isdigit(), fp

@@ -5,6 +5,7 @@ replayed through the CLI in a subprocess."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 
@@ -15,6 +16,7 @@ import loops
 from conftest import ROOT, TEST_TASKS, run_json
 
 from nanbisect import Guard, NonFiniteStep
+from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.task import import_target
 
 FLAKY = '''
@@ -260,3 +262,148 @@ def test_fail_fast_accepts_what_python_could_bind(tmp_path):
         resolve_entry_file(f"{tmp_path / 'none.py'}:task")
     with pytest.raises(BadInput, match="does not exist"):
         resolve_entry_file(f"{tmp_path / 'missing.py'}:task")
+
+
+# ------------------------------------------------------------------------------------------
+# bundles that travel: the fingerprint, the fidelity tiers, the verdicts on other machines
+
+
+def edited(src, dst, off: float = 0.0, hardware="keep", captured_on: str | None = None):
+    """A copy of bundle ``src`` whose manifest says what another machine would have written:
+    the recorded loss a relative ``off`` away (at least one float32 ulp), another (or no,
+    None) fingerprint, another capture device. The manifest is plain JSON; the sha256s it
+    lists are the tensor files', untouched."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("nanbisect-report"))
+    m = json.loads((dst / "manifest.json").read_text())
+    loss = m["observed"]["loss"]
+    if off and isinstance(loss, float):
+        moved = torch.tensor(loss * (1 + off), dtype=torch.float32)
+        if moved.item() == loss:
+            moved = torch.nextafter(moved, torch.tensor(math.inf))
+        m["observed"]["loss"] = moved.item()
+    if hardware is None:
+        del m["environment"]["hardware"]              # a bundle of an older nanbisect
+    elif hardware != "keep":
+        m["environment"]["hardware"] = hardware
+    if captured_on is not None:
+        m["devices"] = {"captured_on": captured_on, "accelerators": [captured_on.split(":")[0]]}
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return dst
+
+
+def replay(bundle, target: str | None = None):
+    return run_bundle(bundle, RunOptions(target=target, run_repro=False),
+                      bundle / "nanbisect-report")
+
+
+XEON = {"cpu": {"machine": "x86_64", "processor": "Intel(R) Xeon(R) Platinum 8480+",
+                "vendor": "GenuineIntel", "capability": "AVX512"}}
+
+
+@pytest.mark.parametrize("hardware, off, tier, classification, says", [
+    # the capture machine: bit for bit, and a last-bit difference there is a mismatch
+    ("keep", 0.0, "bit-exact", "unknown", None),
+    ("keep", 1e-8, "mismatch", "replay-mismatch", "on the same hardware and software"),
+    # another CPU: a last-bit difference within tolerance is expected (the same bits there:
+    # tests/test_pack.py's round trip)
+    (XEON, 3e-7, "within-tolerance", "unknown", "cpu processor: Intel(R) Xeon(R) Platinum"),
+    # ... but not a loss far off: the Task does not describe the loop (the note says which)
+    (XEON, 5e-3, "mismatch", "replay-mismatch", "beyond the float32 step tolerance 0.001"),
+    # a bundle without a fingerprint: hardware unknown, last bits never a mismatch
+    (None, 3e-7, "within-tolerance", "unknown", "no fingerprint"),
+])
+def test_fidelity_tiers(travel_bundle, tmp_path, hardware, off, tier, classification, says):
+    from nanbisect.report.page import to_html
+    from nanbisect.report.text import terminal, to_markdown
+
+    if hardware is XEON and _here_cpu().get("processor") == XEON["cpu"]["processor"]:
+        pytest.skip("this machine is the other CPU of the test")
+    r = replay(edited(travel_bundle, tmp_path / "b", off, hardware))
+    replay_json = r.to_json()["replay"]
+    assert (r.verdict, r.culprit.phase, r.culprit.parameter) == ("culprit", "optimizer", "idle")
+    assert (replay_json["fidelity"], r.classification) == (tier, classification), r.notes
+    assert replay_json["bit_exact"] is (off == 0)
+    assert replay_json["hardware"] == ("unknown" if hardware is None else
+                                       "same" if hardware == "keep" else "changed")
+    if says:
+        assert any(says in n for n in r.notes), r.notes
+    if tier != "bit-exact" or hardware not in (None, "keep"):   # said where people read
+        for text in (terminal(r, tmp_path), to_markdown(r), to_html(r)):
+            assert f"replay: {tier}" in text or f"<th>replay</th><td colspan=\"2\">{tier}" in text
+
+
+def test_hardware_changes_compare_what_both_fingerprints_know_of_the_replays_device():
+    from nanbisect.replay.fidelity import hardware_changes
+
+    then = {"cuda": {"devices": ["NVIDIA A100", "NVIDIA H100"], "capability": [[8, 0], [9, 0]],
+                     "driver": "550.54.15", "cudnn": 90100},
+            "cpu": {"processor": "Intel Xeon"}}
+    now = {"cuda": {"devices": ["NVIDIA H100"], "capability": [[9, 0]], "driver": "560.28.03"},
+           "cpu": {"processor": "AMD EPYC"}}
+    # the capture's cuda:1 against this cuda:0; cuDNN unknown here: not compared, not guessed
+    assert hardware_changes(then, now, "cuda:1", torch.device("cuda:0")) == [
+        "cuda driver: 550.54.15 at capture, 560.28.03 now"]
+    assert hardware_changes(then, now, "cuda:0", torch.device("cuda:0"))[:2] == [
+        "cuda devices: NVIDIA A100 at capture, NVIDIA H100 now",
+        "cuda capability: [8, 0] at capture, [9, 0] now"]
+    assert hardware_changes(then, now, "cpu", torch.device("cpu")) == [
+        "cpu processor: Intel Xeon at capture, AMD EPYC now"]
+    assert hardware_changes({}, now, "npu:0", torch.device("cpu")) == [
+        "captured on npu:0 (no fingerprint), replayed on cpu (AMD EPYC)"]
+
+
+def _here_cpu() -> dict:
+    from nanbisect import devices
+
+    return devices.fingerprint()["cpu"]
+
+
+def test_another_instruction_set_is_within_tolerance_not_a_mismatch(travel_bundle, tmp_path):
+    """ATen's CPU kernels forced to another instruction set (as on another CPU) between capture
+    and replay: the loss differs in its last bits; the verdict stands, the difference named."""
+    here = torch.backends.cpu.get_cpu_capability()
+    if here == "DEFAULT":
+        pytest.skip("this machine's ATen already runs its DEFAULT kernels: nothing to switch")
+    bundle = edited(travel_bundle, tmp_path / "b")
+    rep = run_json(bundle, env={"ATEN_CPU_CAPABILITY": "default"})    # a fresh interpreter
+    r = rep["replay"]
+    assert (r["bit_exact"], r["fidelity"], r["hardware_changed"]) == (
+        False, "within-tolerance", [f"cpu capability: {here} at capture, DEFAULT now"]), r
+    assert 0 < r["loss_rel_diff"] <= r["tolerance"]
+    assert (rep["verdict"], rep["classification"], rep["culprit"]["op"],
+            rep["culprit"]["parameter"]) == ("culprit", "unknown", "aten.addcdiv_.default",
+                                             "idle")
+    assert any("within tolerance, not bit for bit" in n for n in rep["notes"])
+
+
+def test_a_cuda_capture_replays_on_the_cpu_and_says_so(travel_bundle, tmp_path):
+    gpu = {"cpu": XEON["cpu"], "cuda": {"devices": ["NVIDIA H100 80GB HBM3"],
+                                        "capability": [[9, 0]], "cuda": "12.4",
+                                        "driver": "550.54.15"}}
+    bundle = edited(travel_bundle, tmp_path / "b", 3e-7, gpu, captured_on="cuda:0")
+    r = replay(bundle, "cpu")          # what the default target falls back to without CUDA
+    assert (r.verdict, r.culprit.phase, r.culprit.parameter) == ("culprit", "optimizer", "idle")
+    f = r.facts.fidelity
+    assert f.hardware_changed == [
+        "captured on cuda:0 (NVIDIA H100 80GB HBM3, [9, 0]), replayed on cpu ("
+        + ", ".join(x for x in (_here_cpu().get("processor"),
+                                _here_cpu().get("capability")) if x) + ")"]
+    assert (f.tier, r.classification) == ("within-tolerance", "unknown"), r.notes
+    assert any("captured on cuda:0" in n for n in r.notes)
+
+
+def test_a_failure_that_does_not_come_back_on_another_cpu_is_unknown(tmp_path, monkeypatch):
+    """transient needs the capture machine: elsewhere the fault may be that machine's."""
+    monkeypatch.setenv("NANBISECT_TEST_FLAKY", "1")
+    import transient
+
+    guard = Guard(transient.task(), entry=f"{transient.__file__}:task", out=tmp_path / "g")
+    with pytest.raises(NonFiniteStep) as e:
+        guard.step(transient.batch())
+    monkeypatch.delenv("NANBISECT_TEST_FLAKY")
+    if _here_cpu().get("processor") == XEON["cpu"]["processor"]:
+        pytest.skip("this machine is the other CPU of the test")
+    r = replay(edited(e.value.bundle, tmp_path / "b", hardware=XEON))
+    assert (r.verdict, r.classification) == ("not-reproduced", "unknown")
+    assert "transient needs the capture machine" in r.notes[0], r.notes
+    assert "cpu processor: Intel(R) Xeon(R) Platinum 8480+" in r.notes[0]

@@ -45,6 +45,35 @@ def test_pack_under_limit_and_repro_runs_after_unpack(fixture_bundle, tmp_path):
     assert "bundle/model.safetensors" in tarfile.open(full).getnames()
 
 
+def test_a_ticket_round_trip_to_another_cpu_names_the_difference(travel_bundle, tmp_path):
+    """pack here, unpack and run on another machine (simulated: the unpacked manifest's
+    fingerprint names another CPU, as this machine's would there): the same culprit and
+    classification, the difference named, never replay-mismatch."""
+    from nanbisect import devices
+    from nanbisect.bundle.pack import pack, unpack
+    from nanbisect.pipeline import RunOptions, run_bundle
+
+    bundle = tmp_path / "b"
+    shutil.copytree(travel_bundle, bundle)
+    here = run_bundle(bundle, RunOptions(run_repro=False))
+    pack(bundle, tmp_path / "ticket.tar.gz", full=True)
+    unpack(tmp_path / "ticket.tar.gz", tmp_path / "there")
+    env = json.loads((tmp_path / "there" / "environment.json").read_text())
+    assert env["hardware"] == devices.fingerprint()
+    there = tmp_path / "there" / "bundle"
+    m = json.loads((there / "manifest.json").read_text())
+    m["environment"]["hardware"]["cpu"]["processor"] = "Some Other CPU @ 2.1GHz"
+    (there / "manifest.json").write_text(json.dumps(m))
+    r = run_bundle(there, RunOptions(run_repro=False))
+    assert (r.verdict, r.classification, r.culprit.op, r.culprit.parameter) == (
+        here.verdict, here.classification, here.culprit.op, here.culprit.parameter)
+    now = devices.fingerprint()["cpu"].get("processor")
+    assert r.facts.fidelity.hardware_changed == [
+        f"cpu processor: Some Other CPU @ 2.1GHz at capture, {now} now"]
+    assert r.facts.fidelity.tier == "bit-exact" and here.facts.fidelity.hardware_changed == []
+    assert any("other hardware than the capture's" in n for n in r.notes)
+
+
 def _hostile(path, name, kind=tarfile.REGTYPE):
     with tarfile.open(path, "w:gz") as tar:
         info = tarfile.TarInfo(name)

@@ -12,8 +12,8 @@ import pytest
 from nanbisect.locate.producers import backtrace, backward_producer, forward_producer, timeline
 from nanbisect.multirank.verdict import choose_rank, decide, job_report
 from nanbisect.records import (BadValue, Bucket, CallId, Comparison, ContextRow, Culprit,
-                               Divergence, Losses, OpCheck, OpRef, Plan, RankResult, RankRoot,
-                               RankSummary, ReproResult, RunFacts, Stats)
+                               Divergence, Fidelity, Losses, OpCheck, OpRef, Plan, RankResult,
+                               RankRoot, RankSummary, ReproResult, RunFacts, Stats)
 from nanbisect.replay.probe import CallStats, ParamGrad, ProbeTable
 from nanbisect.report.model import Report
 from nanbisect.report.page import to_html
@@ -101,6 +101,32 @@ def test_job_not_reproduced_and_clean():
     assert (r.verdict, r.classification) == ("not-reproduced", "transient")
     render_all(r)
     assert job(results, observed={"0": None, "1": None}).verdict == "clean"
+
+
+def test_a_job_gets_the_one_rank_fidelity_rule():
+    """A job's failure that does not come back on another CPU is unknown, not transient; a
+    culprit found by a replay whose loss is beyond tolerance is replay-mismatch (one rule:
+    `Fidelity` and `classify_not_reproduced`, as on one rank)."""
+    from dataclasses import replace
+
+    other = Fidelity([], [], True, True, hardware_changed=["cpu processor: A at capture, B now"])
+    plan = Plan(None, None)
+    results = [rank_result(0, plan), rank_result(1, plan)]
+    f = replace(facts({"0": None, "1": {"first": "loss"}}), fidelity=other)
+    r = job_report(f, 2, "gloo", results)
+    assert (r.verdict, r.classification) == ("not-reproduced", "unknown")
+    assert "cpu processor: A at capture, B now" in r.notes[-1] and "transient" in r.notes[-1]
+    far = replace(other, bit_exact=False, loss_rel_diff=0.02, tolerance=1e-3,
+                  tolerance_dtype="float32")
+    assert (far.tier, far.mismatch, replace(far, loss_rel_diff=1e-7).tier) == (
+        "mismatch", True, "within-tolerance")
+    plan = Plan("grad-reduce", None)
+    bad = [bucket(0, 3)]
+    r = job_report(replace(facts(), fidelity=far), 2, "gloo",
+                   [rank_result(0, plan, "backward", buckets=bad),
+                    rank_result(1, plan, "backward", buckets=bad)])
+    assert (r.verdict, r.classification) == ("culprit", "replay-mismatch")
+    assert "replay: mismatch, loss off by a relative 0.02" in render_all(r)
 
 
 def test_job_grad_reduce_is_communication():

@@ -46,7 +46,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
-from nanbisect import __version__
+from nanbisect import __version__, devices
 from nanbisect.bundle.atomic import rename_noreplace
 from nanbisect.bundle.format import MANIFEST
 from nanbisect.errors import BadInput
@@ -58,7 +58,7 @@ from nanbisect.util.text import show
 LIMIT = 10 * 1024 * 1024
 PACK_SCHEMA = "nanbisect.pack/1"      # pack.json, the first member of every pack
 OPTIONAL = ("rng.safetensors", "batch.safetensors")   # kept while the pack stays under LIMIT
-ENV_PATTERN = re.compile(r"^(TORCH|CUDA|NCCL|HCCL|ASCEND|OMP|MKL|CUBLAS|CUDNN|PYTORCH|NVIDIA|"
+ENV_PATTERN = re.compile(r"^(TORCH|CUDA|NCCL|HCCL|ASCEND|OMP|MKL|ATEN|CUBLAS|CUDNN|PYTORCH|NVIDIA|"
                          r"NANBISECT|XLA|HIP|ROCM)_|^(WORLD_SIZE|RANK|LOCAL_RANK|MASTER_ADDR|"
                          r"MASTER_PORT)$")
 
@@ -77,6 +77,7 @@ def environment_summary() -> dict:
                 else None
         except Exception:  # noqa: BLE001 - absent on some builds
             env["driver"] = None
+    env["hardware"] = devices.fingerprint()    # what a replay elsewhere is compared by
     env["variables"] = {k: v for k, v in sorted(os.environ.items()) if ENV_PATTERN.search(k)}
     return env
 

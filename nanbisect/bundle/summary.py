@@ -152,6 +152,7 @@ def summary_text(info: dict) -> str:
              f"{info['world_size']}   rank {info['rank']}",
              f"captured  {info['created']} on {devices.get('captured_on')} "
              f"with torch {env.get('torch')}, python {env.get('python')}",
+             "machine   " + hardware_text(env.get("hardware") if isinstance(env, dict) else None),
              f"model     {info['model']['parameters']} parameters, {info['model']['buffers']} "
              f"buffers, dtypes {info['dtypes']}" + (f", tied {info['model']['tied']}"
                                                     if info['model']['tied'] else ""),
@@ -175,6 +176,31 @@ def summary_text(info: dict) -> str:
         lines.append(f"  {name:<22} {n['bytes']:>10} bytes  {n['tensors']:>4} tensors  in rank "
                      f"{n['rank']}'s file (written once)")
     return "\n".join(_clean(line) for line in lines)
+
+
+def hardware_text(hardware) -> str:
+    """One line on a manifest's ``environment.hardware`` (untrusted: any JSON): per device type
+    its model and capability, what a replay on another machine is compared by.
+
+    >>> hardware_text({"cpu": {"processor": "AMD EPYC", "capability": "AVX512"}})
+    'cpu AMD EPYC (AVX512)'
+    >>> hardware_text(None)
+    'unknown (no fingerprint: captured by an older nanbisect)'
+    """
+    if not isinstance(hardware, dict):
+        return "unknown (no fingerprint: captured by an older nanbisect)"
+    out = []
+    for name, fp in list(hardware.items())[:4]:
+        fp = fp if isinstance(fp, dict) else {}
+        model = fp.get("devices") if isinstance(fp.get("devices"), list) else fp.get("processor")
+        if isinstance(model, list):
+            model = ", ".join(str(m)[:60] for m in model[:2]) + (
+                f" and {len(model) - 2} more" if len(model) > 2 else "")
+        cap = fp.get("capability")
+        cap = cap[0] if isinstance(cap, list) and cap else cap
+        out.append(f"{str(name)[:20]} {str(model or '?')[:140]}"
+                   + (f" ({str(cap)[:30]})" if cap else ""))
+    return "; ".join(out) or "-"
 
 
 def partial_text(partial: dict) -> str:

@@ -39,6 +39,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from nanbisect import devices
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
@@ -47,8 +49,10 @@ from nanbisect.multirank.diagnose import (_PEER_GONE, _died, _hang, _stacks, _st
 from nanbisect.multirank.rundir import PREFIX, _kill_run, run_dir, sweep
 from nanbisect.multirank.verdict import job_report, subset_report
 from nanbisect.records import Losses, RankResult, RunFacts
+from nanbisect.reference.compare import step_rtol
 from nanbisect.replay.fidelity import check as fidelity_check
-from nanbisect.replay.replayer import resolve_entry
+from nanbisect.replay.fidelity import captured_on, tier_notes
+from nanbisect.replay.replayer import parse_device, resolve_entry
 from nanbisect.report.model import Report
 from nanbisect.report.rerun import Fork, run_repro
 from nanbisect.report.write import staged, write_report
@@ -238,6 +242,30 @@ def ranks_entry(entry: str | None, bundle: Bundle) -> str | None:
                    f"{bundle.path}); pass --entry with the file's path")
 
 
+def _worst_loss(m: dict, results: list[RankResult]) -> tuple[float | None, object]:
+    """(recorded, replayed) loss of the replayed rank whose replay is furthest from what it
+    recorded (finite at capture and now); (None, None) when no rank's loss can tell."""
+    worst, pair = -1.0, (None, None)
+    for r in results:
+        then = ((m["ranks"].get(str(r.rank)) or {}).get("observed") or {}).get("loss")
+        now = r.summary.loss if r.summary is not None else None
+        if not isinstance(then, float) or not isinstance(now, float):
+            continue
+        gap = abs(now - then) / abs(then) if then else abs(now - then)
+        if gap > worst:
+            worst, pair = gap, (then, now)
+    return pair
+
+
+def _step_tolerance(manifest: dict) -> tuple[str, float]:
+    """The step-level tolerance of the parts' dtypes (the widest of them; float32 when the
+    manifest names none)."""
+    names = [d for d in manifest.get("dtypes") or [] if isinstance(d, str)]
+    known = [(d, step_rtol(getattr(torch, d))) for d in names
+             if isinstance(getattr(torch, d, None), torch.dtype) and step_rtol(getattr(torch, d))]
+    return max(known, key=lambda x: x[1]) if known else ("float32", step_rtol(torch.float32))
+
+
 def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                   run_repro_once: bool = True, entry: str | None = None,
                   reference: str | None = None, ranks: list[int] | None = None) -> Report:
@@ -255,27 +283,34 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
         m = bundle.manifest
         part = bundle.part(min(map(int, m["ranks"])))   # rank 0's, unless the bundle is partial
         used = entry or resolve_entry(part)
-        fidelity = fidelity_check(part, used, None, None, same_setup=False,
-                                  override=entry is not None)
+        original, replayed = _worst_loss(m, results)
+        t_dev, t_dtype = parse_device(target)
+        fidelity = fidelity_check(part, used, original, replayed, same_setup=t_dtype is None
+                                  and captured_on(part.manifest).split(":")[0] == t_dev.type,
+                                  override=entry is not None, device=t_dev,
+                                  rtol=_step_tolerance(part.manifest),
+                                  dtype_changed=t_dtype is not None)
         first = results[0].summary
         facts = RunFacts(str(bundle.path), m["entry"], target, reference or "none",
                          {r: info.get("observed") for r, info in m["ranks"].items()},
-                         Losses(None, first.loss if first else None,
-                                results[0].reference.loss if results[0].reference else None),
+                         Losses(original, replayed if original is not None else
+                                (first.loss if first else None),
+                                results[0].reference.loss if results[0].reference else None,
+                                fidelity.bit_exact),
                          fidelity)
         report = (job_report(facts, bundle.world_size, m.get("backend"), results)
                   if ranks is None else subset_report(facts, bundle.world_size, results))
         report = report.with_replicas(m.get("replicas"))   # DDP replicas out of sync: a finding
+        notes = tier_notes(fidelity, target)
         if fidelity.code_changed:
-            notes = ["the code differs from the capture's: " + ", ".join(fidelity.code_changed)
-                     + "; every rank ran today's code"]
-            if report.verdict == "not-reproduced":
+            notes.insert(0, "the code differs from the capture's: "
+                         + ", ".join(fidelity.code_changed) + "; every rank ran today's code")
+            if report.verdict == "not-reproduced" and report.classification != "code-changed":
                 report = replace(report, classification="code-changed", notes=[
-                    *report.notes, *notes, "the replay ran different code from the capture's: "
-                    "the edit, not the hardware, is the first suspect; replay with the captured "
-                    "code to tell"])
-            else:
-                report = replace(report, notes=[*report.notes, *notes])
+                    *report.notes, "the replay ran different code from the capture's: the "
+                    "edit, not the hardware, is the first suspect; replay with the captured "
+                    "code to tell"])     # --ranks: its own reasons came first
+        report = replace(report, notes=[*report.notes, *notes])
         with staged(out) as tmp:
             own = next((r for r in results if report.culprit is not None
                         and r.rank == report.culprit.rank and r.repro), None)

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, RankSummary, Subset,
                                RunFacts, module_label)
+from nanbisect.reference.classify import REPLAY_MISMATCH_NOTE, classify_not_reproduced
 from nanbisect.report.model import Report
 
 
@@ -65,10 +66,25 @@ def _where(root: RankRoot) -> str:
             if root.module_call is not None else "")
 
 
+def faithful_or_mismatch(report: Report) -> Report:
+    """A culprit found by a replay that does not compute the captured step (its fidelity
+    ``mismatch``: `nanbisect.records.Fidelity`) is ``replay-mismatch``, as on one rank."""
+    f = report.facts.fidelity
+    if report.verdict != "culprit" or f is None or not f.mismatch:
+        return report
+    return replace(report, classification="replay-mismatch",
+                   notes=[*report.notes, REPLAY_MISMATCH_NOTE])
+
+
 def job_report(facts: RunFacts, world_size: int, backend: str | None,
                results: list[RankResult]) -> Report:
     """One report for the job from every rank's result (sorted by rank); the repro, which only
     the culprit rank wrote, is the launcher's to add."""
+    return faithful_or_mismatch(_job_report(facts, world_size, backend, results))
+
+
+def _job_report(facts: RunFacts, world_size: int, backend: str | None,
+                results: list[RankResult]) -> Report:
     plan = results[0].plan
     phase, culprit_rank = plan.phase, plan.rank
     by_rank = {r.rank: r for r in results}
@@ -77,9 +93,11 @@ def job_report(facts: RunFacts, world_size: int, backend: str | None,
     observed = facts.observed or {}
     common = dict(facts=facts, ranks=results)
     if phase is None:
-        failed = any(observed.values())
-        return Report("not-reproduced" if failed else "clean", "transient" if failed else None,
-                      None, None, None, notes=notes, **common)
+        if not any(observed.values()):
+            return Report("clean", None, None, None, None, notes=notes, **common)
+        classification, why = classify_not_reproduced(facts.fidelity, facts.target)
+        return Report("not-reproduced", classification, None, None, None, notes=[
+            *notes, f"the manifest records a non-finite step on some rank, but {why}"], **common)
     if phase == "input":
         bad: list[BadValue] = [
             BadValue(b.where, f"rank {r.rank}: {b.name}", b.nan, b.posinf, b.neginf)
@@ -161,6 +179,12 @@ def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:
 
 
 def subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) -> Report:
+    """`_subset_report`, a culprit of a replay that does not compute the captured step made
+    ``replay-mismatch``."""
+    return faithful_or_mismatch(_subset_report(facts, world_size, results))
+
+
+def _subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) -> Report:
     """The report of a replay of some ranks alone (``--ranks``), each with the collectives the
     capture recorded for it (`multirank.alone`).
 

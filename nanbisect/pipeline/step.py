@@ -17,10 +17,12 @@ from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, cap
 from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
 from nanbisect.records import Fidelity, Losses, RunFacts, StepOutcome, json_number
 from nanbisect.reference import kernels as registry
+from nanbisect.reference.classify import classify_not_reproduced
+from nanbisect.reference.compare import step_rtol
 from nanbisect.reference.differential import RandomTape, step_state
 from nanbisect.reference.side import ReferenceSide, model_dtype
 from nanbisect.replay.fidelity import check as fidelity_check
-from nanbisect.replay.fidelity import match_threads
+from nanbisect.replay.fidelity import match_threads, tier_notes
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.report.model import Report
@@ -71,10 +73,13 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
                      "replaying the step on the target")
     observed = m.get("observed")
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
+    dtype = model_dtype(rep)     # its step tolerance, as --steps uses it
     fidelity = fidelity_check(bundle, rep.entry, original, first.loss,
                               same_setup=captured_type(m) == t_dev.type and t_dtype is None,
-                              override=opts.entry is not None)
-    notes += _fidelity_notes(fidelity)
+                              override=opts.entry is not None, device=t_dev,
+                              rtol=(str(dtype).removeprefix("torch."), step_rtol(dtype)),
+                              dtype_changed=t_dtype is not None)
+    notes += _fidelity_notes(fidelity, target)
     losses = Losses(original, json_number(first.loss), None, fidelity.bit_exact)
 
     side = None
@@ -123,7 +128,7 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
     return _culprit_report(run, first, side, ref, tmp)
 
 
-def _fidelity_notes(f: Fidelity) -> list[str]:
+def _fidelity_notes(f: Fidelity, target: str) -> list[str]:
     notes = []
     if f.code_changed:
         notes.append("the code differs from the capture's: " + ", ".join(f.code_changed)
@@ -135,43 +140,13 @@ def _fidelity_notes(f: Fidelity) -> list[str]:
     if f.environment_changed:
         notes.append("the environment differs from the capture's: "
                      + "; ".join(f.environment_changed))
-    if f.mismatch:
-        notes.append("the replay does not compute the captured step: on the capture device and "
-                     "dtype its loss differs from the captured one (bit_exact false); likely "
-                     f"causes: {f.causes()}")
-    return notes
+    return notes + tier_notes(f, target)
 
 
 def _not_reproduced(run: _Run) -> Report:
     """The recorded failure did not come back: say why that is, as far as the evidence goes."""
-    f, facts = run.facts.fidelity, run.facts
-    if f is not None and f.code_changed:
-        classification, why = "code-changed", (
-            "the replay ran different code from the capture's (listed above): the edit, not the "
-            "hardware, is the first suspect; replay with the captured code to tell")
-    elif f is not None and f.mismatch:
-        classification, why = "replay-mismatch", (
-            "the replay does not compute the captured step, so it cannot tell whether the "
-            "failure would come back; make the Task describe the loop")
-    elif f is not None and f.faithful is None and not f.same_setup:
-        classification, why = "unknown", (
-            f"the replay ran on {facts.target}, not on the capture device: a fault of that "
-            "device or its kernels would not show here; replay on the capture device")
-    elif f is not None and f.code_missing:
-        classification, why = "unknown", (
-            "source files of the capture are missing here (listed above), so the replay may not "
-            "run the captured code; replay where the training code is")
-    elif f is not None and f.environment_changed:
-        classification, why = "unknown", (
-            "the replay ran with other versions than the capture (listed above): a change in "
-            "them is as likely a cause as a transient; replay with the captured versions")
-    else:
-        classification, why = "transient", (
-            "the replay ran the captured code from the same state, RNG and batch"
-            + (", with the captured loss bit for bit," if f is not None and f.faithful else "")
-            + " and was finite: suspect a transient (hardware, race, unsynchronised "
-            "communication)")
-    return Report("not-reproduced", classification, None, None, None, facts,
+    classification, why = classify_not_reproduced(run.facts.fidelity, run.facts.target)
+    return Report("not-reproduced", classification, None, None, None, run.facts,
                   notes=[f"the manifest records a non-finite step, but {why}", *run.notes])
 
 

@@ -17,6 +17,7 @@ from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
 from nanbisect.pipeline.common import Progress, RunOptions, _guarded, captured_type
 from nanbisect.pipeline.step import _analyse
+from nanbisect.records import fidelity_tier
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.window import replay_window
 from nanbisect.replay.fidelity import match_threads
@@ -83,11 +84,20 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     facts = replace(report.facts, observed=bundle.manifest.get("observed"))
     classification = report.classification
     reached = res.reached
-    if reached is not None and (not reached["bit_exact"] or reached["first_step_off_history"]
-                                is not None) and t_dtype is None and \
-            captured_type(bundle.manifest) == t_dev.type:
-        # on the capture device the window must reach the recorded state: it did not, so the
-        # replayed steps are not the run's and no verdict about the device follows from them
+    fid = report.facts.fidelity
+    tier = None if reached is None else fidelity_tier(
+        reached["bit_exact"] and reached["first_step_off_history"] is None,
+        reached.get("max_rel_diff"), fid.tolerance if fid else None,
+        fid is not None and fid.elsewhere)
+    if tier == "mismatch" and t_dtype is None and captured_type(bundle.manifest) == t_dev.type:
+        # on the capture device the window must reach the recorded state (bit for bit on the
+        # capture machine, within tolerance elsewhere): it did not, so the replayed steps are
+        # not the run's and no verdict about the device follows from them
         classification = "replay-mismatch"
+    elif tier == "within-tolerance":
+        notes.append(f"the window reaches the recorded pre-state of the failing step within "
+                     f"tolerance (max relative difference {reached.get('max_rel_diff')}), not "
+                     "bit for bit, on another machine than the capture's (see the replay's "
+                     "note): not a mismatch")
     return replace(report, culprit=culprit, facts=facts, steps=steps,
                    classification=classification, notes=[*notes, *report.notes]), rep

@@ -19,7 +19,7 @@ from nanbisect.records.culprit import (Caught, ContextRow, Culprit, ModuleCaught
                                        OpFinding, OpRecording, OpRef, OpSite, ReproResult,
                                        TimelineRow, TraceRow)
 from nanbisect.records.facts import (Fidelity, Finding, HistoryEntry, Losses, RunFacts, StepRow,
-                                     StepsWindow)
+                                     StepsWindow, fidelity_tier)
 from nanbisect.records.ranks import (Bucket, Plan, RankReference, RankResult, RankRoot, RankSummary,
                                      ReplicaDiff, Subset)
 from nanbisect.records.seen import BadValue, CallId, Stats, StepOutcome
@@ -31,4 +31,4 @@ __all__ = ["json_number", "Word", "Verdict", "Classification", "ROOT", "module_l
            "ReproResult", "ModuleRepro", "Comparison", "OpCheck", "Divergence", "Losses",
            "Fidelity", "RunFacts", "HistoryEntry", "Finding", "StepRow", "StepsWindow", "Bucket",
            "RankSummary", "RankRoot", "Plan", "RankReference", "ReplicaDiff", "Subset",
-           "RankResult"]
+           "RankResult", "fidelity_tier"]

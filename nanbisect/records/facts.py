@@ -26,20 +26,61 @@ class Losses:
             d["bit_exact"] = self.bit_exact
         return d
 
+def fidelity_tier(bit_exact: bool | None, rel_diff: float | None, tolerance: float | None,
+                  elsewhere: bool) -> str | None:
+    """How close a replay came to what the capture recorded: ``bit-exact``; ``within-tolerance``
+    (other hardware or software than the capture's, or hardware the bundle does not record,
+    ``elsewhere``, and a relative difference within the step-level ``tolerance`` of the target
+    dtype); else ``mismatch``. None when it cannot tell (nothing finite to compare). The one
+    rule every verdict (one step, ``--steps``, ranks) asks.
+
+    >>> fidelity_tier(False, 2e-7, 1e-3, elsewhere=True), fidelity_tier(False, 2e-7, 1e-3, False)
+    ('within-tolerance', 'mismatch')
+    """
+    if bit_exact is None:
+        return None
+    if bit_exact:
+        return "bit-exact"
+    if elsewhere and rel_diff is not None and tolerance is not None and rel_diff <= tolerance:
+        return "within-tolerance"
+    return "mismatch"
+
+
 @dataclass(frozen=True)
 class Fidelity:
     """Whether the replay computes the captured step (see `nanbisect.replay.fidelity`)."""
 
     code_changed: list[str]          # user source files that differ from the capture's
     environment_changed: list[str]   # versions/settings that differ, e.g. "torch 2.4 at ..."
-    same_setup: bool                 # replayed on the capture device at the capture dtype
+    same_setup: bool                 # replayed on the capture device type at the capture dtype
     bit_exact: bool | None           # the loss equals the captured one (None: not decidable)
     code_missing: list[str] = field(default_factory=list)   # recorded files not found now
+    # what differs between the capture machine's fingerprint and this one's, e.g. "cpu
+    # capability: AVX512 at capture, DEFAULT now"; hardware_known: the bundle records one
+    hardware_changed: list[str] = field(default_factory=list)
+    hardware_known: bool = True
+    loss_rel_diff: float | None = None   # |replayed - captured| / |captured| (finite losses)
+    tolerance: float | None = None       # the step-level relative tolerance of ...
+    tolerance_dtype: str | None = None   # ... the target dtype ("float32")
+    dtype_changed: bool = False          # the replay runs at another dtype by request
+
+    @property
+    def elsewhere(self) -> bool:
+        """The replay runs on other hardware or software than the capture, or on hardware the
+        bundle does not record: last-bit differences are expected there."""
+        return bool(self.hardware_changed or self.environment_changed or not self.hardware_known
+                    or not self.same_setup)
+
+    @property
+    def tier(self) -> str | None:
+        """report.json ``replay.fidelity``: `fidelity_tier` of this replay's loss."""
+        return fidelity_tier(self.bit_exact, self.loss_rel_diff, self.tolerance, self.elsewhere)
 
     @property
     def mismatch(self) -> bool:
-        """The replay does not compute the captured step: same device and dtype, other loss."""
-        return self.same_setup and self.bit_exact is False
+        """The replay does not compute the captured step: another loss on the same hardware and
+        software, or a difference beyond the tolerance (never for a dtype changed by request)."""
+        return self.tier == "mismatch" and not self.dtype_changed
 
     def causes(self) -> str:
         """The likely reasons for a mismatch, most likely first."""
@@ -56,6 +97,9 @@ class Fidelity:
                 "another precision",
                 "state outside the model, optimizer and RNG (a global, a data-dependent "
                 "schedule)"]
+        if not self.same_setup:
+            out.append("the capture device computed the step differently (a fault of that "
+                       "device or its kernels): replay on the capture device to tell")
         return "; ".join(out)
 
     @property
@@ -67,7 +111,12 @@ class Fidelity:
         return True if self.bit_exact and not self.code_missing else None
 
     def to_json(self) -> dict:
-        return {"faithful": self.faithful, "code_changed": list(self.code_changed),
+        return {"faithful": self.faithful, "fidelity": self.tier,
+                "hardware": ("unknown" if not self.hardware_known else
+                             "changed" if self.hardware_changed else "same"),
+                "hardware_changed": list(self.hardware_changed),
+                "loss_rel_diff": json_number(self.loss_rel_diff), "tolerance": self.tolerance,
+                "code_changed": list(self.code_changed),
                 "code_missing": list(self.code_missing),
                 "environment_changed": list(self.environment_changed)}
 

@@ -1,8 +1,11 @@
-"""The classification of a NaN/inf culprit from an explicit evidence record (one rank or many).
+"""The classification of a NaN/inf culprit from an explicit evidence record (one rank or many),
+and of a recorded failure that did not come back (`classify_not_reproduced`, one rank or many).
 
 ``device`` only when the op, given the same inputs at the same dtype, is wrong on the target and
 right on the reference (the op check); a whole-step reference that stays finite is not enough (a
-float64 reference does not overflow where float32 does). Pure functions: no torch state.
+float64 reference does not overflow where float32 does). ``transient`` only on the capture
+machine: the same code, hardware and versions, and no sign that the replay computes another
+step. Pure functions: no torch state.
 """
 from __future__ import annotations
 
@@ -10,7 +13,12 @@ from dataclasses import dataclass
 
 import torch
 
-from nanbisect.records import OpCheck
+from nanbisect.records import Fidelity, OpCheck
+
+
+REPLAY_MISMATCH_NOTE = ("the culprit above is where the replay failed; the replay does not "
+                        "compute the captured step, so it may not be where the training run "
+                        "failed")
 
 
 @dataclass(frozen=True)
@@ -88,6 +96,52 @@ def classify_culprit(ev: Evidence) -> tuple[str, list[str]]:
         notes.append(why)
     if ev.replay_mismatch:
         classification = "replay-mismatch"
-        notes.append("the culprit above is where the replay failed; the replay does not compute "
-                     "the captured step, so it may not be where the training run failed")
+        notes.append(REPLAY_MISMATCH_NOTE)
     return classification, notes
+
+
+def classify_not_reproduced(f: Fidelity | None, target: str) -> tuple[str, str]:
+    """(classification, why) of a recorded failure that did not come back on ``target``: what
+    the fidelity evidence allows, ``transient`` only when the replay ran the captured code on
+    the capture machine (same hardware, same versions) and computed the captured step.
+
+    >>> f = Fidelity([], [], True, True, hardware_changed=["cpu processor: A at capture, B now"])
+    >>> classify_not_reproduced(f, "cpu")[0], classify_not_reproduced(None, "cpu")[0]
+    ('unknown', 'transient')
+    """
+    if f is not None and f.code_changed:
+        return "code-changed", (
+            "the replay ran different code from the capture's (listed above): the edit, not the "
+            "hardware, is the first suspect; replay with the captured code to tell")
+    if f is not None and f.mismatch:
+        return "replay-mismatch", (
+            "the replay does not compute the captured step, so it cannot tell whether the "
+            "failure would come back; make the Task describe the loop")
+    if f is not None and not f.same_setup:
+        return "unknown", (
+            f"the replay ran on {target}, not on the capture device: a fault of that "
+            "device or its kernels would not show here; replay on the capture device")
+    if f is not None and f.code_missing:
+        return "unknown", (
+            "source files of the capture are missing here (listed above), so the replay may not "
+            "run the captured code; replay where the training code is")
+    if f is not None and f.hardware_changed:
+        return "unknown", (
+            "the replay ran on other hardware than the capture's (" + "; ".join(
+                f.hardware_changed[:3]) + "): a fault or a rounding of the capture machine "
+            "would not show here, and a transient needs the capture machine to tell; replay "
+            "there")
+    if f is not None and f.environment_changed:
+        return "unknown", (
+            "the replay ran with other versions than the capture (listed above): a change in "
+            "them is as likely a cause as a transient; replay with the captured versions")
+    if f is not None and not f.hardware_known and f.bit_exact is False:
+        return "unknown", (
+            "the bundle records no hardware fingerprint and the loss is not the captured one "
+            "bit for bit, so this may be another machine, where a transient cannot be told "
+            "from a fault of the capture machine; replay on the capture machine")
+    return "transient", (
+        "the replay ran the captured code from the same state, RNG and batch"
+        + (", with the captured loss bit for bit," if f is not None and f.faithful else "")
+        + " and was finite: suspect a transient (hardware, race, unsynchronised "
+        "communication)")

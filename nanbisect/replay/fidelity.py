@@ -8,13 +8,25 @@ changed code. `check` gathers the evidence;
 `Fidelity.causes` names the likely reasons when the loss differs. On the CPU the replay also runs
 with the intra-op thread count of the capture (`match_threads`): reductions split by threads
 round differently.
+
+A replay on other hardware (`hardware_changes`: the capture machine's fingerprint,
+``manifest.environment.hardware``, against this one's, for the device the replay runs on) or
+with other versions may differ in the last bits and still compute the captured step: there a loss
+within the step-level tolerance of the target dtype (``rtol``, as ``--steps`` uses) is
+``within-tolerance``, never a mismatch (`nanbisect.records.fidelity_tier`); a bundle without a
+fingerprint is "hardware unknown" and gets the same benefit. Not guaranteed: that two machines
+with the same fingerprint compute alike (a BIOS setting, a microcode, an MKL variable are not in
+it), nor that a difference within tolerance has no other cause.
 """
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.code import changed_sources, relocation
 from nanbisect.bundle.format import Bundle, environment
 from nanbisect.records import Fidelity
@@ -35,12 +47,16 @@ def match_threads(bundle: Bundle, device: torch.device) -> str | None:
 
 
 def check(bundle: Bundle, entry: str, original, replayed: float | None, same_setup: bool,
-          override: bool = False) -> Fidelity:
-    """The evidence: changed code, changed environment, and whether the loss is bit-exact.
+          override: bool = False, *, device: torch.device | None = None,
+          rtol: tuple[str, float] | None = None, dtype_changed: bool = False) -> Fidelity:
+    """The evidence: changed code, changed environment and hardware, and how close the loss is.
 
     ``original`` is the manifest's observed loss (a float, "nan"/"inf", or None); ``same_setup``
-    says whether the replay ran on the capture device at the capture dtype; ``override`` that
-    ``entry`` is the user's ``--entry``, not the bundle's own."""
+    says whether the replay ran on the capture device type at the capture dtype; ``override``
+    that ``entry`` is the user's ``--entry``, not the bundle's own; ``device`` the device the
+    replay runs on (its hardware is compared with the capture's); ``rtol`` (dtype name,
+    tolerance) the step-level tolerance of the target dtype; ``dtype_changed`` that the replay
+    runs at another dtype by request."""
     m = bundle.manifest
     code = m.get("code") or {}
     captured_entry = code.get("entry_file") or m.get("entry_file")
@@ -56,7 +72,79 @@ def check(bundle: Bundle, entry: str, original, replayed: float | None, same_set
            and not (k == "torch_threads" and same_setup and _cpu(m))]
     bit_exact = (replayed == original if isinstance(original, float) and replayed is not None
                  else None)
-    return Fidelity(changed, env, same_setup, bit_exact, missing)
+    rel = None
+    if bit_exact is False and isinstance(replayed, float):
+        d = abs(replayed - original)
+        rel = d / abs(original) if original else (0.0 if d == 0 else math.inf)
+        rel = rel if rel == rel else math.inf
+    hardware = then.get("hardware") if isinstance(then.get("hardware"), dict) else None
+    changed_hw = (hardware_changes(hardware or {}, devices.fingerprint(), captured_on(m),
+                                   device) if device is not None else [])
+    return Fidelity(changed, env, same_setup, bit_exact, missing, changed_hw,
+                    hardware is not None, rel, rtol[1] if rtol else None,
+                    rtol[0] if rtol else None, dtype_changed)
+
+
+# per-device values of a fingerprint (lists in device order): one device's is compared
+_PER_DEVICE = ("devices", "capability", "memory")
+_MAX_CHANGES = 16    # a manifest's fingerprint is untrusted: its differences are bounded too
+
+
+def hardware_changes(then: dict, now: dict, captured_on: str, device: torch.device
+                     ) -> list[str]:
+    """What differs between the capture machine's fingerprint ``then`` and this machine's
+    ``now`` (`nanbisect.devices.fingerprint`) for the replay's ``device``: the device type when
+    it is another (with what each was), else each value both fingerprints know that differs.
+
+    >>> hardware_changes({"cpu": {"capability": "AVX512"}}, {"cpu": {"capability": "DEFAULT"}},
+    ...                  "cpu", torch.device("cpu"))
+    ['cpu capability: AVX512 at capture, DEFAULT now']
+    """
+    ctype, _, cindex = str(captured_on).partition(":")
+    cidx = int(cindex) if cindex.isdigit() else 0
+    tidx = device.index or 0
+    mine, theirs = now.get(device.type), then.get(ctype)
+    if ctype != device.type:
+        return [f"captured on {captured_on} ({_describe(theirs, cidx)}), replayed on "
+                f"{device} ({_describe(mine, tidx)})"]
+    if not isinstance(mine, dict) or not isinstance(theirs, dict):
+        return []
+    out = []
+    for key in theirs:
+        if key not in mine:
+            continue          # unknown on one side: not compared, never guessed
+        a, b = _pick(key, theirs[key], cidx), _pick(key, mine[key], tidx)
+        if a != b:
+            out.append(f"{device.type} {_show(key)}: {_show(a)} at capture, {_show(b)} now")
+    return out[:_MAX_CHANGES]
+
+
+def _pick(key: str, value, index: int):
+    if key in _PER_DEVICE and isinstance(value, list):
+        return value[index] if index < len(value) else None
+    return value
+
+
+def _show(value) -> str:
+    """A fingerprint's value (the manifest's: any JSON) on one line, at most 80 characters."""
+    text = value if isinstance(value, str) and value.isprintable() else json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _describe(fp, index: int) -> str:
+    """A device type's fingerprint in a few words: its model and capability."""
+    if not isinstance(fp, dict):
+        return "no fingerprint"
+    name = _pick("devices", fp.get("devices"), index) or fp.get("processor")
+    cap = _pick("capability", fp.get("capability"), index)
+    words = [_show(x) for x in (name, cap) if x]
+    return ", ".join(words) or "no fingerprint"
+
+
+def captured_on(manifest: dict) -> str:
+    """The device a bundle (or a part) was captured on, as the manifest says it ("cpu" when it
+    does not)."""
+    return str((manifest.get("devices") or {}).get("captured_on") or "cpu")
 
 
 def _other_entry(m: dict, entry: str, captured_file: str | None, sources: dict[str, str]
@@ -77,3 +165,42 @@ def _other_entry(m: dict, entry: str, captured_file: str | None, sources: dict[s
 
 def _cpu(manifest: dict) -> bool:
     return str((manifest.get("devices") or {}).get("captured_on", "cpu")).startswith("cpu")
+
+
+def tier_notes(f: Fidelity, target: str) -> list[str]:
+    """What a report says about how close its replay came to the capture, naming what differs
+    (empty when it was bit for bit on the same hardware)."""
+    tol = (f"the {f.tolerance_dtype} step tolerance {f.tolerance:g}"
+           if f.tolerance is not None else "the step tolerance")
+    rel = f"a relative {f.loss_rel_diff:.3g}" if f.loss_rel_diff is not None else "some margin"
+    if f.hardware_changed:
+        short, where = "other hardware", ("other hardware than the capture's: "
+                                          + "; ".join(f.hardware_changed))
+    elif not f.hardware_known:
+        short, where = "an unknown machine", (
+            "hardware the bundle does not record (no fingerprint: captured by an older "
+            "nanbisect), so it may be another machine")
+    elif f.environment_changed:
+        short, where = "other versions", "other versions than the capture's (listed above)"
+    elif not f.same_setup:
+        short, where = "another device or dtype", f"{target}, not the capture device or dtype"
+    else:
+        short, where = "", "the same hardware and software as the capture"
+    tier = f.tier
+    if tier == "within-tolerance":
+        return [f"the replay is within tolerance, not bit for bit: its loss differs from the "
+                f"captured one by {rel}, within {tol}, on {where}; last-bit differences are "
+                "expected there, and the verdict stands"]
+    if tier == "mismatch" and f.dtype_changed:
+        return [f"the replay runs at another dtype than the capture ({target}) and its loss "
+                f"differs from the captured one by {rel}, beyond {tol}: expected of the dtype "
+                "asked for; no verdict about the replay's fidelity follows from it"]
+    if tier == "mismatch":
+        why = (f"on {where} the loss must come back bit for bit" if not f.elsewhere else
+               f"on {where}, but beyond {tol}: more than {short} explains")
+        return [f"the replay does not compute the captured step: its loss differs from the "
+                f"captured one by {rel} (bit_exact false; {why}); likely causes: {f.causes()}"]
+    if f.hardware_changed:
+        return [f"the replay ran on {where}" + ("; its loss is the captured one bit for bit"
+                                              if tier == "bit-exact" else "")]
+    return []

@@ -16,7 +16,7 @@ from importlib.resources import files
 
 from nanbisect.records import TimelineRow, module_label
 from nanbisect.report.model import Report
-from nanbisect.report.text import headline, to_markdown
+from nanbisect.report.text import fidelity_text, headline, to_markdown
 
 W, H, PAD_L, PAD_R, PAD_T, PAD_B = 960, 320, 60, 60, 30, 60
 
@@ -171,7 +171,7 @@ MEANING = {
     "replay-mismatch": "the replay does not compute the captured step; no verdict about the "
                        "device follows",
     "unknown": "not enough evidence (no reference, an op the reference cannot run, or another "
-               "device than the capture's)",
+               "device or machine than the capture's)",
 }
 
 
@@ -207,6 +207,7 @@ def to_html(r: Report) -> str:
         r=r, c=c, headline=headline(r), meaning=MEANING.get(r.classification or ""),
         multi=bool(r.ranks), has_reference=r.facts.reference not in (None, "none"),
         losses=r.facts.losses, repro_said=f"{said} on {r.facts.target}",
+        fidelity=fidelity_text(r),
         side_in="inputs" if forward else "grad arriving",
         side_out="output" if forward else "grad leaving",
         timeline_svg=plot_svg(r.timeline, culprit, r.phase or ""),

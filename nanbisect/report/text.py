@@ -69,6 +69,26 @@ def headline(r: Report) -> str:
     return "the step replays clean: no non-finite loss, gradient or parameter"
 
 
+def fidelity_text(r: Report) -> str | None:
+    """How close the replay came to the capture (``replay.fidelity``) and what differs from the
+    capture machine, in one line; None when the report has nothing to say about it."""
+    f = r.facts.fidelity
+    if f is None or (f.tier is None and not f.hardware_changed):
+        return None
+    parts = [f.tier or "not comparable (no finite recorded loss)"]
+    if f.tier not in (None, "bit-exact") and f.loss_rel_diff is not None:
+        parts.append(f"loss off by a relative {f.loss_rel_diff:.3g}" + (
+            f" (step tolerance {f.tolerance:g} for {f.tolerance_dtype})"
+            if f.tolerance is not None else ""))
+    if f.hardware_changed:
+        parts.append("other hardware: " + "; ".join(f.hardware_changed))
+    elif not f.hardware_known:
+        parts.append("hardware unknown (the bundle records no fingerprint)")
+    else:
+        parts.append("same hardware as the capture")
+    return ", ".join(parts)
+
+
 def _born_kind(r: Report) -> str:
     """What a culprit that surfaced elsewhere made: its first context row is the culprit."""
     row = next((c for c in r.context if c.culprit), None)
@@ -94,6 +114,9 @@ def to_markdown(r: Report) -> str:
     rp = r.facts.losses
     lines.append(f"- loss: original {_num(rp.original)}, target {_num(rp.target)}, reference "
                  f"{_num(rp.reference)}")
+    fidelity = fidelity_text(r)
+    if fidelity:
+        lines.append(f"- replay: {fidelity}")
     if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset.decided
                                                      and r.subset.next_ranks):
         c = r.culprit
@@ -278,5 +301,8 @@ def terminal(r: Report, out: Path) -> str:
                      f"{r.steps.first_divergent_step}")
     for f in r.history_findings[:3]:
         lines.append(f"  history: {f.text}")
+    f = r.facts.fidelity
+    if f is not None and (f.tier not in (None, "bit-exact") or f.hardware_changed):
+        lines.append(f"  replay: {fidelity_text(r)}")
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     return "\n".join(lines)
