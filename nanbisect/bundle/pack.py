@@ -177,11 +177,7 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
         if not done:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            for d in made:     # only the directories this call created, while empty
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            _unmake(made)
     return dest
 
 
@@ -569,12 +565,17 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
     finally:
         if not done:
             shutil.rmtree(staging, ignore_errors=True)
-            for d in made:     # only the directories this call created, while empty
-                try:
-                    d.rmdir()
-                except OSError:
-                    break
+            _unmake(made)
     return dest
+
+
+def _unmake(made: list[Path]) -> None:
+    """Remove the directories a failed call created (innermost first), each only while empty."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            break
 
 
 def _max_bytes(archive: Path, max_bytes: int | None) -> int:
