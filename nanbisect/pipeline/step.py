@@ -11,7 +11,7 @@ import torch
 
 from nanbisect import devices
 from nanbisect.bundle.format import Bundle
-from nanbisect.errors import BadInput
+from nanbisect.errors import UNDECLARED_SCALER, BadInput
 from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, captured_type,
                                        recorded_failure)
 from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
@@ -103,6 +103,8 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
         run.progress("isolate", "isolating the target's ops on the reference")
         return _divergence_report(run, side, divergence, tmp)
     fid = facts.fidelity
+    if undeclared_scaler(facts.observed):
+        run.notes.append(UNDECLARED_SCALER)
     if first.phase is None and first.scaler_skipped:
         scale = (run.rep.bundle.manifest.get("grad_scaler") or {}).get("scale")
         run.notes.append(f"the GradScaler skipped this step: its gradients were not finite at "
@@ -121,6 +123,11 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
         return Report("input-nonfinite", "data", "input", first.kind, None, facts,
                       input_nonfinite=first.bad, notes=run.notes)
     return _culprit_report(run, first, side, ref, tmp)
+
+
+def undeclared_scaler(observed) -> bool:
+    """Did the Guard bundle a stall of steps skipped with no GradScaler on the Task?"""
+    return isinstance(observed, dict) and observed.get("undeclared_scaler") is True
 
 
 def _fidelity_notes(f: Fidelity) -> list[str]:
@@ -145,7 +152,11 @@ def _fidelity_notes(f: Fidelity) -> list[str]:
 def _not_reproduced(run: _Run) -> Report:
     """The recorded failure did not come back: say why that is, as far as the evidence goes."""
     f, facts = run.facts.fidelity, run.facts
-    if f is not None and f.code_changed:
+    if undeclared_scaler(facts.observed):
+        classification, why = "replay-mismatch", (
+            "the loop scales its loss with a GradScaler the Task does not declare: the replay, "
+            "without that scaling, has finite gradients, so the overflow was the scaling's")
+    elif f is not None and f.code_changed:
         classification, why = "code-changed", (
             "the replay ran different code from the capture's (listed above): the edit, not the "
             "hardware, is the first suspect; replay with the captured code to tell")
