@@ -3,21 +3,27 @@
 Guarantees: `Guard.step` runs the Task's whole step (`nanbisect.step.run_step`: micro-batches,
 scaler, clipping), the same code every replay runs; a failing step's bundle holds the state
 before it (`nanbisect.guard.snapshot`, written by `nanbisect.guard.write`). A healthy step costs
-one snapshot copy of the parameters, buffers and optimizer state (kept on their device), one
-norm per parameter (and per gradient, for the history) and one host synchronisation; exact
-checks run only when that screen trips (`nanbisect.guard.screen`). Every bundle holds the last
-``history`` steps' health (`nanbisect.history`); with ``lookback`` it holds the steps since a
-snapshot up to 2K steps back (`nanbisect.bundle.lookback`); with ``spike`` a loss far above its
-recent history writes a bundle and training goes on. Gradients are not screened on
-their own: a non-finite gradient becomes a non-finite parameter through the update (so it is
-caught, and classified as a gradient fault by the exact check). A step the GradScaler skips is
-normal; ``max_scaler_skips`` skips in a row is a failure (the scaler has stalled), bundled as the
-last skipped step. With ``clip_grad_norm``, the gradients' kind (NaN or inf) is the one the total
-norm had before clipping turned it into NaN. Under torch.distributed all ranks agree on a failure
-(one all-reduce of a one-element flag per step) and every rank writes its part of one bundle,
-with what each collective of the failing step gave it (`nanbisect.guard.tape`). Not guaranteed:
-custom loops (`Guard.watch`) are replayed through the Task, not through the loop: what the loop
-does beyond the Task's fields is not in the bundle.
+one snapshot copy of the parameters, buffers and optimizer state (kept on their device; in
+`Guard.step` on the CPU, made as the optimizer phase begins), one norm per parameter and per
+gradient from one pass over both, and one host synchronisation; exact checks run only when that
+screen trips (`nanbisect.guard.screen`). Every bundle holds the last ``history`` steps' health
+(`nanbisect.history`); with ``lookback`` it holds the steps since a snapshot up to 2K steps back
+(`nanbisect.bundle.lookback`); with ``spike`` a loss far above its recent history writes a
+bundle and training goes on. A non-finite gradient becomes a non-finite parameter through the
+update (caught, and classified as a gradient fault by the exact check); the gradients' global
+norm, read in the same synchronisation, is their finiteness flag for the steps where it does
+not: non-finite gradients with parameters that did not move are a skipped step, whatever skipped
+it (a GradScaler the Task declares, or one the loop keeps for itself: warned about once), and
+with parameters that moved (part of a non-finite update applied) a failure at once. A skipped
+step is normal; ``max_scaler_skips`` skips in a row is a failure (the scaler has stalled),
+bundled as the last skipped step (``observed.undeclared_scaler`` when the Task declares no
+scaler: the report names the fix). With ``clip_grad_norm``, the gradients' kind (NaN or inf) is
+the one the total norm had before clipping turned it into NaN. Under torch.distributed all ranks
+agree on a failure (one all-reduce of a one-element flag per step: a rank's non-finite gradients
+trip every rank's exact check) and every rank writes its part of one bundle, with what each
+collective of the failing step gave it (`nanbisect.guard.tape`). Not guaranteed: custom loops
+(`Guard.watch`) are replayed through the Task, not through the loop: what the loop does beyond
+the Task's fields is not in the bundle.
 """
 from __future__ import annotations
 
