@@ -12,9 +12,9 @@ screen trips (`nanbisect.guard.screen`). Every bundle holds the last ``history``
 bundle and training goes on. A non-finite gradient becomes a non-finite parameter through the
 update (caught, and classified as a gradient fault by the exact check); the gradients' global
 norm, read in the same synchronisation, is their finiteness flag for the steps where it does
-not: non-finite gradients with parameters that did not move are a skipped step, whatever skipped
-it (a GradScaler the Task declares, or one the loop keeps for itself: warned about once), and
-with parameters that moved (part of a non-finite update applied) a failure at once. A skipped
+not: with parameters that moved (part of a non-finite update applied) a failure at once; with
+parameters that did not move a skipped step (the declared GradScaler's skip; without one,
+whatever skipped it: a scaler the loop keeps for itself, warned about once). A skipped
 step is normal; ``max_scaler_skips`` skips in a row is a failure (the scaler has stalled),
 bundled as the last skipped step (``observed.undeclared_scaler`` when the Task declares no
 scaler: the report names the fix). With ``clip_grad_norm``, the gradients' kind (NaN or inf) is
@@ -253,24 +253,26 @@ class Guard:
 
     def _nonfinite_grads(self, skipped: bool, level: int) -> tuple[bool, bool]:
         """The exact check of gradients the screen saw non-finite while loss and parameters are
-        finite: (the step was skipped, a non-finite update was applied). Non-finite gradients
-        with parameters that did not move are a skipped step, whatever skipped it (a GradScaler
-        the Task does not declare: warned about once); with parameters that moved, something
-        applied part of a non-finite update: a failure at once."""
+        finite: (the step was skipped, a non-finite update was applied). With parameters that
+        moved, something applied part of a non-finite update: a failure at once. With
+        parameters that did not move, the step was skipped: a declared scaler says so itself
+        (``skipped``); without one, whatever skipped it (a GradScaler the loop keeps for itself:
+        warned about once)."""
         if not any(g is not None and not bool(torch.isfinite(local(g)).all())
                    for g in (p.grad for p in self._params)):
             return skipped, False     # the sum of squares overflowed on finite gradients
         if self._snapshot.moved():
             return skipped, True
-        if not _declared_scaler(self.task):
-            if not self._warned_undeclared:
-                self._warned_undeclared = True
-                warnings.warn(
-                    f"Guard: step {self.step_index} was skipped (its gradients are not finite "
-                    "and the parameters did not move) but the Task declares no GradScaler; "
-                    "if the loop scales its loss with one, declare it: Task(grad_scaler="
-                    f"scaler). {self.max_scaler_skips} skipped steps in a row are a failure "
-                    "(a stalled scaler)", RuntimeWarning, stacklevel=level)
+        if _declared_scaler(self.task):
+            return skipped, False
+        if not self._warned_undeclared:
+            self._warned_undeclared = True
+            warnings.warn(
+                f"Guard: step {self.step_index} was skipped (its gradients are not finite "
+                "and the parameters did not move) but the Task declares no GradScaler; "
+                "if the loop scales its loss with one, declare it: Task(grad_scaler="
+                f"scaler). {self.max_scaler_skips} skipped steps in a row are a failure "
+                "(a stalled scaler)", RuntimeWarning, stacklevel=level)
         return True, False
 
     def _read_screen(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
