@@ -13,6 +13,7 @@ import torch
 import loops
 from conftest import TEST_TASKS
 
+import nanbisect
 from nanbisect import Guard, NonFiniteStep
 from nanbisect.errors import UNDECLARED_SCALER
 from nanbisect.pipeline import RunOptions, run_bundle
@@ -151,3 +152,12 @@ def test_a_declared_scaler_stalls_as_before(tmp_path):
     assert set(e.value.observed) == {"step", "first", "loss", "summary", "nonfinite_grads",
                                      "nonfinite_params", "scaler_skips"}
     assert (e.value.observed["step"], e.value.observed["scaler_skips"]) == (2, 3)
+
+
+def test_guard_step_without_an_optimizer_fails_on_nonfinite_gradients(tmp_path):
+    """Nothing can skip or apply them: the Task's backward made them, a failure at once."""
+    model = torch.nn.Linear(2, 2)
+    task = nanbisect.Task(model, None, lambda m, b: torch.sqrt(m.weight - m.weight.detach()).sum())
+    with pytest.raises(NonFiniteStep) as e:
+        Guard(task, entry=entry("unscaled"), out=tmp_path).step(None)
+    assert (e.value.observed["first"], e.value.observed["summary"]["grads"]) == ("grad", "inf")

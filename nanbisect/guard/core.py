@@ -156,7 +156,7 @@ class Guard:
         for last in run_step(task, batch, phase=self._phase):
             pass
         self._end(batch, rng, last.total if last is not None else None,
-                  grad_norm=last.grad_norm, skipped=last.skipped, depth=0)
+                  grad_norm=last.grad_norm, skipped=last.skipped)
         return self._value
 
     @contextmanager
@@ -183,7 +183,7 @@ class Guard:
         yield w
         self._value = None
         try:
-            self._end(w.batch, rng, w.loss, depth=1)
+            self._end(w.batch, rng, w.loss, watched=True)
         finally:
             w.value = self._value
 
@@ -213,9 +213,9 @@ class Guard:
 
     def _end(self, batch: Any, rng: RngState, loss: torch.Tensor | None,
              grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None,
-             depth: int = 0) -> None:
-        """The step's screen, its history, and a failure bundled and raised. ``depth``: frames
-        between the caller of `step` or `watch` and this (a warning points at the caller)."""
+             watched: bool = False) -> None:
+        """The step's screen, its history, and a failure bundled and raised (``watched``: the
+        step of a `watch` block, else `step`'s)."""
         dev, scale, read, flag = self._read_screen(loss, grad_norm, skipped)
         loss_v, param_v, grads_v = read["loss"], read["screen"], read["grads"]
         norm_v, skip_v = read.get("grad_norm"), read.get("skipped")
@@ -223,7 +223,7 @@ class Guard:
         skip, applied = skip_v is not None and skip_v > 0, False
         if _kind(grads_v) != "finite" and _kind(param_v) == "finite" and \
                 _kind(loss_v) == "finite":
-            skip, applied = self._nonfinite_grads(skip, 4 + depth)
+            skip, applied = self._nonfinite_grads(skip, watched)
         if self._history is not None:
             lr = read.get("lr", self._lr)
             self._history.add({
@@ -251,17 +251,17 @@ class Guard:
         raise NonFiniteStep(path, observed, error,
                             ranks=held_ranks(path) if self._rank.distributed else None)
 
-    def _nonfinite_grads(self, skipped: bool, level: int) -> tuple[bool, bool]:
+    def _nonfinite_grads(self, skipped: bool, watched: bool) -> tuple[bool, bool]:
         """The exact check of gradients the screen saw non-finite while loss and parameters are
         finite: (the step was skipped, a non-finite update was applied). With parameters that
         moved, something applied part of a non-finite update: a failure at once. With
         parameters that did not move, the step was skipped: a declared scaler says so itself
         (``skipped``); without one, whatever skipped it (a GradScaler the loop keeps for itself:
-        warned about once)."""
+        warned about once). `step` without an optimizer skips nothing: a failure at once."""
         if not any(g is not None and not bool(torch.isfinite(local(g)).all())
                    for g in (p.grad for p in self._params)):
             return skipped, False     # the sum of squares overflowed on finite gradients
-        if self._snapshot.moved():
+        if self._snapshot.moved() or (not watched and self.task.optimizer is None):
             return skipped, True
         if _declared_scaler(self.task):
             return skipped, False
@@ -272,7 +272,7 @@ class Guard:
                 "and the parameters did not move) but the Task declares no GradScaler; "
                 "if the loop scales its loss with one, declare it: Task(grad_scaler="
                 f"scaler). {self.max_scaler_skips} skipped steps in a row are a failure "
-                "(a stalled scaler)", RuntimeWarning, stacklevel=level)
+                "(a stalled scaler)", RuntimeWarning, stacklevel=5 if watched else 4)
         return True, False
 
     def _read_screen(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
