@@ -12,8 +12,8 @@ loop: the gradient-finiteness flag of issue 30 is on every guarded side). The pl
 its loss with `.item()`, since `Guard.step` returns the loss as a float. Ratios: of the medians,
 and the median of the per-round ratios (paired). Then the pieces of the Guard are timed alone (RNG
 state read, snapshot copy, the one-pass parameter and gradient norms, the history ring's row,
-the host sync), and in real steps: Guard.step's parts before the step, before the update and
-after it, and entering and leaving `Guard.watch`.
+the host sync), and in real steps: Guard.step's parts before and after the step, and entering
+and leaving `Guard.watch`.
 
 What they are not: a GPU figure (on an accelerator the snapshot is a device-to-device copy on a
 side stream and the screen waits on the device, which cost differently), a figure for other
@@ -22,12 +22,14 @@ nor the cost of a failing step (which writes a bundle). On a shared machine the 
 noisy: run it a few times and read the range, and the pieces, which vary less.
 
     python scripts/bench_guard.py [--size default|tiny] [--steps 30] [--threads 2]
-                                  [--batch B] [--seq T] [--scaler] [--clip 1.0] [--json out.json]
+                                  [--clock wall|cpu] [--batch B] [--seq T] [--scaler]
+                                  [--clip 1.0] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -66,10 +68,16 @@ def make_task(cfg: dict = CONFIG) -> nanbisect.Task:
                           grad_scaler=scaler, clip_grad_norm=cfg.get("clip"))
 
 
+# what a step's time is read from: wall-clock, or (--clock cpu) this thread's CPU time, which a
+# busy machine's other processes do not inflate (with --threads 1 the whole step runs on it)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCK = CLOCKS["wall"]
+
+
 def timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = fn()
-    return time.perf_counter() - t0, out
+    return CLOCK() - t0, out
 
 
 def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
@@ -80,16 +88,14 @@ def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
     params = list(model.parameters())
     dev = params[0].device
     snap, accel = _Snapshot(side_stream=False), accelerator_types()
-    snap.take(model, opt, task.grad_scaler, params, defer=True)  # the copies, allocated once
-    snap.late()
+    snap.take(model, opt, task.grad_scaler, params)  # the copies, allocated once
 
     def done(*_):     # on an accelerator: the queued work, finished
         if dev.type != "cpu":
             getattr(torch, dev.type).synchronize()
 
-    def copy():       # what Guard.step copies: buffers at the start, the rest before the update
-        snap.take(model, opt, task.grad_scaler, params, defer=True)
-        snap.late()
+    def copy():       # what the Guard copies before each step
+        snap.take(model, opt, task.grad_scaler, params)
         done()
     # the same bytes as one flat buffer: would a single copy (another layout) be cheaper?
     flat_src = torch.cat([t.detach().reshape(-1) for t in snap._live
@@ -116,42 +122,39 @@ def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
 
 def in_step_times(guard: nanbisect.Guard, batches: list, reps: int) -> dict[str, float]:
     """Median ms of Guard.step's own parts inside real steps (the RNG read and snapshot
-    before the step, the parameter copy before the update, the screen after it), and of
-    entering and leaving `Guard.watch` around the plain loop's step."""
-    times: dict[str, list[float]] = {"begin": [], "late": [], "end": []}
+    before the step, the screen after it), and of entering and leaving `Guard.watch` around the
+    plain loop's step."""
+    times: dict[str, list[float]] = {"begin": [], "end": []}
     saved = {k: getattr(guard, f"_{k}") for k in ("begin", "end")}
-    snap_late = guard._snapshot.late
 
     def timer(key, fn):
         def run(*a, **kw):
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             try:
                 return fn(*a, **kw)
             finally:
-                times[key].append(time.perf_counter() - t0)
+                times[key].append(CLOCK() - t0)
         return run
     guard._begin, guard._end = timer("begin", saved["begin"]), timer("end", saved["end"])
-    guard._snapshot.late = timer("late", snap_late)
     try:
         for i in range(reps):
             guard.step(batches[i % len(batches)])
     finally:
-        del guard._begin, guard._end, guard._snapshot.late
+        del guard._begin, guard._end
     task, enter, leave = guard.task, [], []
     for i in range(reps):
         b = batches[i % len(batches)]
         cm = guard.watch(b)
-        t0 = time.perf_counter()
+        t0 = CLOCK()
         cm.__enter__()  # RNG state read + snapshot copy
-        t1 = time.perf_counter()
+        t1 = CLOCK()
         plain_step(task, b)
-        t2 = time.perf_counter()
+        t2 = CLOCK()
         cm.__exit__(None, None, None)  # screen + gradient flag + sync + bookkeeping
-        leave.append(time.perf_counter() - t2)
+        leave.append(CLOCK() - t2)
         enter.append(t1 - t0)
     med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    return {"Guard.step: before the step (RNG, buffers) (in step)": med["begin"],
-            "Guard.step: parameter + state copy before the update (in step)": med["late"],
+    return {"Guard.step: before the step (RNG, snapshot) (in step)": med["begin"],
             "Guard.step: after the step (screen, flag, history, sync) (in step)": med["end"],
             "watch enter: RNG + snapshot (in step)": 1e3 * statistics.median(enter),
             "watch exit: screen + flag + sync (in step)": 1e3 * statistics.median(leave)}
@@ -179,6 +182,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=None, help="sequences per batch (the size's)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (the size's)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall-clock time, or this thread's CPU time (with --threads 1: robust "
+                         "to other load on the machine)")
     ap.add_argument("--scaler", action="store_true",
                     help="a GradScaler on every side (the plain loop runs the AMP recipe)")
     ap.add_argument("--clip", type=float, default=None, metavar="MAX",
@@ -189,6 +195,8 @@ def main() -> None:
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = CLOCKS[args.clock]
     cfg = dict(CONFIG, **SIZES[args.size], scaler=args.scaler, clip=args.clip,
                device=args.device)
     cfg.update({k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None})
@@ -229,7 +237,8 @@ def main() -> None:
     med_p = statistics.median(plain)
     res = {
         "config": cfg, "size": args.size, "n_params": n_params, "optimizer": "AdamW",
-        "steps": args.steps, "warmup": args.warmup, "torch": torch.__version__,
+        "steps": args.steps, "warmup": args.warmup, "clock": args.clock,
+        "load_average": os.getloadavg(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "platform": platform.platform(),
         "processor": platform.processor(), "losses_identical": same_loss, "sides": {},
         "pieces_ms_median": pieces}
@@ -240,7 +249,8 @@ def main() -> None:
             "ratio_of_medians": statistics.median(ts) / med_p,
             "ratio_paired_median": statistics.median(t / p for p, t in zip(plain, ts))}
     print(f"size {args.size}: {cfg} | params: {n_params:,} | AdamW | torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads | {args.warmup} warm-up + {args.steps} measured "
+          f"{torch.get_num_threads()} threads, {args.clock} clock, load average "
+          f"{os.getloadavg()[0]:.1f} | {args.warmup} warm-up + {args.steps} measured "
           f"rounds, sides interleaved (order rotating) | losses identical on every side: "
           f"{same_loss}\n")
     print("| side | median ms/step | mean ms/step | stdev ms | x plain (medians) "

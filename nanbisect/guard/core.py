@@ -1,34 +1,32 @@
 """`Guard`: run training steps, and freeze the first non-finite one into a bundle.
 
 Guarantees: `Guard.step` runs the Task's whole step (`nanbisect.step.run_step`: micro-batches,
-scaler, clipping), the same code every replay runs; a failing step's bundle holds the state
-before it (`nanbisect.guard.snapshot`, written by `nanbisect.guard.write`). A healthy step costs
-one snapshot copy of the parameters, buffers and optimizer state (kept on their device; in
-`Guard.step` on the CPU, made as the optimizer phase begins), one norm per parameter and per
-gradient from one pass over both, and one host synchronisation; exact checks run only when that
-screen trips (`nanbisect.guard.screen`). Every bundle holds the last ``history`` steps' health
-(`nanbisect.history`); with ``lookback`` it holds the steps since a snapshot up to 2K steps back
-(`nanbisect.bundle.lookback`); with ``spike`` a loss far above its recent history writes a
-bundle and training goes on. A non-finite gradient becomes a non-finite parameter through the
-update (caught, and classified as a gradient fault by the exact check); the gradients' global
-norm, read in the same synchronisation, is their finiteness flag for the steps where it does
-not: with parameters that moved (part of a non-finite update applied) a failure at once; with
-parameters that did not move a skipped step (the declared GradScaler's skip; without one,
-whatever skipped it: a scaler the loop keeps for itself, warned about once). A skipped
-step is normal; ``max_scaler_skips`` skips in a row is a failure (the scaler has stalled),
-bundled as the last skipped step (``observed.undeclared_scaler`` when the Task declares no
-scaler: the report names the fix). With ``clip_grad_norm``, the gradients' kind (NaN or inf) is
-the one the total norm had before clipping turned it into NaN. Under torch.distributed all ranks
-agree on a failure (one all-reduce of a one-element flag per step: a rank's non-finite gradients
-trip every rank's exact check) and every rank writes its part of one bundle, with what each
-collective of the failing step gave it (`nanbisect.guard.tape`). Not guaranteed: custom loops
-(`Guard.watch`) are replayed through the Task, not through the loop: what the loop does beyond
-the Task's fields is not in the bundle.
+scaler, clipping), the same code every replay runs; a failing step's bundle holds the state before
+it (`nanbisect.guard.snapshot`, written by `nanbisect.guard.write`). A healthy step costs one
+snapshot copy of the parameters, buffers and optimizer state (kept on their device), one norm per
+parameter and per gradient from one pass over both, and one host synchronisation; exact checks run
+only when that screen trips (`nanbisect.guard.screen`). Every bundle holds the last ``history``
+steps' health (`nanbisect.history`); with ``lookback`` it holds the steps since a snapshot up to 2K
+steps back (`nanbisect.bundle.lookback`); with ``spike`` a loss far above its recent history writes
+a bundle and training goes on. A non-finite gradient becomes a non-finite parameter through the
+update (caught, and classified as a gradient fault by the exact check); the gradients' global norm,
+read in the same synchronisation, is their finiteness flag for the steps where it does not: with
+parameters that moved (part of a non-finite update applied) a failure at once; with parameters that
+did not move a skipped step (the declared GradScaler's skip; without one, whatever skipped it: a
+scaler the loop keeps for itself, warned about once). A skipped step is normal; ``max_scaler_skips``
+skips in a row is a failure (the scaler has stalled), bundled as the last skipped step
+(``observed.undeclared_scaler`` when the Task declares no scaler: the report names the fix). With
+``clip_grad_norm``, the gradients' kind (NaN or inf) is the one the total norm had before clipping
+turned it into NaN. Under torch.distributed all ranks agree on a failure (one all-reduce of a
+one-element flag per step: a rank's non-finite gradients trip every rank's exact check) and every
+rank writes its part of one bundle, with what each collective of the failing step gave it
+(`nanbisect.guard.tape`). Not guaranteed: custom loops (`Guard.watch`) are replayed through the
+Task, not through the loop: what the loop does beyond the Task's fields is not in the bundle.
 """
 from __future__ import annotations
 
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -149,11 +147,11 @@ class Guard:
         """Run the Task's step (micro-batches, scaler, clipping, optimizer); return its loss
         (unscaled: the mean over micro-batches)."""
         task = self.task
-        rng = self._begin(defer=True)
+        rng = self._begin()
         if task.optimizer is not None:
             task.optimizer.zero_grad(set_to_none=True)
         last = None
-        for last in run_step(task, batch, phase=self._phase):
+        for last in run_step(task, batch):
             pass
         self._end(batch, rng, last.total if last is not None else None,
                   grad_norm=last.grad_norm, skipped=last.skipped)
@@ -188,28 +186,17 @@ class Guard:
             w.value = self._value
 
     # -- the step's two halves -----------------------------------------------------------
-    def _begin(self, defer: bool = False) -> RngState:
+    def _begin(self) -> RngState:
         rng = RngState.get(self._accel)
         task = self.task
         self._params = list(task.model.parameters())
-        self._snapshot.take(task.model, task.optimizer, task.grad_scaler, self._params,
-                            defer=defer)
+        self._snapshot.take(task.model, task.optimizer, task.grad_scaler, self._params)
         if self._lookback is not None:
             self._lookback.begin(self.step_index, task.model, task.optimizer, task.grad_scaler)
         # the learning rate this step uses (a scheduler changes it after the step)
         self._lr = task.optimizer.param_groups[0].get("lr") if task.optimizer is not None and \
             task.optimizer.param_groups else None
         return rng
-
-    @contextmanager
-    def _late_copy(self) -> Iterator[None]:
-        self._snapshot.late()
-        yield
-
-    def _phase(self, name: str):
-        """`run_step`'s phase wrapper in `step`: parameters and optimizer state are copied as
-        the optimizer phase begins (`_Snapshot.late`)."""
-        return self._late_copy() if name == "optimizer" else nullcontext()
 
     def _end(self, batch: Any, rng: RngState, loss: torch.Tensor | None,
              grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None,

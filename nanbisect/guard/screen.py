@@ -13,6 +13,12 @@ import torch
 from nanbisect.bundle.state import local
 
 LISTED = 20     # names listed per kind in `observed`; the counts say how many there were
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _locals(tensors) -> list[torch.Tensor]:
+    """`local` of each tensor (a plain tensor or parameter is itself: no call for it)."""
+    return [t if type(t) in _PLAIN else local(t) for t in tensors]
 
 
 def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -39,18 +45,16 @@ def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
     n = len(params)
     if not n:
         return torch.zeros(2, 0, device=device)
-    ps = [local(t) for t in params]
-    gs = [local(g) for g in grads if g is not None]
+    ps = _locals(params)
+    gs = _locals(g for g in grads if g is not None)
     if len(gs) < n:
         zero = torch.zeros(1, dtype=(gs or ps)[0].dtype, device=device)
-        gs = [local(g) if g is not None else zero for g in grads]
-    ts = ps + gs
-    if all(t.device == device for t in ts):
-        try:
-            return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32)).view(2, n)
-        except (RuntimeError, TypeError):   # a dtype foreach has no kernel for: one at a time
-            pass
-    return torch.stack([_norms(ps, device), _norms(gs, device)])
+        gs = [g if g is not None else zero for g in _locals(grads)]
+    try:
+        # all on one device, each dtype with a kernel: one call (else an error, below)
+        return torch.stack(torch._foreach_norm(ps + gs, 2, dtype=torch.float32)).view(2, n)
+    except (RuntimeError, TypeError):   # another device, a dtype foreach has no kernel for
+        return torch.stack([_norms(ps, device), _norms(gs, device)])
 
 
 def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -2,14 +2,11 @@
 
 Guarantees: `_Snapshot.take` copies everything an optimizer step or a forward pass may change in
 place (parameters, buffers, optimizer state and param-group settings, the GradScaler's scale and
-growth tracker), on the tensors' own device; `restore` puts the copies back, and `swap`
-exchanges them with the live state (twice: as it was). The copies are allocated once and reused
-while every live tensor is the same object with the same shape, dtype and device (a parameter's
-``.data`` replaced, a buffer or an optimizer state entry re-bound: new copies). With
-``defer=True`` (`Guard.step` on the CPU) parameters and optimizer state are copied when the
-optimizer phase begins (`late`): nothing but the optimizer writes them, and the copy then brings
-into the cache what the optimizer reads next. Not guaranteed: state outside the model, the
-optimizer and the scaler (a scheduler's, a data loader's) is not copied.
+growth tracker), on the tensors' own device; `restore` puts the copies back, and `swap` exchanges
+them with the live state (twice: as it was). The copies are allocated once and reused while every
+live tensor is the same object with the same shape, dtype and device (a parameter's ``.data``
+replaced, a buffer or an optimizer state entry re-bound: new copies). Not guaranteed: state outside
+the model, the optimizer and the scaler (a scheduler's, a data loader's) is not copied.
 """
 from __future__ import annotations
 
@@ -18,7 +15,7 @@ import operator
 import torch
 
 from nanbisect import devices
-from nanbisect.bundle.state import local
+from nanbisect.guard.screen import _locals
 
 
 def _live_scale(scaler) -> torch.Tensor | None:
@@ -27,14 +24,6 @@ def _live_scale(scaler) -> torch.Tensor | None:
     if scaler is None or not scaler.is_enabled():
         return None
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-
-
-def _locals(tensors) -> list[torch.Tensor]:
-    """`local` of each tensor (a plain tensor or parameter is itself: no call for it)."""
-    return [t if type(t) in _PLAIN else local(t) for t in tensors]
 
 
 class _Copies:
@@ -97,8 +86,6 @@ class _Snapshot:
         self._early = _Copies()    # buffers, the scaler's scale and growth tracker
         self._late = _Copies()     # parameters, optimizer state
         self._n_params = 0
-        self._late_pending: tuple | None = None   # (parameters, optimizer): `late` copies
-        self._late_taken = False
         self._state_vals: list = []     # the optimizer's state values the last take saw
         self._opt_state: dict = {}
         self._groups: list[dict] = []
@@ -120,10 +107,9 @@ class _Snapshot:
             devices.entry(self._stream.device).wait_event(self._stream.device, done)
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-             scaler=None, params: list | None = None, defer: bool = False) -> None:
+             scaler=None, params: list | None = None) -> None:
         """Copy the pre-step state (``params``: the model's parameters, when the caller has
-        them). With ``defer`` and an optimizer, parameters and optimizer state are copied by
-        `late`, which the caller runs before the optimizer's step (on the CPU only)."""
+        them)."""
         self.wait()
         ps = _locals(model.parameters() if params is None else params)
         scale = _live_scale(scaler)
@@ -136,15 +122,10 @@ class _Snapshot:
         self.scale = self._early.copies[-2] if scale is not None else None
         self._groups = ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
                         if opt is not None else [])
-        self._n_params, self._late_taken = len(ps), False
+        self._n_params = len(ps)
         dev = (ps or early or [torch.zeros(())])[0].device
         dt = devices.entry(dev)
         streams = self.side_stream and opt is not None and dt.has_streams()
-        self._late_pending = None
-        if defer and opt is not None and not streams:
-            self._early.copy()
-            self._late_pending = (ps, opt)  # `late` binds them, with the state it finds then
-            return
         self._bind_late(ps, opt)
         if not streams:
             self._early.copy()
@@ -165,14 +146,6 @@ class _Snapshot:
                 self._hooked[1].remove()
             self._hooked = (opt, opt.register_step_pre_hook(lambda *_: self.wait()))
 
-    def late(self) -> None:
-        """The deferred half of `take`: parameters and optimizer state, before the optimizer's
-        step (no-op unless `take` deferred it)."""
-        pending, self._late_pending = self._late_pending, None
-        if pending is not None:
-            self._bind_late(*pending)
-            self._late.copy()
-
     def _bind_late(self, ps: list[torch.Tensor], opt: torch.optim.Optimizer | None) -> None:
         state: list[torch.Tensor] = []
         if opt is not None:
@@ -186,14 +159,10 @@ class _Snapshot:
         else:
             self._opt_state, self._state_vals = {}, []
         self._late.bind(ps + state, len(ps))
-        self._late_taken = True
 
     def moved(self) -> bool:
-        """Does some parameter differ from its pre-step copy (exact; False when the parameters
-        were not copied: the optimizer did not step)?"""
+        """Does some parameter differ from its pre-step copy (exact)?"""
         self.wait()
-        if not self._late_taken:
-            return False
         late = self._late
         return any(not torch.equal(p, c) for p, c in
                    zip(late.live[:self._n_params], late.copies[:self._n_params]))
@@ -204,16 +173,13 @@ class _Snapshot:
         of extra memory at a time; the optimizer's state entries and groups too."""
         self.wait()
         self._early.swap()
-        if self._late_taken:
-            self._late.swap()
+        self._late.swap()
         if opt is None:
             return
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         for g, saved in zip(opt.param_groups, self._groups):
             g.update(saved)
         self._groups = groups
-        if not self._late_taken:
-            return
         state = {p: dict(st) for p, st in opt.state.items()}
         for p in list(opt.state):
             if p not in self._opt_state:
@@ -227,14 +193,12 @@ class _Snapshot:
     def restore(self, opt: torch.optim.Optimizer | None) -> None:
         self.wait()
         self._early.put_back()
-        if self._late_taken:
-            self._late.put_back()
+        self._late.put_back()
         if opt is not None:
-            if self._late_taken:
-                for p in list(opt.state):
-                    if p not in self._opt_state:
-                        del opt.state[p]  # state created by the failing step itself
-                for p, st in self._opt_state.items():
-                    opt.state[p] = dict(st)
+            for p in list(opt.state):
+                if p not in self._opt_state:
+                    del opt.state[p]  # state created by the failing step itself
+            for p, st in self._opt_state.items():
+                opt.state[p] = dict(st)
             for g, saved in zip(opt.param_groups, self._groups):
                 g.update(saved)
