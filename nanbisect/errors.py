@@ -26,6 +26,14 @@ class BadInput(Exception):
     """
 
 
+# The fix for a stall of steps skipped with no GradScaler declared on the Task (observed
+# ``undeclared_scaler``): said by `NonFiniteStep` and by the report of its bundle.
+UNDECLARED_SCALER = ("the loop skipped its updates (non-finite gradients, parameters unchanged) "
+                     "with no GradScaler declared on the Task: if it scales its loss with one, "
+                     "declare it (Task(grad_scaler=scaler)) so that replays scale the loss as "
+                     "the loop does")
+
+
 class NonFiniteStep(RuntimeError):
     """A guarded training step produced a non-finite loss, gradient or parameter.
 
@@ -48,5 +56,6 @@ class NonFiniteStep(RuntimeError):
         then = (f"replay it with: nanbisect run --ckpt {self.bundle}{held}"
                 if self.bundle is not None
                 else f"no bundle could be written: {error or 'see the warnings above'}")
+        fix = (f"; {UNDECLARED_SCALER}" if observed.get("undeclared_scaler") else "")
         super().__init__(f"non-finite training step {observed.get('step')}: "
-                         f"{what or 'see manifest'}; {then}")
+                         f"{what or 'see manifest'}{fix}; {then}")

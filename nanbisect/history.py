@@ -70,16 +70,17 @@ class HealthLog:
         self._steps: list[int | None] = [None] * n
         self._next = 0
 
-    def record_norms(self, step: int, params: torch.Tensor, grads: torch.Tensor,
+    def record_norms(self, step: int, norms: torch.Tensor,
                      names: Callable[[], list[str]]) -> None:
-        if self._ring is None or self._ring.device != params.device or \
-                self._ring.shape[2] != params.numel():
+        """Keep ``norms`` ([2, P]: each parameter's norm after the update, its gradient's) as
+        ``step``'s row of the ring: one device copy."""
+        if self._ring is None or self._ring.device != norms.device or \
+                self._ring.shape[2] != norms.shape[1]:
             # the first step, or the model gained parameters (lazy modules): a new ring
-            self._ring = torch.zeros((self.n, 2, params.numel()), device=params.device)
+            self._ring = torch.zeros((self.n, 2, norms.shape[1]), device=norms.device)
             self._steps = [None] * self.n
             self.names = names()
-        self._ring[self._next, 0].copy_(params)
-        self._ring[self._next, 1].copy_(grads)
+        self._ring[self._next].copy_(norms)
         self._steps[self._next] = step
         self._next = (self._next + 1) % self.n
 

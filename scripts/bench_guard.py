@@ -1,26 +1,35 @@
-"""Benchmark: per-step overhead of `nanbisect.Guard` against a plain training loop (issue 2).
+"""Benchmark: per-step overhead of `nanbisect.Guard` against a plain training loop (issues 2, 29).
 
 What the numbers are: wall-clock time of one full training step (zero_grad, forward, backward,
-AdamW step) of a ~5M-parameter GPT on CPU (fixtures/tasks/tinygpt.py: the tests' GPT, built
-bigger; its ``plain_step`` is the plain loop), measured for a plain loop and for `Guard.step`, interleaved in one process on two identical model copies built from the same seed.
-Each measured round runs one plain and one guarded step on the same batch, alternating which goes
-first, so drift (thermal, other load, allocator warm-up) hits both sides alike. The plain step also
-reads its loss with `.item()`, since `Guard.step` returns the loss as a float. Then the pieces of
-Guard (RNG state read, pre-step snapshot copy, finite screen) are timed alone in a loop, and
-in-step: time spent entering and leaving `Guard.watch` around real training steps.
+AdamW step) of a GPT on CPU (fixtures/tasks/tinygpt.py: the tests' GPT, built bigger; its
+``plain_step`` is the plain loop) at ``--size default`` (5.0M parameters, batch 8x256) or
+``tiny`` (0.5M parameters, batch 8x64), with ``--threads`` torch threads (2). Four sides on
+identical model copies built from the same seed, interleaved round by round in one process (each
+round runs every side once on the same batch, the order rotating, so drift (thermal, other load,
+allocator warm-up) hits all sides alike): the plain loop; `Guard.step` as it ships (history of
+64 steps); `Guard(history=0).step`; and the plain loop's step inside `Guard.watch` (a custom
+loop: the gradient-finiteness flag of issue 30 is on every guarded side). The plain step reads
+its loss with `.item()`, since `Guard.step` returns the loss as a float. Ratios: of the medians,
+and the median of the per-round ratios (paired). Then the pieces of the Guard are timed alone (RNG
+state read, snapshot copy, the one-pass parameter and gradient norms, the history ring's row,
+the host sync), and in real steps: Guard.step's parts before and after the step, and entering
+and leaving `Guard.watch`.
 
-What they are not: a GPU figure (on an accelerator the snapshot is a device-to-device copy and the
-screen waits on the device, which cost differently), a figure for other model sizes or
-optimizers (snapshot cost scales with parameters plus optimizer state, the step with FLOPs), nor
-the cost of a failing step (which writes a bundle). Medians are the headline; means show outliers.
+What they are not: a GPU figure (on an accelerator the snapshot is a device-to-device copy on a
+side stream and the screen waits on the device, which cost differently), a figure for other
+optimizers (snapshot cost scales with parameters plus optimizer state, the step with FLOPs),
+nor the cost of a failing step (which writes a bundle). On a shared machine the step times are
+noisy: run it a few times and read the range, and the pieces, which vary less.
 
-    python scripts/bench_guard.py [--steps 30] [--batch 8] [--seq 256] [--scaler] [--clip 1.0]
-                                  [--json out.json]
+    python scripts/bench_guard.py [--size default|tiny] [--steps 30] [--threads 2]
+                                  [--clock wall|cpu] [--batch B] [--seq T] [--scaler]
+                                  [--clip 1.0] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -31,7 +40,9 @@ from pathlib import Path
 import torch
 
 import nanbisect
-from nanbisect.guard import _screen, _Snapshot
+from nanbisect import history as hist
+from nanbisect.guard import _Snapshot
+from nanbisect.guard.screen import _step_norms
 from nanbisect.bundle.state import RngState, accelerator_types
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "tasks"))
@@ -40,6 +51,9 @@ from tinygpt import plain_step  # noqa: E402
 
 CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-4,
               weight_decay=0.1, seed=0)
+# --size: the default (5.0M parameters, batch 8x256) and tiny (0.5M parameters, batch 8x64:
+# a step of tens of milliseconds, where the Guard's fixed costs show)
+SIZES = {"default": {}, "tiny": dict(dim=128, heads=4, n_layers=2, seq=64, batch=8)}
 
 
 def make_task(cfg: dict = CONFIG) -> nanbisect.Task:
@@ -54,57 +68,96 @@ def make_task(cfg: dict = CONFIG) -> nanbisect.Task:
                           grad_scaler=scaler, clip_grad_norm=cfg.get("clip"))
 
 
+# what a step's time is read from: wall-clock, or (--clock cpu) this thread's CPU time, which a
+# busy machine's other processes do not inflate (with --threads 1 the whole step runs on it)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.thread_time}
+CLOCK = CLOCKS["wall"]
+
+
 def timed(fn) -> tuple[float, object]:
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = fn()
-    return time.perf_counter() - t0, out
+    return CLOCK() - t0, out
 
 
 def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
-    """Median ms of each piece of a healthy guarded step, timed alone on the guarded model."""
-    model, opt = guard.task.model, guard.task.optimizer
+    """Median ms of each piece of a healthy guarded step, timed alone on the guarded model (after
+    its last step: parameters, gradients and optimizer state as a step leaves them)."""
+    task = guard.task
+    model, opt = task.model, task.optimizer
     params = list(model.parameters())
-    snap, accel = _Snapshot(side_stream=False), accelerator_types()
-    snap.take(model, opt)  # allocate the copies once, as a warm Guard has
     dev = params[0].device
+    snap, accel = _Snapshot(side_stream=False), accelerator_types()
+    snap.take(model, opt, task.grad_scaler, params)  # the copies, allocated once
 
-    def copy():    # the copy itself, finished (on an accelerator: synchronised)
-        snap.take(model, opt)
+    def done(*_):     # on an accelerator: the queued work, finished
         if dev.type != "cpu":
             getattr(torch, dev.type).synchronize()
+
+    def copy():       # what the Guard copies before each step
+        snap.take(model, opt, task.grad_scaler, params)
+        done()
     # the same bytes as one flat buffer: would a single copy (another layout) be cheaper?
-    flat_src = torch.cat([t.reshape(-1) for t in snap._live if t.dtype == torch.float32])
+    flat_src = torch.cat([t.detach().reshape(-1) for t in snap._live
+                          if t.dtype == torch.float32])
     flat_dst = torch.empty_like(flat_src)
+    grads = [p.grad for p in params]
+    norms = _step_norms(params, grads, dev)
+    slots = [torch.zeros((), device=dev)] * 4
+    ring = hist.HealthLog(hist.DEFAULT_N, [])
     pieces = {
-        "rng_state_get (alone)": lambda: RngState.get(accel),
-        "snapshot copy (alone)": copy,
-        "the same bytes as one flat copy (alone, not used)": lambda: (
-            flat_dst.copy_(flat_src), dev.type == "cpu" or getattr(torch, dev.type).synchronize()),
-        "screen: params+loss, 1 sync (alone)": lambda: torch.stack(
-            [torch.zeros(()), _screen([p.data for p in params], params[0].device)]).tolist(),
+        "RNG state read": lambda: RngState.get(accel),
+        "snapshot copy (parameters, buffers, AdamW state)": copy,
+        "the same bytes as one flat copy (not used)": lambda: done(flat_dst.copy_(flat_src)),
+        "screen: parameter and gradient norms, one pass": lambda: done(
+            _step_norms(params, grads, dev)),
+        "history: the ring's row (one device copy)": lambda: done(
+            ring.record_norms(0, norms, lambda: [])),
+        "host sync: the slots read back": lambda: torch.stack(slots).tolist(),
+        "model.parameters() (read once per step)": lambda: list(model.parameters()),
     }
     return {k: 1e3 * statistics.median(timed(f)[0] for _ in range(reps))
             for k, f in pieces.items()}
 
 
 def in_step_times(guard: nanbisect.Guard, batches: list, reps: int) -> dict[str, float]:
-    """Median ms spent inside `Guard.watch` before and after the body, on real training steps."""
+    """Median ms of Guard.step's own parts inside real steps (the RNG read and snapshot
+    before the step, the screen after it), and of entering and leaving `Guard.watch` around the
+    plain loop's step."""
+    times: dict[str, list[float]] = {"begin": [], "end": []}
+    saved = {k: getattr(guard, f"_{k}") for k in ("begin", "end")}
+
+    def timer(key, fn):
+        def run(*a, **kw):
+            t0 = CLOCK()
+            try:
+                return fn(*a, **kw)
+            finally:
+                times[key].append(CLOCK() - t0)
+        return run
+    guard._begin, guard._end = timer("begin", saved["begin"]), timer("end", saved["end"])
+    try:
+        for i in range(reps):
+            guard.step(batches[i % len(batches)])
+    finally:
+        del guard._begin, guard._end
     task, enter, leave = guard.task, [], []
     for i in range(reps):
-        cm = guard.watch(batches[i % len(batches)])
-        t0 = time.perf_counter()
-        w = cm.__enter__()  # RNG state read + snapshot copy
-        t1 = time.perf_counter()
-        task.optimizer.zero_grad(set_to_none=True)
-        w.loss = task.loss_fn(task.model, batches[i % len(batches)])
-        w.loss.backward()
-        task.optimizer.step()
-        t2 = time.perf_counter()
-        cm.__exit__(None, None, None)  # screen + host sync + bookkeeping
-        leave.append(time.perf_counter() - t2)
+        b = batches[i % len(batches)]
+        cm = guard.watch(b)
+        t0 = CLOCK()
+        cm.__enter__()  # RNG state read + snapshot copy
+        t1 = CLOCK()
+        plain_step(task, b)
+        t2 = CLOCK()
+        cm.__exit__(None, None, None)  # screen + gradient flag + sync + bookkeeping
+        leave.append(CLOCK() - t2)
         enter.append(t1 - t0)
-    return {"watch enter: rng + snapshot (in step)": 1e3 * statistics.median(enter),
-            "watch exit: screen + sync (in step)": 1e3 * statistics.median(leave)}
+    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    return {"Guard.step: before the step (RNG, snapshot) (in step)": med["begin"],
+            "Guard.step: after the step (screen, flag, history, sync) (in step)": med["end"],
+            "watch enter: RNG + snapshot (in step)": 1e3 * statistics.median(enter),
+            "watch exit: screen + flag + sync (in step)": 1e3 * statistics.median(leave)}
 
 
 def summary(ts: list[float]) -> dict:
@@ -113,74 +166,102 @@ def summary(ts: list[float]) -> dict:
             "stdev": statistics.stdev(ms), "all": ms}
 
 
+def watch_step(guard: nanbisect.Guard, batch) -> float:
+    """The plain loop's step, guarded by `Guard.watch` (a custom loop)."""
+    with guard.watch(batch):
+        loss = plain_step(guard.task, batch)
+    return loss
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30, help="measured steps per side")
-    ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps per side")
-    ap.add_argument("--batch", type=int, default=CONFIG["batch"])
-    ap.add_argument("--seq", type=int, default=CONFIG["seq"], help="tokens per sequence")
+    ap.add_argument("--size", choices=sorted(SIZES), default="default",
+                    help="the model and batch (tiny: 0.5M parameters, batch 8x64)")
+    ap.add_argument("--steps", type=int, default=30, help="measured rounds")
+    ap.add_argument("--warmup", type=int, default=5, help="unmeasured rounds")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per batch (the size's)")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (the size's)")
+    ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                    help="wall-clock time, or this thread's CPU time (with --threads 1: robust "
+                         "to other load on the machine)")
     ap.add_argument("--scaler", action="store_true",
-                    help="a GradScaler on both sides (the plain loop runs the AMP recipe)")
+                    help="a GradScaler on every side (the plain loop runs the AMP recipe)")
     ap.add_argument("--clip", type=float, default=None, metavar="MAX",
-                    help="clip_grad_norm_ to MAX on both sides")
+                    help="clip_grad_norm_ to MAX on every side")
     ap.add_argument("--device", default="cpu", help="where the model trains (cuda: a GPU)")
     ap.add_argument("--no-snapshot-stream", action="store_true",
                     help="Guard(snapshot_stream=False): the pre-step copy on the current stream")
     ap.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     args = ap.parse_args()
-    cfg = dict(CONFIG, batch=args.batch, seq=args.seq, scaler=args.scaler, clip=args.clip,
+    torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = CLOCKS[args.clock]
+    cfg = dict(CONFIG, **SIZES[args.size], scaler=args.scaler, clip=args.clip,
                device=args.device)
+    cfg.update({k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None})
 
-    plain = make_task(cfg)
-    guarded = make_task(cfg)  # same seed: identical weights
-    assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(),
-                                                 guarded.model.parameters()))
-    n_params = sum(p.numel() for p in plain.model.parameters())
+    names = ["plain", "Guard.step", "Guard.step, history=0", "Guard.watch"]
+    tasks = {name: make_task(cfg) for name in names}   # same seed: identical weights
+    assert all(torch.equal(a, b) for t in tasks.values() for a, b in
+               zip(tasks["plain"].model.parameters(), t.model.parameters()))
+    n_params = sum(p.numel() for p in tasks["plain"].model.parameters())
     batches = [{k: (v.to(args.device) if isinstance(v, torch.Tensor) else v) for k, v in
                 tinygpt.make_batch(1 + i, pad=0, batch=cfg["batch"], seq=cfg["seq"],
                                    vocab=cfg["vocab"]).items()} for i in range(8)]
 
-    t_plain, t_guard, same_loss = [], [], True
+    times: dict[str, list[float]] = {name: [] for name in names}
+    same_loss = True
     with tempfile.TemporaryDirectory() as out:
-        guard = nanbisect.Guard(guarded, entry="scripts/bench_guard.py:make_task", out=out,
-                                snapshot_stream=not args.no_snapshot_stream)
+        guards = {name: nanbisect.Guard(
+            tasks[name], entry="scripts/bench_guard.py:make_task", out=out,
+            snapshot_stream=not args.no_snapshot_stream,
+            **({"history": 0} if "history=0" in name else {})) for name in names[1:]}
+        runs = {"plain": lambda b: plain_step(tasks["plain"], b),
+                "Guard.step": guards["Guard.step"].step,
+                "Guard.step, history=0": guards["Guard.step, history=0"].step,
+                "Guard.watch": lambda b: watch_step(guards["Guard.watch"], b)}
         for i in range(args.warmup + args.steps):
             b = batches[i % len(batches)]
-            order = [("plain", lambda: plain_step(plain, b)), ("guard", lambda: guard.step(b))]
+            order = names[i % len(names):] + names[:i % len(names)]
             losses = {}
-            for side, fn in (order if i % 2 == 0 else order[::-1]):
-                dt, losses[side] = timed(fn)
+            for name in order:
+                dt, losses[name] = timed(lambda: runs[name](b))
                 if i >= args.warmup:
-                    (t_plain if side == "plain" else t_guard).append(dt)
-            same_loss &= losses["plain"] == losses["guard"]
-        pieces = piece_times(guard, reps=max(10, args.steps))
-        pieces |= in_step_times(guard, batches, reps=max(10, args.steps // 2))
+                    times[name].append(dt)
+            same_loss &= len(set(losses.values())) == 1
+        pieces = piece_times(guards["Guard.step"], reps=max(10, args.steps))
+        pieces |= in_step_times(guards["Guard.step"], batches, reps=max(10, args.steps // 2))
 
-    med_p, med_g = statistics.median(t_plain), statistics.median(t_guard)
+    plain = times["plain"]
+    med_p = statistics.median(plain)
     res = {
-        "config": cfg, "n_params": n_params, "optimizer": "AdamW", "steps": args.steps,
-        "warmup": args.warmup, "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "platform": platform.platform(), "processor": platform.processor(),
-        "plain_ms": summary(t_plain), "guard_ms": summary(t_guard),
-        "overhead_pct_median": 100 * (med_g / med_p - 1),
-        "overhead_pct_mean": 100 * (statistics.mean(t_guard) / statistics.mean(t_plain) - 1),
-        "overhead_pct_paired_median": 100 * statistics.median(
-            g_ / p_ - 1 for p_, g_ in zip(t_plain, t_guard)),
-        "pieces_ms_median": pieces, "losses_identical": same_loss,
-    }
-    print(f"config: {cfg} | params: {n_params:,} | AdamW | torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads | {args.warmup} warm-up + {args.steps} measured "
-          f"steps per side, interleaved | plain and guarded losses identical: {same_loss}\n")
-    print("| loop | median ms/step | mean ms/step | stdev ms |\n|---|---:|---:|---:|")
-    for name, key in (("plain", "plain_ms"), ("Guard.step", "guard_ms")):
-        r = res[key]
-        print(f"| {name} | {r['median']:.1f} | {r['mean']:.1f} | {r['stdev']:.1f} |")
-    print(f"\noverhead (median guarded / median plain - 1): {res['overhead_pct_median']:+.2f}%"
-          f"  (mean-based {res['overhead_pct_mean']:+.2f}%, "
-          f"median of paired ratios {res['overhead_pct_paired_median']:+.2f}%)\n")
-    print("| Guard piece | median ms | % of plain step |\n|---|---:|---:|")
+        "config": cfg, "size": args.size, "n_params": n_params, "optimizer": "AdamW",
+        "steps": args.steps, "warmup": args.warmup, "clock": args.clock,
+        "load_average": os.getloadavg(), "torch": torch.__version__,
+        "threads": torch.get_num_threads(), "platform": platform.platform(),
+        "processor": platform.processor(), "losses_identical": same_loss, "sides": {},
+        "pieces_ms_median": pieces}
+    for name in names:
+        ts = times[name]
+        res["sides"][name] = {
+            "ms": summary(ts),
+            "ratio_of_medians": statistics.median(ts) / med_p,
+            "ratio_paired_median": statistics.median(t / p for p, t in zip(plain, ts))}
+    print(f"size {args.size}: {cfg} | params: {n_params:,} | AdamW | torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads, {args.clock} clock, load average "
+          f"{os.getloadavg()[0]:.1f} | {args.warmup} warm-up + {args.steps} measured "
+          f"rounds, sides interleaved (order rotating) | losses identical on every side: "
+          f"{same_loss}\n")
+    print("| side | median ms/step | mean ms/step | stdev ms | x plain (medians) "
+          "| x plain (median of paired ratios) |\n|---|---:|---:|---:|---:|---:|")
+    for name, r in res["sides"].items():
+        ms = r["ms"]
+        print(f"| {name} | {ms['median']:.2f} | {ms['mean']:.2f} | {ms['stdev']:.2f} "
+              f"| {r['ratio_of_medians']:.4f} | {r['ratio_paired_median']:.4f} |")
+    print("\n| Guard piece | median ms | % of plain step |\n|---|---:|---:|")
     for k, v in pieces.items():
-        print(f"| {k} | {v:.2f} | {100 * v / (1e3 * med_p):.2f}% |")
+        print(f"| {k} | {v:.3f} | {100 * v / (1e3 * med_p):.2f}% |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

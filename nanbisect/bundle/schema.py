@@ -130,6 +130,7 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "nonfinite_grads": (_names, "{nan: [names], inf: [names], nan_count, inf_count}"),
         "nonfinite_params": (_names, "{nan: [names], inf: [names], nan_count, inf_count}"),
         "scaler_skips": (_count, "an integer >= 0"),
+        "undeclared_scaler": (lambda v: isinstance(v, bool), "true or false"),
         "rank": (lambda v: _int(v) and 0 <= v < MAX_WORLD_SIZE, "an integer >= 0"),
         "spike": (lambda v: isinstance(v, dict) and all(map(_num, v.values())),
                   "an object of numbers")},

@@ -1,23 +1,27 @@
 """`Guard`: run training steps, and freeze the first non-finite one into a bundle.
 
 Guarantees: `Guard.step` runs the Task's whole step (`nanbisect.step.run_step`: micro-batches,
-scaler, clipping), the same code every replay runs; a failing step's bundle holds the state
-before it (`nanbisect.guard.snapshot`, written by `nanbisect.guard.write`). A healthy step costs
-one snapshot copy of the parameters, buffers and optimizer state (kept on their device), one
-norm per parameter (and per gradient, for the history) and one host synchronisation; exact
-checks run only when that screen trips (`nanbisect.guard.screen`). Every bundle holds the last
-``history`` steps' health (`nanbisect.history`); with ``lookback`` it holds the steps since a
-snapshot up to 2K steps back (`nanbisect.bundle.lookback`); with ``spike`` a loss far above its
-recent history writes a bundle and training goes on. Gradients are not screened on
-their own: a non-finite gradient becomes a non-finite parameter through the update (so it is
-caught, and classified as a gradient fault by the exact check). A step the GradScaler skips is
-normal; ``max_scaler_skips`` skips in a row is a failure (the scaler has stalled), bundled as the
-last skipped step. With ``clip_grad_norm``, the gradients' kind (NaN or inf) is the one the total
-norm had before clipping turned it into NaN. Under torch.distributed all ranks agree on a failure
-(one all-reduce of a one-element flag per step) and every rank writes its part of one bundle,
-with what each collective of the failing step gave it (`nanbisect.guard.tape`). Not guaranteed:
-custom loops (`Guard.watch`) are replayed through the Task, not through the loop: what the loop
-does beyond the Task's fields is not in the bundle.
+scaler, clipping), the same code every replay runs; a failing step's bundle holds the state before
+it (`nanbisect.guard.snapshot`, written by `nanbisect.guard.write`). A healthy step costs one
+snapshot copy of the parameters, buffers and optimizer state (kept on their device), one norm per
+parameter and per gradient from one pass over both, and one host synchronisation; exact checks run
+only when that screen trips (`nanbisect.guard.screen`). Every bundle holds the last ``history``
+steps' health (`nanbisect.history`); with ``lookback`` it holds the steps since a snapshot up to 2K
+steps back (`nanbisect.bundle.lookback`); with ``spike`` a loss far above its recent history writes
+a bundle and training goes on. A non-finite gradient becomes a non-finite parameter through the
+update (caught, and classified as a gradient fault by the exact check); the gradients' global norm,
+read in the same synchronisation, is their finiteness flag for the steps where it does not: with
+parameters that moved (part of a non-finite update applied) a failure at once; with parameters that
+did not move a skipped step (the declared GradScaler's skip; without one, whatever skipped it: a
+scaler the loop keeps for itself, warned about once). A skipped step is normal; ``max_scaler_skips``
+skips in a row is a failure (the scaler has stalled), bundled as the last skipped step
+(``observed.undeclared_scaler`` when the Task declares no scaler: the report names the fix). With
+``clip_grad_norm``, the gradients' kind (NaN or inf) is the one the total norm had before clipping
+turned it into NaN. Under torch.distributed all ranks agree on a failure (one all-reduce of a
+one-element flag per step: a rank's non-finite gradients trip every rank's exact check) and every
+rank writes its part of one bundle, with what each collective of the failing step gave it
+(`nanbisect.guard.tape`). Not guaranteed: custom loops (`Guard.watch`) are replayed through the
+Task, not through the loop: what the loop does beyond the Task's fields is not in the bundle.
 """
 from __future__ import annotations
 
@@ -39,7 +43,7 @@ from nanbisect.guard.agree import write_timeout
 from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
 from nanbisect.guard.entry import _check_out, resolve_entry_file
 from nanbisect.guard.parts import held_ranks
-from nanbisect.guard.screen import _bad_names, _kind, _listed, _norms
+from nanbisect.guard.screen import _bad_names, _kind, _listed, _step_norms
 from nanbisect.guard.snapshot import _live_scale, _Snapshot
 from nanbisect.guard.tape import record_step
 from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
@@ -70,6 +74,10 @@ class Spike:
     window: int = hist.JUMP_WINDOW
     max_bundles: int = 3
 
+
+
+def _declared_scaler(task: Task) -> bool:
+    return task.grad_scaler is not None and task.grad_scaler.is_enabled()
 
 
 class Guard:
@@ -132,6 +140,8 @@ class Guard:
         self.spikes: list[Path] = []        # the spike bundles written, oldest first
         self._in_spike = False
         self._lr: Any = None
+        self._params: list[torch.nn.Parameter] = []   # the model's, read as each step begins
+        self._warned_undeclared = False
 
     def step(self, batch: Any) -> float:
         """Run the Task's step (micro-batches, scaler, clipping, optimizer); return its loss
@@ -171,7 +181,7 @@ class Guard:
         yield w
         self._value = None
         try:
-            self._end(w.batch, rng, w.loss)
+            self._end(w.batch, rng, w.loss, watched=True)
         finally:
             w.value = self._value
 
@@ -179,7 +189,8 @@ class Guard:
     def _begin(self) -> RngState:
         rng = RngState.get(self._accel)
         task = self.task
-        self._snapshot.take(task.model, task.optimizer, task.grad_scaler)
+        self._params = list(task.model.parameters())
+        self._snapshot.take(task.model, task.optimizer, task.grad_scaler, self._params)
         if self._lookback is not None:
             self._lookback.begin(self.step_index, task.model, task.optimizer, task.grad_scaler)
         # the learning rate this step uses (a scheduler changes it after the step)
@@ -188,31 +199,36 @@ class Guard:
         return rng
 
     def _end(self, batch: Any, rng: RngState, loss: torch.Tensor | None,
-             grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None) -> None:
+             grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None,
+             watched: bool = False) -> None:
+        """The step's screen, its history, and a failure bundled and raised (``watched``: the
+        step of a `watch` block, else `step`'s)."""
         dev, scale, read, flag = self._read_screen(loss, grad_norm, skipped)
-        loss_v, param_v = read["loss"], read["screen"]
+        loss_v, param_v, grads_v = read["loss"], read["screen"], read["grads"]
         norm_v, skip_v = read.get("grad_norm"), read.get("skipped")
         self._value = loss_v if loss is not None else None
+        skip, applied = skip_v is not None and skip_v > 0, False
+        if _kind(grads_v) != "finite" and _kind(param_v) == "finite" and \
+                _kind(loss_v) == "finite":
+            skip, applied = self._nonfinite_grads(skip, watched)
         if self._history is not None:
             lr = read.get("lr", self._lr)
             self._history.add({
                 "step": self.step_index, "loss": self._value,
-                "grad_norm": norm_v if norm_v is not None else read.get("history_grad_norm"),
-                "skipped": bool(skip_v > 0) if skip_v is not None else False,
-                "lr": float(lr) if isinstance(lr, (int, float)) else None})
+                "grad_norm": norm_v if norm_v is not None else grads_v,
+                "skipped": skip, "lr": float(lr) if isinstance(lr, (int, float)) else None})
         if self._lookback is not None:
             self._lookback.end(self.step_index, rng, batch)
-        if skip_v is not None:
-            self.scaler_skips = self.scaler_skips + 1 if skip_v > 0 else 0
+        self.scaler_skips = self.scaler_skips + 1 if skip else 0
         stalled = self.scaler_skips >= self.max_scaler_skips
         tripped = (flag > 0 if self._rank.distributed else
-                   _kind(param_v) != "finite" or _kind(loss_v) != "finite" or stalled)
+                   _kind(param_v) != "finite" or _kind(loss_v) != "finite" or stalled or applied)
         if not tripped:
             self._check_spike(batch, rng, loss_v if loss is not None else None)
             self.step_index += 1
             return
         observed = self._confirm(loss_v if loss is not None else None, loss_v, norm_v, stalled,
-                                 dev)
+                                 dev, applied)
         if observed is None:
             self.step_index += 1
             return
@@ -222,45 +238,72 @@ class Guard:
         raise NonFiniteStep(path, observed, error,
                             ranks=held_ranks(path) if self._rank.distributed else None)
 
+    def _nonfinite_grads(self, skipped: bool, watched: bool) -> tuple[bool, bool]:
+        """The exact check of gradients the screen saw non-finite while loss and parameters are
+        finite: (the step was skipped, a non-finite update was applied). With parameters that
+        moved, something applied part of a non-finite update: a failure at once. With
+        parameters that did not move, the step was skipped: a declared scaler says so itself
+        (``skipped``); without one, whatever skipped it (a GradScaler the loop keeps for itself:
+        warned about once). `step` without an optimizer skips nothing: a failure at once."""
+        if not any(g is not None and not bool(torch.isfinite(local(g)).all())
+                   for g in (p.grad for p in self._params)):
+            return skipped, False     # the sum of squares overflowed on finite gradients
+        if self._snapshot.moved() or (not watched and self.task.optimizer is None):
+            return skipped, True
+        if _declared_scaler(self.task):
+            return skipped, False
+        if not self._warned_undeclared:
+            self._warned_undeclared = True
+            warnings.warn(
+                f"Guard: step {self.step_index} was skipped (its gradients are not finite "
+                "and the parameters did not move) but the Task declares no GradScaler; "
+                "if the loop scales its loss with one, declare it: Task(grad_scaler="
+                f"scaler). {self.max_scaler_skips} skipped steps in a row are a failure "
+                "(a stalled scaler)", RuntimeWarning, stacklevel=5 if watched else 4)
+        return True, False
+
     def _read_screen(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
                      skipped: torch.Tensor | None
                      ) -> tuple[torch.device, torch.Tensor | None, dict, float]:
         """The screen of the step, read back in its one host synchronisation: (the device, the
-        scaler's live scale, slot -> value, the ranks' failure flag (under torch.distributed))."""
+        scaler's live scale, slot -> value, the ranks' failure flag (under torch.distributed)).
+        Slots: the loss, the sum of the parameters' norms (the screen), the gradients' global
+        norm (their finiteness flag), and what the step or the history adds."""
         self._snapshot.wait()     # a step without the Task's optimizer: its copies, before all
-        params = [local(p.data) for p in self.task.model.parameters()]
-        dev = params[0].device if params else torch.device("cpu")
+        params = self._params
+        dev = local(params[0]).device if params else torch.device("cpu")
         scaler, scale = self.task.grad_scaler, _live_scale(self.task.grad_scaler)
         if skipped is None and scale is not None:
             # a loop of its own (watch): the scaler skipped when it backed its scale off
             before = (self._snapshot.scale if self._snapshot.scale is not None else
                       torch.full_like(scale, scaler._init_scale))
             skipped = (scale < before).float()
-        loss_t = (local(loss).detach().float().reshape(-1).sum().to(dev) if loss is not None
-                  else torch.zeros((), device=dev))
-        norms = _norms(params, dev)
-        slots = {"loss": loss_t, "screen": norms.sum()}
+        with torch.no_grad():
+            loss_t = (local(loss).detach().float().reshape(-1).sum().to(dev) if loss is not None
+                      else torch.zeros((), device=dev))
+            # per parameter its norm after the update (the screen) and its gradient's, in one
+            # pass; the gradients' global norm is non-finite iff some gradient is (or overflows)
+            norms = _step_norms(params, [p.grad for p in params], dev)
+            slots = {"loss": loss_t, "screen": norms[0].sum(),
+                     "grads": torch.linalg.vector_norm(norms[1])}
         for key, t in (("grad_norm", grad_norm), ("skipped", skipped)):
             if t is not None:
                 slots[key] = t.detach().float().reshape(()).to(dev)
         if self._history is not None:
-            # per parameter: its norm after the update (the screen) and its gradient's, kept on
-            # the device; the global gradient norm (clipping's, when it clips) read with the rest
-            grads = _norms([p.grad for p in self.task.model.parameters()], dev)
-            self._history.record_norms(self.step_index, norms, grads, lambda: [
+            # kept on the device; the global gradient norm (clipping's, when it clips) read
+            # with the rest
+            self._history.record_norms(self.step_index, norms, lambda: [
                 n for n, _ in self.task.model.named_parameters()])
-            if grad_norm is None:
-                slots["history_grad_norm"] = torch.linalg.vector_norm(grads)
             if isinstance(self._lr, torch.Tensor):
                 slots["lr"] = self._lr.detach().float().reshape(()).to(dev)
-        # NB: gradients are not screened: a non-finite gradient reaches the parameters through
-        # any update with lr > 0, and a step the GradScaler skips must not trip the guard.
+        # NB: a non-finite gradient reaches the parameters through any update with lr > 0; one
+        # that does not (the step was skipped) is checked exactly on the host (`_end`).
         # The one host synchronisation of a healthy step (under torch.distributed, after one
         # all-reduce of a one-element flag, so that all ranks agree on a failure):
         vals = torch.stack(list(slots.values()))
         stall_next = self.scaler_skips + 1 >= self.max_scaler_skips
         if self._rank.distributed:
-            flag = (~torch.isfinite(vals[:2])).any()
+            flag = (~torch.isfinite(vals[:3])).any()
             if skipped is not None and stall_next:
                 flag = flag | (skipped.reshape(()).to(dev) > 0)
             flag = any_rank(flag.float().reshape(1).cpu() if self._rank.backend == "gloo"
@@ -270,10 +313,10 @@ class Guard:
         return dev, scale, dict(zip(slots, got)), got[-1]
 
     def _confirm(self, loss: float | None, loss_v: float, grad_norm: float | None,
-                 stalled: bool, dev: torch.device) -> dict | None:
+                 stalled: bool, dev: torch.device, applied: bool = False) -> dict | None:
         """The exact check of a tripped screen: what was observed, or None when it clears (the
         screen overflowed on finite values; under torch.distributed, no rank confirms it)."""
-        observed = self._observe(loss, grad_norm, stalled)
+        observed = self._observe(loss, grad_norm, stalled, applied)
         if self._rank.distributed:  # does any rank confirm it with the exact check?
             confirmed = any_rank(torch.tensor(
                 [float(observed is not None)],
@@ -365,13 +408,14 @@ class Guard:
             scaler._growth_tracker.zero_()
 
     def _observe(self, loss: float | None, grad_norm: float | None,
-                 stalled: bool = False) -> dict | None:
+                 stalled: bool = False, applied: bool = False) -> dict | None:
         named = list(self.task.model.named_parameters())
         grads = _bad_names([(n, p.grad) for n, p in named if p.grad is not None])
         params = _bad_names([(n, p.data) for n, p in named])
         loss_kind = _kind(loss) if loss is not None else "unknown"
-        if loss_kind not in ("nan", "inf") and not any(params.values()) and not stalled:
-            return None  # only loss and parameters decide; gradients say where it came from
+        if loss_kind not in ("nan", "inf") and not any(params.values()) and not stalled \
+                and not applied:
+            return None  # loss, parameters and skips decide; gradients say where it came from
         grads_kind = "nan" if grads["nan"] else "inf" if grads["inf"] else "finite"
         if grad_norm is not None and _kind(grad_norm) != "finite":
             # clipping multiplied the gradients by max_norm / norm: an inf gradient became NaN.
@@ -389,6 +433,9 @@ class Guard:
             out["grad_norm"] = grad_norm if _kind(grad_norm) == "finite" else _kind(grad_norm)
         if stalled:
             out["scaler_skips"] = self.scaler_skips
+            if not _declared_scaler(self.task):
+                # skipped by what the Task does not know of: the note names the fix
+                out["undeclared_scaler"] = True
         return out
 
     def _free_path(self, suffix: str = "") -> Path:

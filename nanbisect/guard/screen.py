@@ -1,10 +1,10 @@
 """A Guard's screen of a step and the exact check behind it.
 
-Guarantees: the screen (`_norms`, `_screen`) is device ops only, one float32 norm per tensor, so
-a healthy step costs no host synchronisation here; it is non-finite iff some element is, or the
-sum of squares overflows float32 (the exact check then clears it). The exact check (`_bad_names`)
-names every tensor holding a NaN (else an inf); `observed` lists at most `LISTED` names per kind,
-with the full counts (`_listed`).
+Guarantees: the screen (`_norms`, `_screen`, `_step_norms`) is device ops only, one float32 norm
+per tensor, so a healthy step costs no host synchronisation here; it is non-finite iff some
+element is, or the sum of squares overflows float32 (the exact check then clears it). The exact
+check (`_bad_names`) names every tensor holding a NaN (else an inf); `observed` lists at most
+`LISTED` names per kind, with the full counts (`_listed`).
 """
 from __future__ import annotations
 
@@ -13,6 +13,12 @@ import torch
 from nanbisect.bundle.state import local
 
 LISTED = 20     # names listed per kind in `observed`; the counts say how many there were
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _locals(tensors) -> list[torch.Tensor]:
+    """`local` of each tensor (a plain tensor or parameter is itself: no call for it)."""
+    return [t if type(t) in _PLAIN else local(t) for t in tensors]
 
 
 def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
@@ -29,6 +35,26 @@ def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Te
     zero = torch.zeros((), device=device)
     return torch.stack([torch.linalg.vector_norm(local(t).detach().abs().float()).to(device)
                         if t is not None else zero for t in tensors])
+
+
+@torch.no_grad()
+def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
+                device: torch.device) -> torch.Tensor:
+    """[2, P]: each parameter's float32 L2 norm (row 0) and its gradient's (row 1; 0 for None),
+    from one pass over both (one foreach call where the tensors allow): `_norms`' rules."""
+    n = len(params)
+    if not n:
+        return torch.zeros(2, 0, device=device)
+    ps = _locals(params)
+    gs = _locals(g for g in grads if g is not None)
+    if len(gs) < n:
+        zero = torch.zeros(1, dtype=(gs or ps)[0].dtype, device=device)
+        gs = [g if g is not None else zero for g in _locals(grads)]
+    try:
+        # all on one device, each dtype with a kernel: one call (else an error, below)
+        return torch.stack(torch._foreach_norm(ps + gs, 2, dtype=torch.float32)).view(2, n)
+    except (RuntimeError, TypeError):   # another device, a dtype foreach has no kernel for
+        return torch.stack([_norms(ps, device), _norms(gs, device)])
 
 
 def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

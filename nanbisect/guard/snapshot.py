@@ -2,16 +2,20 @@
 
 Guarantees: `_Snapshot.take` copies everything an optimizer step or a forward pass may change in
 place (parameters, buffers, optimizer state and param-group settings, the GradScaler's scale and
-growth tracker), on the tensors' own device; `restore` puts the copies back, and `swap`
-exchanges them with the live state (twice: as it was). Not guaranteed: state outside the model,
-the optimizer and the scaler (a scheduler's, a data loader's) is not copied.
+growth tracker), on the tensors' own device; `restore` puts the copies back, and `swap` exchanges
+them with the live state (twice: as it was). The copies are allocated once and reused while every
+live tensor is the same object with the same shape, dtype and device (a parameter's ``.data``
+replaced, a buffer or an optimizer state entry re-bound: new copies). Not guaranteed: state outside
+the model, the optimizer and the scaler (a scheduler's, a data loader's) is not copied.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from nanbisect import devices
-from nanbisect.bundle.state import local
+from nanbisect.guard.screen import _locals
 
 
 def _live_scale(scaler) -> torch.Tensor | None:
@@ -20,6 +24,51 @@ def _live_scale(scaler) -> torch.Tensor | None:
     if scaler is None or not scaler.is_enabled():
         return None
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
+
+
+class _Copies:
+    """Copies of a list of live tensors, kept from one step to the next while they fit."""
+
+    def __init__(self) -> None:
+        self.live: list[torch.Tensor] = []
+        self.copies: list[torch.Tensor] = []
+        self._meta: list[tuple] = []
+
+    def bind(self, live: list[torch.Tensor], checked: int) -> None:
+        """Point at ``live``. The first ``checked`` tensors (parameters, buffers: their ``.data``
+        can be replaced in place) are checked by shape, dtype and device, the rest (optimizer
+        state, re-bound rather than changed) by identity; new copies only where one differs."""
+        meta = [(t.shape, t.dtype, t.device) for t in live[:checked]]
+        if len(live) == len(self.live) and meta == self._meta and \
+                all(map(operator.is_, live[checked:], self.live[checked:])):
+            self.live = live
+            return
+        old = self.copies
+        self.copies = [old[i] if i < len(old) and old[i].shape == t.shape and
+                       old[i].dtype == t.dtype and old[i].device == t.device
+                       else torch.empty_like(t, requires_grad=False)
+                       for i, t in enumerate(live)]
+        self.live, self._meta = live, meta
+
+    @torch.no_grad()
+    def copy(self, idx: list[int] | None = None) -> None:
+        src, dst = self.live, self.copies
+        if idx is not None:
+            src, dst = [src[i] for i in idx], [dst[i] for i in idx]
+        if src:
+            torch._foreach_copy_(dst, src)
+
+    @torch.no_grad()
+    def put_back(self) -> None:
+        for dst, src in zip(self.live, self.copies):
+            dst.copy_(src)
+
+    @torch.no_grad()
+    def swap(self) -> None:
+        for live, copy in zip(self.live, self.copies):
+            tmp = live.clone()
+            live.copy_(copy)
+            copy.copy_(tmp)
 
 
 class _Snapshot:
@@ -34,8 +83,10 @@ class _Snapshot:
     """
 
     def __init__(self, side_stream: bool = True) -> None:
-        self._copies: list[torch.Tensor] = []
-        self._live: list[torch.Tensor] = []
+        self._early = _Copies()    # buffers, the scaler's scale and growth tracker
+        self._late = _Copies()     # parameters, optimizer state
+        self._n_params = 0
+        self._state_vals: list = []     # the optimizer's state values the last take saw
         self._opt_state: dict = {}
         self._groups: list[dict] = []
         self.scale: torch.Tensor | None = None    # the scaler's scale before the step
@@ -44,6 +95,11 @@ class _Snapshot:
         self._done = None          # its event: reached when the side copies are complete
         self._hooked: tuple | None = None   # (optimizer, hook handle) that waits for them
 
+    @property
+    def _live(self) -> list[torch.Tensor]:
+        """Every live tensor copied (scripts/bench_guard.py)."""
+        return self._late.live + self._early.live
+
     def wait(self) -> None:
         """Make the current stream wait for the side copies (no-op without them)."""
         done, self._done = self._done, None
@@ -51,78 +107,93 @@ class _Snapshot:
             devices.entry(self._stream.device).wait_event(self._stream.device, done)
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-             scaler=None) -> None:
+             scaler=None, params: list | None = None) -> None:
+        """Copy the pre-step state (``params``: the model's parameters, when the caller has
+        them)."""
         self.wait()
-        params = [local(p.data) for p in model.parameters()]
-        buffers = [local(b) for b in model.buffers()]
-        state: list[torch.Tensor] = []
-        self._opt_state = {}
-        if opt is not None:
-            for p, st in opt.state.items():
-                self._opt_state[p] = {k: v for k, v in st.items()}
-                state += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
-            self._groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-        live = params + buffers + state
+        ps = _locals(model.parameters() if params is None else params)
         scale = _live_scale(scaler)
+        early = _locals(model.buffers())
+        n_buf = len(early)
         if scale is not None:
-            live += [scale, scaler._growth_tracker]   # two 1-element tensors
-        if [t.shape for t in live] != [t.shape for t in self._copies] or any(
-                a.dtype != b.dtype or a.device != b.device for a, b in zip(live, self._copies)):
-            self._copies = [torch.empty_like(t) for t in live]
-        self._live = live
+            early += [scale, scaler._growth_tracker]   # two 1-element tensors
+        self._early.bind(early, n_buf)
         # the scale before the step; None: the step is the scaler's first
-        self.scale = self._copies[-2] if scale is not None else None
-        if not live:
-            return
-        dev = live[0].device
+        self.scale = self._early.copies[-2] if scale is not None else None
+        self._groups = ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+                        if opt is not None else [])
+        self._n_params = len(ps)
+        dev = (ps or early or [torch.zeros(())])[0].device
         dt = devices.entry(dev)
         streams = self.side_stream and opt is not None and dt.has_streams()
-        side = list(range(len(params))) + [len(params) + len(buffers) + i
-                                           for i in range(len(state))]
-        side = [i for i in side if live[i].device == dev]
-        if not streams or not side:
-            torch._foreach_copy_(self._copies, live)
+        self._bind_late(ps, opt)
+        if not streams:
+            self._early.copy()
+            self._late.copy()
             return
+        late = self._late.live
+        side = [i for i, t in enumerate(late) if t.device == dev]
         if self._stream is None or self._stream.device != dev:
             self._stream = dt.new_stream(dev)
-        self._done = dt.side_copy(self._stream, [self._copies[i] for i in side],
-                                  [live[i] for i in side])
+        with torch.no_grad():
+            self._done = dt.side_copy(self._stream, [self._late.copies[i] for i in side],
+                                      [late[i] for i in side]) if side else None
         chosen = set(side)
-        rest = [i for i in range(len(live)) if i not in chosen]
-        if rest:
-            torch._foreach_copy_([self._copies[i] for i in rest], [live[i] for i in rest])
+        self._late.copy([i for i in range(len(late)) if i not in chosen])
+        self._early.copy()
         if self._hooked is None or self._hooked[0] is not opt:
             if self._hooked is not None:
                 self._hooked[1].remove()
             self._hooked = (opt, opt.register_step_pre_hook(lambda *_: self.wait()))
+
+    def _bind_late(self, ps: list[torch.Tensor], opt: torch.optim.Optimizer | None) -> None:
+        state: list[torch.Tensor] = []
+        if opt is not None:
+            vals = [v for st in opt.state.values() for v in st.values()]
+            if len(vals) != len(self._state_vals) or \
+                    not all(map(operator.is_, vals, self._state_vals)):
+                # state made or re-bound since the last step (its entries are kept for restore)
+                self._opt_state = {p: dict(st) for p, st in opt.state.items()}
+                self._state_vals = vals
+            state = _locals(v for v in vals if isinstance(v, torch.Tensor))
+        else:
+            self._opt_state, self._state_vals = {}, []
+        self._late.bind(ps + state, len(ps))
+
+    def moved(self) -> bool:
+        """Does some parameter differ from its pre-step copy (exact)?"""
+        self.wait()
+        late = self._late
+        return any(not torch.equal(p, c) for p, c in
+                   zip(late.live[:self._n_params], late.copies[:self._n_params]))
 
     @torch.no_grad()
     def swap(self, opt: torch.optim.Optimizer | None) -> None:
         """Exchange the live state with the copies (twice: back as it was), one tensor's worth
         of extra memory at a time; the optimizer's state entries and groups too."""
         self.wait()
-        for live, copy in zip(self._live, self._copies):
-            tmp = live.clone()
-            live.copy_(copy)
-            copy.copy_(tmp)
+        self._early.swap()
+        self._late.swap()
         if opt is None:
             return
-        state = {p: dict(st) for p, st in opt.state.items()}
         groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        for g, saved in zip(opt.param_groups, self._groups):
+            g.update(saved)
+        self._groups = groups
+        state = {p: dict(st) for p, st in opt.state.items()}
         for p in list(opt.state):
             if p not in self._opt_state:
                 del opt.state[p]
         for p, st in self._opt_state.items():
             opt.state[p] = dict(st)
-        for g, saved in zip(opt.param_groups, self._groups):
-            g.update(saved)
-        self._opt_state, self._groups = state, groups
+        self._opt_state = state
+        self._state_vals = []     # the next take saves the entries again
 
     @torch.no_grad()
     def restore(self, opt: torch.optim.Optimizer | None) -> None:
         self.wait()
-        for dst, src in zip(self._live, self._copies):
-            dst.copy_(src)
+        self._early.put_back()
+        self._late.put_back()
         if opt is not None:
             for p in list(opt.state):
                 if p not in self._opt_state:
@@ -131,4 +202,3 @@ class _Snapshot:
                 opt.state[p] = dict(st)
             for g, saved in zip(opt.param_groups, self._groups):
                 g.update(saved)
-

@@ -11,7 +11,7 @@ import torch
 
 from nanbisect import devices
 from nanbisect.bundle.format import Bundle
-from nanbisect.errors import BadInput
+from nanbisect.errors import UNDECLARED_SCALER, BadInput
 from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, captured_type,
                                        recorded_failure)
 from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
@@ -108,6 +108,8 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
         run.progress("isolate", "isolating the target's ops on the reference")
         return _divergence_report(run, side, divergence, tmp)
     fid = facts.fidelity
+    if undeclared_scaler(facts.observed):
+        run.notes.append(UNDECLARED_SCALER)
     if first.phase is None and first.scaler_skipped:
         scale = (run.rep.bundle.manifest.get("grad_scaler") or {}).get("scale")
         run.notes.append(f"the GradScaler skipped this step: its gradients were not finite at "
@@ -128,6 +130,11 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
     return _culprit_report(run, first, side, ref, tmp)
 
 
+def undeclared_scaler(observed) -> bool:
+    """Did the Guard bundle a stall of steps skipped with no GradScaler on the Task?"""
+    return isinstance(observed, dict) and observed.get("undeclared_scaler") is True
+
+
 def _fidelity_notes(f: Fidelity, target: str) -> list[str]:
     notes = []
     if f.code_changed:
@@ -145,7 +152,8 @@ def _fidelity_notes(f: Fidelity, target: str) -> list[str]:
 
 def _not_reproduced(run: _Run) -> Report:
     """The recorded failure did not come back: say why that is, as far as the evidence goes."""
-    classification, why = classify_not_reproduced(run.facts.fidelity, run.facts.target)
+    classification, why = classify_not_reproduced(
+        run.facts.fidelity, run.facts.target, undeclared_scaler(run.facts.observed))
     return Report("not-reproduced", classification, None, None, None, run.facts,
                   notes=[f"the manifest records a non-finite step, but {why}", *run.notes])
 

@@ -100,15 +100,22 @@ def classify_culprit(ev: Evidence) -> tuple[str, list[str]]:
     return classification, notes
 
 
-def classify_not_reproduced(f: Fidelity | None, target: str) -> tuple[str, str]:
+def classify_not_reproduced(f: Fidelity | None, target: str, undeclared_scaler: bool = False
+                            ) -> tuple[str, str]:
     """(classification, why) of a recorded failure that did not come back on ``target``: what
     the fidelity evidence allows, ``transient`` only when the replay ran the captured code on
     the capture machine (same hardware, same versions) and computed the captured step.
+    ``undeclared_scaler``: the Guard bundled a stall of steps skipped with no GradScaler on
+    the Task, so a finite replay (without that scaling) is the loop's scaling, not a transient.
 
     >>> f = Fidelity([], [], True, True, hardware_changed=["cpu processor: A at capture, B now"])
     >>> classify_not_reproduced(f, "cpu")[0], classify_not_reproduced(None, "cpu")[0]
     ('unknown', 'transient')
     """
+    if undeclared_scaler:
+        return "replay-mismatch", (
+            "the loop scales its loss with a GradScaler the Task does not declare: the replay, "
+            "without that scaling, has finite gradients, so the overflow was the scaling's")
     if f is not None and f.code_changed:
         return "code-changed", (
             "the replay ran different code from the capture's (listed above): the edit, not the "

@@ -5,6 +5,10 @@
   skips every step (a stall).
 - ``healthy_scaled``: the same model without the fault, with a scale so large that the first
   steps overflow: the scaler skips them, then trains (normal).
+- ``unscaled`` and ``loud``: Tasks that declare no GradScaler, for loops that keep their own
+  (``loop_scaler``): ``unscaled`` is ``scaled``'s faulty model (its gradients are inf at any
+  scale), ``loud`` the healthy one with its loss times 1e4 (finite gradients that overflow at a
+  loss scale near 2**127 only).
 - ``clipped``: clipping to 1.0 and accumulation of 2 micro-batches; a batch flagged ``bad`` makes
   ``gate``'s backward inf in its second micro-batch, which clipping turns into NaN.
 - ``frozen_bn``: a BatchNorm backbone the loop freezes (eval mode, no gradients) under a trained
@@ -72,6 +76,37 @@ def scaled():
     opt = torch.optim.SGD(m.parameters(), lr=0.01)
     return nanbisect.Task(m, opt, mean_out,
                           grad_scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+
+
+def unscaled():
+    torch.manual_seed(0)
+    m = Net(broken=True)
+    return nanbisect.Task(m, torch.optim.SGD(m.parameters(), lr=0.01), mean_out)
+
+
+def loud_mse(model, batch):
+    return 1e4 * mse(model, batch)
+
+
+def loud():
+    torch.manual_seed(0)
+    m = Net(broken=False)
+    return nanbisect.Task(m, torch.optim.SGD(m.parameters(), lr=1e-7), loud_mse)
+
+
+def loop_scaler(init_scale: float = 1024.0, growth_interval: int = 2000):
+    """The GradScaler a custom AMP loop keeps for itself (not declared on its Task)."""
+    return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=growth_interval)
+
+
+def amp_watch(guard, task, scaler, batch) -> None:
+    """One step of the custom AMP loop, under ``guard.watch``."""
+    with guard.watch(batch) as w:
+        task.optimizer.zero_grad(set_to_none=True)
+        w.loss = task.loss_fn(task.model, batch)
+        scaler.scale(w.loss).backward()
+        scaler.step(task.optimizer)
+        scaler.update()
 
 
 def healthy_scaled():
