@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect import devices
 from nanbisect.bundle.state import local
+from nanbisect.locate.rows import RowTracer
 from nanbisect.records import CallId, Caught, ModuleCaught, OpSite
 from nanbisect.replay.recorder import SKIP
 from nanbisect.replay.replayer import Replayer, stacked
@@ -172,12 +173,15 @@ class InputCatcher(TorchDispatchMode):
 
 
 def catch_inputs(rep: Replayer, site: OpSite,
-                 wrap: Callable[[], ContextManager] = nullcontext) -> Caught | None:
+                 wrap: Callable[[], ContextManager] = nullcontext,
+                 rows: RowTracer | None = None) -> Caught | None:
     """Last pass: replay up to the culprit op and clone its arguments. A forward culprit ends the
     replay right there (in a lockstep multi-rank replay it does not: the other ranks wait in the
     collectives that follow, nor under torch.distributed, whose wrappers keep per-forward state:
     FSDP2's unsharded parameters); a later one runs to the end of its phase (an exception thrown
-    through the autograd engine or an optimizer is not ours to rely on)."""
+    through the autograd engine or an optimizer is not ours to rely on). With ``rows`` (for the
+    same site) the pass also traces the batch rows the culprit's bad value depends on
+    (`RowTracer.result`), at no extra replay."""
     opt = rep.task.optimizer
     files = ()
     if opt is not None:
@@ -191,15 +195,23 @@ def catch_inputs(rep: Replayer, site: OpSite,
 
     def phase(name: str) -> ContextManager:
         catcher.phase = name
+        if rows is not None:
+            rows.phase = name
         # anomaly mode makes every autograd node remember the forward line that created it
         if name == "forward" and site.phase == "backward":
             return torch.autograd.set_detect_anomaly(True, check_nan=False)
         return nullcontext()
 
+    modes = [catcher] if rows is None else [catcher, rows]   # the tracer sees each op first
+    if rows is not None:
+        rep.batch_edits.append(rows.start)
     try:
-        rep.run(phase=phase, wrap=lambda: stacked(wrap(), catcher), stop_after=site.phase)
+        rep.run(phase=phase, wrap=lambda: stacked(wrap(), *modes), stop_after=site.phase)
     except _Caught:
         pass
+    finally:
+        if rows is not None:
+            rep.batch_edits.remove(rows.start)
     return catcher.caught
 
 
