@@ -107,7 +107,8 @@ def run(
                                           "is found (report remedies: [])"),
     remedy_budget: Optional[int] = typer.Option(None, "--remedy-budget", min=0,
                                                 help="extra replays of the step the remedies "
-                                                     "may use (default 4)"),
+                                                     "may use (default: NANBISECT_REMEDY_BUDGET, "
+                                                     "else 4)"),
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
 ) -> None:
     """Replay a bundle, bisect the failure, write report.json, report.md and report.html.

@@ -10,7 +10,7 @@ import torch
 
 import nanbisect
 import remedies as tasks
-from conftest import TEST_TASKS, invoke
+from conftest import TEST_TASKS, invoke, one_line_exit_2
 from nanbisect.locate.rows import RowTracer
 from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.records import OpSite, Remedy
@@ -51,6 +51,8 @@ def test_a_corrupt_row_is_traced_and_the_step_without_it_is_finite(tmp_path):
     r, passes = run(bundle, tmp_path / "r")
     c = r.culprit
     assert (c.op, c.module, c.phase, c.samples) == ("aten.sqrt.default", "act", "forward", [5])
+    bug = next(i for i, t in enumerate(TASKS.read_text().splitlines(), 1) if "BUG: NaN" in t)
+    assert c.source.endswith(f"remedies.py:{bug}")    # the tracer rides along unseen
     k = by_kind(r)
     assert [(p.outcome, p.detail["scope"], p.detail["dtype"]) for p in k["precision"]] == [
         ("still-failing", "op", "float64"), ("still-failing", "module", "float64")]
@@ -162,7 +164,8 @@ def test_a_batch_wide_reduction_cannot_be_traced_and_bisection_finds_the_row(tmp
     assert any("remedy replay 6/6" in text for _, text in passes)
 
 
-def test_the_budget_lists_what_it_left_out_and_no_remedies_turns_them_off(tmp_path):
+def test_the_budget_lists_what_it_left_out_and_no_remedies_turns_them_off(tmp_path,
+                                                                           monkeypatch):
     bundle = capture(tmp_path, "sqrt_rows", tasks.batch(bad=5))
     r, passes = run(bundle, tmp_path / "r", remedies=1)
     assert [(m.kind, m.outcome) for m in r.remedies] == [
@@ -173,6 +176,22 @@ def test_the_budget_lists_what_it_left_out_and_no_remedies_turns_them_off(tmp_pa
     js = json.loads(res.stdout)
     assert res.code == 1 and js["remedies"] == [] and "remedies" not in js["timings"]
     assert js["culprit"]["samples"] == [5]
+    monkeypatch.setenv("NANBISECT_REMEDY_BUDGET", "four")
+    one_line_exit_2(invoke("run", bundle, "--out", tmp_path / "bad"), "NANBISECT_REMEDY_BUDGET",
+                    "'four'", "0 to turn remedies off")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_change_the_model_cannot_take_is_an_error_entry_not_a_failed_run(tmp_path):
+    """The model reshapes its input to exactly 16 rows: the step without row 5 raises in the
+    user's code; that remedy is an error naming it, the run and the other remedies go on."""
+    bundle = capture(tmp_path, "fixed_rows", tasks.batch(bad=5))
+    r, _ = run(bundle, tmp_path / "r")
+    (s,) = by_kind(r)["samples"]
+    assert (s.outcome, s.detail["rows"]) == ("error", [5])
+    assert s.detail["error"].startswith("RuntimeError: shape '[16, 8]' is invalid")
+    assert r.verdict == "culprit" and (tmp_path / "r" / "report.json").is_file()
+    assert "could not be replayed: RuntimeError" in s.sentence()
 
 
 def traced(fn, batch, site: OpSite, kind: str = "nan"):

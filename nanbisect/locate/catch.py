@@ -31,6 +31,8 @@ from nanbisect.replay.tracker import ModuleTracker
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nanbisect/
 _FRAME = re.compile(r'File "(.+)", line (\d+)')
+# a dispatch mode that rides along the catch (`RowTracer`) is not on the op's way from the user
+_RIDERS = {os.path.join(_OWN_DIR, "locate", "rows.py")}
 
 
 def _where(path: str) -> str:
@@ -156,7 +158,8 @@ class InputCatcher(TorchDispatchMode):
                 if state is not None:
                     rng[f"rng/{t.device.type}"] = state
                 break
-        stack = [(f.filename, f.lineno) for f in traceback.extract_stack()]
+        stack = [(f.filename, f.lineno) for f in traceback.extract_stack()
+                 if os.path.abspath(f.filename) not in _RIDERS]
         source = calling_frame(stack)
         if source is None and phase == "optimizer":    # the optimizer's own code
             source = optimizer_frame(stack, optimizer_files)

@@ -24,7 +24,8 @@ from nanbisect.records import (CallId, Caught, Culprit, Divergence, ModuleRepro,
                                module_label)
 from nanbisect.reference.differential import diverging_call, isolate_window
 from nanbisect.reference.side import ReferenceSide
-from nanbisect.remedies import DEFAULT_BUDGET, try_remedies
+from nanbisect.remedies import budget as remedy_budget
+from nanbisect.remedies import try_remedies
 from nanbisect.report.model import Report
 from nanbisect.report.repro import repro_imports, write_module_repro, write_repro
 from nanbisect.report.rerun import Fork, Interpreter, run_repro
@@ -188,7 +189,7 @@ def _remedies(run: _Run, culprit: Culprit, finding: OpFinding | None, kind: str,
     """The remedies tried on the culprit's step (`nanbisect.remedies`), within the run's budget;
     the bundle's lookback gives the state remedy its earlier batch (the failing step's own
     bundle only: a step of ``--steps`` has no earlier batch of its own here)."""
-    budget = DEFAULT_BUDGET if run.opts.remedies is None else run.opts.remedies
+    budget = remedy_budget(run.opts.remedies)
     if budget <= 0:
         return []
     bundle = run.rep.bundle

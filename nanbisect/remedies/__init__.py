@@ -31,14 +31,36 @@ import torch
 
 from nanbisect.bundle.lookback import Window
 from nanbisect.bundle.state import decode
+from nanbisect.errors import BadInput
 from nanbisect.records import Culprit, OpFinding, Remedy, RowTrace, StepOutcome, module_label
 from nanbisect.remedies.batch import drop_rows, identify, row_count
 from nanbisect.remedies.upcast import UpcastOp, upcast_module, wider
 from nanbisect.replay.replayer import Replayer, stacked
+from nanbisect.util.env import env_number
 
-__all__ = ["DEFAULT_BUDGET", "try_remedies", "not_tried"]
+__all__ = ["DEFAULT_BUDGET", "budget", "try_remedies", "not_tried"]
 
 DEFAULT_BUDGET = 4
+BUDGET_ENV = "NANBISECT_REMEDY_BUDGET"
+
+
+def budget(requested: int | None = None) -> int:
+    """The run's budget of extra replays: ``requested`` (``--remedy-budget``, 0 with
+    ``--no-remedies``), else ``NANBISECT_REMEDY_BUDGET`` (a nightly triage's children read it),
+    else `DEFAULT_BUDGET`; `BadInput` for a value that is not a count.
+
+    >>> budget(), budget(0)
+    (4, 0)
+    """
+    if requested is not None:
+        n = requested
+    else:
+        n = env_number(BUDGET_ENV, DEFAULT_BUDGET, int, positive=False,
+                       what="a number of extra replays (0 or more)",
+                       fix="set it to e.g. 4, or 0 to turn remedies off")
+    if n < 0:
+        raise BadInput(f"a remedy budget of {n} replays; give 0 or more (0: no remedies)")
+    return n
 Progress = Callable[[str, str], None]
 
 

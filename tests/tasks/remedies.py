@@ -6,6 +6,8 @@ known change fixes, or does not.
   so only that row's values go bad: the rows trace through the ops to row 5.
 - ``half_overflow``: the model in float16; ``act`` is ``exp(h) / exp(h).sum(-1)``: exp overflows
   float16 (65504) for h > 11 and inf / inf is NaN; in float32 the module is finite.
+- ``fixed_rows``: ``sqrt_rows`` whose forward reshapes its input to exactly 16 rows: the step
+  without a row cannot run (a remedy replay the user's code cannot take).
 - ``batch_mean``: ``act`` centres by the batch's mean (a reduction over the rows) before the
   sqrt: one far-out row pushes every row's value out of range; the rows cannot be traced (the
   bad values mix all rows) and only bisecting the batch finds the row.
@@ -44,19 +46,28 @@ class Net(nn.Module):
         return self.head(self.act(self.fc(x))).squeeze(-1)
 
 
+class FixedRows(Net):
+    def forward(self, x):
+        return super().forward(x.reshape(16, 8))  # a model that needs 16 rows
+
+
 def loss_fn(model, batch):
     return nn.functional.mse_loss(model(batch["x"]), batch["y"])
 
 
-def _task(act: nn.Module, dtype=torch.float32) -> nanbisect.Task:
+def _task(act: nn.Module, dtype=torch.float32, net=Net) -> nanbisect.Task:
     torch.manual_seed(0)
-    model = Net(act).to(dtype)
+    model = net(act).to(dtype)
     return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-5),
                           loss_fn=loss_fn)
 
 
 def sqrt_rows() -> nanbisect.Task:
     return _task(SqrtAct())
+
+
+def fixed_rows() -> nanbisect.Task:
+    return _task(SqrtAct(), net=FixedRows)
 
 
 def half_overflow() -> nanbisect.Task:
