@@ -17,7 +17,9 @@ model), which:
   first step); "after start-up" is the CLI's wall time less that;
 * times ``run_bundle`` in this process, warm (the entry imported and torch's lazy imports done
   by a first, uncounted run), the repro's run included, split by pass (the progress callback:
-  the same passes as ``report.json``'s ``timings``);
+  the same passes as ``report.json``'s ``timings``), with the remedies (issue 27: the default
+  budget of 4 extra replays) and, in the same rounds, without them (``--no-remedies``), so
+  what they add to the time to culprit is the difference;
 * counts the report directory's bytes, and peak RSS of the CLI run against a plain run of two
   steps (separate processes, started by bench_bisect's launcher);
 * runs the peers on the same state: ``torch.autograd.detect_anomaly()`` (and, without
@@ -45,6 +47,7 @@ SIZE_ENV = "NANBISECT_BENCH_SIZE"
 PASSES = [("read", "read + verify bundle"), ("build", "task build"),
           ("module-pass", "pass 1: module statistics"), ("op-recording", "pass 2: op recording"),
           ("input-catch", "pass 3: input catch"), ("op-check", "op check on the reference"),
+          ("remedies", "remedies (extra replays of the step)"),
           ("repro", "repro verification (waiting for it)"), ("module-repro", "module repro"),
           ("report", "report writing")]
 
@@ -67,7 +70,7 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
     res = {"size": size, "config": bb.CONFIG, "threads": torch.get_num_threads(),
            "n_params": sum(p.numel() for p in rep.task.model.parameters()),
            "loadavg_start": os.getloadavg()}
-    plain, inproc, cli, startup = [], [], [], []
+    plain, inproc, cli, startup, bare = [], [], [], [], []
     for i in range(reps + 1):           # round 0 warms up (imports, allocator): not counted
         for _ in range(steps if i else 1):
             dt = bb.timed_step(rep, False)[0]
@@ -83,6 +86,11 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
             timings[key] = timings.get(key, 0.0) + nxt - t
         if i:
             inproc.append({"total_ms": ms(end - marks[0][1]), "timings": timings})
+        out = work / f"bare-{i}"               # the same run without remedies (--no-remedies)
+        t0 = time.perf_counter()
+        run_bundle(bundle, RunOptions(remedies=0), out)
+        if i:
+            bare.append({"total_ms": ms(time.perf_counter() - t0), "timings": {}})
         out = work / f"cli-{i}"
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "nanbisect", "run", "--ckpt", str(bundle),
@@ -112,7 +120,9 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
     res["culprit"] = {"op": c.op, "module": c.module, "module_call": c.module_call,
                       "phase": c.phase, "source": c.source,
                       "reproduced": report.repro_result.reproduced if report.repro_result
-                      else None}
+                      else None, "samples": getattr(c, "samples", None)}
+    res["remedies"] = [{"kind": m.kind, "outcome": m.outcome, "change": m.change}
+                       for m in getattr(report, "remedies", [])]
     step = statistics.median(plain)
     res["plain_step_ms"] = {"median": step, "all": plain}
 
@@ -124,6 +134,9 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
                                                    for r in rows) for k in keys}}
 
     res["run_bundle"] = summary(inproc)
+    res["run_bundle_no_remedies"] = summary(bare)
+    added = res["run_bundle"]["median_ms"] - res["run_bundle_no_remedies"]["median_ms"]
+    res["remedies_add_ms"] = {"median_difference": added, "x_plain": added / step}
     res["cli"] = summary(cli)
     res["startup_ms"] = {k: statistics.median(r[k] for r in startup) for k in startup[0]}
     for key in startup[0]:
@@ -173,6 +186,13 @@ def table(results: list[dict]) -> str:
     row("`run_bundle` in a warm process (passes below), x plain step",
         [f"{r['run_bundle']['x_plain']:.2f}x ({r['run_bundle']['median_ms']:.0f} ms)"
          for r in results])
+    if all("run_bundle_no_remedies" in r for r in results):
+        row("`run_bundle` with `--no-remedies`, x plain step",
+            [f"{r['run_bundle_no_remedies']['x_plain']:.2f}x "
+             f"({r['run_bundle_no_remedies']['median_ms']:.0f} ms)" for r in results])
+        row("**what the remedies add** (with - without), ms, x plain step",
+            [f"**{r['remedies_add_ms']['median_difference']:.0f}** "
+             f"({r['remedies_add_ms']['x_plain']:.2f}x)" for r in results])
     for key, name in PASSES:
         if any(key in r["run_bundle"]["passes_ms"] for r in results):
             row(f"&nbsp;&nbsp;{name}, ms (share)", [
@@ -191,6 +211,10 @@ def table(results: list[dict]) -> str:
     row("culprit (all runs agree)", [f"`{r['culprit']['op']}` in `{r['culprit']['module']}` "
                                      f"call {r['culprit']['module_call']}, reproduced: "
                                      f"{r['culprit']['reproduced']}" for r in results])
+    if all("remedies" in r for r in results):
+        row("remedies (outcome: the step ...)", ["; ".join(f"{m['kind']} {m['outcome']}: "
+                                                          f"{m['change']}" for m in r["remedies"])
+                                                for r in results])
     row("load average at start / end", [
         f"{r['loadavg_start'][0]:.1f} / {r['loadavg_end'][0]:.1f}" for r in results])
     return "\n".join(lines)

@@ -224,6 +224,41 @@ def test_rows_survive_reshapes_matmuls_and_norms_and_are_lost_in_reductions():
     assert alone.samples is None and "no batch row" in alone.why
 
 
+def test_a_tracer_that_breaks_gives_null_and_the_step_goes_on(monkeypatch):
+    """A rule that raises inside the tracer: samples null with the reason, the step's own result
+    unchanged (the catch pass it rides on must not fail)."""
+    def broken(*a, **k):
+        raise RuntimeError("no rule")
+    monkeypatch.setattr(RowTracer, "_outputs", broken)
+    x = torch.ones(4, 3)
+    x[1] = -1.0
+    out = []
+    res = traced(lambda b: out.append((b * 2).sqrt()), x, OpSite("aten.sqrt.default",
+                                                                  "forward", 0))
+    assert res.samples is None and "the row trace failed at aten.mul.Tensor" in res.why
+    assert out[0].isnan().sum().item() == 3
+
+
+def test_remedies_undo_their_changes(fixture_bundle):
+    """After the remedies the replayer replays the captured step again: eps, clipping and the
+    batch as the bundle has them."""
+    from nanbisect.bundle.format import read_bundle
+    from nanbisect.locate.ops import record_ops
+    from nanbisect.locate.producers import make_culprit
+    from nanbisect.remedies import try_remedies
+    from nanbisect.replay.replayer import Replayer
+
+    rep = Replayer(read_bundle(fixture_bundle("optimizer_adam_eps0")), torch.device("cpu"))
+    before = rep.run()
+    f = record_ops(rep, "optimizer", "nan")
+    done = try_remedies(rep, make_culprit(rep.task.model, "optimizer", finding=f), f, budget=4)
+    assert done[0].outcome == "finite"
+    after = rep.run()
+    assert (after.phase, after.loss) == (before.phase, before.loss) == ("optimizer", before.loss)
+    assert rep.batch_edits == [] and rep.task.clip_grad_norm is None
+    assert rep.task.optimizer.param_groups[0]["eps"] == 0.0
+
+
 def test_triage_names_the_remedy_per_signature():
     reps = [{"verdict": "culprit", "classification": "numerics",
              "culprit": {"op": "aten.sqrt.default", "module": "act", "phase": "forward",
