@@ -119,6 +119,25 @@ class _Trials:
         return "still-failing", out.loss, {"phase": out.phase}
 
 
+def rows_text(rows: list[int]) -> str:
+    """Batch rows as a change names them: runs of consecutive rows as ranges.
+
+    >>> rows_text([5]), rows_text([0, 1, 2, 3, 9])
+    ('batch rows [5]', 'batch rows [0-3, 9]')
+    """
+    runs: list[list[int]] = []
+    for r in rows:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    parts = [f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs]
+    text = ", ".join(parts)
+    if len(text) > 80:
+        text = text[:80].rsplit(", ", 1)[0] + f", ... ({len(rows)} rows)"
+    return f"batch rows [{text}]"
+
+
 def _at(c: Culprit) -> str:
     """Where the culprit op runs, in words."""
     if c.phase == "optimizer":
@@ -204,7 +223,7 @@ def _samples(trials: _Trials, trace: RowTrace | None) -> Remedy:
             "reason": "the batch has no tensor with two or more rows"})
     if trace is not None and trace.samples is not None:
         drop = trace.samples
-        change = f"without batch rows {drop}"
+        change = f"without {rows_text(drop)}"
         ids = identify(batch, drop, rows)
         if len(drop) >= rows:
             return Remedy("samples", change, "skipped", detail={
@@ -231,7 +250,7 @@ def _bisect(trials: _Trials, batch: Any, rows: int, why: str) -> Remedy:
             if trials.left <= 0:
                 stop = "budget"
                 break
-            outcome, l, detail = trials.replay(f"without batch rows {half}",
+            outcome, l, detail = trials.replay(f"without {rows_text(half)}",
                                                edit=lambda b, h=half: drop_rows(b, h, rows))
             tried.append({"without": half, "outcome": outcome, **detail})
             if outcome == "error":
@@ -247,7 +266,7 @@ def _bisect(trials: _Trials, batch: Any, rows: int, why: str) -> Remedy:
     if found is not None:
         if stop == "budget" and len(found) > 1:
             detail["note"] = "the budget ended the bisection before it reached one row"
-        return Remedy("samples", f"without batch rows {found}", "finite", loss,
+        return Remedy("samples", f"without {rows_text(found)}", "finite", loss,
                       {"rows": found, "identify": identify(batch, found, rows), **detail})
     change = "without batch rows found by bisecting the batch"
     if not tried:
@@ -346,6 +365,8 @@ def not_tried(culprit: Culprit, reason: str, window: bool = False) -> list[Remed
     replayed in lockstep cannot replay the step again alone)."""
     kinds = (["optimizer"] if culprit.phase == "optimizer" else []) + ["precision", "samples"] \
         + (["state"] if window else [])
-    return [Remedy(k, "with its " + k + " changed" if k != "samples" else
-                   "without the rows the bad value depends on", "skipped",
-                   detail={"reason": reason}) for k in kinds]
+    change = {"optimizer": "with the optimizer's eps raised or its gradients clipped",
+              "precision": "with the culprit op or its module call computed wider",
+              "samples": "without the rows the bad value depends on",
+              "state": "with the batch of the step before (the same state)"}
+    return [Remedy(k, change[k], "skipped", detail={"reason": reason}) for k in kinds]
