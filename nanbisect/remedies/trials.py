@@ -87,6 +87,8 @@ class Trials:
             task.clip_grad_norm = saved_clip
             if edit is not None:
                 rep.batch_edits.remove(edit)
+        if out.phase is None and out.scaler_skipped:    # no update: not a healthy step
+            return "still-failing", out.loss, {"phase": "backward", "scaler_skipped": True}
         if out.phase is None:
             return "finite", out.loss, {}
         return "still-failing", out.loss, {"phase": out.phase}
