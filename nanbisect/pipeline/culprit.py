@@ -128,12 +128,7 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         if finding.module_call is not None:   # the table row of the op's own module call
             call = table.get(CallId(finding.module, finding.module_call)) or call
         run.progress("input-catch", "pass 3/3: catching the culprit's inputs")
-        # the batch rows its bad value depends on, traced in the same pass (one-batch steps)
-        tracer = RowTracer(finding.site, finding.born or kind) if rep.task.accumulate == 1 \
-            else None
-        caught = _guarded(lambda: catch_inputs(rep, finding.site, run.wrap, rows=tracer),
-                          "catching the op's inputs")
-        traced = tracer.result() if tracer is not None else None
+        caught, traced = _catch(run, finding, kind)
         if caught is None:
             notes.append("the culprit op could not be caught again in a narrow replay (the "
                          "step is not deterministic); no repro was written")
@@ -144,9 +139,8 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
                   check_on=ref[0] if ref is not None else None, wrap=run.wrap,
                   repro_dir=tmp / "repro", target=target, start_repro=_repro_starter(run),
                   progress=run.progress)
-    culprit, op_check = replace(done.culprit, samples=traced.samples if traced else None), \
-        done.op_check
-    remedies = _remedies(run, culprit, finding, kind, traced)    # while the repro runs
+    culprit = replace(done.culprit, samples=traced.samples if traced else None)
+    op_check, remedies = done.op_check, _remedies(run, culprit, finding, kind, traced)
     repro_result = module_repro = None
     if done.repro is not None:
         repro_result = done.pending() if done.pending else None
@@ -184,10 +178,20 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         remedies=remedies)
 
 
+def _catch(run: _Run, finding: OpFinding, kind: str) -> tuple[Caught | None, RowTrace | None]:
+    """Pass 3: the culprit's inputs and, in the same replay (one-batch steps), the batch rows
+    its bad value depends on."""
+    tracer = RowTracer(finding.site, finding.born or kind) if run.rep.task.accumulate == 1 \
+        else None
+    caught = _guarded(lambda: catch_inputs(run.rep, finding.site, run.wrap, rows=tracer),
+                      "catching the op's inputs")
+    return caught, tracer.result() if tracer is not None else None
+
+
 def _remedies(run: _Run, culprit: Culprit, finding: OpFinding | None, kind: str,
               trace: RowTrace | None) -> list[Remedy]:
-    """The remedies tried on the culprit's step (`nanbisect.remedies`), within the run's budget;
-    the bundle's lookback gives the state remedy its earlier batch (the failing step's own
+    """The remedies tried on the culprit's step (`nanbisect.remedies`), within the run's budget,
+    while the repro's run goes on in the background; the bundle's lookback gives the state remedy its earlier batch (the failing step's own
     bundle only: a step of ``--steps`` has no earlier batch of its own here)."""
     budget = remedy_budget(run.opts.remedies)
     if budget <= 0:
