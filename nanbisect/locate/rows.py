@@ -84,8 +84,18 @@ def _arg(func, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any
 
 
 def _tensors(values) -> list[torch.Tensor]:
-    return [local(t) for t in torch.utils._pytree.tree_leaves(values)
-            if isinstance(t, torch.Tensor)]
+    """The tensors in (nested lists, tuples, dicts of) ``values``, in order (no pytree: this
+    runs for every op)."""
+    out, todo = [], [values]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, torch.Tensor):
+            out.append(local(v))
+        elif isinstance(v, (list, tuple)):
+            todo.extend(reversed(v))
+        elif isinstance(v, dict):
+            todo.extend(reversed(list(v.values())))
+    return out
 
 
 class RowTracer(TorchDispatchMode):
