@@ -71,26 +71,33 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
            "n_params": sum(p.numel() for p in rep.task.model.parameters()),
            "loadavg_start": os.getloadavg()}
     plain, inproc, cli, startup, bare = [], [], [], [], []
+    cpu: dict[str, list] = {"plain": [], "with": [], "without": []}   # this process's CPU, ms
     for i in range(reps + 1):           # round 0 warms up (imports, allocator): not counted
         for _ in range(steps if i else 1):
+            c0 = time.process_time()
             dt = bb.timed_step(rep, False)[0]
             if i:
                 plain.append(dt)
+                cpu["plain"].append(ms(time.process_time() - c0))
         out = work / f"in-{i}"
         marks = [("read", time.perf_counter())]
+        c0 = time.process_time()
         report = run_bundle(bundle, RunOptions(), out,
                             lambda key, text: marks.append((key, time.perf_counter())))
         end = time.perf_counter()
+        if i:
+            cpu["with"].append(ms(time.process_time() - c0))
         timings: dict = {}    # as report.json's timings, but read here (older versions lack it)
         for (key, t), nxt in zip(marks, [m[1] for m in marks[1:]] + [end]):
             timings[key] = timings.get(key, 0.0) + nxt - t
         if i:
             inproc.append({"total_ms": ms(end - marks[0][1]), "timings": timings})
         out = work / f"bare-{i}"               # the same run without remedies (--no-remedies)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         run_bundle(bundle, RunOptions(remedies=0), out)
         if i:
             bare.append({"total_ms": ms(time.perf_counter() - t0), "timings": {}})
+            cpu["without"].append(ms(time.process_time() - c0))
         out = work / f"cli-{i}"
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "nanbisect", "run", "--ckpt", str(bundle),
@@ -137,6 +144,11 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
     res["run_bundle_no_remedies"] = summary(bare)
     added = res["run_bundle"]["median_ms"] - res["run_bundle_no_remedies"]["median_ms"]
     res["remedies_add_ms"] = {"median_difference": added, "x_plain": added / step}
+    # CPU time of this process (waiting for a shared core does not count; the repro's fork
+    # does not either, the same with and without remedies)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    res["cpu_ms"] = {**med, "all": cpu, "remedies_add": med["with"] - med["without"],
+                     "remedies_add_x_plain": (med["with"] - med["without"]) / med["plain"]}
     res["cli"] = summary(cli)
     res["startup_ms"] = {k: statistics.median(r[k] for r in startup) for k in startup[0]}
     for key in startup[0]:
@@ -193,6 +205,13 @@ def table(results: list[dict]) -> str:
         row("**what the remedies add** (with - without), ms, x plain step",
             [f"**{r['remedies_add_ms']['median_difference']:.0f}** "
              f"({r['remedies_add_ms']['x_plain']:.2f}x)" for r in results])
+    if all("cpu_ms" in r for r in results):
+        row("CPU of this process, ms: plain step / `run_bundle` with / without remedies",
+            [f"{r['cpu_ms']['plain']:.0f} / {r['cpu_ms']['with']:.0f} / "
+             f"{r['cpu_ms']['without']:.0f}" for r in results])
+        row("**what the remedies add, CPU**, ms, x a plain step's CPU",
+            [f"**{r['cpu_ms']['remedies_add']:.0f}** ({r['cpu_ms']['remedies_add_x_plain']:.2f}x)"
+             for r in results])
     for key, name in PASSES:
         if any(key in r["run_bundle"]["passes_ms"] for r in results):
             row(f"&nbsp;&nbsp;{name}, ms (share)", [
