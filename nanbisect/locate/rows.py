@@ -229,8 +229,10 @@ class RowTracer(TorchDispatchMode):
                  ) -> list[State]:
         """The states of an op's outputs (returned and written) from its inputs' states."""
         name = _name(func)
-        if name in SHAPE_ONLY:
-            return [None] * len(outs)
+        if name in SHAPE_ONLY:     # the first argument gives a shape; a value it reads is not
+            read = [self._get(t) for t in _tensors((list(args[1:]), kwargs))]
+            return [f"{func} filled it with a batch-dependent value" if any(
+                s is not None for s in read) else None] * len(outs)
         read = args[1:] if name == "copy_" else args
         ins = [(t, self._get(t)) for t in _tensors((list(read), kwargs))]
         deps = [(t, s) for t, s in ins if s is not None]
