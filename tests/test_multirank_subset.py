@@ -46,8 +46,9 @@ def test_one_rank_alone_names_the_lockstep_culprit_in_one_process(bundle, reques
     b = request.getfixturevalue(bundle)
     world = json.loads((b / "manifest.json").read_text())["world_size"]
     lock_marks, alone_marks = marks(tmp_path / "l"), marks(tmp_path / "a")
-    lockstep = run_json(b, "--out", tmp_path / "lockstep", env={"MR_MARK_DIR": str(lock_marks)})
-    alone = run_json(b, "--ranks", "1", "--out", tmp_path / "alone",
+    lockstep = run_json(b, "--out", tmp_path / "lockstep", "--remedy-budget", "4",
+                        env={"MR_MARK_DIR": str(lock_marks)})
+    alone = run_json(b, "--ranks", "1", "--out", tmp_path / "alone", "--remedy-budget", "4",
                      env={"MR_MARK_DIR": str(alone_marks)})
     assert culprit(alone) == culprit(lockstep) == (1, "forward", "aten.sqrt.default", "module", 0)
     assert len(list(lock_marks.iterdir())) == world          # lockstep: every rank

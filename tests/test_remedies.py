@@ -28,7 +28,9 @@ def capture(tmp_path, func: str, batch) -> object:
     return bundle
 
 
-def run(bundle, out, remedies: int | None = None):
+def run(bundle, out, remedies: int = 4):
+    """``run_bundle`` with the product's default budget of 4 (conftest.py sets the suite's to 1)
+    and no repro run; (report, what it told its progress callback)."""
     passes = []
     report = run_bundle(bundle, RunOptions(run_repro=False, remedies=remedies), out,
                         progress=lambda key, text: passes.append((key, text)))

@@ -20,8 +20,8 @@ def budget(requested: int | None = None) -> int:
     ``--no-remedies``), else ``NANBISECT_REMEDY_BUDGET`` (a nightly triage's children read it),
     else `DEFAULT_BUDGET`; `BadInput` for a value that is not a count.
 
-    >>> budget(), budget(0)
-    (4, 0)
+    >>> budget(0), budget(3)
+    (0, 3)
     """
     if requested is not None:
         n = requested
