@@ -102,6 +102,13 @@ def run(
                                                    "the last K recorded steps on target and "
                                                    "reference, find the first step where they "
                                                    "part and bisect it"),
+    no_remedies: bool = typer.Option(False, "--no-remedies",
+                                     help="do not replay the step with remedies once the culprit "
+                                          "is found (report remedies: [])"),
+    remedy_budget: Optional[int] = typer.Option(None, "--remedy-budget", min=0,
+                                                help="extra replays of the step the remedies "
+                                                     "may use (default: NANBISECT_REMEDY_BUDGET, "
+                                                     "else 4)"),
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
 ) -> None:
     """Replay a bundle, bisect the failure, write report.json, report.md and report.html.
@@ -125,7 +132,8 @@ def run(
         with _progress() as progress:
             report = run_bundle(path, RunOptions(target=target, reference=reference,
                                                  inject=inject, entry=entry, ranks=ranks,
-                                                 steps=steps),
+                                                 steps=steps,
+                                                 remedies=0 if no_remedies else remedy_budget),
                                 out_dir, progress)
     except BadInput as e:
         _fail(e)

@@ -17,7 +17,9 @@ model), which:
   first step); "after start-up" is the CLI's wall time less that;
 * times ``run_bundle`` in this process, warm (the entry imported and torch's lazy imports done
   by a first, uncounted run), the repro's run included, split by pass (the progress callback:
-  the same passes as ``report.json``'s ``timings``);
+  the same passes as ``report.json``'s ``timings``), with the remedies (issue 27: the default
+  budget of 4 extra replays) and, in the same rounds, without them (``--no-remedies``), so
+  what they add to the time to culprit is the difference;
 * counts the report directory's bytes, and peak RSS of the CLI run against a plain run of two
   steps (separate processes, started by bench_bisect's launcher);
 * runs the peers on the same state: ``torch.autograd.detect_anomaly()`` (and, without
@@ -45,6 +47,7 @@ SIZE_ENV = "NANBISECT_BENCH_SIZE"
 PASSES = [("read", "read + verify bundle"), ("build", "task build"),
           ("module-pass", "pass 1: module statistics"), ("op-recording", "pass 2: op recording"),
           ("input-catch", "pass 3: input catch"), ("op-check", "op check on the reference"),
+          ("remedies", "remedies (extra replays of the step)"),
           ("repro", "repro verification (waiting for it)"), ("module-repro", "module repro"),
           ("report", "report writing")]
 
@@ -67,22 +70,34 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
     res = {"size": size, "config": bb.CONFIG, "threads": torch.get_num_threads(),
            "n_params": sum(p.numel() for p in rep.task.model.parameters()),
            "loadavg_start": os.getloadavg()}
-    plain, inproc, cli, startup = [], [], [], []
+    plain, inproc, cli, startup, bare = [], [], [], [], []
+    cpu: dict[str, list] = {"plain": [], "with": [], "without": []}   # this process's CPU, ms
     for i in range(reps + 1):           # round 0 warms up (imports, allocator): not counted
         for _ in range(steps if i else 1):
+            c0 = time.process_time()
             dt = bb.timed_step(rep, False)[0]
             if i:
                 plain.append(dt)
+                cpu["plain"].append(ms(time.process_time() - c0))
         out = work / f"in-{i}"
         marks = [("read", time.perf_counter())]
+        c0 = time.process_time()
         report = run_bundle(bundle, RunOptions(), out,
                             lambda key, text: marks.append((key, time.perf_counter())))
         end = time.perf_counter()
+        if i:
+            cpu["with"].append(ms(time.process_time() - c0))
         timings: dict = {}    # as report.json's timings, but read here (older versions lack it)
         for (key, t), nxt in zip(marks, [m[1] for m in marks[1:]] + [end]):
             timings[key] = timings.get(key, 0.0) + nxt - t
         if i:
             inproc.append({"total_ms": ms(end - marks[0][1]), "timings": timings})
+        out = work / f"bare-{i}"               # the same run without remedies (--no-remedies)
+        t0, c0 = time.perf_counter(), time.process_time()
+        run_bundle(bundle, RunOptions(remedies=0), out)
+        if i:
+            bare.append({"total_ms": ms(time.perf_counter() - t0), "timings": {}})
+            cpu["without"].append(ms(time.process_time() - c0))
         out = work / f"cli-{i}"
         t0 = time.perf_counter()
         p = subprocess.run([sys.executable, "-m", "nanbisect", "run", "--ckpt", str(bundle),
@@ -112,7 +127,9 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
     res["culprit"] = {"op": c.op, "module": c.module, "module_call": c.module_call,
                       "phase": c.phase, "source": c.source,
                       "reproduced": report.repro_result.reproduced if report.repro_result
-                      else None}
+                      else None, "samples": getattr(c, "samples", None)}
+    res["remedies"] = [{"kind": m.kind, "outcome": m.outcome, "change": m.change}
+                       for m in getattr(report, "remedies", [])]
     step = statistics.median(plain)
     res["plain_step_ms"] = {"median": step, "all": plain}
 
@@ -124,6 +141,14 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
                                                    for r in rows) for k in keys}}
 
     res["run_bundle"] = summary(inproc)
+    res["run_bundle_no_remedies"] = summary(bare)
+    added = res["run_bundle"]["median_ms"] - res["run_bundle_no_remedies"]["median_ms"]
+    res["remedies_add_ms"] = {"median_difference": added, "x_plain": added / step}
+    # CPU time of this process (waiting for a shared core does not count; the repro's fork
+    # does not either, the same with and without remedies)
+    med = {k: statistics.median(v) for k, v in cpu.items()}
+    res["cpu_ms"] = {**med, "all": cpu, "remedies_add": med["with"] - med["without"],
+                     "remedies_add_x_plain": (med["with"] - med["without"]) / med["plain"]}
     res["cli"] = summary(cli)
     res["startup_ms"] = {k: statistics.median(r[k] for r in startup) for k in startup[0]}
     for key in startup[0]:
@@ -173,6 +198,20 @@ def table(results: list[dict]) -> str:
     row("`run_bundle` in a warm process (passes below), x plain step",
         [f"{r['run_bundle']['x_plain']:.2f}x ({r['run_bundle']['median_ms']:.0f} ms)"
          for r in results])
+    if all("run_bundle_no_remedies" in r for r in results):
+        row("`run_bundle` with `--no-remedies`, x plain step",
+            [f"{r['run_bundle_no_remedies']['x_plain']:.2f}x "
+             f"({r['run_bundle_no_remedies']['median_ms']:.0f} ms)" for r in results])
+        row("**what the remedies add** (with - without), ms, x plain step",
+            [f"**{r['remedies_add_ms']['median_difference']:.0f}** "
+             f"({r['remedies_add_ms']['x_plain']:.2f}x)" for r in results])
+    if all("cpu_ms" in r for r in results):
+        row("CPU of this process, ms: plain step / `run_bundle` with / without remedies",
+            [f"{r['cpu_ms']['plain']:.0f} / {r['cpu_ms']['with']:.0f} / "
+             f"{r['cpu_ms']['without']:.0f}" for r in results])
+        row("**what the remedies add, CPU**, ms, x a plain step's CPU",
+            [f"**{r['cpu_ms']['remedies_add']:.0f}** ({r['cpu_ms']['remedies_add_x_plain']:.2f}x)"
+             for r in results])
     for key, name in PASSES:
         if any(key in r["run_bundle"]["passes_ms"] for r in results):
             row(f"&nbsp;&nbsp;{name}, ms (share)", [
@@ -191,6 +230,10 @@ def table(results: list[dict]) -> str:
     row("culprit (all runs agree)", [f"`{r['culprit']['op']}` in `{r['culprit']['module']}` "
                                      f"call {r['culprit']['module_call']}, reproduced: "
                                      f"{r['culprit']['reproduced']}" for r in results])
+    if all("remedies" in r for r in results):
+        row("remedies (outcome: the step ...)", ["; ".join(f"{m['kind']} {m['outcome']}: "
+                                                          f"{m['change']}" for m in r["remedies"])
+                                                for r in results])
     row("load average at start / end", [
         f"{r['loadavg_start'][0]:.1f} / {r['loadavg_end'][0]:.1f}" for r in results])
     return "\n".join(lines)

@@ -46,8 +46,9 @@ def test_one_rank_alone_names_the_lockstep_culprit_in_one_process(bundle, reques
     b = request.getfixturevalue(bundle)
     world = json.loads((b / "manifest.json").read_text())["world_size"]
     lock_marks, alone_marks = marks(tmp_path / "l"), marks(tmp_path / "a")
-    lockstep = run_json(b, "--out", tmp_path / "lockstep", env={"MR_MARK_DIR": str(lock_marks)})
-    alone = run_json(b, "--ranks", "1", "--out", tmp_path / "alone",
+    lockstep = run_json(b, "--out", tmp_path / "lockstep", "--remedy-budget", "4",
+                        env={"MR_MARK_DIR": str(lock_marks)})
+    alone = run_json(b, "--ranks", "1", "--out", tmp_path / "alone", "--remedy-budget", "4",
                      env={"MR_MARK_DIR": str(alone_marks)})
     assert culprit(alone) == culprit(lockstep) == (1, "forward", "aten.sqrt.default", "module", 0)
     assert len(list(lock_marks.iterdir())) == world          # lockstep: every rank
@@ -56,6 +57,16 @@ def test_one_rank_alone_names_the_lockstep_culprit_in_one_process(bundle, reques
                                "next_ranks": [], "why": None}
     assert [r["rank"] for r in alone["ranks"]] == [1]
     assert alone["repro_result"]["reproduced"] is True
+    # remedies (issue 27): in lockstep the culprit rank cannot replay its step alone: listed as
+    # skipped (no rank waits for it); alone it replays them, judged through its forward
+    assert lockstep["remedies"] and all(
+        m["outcome"] == "skipped" and "--ranks 1" in m["detail"]["reason"]
+        for m in lockstep["remedies"])
+    tried = [m for m in alone["remedies"] if m["outcome"] != "skipped"]
+    assert tried and all(m["detail"]["judged_on"].startswith("this rank's forward")
+                         for m in tried)
+    assert alone["culprit"]["samples"] == lockstep["culprit"]["samples"] == [2]   # rank 1's row
+    assert [(m["kind"], m["outcome"]) for m in tried][-1] == ("samples", "finite")
 
 
 def test_collectives_identical_across_ranks_are_stored_once(rank1_nan_4):

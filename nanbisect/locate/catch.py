@@ -22,6 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect import devices
 from nanbisect.bundle.state import local
+from nanbisect.locate.rows import RowTracer
 from nanbisect.records import CallId, Caught, ModuleCaught, OpSite
 from nanbisect.replay.recorder import SKIP
 from nanbisect.replay.replayer import Replayer, stacked
@@ -30,6 +31,8 @@ from nanbisect.replay.tracker import ModuleTracker
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nanbisect/
 _FRAME = re.compile(r'File "(.+)", line (\d+)')
+# a dispatch mode that rides along the catch (`RowTracer`) is not on the op's way from the user
+_RIDERS = {os.path.join(_OWN_DIR, "locate", "rows.py")}
 
 
 def _where(path: str) -> str:
@@ -155,7 +158,8 @@ class InputCatcher(TorchDispatchMode):
                 if state is not None:
                     rng[f"rng/{t.device.type}"] = state
                 break
-        stack = [(f.filename, f.lineno) for f in traceback.extract_stack()]
+        stack = [(f.filename, f.lineno) for f in traceback.extract_stack()
+                 if os.path.abspath(f.filename) not in _RIDERS]
         source = calling_frame(stack)
         if source is None and phase == "optimizer":    # the optimizer's own code
             source = optimizer_frame(stack, optimizer_files)
@@ -172,12 +176,15 @@ class InputCatcher(TorchDispatchMode):
 
 
 def catch_inputs(rep: Replayer, site: OpSite,
-                 wrap: Callable[[], ContextManager] = nullcontext) -> Caught | None:
+                 wrap: Callable[[], ContextManager] = nullcontext,
+                 rows: RowTracer | None = None) -> Caught | None:
     """Last pass: replay up to the culprit op and clone its arguments. A forward culprit ends the
     replay right there (in a lockstep multi-rank replay it does not: the other ranks wait in the
     collectives that follow, nor under torch.distributed, whose wrappers keep per-forward state:
     FSDP2's unsharded parameters); a later one runs to the end of its phase (an exception thrown
-    through the autograd engine or an optimizer is not ours to rely on)."""
+    through the autograd engine or an optimizer is not ours to rely on). With ``rows`` (for the
+    same site) the pass also traces the batch rows the culprit's bad value depends on
+    (`RowTracer.result`), at no extra replay."""
     opt = rep.task.optimizer
     files = ()
     if opt is not None:
@@ -191,15 +198,23 @@ def catch_inputs(rep: Replayer, site: OpSite,
 
     def phase(name: str) -> ContextManager:
         catcher.phase = name
+        if rows is not None:
+            rows.phase = name
         # anomaly mode makes every autograd node remember the forward line that created it
         if name == "forward" and site.phase == "backward":
             return torch.autograd.set_detect_anomaly(True, check_nan=False)
         return nullcontext()
 
+    modes = [catcher] if rows is None else [catcher, rows]   # the tracer sees each op first
+    if rows is not None:
+        rep.batch_edits.append(rows.start)
     try:
-        rep.run(phase=phase, wrap=lambda: stacked(wrap(), catcher), stop_after=site.phase)
+        rep.run(phase=phase, wrap=lambda: stacked(wrap(), *modes), stop_after=site.phase)
     except _Caught:
         pass
+    finally:
+        if rows is not None:
+            rep.batch_edits.remove(rows.start)
     return catcher.caught
 
 

@@ -28,6 +28,7 @@ from nanbisect.bundle.tape import ROLE, Entry, TapeMismatch, parse
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
+from nanbisect.locate.rows import RowTracer
 from nanbisect.locate.producers import forward_producer
 from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
                                        root_of)
@@ -100,7 +101,7 @@ def _through(server: TapeServer, root) -> tuple[Entry | None, int]:
 
 def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, inject: str | None,
                  entry: str | None = None, reference: str | None = None,
-                 stage=lambda s: None) -> RankResult:
+                 stage=lambda s: None, remedies: int = 0) -> RankResult:
     top = read_bundle(bundle_path, verify=False)   # the launcher verified this rank's part
     part = top.part(rank)
     recorded = part.manifest.get("collectives")
@@ -158,7 +159,9 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
         return replace(result, plan=Plan(phase, None, through_collective=True),
                        received_from=feeders, recorded_input_bad=mine_bad)
     stage("replay pass 3/3: catching the culprit op's inputs")
-    caught = catch_inputs(rep, finding.site, wrap) if finding is not None else None
+    rows = (RowTracer(finding.site, finding.born or kind)
+            if finding is not None and rep.task.accumulate == 1 else None)
+    caught = catch_inputs(rep, finding.site, wrap, rows=rows) if finding is not None else None
     table = probe.read()
     plan = Plan(phase, rank)
     result = replace(result, plan=plan)
@@ -169,4 +172,5 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     # NB: the reference is served the capture's collectives, non-finite ones included, so its
     # step failing proves nothing here: only the op, re-run from the same inputs, does
     return finish_rank(result, rep, phase, kind, finding, caught, call, side, "served",
-                       inject_wrap, partial, target, stage)
+                       inject_wrap, partial, target, stage, remedies=remedies,
+                       rows=rows.result() if rows is not None else None, step_wrap=wrap)

@@ -158,7 +158,7 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
     notes += own.classification_notes
     return Report("culprit", own.classification or "unknown", phase, kind, culprit, notes=notes,
                   context=own.context, inf_origin=own.inf_origin, op_check=own.op_check,
-                  **common)
+                  remedies=own.remedies, **common)
 
 
 def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:
@@ -226,7 +226,7 @@ def _subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) 
         kind = (own.summary.kind if own.summary else None) or "nan"
         return Report("culprit", own.classification or "unknown", own.culprit.phase, kind,
                       own.culprit, notes=notes, context=own.context, inf_origin=own.inf_origin,
-                      op_check=own.op_check, subset=subset, **common)
+                      op_check=own.op_check, subset=subset, remedies=own.remedies, **common)
     received = [r for r in results if r.plan is not None and r.plan.through_collective]
     if received:
         return _received(facts, received, results, subset, notes)

@@ -53,6 +53,7 @@ from nanbisect.bundle.format import read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.locate.catch import catch_inputs
 from nanbisect.locate.ops import record_ops
+from nanbisect.locate.rows import RowTracer
 from nanbisect.finish import finish
 from nanbisect.locate.producers import forward_producer
 from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
@@ -96,7 +97,8 @@ def _stage_file(partial: Path, rank: int):
 
 
 def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None,
-                entry: str | None = None, reference: str | None = None) -> RankResult:
+                entry: str | None = None, reference: str | None = None,
+                remedies: int = 0) -> RankResult:
     rank = dist.get_rank()
     top = read_bundle(bundle_path)
     part = top.part(rank)
@@ -152,7 +154,11 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
             if rank == culprit_rank and finding is not None else None]
     dist.broadcast_object_list(spec, src=culprit_rank)
     _stage("replay pass 3/3: catching the culprit op's inputs")
-    caught = catch_inputs(rep, spec[0][0], wrap) if spec[0] is not None else None
+    # the culprit rank also traces the batch rows (local: no collective of its own)
+    rows = (RowTracer(spec[0][0], finding.born or kind) if rank == culprit_rank
+            and spec[0] is not None and finding is not None and rep.task.accumulate == 1
+            else None)
+    caught = catch_inputs(rep, spec[0][0], wrap, rows=rows) if spec[0] is not None else None
     table = probe.read()
     if spec[0] is not None:
         result = replace(result, module_stats=call_stats(table, spec[0][1]))
@@ -162,7 +168,8 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     # the op check: one op, on this rank alone (no collective)
     return finish_rank(result, rep, phase, kind, finding, caught, call, side,
                        "failed" if theirs is not None and theirs.phase is not None else "finite",
-                       wrap, partial, target, _stage)
+                       wrap, partial, target, _stage, remedies=remedies,
+                       rows=rows.result() if rows is not None else None)
 
 
 def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, result: RankResult,
@@ -237,6 +244,7 @@ def main() -> None:
     ap.add_argument("--alone", action="store_true",
                     help="rank $RANK of $WORLD_SIZE without the others: collectives served")
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--remedies", type=int, default=0, help="the culprit rank's remedy budget")
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
     partial = Path(a.partial)
@@ -263,13 +271,13 @@ def main() -> None:
             dist.init_process_group("fake", rank=rank, store=FakeStore(),
                                     world_size=int(os.environ["WORLD_SIZE"]))
             result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
-                                  a.reference, stage=_stage)
+                                  a.reference, stage=_stage, remedies=a.remedies)
             out.write_text(json.dumps(result.to_json()))
         else:
             dist.init_process_group(backend=backend,
                                     timeout=datetime.timedelta(seconds=a.timeout + 30))
             result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry,
-                                 a.reference)
+                                 a.reference, remedies=a.remedies)
             out.write_text(json.dumps(result.to_json()))
             _stage("finished, waiting for the other ranks")
             dist.barrier()

@@ -27,6 +27,9 @@ class RunOptions:
     run_repro: bool = True
     ranks: str | None = None      # "R,..." (multi-rank): replay only these, each alone
     steps: int | None = None      # --steps K: replay the last K recorded steps (lookback)
+    # extra replays of the step the remedies may use (None: NANBISECT_REMEDY_BUDGET, else
+    # nanbisect.remedies.DEFAULT_BUDGET; 0: --no-remedies)
+    remedies: int | None = None
 
 
 def captured_type(manifest: dict) -> str:

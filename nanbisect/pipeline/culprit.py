@@ -5,20 +5,27 @@ first divergence from the reference.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
+from nanbisect.bundle import lookback
+from nanbisect.bundle.lookback import BundleView
 from nanbisect.finish import Evidence, classify_culprit, finish
 from nanbisect.locate.catch import catch_inputs, catch_module_call
 from nanbisect.locate.ops import record_ops
+from nanbisect.locate.rows import RowTracer
 from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_parameter,
                                         forward_producer, timeline)
 from nanbisect.pipeline.common import _guarded, _Run
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, ModuleRepro, OpCheck,
-                               OpFinding, OpRecording, StepOutcome, module_label)
+                               OpFinding, OpRecording, Remedy, RowTrace, StepOutcome,
+                               module_label)
 from nanbisect.reference.differential import diverging_call, isolate_window
 from nanbisect.reference.side import ReferenceSide
+from nanbisect.remedies import budget as remedy_budget
+from nanbisect.remedies import try_remedies
 from nanbisect.report.model import Report
 from nanbisect.report.repro import repro_imports, write_module_repro, write_repro
 from nanbisect.report.rerun import Fork, Interpreter, run_repro
@@ -98,7 +105,7 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
     model, phase, kind = rep.task.model, first.phase, first.kind or "nan"
     notes = list(run.notes)
     table = run.probe.read()
-    call, parameter = None, None
+    call, parameter, traced = None, None, None
     if phase == "forward":
         call = forward_producer(table, kind)
     elif phase == "backward":
@@ -121,8 +128,7 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         if finding.module_call is not None:   # the table row of the op's own module call
             call = table.get(CallId(finding.module, finding.module_call)) or call
         run.progress("input-catch", "pass 3/3: catching the culprit's inputs")
-        caught = _guarded(lambda: catch_inputs(rep, finding.site, run.wrap),
-                          "catching the op's inputs")
+        caught, traced = _catch(run, finding, kind)
         if caught is None:
             notes.append("the culprit op could not be caught again in a narrow replay (the "
                          "step is not deterministic); no repro was written")
@@ -133,7 +139,8 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
                   check_on=ref[0] if ref is not None else None, wrap=run.wrap,
                   repro_dir=tmp / "repro", target=target, start_repro=_repro_starter(run),
                   progress=run.progress)
-    culprit, op_check = done.culprit, done.op_check
+    culprit = replace(done.culprit, samples=traced.samples if traced else None)
+    op_check, remedies = done.op_check, _remedies(run, culprit, finding, kind, traced)
     repro_result = module_repro = None
     if done.repro is not None:
         repro_result = done.pending() if done.pending else None
@@ -167,7 +174,34 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         module_repro=module_repro, surfaced_repro=surfaced_repro,
         op_recording=(OpRecording(finding.scope, phase, finding.recorded, finding.total_ops,
                                   finding.phases) if finding else None),
-        uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [])
+        uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [],
+        remedies=remedies)
+
+
+def _catch(run: _Run, finding: OpFinding, kind: str) -> tuple[Caught | None, RowTrace | None]:
+    """Pass 3: the culprit's inputs and, in the same replay (one-batch steps), the batch rows
+    its bad value depends on."""
+    tracer = RowTracer(finding.site, finding.born or kind) if run.rep.task.accumulate == 1 \
+        else None
+    caught = _guarded(lambda: catch_inputs(run.rep, finding.site, run.wrap, rows=tracer),
+                      "catching the op's inputs")
+    return caught, tracer.result() if tracer is not None else None
+
+
+def _remedies(run: _Run, culprit: Culprit, finding: OpFinding | None, kind: str,
+              trace: RowTrace | None) -> list[Remedy]:
+    """The remedies tried on the culprit's step (`nanbisect.remedies`), within the run's budget,
+    while the repro's run goes on in the background; the bundle's lookback gives the state remedy its earlier batch (the failing step's own
+    bundle only: a step of ``--steps`` has no earlier batch of its own here)."""
+    budget = remedy_budget(run.opts.remedies)
+    if budget <= 0:
+        return []
+    bundle = run.rep.bundle
+    window = None
+    if bundle.manifest.get("lookback") is not None and not isinstance(bundle, BundleView):
+        window = lookback.parse(bundle, f"bundle '{bundle.path}'")
+    return try_remedies(run.rep, culprit, finding, budget=budget, trace=trace, window=window,
+                        wrap=run.wrap, progress=run.progress)
 
 
 def _surfaced_note(f: OpFinding, kind: str) -> str:

@@ -19,6 +19,7 @@ from nanbisect.multirank.launcher import parse_ranks, run_multirank
 from nanbisect.pipeline.common import Progress, RunOptions
 from nanbisect.pipeline.step import _analyse
 from nanbisect.records import Finding
+from nanbisect.remedies import budget as remedy_budget
 from nanbisect.pipeline.window import _run_steps
 from nanbisect.replay.replayer import parse_device
 from nanbisect.report.model import Report
@@ -29,7 +30,8 @@ from nanbisect.util.text import show
 
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
 STAGES = ("steps", "build", "module-pass", "reference", "op-recording", "cross-phase", "isolate",
-          "input-catch", "repro", "module-repro", "op-check", "surfaced-repro", "report", "ranks")
+          "input-catch", "repro", "module-repro", "op-check", "remedies", "surfaced-repro",
+          "report", "ranks")
 
 
 def _default_target(manifest: dict) -> str:
@@ -75,6 +77,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     ('aten.sqrt.default', 'blocks.1.mlp.act', 2)
     """
     clock = _Clock(progress)
+    opts = replace(opts, remedies=remedy_budget(opts.remedies))   # a bad budget: before anything
     # --ranks: verify only the parts replayed (a 1,000-rank bundle is not hashed whole for one)
     bundle = read_bundle(path, verify=opts.ranks is None)
     m = bundle.manifest
@@ -101,7 +104,7 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
                  + f" on {target}" + (f" and on {reference}" if reference != "none" else ""))
         return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry,
                              reference=None if reference == "none" else reference,
-                             ranks=subset)
+                             ranks=subset, remedies=opts.remedies)
     threads = torch.get_num_threads()
     try:
         return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype)

@@ -3,11 +3,12 @@ per family; every name is importable from here).
 
 What a replay saw (`StepOutcome`, `BadValue`, `Stats`), where the failure was born (`CallId`,
 `Culprit`, `OpSite`, `OpFinding`, `OpRef`, `ContextRow`), what a narrow replay caught for the
-repro (`Caught`, `ModuleCaught`) and what running it said (`ReproResult`), what the reference
-said (`Comparison`, `OpCheck`, `Divergence`), the facts every report shares (`Losses`,
-`RunFacts`), and the protocol between the multi-rank launcher and its rank workers (`Bucket`,
-`RankSummary`, `RankRoot`, `Plan`, `RankResult`). Records that become JSON say how, in
-``to_json``; those that come back from JSON (the rank workers' results) have ``from_json``.
+repro (`Caught`, `ModuleCaught`) and what running it said (`ReproResult`), what replaying the
+step with a change gave (`Remedy`) and which batch rows the failure depends on (`RowTrace`),
+what the reference said (`Comparison`, `OpCheck`, `Divergence`), the facts every report shares
+(`Losses`, `RunFacts`), and the protocol between the multi-rank launcher and its rank workers
+(`Bucket`, `RankSummary`, `RankRoot`, `Plan`, `RankResult`). Records that become JSON say how,
+in ``to_json``; those that come back from JSON (the rank workers' results) have ``from_json``.
 
 Guarantees: importing this module imports no torch; nothing here computes on tensors (records
 that hold tensors only carry them).
@@ -20,6 +21,7 @@ from nanbisect.records.culprit import (Caught, ContextRow, Culprit, ModuleCaught
                                        TimelineRow, TraceRow)
 from nanbisect.records.facts import (Fidelity, Finding, HistoryEntry, Losses, RunFacts, StepRow,
                                      StepsWindow, fidelity_tier)
+from nanbisect.records.remedies import Remedy, RowTrace
 from nanbisect.records.ranks import (Bucket, Plan, RankReference, RankResult, RankRoot, RankSummary,
                                      ReplicaDiff, Subset)
 from nanbisect.records.seen import BadValue, CallId, Stats, StepOutcome
@@ -31,4 +33,4 @@ __all__ = ["json_number", "Word", "Verdict", "Classification", "ROOT", "module_l
            "ReproResult", "ModuleRepro", "Comparison", "OpCheck", "Divergence", "Losses",
            "Fidelity", "RunFacts", "HistoryEntry", "Finding", "StepRow", "StepsWindow", "Bucket",
            "RankSummary", "RankRoot", "Plan", "RankReference", "ReplicaDiff", "Subset",
-           "RankResult", "fidelity_tier"]
+           "RankResult", "fidelity_tier", "Remedy", "RowTrace"]

@@ -32,6 +32,9 @@ class Culprit:
     # where the failure became visible when that is not where it was born (a NaN made in
     # forward, hidden there, surfacing in backward); None: born where it surfaced
     surfaced: "OpRef | None" = None
+    # the batch rows (dim 0 of the batch's tensors) the first bad value depends on, traced
+    # through the ops; None when they cannot be traced (or were not: a divergence, no batch)
+    samples: list[int] | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from nanbisect.records.compared import OpCheck
 from nanbisect.records.culprit import ContextRow, Culprit, OpRef
+from nanbisect.records.remedies import Remedy
 from nanbisect.records.seen import BadValue, Stats
 
 
@@ -145,6 +146,7 @@ class RankResult:
                                        # at capture (and is finite in this replay)
     served_inputs_differ: list[int] = field(default_factory=list)   # tape entries whose input
                                                                     # was not the capture's
+    remedies: list[Remedy] = field(default_factory=list)   # the culprit rank's (or why not)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -175,7 +177,8 @@ class RankResult:
             classification_notes=list(d.get("classification_notes") or []),
             received_from=d.get("received_from"),
             recorded_input_bad=bool(d.get("recorded_input_bad", False)),
-            served_inputs_differ=d.get("served_inputs_differ", []))
+            served_inputs_differ=d.get("served_inputs_differ", []),
+            remedies=[Remedy.from_json(r) for r in d.get("remedies") or []])
 
     def row(self) -> dict:
         """This rank's row in report.json's ``ranks``."""

@@ -72,6 +72,9 @@ class Replayer:
         # called at the end of every `restore` (a replay of some ranks rewinds its served
         # collectives there: each run of the step gets them from the first)
         self.restored: list[Callable[[], None]] = []
+        # applied in order to the batch each run starts from (a remedy replays the step without
+        # some rows, or with another batch; the row tracer marks the batch's tensors)
+        self.batch_edits: list[Callable[[Any], Any]] = []
         self.rng = RngState.decode(m["rng"], self.tensors)
         where = f"bundle '{bundle.path}'"
         if (m.get("optimizer") is None) != (self.task.optimizer is None):
@@ -131,6 +134,8 @@ class Replayer:
             batch = torch.utils._pytree.tree_map(
                 lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor)
                 and t.is_floating_point() else t, batch)
+        for edit in self.batch_edits:
+            batch = edit(batch)
         self.task.model.zero_grad(set_to_none=True)
         self.rng.set()
         for hook in self.restored:

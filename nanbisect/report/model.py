@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from nanbisect.records import (BadValue, Classification, ContextRow, Culprit, Divergence,
                                Finding, HistoryEntry, ModuleRepro, OpCheck, OpRecording, OpRef, RankResult, ReplicaDiff,
-                               ReproResult, RunFacts, StepsWindow, Subset, TimelineRow, TraceRow,
-                               Verdict)
+                               Remedy, ReproResult, RunFacts, StepsWindow, Subset, TimelineRow,
+                               TraceRow, Verdict)
 
 SCHEMA = "nanbisect.report/1"
 EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
@@ -62,6 +62,8 @@ class Report:
     # the keys of nanbisect.pipeline.STAGES plus "read"); up to the report's writing, which is
     # not in it. Single-process runs only.
     timings: dict[str, float] | None = None
+    # changes tried by replaying the culprit's step, and what came of each (nanbisect.remedies)
+    remedies: list[Remedy] = field(default_factory=list)
 
     def with_replicas(self, replicas: dict | None) -> "Report":
         """This report plus the finding of a bundle whose data-parallel replicas differ (its top
@@ -136,4 +138,5 @@ class Report:
                if self.history is not None else {}),
             **({"steps": self.steps.to_json()} if self.steps is not None else {}),
             **({"timings": dict(self.timings)} if self.timings is not None else {}),
+            "remedies": [r.to_json() for r in self.remedies],
         }

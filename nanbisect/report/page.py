@@ -16,7 +16,8 @@ from importlib.resources import files
 
 from nanbisect.records import TimelineRow, module_label
 from nanbisect.report.model import Report
-from nanbisect.report.text import fidelity_text, headline, to_markdown
+from nanbisect.report.text import (fidelity_text, headline, remedy_detail, rows_text, to_markdown,
+                                   verified)
 
 W, H, PAD_L, PAD_R, PAD_T, PAD_B = 960, 320, 60, 60, 30, 60
 
@@ -196,7 +197,7 @@ def to_html(r: Report) -> str:
     env = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True,
                       lstrip_blocks=True, keep_trailing_newline=True)
     env.globals.update(num=_num, dash=lambda v: "-" if v is None else v,
-                       label=module_label)
+                       label=module_label, remedy_detail=remedy_detail)
     template = env.from_string(
         (files("nanbisect.report") / "templates" / "report.html.j2").read_text())
     res = r.repro_result
@@ -214,4 +215,8 @@ def to_html(r: Report) -> str:
         # NaN/inf counts along the step: only where some call had any (not for a divergence)
         show_timeline=any(t.nan or t.inf for t in r.timeline),
         history_svg=history_svg(r), markdown=to_markdown(r),
+        verified=verified(r), tried=[m for m in r.remedies if m.outcome in ("still-failing",
+                                                                           "error")],
+        rows_ids=next((rows_text(m) for m in r.remedies if m.kind == "samples"
+                       and rows_text(m)), ""),
         report_json=json.dumps(r.to_json(), indent=1))

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict
 from pathlib import Path
 
-from nanbisect.records import Stats, module_label
+from nanbisect.records import Remedy, Stats, module_label
 from nanbisect.report.model import Report
 
 
@@ -107,8 +107,11 @@ def _surfaced_line(r: Report) -> str | None:
 
 def to_markdown(r: Report) -> str:
     """report.md: the verdict and culprit first, then the evidence, each as a section."""
-    lines = [f"# nanbisect report: {r.verdict}", "", f"**{headline(r)}**", "",
-             f"- bundle: `{r.facts.bundle}`", f"- entry: `{r.facts.entry}`",
+    lines = [f"# nanbisect report: {r.verdict}", "", f"**{headline(r)}**", ""]
+    first = verified(r)
+    if first:
+        lines += [f"**Verified:** {v}." for v in first] + [""]
+    lines += [f"- bundle: `{r.facts.bundle}`", f"- entry: `{r.facts.entry}`",
              f"- target: `{r.facts.target}`, reference: `{r.facts.reference}`",
              f"- classification: {r.classification or '-'}", f"- first bad phase: {r.phase or '-'}"]
     rp = r.facts.losses
@@ -134,11 +137,68 @@ def to_markdown(r: Report) -> str:
                  else "The culprit's inputs")
         lines += ["", f"{whose} carried inf, born from finite values in `{o.op}` "
                   f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` call {o.module_call})."]
+    lines += _remedies_md(r)
     lines += _ranks_md(r) + _checks_md(r) + _repro_md(r) + _backtrace_md(r)
     lines += _steps_md(r) + _history_md(r)
     if r.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
+
+
+def rows_text(rem: Remedy) -> str:
+    """How the rows of a samples remedy are identified: the batch's own fields, a digest."""
+    parts = []
+    for row in rem.detail.get("identify") or []:
+        fields = ", ".join(f"{k} {v!r}" for k, v in (row.get("fields") or {}).items())
+        parts.append(f"row {row['row']}: " + (f"{fields}, " if fields else "")
+                     + f"sha256 {row['sha256']}")
+    return "; ".join(parts)
+
+
+def verified(r: Report) -> list[str]:
+    """The remedies whose replay made the step finite, as sentences (the report's first news
+    after the headline)."""
+    out = []
+    for rem in r.remedies:
+        if rem.finite:
+            ids = rows_text(rem) if rem.kind == "samples" else ""
+            meaning = rem.detail.get("meaning")
+            out.append(rem.sentence() + (f": {meaning}" if meaning else "")
+                       + (f" ({ids})" if ids else ""))
+    return out
+
+
+def remedy_detail(rem: Remedy) -> str:
+    """One cell of what a remedy's detail says."""
+    d = rem.detail
+    bits = []
+    if rem.kind == "samples" and d.get("found_by"):
+        bits.append(f"rows found by {d['found_by']}"
+                    + (f" ({len(d.get('tried') or [])} replays)" if d.get("tried") else ""))
+        if d.get("why_not_traced"):
+            bits.append(f"not traced: {d['why_not_traced']}")
+    for key in ("meaning", "note", "reason", "error"):
+        if d.get(key):
+            bits.append(str(d[key]))
+    if d.get("phase") and rem.outcome == "still-failing":
+        bits.append(f"still fails in {d['phase']}")
+    return "; ".join(bits)
+
+
+def _remedies_md(r: Report) -> list[str]:
+    """Every remedy tried by replaying the step, and what came of it."""
+    if not r.remedies:
+        return []
+    lines = ["", "## Remedies, each tried by replaying the step", "",
+             "| kind | the step ... | outcome | loss | detail |", "|---|---|---|---|---|"]
+    for rem in r.remedies:
+        mark = "**" if rem.finite else ""
+        lines.append(f"| {rem.kind} | {rem.change} | {mark}{rem.outcome}{mark} | "
+                     f"{_num(rem.loss)} | {remedy_detail(rem) or '-'} |")
+    ids = [rows_text(rem) for rem in r.remedies if rem.kind == "samples" and rows_text(rem)]
+    if ids:
+        lines += ["", "The rows, as the data pipeline knows them: " + ids[0] + "."]
+    return lines
 
 
 def _ranks_md(r: Report) -> list[str]:
@@ -272,6 +332,14 @@ def _history_md(r: Report) -> list[str]:
 def terminal(r: Report, out: Path) -> str:
     """The short summary the CLI prints."""
     lines = [f"nanbisect: {r.verdict} - {headline(r)}"]
+    lines += [f"  verified: {v}" for v in verified(r)]
+    tried = [rem for rem in r.remedies if rem.outcome in ("still-failing", "error")]
+    lines += [f"  tried: {rem.sentence()}" for rem in tried]
+    skipped = [rem for rem in r.remedies if rem.outcome == "skipped"]
+    if skipped:
+        lines.append(f"  not tried: {len(skipped)} remedy(ies) ("
+                     + "; ".join(sorted({str(rem.detail.get('reason')) for rem in skipped}))[:300]
+                     + ")")
     if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset.decided
                                                      and r.subset.next_ranks):
         c = r.culprit

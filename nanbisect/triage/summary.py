@@ -65,8 +65,11 @@ class _State:
             g = groups.setdefault(sig, {"signature": sig, "count": 0, "first_seen": created,
                                         "example": r["bundle"], "known": sig in self.known,
                                         "classification": r.get("classification"),
-                                        "bundles": []})
+                                        "remedies": [], "bundles": []})
             g["count"] += 1
+            for kind in r.get("remedies") or []:     # what made a step of this kind finite
+                if kind not in g["remedies"]:
+                    g["remedies"].append(kind)
             g["bundles"].append(r["bundle"])
             if created and (g["first_seen"] is None or created < g["first_seen"]):
                 g["first_seen"], g["example"] = created, r["bundle"]
@@ -121,9 +124,24 @@ class _State:
         self.results[b] = {"bundle": b, "verdict": rep.get("verdict"),
                            "classification": rep.get("classification"),
                            "signature": signature(rep), "cached": cached,
+                           "remedies": remedy_kinds(rep),
                            "seconds": res.get("seconds", 0.0), "worker": res.get("worker"),
                            **({"same_as": res["same_as"]} if "same_as" in res else {}),
                            "created": _created(Path(b))}
+
+
+def remedy_kinds(report: dict) -> list[str]:
+    """The kinds of the report's remedies whose replay made the step finite, in order tried.
+
+    >>> remedy_kinds({"remedies": [{"kind": "precision", "outcome": "still-failing"},
+    ...                            {"kind": "samples", "outcome": "finite"}]})
+    ['samples']
+    """
+    kinds: list[str] = []
+    for r in report.get("remedies") or []:
+        if isinstance(r, dict) and r.get("outcome") == "finite" and r.get("kind") not in kinds:
+            kinds.append(str(r.get("kind")))
+    return kinds
 
 
 def _created(bundle: Path) -> str | None:
@@ -162,10 +180,11 @@ def to_markdown(data: dict) -> str:
     lines = ["# nanbisect triage", "", f"{len(data['bundles'])} bundle(s) triaged, "
              f"{len(data['signatures'])} signature(s), {len(data['errors'])} error(s); exit "
              f"code {data['exit_code']}{state}.", "",
-             "| count | signature (op, module, phase, dtypes, classification) | first seen | "
-             "example | known |", "|---|---|---|---|---|"]
+             "| count | signature (op, module, phase, dtypes, classification) | made finite by | "
+             "first seen | example | known |", "|---|---|---|---|---|---|"]
     for g in data["signatures"]:
-        lines.append(f"| {g['count']} | `{g['signature']}` | {g['first_seen'] or '-'} | "
+        lines.append(f"| {g['count']} | `{g['signature']}` | "
+                     f"{', '.join(g.get('remedies') or []) or '-'} | {g['first_seen'] or '-'} | "
                      f"`{g['example']}` | {'yes' if g['known'] else '**new**'} |")
     if data["errors"]:
         lines += ["", "## Errors", ""] + [f"- `{e['bundle']}`: {e['error']}"

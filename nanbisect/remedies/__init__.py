@@ -1,0 +1,273 @@
+"""Remedies: once the culprit is known, replay the step with a few targeted changes and say what
+each did (`try_remedies`). Every entry is a replay's outcome (``finite``, ``still-failing``,
+``error``) or says why it was not replayed (``skipped``); never an untried suggestion.
+
+What is tried, in this order (an optimizer culprit's optimizer changes first):
+
+- ``optimizer`` (optimizer culprits): the step with the optimizer's eps raised (to 1e-8, or
+  100x), then with the gradients clipped to norm 1 (a tenth of the Task's ``clip_grad_norm``);
+- ``precision``: the culprit op computed one dtype wider (float16/bfloat16 -> float32,
+  float32 -> float64: `upcast.UpcastOp`); when that is not enough, or cannot help (its inputs
+  already carry inf), its module call (`upcast.upcast_module`; the smallest module holding both
+  the culprit and the op where its inf was born). "Finite" there tells a range problem of the
+  dtype from a domain error (a sqrt of a negative is NaN at any precision);
+- ``samples``: the step without the batch rows the bad value depends on: those traced through
+  the ops (`RowTrace`, ``culprit.samples``), else those found by bisecting the batch (remove
+  half of the candidate rows; finite: keep that half; else try the other half; stop at one row
+  or when neither half alone is to blame); each row identified (`batch.identify`);
+- ``state`` (bundles with a lookback): the same pre-step state with the batch of the step
+  before: finite means the batch did it, still failing that the state was already poised.
+
+A budget bounds the extra replays of the step (default 4, `DEFAULT_BUDGET`; a bisection counts
+each of its replays); what it leaves out is listed as skipped. Every replay starts from the
+pre-step state like any other; the changes are undone before this returns.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager
+
+import torch
+
+from nanbisect.bundle.lookback import Window
+from nanbisect.bundle.state import decode
+from nanbisect.records import Culprit, OpFinding, Remedy, RowTrace, module_label
+from nanbisect.remedies.batch import drop_rows, identify, row_count
+from nanbisect.remedies.trials import DEFAULT_BUDGET, Progress, Trials, budget, rows_text
+from nanbisect.remedies.upcast import UpcastOp, upcast_module, wider
+from nanbisect.replay.replayer import Replayer
+
+__all__ = ["DEFAULT_BUDGET", "budget", "try_remedies", "not_tried"]
+
+def _at(c: Culprit) -> str:
+    """Where the culprit op runs, in words."""
+    if c.phase == "optimizer":
+        return "in the optimizer step" + (f" (parameter {c.parameter})" if c.parameter else "")
+    call = f" (call {c.module_call})" if c.module_call is not None else ""
+    back = "backward of " if c.phase == "backward" else ""
+    return f"in {back}{module_label(c.module)}{call}"
+
+
+def _common(a: str, b: str) -> str:
+    """The innermost module holding both dotted names ("" the model)."""
+    pa, pb, out = a.split(".") if a else [], b.split(".") if b else [], []
+    for x, y in zip(pa, pb):
+        if x != y:
+            break
+        out.append(x)
+    return ".".join(out)
+
+
+def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
+    out: list[Remedy] = []
+    dtypes = wider(f.input_dtypes if f is not None else c.input_dtypes)
+    if dtypes is None:
+        if f is not None:
+            out.append(Remedy("precision", f"when {c.op} {_at(c)} runs wider", "skipped", detail={
+                "reason": "its inputs are already float64 (or not floating)"}))
+        return out
+    narrow, wide = dtypes
+    wide_name = str(wide).removeprefix("torch.")
+    origin = f.inf_origin if f is not None else None
+    if f is not None:
+        change = f"when {c.op} {_at(c)} runs in {wide_name}"
+        if origin is not None:
+            out.append(Remedy("precision", change, "skipped", detail={
+                "dtype": wide_name, "scope": "op",
+                "reason": f"its inputs already carry inf (born in {origin.op}): computing it "
+                          "wider cannot help"}))
+        elif trials.left <= 0:
+            return [trials.spent("precision", change)]
+        else:
+            outcome, loss, detail = trials.replay(
+                change, modes=lambda: [UpcastOp(f.site, wide)])
+            out.append(Remedy("precision", change, outcome, loss,
+                              {"dtype": wide_name, "scope": "op", **detail}))
+            if outcome == "finite":
+                return out
+    if c.phase not in ("forward", "backward") or c.module_call is None:
+        return out
+    name, call = c.module, c.module_call
+    if origin is not None and (origin.module, origin.module_call) != (c.module, c.module_call):
+        name, call = _common(origin.module or "", c.module), None
+    what = ("the model's forward" if not name else f"module {module_label(name)}"
+            + (f" (call {call})" if call is not None else " (every call)"))
+    change = f"when {what} runs in {wide_name}"
+    if trials.left <= 0:
+        return out + [trials.spent("precision", change)]
+
+    @contextmanager
+    def widened_module():
+        with upcast_module(trials.rep.task.model, name, call, wide):
+            yield
+
+    outcome, loss, detail = trials.replay(change, around=widened_module)
+    return out + [Remedy("precision", change, outcome, loss,
+                         {"dtype": wide_name, "scope": "module", "module": name,
+                          "module_call": call, **detail})]
+
+
+def _batch(rep: Replayer) -> Any:
+    return decode(rep.bundle.manifest["batch"], rep.tensors, "cpu")
+
+
+def _samples(trials: Trials, trace: RowTrace | None) -> Remedy:
+    rep = trials.rep
+    if rep.task.accumulate > 1:
+        return Remedy("samples", "without the rows the bad value depends on", "skipped", detail={
+            "reason": f"the step's batch is {rep.task.accumulate} micro-batches; rows are "
+                      "removed from one-batch steps only"})
+    batch = _batch(rep)
+    rows = row_count(batch)
+    if rows is None or rows < 2:
+        return Remedy("samples", "without the rows the bad value depends on", "skipped", detail={
+            "reason": "the batch has no tensor with two or more rows"})
+    if trace is not None and trace.samples is not None:
+        drop = trace.samples
+        change = f"without {rows_text(drop)}"
+        ids = identify(batch, drop, rows)
+        if len(drop) >= rows:
+            return Remedy("samples", change, "skipped", detail={
+                "rows": drop, "found_by": "trace", "identify": ids,
+                "reason": "every row of the batch holds the bad value: none would be left"})
+        if trials.left <= 0:
+            return trials.spent("samples", change)
+        outcome, loss, detail = trials.replay(change, edit=lambda b: drop_rows(b, drop, rows))
+        return Remedy("samples", change, outcome, loss,
+                      {"rows": drop, "found_by": "trace", "identify": ids, **detail})
+    why = trace.why if trace is not None else "no op was isolated to trace them from"
+    if trace is not None and trace.why and "no batch row" in trace.why:
+        return Remedy("samples", "without the rows the bad value depends on", "skipped",
+                      detail={"reason": trace.why})
+    return _bisect(trials, batch, rows, why)
+
+
+def _bisect(trials: Trials, batch: Any, rows: int, why: str) -> Remedy:
+    """Rows found by replaying the step without halves of the candidates."""
+    cand, found, loss, tried, stop = list(range(rows)), None, None, [], None
+    while len(cand) > 1 and stop is None:
+        halves = (cand[:len(cand) // 2], cand[len(cand) // 2:])
+        for half in halves:
+            if trials.left <= 0:
+                stop = "budget"
+                break
+            outcome, l, detail = trials.replay(f"without {rows_text(half)}",
+                                               edit=lambda b, h=half: drop_rows(b, h, rows))
+            tried.append({"without": half, "outcome": outcome, **detail})
+            if outcome == "error":
+                stop = "error"
+                break
+            if outcome == "finite":
+                cand, found, loss = half, half, l
+                break
+        else:
+            stop = "neither half"
+    detail = {"found_by": "bisection", "why_not_traced": why, "tried": tried,
+              "complete": stop != "budget" and stop != "error"}
+    if found is not None:
+        if stop == "budget" and len(found) > 1:
+            detail["note"] = "the budget ended the bisection before it reached one row"
+        return Remedy("samples", f"without {rows_text(found)}", "finite", loss,
+                      {"rows": found, "identify": identify(batch, found, rows), **detail})
+    change = "without batch rows found by bisecting the batch"
+    if not tried:
+        return trials.spent("samples", change)
+    if stop == "error":
+        return Remedy("samples", change, "error", None, {"rows": None, **detail,
+                                                           "error": tried[-1].get("error")})
+    detail["note"] = ("no half of the batch alone makes the step finite: the rows act "
+                      "together, or the failure does not come from the batch"
+                      if stop == "neither half" else
+                      "the budget ended the bisection before any removal made it finite")
+    return Remedy("samples", change, "still-failing", None, {"rows": None, **detail})
+
+
+def _state(trials: Trials, window: Window) -> Remedy | None:
+    if len(window.steps) < 2:
+        return None
+    prev = window.steps[-2]
+    change = f"with the batch of step {prev['step']} in place of its own (the same state)"
+    if trials.left <= 0:
+        return trials.spent("state", change)
+    rep = trials.rep
+    tensors = {k: v for k, v in window.step_tensors(len(window.steps) - 2).items()}
+
+    def other(batch: Any) -> Any:
+        b = decode(prev["batch"], tensors, rep.device)
+        if rep.dtype is not None:
+            b = torch.utils._pytree.tree_map(
+                lambda t: t.to(rep.dtype) if isinstance(t, torch.Tensor)
+                and t.is_floating_point() else t, b)
+        return b
+
+    outcome, loss, detail = trials.replay(change, edit=other)
+    meaning = {"finite": "the batch did it",
+               "still-failing": "the state was already poised"}.get(outcome)
+    return Remedy("state", change, outcome, loss, {"step": prev["step"], **detail,
+                                                   **({"meaning": meaning} if meaning else {})})
+
+
+def _optimizer(trials: Trials) -> list[Remedy]:
+    rep, out = trials.rep, []
+    groups = rep.task.optimizer.param_groups if rep.task.optimizer is not None else []
+    eps = [g["eps"] for g in groups if isinstance(g.get("eps"), (int, float))]
+    if eps:
+        new = max(1e-8, 100 * max(eps))
+        change = f"with the optimizer's eps raised from {max(eps):g} to {new:g}"
+        if trials.left <= 0:
+            out.append(trials.spent("optimizer", change))
+        else:
+            def raise_eps():
+                for g in rep.task.optimizer.param_groups:
+                    if isinstance(g.get("eps"), (int, float)):
+                        g["eps"] = max(g["eps"], new)
+            outcome, loss, detail = trials.replay(change, on_optimizer=raise_eps)
+            out.append(Remedy("optimizer", change, outcome, loss, {"eps": new, **detail}))
+    norm = 1.0 if rep.task.clip_grad_norm is None else rep.task.clip_grad_norm / 10
+    change = f"with the gradients clipped to norm {norm:g} before the update"
+    if trials.left <= 0:
+        return out + [trials.spent("optimizer", change)]
+    outcome, loss, detail = trials.replay(change, clip=norm)
+    return out + [Remedy("optimizer", change, outcome, loss, {"clip_grad_norm": norm, **detail})]
+
+
+def try_remedies(rep: Replayer, culprit: Culprit, finding: OpFinding | None, *,
+                 budget: int = DEFAULT_BUDGET, trace: RowTrace | None = None,
+                 window: Window | None = None, wrap: Callable[[], ContextManager] = nullcontext,
+                 judge: str = "optimizer", progress: Progress = lambda key, text: None
+                 ) -> list[Remedy]:
+    """Replay the step with each remedy that applies to ``culprit`` (at most ``budget`` extra
+    replays, each under ``wrap``, each run to the end of phase ``judge``: the whole step by
+    default); what came of each, in the order tried.
+
+    >>> from nanbisect.bundle.format import read_bundle
+    >>> from nanbisect.locate.ops import record_ops
+    >>> from nanbisect.locate.producers import make_culprit
+    >>> rep = Replayer(read_bundle("fixtures/bundles/optimizer_adam_eps0"), torch.device("cpu"))
+    >>> f = record_ops(rep, "optimizer", "nan")
+    >>> c = make_culprit(rep.task.model, "optimizer", finding=f)
+    >>> [(r.kind, r.outcome) for r in try_remedies(rep, c, f, budget=2)][:2]
+    [('optimizer', 'finite'), ('optimizer', 'still-failing')]
+    """
+    trials = Trials(rep, wrap, budget, judge, progress)
+    out: list[Remedy] = []
+    if culprit.phase == "optimizer":
+        out += _optimizer(trials)
+    out += _precision(trials, culprit, finding)
+    out.append(_samples(trials, trace))
+    if window is not None:
+        state = _state(trials, window)
+        out += [state] if state is not None else []
+    return out
+
+
+def not_tried(culprit: Culprit, reason: str, window: bool = False) -> list[Remedy]:
+    """The remedies that would apply to ``culprit``, each skipped for ``reason`` (a rank
+    replayed in lockstep cannot replay the step again alone)."""
+    kinds = (["optimizer"] if culprit.phase == "optimizer" else []) + ["precision", "samples"] \
+        + (["state"] if window else [])
+    change = {"optimizer": "with the optimizer's eps raised or its gradients clipped",
+              "precision": "with the culprit op or its module call computed wider",
+              "samples": "without the rows the bad value depends on",
+              "state": "with the batch of the step before (the same state)"}
+    return [Remedy(k, change[k], "skipped", detail={"reason": reason}) for k in kinds]

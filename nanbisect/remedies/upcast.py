@@ -1,0 +1,193 @@
+"""Part of the step computed in a wider dtype: one op at dispatch level (`UpcastOp`), or one module
+call from its inputs to its outputs (`upcast_module`).
+
+`UpcastOp` runs the op at one site (op, phase, occurrence, as `nanbisect.locate` names it) on
+copies of its floating inputs in the wider dtype and casts its results back to the dtypes the op
+gives at the original ones (an in-place op writes its wider result back into its own
+arguments), so autograd and every later op see what they expect: only that op's arithmetic
+changes. A result that does not fit the narrow dtype (exp(12) in float16) is inf again after
+the cast back: computing one op wider helps only where its own arithmetic overflows or loses
+the value. `upcast_module` keeps the values inside one module call wide (its inputs, parameters
+and buffers cast with differentiable casts, its outputs cast back), so a float16 range problem
+inside the module goes away there when it is one, and backward flows through the casts.
+
+Not changed: ops outside the site or the module call; a module call's in-place updates of its
+buffers (running statistics) go to the wide copies and are dropped.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+from nanbisect.records import OpSite
+from nanbisect.replay.recorder import SKIP
+
+# the dtype one step wider than the widest floating input
+WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+         torch.float32: torch.float64}
+
+
+def wider(dtype_names: list[str]) -> tuple[torch.dtype, torch.dtype] | None:
+    """(the widest floating dtype among ``dtype_names``, the dtype to compute in instead);
+    None when there is no floating one, or it is already float64.
+
+    >>> wider(["float16", "int64"]), wider(["float64"])
+    ((torch.float16, torch.float32), None)
+    """
+    floats = [getattr(torch, n) for n in dtype_names
+              if isinstance(getattr(torch, n, None), torch.dtype)
+              and getattr(torch, n).is_floating_point]
+    if not floats:
+        return None
+    narrow = max(floats, key=lambda d: d.itemsize)
+    return (narrow, WIDER[narrow]) if narrow in WIDER else None
+
+
+def _up(wide: torch.dtype):
+    def cast(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.is_floating_point() and \
+                x.dtype.itemsize < wide.itemsize:
+            return x.to(wide)
+        return x
+    return cast
+
+
+def _leaves(x: Any) -> list:
+    return torch.utils._pytree.tree_leaves(x)
+
+
+def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
+    """``func(*args, **kwargs)`` computed with its floating inputs in ``wide``, its results in
+    the dtypes it gives at the original ones; arguments it writes get the wide result.
+
+    >>> x = torch.tensor([300.0], dtype=torch.float16)
+    >>> widened(torch.ops.aten.linalg_vector_norm.default, (x,), {}, torch.float32).dtype
+    torch.float16
+    """
+    cast = _up(wide)
+    wargs = torch.utils._pytree.tree_map(cast, list(args))
+    wkwargs = torch.utils._pytree.tree_map(cast, dict(kwargs))
+    result = func(*wargs, **wkwargs)
+    schema = func._schema.arguments
+    for i, a in enumerate(schema):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        orig = args[i] if i < len(args) else kwargs.get(a.name)
+        new = wargs[i] if i < len(args) else wkwargs.get(a.name)
+        for o, w in zip(_leaves(orig), _leaves(new)):
+            if isinstance(o, torch.Tensor) and o is not w:
+                o.copy_(w)
+    same = {id(w): o for o, w in zip(_leaves((list(args), dict(kwargs))),
+                                     _leaves((wargs, wkwargs))) if isinstance(o, torch.Tensor)}
+    try:
+        with _disable_current_modes():
+            meta = torch.utils._pytree.tree_map(
+                lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (list(args),
+                                                                                dict(kwargs)))
+            dtypes = [t.dtype if isinstance(t, torch.Tensor) else None
+                      for t in _leaves(func(*meta[0], **meta[1]))]
+    except Exception:  # noqa: BLE001 - no meta kernel: the narrowest floating input's dtype
+        narrow = next((t.dtype for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                       and t.is_floating_point()), None)
+        dtypes = [narrow] * len(_leaves(result))
+    flat, spec = torch.utils._pytree.tree_flatten(result)
+    out = []
+    for v, dt in zip(flat, dtypes + [None] * (len(flat) - len(dtypes))):
+        if isinstance(v, torch.Tensor) and id(v) in same:
+            out.append(same[id(v)])
+        elif isinstance(v, torch.Tensor) and dt is not None and v.dtype != dt:
+            out.append(v.to(dt))
+        else:
+            out.append(v)
+    return torch.utils._pytree.tree_unflatten(out, spec)
+
+
+class UpcastOp(TorchDispatchMode):
+    """Compute the op at ``site`` in ``wide`` (`widened`); set ``.phase`` as the step moves on.
+
+    >>> mode = UpcastOp(OpSite("aten.exp.default", "forward", 1), torch.float32)
+    >>> x = torch.tensor([12.0], dtype=torch.float16)
+    >>> with mode:
+    ...     a, b = x.exp(), (x - 11).exp()    # the second exp is computed in float32
+    >>> mode.hit, a.item(), round(b.item(), 2)
+    (True, inf, 2.72)
+    """
+
+    def __init__(self, site: OpSite, wide: torch.dtype) -> None:
+        super().__init__()
+        self.site, self.wide = site, wide
+        self.phase = "forward"
+        self.seen = 0
+        self.hit = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (self.hit or func in SKIP or self.phase != self.site.phase
+                or str(func) != self.site.op):
+            return func(*args, **kwargs)
+        if self.seen != self.site.occurrence:
+            self.seen += 1
+            return func(*args, **kwargs)
+        self.hit = True
+        return widened(func, args, kwargs, self.wide)
+
+
+@contextmanager
+def upcast_module(model: torch.nn.Module, name: str, call: int | None,
+                  wide: torch.dtype) -> Iterator[list[int]]:
+    """Within the block, call ``call`` of module ``name`` (every call with None) runs in
+    ``wide``: inputs, parameters and buffers cast (differentiably) on the way in, outputs cast
+    back to the module's dtype on the way out. Yields the list of call indices it widened.
+
+    >>> m = torch.nn.Sequential(torch.nn.Linear(2, 2)).half()
+    >>> with upcast_module(m, "0", 0, torch.float32) as done:
+    ...     y = m(torch.ones(1, 2, dtype=torch.float16))
+    >>> done, y.dtype, m[0].weight.dtype
+    ([0], torch.float16, torch.float16)
+    """
+    from torch.nn.utils.stateless import _reparametrize_module  # NB: private, stable since 2.0
+
+    module = model.get_submodule(name) if name else model
+    count, frames, done = [0], [], []    # frames: one per running call (None: not widened)
+    cast = _up(wide)
+
+    def pre(mod, args, kwargs):
+        k = count[0]
+        count[0] += 1
+        if call is not None and k != call:
+            frames.append(None)
+            return None
+        floats = [t.dtype for t in _leaves((args, kwargs, list(mod.parameters())))
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        narrow = min(floats, key=lambda d: d.itemsize) if floats else wide
+        state = {n: cast(t) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
+        ctx = _reparametrize_module(mod, state)
+        ctx.__enter__()
+        frames.append((ctx, narrow))
+        done.append(k)
+        return (torch.utils._pytree.tree_map(cast, tuple(args)),
+                torch.utils._pytree.tree_map(cast, dict(kwargs)))
+
+    def post(mod, args, kwargs, output):
+        frame = frames.pop() if frames else None
+        if frame is None:
+            return None
+        ctx, narrow = frame
+        ctx.__exit__(None, None, None)
+        return torch.utils._pytree.tree_map(
+            lambda t: t.to(narrow) if isinstance(t, torch.Tensor) and t.dtype == wide
+            and narrow != wide else t, output)
+
+    handles = [module.register_forward_pre_hook(pre, with_kwargs=True),
+               module.register_forward_hook(post, with_kwargs=True, always_call=True)]
+    try:
+        yield done
+    finally:
+        for h in handles:
+            h.remove()
+        for frame in reversed(frames):
+            if frame is not None:
+                frame[0].__exit__(None, None, None)
