@@ -1,19 +1,21 @@
 """Benchmark: per-step overhead of `nanbisect.Guard` against a plain training loop (issues 2, 29).
 
-What the numbers are: wall-clock time of one full training step (zero_grad, forward, backward,
-AdamW step) of a GPT on CPU (fixtures/tasks/tinygpt.py: the tests' GPT, built bigger; its
-``plain_step`` is the plain loop) at ``--size default`` (5.0M parameters, batch 8x256) or
-``tiny`` (0.5M parameters, batch 8x64), with ``--threads`` torch threads (2). Four sides on
+What the numbers are: wall-clock (``--clock cpu``: CPU) time of one training step (zero_grad,
+forward, backward, AdamW step) of a GPT on CPU (fixtures/tasks/tinygpt.py: the tests' GPT, built
+bigger; its ``plain_step`` is the plain loop) at ``--size default`` (5.0M parameters, batch 8x256)
+or ``tiny`` (0.5M parameters, batch 8x64), with ``--threads`` torch threads (2). Four sides on
 identical model copies built from the same seed, interleaved round by round in one process (each
-round runs every side once on the same batch, the order rotating, so drift (thermal, other load,
-allocator warm-up) hits all sides alike): the plain loop; `Guard.step` as it ships (history of
-64 steps); `Guard(history=0).step`; and the plain loop's step inside `Guard.watch` (a custom
-loop: the gradient-finiteness flag of issue 30 is on every guarded side). The plain step reads
-its loss with `.item()`, since `Guard.step` returns the loss as a float. Ratios: of the medians,
-and the median of the per-round ratios (paired). Then the pieces of the Guard are timed alone (RNG
-state read, snapshot copy, the one-pass parameter and gradient norms, the history ring's row,
-the host sync), and in real steps: Guard.step's parts before and after the step, and entering
-and leaving `Guard.watch`.
+round runs every side for a block of ``--block`` steps (5) on the same batches, the order rotating,
+so drift (thermal, other load, allocator warm-up) hits all sides alike; the first step of each block
+is not measured: it finds its model's state evicted from the cache by the other sides' steps, where
+a training loop, which trains one model, finds it there): the plain loop; `Guard.step` as it ships
+(history of 64 steps); `Guard(history=0).step`; and the plain loop's step inside `Guard.watch` (a
+custom loop: the gradient-finiteness flag of issue 30 is on every guarded side). The plain step
+reads its loss with `.item()`, since `Guard.step` returns the loss as a float. Ratios: of the
+medians, and the median of the per-step ratios (paired: the same round and batch). Then the pieces
+of the Guard are timed alone (RNG state read, snapshot copy, the one-pass parameter and gradient
+norms, the history ring's row, the host sync), and in real steps: Guard.step's parts before and
+after the step, and entering and leaving `Guard.watch`.
 
 What they are not: a GPU figure (on an accelerator the snapshot is a device-to-device copy on a
 side stream and the screen waits on the device, which cost differently), a figure for other
@@ -21,7 +23,7 @@ optimizers (snapshot cost scales with parameters plus optimizer state, the step 
 nor the cost of a failing step (which writes a bundle). On a shared machine the step times are
 noisy: run it a few times and read the range, and the pieces, which vary less.
 
-    python scripts/bench_guard.py [--size default|tiny] [--steps 30] [--threads 2]
+    python scripts/bench_guard.py [--size default|tiny] [--steps 30] [--block 5] [--threads 2]
                                   [--clock wall|cpu] [--batch B] [--seq T] [--scaler]
                                   [--clip 1.0] [--json out.json]
 """
@@ -177,8 +179,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", choices=sorted(SIZES), default="default",
                     help="the model and batch (tiny: 0.5M parameters, batch 8x64)")
-    ap.add_argument("--steps", type=int, default=30, help="measured rounds")
-    ap.add_argument("--warmup", type=int, default=5, help="unmeasured rounds")
+    ap.add_argument("--steps", type=int, default=30, help="measured steps per side")
+    ap.add_argument("--warmup", type=int, default=2, help="unmeasured rounds")
+    ap.add_argument("--block", type=int, default=5,
+                    help="steps per side in a row in each round; the first of each block is not "
+                         "measured (1: one step per side per round, all measured)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per batch (the size's)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (the size's)")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
@@ -221,15 +226,19 @@ def main() -> None:
                 "Guard.step": guards["Guard.step"].step,
                 "Guard.step, history=0": guards["Guard.step, history=0"].step,
                 "Guard.watch": lambda b: watch_step(guards["Guard.watch"], b)}
-        for i in range(args.warmup + args.steps):
-            b = batches[i % len(batches)]
+        k = args.block
+        rounds = args.warmup + -(-args.steps // max(1, k - 1))
+        for i in range(rounds):
             order = names[i % len(names):] + names[:i % len(names)]
-            losses = {}
+            losses: dict[int, set] = {}
             for name in order:
-                dt, losses[name] = timed(lambda: runs[name](b))
-                if i >= args.warmup:
-                    times[name].append(dt)
-            same_loss &= len(set(losses.values())) == 1
+                for j in range(k):      # the same batches on every side
+                    b = batches[(i * k + j) % len(batches)]
+                    dt, loss = timed(lambda: runs[name](b))
+                    losses.setdefault(j, set()).add(loss)
+                    if i >= args.warmup and (j > 0 or k == 1):
+                        times[name].append(dt)
+            same_loss &= all(len(v) == 1 for v in losses.values())
         pieces = piece_times(guards["Guard.step"], reps=max(10, args.steps))
         pieces |= in_step_times(guards["Guard.step"], batches, reps=max(10, args.steps // 2))
 
@@ -237,7 +246,7 @@ def main() -> None:
     med_p = statistics.median(plain)
     res = {
         "config": cfg, "size": args.size, "n_params": n_params, "optimizer": "AdamW",
-        "steps": args.steps, "warmup": args.warmup, "clock": args.clock,
+        "steps": args.steps, "warmup": args.warmup, "block": args.block, "clock": args.clock,
         "load_average": os.getloadavg(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "platform": platform.platform(),
         "processor": platform.processor(), "losses_identical": same_loss, "sides": {},
@@ -250,8 +259,9 @@ def main() -> None:
             "ratio_paired_median": statistics.median(t / p for p, t in zip(plain, ts))}
     print(f"size {args.size}: {cfg} | params: {n_params:,} | AdamW | torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.clock} clock, load average "
-          f"{os.getloadavg()[0]:.1f} | {args.warmup} warm-up + {args.steps} measured "
-          f"rounds, sides interleaved (order rotating) | losses identical on every side: "
+          f"{os.getloadavg()[0]:.1f} | {args.warmup} warm-up rounds, then {len(plain)} measured "
+          f"steps per side in blocks of {args.block} (order rotating) | losses identical on "
+          f"every side: "
           f"{same_loss}\n")
     print("| side | median ms/step | mean ms/step | stdev ms | x plain (medians) "
           "| x plain (median of paired ratios) |\n|---|---:|---:|---:|---:|---:|")
