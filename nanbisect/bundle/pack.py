@@ -51,6 +51,7 @@ from nanbisect.bundle.atomic import rename_noreplace
 from nanbisect.bundle.format import MANIFEST
 from nanbisect.errors import BadInput
 from nanbisect.util.env import env_number
+from nanbisect.util.files import remove_made
 from nanbisect.util.staging import MARKER as STAGING_MARKER
 from nanbisect.util.staging import make_staging_dir, staging_name, staging_path, unmark
 from nanbisect.util.text import show
@@ -177,7 +178,7 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
         if not done:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            _unmake(made)
+            remove_made(made)
     return dest
 
 
@@ -565,17 +566,8 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
     finally:
         if not done:
             shutil.rmtree(staging, ignore_errors=True)
-            _unmake(made)
+            remove_made(made)
     return dest
-
-
-def _unmake(made: list[Path]) -> None:
-    """Remove the directories a failed call created (innermost first), each only while empty."""
-    for d in made:
-        try:
-            d.rmdir()
-        except OSError:
-            break
 
 
 def _max_bytes(archive: Path, max_bytes: int | None) -> int:

@@ -33,7 +33,7 @@ from nanbisect.errors import BadInput
 from nanbisect.report.model import Report
 from nanbisect.report.page import to_html
 from nanbisect.report.text import to_markdown
-from nanbisect.util.files import file_sha256, os_error
+from nanbisect.util.files import file_sha256, os_error, remove_made
 from nanbisect.util.staging import MARKER as STAGING_MARKER
 from nanbisect.util.staging import make_staging_dir, mark, staging_path, unmark
 
@@ -177,7 +177,7 @@ def staged(out: Path, bundle: Path | None = None) -> Iterator[Path]:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_staging_dir(staging_path(out))   # marked: `nanbisect clean` may remove it
     except OSError as e:
-        _remove_empty(made)
+        remove_made(made)
         raise _cannot_write(out, e) from None
     try:
         yield tmp
@@ -191,7 +191,7 @@ def staged(out: Path, bundle: Path | None = None) -> Iterator[Path]:
         _replace(tmp, out)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        _remove_empty(made)
+        remove_made(made)
         err = None if isinstance(e, BadInput) else os_error(e)
         if err is not None and _about_out(err, out, tmp):
             raise _cannot_write(out, err) from None
@@ -258,15 +258,6 @@ def _cannot_write(out: Path, e: OSError) -> BadInput:
     return BadInput(f"--out '{out}': the report cannot be written there ({e.strerror or e}); "
                     "nothing was written: pass --out with a directory you can write to, on a "
                     "file system with room for it")
-
-
-def _remove_empty(made: list[Path]) -> None:
-    """Remove the directories a write created (innermost first) while they are empty."""
-    for d in made:
-        try:
-            d.rmdir()
-        except OSError:
-            break
 
 
 def write_report(r: Report, out: Path) -> None:

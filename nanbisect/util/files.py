@@ -113,6 +113,16 @@ def write_atomic(path: Path, text: str) -> None:
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
+def remove_made(made: list[Path]) -> None:
+    """Remove the directories a failed write created (innermost first), each only while empty:
+    never one that something else put a file in meanwhile."""
+    for d in made:
+        try:
+            d.rmdir()
+        except OSError:
+            break
+
+
 def os_error(e: BaseException) -> OSError | None:
     """The OS error ``e`` stands for: ``e`` itself when it is an `OSError`, or the one a library
     wrapped in its own exception type (safetensors raises ``SafetensorError("... No space left

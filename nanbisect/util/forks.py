@@ -228,8 +228,8 @@ def serve(fd: int) -> None:
 class Child:
     """A child a `ForkServer` started: its ``pid`` (its process group too), and `wait`."""
 
-    def __init__(self, pid: int, answer: socket.socket):
-        self.pid, self._answer, self._buf, self.returncode = pid, answer, b"", None
+    def __init__(self, pid: int, answer: socket.socket, buf: bytes = b""):
+        self.pid, self._answer, self._buf, self.returncode = pid, answer, buf, None
 
     def wait(self, timeout: float | None = None) -> int:
         """The exit status; `subprocess.TimeoutExpired` when it has not ended within ``timeout``
@@ -347,9 +347,7 @@ class ForkServer:
             answer.close()
             raise OSError("the fork server did not start the child")
         first, _, rest = line.partition(b"\n")
-        child = Child(int(json.loads(first)["pid"]), answer)
-        child._buf = rest
-        return child
+        return Child(int(json.loads(first)["pid"]), answer, rest)
 
     def close(self) -> None:
         """End the server (its children are not touched); for an inherited one, let go of it."""
