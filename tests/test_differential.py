@@ -29,13 +29,17 @@ def test_fused_op_backward_nan_only_on_device(fixture_bundle, reference):
 
 
 def test_same_bundle_without_the_device_does_not_reproduce(fixture_bundle):
-    """Transient when this environment is the capture's; with other versions (another Python,
-    numpy: a Debian system Python's venv), a version change is as likely a cause: unknown."""
+    """Transient when this machine and environment are the capture's; on other hardware (a CPU
+    without the capture's AVX512: the shipped bundle replayed on another machine) or with other
+    versions (another Python, numpy: a Debian system Python's venv), the change is as likely a
+    cause: unknown, and the notes say which."""
     rep = run_json(fixture_bundle("moe_unpermute_on_npu"), "--reference", "cpu", code=3)
-    changed = rep["replay"]["environment_changed"]
+    hardware, versions = rep["replay"]["hardware_changed"], rep["replay"]["environment_changed"]
     assert (rep["verdict"], rep["classification"]) == (
-        "not-reproduced", "unknown" if changed else "transient"), changed
-    if changed:
+        "not-reproduced", "unknown" if hardware or versions else "transient"), (hardware, versions)
+    if hardware:
+        assert any("other hardware than the capture" in n for n in rep["notes"])
+    elif versions:
         assert any("other versions than the capture" in n for n in rep["notes"])
 
 

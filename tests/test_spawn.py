@@ -54,13 +54,15 @@ def test_ranks_form_one_group_with_torchruns_environment(tmp_path, start):
 
 
 def test_a_crashed_rank_is_the_root_and_its_peer_is_stopped(tmp_path):
-    p, statuses, took = spawn(tmp_path, "crash", "--group")
+    # no bound on the time taken (a busy machine took 66 s): a rank 0 left hanging in gloo's
+    # all-reduce (30 minutes by default) would fail this by the time-out, one that ignored
+    # SIGTERM by its status (SIGKILL after the grace)
+    p, statuses, _ = spawn(tmp_path, "crash", "--group", timeout=300)
     assert p.returncode == 1
     # rank 0 waited in the all-reduce for rank 1: stopped with SIGTERM (or gloo saw the peer go
     # first, and it exited 1), not left hanging; the crash is the root either way
     assert statuses["statuses"]["1"] == -signal.SIGSEGV and statuses["root"] == 1
     assert statuses["statuses"]["0"] in (-signal.SIGTERM, 1)
-    assert took < 60
 
 
 def test_ranks_alone_write_their_own_logs_and_a_status_each(tmp_path):
