@@ -16,13 +16,18 @@ from conftest import ROOT, cli
 from nanbisect.task import import_target
 
 MARK = "<!-- quick start: tests/test_examples.py"
+EXCERPT = "<!-- excerpt of examples/train.py: tests/test_examples.py"
+
+
+def _block(readme: str, marker: str) -> str:
+    """The first fenced block after ``marker``."""
+    return re.search(r"```[a-z]*\n(.*?)```", readme[readme.index(marker):], re.S).group(1)
 
 
 def quick_start(readme: str) -> list[tuple[str, list[str]]]:
     """The README's quick start: [(command, the output lines it shows)] from the fenced block
     after MARK; a ``$ `` line is a command, ``...`` stands for lines not shown."""
-    after = readme[readme.index(MARK):]
-    block = re.search(r"```[a-z]*\n(.*?)```", after, re.S).group(1)
+    block = _block(readme, MARK)
     steps: list[tuple[str, list[str]]] = []
     for line in block.splitlines():
         if line.startswith("$ "):
@@ -96,3 +101,12 @@ def test_the_custom_loop_example_is_caught_and_replayed(tmp_path):
     assert (rep["culprit"]["op"], rep["culprit"]["module"], rep["culprit"]["phase"]) == (
         "aten.sqrt.default", "features", "forward")
     assert rep["culprit"]["samples"] == [5]
+
+
+def test_the_readme_shows_lines_of_the_example_it_names():
+    """The README's excerpt of examples/train.py is that file's text (`...` for what it leaves
+    out), so the two cannot drift apart."""
+    shown = [x.strip() for x in _block((ROOT / "README.md").read_text(), EXCERPT).splitlines()
+             if x.strip() and x.strip() != "..."]
+    assert len(shown) > 20
+    assert not _in_order(shown, (ROOT / "examples" / "train.py").read_text())
