@@ -190,7 +190,12 @@ def _no_training() -> Iterator[None]:
     finally:
         _trap.depth = 0
         handle.remove()
-        torch.Tensor.backward, torch.autograd.backward = tensor_backward, autograd_backward
+        # NB: a library the entry imported may have wrapped these in turn (a profiler's patch):
+        # keep its wrapper then (ours, inside it, passes every call through once disarmed)
+        if torch.Tensor.backward is backward:
+            torch.Tensor.backward = tensor_backward
+        if torch.autograd.backward is autograd:
+            torch.autograd.backward = autograd_backward
 
 
 _saved = (torch.Tensor.backward, torch.autograd.backward)   # as torch defines them (doctest)

@@ -136,3 +136,20 @@ def test_cli_run_of_an_entry_that_trains_at_import(fixture_bundle, tmp_path):
                     "Guard(...) at", "trains_at_import.py:17", 'if __name__ == "__main__":')
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert not (b / "nanbisect-report").exists()
+
+
+def test_a_library_that_wraps_backward_at_import_keeps_its_wrapper(tmp_path, monkeypatch):
+    """An import that patches Tensor.backward in turn (as profilers do) keeps its patch, and
+    backward works through it once the import is over."""
+    original = torch.Tensor.backward
+    monkeypatch.setattr(torch.Tensor, "backward", original)   # restored after the test
+    f = tmp_path / "wraps_backward.py"
+    f.write_text("import torch\nseen = []\n_inner = torch.Tensor.backward\n"
+                 "def backward(self, *a, **k):\n"
+                 "    seen.append(1)\n    return _inner(self, *a, **k)\n"
+                 "torch.Tensor.backward = backward\n")
+    mod = import_target(str(f))
+    assert torch.Tensor.backward is mod.backward
+    x = torch.ones(2, requires_grad=True)
+    x.sum().backward()
+    assert mod.seen == [1] and x.grad.tolist() == [1.0, 1.0]
