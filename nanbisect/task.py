@@ -3,7 +3,10 @@
 An entry is ``pkg.module:function`` or ``path/to/file.py:function``; calling ``function()`` returns a
 `Task`. A file is imported once per resolved path, under a module name derived from that path, so
 two entries naming the same file share one module. Importing an entry runs user code: only
-`load_task` does that, never `nanbisect inspect`.
+`load_task` does that, never `nanbisect inspect`. An entry that starts training while it is
+imported (a loop at module level, outside ``if __name__ == "__main__":``) is stopped before its
+first step with a one-line `BadInput` naming the line (`_no_training`); not caught: a loop that
+trains without ``backward``, ``Optimizer.step``, `Guard` or `capture` (a forward-only loop).
 """
 from __future__ import annotations
 
@@ -13,12 +16,16 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
+import sysconfig
+import threading
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, ContextManager
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanbisect.errors import BadInput
 
@@ -95,6 +102,112 @@ def _user_frame(exc: BaseException) -> str:
     return f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
 
 
+class _TrainedAtImport(BaseException):
+    """Raised where an entry starts training while nanbisect imports it. A BaseException, so a
+    loop's ``except Exception`` does not swallow it; every later attempt raises it again."""
+
+    def __init__(self, what: str, where: str) -> None:
+        super().__init__(what, where)
+        self.what, self.where = what, where
+
+
+# the thread importing an entry under `_no_training` (None: no import going on), and how deep
+_trap = threading.local()
+_OWN_DIR = str(Path(__file__).resolve().parent)
+_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
+_LIB_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
+                                                       "platlib")})
+
+
+def _training_line() -> str:
+    """'file:line' where the user's code started the training call: the innermost frame outside
+    torch, nanbisect, the standard library and installed packages (a Trainer's own frames), else
+    the innermost outside torch and nanbisect."""
+    frames = [(f.filename, f.lineno) for f in traceback.extract_stack()]
+    outside = [(f, n) for f, n in frames if not f.startswith("<") and not any(
+        os.path.abspath(f).startswith(d + os.sep) for d in (_OWN_DIR, _TORCH_DIR))]
+    user = [(f, n) for f, n in outside if "site-packages" not in f and not any(
+        os.path.abspath(f).startswith(d + os.sep) for d in _LIB_DIRS)]
+    f, n = (user or outside or frames)[-1]
+    return f"{os.path.relpath(f) if not os.path.relpath(f).startswith('..') else f}:{n}"
+
+
+def refuse_training_at_import(what: str) -> None:
+    """Raise (`_TrainedAtImport`) when this thread is importing an entry: `Guard` and `capture`
+    call it first, so an entry file that guards its loop at import writes nothing."""
+    if getattr(_trap, "depth", 0):
+        raise _TrainedAtImport(what, _training_line())
+
+
+@contextmanager
+def _no_training() -> Iterator[None]:
+    """While an entry is imported, ``Tensor.backward``, ``torch.autograd.backward``, every
+    ``Optimizer.step`` (a global step pre-hook) and `refuse_training_at_import` raise
+    `_TrainedAtImport` in this thread. Everything is restored on exit, also on error.
+
+    >>> with _no_training():
+    ...     try:
+    ...         torch.ones(1, requires_grad=True).sum().backward()
+    ...     except _TrainedAtImport as e:
+    ...         print(e.what)
+    Tensor.backward
+    >>> torch.Tensor.backward is _saved[0]
+    True
+    """
+    depth = getattr(_trap, "depth", 0)
+    if depth:                          # an import inside an import: already armed
+        _trap.depth += 1
+        try:
+            yield
+        finally:
+            _trap.depth -= 1
+        return
+    me = threading.get_ident()
+    tensor_backward, autograd_backward = torch.Tensor.backward, torch.autograd.backward
+
+    def armed() -> bool:
+        return threading.get_ident() == me and getattr(_trap, "depth", 0) > 0
+
+    def backward(self, *args, **kwargs):
+        if armed():
+            raise _TrainedAtImport("Tensor.backward", _training_line())
+        return tensor_backward(self, *args, **kwargs)
+
+    def autograd(*args, **kwargs):
+        if armed():
+            raise _TrainedAtImport("torch.autograd.backward", _training_line())
+        return autograd_backward(*args, **kwargs)
+
+    def step_pre_hook(optimizer, args, kwargs):
+        if armed():
+            raise _TrainedAtImport(f"{type(optimizer).__name__}.step", _training_line())
+
+    torch.Tensor.backward, torch.autograd.backward = backward, autograd
+    handle = register_optimizer_step_pre_hook(step_pre_hook)
+    _trap.depth = 1
+    try:
+        yield
+    finally:
+        _trap.depth = 0
+        handle.remove()
+        # NB: a library the entry imported may have wrapped these in turn (a profiler's patch):
+        # keep its wrapper then (ours, inside it, passes every call through once disarmed)
+        if torch.Tensor.backward is backward:
+            torch.Tensor.backward = tensor_backward
+        if torch.autograd.backward is autograd:
+            torch.autograd.backward = autograd_backward
+
+
+_saved = (torch.Tensor.backward, torch.autograd.backward)   # as torch defines them (doctest)
+
+
+def _trained(e: _TrainedAtImport, shown: str) -> BadInput:
+    return BadInput(f"'{shown}' starts training when imported ({e.what} at {e.where}) and "
+                    "nanbisect imports it to rebuild the model: put the training loop under "
+                    "`if __name__ == \"__main__\":` so that importing the file only defines the "
+                    "entry function")
+
+
 def _import_file(path: Path, shown: str) -> Any:
     """Import ``path`` once per process, under its own stem when that name is free (so a task
     file and an inject file that both ``import moe`` share one ``moe``), else a derived name."""
@@ -111,7 +224,11 @@ def _import_file(path: Path, shown: str) -> Any:
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))  # let the file import its neighbours
     try:
-        spec.loader.exec_module(module)
+        with _no_training():
+            spec.loader.exec_module(module)
+    except _TrainedAtImport as e:
+        del sys.modules[name]
+        raise _trained(e, shown) from None
     except BaseException as e:
         del sys.modules[name]
         raise BadInput(f"entry file '{shown}' failed to import: {type(e).__name__}: {e}"
@@ -151,7 +268,10 @@ def import_target(target: str, search: list[Path] = ()) -> Any:
         return _import_file(path, target)
     _from_working_directory(target)
     try:
-        return importlib.import_module(target)
+        with _no_training():
+            return importlib.import_module(target)
+    except _TrainedAtImport as e:
+        raise _trained(e, f"entry module {target}") from None
     except ModuleNotFoundError as e:
         raise BadInput(f"entry module '{target}' cannot be imported ({e}); install it, add its "
                        "directory to PYTHONPATH, or pass --entry") from None

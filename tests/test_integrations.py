@@ -7,7 +7,10 @@ import json
 import pytest
 import torch
 
-from conftest import TEST_TASKS, cli
+from conftest import ROOT, TEST_TASKS, cli
+from nanbisect.task import import_target
+
+EXAMPLES = ROOT / "examples"
 
 # on one pytest-xdist worker (scripts/test.sh: --dist loadgroup): Lightning and transformers are
 # imported by one worker only, once (seconds each), and the captures in the other workers'
@@ -15,19 +18,14 @@ from conftest import TEST_TASKS, cli
 pytestmark = [pytest.mark.xdist_group("integrations"), pytest.mark.slow]
 
 
-def test_lightning_callback(tmp_path, monkeypatch):
-    L = pytest.importorskip("lightning")
-    monkeypatch.syspath_prepend(str(TEST_TASKS))
-    import lit_task
-
-    from nanbisect.integrations.lightning import NanbisectCallback
-
-    cb = NanbisectCallback(entry=f"{TEST_TASKS / 'lit_task.py'}:task", out=tmp_path / "b")
-    trainer = L.Trainer(max_steps=6, accelerator="cpu", logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, callbacks=[cb])
-    trainer.fit(lit_task.Lit(), torch.utils.data.DataLoader(lit_task.data(), batch_size=2))
+def test_lightning_callback(tmp_path):
+    """examples/lightning_train.py as the README shows it: the callback writes the bundle of the
+    corrupted batch's step and stops the Trainer; the replay names the op."""
+    pytest.importorskip("lightning")
+    example = import_target(str(EXAMPLES / "lightning_train.py"))
+    cb = example.main(tmp_path / "b", max_steps=6)
     assert cb.bundle is not None and cb.bundle.name == "step000002"
-    assert trainer.global_step < 6                       # the callback stopped training
+    assert cb.guard.step_index < 6                       # the callback stopped training
     rep = json.loads(cli("run", "--ckpt", cb.bundle, "--json").stdout)
     assert (rep["culprit"]["op"], rep["culprit"]["module"], rep["culprit"]["phase"]) == (
         "aten.sqrt.default", "act", "forward")
@@ -58,7 +56,12 @@ def hf_train(tmp_path, func: str, dataset: str, **settings):
 
 
 def test_hf_trainer_callback(tmp_path):
-    cb = hf_train(tmp_path, "task", "dataset", max_steps=3)
+    """examples/hf_train.py as the README shows it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    example = import_target(str(EXAMPLES / "hf_train.py"))
+    cb = example.main(tmp_path / "b", max_steps=3)
+    assert cb.bundle is not None
     rep = json.loads(cli("run", "--ckpt", cb.bundle, "--json").stdout)
     c = rep["culprit"]
     assert (c["op"], c["module"], c["phase"]) == ("aten.sqrt.default", "transformer.h.0.mlp.act",

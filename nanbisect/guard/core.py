@@ -48,7 +48,7 @@ from nanbisect.guard.snapshot import _live_scale, _Snapshot
 from nanbisect.guard.tape import record_step
 from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
 from nanbisect.step import run_step
-from nanbisect.task import Task
+from nanbisect.task import Task, refuse_training_at_import
 from nanbisect.util.text import exception_line
 
 
@@ -100,6 +100,7 @@ class Guard:
                  max_scaler_skips: int = 10, history: int | None = hist.DEFAULT_N,
                  lookback: int | None = None, lookback_on: str = "device",
                  spike: "float | Spike | None" = None, snapshot_stream: bool = True) -> None:
+        refuse_training_at_import("Guard(...)")   # before `out` is made: nothing written
         if not isinstance(task, Task):
             raise BadInput(f"Guard: got a {type(task).__name__}, not a nanbisect.Task; pass "
                            "Task(model=..., optimizer=..., loss_fn=...)")

@@ -33,7 +33,7 @@ from nanbisect.bundle.tape import ROLE as TAPE_ROLE
 from nanbisect.guard.coord import rank_info, tensor_labels
 from nanbisect.guard.parts import rescue_dir, write_all_ranks
 from nanbisect.guard.entry import resolve_entry_file
-from nanbisect.task import Task
+from nanbisect.task import Task, refuse_training_at_import
 from nanbisect.util.text import exception_line
 
 
@@ -133,6 +133,7 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
     >>> (path / "manifest.json").is_file()
     True
     """
+    refuse_training_at_import("nanbisect.capture(...)")
     entry_file = resolve_entry_file(entry)
     return _write(task, batch, RngState.get(accelerator_types()), Path(path), entry=entry,
                   entry_file=entry_file, step=step, observed=None,
