@@ -16,11 +16,13 @@ from pathlib import Path
 from nanbisect import __version__
 from nanbisect.errors import BadInput
 from nanbisect.triage.find import _MAX_MANIFEST, MANIFEST
+from nanbisect.triage.index import to_html
+from nanbisect.triage.reports import REPORTS, drop, report_name
+from nanbisect.triage.summary_words import EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW
 from nanbisect.triage.signatures import signature
 from nanbisect.util.files import write_atomic
 
 SCHEMA = "nanbisect.triage/1"
-EXIT_CLEAN, EXIT_KNOWN, EXIT_ERRORS, EXIT_NEW = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,11 @@ class _State:
     finished: bool = False
     started: float = field(default_factory=time.monotonic)
     written: float = 0.0
+    previous: set | None = None                     # the last night's signatures, if any
+
+    def report_path(self, bundle: str) -> Path | None:
+        """Where ``bundle``'s report is kept: ``out/reports/NAME`` (None without ``out``)."""
+        return None if self.out is None else self.out / REPORTS / report_name(bundle)
 
     def data(self) -> dict:
         results = [self.results[k] for k in sorted(self.results)]
@@ -64,6 +71,8 @@ class _State:
             created = r.get("created")
             g = groups.setdefault(sig, {"signature": sig, "count": 0, "first_seen": created,
                                         "example": r["bundle"], "known": sig in self.known,
+                                        "new_since_last": (None if self.previous is None
+                                                           else sig not in self.previous),
                                         "classification": r.get("classification"),
                                         "remedies": [], "bundles": []})
             g["count"] += 1
@@ -108,6 +117,7 @@ class _State:
                 self.out.mkdir(parents=True, exist_ok=True)
                 write_atomic(self.out / "triage.json", json.dumps(data, indent=1))
                 write_atomic(self.out / "triage.md", to_markdown(data))
+                write_atomic(self.out / "index.html", to_html(data))
             except OSError as e:
                 if final:
                     raise BadInput(f"triage: cannot write triage.json into --out '{self.out}' "
@@ -119,6 +129,8 @@ class _State:
         self.pending.discard(b)
         if "error" in res:
             self.errors[b] = res
+            if self.report_path(b) is not None:
+                drop(self.report_path(b))       # an earlier night's verdict is not tonight's
             return
         rep = res["report"]
         self.results[b] = {"bundle": b, "verdict": rep.get("verdict"),
@@ -126,8 +138,19 @@ class _State:
                            "signature": signature(rep), "cached": cached,
                            "remedies": remedy_kinds(rep),
                            "seconds": res.get("seconds", 0.0), "worker": res.get("worker"),
+                           "report_dir": self._relative(res.get("report_dir")),
                            **({"same_as": res["same_as"]} if "same_as" in res else {}),
                            "created": _created(Path(b))}
+
+
+    def _relative(self, path: str | None) -> str | None:
+        """A kept report directory as the summary names it: relative to ``out``."""
+        if not path or self.out is None:
+            return None
+        try:
+            return Path(path).absolute().relative_to(self.out.absolute()).as_posix()
+        except ValueError:
+            return path
 
 
 def remedy_kinds(report: dict) -> list[str]:
@@ -172,14 +195,28 @@ def load_known(path: Path) -> set[str]:
         return {line.strip() for line in text.splitlines() if line.strip()}
 
 
+def counts_text(data: dict) -> str:
+    """How many bundles were found and what became of them, every one counted once.
+
+    >>> counts_text({"bundles": [{"bundle": "a"}], "errors": [{"bundle": "b"}],
+    ...              "pending": [], "signatures": [{"signature": "x"}]})
+    '2 bundle(s): 1 replayed, 1 error(s); 1 signature(s)'
+    """
+    done, errors, pending = len(data["bundles"]), len(data["errors"]), len(data.get("pending")
+                                                                            or [])
+    parts = [f"{done} replayed", f"{errors} error(s)"] + ([f"{pending} pending"] if pending
+                                                          else [])
+    return (f"{done + errors + pending} bundle(s): {', '.join(parts)}; "
+            f"{len(data['signatures'])} signature(s)")
+
+
 def to_markdown(data: dict) -> str:
     state = ("" if data.get("finished", True) else
              f" (running: {len(data.get('pending') or [])} bundle(s) still pending)")
     if data.get("interrupted"):
         state = f" (interrupted by {data['interrupted']})"
-    lines = ["# nanbisect triage", "", f"{len(data['bundles'])} bundle(s) triaged, "
-             f"{len(data['signatures'])} signature(s), {len(data['errors'])} error(s); exit "
-             f"code {data['exit_code']}{state}.", "",
+    lines = ["# nanbisect triage", "", counts_text(data) + f"; exit code {data['exit_code']}"
+             f"{state}.", "",
              "| count | signature (op, module, phase, dtypes, classification) | made finite by | "
              "first seen | example | known |", "|---|---|---|---|---|---|"]
     for g in data["signatures"]:
