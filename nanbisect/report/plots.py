@@ -204,7 +204,7 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     for i in xs:
         x = PL + (i + 0.5) * bw
         out.append(f'<line class="tick" x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" '
-                   f'stroke="#333"/><text class="xlabel" x="{x:.1f}" y="{base + 4 + FONT}" '
+                   f'stroke="#333"/><text class="xlabel" x="{x:.1f}" y="{base + 8 + FONT}" '
                    f'text-anchor="middle">{i}</text>')
     points, marker = [], None
     width = max(min(0.8 * bw, 40.0), 1.0)      # one bar, or the pair, centred on the tick
@@ -245,7 +245,7 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     right = "largest finite |value| (log)" if wide else "largest |value| (log)"
     mid = PT + ph / 2
     legend_y = H - 12 if wide else H - 12
-    out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 8 + 2 * FONT}" '
+    out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
             f'text-anchor="middle">{html.escape(title)}</text>',
             f'<text class="axis-title" x="{FONT}" y="{mid}" transform="rotate(-90 {FONT} {mid})" '
             f'text-anchor="middle">{html.escape(left)}</text>',
@@ -305,7 +305,7 @@ def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
     for s in ticks:
         out.append(f'<line class="tick" x1="{x(s):.1f}" y1="{base}" x2="{x(s):.1f}" '
                    f'y2="{base + 4}" stroke="#333"/><text class="xlabel" x="{x(s):.1f}" '
-                   f'y="{base + 4 + FONT}" text-anchor="middle">{s}</text>')
+                   f'y="{base + 8 + FONT}" text-anchor="middle">{s}</text>')
     for s, what in marks:
         if first <= s <= last and s != last:
             out.append(f'<line class="mark" x1="{x(s):.1f}" y1="{PT}" x2="{x(s):.1f}" '
@@ -326,7 +326,7 @@ def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
                f'font-weight="bold">{html.escape(label)}</text>')
     title = ("step; loss (blue, left) and gradient norm (grey, right), log scales" if
              size.name == "wide" else "step; loss (left), grad norm (right)")
-    out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 8 + 2 * FONT}" '
+    out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
             f'text-anchor="middle">{html.escape(title)}</text>', "</svg>"]
     return "\n".join(out)
 

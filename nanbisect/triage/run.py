@@ -90,8 +90,9 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     options = {"reference": "none", **(options or {})}
     from nanbisect.bundle.leftovers import find_leftovers
 
+    previous = _last_night(out)
     state = _State(roots, set(known), out, options, backend, timeout,
-                   previous=_last_night(out))
+                   previous=previous if previous is not None or not known else set(known))
     store = _Cache(cache)
     with _interruptible():
         try:
@@ -129,7 +130,7 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
 
 def _last_night(out: Path | None) -> set[str] | None:
     """The signatures of the summary an earlier run left in ``out`` (what "new since the last
-    night" is measured against), None when there is none."""
+    night" is measured against; without one, ``--known``'s), None when there is none."""
     from nanbisect.util.files import read_json
 
     data = None if out is None else read_json(out / "triage.json", 64 << 20)

@@ -6,6 +6,7 @@ Guarantees: each write replaces the whole file atomically (a reader never sees h
 from __future__ import annotations
 
 import datetime as _dt
+import html
 import json
 import os
 import socket
@@ -117,7 +118,7 @@ class _State:
                 self.out.mkdir(parents=True, exist_ok=True)
                 write_atomic(self.out / "triage.json", json.dumps(data, indent=1))
                 write_atomic(self.out / "triage.md", to_markdown(data))
-                write_atomic(self.out / "index.html", to_html(data))
+                write_atomic(self.out / "index.html", _index(data))
             except OSError as e:
                 if final:
                     raise BadInput(f"triage: cannot write triage.json into --out '{self.out}' "
@@ -151,6 +152,16 @@ class _State:
             return Path(path).absolute().relative_to(self.out.absolute()).as_posix()
         except ValueError:
             return path
+
+
+def _index(data: dict) -> str:
+    """index.html; a bug of its own costs the page, never the night's summary."""
+    try:
+        return to_html(data)
+    except Exception as e:  # noqa: BLE001 - triage.json and triage.md are still written
+        return (f"<!doctype html><title>nanbisect triage</title><p>index.html could not be "
+                f"rendered ({html.escape(type(e).__name__)}: {html.escape(str(e)[:200])}); "
+                "triage.md and triage.json hold the night.</p>\n")
 
 
 def remedy_kinds(report: dict) -> list[str]:
