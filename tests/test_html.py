@@ -53,8 +53,8 @@ def _real_page(replayed) -> Path:
 def _made_up_report() -> Report:
     """What no shipped bundle shows at once: a backward culprit deep in a model with long
     module names, NaN and inf bars side by side, a 40-step history ending in a NaN step."""
-    mods = [f"model.layers.{i // 4}.self_attention.{('query_key_value', 'core', 'dense', 'drop')[i % 4]}"
-            for i in range(60)]
+    parts = ("query_key_value", "core", "dense", "drop")
+    mods = [f"model.layers.{i // 4}.self_attention.{parts[i % 4]}" for i in range(60)]
     timeline = [TimelineRow(m, i // 4, nan=(0 if i < 37 else 10 ** (i % 5)),
                             inf=(0 if i < 41 else 3 * (i % 7)), absmax=10.0 ** ((i % 9) - 4))
                 for i, m in enumerate(mods)]
@@ -70,6 +70,32 @@ def _made_up_report() -> Report:
                   backtrace=[TraceRow(37, mods[37], 9, "culprit", None, None)],
                   history=history,
                   history_findings=[Finding("loss-jump", "the loss jumped at step 120", 120)])
+
+
+@same_run("forward_nan_behind_mask")
+def _night_index(tmp_path: Path) -> Path:
+    """The triage index of a made-up night (long paths and signatures: the narrow window's
+    test), rendered from the summary's own state."""
+    from nanbisect.triage.index import to_html as index_html
+    from nanbisect.triage.summary import _State
+
+    state = _State([Path("nights/2026-12-02")], set(), tmp_path / "t", {}, "loky", 1800.0,
+                   previous={"input-nonfinite · data"})
+    deep = "nights/2026-12-02/pretrain-llama-70b-run-0042/global_step000123456"
+    for i, (verdict, cls) in enumerate([("culprit", "numerics"), ("culprit", "numerics"),
+                                        ("input-nonfinite", "data")]):
+        culprit = {"op": "aten._scaled_dot_product_flash_attention_for_cpu.default",
+                   "module": f"model.layers.{i}.self_attention.core_attention_flash",
+                   "phase": "forward", "input_dtypes": ["bfloat16"] * 3}
+        state.add({"bundle": f"{deep}/rank{i}", "seconds": 12.5, "report_dir": None,
+                   "report": {"verdict": verdict, "classification": cls, "culprit": culprit,
+                              "remedies": [{"kind": "precision", "outcome": "finite"}]}}, False)
+    state.add({"bundle": f"{deep}/rank9", "kind": "timeout",
+               "error": "replay exceeded --timeout 1800s and was killed"}, False)
+    state.finished = True
+    page = tmp_path / "index_src.html"
+    page.write_text(index_html(state.data()))
+    return page
 
 
 def test_html_is_self_contained_and_leads_with_the_culprit(replayed):
@@ -173,6 +199,7 @@ def _judge_history(name: str, p: dict, steps: list[int]) -> None:
     assert len(points) == 2 * (len(steps) - 1) and max(points) < failing, (name, failing)
 
 
+@same_run("forward_nan_behind_mask")
 def test_report_html_in_a_real_browser_at_1280_and_400_px(replayed, tmp_path):
     """One Chromium run lays out the real report and a made-up one at both widths, dumps what
     it measured (measure.js) and takes a screenshot of them side by side."""
@@ -182,7 +209,8 @@ def test_report_html_in_a_real_browser_at_1280_and_400_px(replayed, tmp_path):
     made_up = tmp_path / "made_up_src.html"
     r = _made_up_report()
     made_up.write_text(to_html(r))
-    harness = _harness(tmp_path, {"real": _real_page(replayed), "made_up": made_up})
+    harness = _harness(tmp_path, {"real": _real_page(replayed), "made_up": made_up,
+                                  "index": _night_index(tmp_path)})
     png = tmp_path / "shot.png"
     proc = subprocess.run(
         [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -194,7 +222,8 @@ def test_report_html_in_a_real_browser_at_1280_and_400_px(replayed, tmp_path):
     found = re.search(r'<pre id="result">(.*?)</pre>', proc.stdout, re.S)
     assert found and found.group(1) != "pending", proc.stderr[-2000:]
     measured = json.loads(html.unescape(found.group(1)))
-    assert sorted(measured) == sorted(f"{p}-{w}" for p in ("real", "made_up") for w in WIDTHS)
+    assert sorted(measured) == sorted(f"{p}-{w}" for p in ("real", "made_up", "index")
+                                      for w in WIDTHS)
     for w in WIDTHS:
         real = _judge_frame(f"real-{w}", measured[f"real-{w}"])
         # the module-call table's number for the culprit row is the plot's
@@ -203,6 +232,7 @@ def test_report_html_in_a_real_browser_at_1280_and_400_px(replayed, tmp_path):
         made = _judge_frame(f"made_up-{w}", measured[f"made_up-{w}"])
         _judge_timeline(f"made_up-{w}", made["timeline"], len(r.timeline), "37")
         _judge_history(f"made_up-{w}", made["history"], [e.step for e in r.history])
+        assert _judge_frame(f"index-{w}", measured[f"index-{w}"]) == {}
     # the picture: each frame, scrolled to its plot, shows NaN bars, the culprit's marker and
     # the magnitude line
     img = Image.open(png).convert("RGB")

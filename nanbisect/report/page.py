@@ -84,7 +84,8 @@ def to_html(r: Report) -> str:
         timeline_svg=both(plot_svg, r.timeline, culprit, r.phase or ""),
         # NaN/inf counts along the step: only where some call had any (not for a divergence)
         show_timeline=any(t.nan or t.inf for t in r.timeline),
-        history_svg=both(history_svg, list(r.history or []), history_marks(r)), markdown=to_markdown(r),
+        history_svg=both(history_svg, list(r.history or []), history_marks(r)),
+        markdown=to_markdown(r),
         verified=verified(r), tried=[m for m in r.remedies if m.outcome in ("still-failing",
                                                                            "error")],
         rows_ids=next((rows_text(m) for m in r.remedies if m.kind == "samples"
