@@ -11,7 +11,7 @@ subprocess into a temporary --out. Normalised: `timings` (seconds differ run to 
 temporary output paths (replaced by `<OUT>`); the repo root becomes `<REPO>`.
 
 `--gallery DIR` renders what the README shows instead: report.html of the shipped
-forward_nan_behind_mask bundle at 1280 and 400 px wide (`report-html-1280.png`,
+forward_nan_behind_mask bundle at 1280 and 400 px wide (`report-html.png`,
 `report-html-400.png`, the whole page) and the index of a small triage night
 (`triage-index.png`: three fixture bundles and a corrupted one, triaged twice so the second
 night says what is new), in headless Chromium. Everything runs in a temporary directory with
@@ -125,9 +125,9 @@ def gallery(dest: Path) -> int:
         subprocess.run([*run, "run", "fixtures/bundles/forward_nan_behind_mask", "--out",
                         "report"], cwd=tmp, env=env, capture_output=True, timeout=900)
         page = _relative(tmp / "report" / "report.html", [tmp, REPO])
-        for width in (1280, 400):
-            _shoot(page, width, dest / f"report-html-{width}.png", tmp)
-            print(f"report-html-{width}.png", flush=True)
+        for width, name in ((1280, "report-html.png"), (400, "report-html-400.png")):
+            _shoot(page, width, dest / name, tmp)
+            print(name, flush=True)
         night = tmp / "night"
         for where, name in GALLERY_NIGHT.items():
             shutil.copytree(REPO / "fixtures" / "bundles" / name, night / where,

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from importlib.resources import files
 
-from nanbisect.triage.summary_words import EXIT_MEANING
+from nanbisect.triage.summary_words import EXIT_MEANING, counts_text
 
 
 def to_html(data: dict) -> str:
     """The index page of a triage summary ``data`` (triage.json's content)."""
     from jinja2 import Environment, StrictUndefined
-
-    from nanbisect.triage.summary import counts_text
 
     env = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True,
                       lstrip_blocks=True, keep_trailing_newline=True)

@@ -19,7 +19,8 @@ from nanbisect.errors import BadInput
 from nanbisect.triage.find import _MAX_MANIFEST, MANIFEST
 from nanbisect.triage.index import to_html
 from nanbisect.triage.reports import REPORTS, drop, report_name
-from nanbisect.triage.summary_words import EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW
+from nanbisect.triage.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW,
+                                           counts_text)
 from nanbisect.triage.signatures import signature
 from nanbisect.util.files import write_atomic
 
@@ -204,21 +205,6 @@ def load_known(path: Path) -> set[str]:
         return {g["signature"] for g in json.loads(text)["signatures"]}
     except (ValueError, KeyError, TypeError, RecursionError):
         return {line.strip() for line in text.splitlines() if line.strip()}
-
-
-def counts_text(data: dict) -> str:
-    """How many bundles were found and what became of them, every one counted once.
-
-    >>> counts_text({"bundles": [{"bundle": "a"}], "errors": [{"bundle": "b"}],
-    ...              "pending": [], "signatures": [{"signature": "x"}]})
-    '2 bundle(s): 1 replayed, 1 error(s); 1 signature(s)'
-    """
-    done, errors, pending = len(data["bundles"]), len(data["errors"]), len(data.get("pending")
-                                                                            or [])
-    parts = [f"{done} replayed", f"{errors} error(s)"] + ([f"{pending} pending"] if pending
-                                                          else [])
-    return (f"{done + errors + pending} bundle(s): {', '.join(parts)}; "
-            f"{len(data['signatures'])} signature(s)")
 
 
 def to_markdown(data: dict) -> str:
