@@ -76,11 +76,14 @@ class _State:
                                         "new_since_last": (None if self.previous is None
                                                            else sig not in self.previous),
                                         "classification": r.get("classification"),
-                                        "remedies": [], "bundles": []})
+                                        "remedies": [], "tried": [], "bundles": []})
             g["count"] += 1
             for kind in r.get("remedies") or []:     # what made a step of this kind finite
                 if kind not in g["remedies"]:
                     g["remedies"].append(kind)
+            for kind in r.get("tried") or []:        # what was replayed and did not help
+                if kind not in g["tried"]:
+                    g["tried"].append(kind)
             g["bundles"].append(r["bundle"])
             if created and (g["first_seen"] is None or created < g["first_seen"]):
                 g["first_seen"], g["example"] = created, r["bundle"]
@@ -139,6 +142,7 @@ class _State:
                            "classification": rep.get("classification"),
                            "signature": signature(rep), "cached": cached,
                            "remedies": remedy_kinds(rep),
+                           "tried": remedy_kinds(rep, ("still-failing", "error")),
                            "seconds": res.get("seconds", 0.0), "worker": res.get("worker"),
                            "report_dir": self._relative(res.get("report_dir")),
                            **({"same_as": res["same_as"]} if "same_as" in res else {}),
@@ -165,8 +169,9 @@ def _index(data: dict) -> str:
                 "triage.md and triage.json hold the night.</p>\n")
 
 
-def remedy_kinds(report: dict) -> list[str]:
-    """The kinds of the report's remedies whose replay made the step finite, in order tried.
+def remedy_kinds(report: dict, outcomes: tuple[str, ...] = ("finite",)) -> list[str]:
+    """The kinds of the report's remedies whose replay made the step finite (or ended in one of
+    ``outcomes``), in order tried.
 
     >>> remedy_kinds({"remedies": [{"kind": "precision", "outcome": "still-failing"},
     ...                            {"kind": "samples", "outcome": "finite"}]})
@@ -174,7 +179,7 @@ def remedy_kinds(report: dict) -> list[str]:
     """
     kinds: list[str] = []
     for r in report.get("remedies") or []:
-        if isinstance(r, dict) and r.get("outcome") == "finite" and r.get("kind") not in kinds:
+        if isinstance(r, dict) and r.get("outcome") in outcomes and r.get("kind") not in kinds:
             kinds.append(str(r.get("kind")))
     return kinds
 
