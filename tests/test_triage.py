@@ -61,6 +61,9 @@ def test_reports_are_replaced_whole_and_an_error_row_removes_last_nights(tmp_pat
     state = _State([tmp_path], set(), tmp_path / "out", {}, "loky", 10.0)
     dest = state.report_path(str(tmp_path / "job" / "step1"))
     assert dest.parent == tmp_path / "out" / "reports" and dest.name.startswith("job-step1-")
+    # a worker that does not see OUT (a cluster without it) keeps nothing, makes nothing
+    assert not place(report("culprit"), dest) and not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()                      # as triage makes it before any replay
     for verdict in ("culprit", "clean"):
         src = report(verdict)
         assert place(src, dest) and not src.exists()

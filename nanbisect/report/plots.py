@@ -244,7 +244,7 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     left = f"NaN / inf count of the {side} (log)" if wide else "NaN / inf (log)"
     right = "largest finite |value| (log)" if wide else "largest |value| (log)"
     mid = PT + ph / 2
-    legend_y = H - 12 if wide else H - 12
+    legend_y = H - 12
     out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
             f'text-anchor="middle">{html.escape(title)}</text>',
             f'<text class="axis-title" x="{FONT}" y="{mid}" transform="rotate(-90 {FONT} {mid})" '

@@ -37,10 +37,13 @@ def report_name(bundle: str) -> str:
 def place(src: Path, dest: Path) -> bool:
     """Move the report directory ``src`` to ``dest``, replacing what an earlier night put
     there; the new one is renamed in whole (staged beside ``dest`` first, which copies when
-    ``src`` is on another file system). False when ``dest`` cannot be written."""
+    ``src`` is on another file system). False when ``dest`` cannot be written, or when the
+    directory above ``dest``'s (triage's ``OUT``, made before any replay) is not there: a
+    cluster's worker that does not see ``OUT`` keeps nothing (rather than a copy where nobody
+    looks)."""
     stage = old = None
     try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.parent.mkdir(exist_ok=True)
         stage = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
         shutil.move(str(src), str(stage / "report"))
         if dest.is_symlink() or dest.is_file():
