@@ -208,6 +208,8 @@ def triage(
         typer.echo(json.dumps(res.data, indent=1))
     else:
         typer.echo(to_markdown(res.data).rstrip())
+        typer.echo(f"\nIn a browser: {out / 'index.html'} (each bundle's report.html under "
+                   f"{out / 'reports'})")
     raise typer.Exit(res.exit_code)
 
 

@@ -134,6 +134,10 @@ def test_inspect_json(fixture_bundle):
     assert info["optimizer"]["class"] == "torch.optim.adam.Adam"
     assert info["observed"]["first"] == "param"
     assert info["files"]["model.safetensors"]["tensors"] == 3
+    # a history but no lookback: the text says what --steps needs, never "up to 0"
+    text = invoke("inspect", info["bundle"]).stdout
+    assert "history of 1, no lookback (--steps needs a bundle captured with Guard(..., " \
+           "lookback=K))" in text and "up to 0" not in text, text
     shutil.rmtree(info["bundle"])  # tmp copy; proves the path printed is the one inspected
 
 

@@ -49,6 +49,37 @@ def test_normalise_module():
     assert normalise_module("fc1") == "fc1"
 
 
+def test_reports_are_replaced_whole_and_an_error_row_removes_last_nights(tmp_path):
+    from nanbisect.triage.reports import place
+    from nanbisect.triage.summary import _State
+
+    def report(verdict):
+        src = Path(tempfile.mkdtemp(dir=tmp_path))
+        (src / "report.json").write_text(json.dumps({"verdict": verdict}))
+        return src
+
+    state = _State([tmp_path], set(), tmp_path / "out", {}, "loky", 10.0)
+    dest = state.report_path(str(tmp_path / "job" / "step1"))
+    assert dest.parent == tmp_path / "out" / "reports" and dest.name.startswith("job-step1-")
+    # a worker that does not see OUT (a cluster without it) keeps nothing, makes nothing
+    assert not place(report("culprit"), dest) and not (tmp_path / "out").exists()
+    (tmp_path / "out").mkdir()                      # as triage makes it before any replay
+    for verdict in ("culprit", "clean"):
+        src = report(verdict)
+        assert place(src, dest) and not src.exists()
+        assert json.loads((dest / "report.json").read_text())["verdict"] == verdict
+    assert [p.name for p in dest.parent.iterdir()] == [dest.name]     # nothing staged is left
+    # a directory that is not a report is never replaced, nor removed
+    foreign = state.report_path(str(tmp_path / "other"))
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert not place(report("clean"), foreign) and (foreign / "notes.txt").exists()
+    # tonight the bundle is an error row: last night's report must not stay linked
+    state.add({"bundle": str(tmp_path / "job" / "step1"), "error": "boom", "kind": "crash"}, False)
+    state.add({"bundle": str(tmp_path / "other"), "error": "boom", "kind": "crash"}, False)
+    assert not dest.exists() and (foreign / "notes.txt").exists()
+
+
 def cache_entries(out) -> dict[str, float]:
     """What the cache holds: one JSON file per cached analysis, with its mtime."""
     return {f.name: f.stat().st_mtime_ns for f in (out / "cache").glob("*.json")}
@@ -73,6 +104,23 @@ def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
         == "clean"
     md = (out / "triage.md").read_text()
     assert "| 2 | `aten.sqrt.default" in md and "corrupted" in md
+    # every bundle counted once: 5 replayed (the copy too) and the corrupted one
+    assert "6 bundle(s): 5 replayed, 1 error(s); 3 signature(s)" in md, md
+
+    # each bundle's report is kept under out/reports, never in the bundle; the index links it
+    assert not list(root.rglob("nanbisect-report"))
+    dirs = {b["bundle"][len(str(root)) + 1:]: b["report_dir"] for b in data["bundles"]}
+    assert dirs["night2/same_fault"] == dirs["forward_nan_behind_mask"]   # one replay, one report
+    for name, rel in dirs.items():
+        assert rel.startswith("reports/"), (name, rel)
+        kept = json.loads((out / rel / "report.json").read_text())
+        assert kept["verdict"] == {b["bundle"]: b["verdict"] for b in data["bundles"]}[
+            str(root / name)] and (out / rel / "report.html").is_file()
+    assert (out / dirs["forward_nan_behind_mask"] / "repro" / "repro.py").is_file()
+    index = (out / "index.html").read_text()
+    assert "6 bundle(s): 5 replayed, 1 error(s)" in index and "first night" in index
+    assert all(f'href="{rel}/report.html"' in index for rel in dirs.values())
+    assert "corrupted" in index.split("Errors (no report)")[1]
 
     # skipped: the topmost directories without a bundle, with the reason; leftovers listed
     skipped = {s["path"][len(str(root)) + 1:]: s["reason"] for s in data["skipped"]}
@@ -101,6 +149,11 @@ def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
     again = json.loads((out / "triage.json").read_text())
     assert all(b["cached"] for b in again["bundles"]) and len(again["bundles"]) == 5
     assert cache_entries(out) == entries               # nothing recomputed, nothing rewritten
+    # the cache brought each report back; every signature was in last night's summary
+    for b in again["bundles"]:
+        assert b["report_dir"] and (out / b["report_dir"] / "report.html").is_file(), b
+    index = (out / "index.html").read_text()
+    assert "seen before" in index and "first night" not in index and ">new<" not in index
     shutil.rmtree(root / "corrupted")
     assert cli("triage", root, "--out", out, "--known", tmp_path / "known.json").code == 1
 

@@ -159,8 +159,10 @@ def summary_text(info: dict) -> str:
              f"optimizer {info['optimizer']['class'] if info['optimizer'] else '-'}",
              "observed  " + _observed_text(info.get("observed"))]
     if info.get("history_steps") is not None or info.get("lookback_steps") is not None:
-        lines.append(f"steps     history of {info.get('history_steps') or 0}, replayable with "
-                     f"--steps up to {info.get('lookback_steps') or 0}")
+        lookback = info.get("lookback_steps") or 0
+        lines.append(f"steps     history of {info.get('history_steps') or 0}, " + (
+            f"replayable with --steps up to {lookback}" if lookback else
+            "no lookback (--steps needs a bundle captured with Guard(..., lookback=K))"))
     if info.get("partial"):
         lines.append("partial   " + partial_text(info["partial"]))
     groups = info.get("process_groups")

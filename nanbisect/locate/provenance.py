@@ -87,8 +87,18 @@ def inf_origin(table: OpTable, root: Root) -> Root | None:
     return trace(table, starts, lambda f: f.nan or f.inf) if starts else None
 
 
+# Ops autograd runs for its own bookkeeping (saving a tensor for backward, `.detach()` of a
+# leaf, views it makes of its own outputs), not the model's computation: left out of the ops a
+# report lists before the culprit (NB: still counted in op_index, which every op keeps).
+# `_to_copy` stays: a dtype cast is computation, and often the very step that made a value bad.
+AUTOGRAD_INTERNAL = frozenset({"aten.detach.default", "aten.detach_.default",
+                               "aten.alias.default"})
+
+
 def context(table: OpTable, root: Root, n: int = 5) -> list[ContextRow]:
-    """The ``n`` recorded ops before the culprit, with what their outputs held."""
+    """The ``n`` recorded ops before the culprit (autograd's own, `AUTOGRAD_INTERNAL`, left
+    out), with what their outputs held."""
+    before = [rec for rec in table.ops[:root.op.pos] if str(rec.op) not in AUTOGRAD_INTERNAL]
     return [ContextRow(op_index=rec.index, op=rec.op, module=rec.module,
                        module_call=rec.module_call, phase=rec.phase,
                        out_nan=any(o.flags.nan for o in rec.outputs),
@@ -97,7 +107,7 @@ def context(table: OpTable, root: Root, n: int = 5) -> list[ContextRow]:
                        out_absmax=max((o.flags.absmax for o in rec.outputs if not o.flags.nan),
                                       default=None),
                        culprit=rec is root.op)
-            for rec in table.ops[max(0, root.op.pos - n): root.op.pos + 1]]
+            for rec in before[max(0, len(before) - n):] + [root.op]]
 
 
 def op_ref(root: Root) -> OpRef:

@@ -373,4 +373,5 @@ def terminal(r: Report, out: Path) -> str:
     if f is not None and (f.tier not in (None, "bit-exact") or f.hardware_changed):
         lines.append(f"  replay: {fidelity_text(r)}")
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
+    lines.append(f"  in a browser: {out / 'report.html'}")
     return "\n".join(lines)

@@ -18,12 +18,16 @@ Guarantees:
   watches its parent and exits (killing its replays) when the triage process is gone.
   SIGTERM/SIGINT stop the workers and their replays. A scratch directory that a ``kill -9`` in
   the instant before a guardian existed leaves behind is removed by the next run.
-- The summary (``triage.json``, ``triage.md`` in ``out``) is written when the run starts (every
+- The summary (``triage.json``, ``triage.md`` and ``index.html``, `nanbisect.triage.index`, in
+  ``out``) is written when the run starts (every
   bundle pending), after each finished bundle, and at the end, each time by writing a temporary
   file and renaming it over the old one, so a reader never sees half a file. On SIGTERM or SIGINT
   triage writes what it knows (unfinished bundles become error rows, ``interrupted`` names the
   signal) and returns; ``kill -9`` leaves the last summary written.
-- Analyses are cached as JSON in ``out/cache`` (nothing pickled), keyed by the manifest's sha256
+- Each bundle's report directory is kept at ``out/reports/NAME`` (never inside the bundle;
+  `nanbisect.triage.reports`), replaced whole, removed when the bundle has no report tonight.
+- Analyses are cached as JSON in ``out/cache`` (nothing pickled), with a copy of each report
+  directory, keyed by the manifest's sha256
   (which holds every file's; the files are checked against it before each lookup), the entry
   string, the sha256 of the entry file and of every user source file the manifest lists *as they
   are on disk now* (editing the code invalidates the entry: a fixed bug does not keep its old

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from nanbisect import __version__
 from nanbisect.triage.find import _MAX_MANIFEST, MANIFEST
+from nanbisect.triage.reports import copy_in
 from nanbisect.util.files import file_sha256, read_json, source_digest, write_atomic
 
 CACHE_SCHEMA = "nanbisect.triage-cache/1"
@@ -98,7 +99,8 @@ def content_hash(bundle: Path) -> str:
 
 
 class _Cache:
-    """``DIR/<key>.json`` = {schema, key, report}; written atomically, unreadable = a miss."""
+    """``DIR/<key>.json`` = {schema, key, report}; written atomically, unreadable = a miss.
+    ``DIR/<key>.d/``: the report directory itself (report.html, repro/), for a hit to show."""
 
     def __init__(self, root: Path | None):
         self.root = root
@@ -119,3 +121,13 @@ class _Cache:
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / f"{key}.json",
                           json.dumps({"schema": CACHE_SCHEMA, "key": key, "report": report}))
+
+    def report_dir(self, key: str) -> Path | None:
+        """The cached report directory of ``key``, when one was kept."""
+        d = None if self.root is None else self.root / f"{key}.d"
+        return d if d is not None and (d / "report.json").is_file() else None
+
+    def put_dir(self, key: str, src: Path) -> None:
+        """Keep a copy of the report directory ``src`` for ``key`` (renamed in whole)."""
+        if self.root is not None:
+            copy_in(src, self.root / f"{key}.d")

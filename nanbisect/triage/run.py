@@ -18,6 +18,7 @@ from nanbisect.errors import BadInput, signal_name
 from nanbisect.triage.backends import _backend, _jobs
 from nanbisect.triage.cache import _Cache, cache_key
 from nanbisect.triage.find import _check_roots, discover
+from nanbisect.triage.reports import copy_in, drop
 from nanbisect.triage.summary import TriageResult, _State
 from nanbisect.triage.worker import _analyse_one
 from nanbisect.util import lockdir
@@ -89,7 +90,9 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     options = {"reference": "none", **(options or {})}
     from nanbisect.bundle.leftovers import find_leftovers
 
-    state = _State(roots, set(known), out, options, backend, timeout)
+    previous = _last_night(out)
+    state = _State(roots, set(known), out, options, backend, timeout,
+                   previous=previous if previous is not None or not known else set(known))
     store = _Cache(cache)
     with _interruptible():
         try:
@@ -123,6 +126,19 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
         state.finished = True
         data = state.write(final=True)
     return TriageResult(data, data["exit_code"])
+
+
+def _last_night(out: Path | None) -> set[str] | None:
+    """The signatures of the summary an earlier run left in ``out`` (what "new since the last
+    night" is measured against; without one, ``--known``'s), None when there is none."""
+    from nanbisect.util.files import read_json
+
+    data = None if out is None else read_json(out / "triage.json", 64 << 20)
+    sigs = data.get("signatures") if isinstance(data, dict) else None
+    if not isinstance(sigs, list):
+        return None
+    return {g["signature"] for g in sigs if isinstance(g, dict)
+            and isinstance(g.get("signature"), str)}
 
 
 def _first_write(out: Path | None, state: _State) -> None:
@@ -177,7 +193,11 @@ def _lookup(bundles: list[Path], options: dict, store: _Cache, state: _State
             continue
         hit = store.get(key)
         if hit is not None:
-            state.add({"bundle": name, "report": hit,
+            src, dest = store.report_dir(key), state.report_path(name)
+            kept = {"report_dir": str(dest)} if src and dest and copy_in(src, dest) else {}
+            if dest is not None and not kept:
+                drop(dest)
+            state.add({"bundle": name, "report": hit, **kept,
                        "seconds": round(time.monotonic() - t0, 2)}, True)
         else:
             todo.append((name, key))
@@ -202,6 +222,12 @@ def _replay(todo: list[tuple[str, str]], copies: dict[str, list[str]], options: 
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
         os.close(lock)
+
+
+def _keep(state: _State, bundle: str) -> str | None:
+    """Where the replay of ``bundle`` keeps its report (absolute: a worker's cwd may differ)."""
+    dest = state.report_path(bundle)
+    return None if dest is None else str(dest.absolute())
 
 
 def _sweep_scratch(timeout: float) -> None:
@@ -251,7 +277,7 @@ def _replay_all(keys: dict[str, str], copies: dict[str, list[str]], options: dic
                                                       for i in range(0, len(left), wave)]
                 for chunk in chunks:
                     tasks = (delayed(_analyse_one)(absolute[b], options, timeout, parent, cwd,
-                                                   scratch) for b in chunk)
+                                                   scratch, _keep(state, b)) for b in chunk)
                     if wave is None:
                         results = Parallel(n_jobs=n_jobs, batch_size=1,
                                            return_as="generator_unordered")(tasks)
@@ -262,6 +288,8 @@ def _replay_all(keys: dict[str, str], copies: dict[str, list[str]], options: dic
                         res = {**res, "bundle": b}
                         if "report" in res:
                             store.put(keys[b], res["report"])
+                            if res.get("report_dir"):
+                                store.put_dir(keys[b], Path(res["report_dir"]))
                         for c in copies.get(b, [b]):
                             same = {"same_as": b} if c != b else {}
                             state.add({**res, "bundle": c, **same}, False)

@@ -6,6 +6,7 @@ Guarantees: each write replaces the whole file atomically (a reader never sees h
 from __future__ import annotations
 
 import datetime as _dt
+import html
 import json
 import os
 import socket
@@ -16,11 +17,14 @@ from pathlib import Path
 from nanbisect import __version__
 from nanbisect.errors import BadInput
 from nanbisect.triage.find import _MAX_MANIFEST, MANIFEST
+from nanbisect.triage.index import to_html
+from nanbisect.triage.reports import REPORTS, drop, report_name
+from nanbisect.triage.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW,
+                                           counts_text)
 from nanbisect.triage.signatures import signature
 from nanbisect.util.files import write_atomic
 
 SCHEMA = "nanbisect.triage/1"
-EXIT_CLEAN, EXIT_KNOWN, EXIT_ERRORS, EXIT_NEW = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,11 @@ class _State:
     finished: bool = False
     started: float = field(default_factory=time.monotonic)
     written: float = 0.0
+    previous: set | None = None                     # the last night's signatures, if any
+
+    def report_path(self, bundle: str) -> Path | None:
+        """Where ``bundle``'s report is kept: ``out/reports/NAME`` (None without ``out``)."""
+        return None if self.out is None else self.out / REPORTS / report_name(bundle)
 
     def data(self) -> dict:
         results = [self.results[k] for k in sorted(self.results)]
@@ -64,12 +73,17 @@ class _State:
             created = r.get("created")
             g = groups.setdefault(sig, {"signature": sig, "count": 0, "first_seen": created,
                                         "example": r["bundle"], "known": sig in self.known,
+                                        "new_since_last": (None if self.previous is None
+                                                           else sig not in self.previous),
                                         "classification": r.get("classification"),
-                                        "remedies": [], "bundles": []})
+                                        "remedies": [], "tried": [], "bundles": []})
             g["count"] += 1
             for kind in r.get("remedies") or []:     # what made a step of this kind finite
                 if kind not in g["remedies"]:
                     g["remedies"].append(kind)
+            for kind in r.get("tried") or []:        # what was replayed and did not help
+                if kind not in g["tried"]:
+                    g["tried"].append(kind)
             g["bundles"].append(r["bundle"])
             if created and (g["first_seen"] is None or created < g["first_seen"]):
                 g["first_seen"], g["example"] = created, r["bundle"]
@@ -108,6 +122,7 @@ class _State:
                 self.out.mkdir(parents=True, exist_ok=True)
                 write_atomic(self.out / "triage.json", json.dumps(data, indent=1))
                 write_atomic(self.out / "triage.md", to_markdown(data))
+                write_atomic(self.out / "index.html", _index(data))
             except OSError as e:
                 if final:
                     raise BadInput(f"triage: cannot write triage.json into --out '{self.out}' "
@@ -119,19 +134,44 @@ class _State:
         self.pending.discard(b)
         if "error" in res:
             self.errors[b] = res
+            if self.report_path(b) is not None:
+                drop(self.report_path(b))       # an earlier night's verdict is not tonight's
             return
         rep = res["report"]
         self.results[b] = {"bundle": b, "verdict": rep.get("verdict"),
                            "classification": rep.get("classification"),
                            "signature": signature(rep), "cached": cached,
                            "remedies": remedy_kinds(rep),
+                           "tried": remedy_kinds(rep, ("still-failing", "error")),
                            "seconds": res.get("seconds", 0.0), "worker": res.get("worker"),
+                           "report_dir": self._relative(res.get("report_dir")),
                            **({"same_as": res["same_as"]} if "same_as" in res else {}),
                            "created": _created(Path(b))}
 
 
-def remedy_kinds(report: dict) -> list[str]:
-    """The kinds of the report's remedies whose replay made the step finite, in order tried.
+    def _relative(self, path: str | None) -> str | None:
+        """A kept report directory as the summary names it: relative to ``out``."""
+        if not path or self.out is None:
+            return None
+        try:
+            return Path(path).absolute().relative_to(self.out.absolute()).as_posix()
+        except ValueError:
+            return path
+
+
+def _index(data: dict) -> str:
+    """index.html; a bug of its own costs the page, never the night's summary."""
+    try:
+        return to_html(data)
+    except Exception as e:  # noqa: BLE001 - triage.json and triage.md are still written
+        return (f"<!doctype html><title>nanbisect triage</title><p>index.html could not be "
+                f"rendered ({html.escape(type(e).__name__)}: {html.escape(str(e)[:200])}); "
+                "triage.md and triage.json hold the night.</p>\n")
+
+
+def remedy_kinds(report: dict, outcomes: tuple[str, ...] = ("finite",)) -> list[str]:
+    """The kinds of the report's remedies whose replay made the step finite (or ended in one of
+    ``outcomes``), in order tried.
 
     >>> remedy_kinds({"remedies": [{"kind": "precision", "outcome": "still-failing"},
     ...                            {"kind": "samples", "outcome": "finite"}]})
@@ -139,7 +179,7 @@ def remedy_kinds(report: dict) -> list[str]:
     """
     kinds: list[str] = []
     for r in report.get("remedies") or []:
-        if isinstance(r, dict) and r.get("outcome") == "finite" and r.get("kind") not in kinds:
+        if isinstance(r, dict) and r.get("outcome") in outcomes and r.get("kind") not in kinds:
             kinds.append(str(r.get("kind")))
     return kinds
 
@@ -177,9 +217,8 @@ def to_markdown(data: dict) -> str:
              f" (running: {len(data.get('pending') or [])} bundle(s) still pending)")
     if data.get("interrupted"):
         state = f" (interrupted by {data['interrupted']})"
-    lines = ["# nanbisect triage", "", f"{len(data['bundles'])} bundle(s) triaged, "
-             f"{len(data['signatures'])} signature(s), {len(data['errors'])} error(s); exit "
-             f"code {data['exit_code']}{state}.", "",
+    lines = ["# nanbisect triage", "", counts_text(data) + f"; exit code {data['exit_code']}"
+             f"{state}.", "",
              "| count | signature (op, module, phase, dtypes, classification) | made finite by | "
              "first seen | example | known |", "|---|---|---|---|---|---|"]
     for g in data["signatures"]:

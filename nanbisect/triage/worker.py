@@ -19,6 +19,7 @@ from pathlib import Path
 
 from nanbisect.errors import signal_name
 from nanbisect.triage.cache import _MAX_REPORT
+from nanbisect.triage.reports import place
 from nanbisect.util import forks, lockdir
 from nanbisect.util.files import read_json
 
@@ -150,11 +151,14 @@ def _start(args: list[str], r: int, err: int, tmp: Path, cwd: str | None):
 
 
 def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
-                 cwd: str | None = None, scratch: str | None = None) -> dict:
+                 cwd: str | None = None, scratch: str | None = None,
+                 keep: str | None = None) -> dict:
     """Replay one bundle with `nanbisect run` in a fresh process; never raises. Its scratch
-    directory goes under ``scratch`` (the triage run's, when this machine has it).
+    directory goes under ``scratch`` (the triage run's, when this machine has it); its report
+    directory is kept at ``keep`` (`place`), when given and writable from here.
 
-    Returns {bundle, report, seconds} or {bundle, error, kind, seconds[, stderr]}."""
+    Returns {bundle, report, seconds[, report_dir]} or {bundle, error, kind,
+    seconds[, stderr]}."""
     t0 = time.monotonic()
 
     def done(**kw) -> dict:
@@ -194,7 +198,8 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
         stderr = _tail(tmp / "stderr")
         report = _read_report(out) if rc in (0, 1, 3) else None
         if report is not None:
-            return done(report=report)
+            kept = {"report_dir": keep} if keep and place(out, Path(keep)) else {}
+            return done(report=report, **kept)
         extra = {"stderr": stderr[-_STDERR_TAIL:]} if stderr.strip() else {}
         if rc < 0:
             name = signal_name(-rc)

@@ -1,0 +1,340 @@
+"""The two plots of report.html, as inline SVG (no script, no external file): the module calls
+along the step and the steps before the failing one.
+
+Guarantees: every axis is labelled with real values (log axes with 1-2-5 or decade ticks, never
+only their ends), tick labels closer than a line of text are dropped rather than overlapped,
+module calls are numbered from 0 as the report's tables number them (the ``#`` column of
+"Module calls around the culprit"), bars are centred on their ticks, and each plot comes in a
+wide and a narrow drawing (`SIZES`) whose text is 12 px at its natural width; the page's CSS
+shows the one that fits the window. Not guaranteed: that very long module names fit the culprit
+label at phone width (the label is shortened from the left).
+"""
+from __future__ import annotations
+
+import html
+import math
+from dataclasses import dataclass
+
+from nanbisect.records import HistoryEntry, TimelineRow, module_label
+
+FONT = 12                   # px, at the drawing's natural width
+CHAR = 0.6 * FONT           # a sans-serif character's width, roughly (labels' boxes, shortening)
+
+
+@dataclass(frozen=True)
+class Size:
+    """One drawing's geometry: its width and the paddings around the plot area."""
+
+    name: str               # the CSS class that shows it: plot-wide / plot-narrow
+    w: int
+    pad_l: int
+    pad_r: int
+    y_ticks: int            # at most this many labels on a y axis
+    x_gap: int              # at least this many px between two x labels
+
+
+SIZES = (Size("wide", 960, 66, 66, 7, 48), Size("narrow", 360, 58, 56, 5, 36))
+
+
+def nice_ticks(lo: float, hi: float, limit: int) -> list[float]:
+    """Real values for a log axis over [lo, hi] (both > 0): 1-2-5 in each decade when at most
+    ``limit`` of them fit, else 1-3, else decades (every k-th one on a wide range).
+
+    >>> nice_ticks(1, 400, 7)
+    [1, 3, 10, 30, 100, 300]
+    >>> nice_ticks(0.5, 30, 7)
+    [0.5, 1, 2, 5, 10, 20]
+    >>> nice_ticks(1e-3, 1e9, 5)
+    [0.001, 1, 1000, 1000000, 1000000000]
+    """
+    a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
+    inside = lambda v: lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)  # noqa: E731
+    for mult in ((1, 2, 5), (1, 3), (1,)):
+        ticks = [_round(m * 10.0 ** k) for k in range(a, b + 1) for m in mult
+                 if inside(m * 10.0 ** k)]
+        if len(ticks) <= limit:
+            return ticks
+    step = math.ceil((b - a + 1) / limit)
+    return [_round(10.0 ** k) for k in range(a, b + 1) if (k - a) % step == 0
+            and inside(10.0 ** k)]
+
+
+def nice_ceil(v: float) -> float:
+    """The 1-2-5 value at or above ``v`` > 0: the top of an axis, a real value.
+
+    >>> nice_ceil(348), nice_ceil(1005.5), nice_ceil(0.03)
+    (500, 2000, 0.05)
+    """
+    k = math.floor(math.log10(v))
+    for m in (1, 2, 5, 10):
+        if m * 10.0 ** k >= v * (1 - 1e-9):
+            return _round(m * 10.0 ** k)
+    return _round(10.0 ** (k + 1))
+
+
+def nice_floor(v: float) -> float:
+    """The 1-2-5 value at or below ``v`` > 0.
+
+    >>> nice_floor(0.8), nice_floor(3.2)
+    (0.5, 2)
+    """
+    k = math.floor(math.log10(v))
+    for m in (5, 2, 1):
+        if m * 10.0 ** k <= v * (1 + 1e-9):
+            return _round(m * 10.0 ** k)
+    return _round(10.0 ** (k - 1))
+
+
+def _round(v: float) -> float:
+    r = float(f"{v:.6g}")
+    return int(r) if r == int(r) and abs(r) < 1e15 else r
+
+
+def fmt(v: float) -> str:
+    """A tick label: ``0.001``, ``20``, ``5000``, ``2e5``, ``1e-6``.
+
+    >>> [fmt(v) for v in (0.001, 20, 5000, 200000, 1e-6, 0.35)]
+    ['0.001', '20', '5000', '2e5', '1e-6', '0.35']
+    """
+    if v == 0 or 1e-3 <= abs(v) < 1e4:
+        return f"{v:g}"
+    m, e = f"{v:.2e}".split("e")
+    m = m.rstrip("0").rstrip(".")
+    return f"{m}e{int(e)}"
+
+
+class _Axis:
+    """A log axis from ``bottom`` to ``top`` mapped on ``ph`` pixels; ``offset`` 1 for counts
+    (log10(1 + n): 0 sits at the bottom)."""
+
+    def __init__(self, bottom: float, top: float, ph: float, offset: float = 0.0):
+        self.lo = math.log10(bottom + offset)
+        self.span = (math.log10(top + offset) - self.lo) or 1.0
+        self.ph, self.offset = ph, offset
+
+    def height(self, v: float) -> float:
+        return self.ph * max(0.0, math.log10(max(v, 0.0) + self.offset) - self.lo) / self.span
+
+
+def _spaced(ticks: list[tuple[float, str]], gap: float) -> list[tuple[float, str]]:
+    """Ticks (pixel height, label) with those closer than ``gap`` to the last kept one dropped."""
+    kept: list[tuple[float, str]] = []
+    for h, label in ticks:
+        if not kept or h - kept[-1][0] >= gap:
+            kept.append((h, label))
+    return kept
+
+
+def _count_axis(top_count: int, ph: float, limit: int) -> tuple[_Axis, list[tuple[float, str]]]:
+    top = nice_ceil(max(top_count, 1))
+    axis = _Axis(0, top, ph, offset=1.0)
+    ticks = [(0.0, "0")] + [(axis.height(v), fmt(v)) for v in nice_ticks(1, top, limit - 1)]
+    return axis, _spaced(ticks, FONT + 2)
+
+
+def _magnitude_axis(values: list[float], ph: float, limit: int
+                    ) -> tuple[_Axis, list[tuple[float, str]]]:
+    pos = [v for v in values if v is not None and math.isfinite(v) and v > 0]
+    lo, hi = (min(pos), max(pos)) if pos else (1.0, 1.0)
+    bottom, top = nice_floor(lo), nice_ceil(hi)
+    if top <= bottom * 1.0001:
+        bottom, top = nice_floor(lo / 10), nice_ceil(hi * 10)
+    axis = _Axis(bottom, top, ph)
+    ticks = [(axis.height(v), fmt(v)) for v in nice_ticks(bottom, top, limit)]
+    return axis, _spaced(ticks, FONT + 2)
+
+
+def _x_step(n: int, pw: float, gap: float) -> int:
+    """Every how many positions an x label goes: a 1-2-5 number leaving ``gap`` px between."""
+    need = n * gap / pw
+    return 1 if need <= 1 else int(nice_ceil(need))
+
+
+def _shorten(text: str, chars: int) -> str:
+    return text if len(text) <= chars else "…" + text[-(chars - 1):]
+
+
+def _open(size: Size, h: int, what: str, label: str) -> list[str]:
+    return [f'<svg class="plot plot-{size.name}" data-plot="{what}" '
+            f'xmlns="http://www.w3.org/2000/svg" width="{size.w}" height="{h}" '
+            f'viewBox="0 0 {size.w} {h}" font-family="sans-serif" font-size="{FONT}" '
+            f'role="img" aria-label="{html.escape(label)}">',
+            f'<rect x="0" y="0" width="{size.w}" height="{h}" fill="white"/>']
+
+
+def _y_labels(ticks, x: float, base: float, colour: str, side: str) -> list[str]:
+    """Tick marks and labels of a y axis at ``x`` (``side`` left or right of the plot)."""
+    out = []
+    sign, anchor = (-1, "end") if side == "left" else (1, "start")
+    for h, label in ticks:
+        y = base - h
+        out.append(f'<line class="tick" x1="{x:.1f}" y1="{y:.1f}" x2="{x + 4 * sign:.1f}" '
+                   f'y2="{y:.1f}" stroke="{colour}"/><text class="ylabel" '
+                   f'x="{x + 6 * sign:.1f}" y="{y + FONT / 3:.1f}" text-anchor="{anchor}" '
+                   f'fill="{colour}">{label}</text>')
+    return out
+
+
+def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None,
+             phase: str, size: Size = SIZES[0]) -> str:
+    """SVG of ``timeline`` rows in execution order (x: their position from 0, as the tables'
+    ``#``), NaN (red) and inf (orange) bars centred on each call's tick on a log count axis,
+    the largest finite magnitude (green line) on its own log axis, the ``culprit`` call marked."""
+    if not timeline:
+        return "<p>(no module calls recorded)</p>"
+    H, PT, PB = (320, 30, 64) if size.name == "wide" else (300, 30, 80)
+    W, PL, PR = size.w, size.pad_l, size.pad_r
+    n = len(timeline)
+    pw, ph = W - PL - PR, H - PT - PB
+    bw = pw / n
+    base = PT + ph
+    counts, count_ticks = _count_axis(max(max(r.nan, r.inf) for r in timeline), ph,
+                                      size.y_ticks)
+    mags, mag_ticks = _magnitude_axis([r.absmax for r in timeline], ph, size.y_ticks)
+    out = _open(size, H, "timeline", "NaN and inf counts per module call")
+    out += [f'<line x1="{PL}" y1="{base}" x2="{PL + pw}" y2="{base}" stroke="#333"/>',
+            f'<line x1="{PL}" y1="{PT}" x2="{PL}" y2="{base}" stroke="#333"/>',
+            f'<line x1="{PL + pw}" y1="{PT}" x2="{PL + pw}" y2="{base}" stroke="#2ca02c"/>']
+    out += _y_labels(count_ticks, PL, base, "#333", "left")
+    out += _y_labels(mag_ticks, PL + pw, base, "#2ca02c", "right")
+    step = _x_step(n, pw, size.x_gap)
+    xs = list(range(0, n, step))
+    if (n - 1) - xs[-1] >= step * 0.6:
+        xs.append(n - 1)                   # the last call, when its label has room
+    for i in xs:
+        x = PL + (i + 0.5) * bw
+        out.append(f'<line class="tick" x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" '
+                   f'stroke="#333"/><text class="xlabel" x="{x:.1f}" y="{base + 8 + FONT}" '
+                   f'text-anchor="middle">{i}</text>')
+    points, marker = [], None
+    width = max(min(0.8 * bw, 40.0), 1.0)      # one bar, or the pair, centred on the tick
+    for i, r in enumerate(timeline):
+        cx = PL + (i + 0.5) * bw
+        bars = [(k, c) for k, c in (("nan", "#d62728"), ("inf", "#ff7f0e")) if getattr(r, k)]
+        for j, (key, colour) in enumerate(bars):
+            h = counts.height(getattr(r, key))
+            bx = cx - width / 2 + j * width / len(bars)
+            out.append(f'<rect class="bar" x="{bx:.2f}" y="{base - h:.1f}" '
+                       f'width="{width / len(bars):.2f}" height="{h:.1f}" fill="{colour}">'
+                       f'<title>#{i} {html.escape(module_label(r.module))} call {r.call}: '
+                       f'{key} {getattr(r, key)}</title></rect>')
+        if r.absmax is not None and math.isfinite(r.absmax) and r.absmax > 0:
+            points.append(f"{cx:.1f},{base - mags.height(r.absmax):.1f}")
+        if culprit and (r.module, r.call) == culprit and marker is None:
+            marker = (cx, i, r)
+    out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="#2ca02c" '
+               'stroke-width="1.5"/>')
+    if marker is not None:
+        cx, i, r = marker
+        out.append(f'<line class="culprit-mark" x1="{cx:.1f}" y1="{PT - 8}" x2="{cx:.1f}" '
+                   f'y2="{base}" stroke="#1f77b4" stroke-width="2" stroke-dasharray="5,3"/>')
+        room = int((W - 12) / CHAR)
+        label = _shorten(f"culprit #{i}: {module_label(r.module)}, call {r.call}", room)
+        lw = CHAR * len(label) + 10
+        lx = min(max(cx - lw / 2, 2), W - lw - 2)
+        out.append(f'<rect x="{lx:.1f}" y="2" width="{lw:.1f}" height="{FONT + 6}" rx="3" '
+                   'fill="white" stroke="#1f77b4"/>'
+                   f'<text class="culprit-label" x="{lx + lw / 2:.1f}" y="{FONT + 2}" '
+                   f'text-anchor="middle" fill="#1f77b4" font-weight="bold">'
+                   f'{html.escape(label)}</text>')
+    side = "output" if phase == "forward" else "outgoing gradient"
+    wide = size.name == "wide"
+    title = (f"module calls in {phase} execution order (# 0 .. {n - 1}, as in the tables)"
+             if wide else f"module calls, {phase} order (# 0 .. {n - 1})")
+    left = f"NaN / inf count of the {side} (log)" if wide else "NaN / inf (log)"
+    right = "largest finite |value| (log)" if wide else "largest |value| (log)"
+    mid = PT + ph / 2
+    legend_y = H - 12
+    out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
+            f'text-anchor="middle">{html.escape(title)}</text>',
+            f'<text class="axis-title" x="{FONT}" y="{mid}" transform="rotate(-90 {FONT} {mid})" '
+            f'text-anchor="middle">{html.escape(left)}</text>',
+            f'<text class="axis-title" x="{W - FONT + 2}" y="{mid}" '
+            f'transform="rotate(90 {W - FONT + 2} {mid})" text-anchor="middle" '
+            f'fill="#2ca02c">{html.escape(right)}</text>']
+    lx = PL
+    for name, colour in (("NaN", "#d62728"), ("inf", "#ff7f0e")):
+        out.append(f'<rect x="{lx}" y="{legend_y - 10}" width="10" height="10" fill="{colour}"/>'
+                   f'<text class="legend" x="{lx + 14}" y="{legend_y}">{name}</text>')
+        lx += 14 + int(CHAR * len(name)) + 16
+    out += [f'<line x1="{lx}" y1="{legend_y - 4}" x2="{lx + 20}" y2="{legend_y - 4}" '
+            f'stroke="#2ca02c" stroke-width="2"/><text class="legend" x="{lx + 24}" '
+            f'y="{legend_y}">abs-max</text>', "</svg>"]
+    return "\n".join(out)
+
+
+def _finite(v) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
+                size: Size = SIZES[0]) -> str:
+    """SVG of the history's loss (blue, left axis) and gradient norm (grey, right axis), each on
+    a log axis with values, a dot per step (its values in a tooltip); the failing step (the last
+    entry) marked in red, with the values it could not plot (``NaN``, ``inf``) written at the
+    top; the steps in ``marks`` (step, what) marked dashed."""
+    if len(history) < 2:
+        return ""
+    W, PL, PR = size.w, size.pad_l, size.pad_r
+    H, PT, PB = (240, 36, 56) if size.name == "wide" else (240, 36, 70)
+    pw, ph = W - PL - PR, H - PT - PB
+    base = PT + ph
+    steps = [e.step for e in history]
+    first, last = steps[0], steps[-1]
+    x = lambda s: PL + pw * (s - first + 0.5) / (last - first + 1)  # noqa: E731 (centred)
+    out = _open(size, H, "history", "loss and gradient norm of the steps before")
+    out += [f'<line x1="{PL}" y1="{base}" x2="{PL + pw}" y2="{base}" stroke="#333"/>']
+    for key, colour, side, ax_x in (("loss", "#1f77b4", "left", PL),
+                                    ("grad_norm", "#555", "right", PL + pw)):
+        vals = [(e.step, abs(getattr(e, key))) for e in history if _finite(getattr(e, key))]
+        if not vals:
+            continue
+        axis, ticks = _magnitude_axis([v for _, v in vals], ph, size.y_ticks)
+        out.append(f'<line x1="{ax_x}" y1="{PT}" x2="{ax_x}" y2="{base}" stroke="{colour}"/>')
+        out += _y_labels(ticks, ax_x, base, colour, side)
+        pts = [(x(s), base - axis.height(v), s, v) for s, v in vals]
+        if len(pts) > 1:
+            out.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for a, b, _, _ in pts)}"'
+                       f' fill="none" stroke="{colour}" stroke-width="1.5"/>')
+        out += [f'<circle class="point" cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{colour}">'
+                f'<title>step {s}: {key} {v:.4g}</title></circle>' for a, b, s, v in pts]
+    step = _x_step(last - first + 1, pw, size.x_gap)
+    ticks = list(range(first, last + 1, step))
+    if last - ticks[-1] >= step * 0.6:
+        ticks.append(last)
+    for s in ticks:
+        out.append(f'<line class="tick" x1="{x(s):.1f}" y1="{base}" x2="{x(s):.1f}" '
+                   f'y2="{base + 4}" stroke="#333"/><text class="xlabel" x="{x(s):.1f}" '
+                   f'y="{base + 8 + FONT}" text-anchor="middle">{s}</text>')
+    for s, what in marks:
+        if first <= s <= last and s != last:
+            out.append(f'<line class="mark" x1="{x(s):.1f}" y1="{PT}" x2="{x(s):.1f}" '
+                       f'y2="{base}" stroke="#ff7f0e" stroke-dasharray="4,3">'
+                       f'<title>{html.escape(f"{what} (step {s})")}</title></line>')
+    e = history[-1]                         # the failing step
+    bad = [f"{name} {_word(getattr(e, key))}" for key, name in (("loss", "loss"),
+                                                                ("grad_norm", "grad norm"))
+           if getattr(e, key) is not None and not math.isfinite(getattr(e, key))]
+    label = f"failing step {last}" + (f": {', '.join(bad)}" if bad else "")
+    lw = CHAR * len(label) + 10
+    lx = min(max(x(last) - lw, 2), W - lw - 2)
+    out.append(f'<line class="failing-mark" x1="{x(last):.1f}" y1="{PT - 6}" x2="{x(last):.1f}" '
+               f'y2="{base}" stroke="#d62728" stroke-width="2"/>'
+               f'<rect x="{lx:.1f}" y="4" width="{lw:.1f}" height="{FONT + 6}" rx="3" '
+               f'fill="white" stroke="#d62728"/><text class="failing-label" '
+               f'x="{lx + lw / 2:.1f}" y="{FONT + 4}" text-anchor="middle" fill="#d62728" '
+               f'font-weight="bold">{html.escape(label)}</text>')
+    title = ("step; loss (blue, left) and gradient norm (grey, right), log scales" if
+             size.name == "wide" else "step; loss (left), grad norm (right)")
+    out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
+            f'text-anchor="middle">{html.escape(title)}</text>', "</svg>"]
+    return "\n".join(out)
+
+
+def _word(v: float) -> str:
+    return "NaN" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def both(draw, *args) -> str:
+    """The wide and the narrow drawing of one plot, one after the other (CSS shows one)."""
+    return "\n".join(draw(*args, size) for size in SIZES)
