@@ -113,10 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--entry", default=None)
+    ap.add_argument("--cache-dir", default=None)     # the asking process's inductor cache
     ap.add_argument("--eager", default="finite")      # what the parent's replays gave
     ap.add_argument("--compiled", default="nan")
     ap.add_argument("--phase", default=None)
     a = ap.parse_args(argv)
+    if a.cache_dir:       # its kernels compiled already, not this process's TMPDIR's (empty)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.cache_dir
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
 

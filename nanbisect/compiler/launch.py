@@ -37,17 +37,40 @@ def bisect_timeout() -> float:
                           f"{int(DEFAULT_TIMEOUT)}")
 
 
+def _start(target: list[str], env: dict[str, str], **kw):
+    """Fork ``target`` from the fork server this process came from when there is one (a
+    triage replay, a test's CLI run: torch imported there), else from this process's own."""
+    # NB: torch's cache_dir() writes TORCHINDUCTOR_CACHE_DIR into this process's environment
+    # when it first compiles; the server did not have it at import: the child is told it in
+    # its arguments instead
+    bare = {k: v for k, v in env.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    for e in (env, bare):
+        server = ForkServer.inherited(e)
+        if server is None:
+            continue
+        try:
+            return server.start(target, env=e, **kw)
+        except OSError:
+            pass
+        finally:
+            server.close()
+    return ForkServer.get().start(target, env=env, **kw)
+
+
 def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str, compiled: str,
                     phase: str | None, backend: str,
                     progress: Callable[[str, str], None] = lambda key, text: None,
                     timeout: float | None = None) -> CompilerFinding:
     """Run torch's compiler bisection of ``bundle``'s step in a child; its finding (one that
     says why when the child failed or ran out of time)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
     limit = bisect_timeout() if timeout is None else timeout
     scratch = Path(tempfile.mkdtemp(prefix="nanbisect-compiler-"))
     out = scratch / "finding.json"
     argv = ["-m", "nanbisect.compiler.child", str(Path(bundle).resolve()), str(out),
-            "--device", target, "--eager", eager, "--compiled", compiled,
+            "--device", target, "--cache-dir", cache_dir(), "--eager", eager,
+            "--compiled", compiled,
             *(["--phase", phase] if phase else []), *(["--entry", entry] if entry else [])]
     env = {**os.environ, "TMPDIR": str(scratch)}
     base = dict(eager=eager, compiled=compiled, phase=phase, backend=backend)
@@ -57,8 +80,7 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
     err = os.open(scratch / "stderr.txt", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
         try:
-            child = ForkServer.get().start(argv, cwd=os.getcwd(), env=env, stderr=err,
-                                           stdout=write)
+            child = _start(argv, env, cwd=os.getcwd(), stderr=err, stdout=write)
         finally:
             os.close(write)
             os.close(err)
@@ -112,9 +134,8 @@ def run_repro_forked(script: Path, device: str, timeout: float = 300.0) -> Repro
         out = os.open(scratch / "out", os.O_WRONLY | os.O_CREAT, 0o600)
         err = os.open(scratch / "err", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            child = ForkServer.get().start([str(script.resolve()), "--device", device],
-                                           cwd=str(script.parent.parent),
-                                           env=dict(os.environ), stderr=err, stdout=out)
+            child = _start([str(script.resolve()), "--device", device], dict(os.environ),
+                           cwd=str(script.parent.parent), stderr=err, stdout=out)
         finally:
             os.close(out)
             os.close(err)
