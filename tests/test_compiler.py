@@ -129,6 +129,21 @@ def test_nan_eager_makes_too_is_a_normal_culprit(tmp_path):
     assert report.timings["compiled"] > 0        # it was replayed compiled too, and failed
 
 
+@pytest.mark.slow
+def test_nan_only_eager_keeps_the_eager_culprit_and_says_so(tmp_path):
+    """The opposite: eager NaN, compiled finite (a declared compile, no C++ needed)."""
+    import compiled_faults as cf
+
+    entry = f"{TEST_TASKS / 'compiled_faults.py'}:task_eager_only"
+    nanbisect.capture(cf.task_eager_only(), cf.batch(), tmp_path / "b", entry=entry)
+    report = run_bundle(tmp_path / "b", RunOptions(run_repro=False, reference="none",
+                                                   remedies=0), tmp_path / "r")
+    assert report.verdict == "culprit" and report.classification != "compiler"
+    assert (report.culprit.op, report.culprit.module) == ("nbtest.softmax_eager.default", "block")
+    assert any("compiled (aot_eager_decomp_partition)" in n and "stays finite" in n
+               for n in report.notes), report.notes
+
+
 def test_compile_arguments_are_read_from_the_compiled_model():
     m = torch.nn.Linear(2, 2)
     c = torch.compile(m, mode="max-autotune-no-cudagraphs")

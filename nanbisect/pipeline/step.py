@@ -139,7 +139,7 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
     if first.phase == "input":
         return Report("input-nonfinite", "data", "input", first.kind, None, facts,
                       input_nonfinite=first.bad, notes=run.notes)
-    if compiled is not None and compiled.phase is None and failed:
+    if compiled is not None and compiled.phase is None:
         run.notes.append(opposite_note(backend_of(run.rep)))
     return _culprit_report(run, first, side, ref, tmp)
 

@@ -5,6 +5,9 @@
   is not: ``exp(x) / sum(exp(x))``, inf/inf = NaN for scores above ~88. Eager never fails;
   compiled (inductor, or any backend that decomposes) fails on the outlier batch.
 - `task_eager_too` (SqrtOfNegativeCompiled): a compiled model whose NaN eager makes too.
+- `task_eager_only` (EagerKernelDropsMax): the opposite of `task`: ``nbtest::softmax_eager``'s
+  eager kernel drops the max and its decomposition is right; the Task declares its compile
+  (``Task(compiled=...)``, the backend that applies inductor's decompositions without C++).
 """
 import torch
 import torch.nn as nn
@@ -35,6 +38,13 @@ def _define() -> None:
         return e / e.sum(-1, keepdim=True)
 
     decompositions[torch.ops.nbtest.softmax.default] = no_max
+
+    lib.define("softmax_eager(Tensor x) -> Tensor")    # the opposite: the eager kernel is wrong
+    lib.impl("softmax_eager", no_max, "CompositeExplicitAutograd")
+    torch.library.register_fake("nbtest::softmax_eager", lambda x: torch.empty_like(x), lib=lib)
+    torch.library.register_autograd("nbtest::softmax_eager", backward, setup_context=setup,
+                                    lib=lib)
+    decompositions[torch.ops.nbtest.softmax_eager.default] = lambda x: torch.softmax(x, -1)
     _define.lib = lib   # keep the library alive
 
 
@@ -44,6 +54,11 @@ _define()
 class Scores(nn.Module):
     def forward(self, x):
         return torch.ops.nbtest.softmax(x)       # (B, 8)
+
+
+class EagerScores(nn.Module):
+    def forward(self, x):
+        return torch.ops.nbtest.softmax_eager(x)  # (B, 8)
 
 
 class SqrtBlock(nn.Module):
@@ -76,6 +91,14 @@ def task() -> nanbisect.Task:
 
 def task_eager_too() -> nanbisect.Task:
     return _task(SqrtBlock())
+
+
+def task_eager_only() -> nanbisect.Task:
+    torch.manual_seed(0)
+    model = Net(EagerScores())
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=lambda m, b: m(b).pow(2).mean(),
+                          compiled={"backend": "aot_eager_decomp_partition"})
 
 
 def batch(outlier: bool = True) -> torch.Tensor:
