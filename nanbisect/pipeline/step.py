@@ -79,7 +79,7 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     if rep.compiled_spec and first.phase != "input":
         # the capture ran compiled: so does one replay, whose loss is the captured one's peer
         progress("compiled", f"replaying the step compiled ({backend_of(rep)})")
-        compiled = replay_compiled(rep, wrap)
+        compiled = replay_compiled(rep, wrap, notes)
     dtype = model_dtype(rep)     # its step tolerance, as --steps uses it
     fidelity = fidelity_check(bundle, rep.entry, original,
                               first.loss if compiled is None else compiled.loss,
@@ -128,6 +128,11 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
     if first.phase is None:
         if failed and compiled is not None and compiled.phase is not None:
             return compiler_report(run, compiled, tmp)
+        if failed and run.rep.compiled_spec and compiled is None:
+            return Report("not-reproduced", "unknown", None, None, None, facts, notes=[
+                "the manifest records a non-finite step of a compiled model; the eager replay "
+                "is finite and the compiled one could not run here, so a compiler-made failure "
+                "cannot be told from a transient", *run.notes])
         if failed:
             return _not_reproduced(run)
         if facts.observed and side is None:
