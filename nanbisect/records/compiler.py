@@ -36,7 +36,8 @@ class CompilerFinding:
     def to_json(self) -> dict:
         return {"eager": self.eager, "compiled": self.compiled, "backend": self.backend,
                 "subsystem": self.subsystem, "bisect_number": self.bisect_number,
-                "config_change": self.config_change, "detail": self.detail}
+                "config_change": self.config_change, "detail": self.detail,
+                "seconds": self.seconds}
 
     @staticmethod
     def from_json(d: dict) -> "CompilerFinding":
