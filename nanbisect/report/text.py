@@ -37,9 +37,9 @@ def headline(r: Report) -> str:
         at = (f" in {c.op}" if c.op else "") + (
             f" at module '{module_label(c.module)}' (call {c.module_call})" if c.op and c.module
             else "")
-        part = (k.config_change or k.subsystem or "")
-        return (f"{r.kind or 'non-finite'} only when compiled: born{at} in {c.phase}, made by "
-                f"{k.backend}{f' ({part})' if part else ''}")
+        made = (f"made by {k.backend}; {k.config_change} fixes it" if k.config_change else
+                f"made by {k.backend}" + (f" ({k.subsystem})" if k.subsystem else ""))
+        return f"{r.kind or 'non-finite'} only when compiled: born{at} in {c.phase}, {made}"
     if r.verdict == "culprit" and r.culprit:
         c = r.culprit
         where = f"'{module_label(c.module)}'"
