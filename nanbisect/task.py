@@ -70,9 +70,14 @@ class Task:
                     self.compiled.get("backend", "inductor"), str):
                 raise ValueError(f"Task(compiled={self.compiled!r}): give a dict such as "
                                  "{'backend': 'inductor', 'mode': None, 'options': None}, or None")
+            options = self.compiled.get("options")
+            if options is not None and (not isinstance(options, dict) or any(
+                    not (v is None or isinstance(v, (bool, int, float)))
+                    for v in options.values())):
+                raise ValueError(f"Task(compiled={self.compiled!r}): options must be inductor "
+                                 "settings of numbers and booleans (a bundle records them)")
             self.compiled = {"backend": self.compiled.get("backend", "inductor"),
-                             "mode": self.compiled.get("mode"),
-                             "options": self.compiled.get("options")}
+                             "mode": self.compiled.get("mode"), "options": options}
             self.runner = compile_model(self.model, self.compiled)
         if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) \
                 or self.accumulate < 1:

@@ -160,3 +160,18 @@ def test_declared_compile_is_checked():
     with pytest.raises(ValueError, match="compiled="):
         nanbisect.Task(model=torch.nn.Linear(2, 2), optimizer=None,
                        loss_fn=lambda m, b: m(b).sum(), compiled="inductor")
+
+
+def test_a_bundle_cannot_choose_what_a_compiled_replay_runs(tmp_path):
+    """task.compiled is data: options that could name a program, odd backends, are refused."""
+    from nanbisect.bundle.schema import check_section
+    from nanbisect.errors import BadInput
+
+    shape = {"accumulate": 1, "clip_grad_norm": None, "grad_scaler": False,
+             "loss_normalized": False, "autocast": None}
+    check_section(tmp_path, "task", {**shape, "compiled": {
+        "backend": "inductor", "mode": None, "options": {"emulate_precision_casts": True}}})
+    for bad in ({"backend": "inductor", "options": {"cpp.cxx": "/bin/sh"}},
+                {"backend": "../../x"}, {"backend": "inductor", "mode": "fast; rm"}, "inductor"):
+        with pytest.raises(BadInput, match="compiled"):
+            check_section(tmp_path, "task", {**shape, "compiled": bad})

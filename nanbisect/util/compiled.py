@@ -29,20 +29,16 @@ def is_compiled(model: Any) -> bool:
         getattr(model, "_orig_mod", None), torch.nn.Module)
 
 
-def _jsonable(d: dict) -> dict:
-    out = {}
-    for k, v in d.items():
-        try:
-            json.dumps(v)
-        except (TypeError, ValueError):
-            continue                         # a callable pass, a class: not recordable
-        out[str(k)] = v
-    return out
+def _recordable(d: dict) -> dict:
+    """The options a bundle keeps: numbers and booleans (what the manifest's schema accepts: a
+    string or a callable could name a program a replay would run)."""
+    return {str(k): v for k, v in d.items()
+            if v is None or (isinstance(v, (bool, int, float)) and json.dumps(v))}
 
 
 def compile_args(model: torch.nn.Module) -> dict:
-    """``{backend, mode, options}`` of an ``OptimizedModule`` (JSON; options that are not JSON,
-    such as custom pass callables, are left out)."""
+    """``{backend, mode, options}`` of an ``OptimizedModule`` (options that are not numbers or
+    booleans, such as custom pass callables or paths, are left out)."""
     from torch._dynamo.eval_frame import innermost_backend
 
     try:
@@ -57,7 +53,7 @@ def compile_args(model: torch.nn.Module) -> dict:
         from torch._inductor import list_mode_options
 
         mode = next((m for m in _MODES if list_mode_options(m) == config), None)
-    options = {} if mode else _jsonable(config)
+    options = {} if mode else _recordable(config)
     return {"backend": str(name), "mode": mode, "options": options or None}
 
 
