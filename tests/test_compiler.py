@@ -75,6 +75,8 @@ def test_compiled_only_nan_is_compiler_with_the_decomposition_named(decomp):
         "nbtest.softmax.default", "block", 0, "forward")
     assert r["timings"]["compiler-bisect"] > 0 and r["timings"]["compiled"] > 0
     assert "only when compiled" in res.stdout and "transient" not in res.stdout, res.stdout
+    assert "## Compiler" in (out / "report.md").read_text()
+    assert "<th>compiler</th>" in (out / "report.html").read_text()
 
 
 @pytest.mark.slow
