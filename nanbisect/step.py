@@ -95,7 +95,7 @@ def run_step(task: Task, batch: Any,
     total = None
     for i, mb in enumerate(mbs):
         with phase("forward"), _autocast(task):
-            loss = task.loss_fn(task.model, mb)
+            loss = task.loss_fn(task.step_model(), mb)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
             raise BadInput(f"loss_fn returned {type(loss).__name__}{shape}, not a scalar "

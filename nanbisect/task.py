@@ -28,6 +28,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanbisect.errors import BadInput
+from nanbisect.util.compiled import compile_args, compile_model, is_compiled
 
 
 @dataclass
@@ -58,8 +59,33 @@ class Task:
     # forward under torch.autocast at this dtype ("bfloat16", "float16"), as a precision plugin
     # does around loss_fn; None: loss_fn handles precision itself
     autocast: str | None = None
+    # the step runs the model under torch.compile with these ({"backend", "mode", "options"});
+    # filled from the model when it is what torch.compile returned (README "NaN only when
+    # compiled"); declare it when the loop compiles the model some other way
+    compiled: dict | None = None
 
     def __post_init__(self) -> None:
+        # what the step calls: the compiled model; `model` is always the eager module, so every
+        # name (parameters, modules) is the one the user's code has, without `_orig_mod.`
+        self.runner: torch.nn.Module | None = None
+        if is_compiled(self.model):
+            if self.compiled is None:
+                self.compiled = compile_args(self.model)
+            self.runner, self.model = self.model, self.model._orig_mod
+        elif self.compiled is not None:
+            if not isinstance(self.compiled, dict) or not isinstance(
+                    self.compiled.get("backend", "inductor"), str):
+                raise ValueError(f"Task(compiled={self.compiled!r}): give a dict such as "
+                                 "{'backend': 'inductor', 'mode': None, 'options': None}, or None")
+            options = self.compiled.get("options")
+            if options is not None and (not isinstance(options, dict) or any(
+                    not (v is None or isinstance(v, (bool, int, float)))
+                    for v in options.values())):
+                raise ValueError(f"Task(compiled={self.compiled!r}): options must be inductor "
+                                 "settings of numbers and booleans (a bundle records them)")
+            self.compiled = {"backend": self.compiled.get("backend", "inductor"),
+                             "mode": self.compiled.get("mode"), "options": options}
+            self.runner = compile_model(self.model, self.compiled)
         if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) \
                 or self.accumulate < 1:
             raise ValueError(f"Task(accumulate={self.accumulate!r}): give the number of "
@@ -85,7 +111,13 @@ class Task:
         """
         return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm,
                 "grad_scaler": self.grad_scaler is not None and self.grad_scaler.is_enabled(),
-                "loss_normalized": self.loss_normalized, "autocast": self.autocast}
+                "loss_normalized": self.loss_normalized, "autocast": self.autocast,
+                "compiled": self.compiled}
+
+    def step_model(self) -> torch.nn.Module:
+        """The module the step hands ``loss_fn``: the compiled one while `runner` is set (the
+        Guard, a compiled replay), else the eager `model`."""
+        return self.runner if self.runner is not None else self.model
 
 
 def split_entry(entry: str) -> tuple[str, str]:

@@ -17,6 +17,21 @@ fi
 echo "setup: installing nanbisect -e '$what' and its dependencies" >&2
 "$PY" -m pip install --disable-pip-version-check --progress-bar on -e "$what" \
   | { grep -v -E "^(Requirement already satisfied|Obtaining|  Checking|  Preparing|Looking in)" || true; }
+# A C++ compiler: torch.compile's CPU backend (inductor) builds C++ kernels, and nanbisect
+# replays a compiled capture compiled (README "NaN only when compiled"). Best effort: with apt
+# and root, install g++ when no C++ compiler is present; otherwise say what is missing.
+if ! command -v "${CXX:-g++}" >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: no C++ compiler: installing g++ with apt-get (torch.compile's CPU backend" \
+         "needs one)" >&2
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; } >&2 \
+      || echo "setup: apt-get could not install g++; compiled replays on the CPU will fail" \
+              "until a C++ compiler is installed (tests that compile skip)" >&2
+  else
+    echo "setup: no C++ compiler (g++) and no root with apt-get to install one: compiled" \
+         "replays on the CPU need it (tests that compile skip)" >&2
+  fi
+fi
 if [ "$PY" != "${PYTHON:-}" ] && [ "$(dirname "$PY")" = "$PWD/.venv/bin" ]; then
   echo "setup: done; nanbisect is installed in $PWD/.venv: run 'source .venv/bin/activate' to" \
        "use it (or call .venv/bin/nanbisect)" >&2

@@ -85,7 +85,7 @@ def test_lightning_clipping_accumulation_and_precision_replay_the_trainers_step(
     assert cb.bundle is not None
     m = json.loads((cb.bundle / "manifest.json").read_text())
     assert m["task"] == {"accumulate": 2, "clip_grad_norm": 0.5, "grad_scaler": False,
-                         "loss_normalized": False, "autocast": "bfloat16"}
+                         "loss_normalized": False, "autocast": "bfloat16", "compiled": None}
     rep = json.loads(cli("run", cb.bundle, "--json").stdout)
     assert rep["replay"]["bit_exact"] is True, rep["replay"]          # the trainer's loss
     assert (rep["phase"], rep["culprit"]["parameter"]) == ("optimizer", "embed.weight")

@@ -10,7 +10,7 @@ PKG = Path(__file__).resolve().parent.parent / "nanbisect"
 # stage of each folder / top-level module; a module may import a lower stage or its own folder
 # util holds the small utilities every stage shares; it may import only errors (see below)
 BASE = {"errors", "task", "records", "step", "devices", "util", "history", "__init__"}
-STAGE = {"bundle": 1, "replay": 2, "guard": 3,
+STAGE = {"bundle": 1, "replay": 2, "guard": 3, "compiler": 5,
          "locate": 4, "reference": 4, "report": 4, "finish": 5, "remedies": 5, "multirank": 6,
          "pipeline": 7, "triage": 7, "selftest": 7, "cli": 8, "__main__": 9, "integrations": 9}
 

@@ -115,6 +115,25 @@ def _names(v) -> bool:
                                        for k, x in v.items())
 
 
+def _compiled(v) -> bool:
+    """``task.compiled``: null, or {backend, mode, options} where nothing names a program or a
+    path: the backend a registered name, the mode one of torch.compile's, the options inductor
+    settings of plain numbers and booleans (a bundle is data: its options must not choose the
+    C++ compiler a replay runs)."""
+    if v is None:
+        return True
+    if not isinstance(v, dict) or set(v) - {"backend", "mode", "options"}:
+        return False
+    backend, mode, options = v.get("backend"), v.get("mode"), v.get("options")
+    return (isinstance(backend, str) and backend.replace("_", "").isalnum() and len(backend) < 64
+            and (mode is None or mode in ("default", "reduce-overhead", "max-autotune",
+                                          "max-autotune-no-cudagraphs"))
+            and (options is None or (isinstance(options, dict) and len(options) < 64 and all(
+                isinstance(k, str) and k.replace("_", "").replace(".", "").isalnum()
+                and (o is None or isinstance(o, (bool, int, float)))
+                for k, o in options.items()))))
+
+
 _LOSS = (lambda v: v is None or _num(v) or isinstance(v, str),
          "null, a number or a string such as 'nan'")
 _SECTIONS: dict[str, dict[str, tuple]] = {
@@ -141,7 +160,8 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "grad_scaler": (lambda v: isinstance(v, bool), "true or false"),
         "loss_normalized": (lambda v: isinstance(v, bool), "true or false"),
         "autocast": (lambda v: v is None or _dtype_name(v), "null or a torch dtype name"),
-        "compiled": (lambda v: v is None or isinstance(v, dict), "null or an object")},
+        "compiled": (_compiled, "null or {backend: a backend name, mode: null or a "
+                     "torch.compile mode, options: null or {name: number or boolean}}")},
     "grad_scaler": {   # torch's GradScaler.state_dict(): all five, or {} (a disabled scaler)
         "scale": (lambda v: _num(v) and v >= 0, "a number >= 0"),
         "growth_factor": (_num, "a number"), "backoff_factor": (_num, "a number"),

@@ -29,9 +29,9 @@ from nanbisect.util.text import show
 
 
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
-STAGES = ("steps", "build", "module-pass", "reference", "op-recording", "cross-phase", "isolate",
-          "input-catch", "repro", "module-repro", "op-check", "remedies", "surfaced-repro",
-          "report", "ranks")
+STAGES = ("steps", "build", "module-pass", "compiled", "reference", "op-recording",
+          "cross-phase", "isolate", "input-catch", "compiler-bisect", "repro", "module-repro",
+          "op-check", "remedies", "surfaced-repro", "report", "ranks")
 
 
 def _default_target(manifest: dict) -> str:

@@ -14,6 +14,8 @@ from nanbisect.bundle.format import Bundle
 from nanbisect.errors import UNDECLARED_SCALER, BadInput
 from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, captured_type,
                                        recorded_failure)
+from nanbisect.pipeline.compiled import (backend_of, compiler_report, opposite_note,
+                                         replay_compiled)
 from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
 from nanbisect.records import Fidelity, Losses, RunFacts, StepOutcome, json_number
 from nanbisect.reference import kernels as registry
@@ -73,8 +75,14 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
                      "replaying the step on the target")
     observed = m.get("observed")
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
+    compiled = None
+    if rep.compiled_spec and first.phase != "input":
+        # the capture ran compiled: so does one replay, whose loss is the captured one's peer
+        progress("compiled", f"replaying the step compiled ({backend_of(rep)})")
+        compiled = replay_compiled(rep, wrap, notes)
     dtype = model_dtype(rep)     # its step tolerance, as --steps uses it
-    fidelity = fidelity_check(bundle, rep.entry, original, first.loss,
+    fidelity = fidelity_check(bundle, rep.entry, original,
+                              first.loss if compiled is None else compiled.loss,
                               same_setup=captured_type(m) == t_dev.type and t_dtype is None,
                               override=opts.entry is not None, device=t_dev,
                               rtol=(str(dtype).removeprefix("torch."), step_rtol(dtype)),
@@ -94,11 +102,13 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
                      fidelity)
     run = _Run(rep, probe, wrap, opts, facts, progress, notes, interp)
-    return _decide(run, first, side, ref, tmp), rep
+    return _decide(run, first, side, ref, tmp, compiled), rep
 
 
-def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tmp: Path) -> Report:
-    """The verdict, and for a culprit the passes that find it."""
+def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tmp: Path,
+            compiled: StepOutcome | None = None) -> Report:
+    """The verdict, and for a culprit the passes that find it (``compiled``: the step replayed
+    compiled, for a compiled capture)."""
     facts = run.facts
     failed = recorded_failure(facts.observed)
     divergence = None
@@ -116,6 +126,13 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
                          f"scale {scale}; that is normal unless it keeps happening "
                          "(Guard(max_scaler_skips=N) bundles a stalled scaler)")
     if first.phase is None:
+        if failed and compiled is not None and compiled.phase is not None:
+            return compiler_report(run, compiled, tmp)
+        if failed and run.rep.compiled_spec and compiled is None:
+            return Report("not-reproduced", "unknown", None, None, None, facts, notes=[
+                "the manifest records a non-finite step of a compiled model; the eager replay "
+                "is finite and the compiled one could not run here, so a compiler-made failure "
+                "cannot be told from a transient", *run.notes])
         if failed:
             return _not_reproduced(run)
         if facts.observed and side is None:
@@ -127,6 +144,8 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
     if first.phase == "input":
         return Report("input-nonfinite", "data", "input", first.kind, None, facts,
                       input_nonfinite=first.bad, notes=run.notes)
+    if compiled is not None and compiled.phase is None:
+        run.notes.append(opposite_note(backend_of(run.rep)))
     return _culprit_report(run, first, side, ref, tmp)
 
 

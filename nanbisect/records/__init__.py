@@ -15,6 +15,7 @@ that hold tensors only carry them).
 """
 from __future__ import annotations
 
+from nanbisect.records.compiler import CompilerFinding
 from nanbisect.records.compared import Comparison, Divergence, OpCheck
 from nanbisect.records.culprit import (Caught, ContextRow, Culprit, ModuleCaught, ModuleRepro,
                                        OpFinding, OpRecording, OpRef, OpSite, ReproResult,
@@ -33,4 +34,4 @@ __all__ = ["json_number", "Word", "Verdict", "Classification", "ROOT", "module_l
            "ReproResult", "ModuleRepro", "Comparison", "OpCheck", "Divergence", "Losses",
            "Fidelity", "RunFacts", "HistoryEntry", "Finding", "StepRow", "StepsWindow", "Bucket",
            "RankSummary", "RankRoot", "Plan", "RankReference", "ReplicaDiff", "Subset",
-           "RankResult", "fidelity_tier", "Remedy", "RowTrace"]
+           "RankResult", "fidelity_tier", "Remedy", "RowTrace", "CompilerFinding"]

@@ -24,6 +24,7 @@ from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, resto
                                     restore_modes, restore_optimizer)
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
+from nanbisect.util.compiled import compile_model
 from nanbisect.util.tensors import nonfinite
 
 PHASES = ("input", "forward", "backward", "optimizer")
@@ -88,11 +89,28 @@ class Replayer:
             self.task.model.to(device)
         self._where = where
         self.notes = apply_step_shape(self.task, m.get("task"), device, dtype)
+        # a compiled capture ({backend, mode, options}, manifest task.compiled): every run is
+        # eager unless `compile` made the next ones compiled
+        self.compiled_spec = (m.get("task") or {}).get("compiled") or None
+        self.task.runner = None
         # with a GradScaler, gradients that overflow are normal (the scaler skips the step);
         # they are the failure only in the bundle of a stall (the scaler kept skipping)
         scaler = self.task.grad_scaler
         self.grads_fail = (scaler is None or not scaler.is_enabled()
                            or bool((m.get("observed") or {}).get("scaler_skips")))
+
+    def compile(self, backend: str | None = None) -> None:
+        """Make the following runs compiled as captured (``backend`` replaces the captured one),
+        from a clean slate: dynamo's caches reset, the model compiled afresh (so that a
+        `CompilerBisector` in this process chooses the backend of each compile)."""
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        self.task.runner = compile_model(self.task.model, self.compiled_spec or {}, backend)
+
+    def eager(self) -> None:
+        """Make the following runs eager again."""
+        self.task.runner = None
 
     def restore(self) -> Any:
         """Reset model, optimizer, scaler, train/eval modes, ``requires_grad`` and RNG to the

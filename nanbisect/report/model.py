@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 
-from nanbisect.records import (BadValue, Classification, ContextRow, Culprit, Divergence,
-                               Finding, HistoryEntry, ModuleRepro, OpCheck, OpRecording, OpRef, RankResult, ReplicaDiff,
-                               Remedy, ReproResult, RunFacts, StepsWindow, Subset, TimelineRow,
-                               TraceRow, Verdict)
+from nanbisect.records import (BadValue, Classification, CompilerFinding, ContextRow, Culprit,
+                               Divergence, Finding, HistoryEntry, ModuleRepro, OpCheck,
+                               OpRecording, OpRef, RankResult, ReplicaDiff, Remedy, ReproResult,
+                               RunFacts, StepsWindow, Subset, TimelineRow, TraceRow, Verdict)
 
 SCHEMA = "nanbisect.report/1"
 EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
@@ -64,6 +64,9 @@ class Report:
     timings: dict[str, float] | None = None
     # changes tried by replaying the culprit's step, and what came of each (nanbisect.remedies)
     remedies: list[Remedy] = field(default_factory=list)
+    # a compiled capture whose failure comes back compiled and not eagerly: where torch's
+    # compiler bisector says the compiled step parts from the eager one (nanbisect.compiler)
+    compiler: CompilerFinding | None = None
 
     def with_replicas(self, replicas: dict | None) -> "Report":
         """This report plus the finding of a bundle whose data-parallel replicas differ (its top
@@ -139,4 +142,5 @@ class Report:
             **({"steps": self.steps.to_json()} if self.steps is not None else {}),
             **({"timings": dict(self.timings)} if self.timings is not None else {}),
             "remedies": [r.to_json() for r in self.remedies],
+            **({"compiler": self.compiler.to_json()} if self.compiler is not None else {}),
         }

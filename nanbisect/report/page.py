@@ -41,6 +41,8 @@ MEANING = {
     "code-changed": "the code differs from the capture's: the edit is the first suspect",
     "replay-mismatch": "the replay does not compute the captured step; no verdict about the "
                        "device follows",
+    "compiler": "the failure comes back with the model compiled and not eagerly, from the same "
+                "state, batch and RNG: the compiler's transformation made it",
     "unknown": "not enough evidence (no reference, an op the reference cannot run, or another "
                "device or machine than the capture's)",
 }

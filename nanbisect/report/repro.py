@@ -61,8 +61,10 @@ def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, targe
 
 
 def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: str, target: str,
-                       entry: str) -> Path:
-    """Write ``out/module_repro.py`` and ``out/module_inputs.safetensors`` (the fallback)."""
+                       entry: str, compile: dict | None = None) -> Path:
+    """Write ``out/module_repro.py`` and ``out/module_inputs.safetensors`` (the fallback);
+    ``compile``: torch.compile's keyword arguments for a compiler culprit (the script runs the
+    call eagerly, then compiled, and reproduces when only the compiled call fails)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     meta = {"args": encode(mc.args, "args", tensors), "kwargs": encode(mc.kwargs, "kwargs",
@@ -79,6 +81,7 @@ def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: s
         version=__version__, op=culprit.op, phase=culprit.phase,
         module=module_label(mc.call.module),
         module_call=mc.call.call, kind=kind, target=target, entry=entry,
-        entry_file=repr(str(Path(target_file).resolve())), entry_func=repr(func))
+        entry_file=repr(str(Path(target_file).resolve())), entry_func=repr(func),
+        compile=repr(compile))
     (out / "module_repro.py").write_text(text)
     return out / "module_repro.py"

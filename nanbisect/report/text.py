@@ -32,6 +32,14 @@ def headline(r: Report) -> str:
         at = (f" at step {c.step}" if c.step is not None and r.steps else "")
         return (f"target diverges from the reference first in {c.op or 'a module call'} in "
                 f"{c.phase} at module {where}{at}")
+    if r.verdict == "culprit" and r.culprit and r.compiler is not None:
+        c, k = r.culprit, r.compiler
+        at = (f" in {c.op}" if c.op else "") + (
+            f" at module '{module_label(c.module)}' (call {c.module_call})" if c.op and c.module
+            else "")
+        made = (f"made by {k.backend}; {k.config_change} fixes it" if k.config_change else
+                f"made by {k.backend}" + (f" ({k.subsystem})" if k.subsystem else ""))
+        return f"{r.kind or 'non-finite'} only when compiled: born{at} in {c.phase}, {made}"
     if r.verdict == "culprit" and r.culprit:
         c = r.culprit
         where = f"'{module_label(c.module)}'"
@@ -137,12 +145,21 @@ def to_markdown(r: Report) -> str:
                  else "The culprit's inputs")
         lines += ["", f"{whose} carried inf, born from finite values in `{o.op}` "
                   f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` call {o.module_call})."]
-    lines += _remedies_md(r)
+    lines += _compiler_md(r) + _remedies_md(r)
     lines += _ranks_md(r) + _checks_md(r) + _repro_md(r) + _backtrace_md(r)
     lines += _steps_md(r) + _history_md(r)
     if r.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
+
+
+def _compiler_md(r: Report) -> list[str]:
+    """report.json ``compiler``: where the compiled step parts from the eager one."""
+    if r.compiler is None:
+        return []
+    return (["", "## Compiler (torch's CompilerBisector)", "", "| field | value |", "|---|---|"]
+            + [f"| {k} | `{v}` |" if v is not None else f"| {k} | - |"
+               for k, v in r.compiler.to_json().items()])
 
 
 def rows_text(rem: Remedy) -> str:
@@ -356,6 +373,13 @@ def terminal(r: Report, out: Path) -> str:
         if r.inf_origin:
             o = r.inf_origin
             lines.append(f"  inf born in: {o.op} (op #{o.op_index}, module {module_label(o.module)})")
+        if r.compiler is not None:
+            k = r.compiler
+            lines.append(f"  compiler: eager {k.eager}, compiled {k.compiled}; backend "
+                         f"{k.backend}, subsystem {k.subsystem or '-'}"
+                         + (f", {k.config_change}" if k.config_change else
+                            f", bisect number {k.bisect_number}" if k.bisect_number is not None
+                            else ""))
         if r.repro:
             lines.append(f"  repro: {out / r.repro}"
                          + (" (reproduced)" if r.repro_result and r.repro_result.reproduced

@@ -1,0 +1,173 @@
+"""The bisection's own process: ``python -m nanbisect.compiler.child BUNDLE OUT.json --device D
+[--entry E]`` (started by `nanbisect.compiler.launch`, forked from the fork server).
+
+It rebuilds the bundle's step, hands torch's ``CompilerBisector.do_bisect`` a function that
+replays the step compiled from the pre-step state (compiled afresh each time: the bisector
+picks the backend and config of every compile) and says whether it stayed finite, then
+attributes the op the bisector names (a decomposition's op) to the first module call that runs
+it and fails compiled alone. It writes `CompilerFinding` JSON to OUT.json and prints one line per
+stage (the bisector's own lines included) on stdout, which the parent shows as progress.
+
+Why a process of its own: the bisector keeps its state in files and in class attributes, and
+dynamo its caches in the process; none of it may reach a later ``torch.compile`` of the process
+that asked (nor that process's time limit wait on a compile that never ends).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from nanbisect.bundle.format import read_bundle
+from nanbisect.locate.catch import catch_module_call
+from nanbisect.records import CallId, CompilerFinding
+from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.util.compiled import compile_model
+from nanbisect.util.tensors import nonfinite
+
+MAX_CANDIDATES = 4        # module calls of the culprit op tried compiled alone
+
+
+def op_of(debug_info: str | None) -> str | None:
+    """The op a bisector debug info names (a decomposition's), as ``str()`` of the overload.
+
+    >>> op_of("<OpOverload(op='aten._softmax', overload='default')>")
+    'aten._softmax.default'
+    >>> op_of("add_2") is None
+    True
+    """
+    m = re.search(r"op='([\w.:]+)', overload='(\w+)'", debug_info or "")
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+def bisect(rep: Replayer, phase: str | None) -> tuple[object, float]:
+    """torch's bisection of the compiled step; (its `BisectionResult` or None, seconds). A
+    failure of the forward is bisected on the forward alone, without autograd (a graph without
+    its backward compiles in about half the time)."""
+    from torch._inductor.compiler_bisector import CompilerBisector
+
+    captured = (rep.compiled_spec or {}).get("backend") or "inductor"
+    forward = phase == "forward" and rep.task.accumulate == 1
+
+    def good() -> bool:
+        backend = CompilerBisector.get_backend() or captured
+        print(f"bisect: compiling with {backend} "
+              f"{CompilerBisector.get_subsystem() or ''}".rstrip(), flush=True)
+        rep.compile(backend)
+        with torch.no_grad() if forward else contextlib.nullcontext():
+            return rep.run(stop_after="forward" if forward else "optimizer").phase is None
+
+    t0 = time.perf_counter()
+    result = CompilerBisector.do_bisect(good)
+    return result, time.perf_counter() - t0
+
+
+class _OpCalls(TorchDispatchMode):
+    """The module calls (innermost) in which ``op`` runs, in order."""
+
+    def __init__(self, op: str, tracker: ModuleTracker) -> None:
+        super().__init__()
+        self.op, self.tracker, self.calls = op, tracker, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func) == self.op and self.tracker.stack:
+            call = self.tracker.stack[-1][0]
+            if call not in self.calls:
+                self.calls.append(call)
+        return func(*args, **(kwargs or {}))
+
+
+def _bad(tree) -> int:
+    return sum(sum(nonfinite(t.detach())[:2]) for t in torch.utils._pytree.tree_leaves(tree)
+               if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def attribute(rep: Replayer, op: str, backend: str) -> CallId | None:
+    """The first module call running ``op`` in the eager step whose forward, compiled alone
+    with ``backend`` from its caught inputs, makes NaN/inf from finite inputs (else the first
+    call running it; None when no module call runs it)."""
+    rep.eager()
+    tracker = ModuleTracker(rep.task.model)
+    mode = _OpCalls(op, tracker)
+    rep.run(wrap=lambda: stacked(tracker, mode), stop_after="forward")
+    for call in mode.calls[:MAX_CANDIDATES]:
+        mc = catch_module_call(rep, call)
+        if mc is None or _bad([mc.args, mc.kwargs]):
+            continue
+        module = rep.task.model.get_submodule(call.module)
+        torch._dynamo.reset()
+        compiled = compile_model(module, rep.compiled_spec or {}, backend)
+        with torch.no_grad():
+            if _bad(compiled(*mc.args, **mc.kwargs)):
+                return call
+    return mode.calls[0] if mode.calls else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="nanbisect.compiler.child")
+    ap.add_argument("bundle")
+    ap.add_argument("out")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--entry", default=None)
+    ap.add_argument("--cache-dir", default=None)     # the asking process's inductor cache
+    ap.add_argument("--eager", default="finite")      # what the parent's replays gave
+    ap.add_argument("--compiled", default="nan")
+    ap.add_argument("--phase", default=None)
+    a = ap.parse_args(argv)
+    if a.cache_dir:       # its kernels compiled already, not this process's TMPDIR's (empty)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.cache_dir
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
+        import torch._inductor.config as inductor_config
+
+        # small graphs, compiled one after another: a pool of compile workers costs more than
+        # it saves
+        inductor_config.compile_threads = 1
+    device, dtype = parse_device(a.device)
+    print("bisect: building the task", flush=True)
+    rep = Replayer(read_bundle(a.bundle), device, dtype, entry=a.entry)
+    base = dict(eager=a.eager, compiled=a.compiled, phase=a.phase,
+                backend=(rep.compiled_spec or {}).get("backend") or "inductor")
+    result, seconds = bisect(rep, a.phase)
+    if result is None:
+        finding = CompilerFinding(**base, seconds=seconds, finished=True, detail=(
+            "every backend the bisector tries computed a finite step: the failure does not "
+            "come back compiled on every run (a race, a non-deterministic kernel)"))
+    else:
+        config = None
+        from torch._inductor.compiler_bisector import BACKENDS, ConfigChange
+
+        sub = next((s for s in BACKENDS.get(result.backend, [])
+                    if s.name == result.subsystem), None)
+        if isinstance(sub, ConfigChange):
+            config = f"{sub.config_name}.{sub.config_field}={sub.config_value}"
+        op = op_of(result.debug_info)
+        call = None
+        if op is not None:
+            print(f"bisect: attributing {op} to a module call", flush=True)
+            call = attribute(rep, op, result.backend)
+        finding = CompilerFinding(
+            **{**base, "backend": result.backend}, subsystem=result.subsystem,
+            bisect_number=result.bisect_number if not config else None,
+            config_change=config,
+            detail=(result.debug_info if not config
+                    else f"setting {config} makes the compiled step finite"),
+            op=op, module=call.module if call else None,
+            module_call=call.call if call else None, seconds=seconds, finished=True)
+    tmp = Path(a.out + ".part")
+    tmp.write_text(json.dumps(finding.__dict__))
+    os.replace(tmp, a.out)
+    print("bisect: done", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

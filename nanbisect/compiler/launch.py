@@ -1,0 +1,155 @@
+"""Start the compiler bisection in a process of its own, show its progress, bound its time.
+
+`bisect_compiled` forks `nanbisect.compiler.child` from the fork server (`nanbisect.util.forks`:
+torch already imported), reads the lines it prints as progress, and kills its process group at
+``NANBISECT_COMPILER_TIMEOUT`` seconds (default `DEFAULT_TIMEOUT`). The bisector's on-disk state
+lives in that child's own temporary directory (``TMPDIR`` of its own, removed here), so a later
+``torch.compile`` of this process or any other never sees it.
+
+Not guaranteed: a bound finer than the compile in flight when the time runs out (the child is
+killed, its result is then "not finished" with what it printed last).
+"""
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from nanbisect.records import CompilerFinding, ReproResult
+from nanbisect.util.env import env_number
+from nanbisect.util.forks import ForkServer
+
+TIMEOUT_ENV = "NANBISECT_COMPILER_TIMEOUT"
+DEFAULT_TIMEOUT = 600.0
+
+
+def bisect_timeout() -> float:
+    """Seconds the bisection may take (``NANBISECT_COMPILER_TIMEOUT``)."""
+    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT, what="a number of seconds > 0",
+                      fix=f"set it to the seconds the compiler bisection may take, e.g. "
+                          f"{int(DEFAULT_TIMEOUT)}")
+
+
+def _start(target: list[str], env: dict[str, str], **kw):
+    """Fork ``target`` from the fork server this process came from when there is one (a
+    triage replay, a test's CLI run: torch imported there), else from this process's own."""
+    # NB: torch's cache_dir() writes TORCHINDUCTOR_CACHE_DIR into this process's environment
+    # when it first compiles; the server did not have it at import: the child is told it in
+    # its arguments instead
+    bare = {k: v for k, v in env.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    for e in (env, bare):
+        server = ForkServer.inherited(e)
+        if server is None:
+            continue
+        try:
+            return server.start(target, env=e, **kw)
+        except OSError:
+            pass
+        finally:
+            server.close()
+    return ForkServer.get().start(target, env=env, **kw)
+
+
+def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str, compiled: str,
+                    phase: str | None, backend: str,
+                    progress: Callable[[str, str], None] = lambda key, text: None,
+                    timeout: float | None = None) -> CompilerFinding:
+    """Run torch's compiler bisection of ``bundle``'s step in a child; its finding (one that
+    says why when the child failed or ran out of time)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    limit = bisect_timeout() if timeout is None else timeout
+    scratch = Path(tempfile.mkdtemp(prefix="nanbisect-compiler-"))
+    out = scratch / "finding.json"
+    argv = ["-m", "nanbisect.compiler.child", str(Path(bundle).resolve()), str(out),
+            "--device", target, "--cache-dir", cache_dir(), "--eager", eager,
+            "--compiled", compiled,
+            *(["--phase", phase] if phase else []), *(["--entry", entry] if entry else [])]
+    env = {**os.environ, "TMPDIR": str(scratch)}
+    base = dict(eager=eager, compiled=compiled, phase=phase, backend=backend)
+    t0 = time.perf_counter()
+    last = ""
+    read, write = os.pipe()
+    err = os.open(scratch / "stderr.txt", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        try:
+            child = _start(argv, env, cwd=os.getcwd(), stderr=err, stdout=write)
+        finally:
+            os.close(write)
+            os.close(err)
+        buf = b""
+        deadline = time.monotonic() + limit
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                child.kill_group()
+                child.wait()
+                return CompilerFinding(**base, seconds=time.perf_counter() - t0, detail=(
+                    f"the bisection ran out of its {limit:g} s ({TIMEOUT_ENV}); its last "
+                    f"step: {last or 'none'}"))
+            ready, _, _ = select.select([read], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(read, 65536)
+            if not chunk:
+                break
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                text = line.decode(errors="replace").strip()
+                if text:
+                    last = text
+                    progress("compiler-bisect", f"compiler bisection: {text}")
+        try:
+            code = child.wait(max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill_group()
+            code = child.wait()
+        if code == 0 and out.is_file():
+            return CompilerFinding.from_json(json.loads(out.read_text()))
+        tail = (scratch / "stderr.txt").read_text(errors="replace").strip().splitlines()[-1:]
+        return CompilerFinding(**base, seconds=time.perf_counter() - t0, detail=(
+            f"the bisection failed (exit {code}): {tail[0] if tail else last or 'no output'}"))
+    except OSError as e:
+        return CompilerFinding(**base, detail=f"the bisection could not start: {e}")
+    finally:
+        os.close(read)
+        shutil.rmtree(scratch, ignore_errors=True)
+        sys.stdout.flush()
+
+
+def run_repro_forked(script: Path, device: str, timeout: float = 300.0) -> ReproResult:
+    """Run a repro script once, forked from the fork server (torch imported already: a fresh
+    interpreter's import is most of a small repro's time); what it said. Reproduced: exit 1 and
+    its own "REPRODUCED:" line."""
+    scratch = Path(tempfile.mkdtemp(prefix="nanbisect-repro-"))
+    try:
+        out = os.open(scratch / "out", os.O_WRONLY | os.O_CREAT, 0o600)
+        err = os.open(scratch / "err", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            child = _start([str(script.resolve()), "--device", device], dict(os.environ),
+                           cwd=str(script.parent.parent), stderr=err, stdout=out)
+        finally:
+            os.close(out)
+            os.close(err)
+        try:
+            code = child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            child.kill_group()
+            child.wait()
+            return ReproResult(False, None, f"timed out after {timeout:g}s")
+        stdout = (scratch / "out").read_text(errors="replace")
+        tail = (stdout + (scratch / "err").read_text(errors="replace")).strip().splitlines()
+        said = any(line.startswith("REPRODUCED:") for line in stdout.splitlines())
+        return ReproResult(code == 1 and said, code, "\n".join(tail[-6:]))
+    except OSError as e:
+        return ReproResult(False, None, f"could not start: {e}", ran=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -1,0 +1,111 @@
+"""A compiled capture (manifest ``task.compiled``): the step replayed compiled, and the verdict
+when the failure comes back compiled and not eagerly (classification ``compiler``).
+
+The compiled replay runs once per run of such a bundle, from the same state, batch and RNG as
+the eager one; its loss is the one compared with the captured loss (the capture ran compiled).
+Eager and compiled failing alike is an ordinary culprit (found eagerly); eager failing and
+compiled not is said in a note (the eager culprit stands); compiled failing alone is
+`compiler_report`: torch's compiler bisection in a child (`nanbisect.compiler`), the op it names
+attributed to a module call, and a repro that compiles that call.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from nanbisect.compiler import bisect_compiled, repro_compile_args, run_repro_forked
+from nanbisect.locate.catch import catch_module_call
+from nanbisect.pipeline.common import _guarded, _Run
+from nanbisect.records import CallId, CompilerFinding, Culprit, ModuleRepro, StepOutcome
+from nanbisect.replay.replayer import Replayer
+from nanbisect.report.model import Report
+from nanbisect.report.repro import write_module_repro
+
+
+def kind_of(outcome: StepOutcome) -> str:
+    """"finite", "nan" or "inf": what a replay of the step gave."""
+    if outcome.phase is None:
+        return "finite"
+    return "nan" if any(b.nan for b in outcome.bad) else "inf"
+
+
+def backend_of(rep: Replayer) -> str:
+    return (rep.compiled_spec or {}).get("backend") or "inductor"
+
+
+def replay_compiled(rep: Replayer, wrap, notes: list[str]) -> StepOutcome | None:
+    """The step once compiled as captured, then eager again for the passes that follow; None
+    (and a note) when it cannot be compiled here (the eager step ran, so the compiler failed:
+    no C++ compiler for inductor, a backend this torch lacks)."""
+    try:
+        rep.compile()
+        return rep.run(wrap=wrap)
+    except Exception as e:  # noqa: BLE001 - the compiler's failure is a finding, not a crash
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        notes.append(f"the step could not be replayed compiled ({backend_of(rep)}): "
+                     f"{type(e).__name__}: {first}; the verdict is the eager replay's (the "
+                     "CPU inductor backend needs a C++ compiler: scripts/setup.sh installs g++)")
+        return None
+    finally:
+        rep.eager()
+
+
+def opposite_note(backend: str) -> str:
+    return (f"the step compiled ({backend}) from the same state, batch and RNG stays finite: "
+            "eager makes this failure and the compiled model does not (a kernel or rounding "
+            "the compiler replaces); the eager culprit below stands")
+
+
+def compiler_report(run: _Run, compiled: StepOutcome, tmp: Path) -> Report:
+    """The report of a failure that comes back compiled and not eagerly."""
+    rep = run.rep
+    backend = backend_of(rep)
+    kind = kind_of(compiled)
+    run.progress("compiler-bisect", "bisecting the compiled step with torch's CompilerBisector")
+    f = bisect_compiled(rep.bundle.path, run.opts.entry, run.facts.target, eager="finite",
+                        compiled=kind, phase=compiled.phase, backend=backend,
+                        progress=run.progress)
+    notes = [f"the failure comes back with the model compiled ({backend}) and not eagerly, "
+             "from the same state, batch and RNG: the compiler's transformation made it, "
+             "not the hardware", *_finding_notes(f), *run.notes]
+    culprit = Culprit(compiled.phase or "forward", f.module or "", f.module_call, [], [], None,
+                      op=f.op, micro_batch=compiled.micro_batch)
+    module_repro = None
+    if f.module is not None:
+        run.progress("module-repro", "writing the repro: the culprit's module call compiled")
+        mc = _guarded(lambda: catch_module_call(rep, CallId(f.module, f.module_call), run.wrap),
+                      "catching the culprit's module call")
+        if mc is not None:
+            tensors = [t for t in mc.args if hasattr(t, "dtype")]
+            culprit = Culprit(culprit.phase, culprit.module, culprit.module_call,
+                              [str(t.dtype).removeprefix("torch.") for t in tensors],
+                              [list(t.shape) for t in tensors], None, op=f.op,
+                              micro_batch=culprit.micro_batch)
+            script = write_module_repro(
+                tmp / "repro", mc, culprit=Culprit(**{**culprit.__dict__, "phase": "forward"}),
+                kind=kind, target=run.facts.target, entry=rep.entry,
+                compile=repro_compile_args(rep.compiled_spec, f.backend))
+            result = None
+            if run.opts.run_repro:
+                run.progress("repro", "running the repro once")
+                result = run_repro_forked(script, run.facts.target)
+            module_repro = ModuleRepro("repro/module_repro.py", result)
+    return Report("culprit", "compiler", compiled.phase, kind, culprit, run.facts,
+                  notes=notes, repro=module_repro.script if module_repro else None,
+                  repro_result=module_repro.result if module_repro else None,
+                  module_repro=module_repro, compiler=f)
+
+
+def _finding_notes(f: CompilerFinding) -> list[str]:
+    """What the bisection said, in words."""
+    if not f.finished:
+        return [f"torch's compiler bisection did not name the part: {f.detail}"]
+    if f.subsystem is None:
+        return [f"torch's compiler bisection: the first backend that fails is {f.backend}"
+                + ("" if f.detail is None else f" ({f.detail})")]
+    what = (f"the config change {f.config_change} fixes it" if f.config_change else
+            f"subsystem {f.subsystem}, application {f.bisect_number}: {f.detail}")
+    where = (f"; {f.op} runs in module '{f.module}' (call {f.module_call}), whose call fails "
+             "compiled alone" if f.module is not None else
+             f"; {f.op} could not be placed in a module call" if f.op else "")
+    took = f" ({f.seconds:.0f} s)" if f.seconds is not None else ""
+    return [f"torch's compiler bisection{took}: backend {f.backend}, {what}{where}"]
