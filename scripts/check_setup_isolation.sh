@@ -16,7 +16,8 @@ unset PYTHON VIRTUAL_ENV PYTHONPATH
 base=$(command -v python3)
 site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 python3 -m pip freeze --all > "$work/freeze-before.txt" 2>/dev/null
-ls -la --time-style=+%s "$site" > "$work/site-before.txt"
+ls -la --time-style=+%s "$site" | grep -v -E " (\.|\.\.|__pycache__)$" \
+  > "$work/site-before.txt"
 echo "python3: $base ($(python3 -c 'import sys; print(sys.executable, sys.version.split()[0])'))"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 timed() {  # label, command...: runs it in the clone, prints its wall time and exit code
@@ -33,11 +34,12 @@ timed setup-test-fresh-venv bash scripts/setup.sh test
 timed setup-test-existing-venv bash scripts/setup.sh test
 timed demo bash scripts/demo.sh
 python3 -m pip freeze --all > "$work/freeze-after.txt" 2>/dev/null
-ls -la --time-style=+%s "$site" > "$work/site-after.txt"
+ls -la --time-style=+%s "$site" | grep -v -E " (\.|\.\.|__pycache__)$" \
+  > "$work/site-after.txt"
 echo "setup's own lines (fresh .venv):"
 grep -E "^setup:" "$work/setup-test-fresh-venv.log" | sed 's/^/  /'
 echo "the clone's .venv imports nanbisect from:" \
-  "$("$clone/.venv/bin/python" -c 'import nanbisect; print(nanbisect.__file__)')"
+  "$(cd / && "$clone/.venv/bin/python" -c 'import nanbisect; print(nanbisect.__file__)')"
 echo ".venv: $(du -sh "$clone/.venv" | cut -f1)"
 fail=0
 if diff "$work/freeze-before.txt" "$work/freeze-after.txt"; then
