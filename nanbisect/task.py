@@ -21,6 +21,7 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from nanbisect.errors import BadInput
+from nanbisect.util.spec import split_entry
 
 
 @dataclass
@@ -79,14 +80,6 @@ class Task:
         return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm,
                 "grad_scaler": self.grad_scaler is not None and self.grad_scaler.is_enabled(),
                 "loss_normalized": self.loss_normalized, "autocast": self.autocast}
-
-
-def split_entry(entry: str) -> tuple[str, str]:
-    target, sep, func = entry.rpartition(":")
-    if not sep or not target or not func.isidentifier():
-        raise BadInput(f"entry '{entry}' is not of the form 'pkg.module:function' or "
-                       "'path/to/file.py:function'; pass --entry with that form")
-    return target, func
 
 
 def _user_frame(exc: BaseException) -> str:
