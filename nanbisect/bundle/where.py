@@ -38,7 +38,7 @@ def check_bundle_dir(path: str | Path, manifest: bool = True) -> Path:
     >>> check_bundle_dir("nope/step000001")
     Traceback (most recent call last):
     ...
-    nanbisect.errors.BadInput: bundle 'nope/step000001' does not exist; pass the directory written by nanbisect.capture or Guard (it holds manifest.json)
+    nanbisect.errors.BadInput: bundle 'nope/step000001' does not exist; pass the directory ...
     """
     p = Path(path)
     if not p.exists():
