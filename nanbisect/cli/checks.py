@@ -4,7 +4,7 @@ anything heavy is imported (torch takes a second or more; a wrong path must not 
 Guarantees: imports only the standard library and nanbisect modules that do the same (no torch,
 numpy, safetensors, jinja2, joblib, rich); every refusal is the `BadInput` the library itself
 would raise later for the same value (the same function where one exists: `bundle.where`,
-`util.spec`), so a message does not depend on which stage caught it.
+`util.spec`, `report.out`), so a message does not depend on which stage caught it.
 Not checked here: what needs the bundle's contents or torch (the entry resolving, a device this
 machine lacks, `--ranks` against the bundle's world size, `--steps` against its lookback): the
 library checks those, still before it writes anything.
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.errors import BadInput
+from nanbisect.report.out import check_out
 from nanbisect.util.spec import check_device, check_ranks, split_entry
 
 BACKENDS = ("loky", "dask", "ray")      # = nanbisect.triage.backends.BACKENDS
@@ -55,9 +56,8 @@ def run(a: argparse.Namespace) -> None:
         check_ranks(a.ranks)
     if a.steps is not None and a.steps < 1:
         raise BadInput(f"--steps {a.steps}: give a number of steps of 1 or more")
-    if a.out is not None:
-        if a.out.exists() and not a.out.is_dir():
-            raise BadInput(f"--out '{a.out}' is a file; pass a directory path for the report")
+    if a.out is not None:       # the default, BUNDLE/nanbisect-report, is checked by `run`
+        check_out(a.out, path)
 
 
 def inspect(a: argparse.Namespace) -> None:
