@@ -1,8 +1,8 @@
 # Sourced by scripts/setup.sh, demo.sh and test.sh: the Python everything runs with, as $PY, and
 # why, as $PY_WHY. The scripts never install into a Python you did not choose for it:
 #   $PYTHON when set (you chose it: the scripts install into it);
-#   else the active virtual environment ($VIRTUAL_ENV: you activated it; the scripts install
-#   into it, and say so);
+#   else the active virtual environment ($VIRTUAL_ENV, or the one whose python3 is first on
+#   PATH: you chose it; the scripts install into it, and say so);
 #   else the clone's own virtual environment .venv, made on first use with
 #   `python3 -m venv --system-site-packages .venv` and reused after. It sees what python3 already
 #   has (a torch of several GB, a CUDA build: reused, not copied) while everything pip installs
@@ -16,6 +16,11 @@ if [ -n "${PYTHON:-}" ]; then
 elif [ -n "${VIRTUAL_ENV:-}" ] && [ -x "$VIRTUAL_ENV/bin/python" ]; then
   PY=$VIRTUAL_ENV/bin/python
   PY_WHY="the active virtual environment $VIRTUAL_ENV"
+elif [ ! -e "$_root/.venv" ] && _venv=$(python3 -c 'import sys
+if sys.prefix == sys.base_prefix: sys.exit(1)
+print(sys.prefix)' 2>/dev/null); then     # python3 on PATH is a virtual environment's (CI images)
+  PY=$_venv/bin/python
+  PY_WHY="the virtual environment $_venv, whose python3 is first on PATH"
 else
   PY=$_root/.venv/bin/python
   PY_WHY="the clone's virtual environment $_root/.venv"
