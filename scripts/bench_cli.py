@@ -71,7 +71,8 @@ def imports_torch(cmd: list[str], env: dict | None = None) -> bool:
     """Does the command import torch? (``-X importtime`` lists every module imported.)"""
     p = subprocess.run([cmd[0], "-X", "importtime", *cmd[1:]], capture_output=True, text=True,
                        env=env, cwd=CWD)
-    return any(line.rstrip().endswith("| torch") for line in p.stderr.splitlines())
+    return any(line.rsplit("|", 1)[-1].strip() == "torch" for line in p.stderr.splitlines()
+               if line.startswith("import time:"))
 
 
 def main() -> None:

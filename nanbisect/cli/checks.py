@@ -16,7 +16,6 @@ from pathlib import Path
 
 from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.errors import BadInput
-from nanbisect.report.out import check_out
 from nanbisect.util.spec import check_device, check_ranks, split_entry
 
 BACKENDS = ("loky", "dask", "ray")      # = nanbisect.triage.backends.BACKENDS
@@ -57,6 +56,8 @@ def run(a: argparse.Namespace) -> None:
     if a.steps is not None and a.steps < 1:
         raise BadInput(f"--steps {a.steps}: give a number of steps of 1 or more")
     if a.out is not None:       # the default, BUNDLE/nanbisect-report, is checked by `run`
+        from nanbisect.report.out import check_out    # (hashlib, json: only when needed)
+
         check_out(a.out, path)
 
 
