@@ -116,8 +116,8 @@ def _from_working_directory(target: str) -> None:
     """Let the dotted ``target`` (``pkg.module``) be found in the working directory, as
     ``python -m`` and ``python script.py`` users expect: when its top-level package or module
     is there, the working directory goes first on sys.path (as a file entry's directory does).
-    ``python -m nanbisect`` took it off before importing its own dependencies (a ``typer.py``
-    in a bundle directory must not replace typer), so here it is put back explicitly, for the
+    ``python -m nanbisect`` took it off before importing its own dependencies (a ``json.py``
+    in a bundle directory must not replace json), so here it is put back explicitly, for the
     entry only, the same for ``python -m nanbisect`` and for the ``nanbisect`` command."""
     top = target.split(".")[0]
     if top in sys.modules or not top.isidentifier():
