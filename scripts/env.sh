@@ -51,5 +51,9 @@ case $PY in
   */*) ;;
   *) PY=$(command -v "$PY" || echo "$PY") ;;   # PYTHON=python3.12: its path, for PATH below
 esac
+if ! "$PY" -c pass >/dev/null 2>&1; then
+  echo "setup: $PY ($PY_WHY) does not run; pass PYTHON=/path/to/a/python (3.10 or newer)" >&2
+  exit 1
+fi
 PATH=$(dirname "$PY"):$PATH
 export PY PY_WHY PATH
