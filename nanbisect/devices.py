@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from nanbisect.errors import BadInput
+from nanbisect.util.spec import check_device
 
 
 class DeviceType:
@@ -332,6 +333,7 @@ def parse(spec: str, flag: str = "--target/--reference"
     >>> parse("cpu:float64")
     (device(type='cpu'), torch.float64)
     """
+    check_device(spec)      # its form, without torch (what the command line checks first)
     dev, _, dtype_name = spec.partition(":")
     dtype = None
     if dtype_name and not dtype_name.isdigit():

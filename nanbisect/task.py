@@ -29,6 +29,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanbisect.errors import BadInput
 from nanbisect.util.compiled import compile_args, compile_model, is_compiled
+from nanbisect.util.spec import split_entry
 
 
 @dataclass
@@ -118,14 +119,6 @@ class Task:
         """The module the step hands ``loss_fn``: the compiled one while `runner` is set (the
         Guard, a compiled replay), else the eager `model`."""
         return self.runner if self.runner is not None else self.model
-
-
-def split_entry(entry: str) -> tuple[str, str]:
-    target, sep, func = entry.rpartition(":")
-    if not sep or not target or not func.isidentifier():
-        raise BadInput(f"entry '{entry}' is not of the form 'pkg.module:function' or "
-                       "'path/to/file.py:function'; pass --entry with that form")
-    return target, func
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -272,8 +265,8 @@ def _from_working_directory(target: str) -> None:
     """Let the dotted ``target`` (``pkg.module``) be found in the working directory, as
     ``python -m`` and ``python script.py`` users expect: when its top-level package or module
     is there, the working directory goes first on sys.path (as a file entry's directory does).
-    ``python -m nanbisect`` took it off before importing its own dependencies (a ``typer.py``
-    in a bundle directory must not replace typer), so here it is put back explicitly, for the
+    ``python -m nanbisect`` took it off before importing its own dependencies (a ``json.py``
+    in a bundle directory must not replace json), so here it is put back explicitly, for the
     entry only, the same for ``python -m nanbisect`` and for the ``nanbisect`` command."""
     top = target.split(".")[0]
     if top in sys.modules or not top.isidentifier():

@@ -5,7 +5,7 @@
 # surprise. Usage: bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/env.sh     # the Python the README's set-up installed into ($PY)
 out=${1:-$(mktemp -d)}
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || {
   echo "gpu_check: no CUDA device here" >&2; exit 2; }

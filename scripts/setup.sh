@@ -1,22 +1,35 @@
 #!/usr/bin/env bash
 # Install nanbisect (editable) and what it needs; `setup.sh test` adds the test suite's extras.
-# Idempotent. The Python is scripts/env.sh's choice: python3, or the clone's own .venv when the
-# system Python refuses pip installs (PEP 668). torch is installed only when none is present,
-# pinned to 2.13.0: on this machine type that is the CPU wheel lying on disk, while a bare
-# `pip install torch` would download a multi-GB CUDA build.
+# Idempotent. Installs only into the Python scripts/env.sh chose: $PYTHON, the active virtual
+# environment, or the clone's own .venv (which sees python3's packages, torch included, but
+# changes none of them). Says which, and names every package it installs. torch is installed
+# only when none is importable, pinned to 2.13.0: a bare `pip install torch` would download a
+# multi-GB CUDA build (where pip's configuration has a local CPU wheel, that one is taken).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/env.sh
 what=.
 [ "${1:-}" = test ] && what=".[test]"
-echo "setup: using $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))" >&2
+echo "setup: installing into $PY ($PY_WHY; Python" \
+     "$("$PY" -c 'import sys; print(sys.version.split()[0])'))" >&2
+pip_install() {  # pip install ARGS..., its progress shown, then one line naming what it added
+  local log
+  log=$(mktemp)
+  local code=0 added
+  "$PY" -m pip install --disable-pip-version-check --progress-bar on "$@" 2>&1 | tee "$log" \
+    | { grep -v -E "^(Requirement already satisfied|Obtaining|  Checking|  Preparing|Looking in)" \
+        || true; } >&2 || code=$?
+  added=$(sed -n 's/^Successfully installed //p' "$log")
+  rm -f "$log"
+  [ "$code" = 0 ] || return "$code"
+  echo "setup: installed ${added:-nothing new (all present)}" >&2
+}
 if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  echo "setup: no torch found: installing torch==2.13.0 (a large wheel: a minute or two)" >&2
-  "$PY" -m pip install --disable-pip-version-check --progress-bar on "torch==2.13.0"
+  echo "setup: no torch importable: installing torch==2.13.0 (a large wheel: a minute or two)" >&2
+  pip_install "torch==2.13.0"
 fi
-echo "setup: installing nanbisect -e '$what' and its dependencies" >&2
-"$PY" -m pip install --disable-pip-version-check --progress-bar on -e "$what" \
-  | { grep -v -E "^(Requirement already satisfied|Obtaining|  Checking|  Preparing|Looking in)" || true; }
+echo "setup: installing nanbisect -e '$what' and its missing dependencies" >&2
+pip_install -e "$what"
 # A C++ compiler: torch.compile's CPU backend (inductor) builds C++ kernels, and nanbisect
 # replays a compiled capture compiled (README "NaN only when compiled"). Best effort: with apt
 # and root, install g++ when no C++ compiler is present; otherwise say what is missing.
@@ -32,9 +45,9 @@ if ! command -v "${CXX:-g++}" >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&
          "replays on the CPU need it (tests that compile skip)" >&2
   fi
 fi
-if [ "$PY" != "${PYTHON:-}" ] && [ "$(dirname "$PY")" = "$PWD/.venv/bin" ]; then
-  echo "setup: done; nanbisect is installed in $PWD/.venv: run 'source .venv/bin/activate' to" \
-       "use it (or call .venv/bin/nanbisect)" >&2
+if [ "$PY" = "$PWD/.venv/bin/python" ]; then
+  echo "setup: done; nanbisect is in $PWD/.venv: 'source .venv/bin/activate' puts it on your" \
+       "PATH (or call .venv/bin/nanbisect)" >&2
 else
   echo "setup: done ($PY)" >&2
 fi

@@ -114,15 +114,20 @@ _ZYGOTE = _Zygote()
 
 
 def invoke(*args: str) -> CliResult:
-    """The CLI in this process (typer's CliRunner): for errors where a subprocess adds nothing."""
-    from typer.testing import CliRunner
+    """The CLI in this process (`nanbisect.cli.main` with stdout and stderr captured): for
+    errors where a subprocess adds nothing."""
+    import contextlib
+    import io
 
-    from nanbisect.cli import app
+    from nanbisect.cli import main
 
-    r = CliRunner().invoke(app, [str(a) for a in args], prog_name="nanbisect")
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise r.exception
-    return CliResult(r.exit_code, r.stdout, r.stderr)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main([str(a) for a in args])
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return CliResult(code, out.getvalue(), err.getvalue())
 
 
 def run_json(bundle, *flags, env: dict | None = None, code: int = 1) -> dict:

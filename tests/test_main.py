@@ -16,7 +16,7 @@ from pathlib import Path
 from conftest import FIXTURES, ROOT, TASKS
 
 # modules the CLI imports (or Python might, lazily) that a hostile bundle could ship
-SHADOWED = ("typer", "click", "rich", "json", "typing", "torch", "numpy", "safetensors",
+SHADOWED = ("argparse", "typer", "click", "rich", "json", "typing", "torch", "numpy", "safetensors",
             "jinja2", "nanbisect_marker")
 
 

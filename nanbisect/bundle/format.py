@@ -39,6 +39,7 @@ from nanbisect.bundle.bounded import (DTYPE_BITS, MAX_HEADER_BYTES, MAX_JSON_DEP
                                      MAX_WORLD_SIZE, _FIX, _kind, _limit, _load, _regular, _uint,
                                      parse_json, read_header)
 from nanbisect.bundle.check import check_state
+from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.bundle.schema import (MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
                                     SUFFIX, _REQUIRED, _REQUIRED_MULTI, _check_fields,
                                     _check_replicas, _int, _safe_name, _strs, check_partial,
@@ -144,35 +145,9 @@ class Bundle:
         return replace(b, borrowed=borrowed)
 
 
-def _bundles_inside(p: Path, limit: int = 10_000) -> list[str]:
-    """Names of the directories directly in ``p`` that hold a manifest.json, sorted (a Guard's
-    ``out`` folder); at most ``limit`` entries are looked at."""
-    names = []
-    try:
-        with os.scandir(p) as it:
-            for i, e in enumerate(it):
-                if i >= limit:
-                    break
-                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False) and \
-                        os.path.isfile(os.path.join(e.path, MANIFEST)):
-                    names.append(e.name)
-    except OSError:
-        return []
-    return sorted(names)
-
-
 def _read_manifest(p: Path) -> dict:
+    check_bundle_dir(p)     # exists, a directory, holds manifest.json (else: a folder of bundles?)
     mpath = p / MANIFEST
-    if not os.path.lexists(mpath):
-        inside = _bundles_inside(p)
-        if inside:
-            shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more"
-                                             if len(inside) > 5 else "")
-            raise BadInput(f"'{p}' is a folder of {len(inside)} bundle(s) ({shown}), not one "
-                           f"bundle; pass one of them (e.g. '{p / inside[-1]}'), or replay them "
-                           f"all with: nanbisect triage '{p}'")
-        raise BadInput(f"bundle '{p}' has no manifest.json; it is not a nanbisect bundle or its "
-                       "capture did not finish; re-capture it")
     st = _regular(mpath, f"bundle '{p}': manifest.json")
     limit = _limit("NANBISECT_MAX_MANIFEST_BYTES", MAX_MANIFEST_BYTES)
     if st.st_size > limit:
@@ -217,12 +192,6 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
     'fixtures/tasks/healthy.py:task'
     """
     p = Path(path)
-    if not p.exists():
-        raise BadInput(f"bundle '{p}' does not exist; pass the directory written by "
-                       "nanbisect.capture or Guard (it holds manifest.json)")
-    if not p.is_dir():
-        raise BadInput(f"bundle '{p}' is a file, not a directory; pass the bundle directory "
-                       "that holds manifest.json")
     manifest = _read_manifest(p)
     cache: dict = {}
     if manifest.get("kind") == "multi-rank":

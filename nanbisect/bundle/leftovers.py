@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from nanbisect.bundle.schema import MANIFEST
+from nanbisect.bundle.where import MANIFEST
 from nanbisect.util.staging import is_marked, staging_kind
 
 MIN_AGE = 600.0     # seconds without a write before `remove` takes a leftover

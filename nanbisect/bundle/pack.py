@@ -44,11 +44,9 @@ import tarfile
 import zlib
 from pathlib import Path, PurePosixPath
 
-import torch
-
-from nanbisect import __version__, devices
+from nanbisect import __version__
 from nanbisect.bundle.atomic import rename_noreplace
-from nanbisect.bundle.format import MANIFEST
+from nanbisect.bundle.where import MANIFEST
 from nanbisect.errors import BadInput
 from nanbisect.util.env import env_number
 from nanbisect.util.files import remove_made
@@ -66,6 +64,9 @@ ENV_PATTERN = re.compile(r"^(TORCH|CUDA|NCCL|HCCL|ASCEND|OMP|MKL|ATEN|CUBLAS|CUD
 
 def environment_summary() -> dict:
     """What a maintainer asks first: versions, devices, drivers, relevant variables."""
+    import torch    # NB: here, not above: pack's and unpack's checks answer without torch
+
+    from nanbisect import devices
     env = {"python": platform.python_version(), "platform": platform.platform(),
            "torch": torch.__version__, "nanbisect": __version__,
            "cuda_available": torch.cuda.is_available(), "torch_cuda": torch.version.cuda,

@@ -11,6 +11,7 @@ from pathlib import Path, PurePosixPath
 
 import torch
 
+from nanbisect.bundle.where import MANIFEST  # noqa: F401 - re-exported
 from nanbisect.bundle.bounded import MAX_WORLD_SIZE, _kind, _too_deep, _uint
 from nanbisect.errors import BadInput
 from nanbisect.task import split_entry
@@ -18,7 +19,6 @@ from nanbisect.util.text import show
 
 SCHEMA = "nanbisect.bundle/1"
 SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
 # Tensor files by role; a role with no tensors gets no file.
 ROLES = ("model", "optimizer", "batch", "rng")
 # Roles every rank of a multi-rank bundle writes itself, never taken from another rank's part

@@ -1,0 +1,106 @@
+"""The command line's first stage: the arguments and paths a command was given, checked before
+anything heavy is imported (torch takes a second or more; a wrong path must not wait for it).
+
+Guarantees: imports only the standard library and nanbisect modules that do the same (no torch,
+numpy, safetensors, jinja2, joblib, rich); every refusal is the `BadInput` the library itself
+would raise later for the same value (the same function where one exists: `bundle.where`,
+`util.spec`, `report.out`), so a message does not depend on which stage caught it.
+Not checked here: what needs the bundle's contents or torch (the entry resolving, a device this
+machine lacks, `--ranks` against the bundle's world size, `--steps` against its lookback): the
+library checks those, still before it writes anything.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from nanbisect.bundle.where import check_bundle_dir
+from nanbisect.errors import BadInput
+from nanbisect.util.spec import check_device, check_ranks, split_entry
+
+BACKENDS = ("loky", "dask", "ray")      # = nanbisect.triage.backends.BACKENDS
+
+
+def _device(spec: str | None, none_ok: bool = False) -> None:
+    if spec is not None and not (none_ok and spec == "none"):
+        check_device(spec)
+
+
+def _dirs(dirs: list[Path], what: str, fix: str) -> None:
+    for d in dirs:
+        if not d.exists():
+            raise BadInput(f"{what}: '{d}' does not exist; {fix}")
+        if not d.is_dir():
+            raise BadInput(f"{what}: '{d}' is a file, not a directory; {fix}")
+
+
+def run(a: argparse.Namespace) -> None:
+    if a.bundle is not None and a.ckpt is not None and a.bundle != a.ckpt:
+        raise BadInput(f"run: two bundles given ('{a.bundle}' and --ckpt '{a.ckpt}'); pass one")
+    path = a.bundle if a.bundle is not None else a.ckpt
+    if path is None:
+        raise BadInput("run: no bundle given; pass it as `nanbisect run BUNDLE` (or --ckpt "
+                       "BUNDLE)")
+    check_bundle_dir(path)
+    _device(a.target)
+    _device(a.reference, none_ok=True)
+    if a.entry is not None:
+        split_entry(a.entry)
+    if a.inject is not None:
+        target, sep, func = a.inject.rpartition(":")
+        if not sep or not target or not func.isidentifier():
+            raise BadInput(f"--inject '{a.inject}' is not of the form FILE.py:FUNC; name a "
+                           "function that returns a context manager")
+    if a.ranks is not None:
+        check_ranks(a.ranks)
+    if a.steps is not None and a.steps < 1:
+        raise BadInput(f"--steps {a.steps}: give a number of steps of 1 or more")
+    if a.out is not None:       # the default, BUNDLE/nanbisect-report, is checked by `run`
+        from nanbisect.report.out import check_out    # (hashlib, json: only when needed)
+
+        check_out(a.out, path)
+
+
+def inspect(a: argparse.Namespace) -> None:
+    check_bundle_dir(a.bundle, manifest=False)   # a folder of bundles is listed
+
+
+def triage(a: argparse.Namespace) -> None:
+    _dirs(a.dirs, "triage", "pass directories holding bundles")
+    if not a.timeout > 0:
+        raise BadInput(f"triage: --timeout {a.timeout:g} must be more than 0 seconds")
+    if a.out.exists() and not a.out.is_dir():
+        raise BadInput(f"triage: --out '{a.out}' is a file; pass a directory for triage.json, "
+                       "triage.md and the cache")
+    if a.known is not None and not a.known.is_file():   # the words of triage.load_known's
+        why = "Is a directory" if a.known.is_dir() else "No such file or directory"
+        raise BadInput(f"--known '{a.known}': {why}; pass a triage.json or a text file")
+    if a.backend not in BACKENDS:
+        raise BadInput(f"triage: unknown --backend {a.backend!r}; pass one of "
+                       f"{', '.join(BACKENDS)}")
+    if a.scheduler and a.backend != "dask":
+        raise BadInput("triage: --scheduler is the Dask scheduler's address; pass it with "
+                       "--backend dask")
+    if a.address and a.backend != "ray":
+        raise BadInput("triage: --address is the Ray cluster's address; pass it with "
+                       "--backend ray")
+    _device(a.target)
+
+
+def clean(a: argparse.Namespace) -> None:
+    for d in a.dirs:
+        if not d.is_dir():
+            raise BadInput(f"clean: '{d}' is not a directory; pass directories that hold "
+                           "bundles")
+
+
+def selftest(a: argparse.Namespace) -> None:
+    _device(a.device)
+
+
+def pack(a: argparse.Namespace) -> None:
+    """pack and unpack check their own paths before importing torch (`nanbisect.bundle.pack`
+    imports it only to describe the environment)."""
+
+
+unpack = pack

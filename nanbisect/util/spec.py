@@ -1,0 +1,72 @@
+"""The forms of the strings a user passes: entries (``pkg.module:function``,
+``path/to/file.py:function``), device strings (``cuda:1``, ``cpu:float64``) and rank lists
+(``0,3``). Checked here without torch, so the command line answers a malformed one at once.
+
+Guarantees: each check accepts every string of its form that the full parse accepts (the device
+grammar is c10's own: a type of letters and ``_``, an optional index ``0`` or ``[1-9][0-9]*``,
+or instead an optional floating dtype name), and raises the `BadInput` the full parse would.
+Not checked here: whether the device type exists or this machine has it, whether the dtype
+exists in this torch, whether an entry resolves (`nanbisect.devices.parse`,
+`nanbisect.task.load_task` do that, after torch is imported).
+"""
+from __future__ import annotations
+
+import re
+
+from nanbisect.errors import BadInput
+
+# c10/core/Device.cpp parses "TYPE[:INDEX]" with this grammar; the type's name is checked there
+_DEVICE = re.compile(r"[a-zA-Z_]+(:(0|[1-9][0-9]*))?")
+# torch's floating dtypes by name: float, double, half, bfloat16, float16/32/64, float8_*, ...
+_FLOAT_DTYPE = re.compile(r"(b?float[0-9a-z_]*|double|half)")
+
+
+def split_entry(entry: str) -> tuple[str, str]:
+    """``"pkg.mod:fn"`` -> ``("pkg.mod", "fn")``; `BadInput` for any other form.
+
+    >>> split_entry("train.py:make_task")
+    ('train.py', 'make_task')
+    """
+    target, sep, func = entry.rpartition(":")
+    if not sep or not target or not func.isidentifier():
+        raise BadInput(f"entry '{entry}' is not of the form 'pkg.module:function' or "
+                       "'path/to/file.py:function'; pass --entry with that form")
+    return target, func
+
+
+def check_device(spec: str) -> tuple[str, str | None]:
+    """``"cuda:1"`` -> ``("cuda:1", None)``, ``"cpu:float64"`` -> ``("cpu", "float64")``: the
+    device part and the dtype name; `BadInput` (the message `nanbisect.devices.parse` gives)
+    when the string cannot be a device string.
+
+    >>> check_device("cpu:float64"), check_device("cuda:1")
+    (('cpu', 'float64'), ('cuda:1', None))
+    """
+    dev, _, dtype_name = spec.partition(":")
+    if dtype_name and not dtype_name.isdigit():
+        if not _FLOAT_DTYPE.fullmatch(dtype_name):
+            raise BadInput(f"device '{spec}': '{dtype_name}' is not a floating dtype; use e.g. "
+                           "cpu:float64")
+    else:
+        dev, dtype_name = spec, None
+    if not _DEVICE.fullmatch(dev):
+        raise BadInput(f"device '{spec}' is not a torch device string; use e.g. cpu, cuda, "
+                       "cuda:1")
+    return dev, dtype_name
+
+
+def check_ranks(spec: str) -> list[int]:
+    """``"3, 1"`` -> ``[1, 3]``; `BadInput` unless it is rank numbers separated by commas (which
+    ranks the bundle has is checked against its manifest later).
+
+    >>> check_ranks("3, 1")
+    [1, 3]
+    """
+    try:
+        ranks = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        ranks = []
+    if not ranks or min(ranks) < 0:
+        raise BadInput(f"--ranks {spec!r}: give rank numbers (0 or more) separated by commas, "
+                       "e.g. --ranks 1 or --ranks 0,3")
+    return ranks
