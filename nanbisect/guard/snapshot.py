@@ -15,7 +15,7 @@ import operator
 import torch
 
 from nanbisect import devices
-from nanbisect.guard.screen import _locals
+from nanbisect.guard.screen import _PLAIN, _locals
 
 
 def _live_scale(scaler) -> torch.Tensor | None:
@@ -26,6 +26,34 @@ def _live_scale(scaler) -> torch.Tensor | None:
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
 
 
+def model_tensors(model: torch.nn.Module) -> tuple[list, list]:
+    """(``list(model.parameters())``, ``list(model.buffers())``) from one walk of the module
+    tree: the same tensors in the same order (each once, where it is first met)."""
+    params: list = []
+    buffers: list = []
+    seen_p: set = set()
+    seen_b: set = set()
+    seen_m: set = set()
+    stack = [model]
+    while stack:      # depth first, children in order: the order of model.modules()
+        mod = stack.pop()
+        if mod in seen_m:
+            continue
+        seen_m.add(mod)
+        if mod._modules:
+            stack.extend(m for m in reversed(mod._modules.values()) if m is not None)
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in seen_p:   # NB: a tensor's hash is a Python call
+                seen_p.add(id(p))
+                params.append(p)
+        if mod._buffers:
+            for b in mod._buffers.values():
+                if b is not None and id(b) not in seen_b:
+                    seen_b.add(id(b))
+                    buffers.append(b)
+    return params, buffers
+
+
 class _Copies:
     """Copies of a list of live tensors, kept from one step to the next while they fit."""
 
@@ -34,21 +62,21 @@ class _Copies:
         self.copies: list[torch.Tensor] = []
         self._meta: list[tuple] = []
 
-    def bind(self, live: list[torch.Tensor], checked: int) -> None:
-        """Point at ``live``. The first ``checked`` tensors (parameters, buffers: their ``.data``
-        can be replaced in place) are checked by shape, dtype and device, the rest (optimizer
-        state, re-bound rather than changed) by identity; new copies only where one differs."""
+    def bind(self, live: list[torch.Tensor], checked: int) -> bool:
+        """Point at ``live``; True when that changed what is copied where. Every tensor is
+        checked by identity, the first ``checked`` (parameters, buffers: their ``.data`` can be
+        replaced in place) also by shape, dtype and device; new copies only where one differs."""
         meta = [(t.shape, t.dtype, t.device) for t in live[:checked]]
-        if len(live) == len(self.live) and meta == self._meta and \
-                all(map(operator.is_, live[checked:], self.live[checked:])):
-            self.live = live
-            return
+        if len(live) == len(self.live) and all(map(operator.is_, live, self.live)) and \
+                meta == self._meta:
+            return False
         old = self.copies
         self.copies = [old[i] if i < len(old) and old[i].shape == t.shape and
                        old[i].dtype == t.dtype and old[i].device == t.device
                        else torch.empty_like(t, requires_grad=False)
                        for i, t in enumerate(live)]
         self.live, self._meta = live, meta
+        return True
 
     @torch.no_grad()
     def copy(self, idx: list[int] | None = None) -> None:
@@ -94,6 +122,9 @@ class _Snapshot:
         self._stream = None        # the side stream, made on first use
         self._done = None          # its event: reached when the side copies are complete
         self._hooked: tuple | None = None   # (optimizer, hook handle) that waits for them
+        self._state: list[torch.Tensor] = []    # the tensors among ``_state_vals``, local
+        self._streams_of: tuple | None = None   # (device entry, device, has it streams)
+        self._plan: tuple[list, list] | None = None   # (copies, live): one foreach copy
 
     @property
     def _live(self) -> list[torch.Tensor]:
@@ -107,17 +138,20 @@ class _Snapshot:
             devices.entry(self._stream.device).wait_event(self._stream.device, done)
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-             scaler=None, params: list | None = None) -> None:
-        """Copy the pre-step state (``params``: the model's parameters, when the caller has
-        them)."""
+             scaler=None, params: list | None = None, buffers: list | None = None) -> None:
+        """Copy the pre-step state (``params``, ``buffers``: the model's, when the caller has
+        them: `model_tensors`). Without a side stream the copies are one foreach call over lists
+        kept from the last step while every live tensor is the same (`_Copies.bind`)."""
         self.wait()
-        ps = _locals(model.parameters() if params is None else params)
+        if params is None or buffers is None:
+            params, buffers = model_tensors(model)
+        ps = _locals(params)
         scale = _live_scale(scaler)
-        early = _locals(model.buffers())
+        early = _locals(buffers)
         n_buf = len(early)
         if scale is not None:
             early += [scale, scaler._growth_tracker]   # two 1-element tensors
-        self._early.bind(early, n_buf)
+        changed = self._early.bind(early, n_buf)
         # the scale before the step; None: the step is the scaler's first
         self.scale = self._early.copies[-2] if scale is not None else None
         self._groups = ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -125,12 +159,20 @@ class _Snapshot:
         self._n_params = len(ps)
         dev = (ps or early or [torch.zeros(())])[0].device
         dt = devices.entry(dev)
-        streams = self.side_stream and opt is not None and dt.has_streams()
-        self._bind_late(ps, opt)
+        if self._streams_of is None or self._streams_of[0] is not dt or \
+                self._streams_of[1] != dev:
+            self._streams_of = (dt, dev, dt.has_streams())
+        streams = self.side_stream and opt is not None and self._streams_of[2]
+        changed = self._bind_late(ps, opt) or changed
         if not streams:
-            self._early.copy()
-            self._late.copy()
+            if changed or self._plan is None:
+                self._plan = (self._early.copies + self._late.copies,
+                              self._early.live + self._late.live)
+            if self._plan[0]:
+                with torch.no_grad():
+                    torch._foreach_copy_(*self._plan)
             return
+        self._plan = None
         late = self._late.live
         side = [i for i, t in enumerate(late) if t.device == dev]
         if self._stream is None or self._stream.device != dev:
@@ -146,8 +188,9 @@ class _Snapshot:
                 self._hooked[1].remove()
             self._hooked = (opt, opt.register_step_pre_hook(lambda *_: self.wait()))
 
-    def _bind_late(self, ps: list[torch.Tensor], opt: torch.optim.Optimizer | None) -> None:
-        state: list[torch.Tensor] = []
+    def _bind_late(self, ps: list[torch.Tensor], opt: torch.optim.Optimizer | None) -> bool:
+        """Point the late copies at the parameters and the optimizer's state tensors; True when
+        what is copied where changed."""
         if opt is not None:
             vals = [v for st in opt.state.values() for v in st.values()]
             if len(vals) != len(self._state_vals) or \
@@ -155,10 +198,13 @@ class _Snapshot:
                 # state made or re-bound since the last step (its entries are kept for restore)
                 self._opt_state = {p: dict(st) for p, st in opt.state.items()}
                 self._state_vals = vals
-            state = _locals(v for v in vals if isinstance(v, torch.Tensor))
+                self._state = _locals(v for v in vals if isinstance(v, torch.Tensor))
+            elif any(type(t) not in _PLAIN for t in self._state):
+                # NB: a DTensor's local shard is a new tensor object each time it is asked for
+                self._state = _locals(v for v in vals if isinstance(v, torch.Tensor))
         else:
-            self._opt_state, self._state_vals = {}, []
-        self._late.bind(ps + state, len(ps))
+            self._opt_state, self._state_vals, self._state = {}, [], []
+        return self._late.bind(ps + self._state, len(ps))
 
     def moved(self) -> bool:
         """Does some parameter differ from its pre-step copy (exact)?"""
