@@ -41,7 +41,7 @@ def model_tensors(model: torch.nn.Module) -> tuple[list, list]:
             continue
         seen_m.add(mod)
         if mod._modules:
-            stack.extend(m for m in reversed(mod._modules.values()) if m is not None)
+            stack.extend([m for m in reversed(mod._modules.values()) if m is not None])
         for p in mod._parameters.values():
             if p is not None and id(p) not in seen_p:   # NB: a tensor's hash is a Python call
                 seen_p.add(id(p))
@@ -123,6 +123,7 @@ class _Snapshot:
         self._done = None          # its event: reached when the side copies are complete
         self._hooked: tuple | None = None   # (optimizer, hook handle) that waits for them
         self._state: list[torch.Tensor] = []    # the tensors among ``_state_vals``, local
+        self._state_plain = True                # ... all plain tensors (no DTensor)
         self._streams_of: tuple | None = None   # (device entry, device, has it streams)
         self._plan: tuple[list, list] | None = None   # (copies, live): one foreach copy
 
@@ -198,8 +199,10 @@ class _Snapshot:
                 # state made or re-bound since the last step (its entries are kept for restore)
                 self._opt_state = {p: dict(st) for p, st in opt.state.items()}
                 self._state_vals = vals
+                self._state_plain = all(type(v) in _PLAIN for v in vals
+                                        if isinstance(v, torch.Tensor))
                 self._state = _locals(v for v in vals if isinstance(v, torch.Tensor))
-            elif any(type(t) not in _PLAIN for t in self._state):
+            elif not self._state_plain:
                 # NB: a DTensor's local shard is a new tensor object each time it is asked for
                 self._state = _locals(v for v in vals if isinstance(v, torch.Tensor))
         else:
