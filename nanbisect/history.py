@@ -67,6 +67,7 @@ class HealthLog:
         self.n, self.names = n, names
         self.entries: deque[dict] = deque(maxlen=n)
         self._ring: torch.Tensor | None = None     # [n, 2, P]: parameter norm, gradient norm
+        self._rows: tuple[torch.Tensor, ...] | None = None   # its rows
         self._steps: list[int | None] = [None] * n
         self._next = 0
 
@@ -80,12 +81,13 @@ class HealthLog:
             names: Callable[[], list[str]]) -> torch.Tensor:
         """``step``'s row of the ring ([2, n], contiguous, on ``device``) for the caller to
         write the step's norms into (`nanbisect.guard.screen._step_norms`' ``out``): no copy."""
-        if self._ring is None or self._ring.device != device or self._ring.shape[2] != n:
+        if self._rows is None or self._ring.shape[2] != n or self._ring.device != device:
             # the first step, or the model gained parameters (lazy modules): a new ring
             self._ring = torch.zeros((self.n, 2, n), dtype=torch.float32, device=device)
+            self._rows = self._ring.unbind(0)      # its rows' views, made once
             self._steps = [None] * self.n
             self.names = names()
-        row = self._ring[self._next]
+        row = self._rows[self._next]
         self._steps[self._next] = step
         self._next = (self._next + 1) % self.n
         return row

@@ -36,6 +36,13 @@ def test_model_tensors_are_parameters_and_buffers_in_one_walk():
     assert len(buffers) == len(list(m.buffers())) == 4
     assert all(a is b for a, b in zip(buffers, m.buffers()))
 
+    class Listed(Quirky):       # lists its tensors its own way: asked through its methods
+        def parameters(self, recurse=True):
+            return iter([self.head.weight])
+
+    only = Listed()
+    assert model_tensors(only)[0][0] is only.head.weight and len(model_tensors(only)[0]) == 1
+
 
 def _state(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [t.clone() for t in [*model.parameters(), *model.buffers()] +

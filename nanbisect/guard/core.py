@@ -85,10 +85,12 @@ def _loss_slot(loss: torch.Tensor | None, dev: torch.device) -> torch.Tensor:
     no kernel when it already is one float32 element on ``dev``."""
     if loss is None:
         return torch.zeros(1, device=dev)
-    t = local(loss).detach()
+    t = local(loss)      # NB: called under no_grad: no detach needed
     if t.numel() != 1:
         t = t.float().sum()
-    return t.reshape(1).to(device=dev, dtype=torch.float32)
+    t = t.reshape(1)
+    return t if t.dtype == torch.float32 and t.device == dev else \
+        t.to(device=dev, dtype=torch.float32)
 
 
 class Guard:

@@ -5,7 +5,8 @@ place (parameters, buffers, optimizer state and param-group settings, the GradSc
 growth tracker), on the tensors' own device; `restore` puts the copies back, and `swap` exchanges
 them with the live state (twice: as it was). The copies are allocated once and reused while every
 live tensor is the same object with the same shape, dtype and device (a parameter's ``.data``
-replaced, a buffer or an optimizer state entry re-bound: new copies). Not guaranteed: state outside
+replaced, a buffer or an optimizer state entry re-bound: new copies); without a side stream a
+step's copies are one foreach call over the lists kept with them. Not guaranteed: state outside
 the model, the optimizer and the scaler (a scheduler's, a data loader's) is not copied.
 """
 from __future__ import annotations
@@ -26,9 +27,17 @@ def _live_scale(scaler) -> torch.Tensor | None:
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
 
 
+_WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "named_modules",
+          "modules", "_named_members")
+
+
 def model_tensors(model: torch.nn.Module) -> tuple[list, list]:
     """(``list(model.parameters())``, ``list(model.buffers())``) from one walk of the module
-    tree: the same tensors in the same order (each once, where it is first met)."""
+    tree: the same tensors in the same order (each once, where it is first met); a model that
+    overrides how its tensors are listed is asked through its own methods."""
+    cls = type(model)
+    if any(getattr(cls, m) is not getattr(torch.nn.Module, m) for m in _WALKS):
+        return list(model.parameters()), list(model.buffers())
     params: list = []
     buffers: list = []
     seen_p: set = set()
