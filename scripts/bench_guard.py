@@ -14,8 +14,10 @@ custom loop: the gradient-finiteness flag of issue 30 is on every guarded side).
 reads its loss with `.item()`, since `Guard.step` returns the loss as a float. Ratios: of the
 medians, and the median of the per-step ratios (paired: the same round and batch). Then the pieces
 of the Guard are timed alone (RNG state read, snapshot copy, the one-pass parameter and gradient
-norms, the history ring's row, the host sync), and in real steps: Guard.step's parts before and
-after the step, and entering and leaving `Guard.watch`.
+norms, the history ring's row, the host sync, the walks of the module tree) beside what was
+weighed against them and not used (one flat copy of the same bytes, the copies into one flat
+buffer's views, AdamW's one-element steps as one stack), and in real steps: Guard.step's parts
+before and after the step, and entering and leaving `Guard.watch`.
 
 What they are not: a GPU figure (on an accelerator the snapshot is a device-to-device copy on a
 side stream and the screen waits on the device, which cost differently), a figure for other
@@ -133,7 +135,15 @@ def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
             ring.record_norms(0, norms, lambda: [])),
         "host sync: the slots read back": lambda: torch.stack(slots).tolist(),
         "model.parameters() (read once per step)": lambda: list(model.parameters()),
+        "model.parameters() and model.buffers()": lambda: (list(model.parameters()),
+                                                           list(model.buffers())),
     }
+    try:    # the one walk of both (absent before issue 29's cut: the bench runs either side)
+        from nanbisect.guard.snapshot import model_tensors
+        pieces["parameters and buffers, one walk (model_tensors, read once per step)"] = \
+            lambda: model_tensors(model)
+    except ImportError:
+        pass
     with torch.no_grad():
         out = {k: 1e3 * statistics.median(timed(f)[0] for _ in range(reps))
                for k, f in pieces.items()}
