@@ -5,9 +5,10 @@ place (parameters, buffers, optimizer state and param-group settings, the GradSc
 growth tracker), on the tensors' own device; `restore` puts the copies back, and `swap` exchanges
 them with the live state (twice: as it was). The copies are allocated once and reused while every
 live tensor is the same object with the same shape, dtype and device (a parameter's ``.data``
-replaced, a buffer or an optimizer state entry re-bound: new copies); without a side stream a
-step's copies are one foreach call over the lists kept with them. Not guaranteed: state outside
-the model, the optimizer and the scaler (a scheduler's, a data loader's) is not copied.
+replaced, a buffer or an optimizer state entry re-bound: new copies, as views of one flat buffer
+per dtype and device); without a side stream a step's copies are one foreach call. Not
+guaranteed: state outside the model, the optimizer and the scaler (a scheduler's, a data
+loader's) is not copied.
 """
 from __future__ import annotations
 
@@ -63,6 +64,31 @@ def model_tensors(model: torch.nn.Module) -> tuple[list, list]:
     return params, buffers
 
 
+_ALIGN = 16     # elements: each view of a flat buffer starts at a multiple (vector loads)
+
+
+def _flat_like(live: list[torch.Tensor]) -> list[torch.Tensor]:
+    """An empty copy of each tensor, contiguous, as views of one flat buffer per dtype and
+    device (one destination for the snapshot's copies: cheaper to write than a buffer per
+    tensor, docs/BENCHMARKS.md); a tensor of another layout gets its own ``empty_like``."""
+    out: list = [None] * len(live)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(live):
+        if t.layout != torch.strided or t.is_quantized:
+            out[i] = torch.empty_like(t, requires_grad=False)
+        else:
+            groups.setdefault((t.dtype, t.device), []).append(i)
+    for (dtype, device), idx in groups.items():
+        starts, at = [], 0
+        for i in idx:
+            starts.append(at)
+            at += -(-live[i].numel() // _ALIGN) * _ALIGN
+        flat = torch.empty(at, dtype=dtype, device=device)
+        for i, a in zip(idx, starts):
+            out[i] = flat[a:a + live[i].numel()].view(live[i].shape)
+    return out
+
+
 class _Copies:
     """Copies of a list of live tensors, kept from one step to the next while they fit."""
 
@@ -74,16 +100,20 @@ class _Copies:
     def bind(self, live: list[torch.Tensor], checked: int) -> bool:
         """Point at ``live``; True when that changed what is copied where. Every tensor is
         checked by identity, the first ``checked`` (parameters, buffers: their ``.data`` can be
-        replaced in place) also by shape, dtype and device; new copies only where one differs."""
+        replaced in place) also by shape, dtype and device. The copies are kept while each still
+        fits its live tensor; else all are made anew, as views of one flat buffer per dtype and
+        device (`_flat_like`), the old ones freed first."""
         meta = [(t.shape, t.dtype, t.device) for t in live[:checked]]
         if len(live) == len(self.live) and all(map(operator.is_, live, self.live)) and \
                 meta == self._meta:
             return False
         old = self.copies
-        self.copies = [old[i] if i < len(old) and old[i].shape == t.shape and
-                       old[i].dtype == t.dtype and old[i].device == t.device
-                       else torch.empty_like(t, requires_grad=False)
-                       for i, t in enumerate(live)]
+        if len(old) != len(live) or not all(
+                c.shape == t.shape and c.dtype == t.dtype and c.device == t.device
+                for c, t in zip(old, live)):
+            # NB: dropped before the new are made, so the state is never held twice here
+            self.copies = old = []
+            self.copies = _flat_like(live)
         self.live, self._meta = live, meta
         return True
 
@@ -134,7 +164,6 @@ class _Snapshot:
         self._state: list[torch.Tensor] = []    # the tensors among ``_state_vals``, local
         self._state_plain = True                # ... all plain tensors (no DTensor)
         self._streams_of: tuple | None = None   # (device entry, device, has it streams)
-        self._plan: tuple[list, list] | None = None   # (copies, live): one foreach copy
 
     @property
     def _live(self) -> list[torch.Tensor]:
@@ -150,9 +179,10 @@ class _Snapshot:
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
              scaler=None, params: list | None = None, buffers: list | None = None) -> None:
         """Copy the pre-step state (``params``, ``buffers``: the model's, when the caller has
-        them: `model_tensors`). Without a side stream the copies are one foreach call over lists
-        kept from the last step while every live tensor is the same (`_Copies.bind`)."""
+        them: `model_tensors`). Without a side stream the copies are one foreach call into the
+        copies kept from the last step while every live tensor is the same (`_Copies.bind`)."""
         self.wait()
+        self.scale = None       # NB: no reference to old copies while binding (`_Copies.bind`)
         if params is None or buffers is None:
             params, buffers = model_tensors(model)
         ps = _locals(params)
@@ -161,7 +191,7 @@ class _Snapshot:
         n_buf = len(early)
         if scale is not None:
             early += [scale, scaler._growth_tracker]   # two 1-element tensors
-        changed = self._early.bind(early, n_buf)
+        self._early.bind(early, n_buf)
         # the scale before the step; None: the step is the scaler's first
         self.scale = self._early.copies[-2] if scale is not None else None
         self._groups = ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
@@ -173,16 +203,13 @@ class _Snapshot:
                 self._streams_of[1] != dev:
             self._streams_of = (dt, dev, dt.has_streams())
         streams = self.side_stream and opt is not None and self._streams_of[2]
-        changed = self._bind_late(ps, opt) or changed
+        self._bind_late(ps, opt)
         if not streams:
-            if changed or self._plan is None:
-                self._plan = (self._early.copies + self._late.copies,
-                              self._early.live + self._late.live)
-            if self._plan[0]:
+            dst = self._early.copies + self._late.copies
+            if dst:
                 with torch.no_grad():
-                    torch._foreach_copy_(*self._plan)
+                    torch._foreach_copy_(dst, self._early.live + self._late.live)
             return
-        self._plan = None
         late = self._late.live
         side = [i for i, t in enumerate(late) if t.device == dev]
         if self._stream is None or self._stream.device != dev:
