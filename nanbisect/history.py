@@ -61,12 +61,13 @@ def jump_score(value: float, before: list[float]) -> tuple[float, float, float] 
 
 class HealthLog:
     """The Guard's side: the last ``n`` steps' health (`add`), and per-parameter norms in a ring
-    on the device (`record_norms`: device ops only)."""
+    on the device (`row`, `record_norms`: device ops only)."""
 
     def __init__(self, n: int, names: list[str]) -> None:
         self.n, self.names = n, names
         self.entries: deque[dict] = deque(maxlen=n)
         self._ring: torch.Tensor | None = None     # [n, 2, P]: parameter norm, gradient norm
+        self._rows: tuple[torch.Tensor, ...] | None = None   # its rows
         self._steps: list[int | None] = [None] * n
         self._next = 0
 
@@ -74,15 +75,22 @@ class HealthLog:
                      names: Callable[[], list[str]]) -> None:
         """Keep ``norms`` ([2, P]: each parameter's norm after the update, its gradient's) as
         ``step``'s row of the ring: one device copy."""
-        if self._ring is None or self._ring.device != norms.device or \
-                self._ring.shape[2] != norms.shape[1]:
+        self.row(step, norms.shape[1], norms.device, names).copy_(norms)
+
+    def row(self, step: int, n: int, device: torch.device,
+            names: Callable[[], list[str]]) -> torch.Tensor:
+        """``step``'s row of the ring ([2, n], contiguous, on ``device``) for the caller to
+        write the step's norms into (`nanbisect.guard.screen._step_norms`' ``out``): no copy."""
+        if self._rows is None or self._ring.shape[2] != n or self._ring.device != device:
             # the first step, or the model gained parameters (lazy modules): a new ring
-            self._ring = torch.zeros((self.n, 2, norms.shape[1]), device=norms.device)
+            self._ring = torch.zeros((self.n, 2, n), dtype=torch.float32, device=device)
+            self._rows = self._ring.unbind(0)      # its rows' views, made once
             self._steps = [None] * self.n
             self.names = names()
-        self._ring[self._next].copy_(norms)
+        row = self._rows[self._next]
         self._steps[self._next] = step
         self._next = (self._next + 1) % self.n
+        return row
 
     def add(self, entry: dict) -> None:
         # a step that failed was rolled back: a loop that goes on runs that step index again

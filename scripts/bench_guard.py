@@ -14,8 +14,10 @@ custom loop: the gradient-finiteness flag of issue 30 is on every guarded side).
 reads its loss with `.item()`, since `Guard.step` returns the loss as a float. Ratios: of the
 medians, and the median of the per-step ratios (paired: the same round and batch). Then the pieces
 of the Guard are timed alone (RNG state read, snapshot copy, the one-pass parameter and gradient
-norms, the history ring's row, the host sync), and in real steps: Guard.step's parts before and
-after the step, and entering and leaving `Guard.watch`.
+norms, the history ring's row, the host sync, the walks of the module tree) beside what was
+weighed against them and not used (one flat copy of the same bytes, the copies into one flat
+buffer's views, AdamW's one-element steps as one stack), and in real steps: Guard.step's parts
+before and after the step, and entering and leaving `Guard.watch`.
 
 What they are not: a GPU figure (on an accelerator the snapshot is a device-to-device copy on a
 side stream and the screen waits on the device, which cost differently), a figure for other
@@ -103,6 +105,16 @@ def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
     flat_src = torch.cat([t.detach().reshape(-1) for t in snap._live
                           if t.dtype == torch.float32])
     flat_dst = torch.empty_like(flat_src)
+    # the live tensors copied into views of one flat buffer (a Guard-owned layout): is one
+    # destination cheaper than a copy per tensor?
+    live = [t for t in snap._live if t.dtype == torch.float32]
+    views, at = [], 0
+    for t in live:
+        views.append(flat_dst[at:at + t.numel()].view(t.shape))
+        at += t.numel()
+    ones = [t for t in live if t.numel() == 1]        # AdamW's step tensors
+    ones_copies = [torch.empty_like(t) for t in ones]
+    ones_dst = torch.empty(len(ones), device=dev)
     grads = [p.grad for p in params]
     norms = _step_norms(params, grads, dev)
     slots = [torch.zeros((), device=dev)] * 4
@@ -111,15 +123,34 @@ def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
         "RNG state read": lambda: RngState.get(accel),
         "snapshot copy (parameters, buffers, AdamW state)": copy,
         "the same bytes as one flat copy (not used)": lambda: done(flat_dst.copy_(flat_src)),
+        "the live tensors into one flat buffer's views (not used)": lambda: done(
+            torch._foreach_copy_(views, live)),
+        "the one-element tensors (AdamW's step) alone, one foreach call": lambda: done(
+            torch._foreach_copy_(ones_copies, ones) if ones else None),
+        "the same as one torch.stack (not used)": lambda: done(
+            torch.stack(ones, out=ones_dst) if ones else None),
         "screen: parameter and gradient norms, one pass": lambda: done(
             _step_norms(params, grads, dev)),
         "history: the ring's row (one device copy)": lambda: done(
             ring.record_norms(0, norms, lambda: [])),
         "host sync: the slots read back": lambda: torch.stack(slots).tolist(),
         "model.parameters() (read once per step)": lambda: list(model.parameters()),
+        "model.parameters() and model.buffers()": lambda: (list(model.parameters()),
+                                                           list(model.buffers())),
     }
-    return {k: 1e3 * statistics.median(timed(f)[0] for _ in range(reps))
-            for k, f in pieces.items()}
+    try:    # the one walk of both (absent before issue 29's cut: the bench runs either side)
+        from nanbisect.guard.snapshot import model_tensors
+        pieces["parameters and buffers, one walk (model_tensors, read once per step)"] = \
+            lambda: model_tensors(model)
+    except ImportError:
+        pass
+    with torch.no_grad():
+        out = {k: 1e3 * statistics.median(timed(f)[0] for _ in range(reps))
+               for k, f in pieces.items()}
+    print(f"the snapshot copies {len(snap._live)} tensors ({len(ones)} of one element), "
+          f"{sum(t.numel() * t.element_size() for t in snap._live) / 1e6:.1f} MB; the screen "
+          f"takes {2 * len(params)} norms")
+    return out
 
 
 def in_step_times(guard: nanbisect.Guard, batches: list, reps: int) -> dict[str, float]:

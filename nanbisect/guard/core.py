@@ -44,7 +44,7 @@ from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
 from nanbisect.guard.entry import _check_out, resolve_entry_file
 from nanbisect.guard.parts import held_ranks
 from nanbisect.guard.screen import _bad_names, _kind, _listed, _step_norms
-from nanbisect.guard.snapshot import _live_scale, _Snapshot
+from nanbisect.guard.snapshot import _live_scale, _Snapshot, model_tensors
 from nanbisect.guard.tape import record_step
 from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
 from nanbisect.step import run_step
@@ -78,6 +78,19 @@ class Spike:
 
 def _declared_scaler(task: Task) -> bool:
     return task.grad_scaler is not None and task.grad_scaler.is_enabled()
+
+
+def _loss_slot(loss: torch.Tensor | None, dev: torch.device) -> torch.Tensor:
+    """[1]: the loss as the screen reads it (float32, summed when it is not one element), with
+    no kernel when it already is one float32 element on ``dev``."""
+    if loss is None:
+        return torch.zeros(1, device=dev)
+    t = local(loss)      # NB: called under no_grad: no detach needed
+    if t.numel() != 1:
+        t = t.float().sum()
+    t = t.reshape(1)
+    return t if t.dtype == torch.float32 and t.device == dev else \
+        t.to(device=dev, dtype=torch.float32)
 
 
 class Guard:
@@ -190,8 +203,8 @@ class Guard:
     def _begin(self) -> RngState:
         rng = RngState.get(self._accel)
         task = self.task
-        self._params = list(task.model.parameters())
-        self._snapshot.take(task.model, task.optimizer, task.grad_scaler, self._params)
+        self._params, buffers = model_tensors(task.model)   # one walk of the module tree
+        self._snapshot.take(task.model, task.optimizer, task.grad_scaler, self._params, buffers)
         if self._lookback is not None:
             self._lookback.begin(self.step_index, task.model, task.optimizer, task.grad_scaler)
         # the learning rate this step uses (a scheduler changes it after the step)
@@ -280,28 +293,29 @@ class Guard:
                       torch.full_like(scale, scaler._init_scale))
             skipped = (scale < before).float()
         with torch.no_grad():
-            loss_t = (local(loss).detach().float().reshape(-1).sum().to(dev) if loss is not None
-                      else torch.zeros((), device=dev))
             # per parameter its norm after the update (the screen) and its gradient's, in one
-            # pass; the gradients' global norm is non-finite iff some gradient is (or overflows)
-            norms = _step_norms(params, [p.grad for p in params], dev)
-            slots = {"loss": loss_t, "screen": norms[0].sum(),
-                     "grads": torch.linalg.vector_norm(norms[1])}
-        for key, t in (("grad_norm", grad_norm), ("skipped", skipped)):
-            if t is not None:
-                slots[key] = t.detach().float().reshape(()).to(dev)
-        if self._history is not None:
-            # kept on the device; the global gradient norm (clipping's, when it clips) read
-            # with the rest
-            self._history.record_norms(self.step_index, norms, lambda: [
-                n for n, _ in self.task.model.named_parameters()])
-            if isinstance(self._lr, torch.Tensor):
-                slots["lr"] = self._lr.detach().float().reshape(()).to(dev)
+            # pass, written straight into the history's ring row when there is a history
+            row = self._history.row(self.step_index, len(params), dev, lambda: [
+                n for n, _ in self.task.model.named_parameters()]) \
+                if self._history is not None else None
+            norms = _step_norms(params, [p.grad for p in params], dev, out=row)
+            # [the parameters' screen, the gradients' global norm] in one kernel: each is
+            # non-finite iff some norm is (or the sum of squares overflows: the exact check
+            # clears it); the global norm is the gradients' finiteness flag
+            parts = [_loss_slot(loss, dev), torch.linalg.vector_norm(norms, dim=1)]
+            keys = ["loss", "screen", "grads"]
+            for key, t in (("grad_norm", grad_norm), ("skipped", skipped)):
+                if t is not None:
+                    parts.append(t.detach().float().reshape(1).to(dev))
+                    keys.append(key)
+            if self._history is not None and isinstance(self._lr, torch.Tensor):
+                parts.append(self._lr.detach().float().reshape(1).to(dev))
+                keys.append("lr")
+            vals = torch.cat(parts)      # one kernel: every slot in one tensor, read at once
         # NB: a non-finite gradient reaches the parameters through any update with lr > 0; one
         # that does not (the step was skipped) is checked exactly on the host (`_end`).
         # The one host synchronisation of a healthy step (under torch.distributed, after one
         # all-reduce of a one-element flag, so that all ranks agree on a failure):
-        vals = torch.stack(list(slots.values()))
         stall_next = self.scaler_skips + 1 >= self.max_scaler_skips
         if self._rank.distributed:
             flag = (~torch.isfinite(vals[:3])).any()
@@ -311,7 +325,7 @@ class Guard:
                             else flag.float().reshape(1))
             vals = torch.cat([vals, flag.to(dev)])
         got = vals.tolist()
-        return dev, scale, dict(zip(slots, got)), got[-1]
+        return dev, scale, dict(zip(keys, got)), got[-1]
 
     def _confirm(self, loss: float | None, loss_v: float, grad_norm: float | None,
                  stalled: bool, dev: torch.device, applied: bool = False) -> dict | None:

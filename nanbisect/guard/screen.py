@@ -39,12 +39,13 @@ def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Te
 
 @torch.no_grad()
 def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
-                device: torch.device) -> torch.Tensor:
+                device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """[2, P]: each parameter's float32 L2 norm (row 0) and its gradient's (row 1; 0 for None),
-    from one pass over both (one foreach call where the tensors allow): `_norms`' rules."""
+    from one pass over both (one foreach call where the tensors allow): `_norms`' rules.
+    ``out``: a contiguous float32 [2, P] to write them into (the history's ring row), returned."""
     n = len(params)
     if not n:
-        return torch.zeros(2, 0, device=device)
+        return torch.zeros(2, 0, device=device) if out is None else out
     ps = _locals(params)
     gs = _locals(g for g in grads if g is not None)
     if len(gs) < n:
@@ -52,9 +53,14 @@ def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
         gs = [g if g is not None else zero for g in _locals(grads)]
     try:
         # all on one device, each dtype with a kernel: one call (else an error, below)
-        return torch.stack(torch._foreach_norm(ps + gs, 2, dtype=torch.float32)).view(2, n)
+        norms = torch._foreach_norm(ps + gs, 2, dtype=torch.float32)
     except (RuntimeError, TypeError):   # another device, a dtype foreach has no kernel for
-        return torch.stack([_norms(ps, device), _norms(gs, device)])
+        both = torch.stack([_norms(ps, device), _norms(gs, device)])
+        return both if out is None else out.copy_(both)
+    if out is None:
+        return torch.stack(norms).view(2, n)
+    torch.stack(norms, out=out.view(2 * n))
+    return out
 
 
 def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -5,8 +5,10 @@ place (parameters, buffers, optimizer state and param-group settings, the GradSc
 growth tracker), on the tensors' own device; `restore` puts the copies back, and `swap` exchanges
 them with the live state (twice: as it was). The copies are allocated once and reused while every
 live tensor is the same object with the same shape, dtype and device (a parameter's ``.data``
-replaced, a buffer or an optimizer state entry re-bound: new copies). Not guaranteed: state outside
-the model, the optimizer and the scaler (a scheduler's, a data loader's) is not copied.
+replaced, a buffer or an optimizer state entry re-bound: new copies, as views of one flat buffer
+per dtype and device); without a side stream a step's copies are one foreach call. Not
+guaranteed: state outside the model, the optimizer and the scaler (a scheduler's, a data
+loader's) is not copied.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import operator
 import torch
 
 from nanbisect import devices
-from nanbisect.guard.screen import _locals
+from nanbisect.guard.screen import _PLAIN, _locals
 
 
 def _live_scale(scaler) -> torch.Tensor | None:
@@ -26,6 +28,67 @@ def _live_scale(scaler) -> torch.Tensor | None:
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
 
 
+_WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "named_modules",
+          "modules", "_named_members")
+
+
+def model_tensors(model: torch.nn.Module) -> tuple[list, list]:
+    """(``list(model.parameters())``, ``list(model.buffers())``) from one walk of the module
+    tree: the same tensors in the same order (each once, where it is first met); a model that
+    overrides how its tensors are listed is asked through its own methods."""
+    cls = type(model)
+    if any(getattr(cls, m) is not getattr(torch.nn.Module, m) for m in _WALKS):
+        return list(model.parameters()), list(model.buffers())
+    params: list = []
+    buffers: list = []
+    seen_p: set = set()
+    seen_b: set = set()
+    seen_m: set = set()
+    stack = [model]
+    while stack:      # depth first, children in order: the order of model.modules()
+        mod = stack.pop()
+        if mod in seen_m:
+            continue
+        seen_m.add(mod)
+        if mod._modules:
+            stack.extend([m for m in reversed(mod._modules.values()) if m is not None])
+        for p in mod._parameters.values():
+            if p is not None and id(p) not in seen_p:   # NB: a tensor's hash is a Python call
+                seen_p.add(id(p))
+                params.append(p)
+        if mod._buffers:
+            for b in mod._buffers.values():
+                if b is not None and id(b) not in seen_b:
+                    seen_b.add(id(b))
+                    buffers.append(b)
+    return params, buffers
+
+
+_ALIGN = 16     # elements: each view of a flat buffer starts at a multiple (vector loads)
+
+
+def _flat_like(live: list[torch.Tensor]) -> list[torch.Tensor]:
+    """An empty copy of each tensor, contiguous, as views of one flat buffer per dtype and
+    device (one destination for the snapshot's copies: cheaper to write than a buffer per
+    tensor, docs/BENCHMARKS.md); a tensor of another layout gets its own ``empty_like``."""
+    out: list = [None] * len(live)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(live):
+        if t.layout != torch.strided or t.is_quantized:
+            out[i] = torch.empty_like(t, requires_grad=False)
+        else:
+            groups.setdefault((t.dtype, t.device), []).append(i)
+    for (dtype, device), idx in groups.items():
+        starts, at = [], 0
+        for i in idx:
+            starts.append(at)
+            at += -(-live[i].numel() // _ALIGN) * _ALIGN
+        flat = torch.empty(at, dtype=dtype, device=device)
+        for i, a in zip(idx, starts):
+            out[i] = flat[a:a + live[i].numel()].view(live[i].shape)
+    return out
+
+
 class _Copies:
     """Copies of a list of live tensors, kept from one step to the next while they fit."""
 
@@ -34,21 +97,25 @@ class _Copies:
         self.copies: list[torch.Tensor] = []
         self._meta: list[tuple] = []
 
-    def bind(self, live: list[torch.Tensor], checked: int) -> None:
-        """Point at ``live``. The first ``checked`` tensors (parameters, buffers: their ``.data``
-        can be replaced in place) are checked by shape, dtype and device, the rest (optimizer
-        state, re-bound rather than changed) by identity; new copies only where one differs."""
+    def bind(self, live: list[torch.Tensor], checked: int) -> bool:
+        """Point at ``live``; True when that changed what is copied where. Every tensor is
+        checked by identity, the first ``checked`` (parameters, buffers: their ``.data`` can be
+        replaced in place) also by shape, dtype and device. The copies are kept while each still
+        fits its live tensor; else all are made anew, as views of one flat buffer per dtype and
+        device (`_flat_like`), the old ones freed first."""
         meta = [(t.shape, t.dtype, t.device) for t in live[:checked]]
-        if len(live) == len(self.live) and meta == self._meta and \
-                all(map(operator.is_, live[checked:], self.live[checked:])):
-            self.live = live
-            return
+        if len(live) == len(self.live) and all(map(operator.is_, live, self.live)) and \
+                meta == self._meta:
+            return False
         old = self.copies
-        self.copies = [old[i] if i < len(old) and old[i].shape == t.shape and
-                       old[i].dtype == t.dtype and old[i].device == t.device
-                       else torch.empty_like(t, requires_grad=False)
-                       for i, t in enumerate(live)]
+        if len(old) != len(live) or not all(
+                c.shape == t.shape and c.dtype == t.dtype and c.device == t.device
+                for c, t in zip(old, live)):
+            # NB: dropped before the new are made, so the state is never held twice here
+            self.copies = old = []
+            self.copies = _flat_like(live)
         self.live, self._meta = live, meta
+        return True
 
     @torch.no_grad()
     def copy(self, idx: list[int] | None = None) -> None:
@@ -94,6 +161,9 @@ class _Snapshot:
         self._stream = None        # the side stream, made on first use
         self._done = None          # its event: reached when the side copies are complete
         self._hooked: tuple | None = None   # (optimizer, hook handle) that waits for them
+        self._state: list[torch.Tensor] = []    # the tensors among ``_state_vals``, local
+        self._state_plain = True                # ... all plain tensors (no DTensor)
+        self._streams_of: tuple | None = None   # (device entry, device, has it streams)
 
     @property
     def _live(self) -> list[torch.Tensor]:
@@ -107,13 +177,17 @@ class _Snapshot:
             devices.entry(self._stream.device).wait_event(self._stream.device, done)
 
     def take(self, model: torch.nn.Module, opt: torch.optim.Optimizer | None,
-             scaler=None, params: list | None = None) -> None:
-        """Copy the pre-step state (``params``: the model's parameters, when the caller has
-        them)."""
+             scaler=None, params: list | None = None, buffers: list | None = None) -> None:
+        """Copy the pre-step state (``params``, ``buffers``: the model's, when the caller has
+        them: `model_tensors`). Without a side stream the copies are one foreach call into the
+        copies kept from the last step while every live tensor is the same (`_Copies.bind`)."""
         self.wait()
-        ps = _locals(model.parameters() if params is None else params)
+        self.scale = None       # NB: no reference to old copies while binding (`_Copies.bind`)
+        if params is None or buffers is None:
+            params, buffers = model_tensors(model)
+        ps = _locals(params)
         scale = _live_scale(scaler)
-        early = _locals(model.buffers())
+        early = _locals(buffers)
         n_buf = len(early)
         if scale is not None:
             early += [scale, scaler._growth_tracker]   # two 1-element tensors
@@ -125,11 +199,16 @@ class _Snapshot:
         self._n_params = len(ps)
         dev = (ps or early or [torch.zeros(())])[0].device
         dt = devices.entry(dev)
-        streams = self.side_stream and opt is not None and dt.has_streams()
+        if self._streams_of is None or self._streams_of[0] is not dt or \
+                self._streams_of[1] != dev:
+            self._streams_of = (dt, dev, dt.has_streams())
+        streams = self.side_stream and opt is not None and self._streams_of[2]
         self._bind_late(ps, opt)
         if not streams:
-            self._early.copy()
-            self._late.copy()
+            dst = self._early.copies + self._late.copies
+            if dst:
+                with torch.no_grad():
+                    torch._foreach_copy_(dst, self._early.live + self._late.live)
             return
         late = self._late.live
         side = [i for i, t in enumerate(late) if t.device == dev]
@@ -146,8 +225,9 @@ class _Snapshot:
                 self._hooked[1].remove()
             self._hooked = (opt, opt.register_step_pre_hook(lambda *_: self.wait()))
 
-    def _bind_late(self, ps: list[torch.Tensor], opt: torch.optim.Optimizer | None) -> None:
-        state: list[torch.Tensor] = []
+    def _bind_late(self, ps: list[torch.Tensor], opt: torch.optim.Optimizer | None) -> bool:
+        """Point the late copies at the parameters and the optimizer's state tensors; True when
+        what is copied where changed."""
         if opt is not None:
             vals = [v for st in opt.state.values() for v in st.values()]
             if len(vals) != len(self._state_vals) or \
@@ -155,10 +235,15 @@ class _Snapshot:
                 # state made or re-bound since the last step (its entries are kept for restore)
                 self._opt_state = {p: dict(st) for p, st in opt.state.items()}
                 self._state_vals = vals
-            state = _locals(v for v in vals if isinstance(v, torch.Tensor))
+                self._state_plain = all(type(v) in _PLAIN for v in vals
+                                        if isinstance(v, torch.Tensor))
+                self._state = _locals(v for v in vals if isinstance(v, torch.Tensor))
+            elif not self._state_plain:
+                # NB: a DTensor's local shard is a new tensor object each time it is asked for
+                self._state = _locals(v for v in vals if isinstance(v, torch.Tensor))
         else:
-            self._opt_state, self._state_vals = {}, []
-        self._late.bind(ps + state, len(ps))
+            self._opt_state, self._state_vals, self._state = {}, [], []
+        return self._late.bind(ps + self._state, len(ps))
 
     def moved(self) -> bool:
         """Does some parameter differ from its pre-step copy (exact)?"""
