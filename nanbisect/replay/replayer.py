@@ -24,7 +24,7 @@ from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, resto
                                     restore_modes, restore_optimizer)
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
-from nanbisect.util.tensors import nonfinite
+from nanbisect.util.tensors import nonfinite, surely_finite
 
 PHASES = ("input", "forward", "backward", "optimizer")
 
@@ -41,10 +41,13 @@ def parse_device(spec: str, flag: str = "--target/--reference"
 
 
 def _scan(where: str, named) -> list[BadValue]:
+    """The non-finite values among ``named`` tensors, counted; one sum per tensor decides which
+    need counting (`surely_finite`: a finite sum is exact, the rest are counted)."""
+    items = [(name, local(t).detach()) for name, t in named if isinstance(t, torch.Tensor)]
     out = []
-    for name, t in named:
-        if isinstance(t, torch.Tensor):
-            n, p, m = nonfinite(local(t).detach())
+    for (name, t), fine in zip(items, surely_finite([t for _, t in items])):
+        if not fine:
+            n, p, m = nonfinite(t)
             if n or p or m:
                 out.append(BadValue(where, name, n, p, m))
     return out
