@@ -7,7 +7,8 @@ diff what they wrote (issue 29's guardrail: a speed-up must not change any repor
 ``collect`` runs ``python -m nanbisect run BUNDLE --out DIR/NAME`` in a fresh interpreter with
 CHECKOUT as working directory and ``PYTHONPATH`` (default bundles: ``fixtures/bundles/*``), two
 at a time, and keeps the exit code. ``compare`` normalises what varies from run to run (the
-``timings``, the paths of the bundle, the report and the checkout) and diffs report.json,
+``timings``, the paths of the report and of the checkout: a source line shown relative to the
+working directory) and diffs report.json,
 report.md, every repro script, and the tensors of every repro's ``inputs.safetensors`` bit for
 bit. Exit 1 when anything differs.
 """
@@ -28,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def collect(root: Path, out: Path, bundles: list[Path]) -> None:
     out.mkdir(parents=True, exist_ok=True)
+    (out / ".root").write_text(str(root))     # the checkout's paths are normalised away
 
     def one(b: Path) -> str:
         dest = out / b.name
@@ -44,15 +46,15 @@ def collect(root: Path, out: Path, bundles: list[Path]) -> None:
 
 def _norm(text: str, names: list[str]) -> str:
     for n in names:
-        text = text.replace(n, "<PATH>")
+        text = text.replace(n, "" if n.endswith(os.sep) else "<PATH>")
     return re.sub(r"/tmp/[^\s\"']*", "<TMP>", text)
 
 
 def _json(path: Path, names: list[str]) -> str:
     data = json.loads(path.read_text())
     data.pop("timings", None)
-    for f in ("report.json", "report.html"):     # the marker's hashes of what holds timings
-        (data.get("files") or {}).pop(f, None)
+    if path.name == ".nanbisect-report":     # hashes of files compared one by one here
+        data.pop("files", None)
     return _norm(json.dumps(data, indent=1, sort_keys=True), names)
 
 
@@ -74,6 +76,8 @@ def compare(a: Path, b: Path) -> int:
         diffs = [] if ea == eb else [f"exit {ea} != {eb}"]
         da, db = a / name, b / name
         names_a, names_b = [str(da), str(a)], [str(db), str(b)]
+        roots = [(d / ".root").read_text() + os.sep for d in (a, b) if (d / ".root").exists()]
+        names_a, names_b = names_a + roots, names_b + roots
         files = sorted({p.relative_to(da) for p in da.rglob("*") if p.is_file()}
                        | {p.relative_to(db) for p in db.rglob("*") if p.is_file()})
         for rel in files:
