@@ -45,7 +45,12 @@ def _scan(where: str, named, summed: bool = False) -> list[BadValue]:
     first decides which need counting (`surely_finite`: a finite sum is exact, the rest are
     counted); for the scans before the step only. NB: the scans inside the step (the loss, the
     gradients, the updated parameters) run under the passes' dispatch modes, which count their
-    ops into the step's op indices: they keep the ops they have always run."""
+    ops into the step's op indices: they keep the ops they have always run.
+
+    >>> big, bad = torch.full((2,), 3e38), torch.tensor([1.0, float("nan"), float("-inf")])
+    >>> _scan("parameter", [("big", big), ("bad", bad)], summed=True)   # big's sum overflows
+    [BadValue(where='parameter', name='bad', nan=1, posinf=0, neginf=1)]
+    """
     items = [(name, local(t).detach()) for name, t in named if isinstance(t, torch.Tensor)]
     out = []
     fine = surely_finite([t for _, t in items]) if summed else [False] * len(items)

@@ -106,13 +106,20 @@ def defer_dynamo() -> Iterator[None]:
     if code is None or _MODULE in sys.modules:
         yield
         return
-    fns = _wrapped_functions(code)
+    with _deferred(_wrapped_functions(code)):
+        yield
+
+
+@contextlib.contextmanager
+def _deferred(fns: list) -> Iterator[_Watch]:
+    """``fns`` (functions under a wrapper) cached as their own disabled version until the block
+    ends or torch._dynamo starts being imported."""
     for fn in fns:
         setattr(fn, _ATTR, fn)
     watch = _Watch(fns)
     sys.meta_path.insert(0, watch)
     try:
-        yield
+        yield watch
     finally:
         with contextlib.suppress(ValueError):
             sys.meta_path.remove(watch)
