@@ -230,7 +230,7 @@ def test_forward_catch_rides_along_the_recording(tmp_path):
         for a, b in zip(caught.args, narrow.args))
     assert rows == tracer.result() and rows.samples     # the same rows, and some
     assert ahead.caught("aten.sub.Tensor", f.op_index) is None     # not the root's name
-    r = run_bundle(bundle, RunOptions(remedies=0), tmp_path / "report")
+    r = run_bundle(bundle, RunOptions(remedies=0, run_repro=False), tmp_path / "report")
     assert r.culprit.op == "aten.sqrt.default" and r.culprit.samples == rows.samples
     assert "input-catch" not in r.timings and "op-recording" in r.timings
     # over its byte budget nothing is kept: the pipeline then replays to catch (pass 3)
