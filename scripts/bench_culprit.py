@@ -15,6 +15,10 @@ model), which:
   torch, nanbisect); B, A plus building one optimizer (torch imports ``torch._dynamo`` lazily
   the first time a process builds one, ~1.5 s here: any training script pays it before its
   first step); "after start-up" is the CLI's wall time less that;
+* times, in the same rounds, ``nanbisect run --no-remedies`` (issue 29's measure: cold CLI until
+  the culprit is printed, less a bare ``python -c "import torch, nanbisect"``), in wall time and
+  in CPU time (the children's rusage around each run: on a loaded machine the CPU time is the
+  steadier of the two), each against a plain step's;
 * times ``run_bundle`` in this process, warm (the entry imported and torch's lazy imports done
   by a first, uncounted run), the repro's run included, split by pass (the progress callback:
   the same passes as ``report.json``'s ``timings``), with the remedies (issue 27: the default
@@ -56,6 +60,15 @@ def ms(s: float) -> float:
     return 1e3 * s
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children: a subprocess's CPU is
+    the difference around its run (a loaded machine inflates its wall time, less its CPU)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -> dict:
     """Everything for one size; runs in a process whose environment names the size."""
     import torch
@@ -70,7 +83,7 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
     res = {"size": size, "config": bb.CONFIG, "threads": torch.get_num_threads(),
            "n_params": sum(p.numel() for p in rep.task.model.parameters()),
            "loadavg_start": os.getloadavg()}
-    plain, inproc, cli, startup, bare = [], [], [], [], []
+    plain, inproc, cli, cli_bare, startup, bare = [], [], [], [], [], []
     cpu: dict[str, list] = {"plain": [], "with": [], "without": []}   # this process's CPU, ms
     for i in range(reps + 1):           # round 0 warms up (imports, allocator): not counted
         for _ in range(steps if i else 1):
@@ -98,29 +111,33 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
         if i:
             bare.append({"total_ms": ms(time.perf_counter() - t0), "timings": {}})
             cpu["without"].append(ms(time.process_time() - c0))
-        out = work / f"cli-{i}"
-        t0 = time.perf_counter()
-        p = subprocess.run([sys.executable, "-m", "nanbisect", "run", "--ckpt", str(bundle),
-                            "--out", str(out), "--json"], capture_output=True, text=True,
-                           cwd=str(ROOT))
-        total = time.perf_counter() - t0
-        if p.returncode != 1:
-            raise RuntimeError(f"nanbisect run exited {p.returncode}: {p.stderr[-1500:]}")
-        cli_rep = json.loads(p.stdout)
-        if i:
-            cli.append({"total_ms": ms(total), "timings": cli_rep.get("timings")})
+        for rows, flags in ((cli, []), (cli_bare, ["--no-remedies"])):
+            out = work / f"cli{'-'.join(flags)}-{i}"
+            t0, c0 = time.perf_counter(), _children_cpu()
+            p = subprocess.run([sys.executable, "-m", "nanbisect", "run", "--ckpt", str(bundle),
+                                "--out", str(out), "--json", *flags], capture_output=True,
+                               text=True, cwd=str(ROOT))
+            total, cpu_s = time.perf_counter() - t0, _children_cpu() - c0
+            if p.returncode != 1:
+                raise RuntimeError(f"nanbisect run exited {p.returncode}: {p.stderr[-1500:]}")
+            cli_rep = json.loads(p.stdout)
+            if i:
+                rows.append({"total_ms": ms(total), "timings": cli_rep.get("timings"),
+                             "cpu_ms": ms(cpu_s)})
         # start-up: what `nanbisect run` loads before it reads the bundle (the same for every
         # version measured): python, torch, the pipeline's modules; and with torch's own lazy
         # import of torch._dynamo that building the first optimizer of a process pays (~1.5 s:
         # any training script pays it before its first step; the task build does here)
         row = {}
-        for key, code in (("imports", "import nanbisect.cli, nanbisect.pipeline"),
+        for key, code in (("bare", "import torch, nanbisect"),
+                          ("imports", "import nanbisect.cli, nanbisect.pipeline"),
                           ("imports_and_first_optimizer",
                            "import nanbisect.cli, nanbisect.pipeline, torch; "
                            "torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)")):
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), _children_cpu()
             subprocess.run([sys.executable, "-c", code], check=True, cwd=str(ROOT))
             row[key] = ms(time.perf_counter() - t0)
+            row[key + "_cpu"] = ms(_children_cpu() - c0)
         if i:
             startup.append(row)
     c = report.culprit
@@ -151,7 +168,18 @@ def one_size(size: str, reps: int, steps: int, transformers: bool, venv: Path) -
                      "remedies_add_x_plain": (med["with"] - med["without"]) / med["plain"]}
     res["cli"] = summary(cli)
     res["startup_ms"] = {k: statistics.median(r[k] for r in startup) for k in startup[0]}
-    for key in startup[0]:
+    # the issue's measure (29): `nanbisect run --no-remedies` until the culprit is printed, less
+    # a bare `import torch, nanbisect`; in wall time and in CPU time (the CLI's process and its
+    # children, the repro's fork included), each against a plain step's
+    res["cli_no_remedies"] = summary(cli_bare)
+    after = res["cli_no_remedies"]["median_ms"] - res["startup_ms"]["bare"]
+    cpu_after = (statistics.median(r["cpu_ms"] for r in cli_bare)
+                 - res["startup_ms"]["bare_cpu"])
+    res["cli_no_remedies_after_bare"] = {
+        "median_ms": after, "x_plain": after / step, "cpu_ms": cpu_after,
+        "cpu_x_plain": cpu_after / med["plain"],
+        "cpu_all_ms": [r["cpu_ms"] for r in cli_bare]}
+    for key in ("imports", "imports_and_first_optimizer"):
         after = res["cli"]["median_ms"] - res["startup_ms"][key]
         res[f"cli_after_{key}"] = {"median_ms": after, "x_plain": after / step}
     res["bytes"] = {"report": bb.dir_bytes(work / f"in-{reps}")[0],
@@ -184,6 +212,18 @@ def table(results: list[dict]) -> str:
     row("plain step, ms (median)", [f"{r['plain_step_ms']['median']:.0f}" for r in results])
     row("`nanbisect run` wall (fresh interpreter), x plain step",
         [f"{r['cli']['x_plain']:.2f}x ({r['cli']['median_ms']:.0f} ms)" for r in results])
+    if all("cli_no_remedies_after_bare" in r for r in results):
+        row("**`nanbisect run --no-remedies` less a bare `import torch, nanbisect`, x plain "
+            "step: wall / CPU** (issue 29: <= 5)",
+            [f"**{r['cli_no_remedies_after_bare']['x_plain']:.2f}x / "
+             f"{r['cli_no_remedies_after_bare']['cpu_x_plain']:.2f}x**" for r in results])
+        row("the same, ms: wall / CPU (the fixed cost at small)",
+            [f"{r['cli_no_remedies_after_bare']['median_ms']:.0f} / "
+             f"{r['cli_no_remedies_after_bare']['cpu_ms']:.0f}" for r in results])
+        row("bare `python -c 'import torch, nanbisect'`, ms: wall / CPU",
+            [f"{r['startup_ms']['bare']:.0f} / {r['startup_ms']['bare_cpu']:.0f}"
+             for r in results])
+        row("plain step, CPU ms (median)", [f"{r['cpu_ms']['plain']:.0f}" for r in results])
     row("start-up A: `python -c 'import nanbisect.cli, nanbisect.pipeline'`, ms",
         [f"{r['startup_ms']['imports']:.0f}" for r in results])
     row("start-up B: A + torch's first optimizer (its lazy `import torch._dynamo`), ms",

@@ -205,3 +205,56 @@ def test_forward_recording_is_scoped_to_the_producing_module_call(tmp_path):
     r = run_bundle(str(ROOT / "fixtures" / "bundles" / "overflow_then_nan"),
                    RunOptions(run_repro=False), tmp_path / "b")
     assert r.op_recording.scope is None and r.inf_origin.op == "aten.exp.default"
+
+
+def test_forward_catch_rides_along_the_recording(tmp_path):
+    """Pass 3 folded into pass 2 (a forward culprit on the CPU): what `AheadCatch` caught at the
+    root on the recording's way is what the narrow replay catches (arguments, RNG state right
+    after a dropout, source line, batch rows), and a run then has no input-catch pass."""
+    from nanbisect.locate.catch import AheadCatch
+    from nanbisect.locate.rows import RowTracer
+
+    torch.manual_seed(0)
+    bundle = guard_bundle(tmp_path, "drop_then_sqrt", torch.randn(6, 8))
+    rep = Replayer(read_bundle(bundle), torch.device("cpu"))
+    ahead = AheadCatch(rep, RowTracer(None, "nan"))
+    f = record_ops(rep, "forward", "nan", ahead=ahead)
+    caught, rows = ahead.caught(f.site.op, f.op_index)
+    tracer = RowTracer(f.site, "nan")
+    narrow = catch_inputs(rep, f.site, rows=tracer)
+    assert (caught.op, caught.source, caught.mutated) == (narrow.op, narrow.source, [])
+    assert caught.source.endswith(f"traps.py:{line_of('torch.sqrt(self.drop')}")
+    assert torch.equal(caught.rng["rng/cpu"], narrow.rng["rng/cpu"])
+    assert len(caught.args) == len(narrow.args) and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(caught.args, narrow.args))
+    assert rows == tracer.result() and rows.samples     # the same rows, and some
+    assert ahead.caught("aten.sub.Tensor", f.op_index) is None     # not the root's name
+    r = run_bundle(bundle, RunOptions(remedies=0, run_repro=False), tmp_path / "report")
+    assert r.culprit.op == "aten.sqrt.default" and r.culprit.samples == rows.samples
+    assert "input-catch" not in r.timings and "op-recording" in r.timings
+    # over its byte budget nothing is kept: the pipeline then replays to catch (pass 3)
+    small = AheadCatch(rep, None, max_bytes=0)
+    f = record_ops(rep, "forward", "nan", ahead=small)
+    assert f is not None and small.caught(f.site.op, f.op_index) is None
+
+
+def test_recorder_offers_only_roots_it_can_hand_over():
+    """`OpRecorder(born=...)` offers an op that made the kind from clean inputs, right after it
+    ran; not one fed a bad value, nor one that wrote its argument (its input is gone)."""
+    from nanbisect.replay.recorder import OpRecorder
+
+    for kind, expect in (("nan", ["aten.sqrt.default"]),
+                         ("inf", ["aten.sqrt.default", "aten.log.default"])):
+        offered = []
+        rec = OpRecorder(None, {"forward"}, kind=kind,
+                         born=lambda i, func, args, kw: offered.append(
+                             (str(func), args[0].clone())))
+        x, z = torch.tensor([-1.0, 4.0]), torch.tensor([1.0, 0.0])
+        with rec:
+            y = x.sqrt()                # clean in, NaN out: offered, its input intact
+            y + 1                       # NaN in: not a root
+            z.log()                     # -inf out of clean inputs: a root of an inf failure
+            x.clone().sqrt_()           # writes its argument: not offered
+        assert [op for op, _ in offered] == expect
+        assert torch.equal(offered[0][1], x)

@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.locate.rows import RowTracer
-from nanbisect.records import CallId, Caught, ModuleCaught, OpSite
+from nanbisect.records import CallId, Caught, ModuleCaught, OpSite, RowTrace
 from nanbisect.replay.recorder import SKIP
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
@@ -173,6 +173,62 @@ class InputCatcher(TorchDispatchMode):
                       mutated=[i for i, a in enumerate(func._schema.arguments[:len(args)])
                                if a.alias_info is not None and a.alias_info.is_write],
                       rng=rng, source=source)
+
+
+class AheadCatch:
+    """Pass 3 folded into pass 2, for a forward culprit on the CPU: while the op-recording pass
+    runs, catch what `InputCatcher` would catch (arguments, RNG state, source line, and with
+    ``rows`` the batch rows) at every op the recorder sees make the failure's kind from clean
+    inputs (`OpRecorder`'s ``born``): the root provenance finds afterwards is one of them, so
+    `caught` hands its catch over and the narrow replay of `catch_inputs` is not needed.
+
+    Only ops that wrote none of their arguments and drew no random numbers are offered (their
+    arguments are, after the op, what it read; the RNG state is the one it started from), and
+    clones stop at ``max_bytes`` (a mask filled with -inf in every layer, under an inf
+    failure, offers one candidate per layer): `caught` is None for a root not caught this way,
+    and the caller replays to catch it (`catch_inputs`).
+
+    Hand `start` to the replayer's ``batch_edits`` and `on_born` to the recorder; enter
+    ``rows`` (a `RowTracer` without a site) above the recorder, so that it follows every op.
+    """
+
+    def __init__(self, rep: Replayer, rows: RowTracer | None = None,
+                 max_bytes: int = 256 << 20) -> None:
+        opt = rep.task.optimizer
+        self.files = ()
+        if opt is not None:
+            try:
+                self.files = (os.path.abspath(inspect.getsourcefile(type(opt)) or ""),)
+            except TypeError:
+                pass
+        self.rows, self.max_bytes = rows, max_bytes
+        self.kept: dict[int, tuple[Caught, RowTrace | None]] = {}
+        self.bytes = 0
+
+    def start(self, batch):
+        """A new run of the step (a `Replayer.batch_edits` entry): forget the last one's."""
+        self.kept.clear()
+        self.bytes = 0
+        return self.rows.start(batch) if self.rows is not None else batch
+
+    def phase(self, name: str) -> None:
+        if self.rows is not None:
+            self.rows.phase = name
+
+    def on_born(self, index: int, func, args: tuple, kwargs: dict) -> None:
+        size = sum(t.numel() * t.element_size() for t in
+                   torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+        if self.bytes + size > self.max_bytes:
+            return
+        self.bytes += size
+        caught = InputCatcher._catch(func, args, kwargs, "forward", self.files)
+        rows = self.rows.trace_at(func, args, kwargs) if self.rows is not None else None
+        self.kept[index] = (caught, rows)
+
+    def caught(self, op: str, op_index: int) -> tuple[Caught, RowTrace | None] | None:
+        """The catch at the root op (its name and index in the step), None when not caught."""
+        got = self.kept.get(op_index)
+        return got if got is not None and got[0].op == op else None
 
 
 def catch_inputs(rep: Replayer, site: OpSite,

@@ -13,6 +13,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from typing import Callable, ContextManager
 
+from nanbisect.locate.catch import AheadCatch
 from nanbisect.locate.provenance import (Root, born_in_forward, context, culprit_root, hidden_by,
                                          inf_origin, op_ref, points_to_forward, reaches_outside,
                                          surfaced_at)
@@ -25,7 +26,8 @@ from nanbisect.replay.tracker import ModuleTracker
 def record_ops(rep: Replayer, phase: str, kind: str,
                wrap: Callable[[], ContextManager] = nullcontext,
                scope: CallId | None = None, *, cross_phase: bool = True,
-               progress: Callable[[str, str], None] | None = None) -> OpFinding | None:
+               progress: Callable[[str, str], None] | None = None,
+               ahead: AheadCatch | None = None) -> OpFinding | None:
     """Second pass: record the ops of ``phase`` and trace the failure back to its root op.
 
     With ``scope`` (the forward module call that the first pass found producing the failure from
@@ -43,12 +45,19 @@ def record_ops(rep: Replayer, phase: str, kind: str,
     ``cross_phase``; announced to ``progress`` as "cross-phase"): the culprit is then where the
     value was born, and ``surfaced`` where it became visible. Other runs pay nothing for it.
     NB: multi-rank replays pass ``cross_phase=False`` (every rank must run the same passes).
+
+    With ``ahead`` (forward, CPU) the recording of the forward also catches the inputs of every
+    root candidate (`AheadCatch`): ``ahead.caught`` then has the root's, from the same replay
+    as the finding returned.
     """
+    if phase != "forward":
+        ahead = None
     if scope is not None and phase == "forward":
-        found = _finding(rep, _record(rep, phase, wrap, scope), phase, kind, scope)
+        found = _finding(rep, _record(rep, phase, wrap, scope, kind=kind, ahead=ahead), phase,
+                         kind, scope)
         if found is not None:
             return found
-    recorded = _record(rep, phase, wrap, None)
+    recorded = _record(rep, phase, wrap, None, kind=kind, ahead=ahead)
     if phase == "backward" and cross_phase:
         table, starts, _ = recorded
         if points_to_forward(table, list(starts.values()), _root(table, starts, phase, kind),
@@ -66,10 +75,12 @@ _Recorded = tuple[OpTable, dict[str, tuple[int, int]], list[str]]
 
 
 def _record(rep: Replayer, phase: str, wrap, scope: CallId | None,
-            phases: set[str] | None = None) -> _Recorded:
+            phases: set[str] | None = None, *, kind: str = "nan",
+            ahead: AheadCatch | None = None) -> _Recorded:
     """Replay with the op recorder over ``phases`` (default: ``phase``) up to the end of
     ``phase``; return the table, the failed values to start from (the loss, the gradients, the
-    updated parameters) by name, and the parameters' names in model order."""
+    updated parameters) by name, and the parameters' names in model order. With ``ahead``, its
+    catches ride along (the recorder offers it the root candidates of ``kind``)."""
     model = rep.task.model
     both = phases is not None and len(phases) > 1
     tracker = ModuleTracker(model, map_nodes=(phase == "backward"))
@@ -80,8 +91,23 @@ def _record(rep: Replayer, phase: str, wrap, scope: CallId | None,
                 started[0] = True
         tracker.listen(enter=start)
     rec = OpRecorder(tracker, phases=phases or {phase},
-                     scope=None if scope is None else lambda: started[0], nodes=both)
-    out = rep.run(phase=rec.follow, wrap=lambda: stacked(wrap(), tracker, rec), stop_after=phase)
+                     scope=None if scope is None else lambda: started[0], nodes=both,
+                     born=ahead.on_born if ahead is not None else None, kind=kind)
+    if ahead is None:
+        out = rep.run(phase=rec.follow, wrap=lambda: stacked(wrap(), tracker, rec),
+                      stop_after=phase)
+    else:
+        def follow(name: str):
+            ahead.phase(name)
+            return rec.follow(name)
+        # the row tracer above the recorder: it sees every op, not the recorder's own
+        riders = [ahead.rows] if ahead.rows is not None else []
+        rep.batch_edits.append(ahead.start)
+        try:
+            out = rep.run(phase=follow, wrap=lambda: stacked(wrap(), tracker, rec, *riders),
+                          stop_after=phase)
+        finally:
+            rep.batch_edits.remove(ahead.start)
     names = list(model.named_parameters())
     if phase == "forward" and out.loss_tensor is not None:
         rec.mark("loss", out.loss_tensor)

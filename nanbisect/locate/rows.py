@@ -114,7 +114,7 @@ class RowTracer(TorchDispatchMode):
     [2]
     """
 
-    def __init__(self, site: OpSite, kind: str) -> None:
+    def __init__(self, site: OpSite | None, kind: str) -> None:
         super().__init__()
         self.site, self.kind = site, kind
         self.phase = "forward"
@@ -173,7 +173,7 @@ class RowTracer(TorchDispatchMode):
         kwargs = kwargs or {}
         if func in SKIP or self.done or self.rows is None:
             return func(*args, **kwargs)
-        if self.phase == self.site.phase and str(func) == self.site.op:
+        if self.site is not None and self.phase == self.site.phase and str(func) == self.site.op:
             if self.seen == self.site.occurrence:
                 self.done = True
                 try:
@@ -198,6 +198,23 @@ class RowTracer(TorchDispatchMode):
     def _decide(self, func, args: tuple, kwargs: dict) -> None:
         """At the culprit: run it once more on copies of its inputs (modes off), find the rows of
         its outputs that hold the bad value, map them to batch rows."""
+        self.samples, self.why = self._rows_at(func, args, kwargs)
+
+    def trace_at(self, func, args: tuple, kwargs: dict) -> RowTrace:
+        """The rows an op's bad value depends on, asked at that op (its inputs as they were
+        when it ran), for a tracer made without a site (``site=None``: it follows every op
+        and decides nowhere by itself): what `result` would say were that op the culprit."""
+        try:
+            samples, why = self._rows_at(func, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - the pass it rides on must go on
+            samples, why = None, f"the row trace failed at {func}: {e}"
+        if self.rows is None:
+            why = "the batch has no tensor with a row dimension"
+        elif self.done:      # a failure inside the tracer before this op
+            samples, why = None, self.why
+        return RowTrace(samples, self.rows, None if samples is not None else why)
+
+    def _rows_at(self, func, args: tuple, kwargs: dict) -> tuple[list[int] | None, str | None]:
         with _disable_current_modes():
             copy = lambda x: x.clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
             cargs = torch.utils._pytree.tree_map(copy, list(args))
@@ -214,16 +231,14 @@ class RowTracer(TorchDispatchMode):
                 if not bool(bad.any()):
                     continue
                 if s is None:
-                    self.why = ("the first bad value depends on no batch row: it is made from "
-                                "the model's state alone")
-                    return
+                    return None, ("the first bad value depends on no batch row: it is made "
+                                  "from the model's state alone")
                 if isinstance(s, str):
-                    self.why = f"the first bad value mixes the batch's rows ({s})"
-                    return
+                    return None, f"the first bad value mixes the batch's rows ({s})"
                 rows = bad.reshape(o.shape[0], -1).any(1).nonzero().flatten().tolist()
                 found |= {r // s for r in rows}
-        self.samples = sorted(found) if found else None
-        self.why = None if found else "no output of the culprit op held the bad value again"
+        return (sorted(found), None) if found else (
+            None, "no output of the culprit op held the bad value again")
 
     def _outputs(self, func, args: tuple, kwargs: dict, outs: list[torch.Tensor]
                  ) -> list[State]:

@@ -6,7 +6,8 @@ Passes over the step, each from the bundle's pre-step state:
   2. op recording over the failing phase only; provenance from the failed value to its root op
      (a backward failure that points to forward: forward and backward once more, together, and
      the root is where the value was born, ``culprit.surfaced`` where it showed);
-  3. a narrow replay that clones the root op's inputs (and takes the only Python stack), for the
+  3. a narrow replay that clones the root op's inputs (and takes the only Python stack; for a
+     forward culprit on the CPU pass 2 has already caught them on its way: no replay), for the
      standalone repro, which then runs once where nanbisect cannot be imported by it: on the CPU
      in a fork of this process (torch loaded), elsewhere in a fresh interpreter started when the
      run began (its ``import torch`` overlapped the passes; `nanbisect.report.rerun`), while this

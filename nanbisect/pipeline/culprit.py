@@ -13,7 +13,7 @@ import torch
 from nanbisect.bundle import lookback
 from nanbisect.bundle.lookback import BundleView
 from nanbisect.finish import Evidence, classify_culprit, finish
-from nanbisect.locate.catch import catch_inputs, catch_module_call
+from nanbisect.locate.catch import AheadCatch, catch_inputs, catch_module_call
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.rows import RowTracer
 from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_parameter,
@@ -115,8 +115,9 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
 
     run.progress("op-recording", f"pass 2/3: recording the {phase} phase's ops")
     scope = call.call if phase == "forward" and call is not None else None
+    ahead = _ahead(run, phase, kind)
     finding = _guarded(lambda: record_ops(rep, phase, kind, run.wrap, scope,
-                                          progress=run.progress),
+                                          progress=run.progress, ahead=ahead),
                        "recording the step's ops")
     caught = None
     if finding is None:
@@ -127,8 +128,12 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
             notes.append(_surfaced_note(finding, kind))
         if finding.module_call is not None:   # the table row of the op's own module call
             call = table.get(CallId(finding.module, finding.module_call)) or call
-        run.progress("input-catch", "pass 3/3: catching the culprit's inputs")
-        caught, traced = _catch(run, finding, kind)
+        got = ahead.caught(finding.site.op, finding.op_index) if ahead is not None else None
+        if got is not None:     # caught by pass 2 on its way
+            caught, traced = got
+        else:
+            run.progress("input-catch", "pass 3/3: catching the culprit's inputs")
+            caught, traced = _catch(run, finding, kind)
         if caught is None:
             notes.append("the culprit op could not be caught again in a narrow replay (the "
                          "step is not deterministic); no repro was written")
@@ -176,6 +181,17 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
                                   finding.phases) if finding else None),
         uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [],
         remedies=remedies)
+
+
+def _ahead(run: _Run, phase: str, kind: str) -> AheadCatch | None:
+    """Pass 3 folded into pass 2 (`AheadCatch`) where it can be: a forward failure replayed on
+    the CPU, in one process (a forward catch there ends its replay at the culprit: in lockstep
+    or under torch.distributed it would not, and elsewhere the flags stay on the device)."""
+    rep = run.rep
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if phase != "forward" or rep.device.type != "cpu" or rep.lockstep or distributed:
+        return None
+    return AheadCatch(rep, RowTracer(None, kind) if rep.task.accumulate == 1 else None)
 
 
 def _catch(run: _Run, finding: OpFinding, kind: str) -> tuple[Caught | None, RowTrace | None]:

@@ -14,17 +14,15 @@ from nanbisect import history as hist
 from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.errors import BadInput
-from nanbisect.multirank.alone import check_tape
-from nanbisect.multirank.launcher import parse_ranks, run_multirank
 from nanbisect.pipeline.common import Progress, RunOptions
 from nanbisect.pipeline.step import _analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
-from nanbisect.pipeline.window import _run_steps
 from nanbisect.replay.replayer import parse_device
 from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
+from nanbisect.util.dynamo import defer_dynamo
 from nanbisect.util.text import show
 
 
@@ -90,6 +88,10 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
         raise BadInput(f"--steps {opts.steps}: bundle '{bundle.path}' is multi-rank; replaying "
                        "several steps is for single-process bundles yet: drop --steps")
     if bundle.multi_rank:
+        # NB: imported here, as `_run_steps` below: a one-rank run does not load them
+        from nanbisect.multirank.alone import check_tape
+        from nanbisect.multirank.launcher import parse_ranks, run_multirank
+
         subset = parse_ranks(opts.ranks, bundle.world_size) if opts.ranks is not None else None
         _check_partial(bundle, subset)
         if subset is not None:
@@ -107,7 +109,10 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
                              ranks=subset, remedies=opts.remedies)
     threads = torch.get_num_threads()
     try:
-        return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype)
+        # an eager replay does not import torch._dynamo for torch's own disable-wrappers (the
+        # task's optimizer, the passes' dispatch modes): `nanbisect.util.dynamo`
+        with defer_dynamo():
+            return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype)
     finally:
         torch.set_num_threads(threads)     # the capture's count was this run's only
 
@@ -145,6 +150,8 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, t
                            "--steps")
     with staged(out, bundle.path) as tmp:
         if window is not None:
+            from nanbisect.pipeline.window import _run_steps
+
             report, rep = _run_steps(bundle, window, history, opts, progress, target, t_dev,
                                      t_dtype, tmp)
         else:

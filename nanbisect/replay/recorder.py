@@ -230,8 +230,16 @@ class OpRecorder(TorchDispatchMode):
 
     def __init__(self, tracker: ModuleTracker | None, phases: set[str],
                  keep: Callable[[], bool] | None = None,
-                 scope: Callable[[], bool] | None = None, nodes: bool = False) -> None:
+                 scope: Callable[[], bool] | None = None, nodes: bool = False,
+                 born: Callable[..., None] | None = None, kind: str = "nan") -> None:
         super().__init__()
+        # called as born(index, func, args, kwargs) right after a recorded forward op on the CPU
+        # turned inputs free of ``kind`` into an output that holds it (a root candidate: the
+        # root provenance finds later is one of them), when the op wrote none of its arguments,
+        # drew no random numbers and took no list of tensors: its arguments are still what it
+        # read (`nanbisect.locate.catch.AheadCatch` clones them then, instead of a replay)
+        self.born, self.kind = born, kind
+        self._host: dict[int, tuple[bool, bool, bool]] = {}  # row -> (nan, +inf, -inf), CPU
         self.tracker = tracker
         self.keep = keep
         self.scope = scope      # when given, only ops for which scope() is true are recorded
@@ -284,12 +292,41 @@ class OpRecorder(TorchDispatchMode):
             return None
         t = t.detach()
         lo, hi = torch.aminmax(t)
-        if t.device.type == "cpu" and math.isfinite(lo.item()) and math.isfinite(hi.item()):
+        host = None
+        if t.device.type == "cpu":
+            lv, hv = lo.item(), hi.item()
+            nan = math.isnan(lv) or math.isnan(hv)
+            host = (nan, not nan and hv == math.inf, not nan and lv == -math.inf)
+        if host is not None and not any(host):
             fin = torch.full((), math.nan)
         else:
             fin = torch.where(torch.isfinite(t), t.abs(), 0).amax()
         self._rows.append(torch.stack([lo.float(), hi.float(), fin.float().to(lo.device)]))
+        if host is not None:
+            self._host[len(self._rows) - 1] = host
         return len(self._rows) - 1
+
+    def _bad_on_host(self, row: int | None) -> bool | None:
+        """Does a CPU value hold ``self.kind``? None: not known on the host (another device)."""
+        if row is None:
+            return False
+        h = self._host.get(row)
+        if h is None:
+            return None
+        return h[0] if self.kind == "nan" else any(h)
+
+    def _is_born(self, func, ins: list, outs: list, mutated: set) -> bool:
+        """Did this op make ``kind`` from inputs free of it (see ``born``)?"""
+        if mutated or func.namespace in COLLECTIVE_NAMESPACES or \
+                torch.Tag.nondeterministic_seeded in func.tags:
+            return False
+        for src, elem, _ in ins:
+            if elem is not None:
+                return False
+            row = self._ops[src[1]]["outs"][src[2]][0] if src[0] == "op" else src[1]
+            if self._bad_on_host(row) is not False:
+                return False
+        return any(self._bad_on_host(r) for r, _ in outs)
 
     def _where(self, node) -> tuple[str | None, int | None]:
         """The module call of the running op (``node``: the autograd node running, backward)."""
@@ -378,6 +415,9 @@ class OpRecorder(TorchDispatchMode):
         if keeping:
             self.kept[pos] = (kept_args, kept_kwargs, [t.detach().clone()
                                                        for t, _ in tensor_args(written)])
+        if self.born is not None and self.phase == "forward" and \
+                self._is_born(func, ins, outs, mutated):
+            self.born(index, func, args, kwargs)
         node, formula = None, False
         if self.phase == "backward":
             fn = torch._C._current_autograd_node()

@@ -25,7 +25,7 @@ from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, resto
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
 from nanbisect.util.compiled import compile_model
-from nanbisect.util.tensors import nonfinite
+from nanbisect.util.tensors import nonfinite, surely_finite
 
 PHASES = ("input", "forward", "backward", "optimizer")
 
@@ -41,11 +41,23 @@ def parse_device(spec: str, flag: str = "--target/--reference"
     return devices.parse(spec, flag)
 
 
-def _scan(where: str, named) -> list[BadValue]:
+def _scan(where: str, named, summed: bool = False) -> list[BadValue]:
+    """The non-finite values among ``named`` tensors, counted. ``summed``: one sum per tensor
+    first decides which need counting (`surely_finite`: a finite sum is exact, the rest are
+    counted); for the scans before the step only. NB: the scans inside the step (the loss, the
+    gradients, the updated parameters) run under the passes' dispatch modes, which count their
+    ops into the step's op indices: they keep the ops they have always run.
+
+    >>> big, bad = torch.full((2,), 3e38), torch.tensor([1.0, float("nan"), float("-inf")])
+    >>> _scan("parameter", [("big", big), ("bad", bad)], summed=True)   # big's sum overflows
+    [BadValue(where='parameter', name='bad', nan=1, posinf=0, neginf=1)]
+    """
+    items = [(name, local(t).detach()) for name, t in named if isinstance(t, torch.Tensor)]
     out = []
-    for name, t in named:
-        if isinstance(t, torch.Tensor):
-            n, p, m = nonfinite(local(t).detach())
+    fine = surely_finite([t for _, t in items]) if summed else [False] * len(items)
+    for (name, t), fine in zip(items, fine):
+        if not fine:
+            n, p, m = nonfinite(t)
             if n or p or m:
                 out.append(BadValue(where, name, n, p, m))
     return out
@@ -164,14 +176,16 @@ class Replayer:
         """Non-finite values present before the step runs (``-inf`` in a batch is allowed:
         masks)."""
         model, opt = self.task.model, self.task.optimizer
-        bad = [b for b in _scan("batch", iter_tensors(batch)) if b.nan or b.posinf]
-        bad += _scan("parameter", model.named_parameters())
-        bad += _scan("buffer", ((n, b) for n, b in model.named_buffers() if b.is_floating_point()))
+        bad = [b for b in _scan("batch", iter_tensors(batch), True) if b.nan or b.posinf]
+        bad += _scan("parameter", model.named_parameters(), True)
+        bad += _scan("buffer", ((n, b) for n, b in model.named_buffers() if b.is_floating_point()),
+                     True)
         if opt is not None:
             names = {p: n for n, p in model.named_parameters()}
             bad += _scan("optimizer", ((f"{names.get(p, '?')}.{k}", v) for p, st in
                                        opt.state.items() for k, v in st.items()
-                                       if isinstance(v, torch.Tensor) and v.is_floating_point()))
+                                       if isinstance(v, torch.Tensor) and v.is_floating_point()),
+                         True)
         return bad
 
     def run(self, *, phase: Callable[[str], ContextManager] = lambda name: nullcontext(),

@@ -1,7 +1,8 @@
 """NaN/inf counts and byte digests of tensors: the one home of each.
 
 Guarantees: `nan_inf_counts` and `nonfinite` read their counts back to the host (a device
-synchronisation per call); `nan_inf_on_device` never does (its result stays on the tensor's
+synchronisation per call); `surely_finite` one reduction per tensor and one read per device, an
+exact "all finite" or "count them"; `nan_inf_on_device` never does (its result stays on the tensor's
 device, ready for a collective). Integer and bool tensors count as finite. `tensor_bytes` is the
 row-major bytes of a tensor's elements, whatever its strides or device.
 Not here, on purpose: `replay.probe`'s per-module statistics (a fused fast path for finite CPU
@@ -42,6 +43,38 @@ def nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     s = torch.stack([torch.isnan(t).sum(), torch.isposinf(t).sum(), torch.isneginf(t).sum()])
     n, p, m = s.tolist()
     return int(n), int(p), int(m)
+
+
+# dtypes whose sum (accumulated in at least float32) answers "all finite?" (others: the exact
+# count, `nonfinite`)
+_SUMMED = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+           torch.float32: torch.float32, torch.float64: torch.float64}
+
+
+def surely_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """For each tensor: True when all its elements are certainly finite, from one reduction (a
+    sum) per tensor and one host read per device; False means "count them" (`nonfinite`).
+
+    A sum is finite only when every element is (a NaN makes it NaN; an inf makes it inf, or NaN
+    beside an inf of the other sign), so True is exact. False may also be a sum of large finite
+    values that overflowed (or a dtype not summed here): the caller counts those exactly.
+    Integer and bool tensors are finite.
+
+    >>> surely_finite([torch.ones(3), torch.tensor([1.0, float("-inf")]),
+    ...                torch.full((2,), 3e38), torch.arange(3)])
+    [True, False, False, True]
+    """
+    out: list[bool] = [not _counted(t) for t in tensors]
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
+    for i, t in enumerate(tensors):
+        acc = _SUMMED.get(t.dtype)
+        if acc is not None:
+            by_device.setdefault(t.device, []).append((i, t.sum(dtype=acc)))
+    for sums in by_device.values():
+        flags = torch.isfinite(torch.stack([s for _, s in sums])).tolist()
+        for (i, _), ok in zip(sums, flags):
+            out[i] = ok
+    return out
 
 
 def nan_inf_on_device(t: torch.Tensor) -> torch.Tensor:

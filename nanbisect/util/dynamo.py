@@ -1,0 +1,126 @@
+"""`defer_dynamo`: an eager replay that never compiles does not pay for importing torch._dynamo.
+
+torch wraps a few functions in ``torch._disable_dynamo`` (``torch/_compile.py``): the
+optimizer's ``add_param_group``, ``zero_grad``, ``state_dict`` and ``load_state_dict``, and the
+``__torch_dispatch__`` of every `TorchDispatchMode` subclass. The wrapper's first call imports
+``torch._dynamo`` (with sympy, torch.fx's symbolic shapes and inductor's registrations: 1.5-3 s
+of CPU on the 2-core machine, more than a plain step of bench_culprit's medium GPT) to build
+``torch._dynamo.disable(fn)`` and caches it on the wrapped function as ``fn.__dynamo_disable``.
+That function only matters while dynamo is compiling a frame; no frame can be compiled before
+``torch._dynamo`` is imported. So, while nothing has imported it, `defer_dynamo` puts ``fn``
+itself in that cache (the wrapper then calls ``fn`` directly) and takes it out again
+
+* when the block ends, and
+* the moment anything starts importing ``torch._dynamo`` (a compiled task's ``torch.compile``,
+  a user's own import): an import hook sees the import before it runs; the next call of each
+  wrapper then builds torch's own disabled function, exactly as without this module.
+
+NB: this touches torch internals, minimally: the attribute the wrapper itself reads. It applies
+only when the wrapper's code is the one this was written against (it reads and writes
+``__dynamo_disable`` on ``__wrapped__``: checked on the code object, so another torch's wrapper
+is left alone) and ``torch._dynamo`` is not imported yet. Wrappers of classes defined inside the
+block (a user's own optimizer or dispatch mode) are not covered: they import torch._dynamo as
+usual. Not thread-safe against another thread compiling at the same time (nanbisect's replay
+runs on one thread).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Iterator
+
+import torch
+
+_ATTR = "__dynamo_disable"
+_MODULE = "torch._dynamo"
+
+
+def _wrapper_code():
+    """The code object shared by every ``torch._disable_dynamo`` wrapper, when it follows the
+    protocol described above; else None."""
+    decorate = getattr(getattr(torch, "_compile", None), "_disable_dynamo", None)
+    if decorate is None:
+        return None
+    code = getattr(decorate(lambda: None), "__code__", None)
+    if code is None or _ATTR not in code.co_consts or _ATTR not in code.co_names:
+        return None
+    return code
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    todo = [cls]
+    while todo:
+        c = todo.pop()
+        yield c
+        todo.extend(c.__subclasses__())
+
+
+def _wrapped_functions(code) -> list:
+    """The functions under a ``torch._disable_dynamo`` wrapper on the optimizers' and the
+    dispatch modes' classes defined so far."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    out = []
+    for base in (torch.optim.Optimizer, TorchDispatchMode):
+        for cls in _subclasses(base):
+            for value in vars(cls).values():
+                if getattr(value, "__code__", None) is code:
+                    fn = getattr(value, "__wrapped__", None)
+                    if fn is not None and _ATTR not in vars(fn):
+                        out.append(fn)
+    return out
+
+
+class _Watch:
+    """A `sys.meta_path` entry that undoes the cache entries when torch._dynamo is imported."""
+
+    def __init__(self, patched: list) -> None:
+        self.patched = patched
+
+    def undo(self) -> None:
+        for fn in self.patched:
+            if vars(fn).get(_ATTR) is fn:
+                delattr(fn, _ATTR)
+        self.patched = []
+
+    def find_spec(self, name, path=None, target=None):
+        if name == _MODULE:
+            self.undo()
+        return None     # never finds anything: the import goes on as usual
+
+
+@contextlib.contextmanager
+def defer_dynamo() -> Iterator[None]:
+    """Within the block, torch's ``_disable_dynamo`` wrappers on optimizers and dispatch modes
+    call their function directly until something imports torch._dynamo (see the module).
+
+    >>> import sys, torch
+    >>> with defer_dynamo():
+    ...     opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+    ...     opt.zero_grad()
+    >>> "torch._dynamo" in sys.modules or not hasattr(opt.zero_grad.__wrapped__,
+    ...                                               "__dynamo_disable")
+    True
+    """
+    code = _wrapper_code()
+    if code is None or _MODULE in sys.modules:
+        yield
+        return
+    with _deferred(_wrapped_functions(code)):
+        yield
+
+
+@contextlib.contextmanager
+def _deferred(fns: list) -> Iterator[_Watch]:
+    """``fns`` (functions under a wrapper) cached as their own disabled version until the block
+    ends or torch._dynamo starts being imported."""
+    for fn in fns:
+        setattr(fn, _ATTR, fn)
+    watch = _Watch(fns)
+    sys.meta_path.insert(0, watch)
+    try:
+        yield watch
+    finally:
+        with contextlib.suppress(ValueError):
+            sys.meta_path.remove(watch)
+        watch.undo()
