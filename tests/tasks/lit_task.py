@@ -1,41 +1,10 @@
-"""A LightningModule whose activation takes sqrt: batch 2 carries inputs that make it NaN."""
+"""A LightningModule trained with Adam at eps=0 (tests/test_integrations.py; the sqrt module of
+the Lightning example is examples/lightning_train.py)."""
 import lightning as L
 import torch
 import torch.nn as nn
 
 from nanbisect.integrations.lightning import task_from_module
-
-
-class SqrtAct(nn.Module):
-    def forward(self, x):
-        return torch.sqrt(x + 3.0)                     # NaN below -3
-
-
-class Lit(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc = nn.Linear(4, 4)
-        self.act = SqrtAct()
-        self.head = nn.Linear(4, 1)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.head(self.act(self.fc(x))).squeeze(-1), y)
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01)
-
-
-def data():
-    g = torch.Generator().manual_seed(0)
-    xs = torch.rand(16, 4, generator=g)
-    xs[4:6] = -40.0                                      # the third batch of 2
-    return torch.utils.data.TensorDataset(xs, xs.sum(-1))
-
-
-def task():
-    return task_from_module(Lit())
 
 
 class LitBag(L.LightningModule):
