@@ -8,6 +8,11 @@
 - `task_eager_only` (EagerKernelDropsMax): the opposite of `task`: ``nbtest::softmax_eager``'s
   eager kernel drops the max and its decomposition is right; the Task declares its compile
   (``Task(compiled=...)``, the backend that applies inductor's decompositions without C++).
+- `task_precision` (RoundedSquare): a precision difference: ``sqrt(x*x - t)`` in bfloat16, where
+  ``t`` is ``x*x`` as eager rounds it to bfloat16. Eagerly every element is ``sqrt(0)``; inductor
+  keeps ``x*x`` in float32 inside its fused kernel, so where bfloat16 rounded the square up the
+  difference is negative and the square root NaN. ``emulate_precision_casts=True`` (inductor
+  rounds intermediates as eager does) makes it finite again.
 """
 import torch
 import torch.nn as nn
@@ -66,6 +71,21 @@ class SqrtBlock(nn.Module):
         return torch.sqrt(x)                     # NaN for negative x, eager or compiled
 
 
+class RoundedSquare(nn.Module):
+    def forward(self, x, t):                     # x: (B, 8) bfloat16; t: x*x rounded
+        return torch.sqrt(x * x - t).float()     # (B, 8); nothing before it needs a gradient
+
+
+class PrecisionNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = RoundedSquare()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, t):
+        return self.head(self.block(x, t))
+
+
 class Net(nn.Module):
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -99,6 +119,21 @@ def task_eager_only() -> nanbisect.Task:
     return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                           loss_fn=lambda m, b: m(b).pow(2).mean(),
                           compiled={"backend": "aot_eager_decomp_partition"})
+
+
+def task_precision() -> nanbisect.Task:
+    torch.manual_seed(0)
+    model = PrecisionNet()
+    return nanbisect.Task(model=torch.compile(model),
+                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=lambda m, b: m(b["x"], b["t"]).pow(2).mean())
+
+
+def batch_precision() -> dict:
+    """Values whose bfloat16 square rounds up (about half of them do): (4, 8) of each."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.rand(4, 8, generator=g) * 3 + 1).to(torch.bfloat16)
+    return {"x": x, "t": x * x}                  # eager's rounding of the square
 
 
 def batch(outlier: bool = True) -> torch.Tensor:
