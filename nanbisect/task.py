@@ -238,7 +238,8 @@ def _import_file(path: Path, shown: str) -> Any:
     file and an inject file that both ``import moe`` share one ``moe``), else a derived name."""
     for mod in list(sys.modules.values()):
         f = getattr(mod, "__file__", None)
-        if f and Path(f).resolve() == path:
+        # (the name first: resolving the path of each of torch's 2,000 modules took 0.3 s)
+        if f and os.path.basename(f) == path.name and Path(f).resolve() == path:
             return mod
     name = path.stem
     if name in sys.modules or not name.isidentifier():

@@ -32,6 +32,7 @@ def _start(server, tmp_path: Path, code: str, *args: str, **kw) -> tuple[forks.C
     return child, err
 
 
+@pytest.mark.slow
 def test_a_child_is_a_process_of_its_own(server, tmp_path):
     """Exit status, argv, working directory, exactly the environment given, a session of its
     own, stdout where asked, and ps showing the command it runs."""
@@ -50,6 +51,7 @@ def test_a_child_is_a_process_of_its_own(server, tmp_path):
     assert str(tmp_path / "child.py") in err.read_text()      # not the server's command line
 
 
+@pytest.mark.slow
 def test_a_signal_and_a_timeout_read_as_subprocess_reports_them(server, tmp_path):
     child, _ = _start(server, tmp_path, "import os, signal\nos.kill(os.getpid(), signal.SIGSEGV)")
     assert child.wait(60) == -signal.SIGSEGV
@@ -73,6 +75,7 @@ def test_a_kept_descriptor_arrives_under_the_number_its_variable_says(server, tm
     os.close(r)
 
 
+@pytest.mark.slow
 def test_the_server_goes_when_its_client_does(tmp_path):
     """A client killed -9 closes its end: the server ends (no orphan waiting for requests)."""
     code = ("import sys, time\nfrom nanbisect.util.forks import ForkServer\n"
@@ -97,6 +100,7 @@ def test_the_server_goes_when_its_client_does(tmp_path):
         pytest.fail(f"the fork server {pid} outlived its client")
 
 
+@pytest.mark.slow
 def test_triage_replays_bundles_in_forks_of_one_server(server, tmp_path, monkeypatch):
     """A worker's replays come from its one server (torch imported once); with
     ``NANBISECT_TRIAGE_FORK=0`` a fresh interpreter gives the same report."""
@@ -115,6 +119,7 @@ def test_triage_replays_bundles_in_forks_of_one_server(server, tmp_path, monkeyp
     assert culprits[0]["op"] and culprits[0] == culprits[1]
 
 
+@pytest.mark.slow
 def test_a_shared_child_forks_its_own_children_from_the_server(server, tmp_path):
     """A child started with ``share`` (a test's `nanbisect run`, a triage replay) forks the
     multi-rank spawner from the same server (`launcher._start_spawner`), not from a fresh
@@ -147,3 +152,21 @@ def test_a_shared_child_forks_its_own_children_from_the_server(server, tmp_path)
     assert str(server.proc.pid) not in (fresh[0][2], fresh[1][2])
     threads = os.environ.get("OMP_NUM_THREADS", "1")    # the spawner's default for a group
     assert [r[1] for r in forked[:2] + fresh[:2]] == [threads] * 4
+
+
+def test_a_warmed_server_forks_children_with_the_replay_path_loaded(tmp_path):
+    """`REPLAY_WARM` (the suite's servers and triage's use it): a child finds `nanbisect run`'s
+    modules imported and the report page's template compiled, and its environment is its own
+    (nothing the warm-up read was frozen in the server)."""
+    from conftest import run_python
+
+    script = tmp_path / "probe.py"
+    script.write_text(
+        "import os, sys\n"
+        "from nanbisect.report.page import page_template\n"
+        "print(all(m in sys.modules for m in ('nanbisect.pipeline.run', 'jinja2')),\n"
+        "      page_template.cache_info().currsize, os.environ.get('PROBE'))\n")
+    res = run_python([str(script)], cwd=tmp_path, env={**os.environ, "PROBE": "mine"})
+    assert (res.code, res.stdout.split()) == (0, ["True", "1", "mine"]), res.stderr
+    module, _, func = forks.REPLAY_WARM.partition(":")
+    assert callable(getattr(__import__(module, fromlist=[func]), func))

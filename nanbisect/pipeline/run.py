@@ -167,3 +167,13 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, t
         progress("report", "writing the report")
         write_report(report, tmp)
     return report
+
+
+def warm_fork_server() -> None:
+    """A fork server's warm-up (`nanbisect.util.forks.REPLAY_WARM`) for the `nanbisect run`
+    processes it will fork: this module (`nanbisect run`'s path) is imported, and the report
+    page's template compiled: 0.5 s of CPU each forked replay would otherwise pay. Runs no
+    torch op and starts no thread."""
+    import nanbisect.report.page as page
+
+    page.page_template()

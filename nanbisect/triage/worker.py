@@ -138,7 +138,7 @@ def _start(args: list[str], r: int, err: int, tmp: Path, cwd: str | None):
     env = {**os.environ, "NANBISECT_TRIAGE_TMP": str(tmp)}
     if _forks():
         try:
-            return forks.ForkServer.get().start(
+            return forks.ForkServer.get(warm=forks.REPLAY_WARM).start(
                 ["-m", "nanbisect", *args], cwd=cwd or os.getcwd(), stderr=err,
                 env={**env, "NANBISECT_TRIAGE_PARENT": ""}, keep={"NANBISECT_TRIAGE_FD": r},
                 prelude="nanbisect.triage.worker:_guard_replay", share=True)

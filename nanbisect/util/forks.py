@@ -39,6 +39,10 @@ _MAX_FDS = 8
 # another value of these than the server's
 IMPORT_TIME = re.compile(r"^(OMP_|MKL_|KMP_|GOMP_|OPENBLAS_|ATEN_|TORCH|PYTORCH_|CUDA_|PYTHON|LD_)")
 
+# the warm-up (`serve`) of a server that forks `nanbisect run` processes: triage's workers', the
+# test suite's (named, not imported: it lives in a later stage and imports torch)
+REPLAY_WARM = "nanbisect.pipeline.run:warm_fork_server"
+
 # in a child started with ``share``: its server's socket and what that server read at import
 _inherited: tuple[int, dict[str, str]] | None = None
 
@@ -192,14 +196,21 @@ def _reap(req: dict, fds: list[int]) -> None:
     os._exit(code)
 
 
-def serve(fd: int) -> None:
-    """The server's loop on socket ``fd``: a reaper per request, until the client's end closes."""
+def serve(fd: int, warm: str = "") -> None:
+    """The server's loop on socket ``fd``: a reaper per request, until the client's end closes.
+    ``warm`` (``module:function``, optional): called once after `preload`, before any fork, to
+    import and build what the children will need (it must run no torch op, start no thread)."""
     if sys.path and sys.path[0] == "":   # -c's working directory: only nanbisect came from there
         del sys.path[0]
     signal.signal(signal.SIGINT, signal.SIG_IGN)     # the client's to stop, by closing its end
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)    # reapers are reaped by the kernel
     sock = socket.socket(fileno=fd)
     preload()
+    if warm:
+        import importlib
+
+        module, _, func = warm.partition(":")
+        getattr(importlib.import_module(module), func)()
     sock.send(b"ready")
     while True:
         try:
@@ -271,8 +282,8 @@ class ForkServer:
     _instance: ForkServer | None = None
     _owner = 0
 
-    def __init__(self, env: dict[str, str] | None = None, *, sock: socket.socket | None = None
-                 ) -> None:
+    def __init__(self, env: dict[str, str] | None = None, *, sock: socket.socket | None = None,
+                 warm: str = "") -> None:
         self.proc: subprocess.Popen | None = None
         if sock is not None:            # a server this process was forked from (`inherited`)
             self.sock = sock
@@ -284,7 +295,8 @@ class ForkServer:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-c", f"from nanbisect.util.forks import serve; "
-                 f"serve({theirs.fileno()})"], pass_fds=(theirs.fileno(),), env=env, cwd=home,
+                 f"serve({theirs.fileno()}, {warm!r})"], pass_fds=(theirs.fileno(),), env=env,
+                cwd=home,
                 stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             theirs.close()
@@ -308,13 +320,14 @@ class ForkServer:
         return cls(sock=socket.socket(fileno=os.dup(_inherited[0])))
 
     @classmethod
-    def get(cls) -> ForkServer:
-        """This process's server, started on first use (again after a fork or its death)."""
+    def get(cls, warm: str = "") -> ForkServer:
+        """This process's server, started on first use (again after a fork or its death), with
+        ``warm`` (see `serve`) when this call starts it."""
         with cls._lock:
             me = cls._instance
             if me is None or cls._owner != os.getpid() or me.proc.poll() is not None:
                 # NB: not an inherited server: a worker's replays must not outlive it
-                cls._instance, cls._owner = cls(), os.getpid()
+                cls._instance, cls._owner = cls(warm=warm), os.getpid()
             return cls._instance
 
     def start(self, target: list[str], *, cwd: str, env: dict[str, str], stderr: int,
