@@ -45,6 +45,7 @@ def _warm(kind: str, tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["interpreter", "fork"])
+@pytest.mark.slow
 def test_started_interpreter_runs_the_script_as_python_would(tmp_path, kind):
     script = _script(tmp_path, """
         x = torch.randn(300, 300)
@@ -68,6 +69,7 @@ def test_started_interpreter_runs_the_script_as_python_would(tmp_path, kind):
     assert "MATMUL True" in warm.output
 
 
+@pytest.mark.slow
 def test_exit_1_without_the_reproduced_line_is_not_reproduced(tmp_path):
     """An uncaught exception exits 1 too: it is not the script saying it reproduced."""
     script = _script(tmp_path, "raise RuntimeError('broken repro')")
@@ -78,6 +80,7 @@ def test_exit_1_without_the_reproduced_line_is_not_reproduced(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["interpreter", "fork"])
+@pytest.mark.slow
 def test_the_script_cannot_import_nanbisect_but_a_file_it_loads_may(tmp_path, kind):
     helper = tmp_path / "ops.py"      # e.g. the entry file that registers a custom op
     helper.write_text("import nanbisect\nVERSION = nanbisect.__version__\n")
@@ -102,6 +105,7 @@ def test_the_script_cannot_import_nanbisect_but_a_file_it_loads_may(tmp_path, ki
     assert "a repro must run without nanbisect" in result.output
 
 
+@pytest.mark.slow
 def test_an_interpreter_that_died_falls_back_to_a_plain_one(tmp_path):
     script = _script(tmp_path, """
         print("REPRODUCED: planted")
@@ -149,6 +153,7 @@ def test_the_report_times_its_passes_and_the_repro_ran_warm(fixture_bundle, tmp_
     assert json.loads((tmp_path / "r" / "report.json").read_text())["timings"] == t
 
 
+@pytest.mark.slow
 def test_a_fork_that_cannot_be_made_falls_back_to_a_fresh_interpreter(tmp_path, monkeypatch):
     """os.fork failing (ENOMEM: a large process on a node without overcommit) is not a
     verdict: the script runs in a fresh interpreter instead."""
@@ -164,3 +169,41 @@ def test_a_fork_that_cannot_be_made_falls_back_to_a_fresh_interpreter(tmp_path, 
     monkeypatch.setattr(os, "fork", no_fork)
     result = Fork().submit(script, "cpu").result()
     assert result.reproduced and not _saw(result)["preloaded"]
+
+
+def test_a_run_forked_from_a_server_runs_a_custom_ops_repro_in_a_fork_of_that_server(tmp_path):
+    """`runner` in a process forked from a fork server (a triage replay, the suite's CLI runs):
+    a custom op's repro (no `Fork`: this process registered the op) runs in a `ServerFork`,
+    torch preloaded, nanbisect dropped and blocked, and says what a fresh interpreter would.
+    Outside such a process: `Fork` for a built-in op, an `Interpreter` for a custom op."""
+    from conftest import run_python
+    from nanbisect.report.rerun import ServerFork, runner
+
+    script = _script(tmp_path, """
+        try:
+            import nanbisect.records
+            print("NOT BLOCKED")
+            sys.exit(3)
+        except ModuleNotFoundError as e:
+            print("BLOCKED", e)
+        print("NANBISECT LOADED", any(m.split(".")[0] == "nanbisect" for m in sys.modules))
+        print("REPRODUCED: planted")
+        sys.exit(1)
+    """)
+    driver = tmp_path / "driver.py"
+    driver.write_text(textwrap.dedent(f"""
+        from pathlib import Path
+        from nanbisect.report.rerun import runner
+        r = runner("cpu", "nbtest.custom.default")
+        res = r.submit(Path({str(script)!r}), "cpu", timeout=120).result()
+        print(type(r).__name__, res.reproduced, res.exit_code)
+        print(res.output)
+    """))
+    res = run_python([str(driver)], cwd=tmp_path)
+    assert res.stdout.split("\n")[0].split() == ["ServerFork", "True", "1"], \
+        res.stdout + res.stderr
+    assert "PRELOADED True" in res.stdout and "NANBISECT LOADED False" in res.stdout
+    assert "BLOCKED No module named 'nanbisect" in res.stdout
+    assert not ServerFork.usable("cpu")               # this process came from no server
+    assert isinstance(runner("cpu", "aten.add.Tensor"), Fork)
+    assert isinstance(runner("cpu", "nbtest.custom.default"), Interpreter)

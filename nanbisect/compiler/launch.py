@@ -134,8 +134,10 @@ def run_repro_forked(script: Path, device: str, timeout: float = 300.0) -> Repro
         out = os.open(scratch / "out", os.O_WRONLY | os.O_CREAT, 0o600)
         err = os.open(scratch / "err", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
+            # (the server may have preloaded nanbisect: the script runs without it, `isolate`)
             child = _start([str(script.resolve()), "--device", device], dict(os.environ),
-                           cwd=str(script.parent.parent), stderr=err, stdout=out)
+                           cwd=str(script.parent.parent), stderr=err, stdout=out,
+                           prelude="nanbisect.report.rerun:isolate")
         finally:
             os.close(out)
             os.close(err)

@@ -54,7 +54,7 @@ from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import captured_on, tier_notes
 from nanbisect.replay.replayer import parse_device, resolve_entry
 from nanbisect.report.model import Report
-from nanbisect.report.rerun import Fork, run_repro
+from nanbisect.report.rerun import runner
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
 from nanbisect.util import forks
@@ -324,10 +324,9 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                 script = tmp / "repro" / "repro.py"
                 if not run_repro_once:
                     result = None
-                elif Fork.usable(target.split(":")[0], report.culprit.op):
-                    result = Fork().submit(script, target).result()   # torch loaded here
-                else:
-                    result = run_repro(script, target)
+                else:     # a fork of this process (torch loaded) or of its fork server
+                    result = runner(target.split(":")[0], report.culprit.op).submit(
+                        script, target).result()
                 report = replace(report, repro="repro/repro.py", repro_result=result)
                 if result is not None and not result.reproduced and inject:
                     report = replace(report, notes=[*report.notes, (

@@ -28,7 +28,7 @@ from nanbisect.remedies import budget as remedy_budget
 from nanbisect.remedies import try_remedies
 from nanbisect.report.model import Report
 from nanbisect.report.repro import repro_imports, write_module_repro, write_repro
-from nanbisect.report.rerun import Fork, Interpreter, run_repro
+from nanbisect.report.rerun import runner
 
 
 def _evidence(run: _Run, side: "ReferenceSide | None", op_check: OpCheck | None) -> Evidence:
@@ -42,20 +42,20 @@ def _evidence(run: _Run, side: "ReferenceSide | None", op_check: OpCheck | None)
 
 def _repro_starter(run: _Run):
     """How this run starts the repro's one run (None without opts.run_repro): on the CPU, for a
-    built-in op, a fork of this process; else the interpreter started ahead (or a new one)."""
+    built-in op, a fork of this process; else a fork of the fork server this process came from,
+    or the interpreter started ahead (or a new one): `nanbisect.report.rerun.runner`."""
     if not run.opts.run_repro:
         return None
 
     def start(script: Path, caught: Caught):
-        if Fork.usable(run.rep.device.type, caught.op):
-            runner = Fork()
-        else:
-            runner, run.interp = run.interp or Interpreter(), None  # one script per interpreter
-        runner.submit(script, run.facts.target)
+        # one script per interpreter: the one started ahead is used once, or closed
+        started = runner(run.rep.device.type, caught.op, run.interp)
+        run.interp = None
+        started.submit(script, run.facts.target)
 
         def result():
             run.progress("repro", "waiting for the repro's run")
-            return runner.result()
+            return started.result()
         return result
     return start
 
@@ -269,5 +269,5 @@ def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> Modul
         return None
     script = write_module_repro(tmp / "repro", mc, culprit=culprit, kind=kind,
                                 target=run.facts.target, entry=run.rep.entry)
-    return ModuleRepro("repro/module_repro.py",
-                       run_repro(script, run.facts.target) if run.opts.run_repro else None)
+    return ModuleRepro("repro/module_repro.py", runner(run.rep.device.type, None).submit(
+        script, run.facts.target).result() if run.opts.run_repro else None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -168,6 +169,89 @@ class Interpreter(_Pending):
             proc.kill()
         if proc is not None:
             proc.communicate()
+
+
+class ServerFork(_Pending):
+    """One repro run forked from the fork server this process was itself forked from (a
+    triage replay's, a test's run; `nanbisect.util.forks`): torch is loaded there and no user
+    code ever ran there, so the script registers a custom op or imports the entry itself, as in
+    a fresh interpreter, without paying an interpreter's start and ``import torch``. The child
+    drops nanbisect's modules the server preloaded and cannot import nanbisect (`isolate`).
+    For a device whose ranks may be forked (the CPU): `usable` says when. Same
+    ``submit``/``result`` as `Interpreter`; it falls back to `run_repro` when the server cannot
+    start it."""
+
+    @staticmethod
+    def usable(device_type: str) -> bool:
+        from nanbisect import devices
+        from nanbisect.util.forks import ForkServer
+
+        server = ForkServer.inherited(dict(os.environ))
+        if server is None:
+            return False
+        server.close()
+        return devices.entry(device_type).forkable
+
+    def submit(self, script: Path, device: str, timeout: int = 300) -> "ServerFork":
+        from nanbisect.util.forks import ForkServer
+
+        self._submitted(script, device, timeout)
+        self.child = None
+        self.scratch = Path(tempfile.mkdtemp(prefix="nanbisect-repro-"))
+        server = ForkServer.inherited(dict(os.environ))
+        out = os.open(self.scratch / "out", os.O_WRONLY | os.O_CREAT, 0o600)
+        err = os.open(self.scratch / "err", os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            if server is not None:
+                self.child = server.start(
+                    [str(script.resolve()), "--device", device], cwd=str(script.parent.parent),
+                    env=dict(os.environ), stdout=out, stderr=err,
+                    prelude="nanbisect.report.rerun:isolate")
+        except OSError:
+            self.child = None
+        finally:
+            os.close(out)
+            os.close(err)
+            if server is not None:
+                server.close()
+        return self
+
+    def result(self) -> ReproResult:
+        try:
+            if self.child is None:
+                return self._fallback()
+            try:
+                code = self.child.wait(max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.child.kill_group()
+                self.child.wait()
+                return _timed_out(self.timeout)
+            said = [(self.scratch / n).read_text(errors="replace") for n in ("out", "err")]
+            return _said(code, *said)
+        finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def isolate() -> None:
+    """A fork server child's prelude before it runs a repro (`ServerFork`,
+    `nanbisect.compiler.launch.run_repro_forked`): the nanbisect modules the server preloaded
+    are dropped and the script cannot import nanbisect, as in a fresh interpreter."""
+    for name in [m for m in sys.modules if m.split(".")[0] == "nanbisect"]:
+        del sys.modules[name]
+    exec(_BLOCK, {})
+
+
+def runner(device_type: str, op: str | None, spare: Interpreter | None = None) -> _Pending:
+    """What runs a repro once: on the CPU, for a built-in op, a `Fork` of this process; else,
+    where this process came from a fork server, a `ServerFork`; else ``spare`` (an interpreter
+    started ahead) or a new `Interpreter`. ``op``: None for a module call's repro."""
+    if op is not None and Fork.usable(device_type, op):
+        return Fork()
+    if ServerFork.usable(device_type):
+        if spare is not None:
+            spare.close()
+        return ServerFork()
+    return spare or Interpreter()
 
 
 BUILTIN_NAMESPACES = ("aten", "prims", "quantized")   # ops torch has without any user code
