@@ -13,7 +13,6 @@ import fcntl
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 CACHE: Path | None = None     # set by conftest.py for the session
@@ -24,15 +23,19 @@ def run_ranks(script: Path, args: list[str], ranks: int, timeout: float = 240,
     """Run ``script args`` on ``ranks`` ranks of one gloo process group, as torchrun would (its
     environment, a TCPStore, a failed rank stopping the others), with the ranks forked from one
     interpreter that imported torch (`nanbisect.multirank.spawn`): a new interpreter per rank
-    costs 2-4 s of CPU. tests/test_multirank_faults.py captures under torchrun itself. ``env``:
-    variables added to this process's; ``statuses``: where the spawner writes every rank's exit
-    status (JSON)."""
-    return subprocess.run([sys.executable, "-m", "nanbisect.multirank.spawn", f"--world={ranks}",
-                           "--group", "--preload=nanbisect.guard", "--preload=torch._dynamo",
-                           *([f"--statuses={statuses}"] if statuses else []),
-                           "--", str(script), *args],
-                          capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **env} if env else None)
+    costs 3-4 s of CPU. The spawner itself is forked from the test worker's fork server
+    (`conftest.run_python`: torch imported once per worker), or a fresh interpreter where that
+    server cannot serve. tests/test_multirank_faults.py captures under torchrun itself.
+    ``env``: variables added to this process's; ``statuses``: where the spawner writes every
+    rank's exit status (JSON)."""
+    from conftest import run_python
+
+    res = run_python(["-m", "nanbisect.multirank.spawn", f"--world={ranks}", "--group",
+                      "--preload=nanbisect.guard", "--preload=torch._dynamo",
+                      *([f"--statuses={statuses}"] if statuses else []),
+                      "--", str(script), *args],
+                     env={**os.environ, **(env or {})}, timeout=timeout)
+    return subprocess.CompletedProcess([], res.code, res.stdout, res.stderr)
 
 
 def _capture(script: Path, func: str, out: Path, ranks: int) -> Path:

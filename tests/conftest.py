@@ -2,10 +2,12 @@
 dirs."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,12 +48,22 @@ def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 30
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NANBISECT_TEST")}
     full_env.update({k: str(v) for k, v in (env or {}).items()})
     argv = [str(a) for a in args]
+    return run_python(["-m", "nanbisect", *argv], cwd=cwd, env=full_env, timeout=timeout,
+                      fresh=fresh)
+
+
+def run_python(target: list[str], *, cwd: Path = ROOT, env: dict | None = None,
+               timeout: float = 300, fresh: bool = False) -> CliResult:
+    """``python TARGET`` (``["-m", MODULE, ARG...]`` or ``[SCRIPT, ARG...]``) with exactly
+    ``env`` (None: this process's), forked from this worker's fork server where it can be (see
+    `cli`), else in a fresh interpreter."""
+    env = dict(os.environ) if env is None else env
     if not fresh and os.environ.get("NANBISECT_FRESH_CLI") != "1":
-        res = _ZYGOTE.run(argv, Path(cwd), full_env, timeout)
+        res = _ZYGOTE.run(target, Path(cwd), env, timeout)
         if res is not None:
             return res
-    p = subprocess.run([sys.executable, "-m", "nanbisect", *argv], cwd=cwd,
-                       env=full_env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run([sys.executable, *target], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=timeout)
     return CliResult(p.returncode, p.stdout, p.stderr)
 
 
@@ -70,9 +82,12 @@ class _Zygote:
 
         return import_env(env) == import_env(self.env)
 
-    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float
-            ) -> CliResult | None:
-        from nanbisect.util.forks import ForkServer
+    def start(self, target: list[str], cwd: Path, env: dict[str, str], stdout: int,
+              stderr: int):
+        """Fork ``python TARGET`` from the server (started, or restarted for another import
+        environment, here): its `nanbisect.util.forks.Child`, or None when the server is busy
+        with another thread's request or cannot serve."""
+        from nanbisect.util.forks import REPLAY_WARM, ForkServer
 
         if not self.lock.acquire(blocking=False):      # a test running CLIs side by side
             return None
@@ -82,26 +97,31 @@ class _Zygote:
                 self.close()
             if self.server is None:
                 self.env = dict(env)
-                self.server = ForkServer(env)
-            with tempfile.TemporaryDirectory(prefix="nanbisect-cli-") as d:
-                out, err = Path(d) / "out", Path(d) / "err"
-                with open(out, "wb") as fo, open(err, "wb") as fe:
-                    child = self.server.start(["-m", "nanbisect", *argv], cwd=str(cwd),
-                                              env=env, stdout=fo.fileno(), stderr=fe.fileno(),
-                                              share=True)
-                try:
-                    code = child.wait(timeout)
-                except subprocess.TimeoutExpired:
-                    child.kill_group()
-                    child.wait()
-                    raise subprocess.TimeoutExpired(["nanbisect", *argv], timeout) from None
-                return CliResult(code, out.read_text(errors="replace"),
-                                 err.read_text(errors="replace"))
+                self.server = ForkServer(env, warm=REPLAY_WARM)
+            return self.server.start(target, cwd=str(cwd), env=env, stdout=stdout,
+                                     stderr=stderr, share=True)
         except OSError:
             self.close()
             return None
         finally:
             self.lock.release()
+
+    def run(self, target: list[str], cwd: Path, env: dict[str, str], timeout: float
+            ) -> CliResult | None:
+        with tempfile.TemporaryDirectory(prefix="nanbisect-cli-") as d:
+            out, err = Path(d) / "out", Path(d) / "err"
+            with open(out, "wb") as fo, open(err, "wb") as fe:
+                child = self.start(target, cwd, env, fo.fileno(), fe.fileno())
+            if child is None:
+                return None
+            try:
+                code = child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                child.kill_group()
+                child.wait()
+                raise subprocess.TimeoutExpired(target, timeout) from None
+            return CliResult(code, out.read_text(errors="replace"),
+                             err.read_text(errors="replace"))
 
     def close(self) -> None:
         if self.server is not None:
@@ -111,6 +131,44 @@ class _Zygote:
 
 
 _ZYGOTE = _Zygote()
+
+
+class Started:
+    """``python TARGET`` started by `start_python` and running: ``poll()``, ``kill()``, and
+    ``finish(timeout)`` -> `CliResult` (what it printed, once it ended)."""
+
+    def __init__(self, target: list[str], cwd: Path, env: dict[str, str], folder: Path) -> None:
+        self.out, self.err = folder / "out", folder / "err"
+        with open(self.out, "wb") as fo, open(self.err, "wb") as fe:
+            self.child = _ZYGOTE.start(target, cwd, env, fo.fileno(), fe.fileno())
+            if self.child is None:
+                self.child = subprocess.Popen([sys.executable, *target], cwd=cwd, env=env,
+                                              stdout=fo, stderr=fe, start_new_session=True)
+
+    def poll(self) -> int | None:
+        return self.child.poll()
+
+    def kill(self) -> None:
+        with contextlib.suppress(OSError):
+            os.killpg(self.child.pid, signal.SIGKILL)
+
+    def finish(self, timeout: float) -> CliResult:
+        try:
+            code = self.child.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        return CliResult(code, self.out.read_text(errors="replace"),
+                         self.err.read_text(errors="replace"))
+
+
+def start_python(target: list[str], folder: Path, *, cwd: Path = ROOT, env: dict | None = None
+                 ) -> Started:
+    """Start ``python TARGET`` and return at once (several side by side: each is forked from
+    this worker's fork server, else a fresh interpreter), in a session of its own; what it
+    prints goes to files in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    return Started(target, Path(cwd), dict(os.environ) if env is None else env, folder)
 
 
 def invoke(*args: str) -> CliResult:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -15,7 +14,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ROOT, TASKS, TEST_TASKS
+from conftest import TASKS, TEST_TASKS, run_python, start_python
 from mounts import tmpfs
 
 from nanbisect import Guard, NonFiniteStep
@@ -57,19 +56,23 @@ def test_write_bundle_unique_takes_the_next_free_name(tmp_path):
 
 def test_four_processes_guarding_into_one_out_keep_four_bundles(tmp_path):
     out, go = tmp_path / "out", tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, str(TEST_TASKS / "guard_race.py"), str(out),
-                               str(go)], cwd=ROOT, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for _ in range(4)]
-    # every process has built its Guard and waits for the gun: then they write at once
-    deadline = 120
-    t0 = time.monotonic()
-    while len(list(tmp_path.glob("ready-*"))) < 4:
-        assert time.monotonic() - t0 < deadline and all(p.poll() is None for p in procs)
-        time.sleep(0.05)
-    go.touch()
-    results = [p.communicate(timeout=deadline) for p in procs]
-    assert [p.returncode for p in procs] == [0] * 4, [e[-500:] for _, e in results]
-    paths = sorted(o.strip() for o, _ in results)
+    # four processes of their own (forked from the worker's fork server: torch imported once)
+    procs = [start_python([str(TEST_TASKS / "guard_race.py"), str(out), str(go)],
+                          tmp_path / f"p{i}") for i in range(4)]
+    try:
+        # every process has built its Guard and waits for the gun: then they write at once
+        deadline = 120
+        t0 = time.monotonic()
+        while len(list(tmp_path.glob("ready-*"))) < 4:
+            assert time.monotonic() - t0 < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.05)
+        go.touch()
+        results = [p.finish(timeout=deadline) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [r.code for r in results] == [0] * 4, [r.stderr[-500:] for r in results]
+    paths = sorted(r.stdout.strip() for r in results)
     assert len(set(paths)) == 4, paths
     names = sorted(p.name for p in out.iterdir())
     assert names == ["step000003", "step000003-1", "step000003-2", "step000003-3"], names
@@ -160,12 +163,11 @@ def test_no_room_anywhere_still_raises_non_finite_step_without_a_bundle(tmp_path
     library exception, nothing half-written left."""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT),   # this checkout's
-           "PYTHONDONTWRITEBYTECODE": "1"}
-    p = subprocess.run([sys.executable, str(TEST_TASKS / "guard_file_limit.py"),
-                        str(tmp_path / "out"), "1024"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=120, env=env)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    # forked from the worker's fork server (this checkout's nanbisect, everything imported
+    # before the limit is set)
+    p = run_python([str(TEST_TASKS / "guard_file_limit.py"), str(tmp_path / "out"), "1024"],
+                   env={**os.environ, "TMPDIR": str(tmp)}, timeout=120)
+    assert p.code == 0, p.stdout[-2000:] + p.stderr[-2000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
     assert got["bundle"] is None
     msg = got["message"]

@@ -577,8 +577,8 @@ def test_hostile_bundle_is_one_line_exit_2(tmp_path, case):
     with pytest.raises(BadInput) as ei:
         summarize(path)
     # NB: bounded by the bytes really there: a 55 MB manifest listing 2**20 parts takes seconds
-    # (about 5 of CPU time; bounded by that, not by the clock, which a loaded machine stretches
-    # several times over)
+    # (about 10 of CPU time here; bounded by that, not by the clock, which a loaded machine
+    # stretches several times over)
     if case == BIG:
         assert time.process_time() - cpu0 < 30 and time.monotonic() - t0 < 300
     else:
@@ -586,10 +586,10 @@ def test_hostile_bundle_is_one_line_exit_2(tmp_path, case):
     msg = str(ei.value)
     assert phrase in msg, msg
     assert "\n" not in msg and str(path) in msg
-    res = invoke("inspect", path)
-    assert res.code == 2 and res.stderr.strip().splitlines() == [f"nanbisect: error: {msg}"]
-    assert "Traceback" not in res.stderr
-    if case != BIG:                     # (the same read again: 5 s more)
+    if case != BIG:   # (the same read again: 10 s of CPU more; `inspect` reads it as above)
+        res = invoke("inspect", path)
+        assert res.code == 2 and res.stderr.strip().splitlines() == [f"nanbisect: error: {msg}"]
+        assert "Traceback" not in res.stderr
         with pytest.raises(BadInput):   # the run path opens bundles the same way
             b = read_bundle(path)
             b.all_tensors() if not b.multi_rank else [b.part(r).all_tensors() for r in range(2)]
