@@ -172,6 +172,7 @@ def test_help_shows_boolean_flags_as_flags():
     assert "report.html" in invoke("run", "--help").stdout
 
 
+@pytest.mark.slow
 def test_repro_on_a_device_this_torch_lacks_is_a_one_line_exit_2(fixture_bundle):
     import subprocess
     import sys

@@ -12,6 +12,7 @@ NBDEV_IMPLS = str(ROOT / "fixtures" / "reference" / "nbdev_impls.py")
 
 
 @pytest.mark.parametrize("reference", ["cpu", "cpu:float64"])
+@pytest.mark.slow
 def test_fused_op_backward_nan_only_on_device(fixture_bundle, reference):
     rep = run_json(fixture_bundle("moe_unpermute_on_npu"), "--inject", NPU,
                    "--reference", reference)
@@ -100,6 +101,7 @@ def test_upcast_reference_gives_no_false_positive(fixture_bundle, name):
     assert rep["verdict"] == "clean"
 
 
+@pytest.mark.slow
 def test_device_only_op_without_reference_is_uncomparable(fixture_bundle):
     rep = run_json(fixture_bundle("device_only_op"), "--inject", NPU, "--reference", "cpu")
     assert rep["culprit"]["op"] == "nbdev.fused_gelu.default"
@@ -108,6 +110,7 @@ def test_device_only_op_without_reference_is_uncomparable(fixture_bundle):
     assert [u["op"] for u in rep["uncomparable"]] == ["nbdev.fused_gelu.default"]
 
 
+@pytest.mark.slow
 def test_device_only_op_with_registered_reference(fixture_bundle):
     rep = run_json(fixture_bundle("device_only_op"), "--inject", NPU, "--reference", "cpu",
                    env={"NANBISECT_REFERENCE_IMPLS": NBDEV_IMPLS})

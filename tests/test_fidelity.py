@@ -93,6 +93,7 @@ def test_a_moved_checkout_is_compared_file_by_file(tmp_path, monkeypatch):
     assert rep["replay"]["faithful"] is None            # a NaN loss cannot be compared
 
 
+@pytest.mark.slow
 def test_an_entry_override_with_other_code_is_code_changed(tmp_path, monkeypatch):
     """``--entry`` naming a fixed copy elsewhere: the replay ran other code, not a transient."""
     bundle, src = guard_failure(tmp_path, "nothing", monkeypatch)
@@ -154,6 +155,7 @@ def test_float32_underflow_with_a_float64_reference_is_numerics(tmp_path):
     assert any("wider dtype" in n for n in rep["notes"])
 
 
+@pytest.mark.slow
 def test_injected_kernel_fault_with_a_float64_reference_is_device(fixture_bundle):
     npu = f"{ROOT / 'fixtures' / 'inject' / 'npu_kernels.py'}:npu"
     rep = run_json(fixture_bundle("moe_unpermute_on_npu"), "--inject", npu,
@@ -358,6 +360,7 @@ def _here_cpu() -> dict:
     return devices.fingerprint()["cpu"]
 
 
+@pytest.mark.slow
 def test_another_instruction_set_is_within_tolerance_not_a_mismatch(travel_bundle, tmp_path):
     """ATen's CPU kernels forced to another instruction set (as on another CPU) between capture
     and replay: the loss differs in its last bits; the verdict stands, the difference named."""

@@ -199,6 +199,7 @@ def test_fuzz_harness_sees_valid_bundles(one, two):
 
 @FUZZ
 @given(data=st.data(), depth=st.sampled_from([3, 255, 300, 5000]))
+@pytest.mark.slow
 def test_mutated_manifest(one, data, depth):
     path, base = one
     doc = data.draw(mutated(base))
@@ -222,6 +223,7 @@ def test_mutated_multi_rank_manifest(two, data, depth):
 
 @FUZZ
 @given(mutation=flips, cut=st.none() | st.integers(0, 1 << 20))
+@pytest.mark.slow
 def test_manifest_bytes_flipped_or_cut(one, mutation, cut):
     path, base = one
     raw = flip(json.dumps(base).encode(), *mutation)
@@ -516,6 +518,7 @@ def test_fuzz_harness_sees_a_valid_window(stepped):
 
 @FUZZ
 @given(data=st.data(), section=st.sampled_from(["history", "lookback"]))
+@pytest.mark.slow
 def test_mutated_history_and_lookback(stepped, tmp_path_factory, data, section):
     path, base = stepped
     doc = dict(base)

@@ -306,6 +306,7 @@ def test_fixture_adam_eps0_fails_in_optimizer_at_step0(tmp_path):
     assert outcome.phase == "optimizer" and outcome.loss == obs["loss"]
 
 
+@pytest.mark.slow
 def test_failure_names_and_second_failure_does_not_overwrite(tmp_path):
     task = flaky_task(0)
     guard = Guard(task, entry=ENTRY, out=tmp_path, start_step=7)
@@ -450,6 +451,7 @@ def test_replay_runs_twice_identically(tmp_path):
     assert_tensors_identical(clone_state(r.task.model), after_first)
 
 
+@pytest.mark.slow
 def test_snapshot_stream_is_a_flag_and_the_script_that_checks_it_runs(tmp_path):
     """Guard(snapshot_stream=...) takes True or False (BadInput otherwise); the check that a
     side-stream snapshot is the pre-step state (scripts/check_snapshot_stream.py, run on a GPU

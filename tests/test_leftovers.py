@@ -13,6 +13,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import FIXTURES, ROOT, TEST_TASKS, invoke
 
 from nanbisect.bundle.format import read_bundle
@@ -35,6 +37,7 @@ def killed_capture(out, tmp_path):
     return left
 
 
+@pytest.mark.slow
 def test_killed_capture_is_listed_and_cleaned(tmp_path):
     out = tmp_path / "out"
     left = killed_capture(out, tmp_path)
@@ -77,6 +80,7 @@ def test_clean_refuses_a_missing_directory(tmp_path):
     assert res.code == 2 and "is not a directory" in res.stderr
 
 
+@pytest.mark.slow
 def test_inspect_lists_bundles_and_leftovers_of_a_directory(tmp_path):
     out = tmp_path / "out"
     left = killed_capture(out, tmp_path)

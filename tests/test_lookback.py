@@ -78,6 +78,7 @@ def test_one_step_alone_names_only_the_overflow(faulty_run, tmp_path):
     assert "fc1.weight" in extreme
 
 
+@pytest.mark.slow
 def test_steps_refuses_what_it_cannot_replay(faulty_run, tmp_path):
     bundle = private(faulty_run.bundle, tmp_path)
     n = len(json.loads((bundle / "manifest.json").read_text())["lookback"]["steps"])

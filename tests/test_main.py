@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from conftest import FIXTURES, ROOT, TASKS
 
 # modules the CLI imports (or Python might, lazily) that a hostile bundle could ship
@@ -47,6 +49,7 @@ def _console_script(d: Path) -> Path:
     return script
 
 
+@pytest.mark.slow
 def test_inspect_in_a_bundle_directory_imports_nothing_from_it(tmp_path):
     bundle = tmp_path / "b"
     shutil.copytree(FIXTURES / "nan_batch", bundle,
@@ -60,6 +63,7 @@ def test_inspect_in_a_bundle_directory_imports_nothing_from_it(tmp_path):
     assert sorted(x.name for x in bundle.glob("PWNED-*")) == []
 
 
+@pytest.mark.slow
 def test_a_dotted_entry_is_found_in_the_working_directory(tmp_path):
     """`--entry mytask:task` where mytask.py lies in the working directory: the report of the
     replay, through `python -m nanbisect` (cwd no longer on sys.path) and through the console

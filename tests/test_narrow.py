@@ -160,6 +160,7 @@ def test_top_level_module_has_one_name_in_every_report(tmp_path):
     assert f" · {ROOT} · forward · " in signature(rep)
 
 
+@pytest.mark.slow
 def test_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
     """The op alone does not reproduce (a scale set outside its inputs); the module call does."""
     torch.manual_seed(0)
@@ -173,6 +174,7 @@ def test_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
     assert (tmp_path / "report" / "repro" / "module_inputs.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_backward_op_that_needs_state_falls_back_to_its_module_call(tmp_path):
     """A backward op that reads a scale set in forward: alone it does not reproduce; the module
     call run forward and backward from the gradient that arrived at its output does."""

@@ -22,6 +22,7 @@ from nanbisect.bundle.pack import PACK_SCHEMA, is_pack
 from nanbisect.util.staging import MARKER as STAGING_MARKER
 
 
+@pytest.mark.slow
 def test_pack_under_limit_and_repro_runs_after_unpack(fixture_bundle, tmp_path):
     bundle = fixture_bundle("forward_nan_behind_mask")
     assert cli("run", "--ckpt", bundle).code == 1

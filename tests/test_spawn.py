@@ -34,6 +34,7 @@ def seen(tmp: Path, world: int) -> list[dict]:
 
 
 @pytest.mark.parametrize("start", ["fork", "exec"])
+@pytest.mark.slow
 def test_ranks_form_one_group_with_torchruns_environment(tmp_path, start):
     opts = ["--group"] + (["--exec"] if start == "exec" else [])
     p, statuses, _ = spawn(tmp_path, "group", *opts, world=3)
@@ -53,6 +54,7 @@ def test_ranks_form_one_group_with_torchruns_environment(tmp_path, start):
     assert sorted(re.findall(r"rank \d done", p.stdout)) == [f"rank {r} done" for r in range(3)]
 
 
+@pytest.mark.slow
 def test_a_crashed_rank_is_the_root_and_its_peer_is_stopped(tmp_path):
     # no bound on the time taken (a busy machine took 66 s): a rank 0 left hanging in gloo's
     # all-reduce (30 minutes by default) would fail this by the time-out, one that ignored

@@ -38,6 +38,7 @@ def test_scaler_skips_are_normal_and_reset(tmp_path):
     assert list(tmp_path.iterdir()) == []                   # no bundle: a skip is not a failure
 
 
+@pytest.mark.slow
 def test_stalled_scaler_is_caught_and_its_op_named(tmp_path):
     task = loops.scaled()
     guard = Guard(task, entry=entry("scaled"), out=tmp_path, max_scaler_skips=4)
@@ -173,6 +174,7 @@ def test_frozen_parameter_stays_frozen_in_the_replay(tmp_path):
     assert rep["replay"]["bit_exact"] is True
 
 
+@pytest.mark.slow
 def test_a_step_the_scaler_skips_normally_replays_clean(tmp_path):
     """capture() of a step whose scaled gradients overflow: the scaler skips it, as it should;
     the replay says so and blames nothing."""

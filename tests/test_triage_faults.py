@@ -398,6 +398,7 @@ def test_a_port_that_accepts_and_never_answers_is_one_line_in_bounded_time(tmp_p
     assert not (tmp_path / "t").exists()
 
 
+@pytest.mark.slow
 def test_missing_cluster_package_names_the_extra(tmp_path):
     """An environment without dask/ray (their imports fail, as on a plain install): one line
     naming the extra to install."""
