@@ -153,8 +153,9 @@ def test_device_form_agrees_with_torch(spec):
 
 
 def test_triage_refusals_have_the_librarys_words(tmp_path):
-    """The first stage repeats a few of triage's checks (its package imports far more than
-    they need): the same words as the library's own."""
+    """The first stage makes triage's checks before anything heavy is imported (the backend's
+    with the library's own `check_backend`, the others repeated): the same words as the
+    library's own."""
     from nanbisect.cli import checks
     from nanbisect.cli.parser import build
     from nanbisect.errors import BadInput

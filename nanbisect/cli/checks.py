@@ -16,9 +16,9 @@ from pathlib import Path
 
 from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.errors import BadInput
+from nanbisect.triage.backends import check_backend
 from nanbisect.util.spec import check_device, check_ranks, split_entry
 
-BACKENDS = ("loky", "dask", "ray")      # = nanbisect.triage.backends.BACKENDS
 
 
 def _device(spec: str | None, none_ok: bool = False) -> None:
@@ -75,15 +75,7 @@ def triage(a: argparse.Namespace) -> None:
     if a.known is not None and not a.known.is_file():   # the words of triage.load_known's
         why = "Is a directory" if a.known.is_dir() else "No such file or directory"
         raise BadInput(f"--known '{a.known}': {why}; pass a triage.json or a text file")
-    if a.backend not in BACKENDS:
-        raise BadInput(f"triage: unknown --backend {a.backend!r}; pass one of "
-                       f"{', '.join(BACKENDS)}")
-    if a.scheduler and a.backend != "dask":
-        raise BadInput("triage: --scheduler is the Dask scheduler's address; pass it with "
-                       "--backend dask")
-    if a.address and a.backend != "ray":
-        raise BadInput("triage: --address is the Ray cluster's address; pass it with "
-                       "--backend ray")
+    check_backend(a.backend, a.scheduler, a.address)
     _device(a.target)
 
 

@@ -61,15 +61,24 @@ Exit protocol (for CI):
 """
 from __future__ import annotations
 
-from nanbisect.triage.backends import BACKENDS, CONNECT_TIMEOUT
-from nanbisect.triage.cache import CACHE_SCHEMA, cache_key, content_hash
-from nanbisect.triage.find import discover, find_bundles
-from nanbisect.triage.run import DEFAULT_TIMEOUT, triage
-from nanbisect.triage.signatures import normalise_module, signature
-from nanbisect.triage.summary import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW, SCHEMA,
-                                     TriageResult, load_known, to_markdown)
+import importlib
 
-__all__ = ["BACKENDS", "CACHE_SCHEMA", "CONNECT_TIMEOUT", "DEFAULT_TIMEOUT", "EXIT_CLEAN",
-           "EXIT_ERRORS", "EXIT_KNOWN", "EXIT_NEW", "SCHEMA", "TriageResult", "cache_key",
-           "content_hash", "discover", "find_bundles", "load_known", "normalise_module",
-           "signature", "to_markdown", "triage"]
+# name -> the module of this package that defines it; imported on first use (PEP 562), so that
+# `nanbisect.triage.backends` alone (the CLI's usage checks) stays a light import
+_WHERE = {"BACKENDS": "backends", "CONNECT_TIMEOUT": "backends", "CACHE_SCHEMA": "cache",
+          "cache_key": "cache", "content_hash": "cache", "discover": "find",
+          "find_bundles": "find", "DEFAULT_TIMEOUT": "run", "triage": "run",
+          "normalise_module": "signatures", "signature": "signatures", "EXIT_CLEAN": "summary",
+          "EXIT_ERRORS": "summary", "EXIT_KNOWN": "summary", "EXIT_NEW": "summary",
+          "SCHEMA": "summary", "TriageResult": "summary", "load_known": "summary",
+          "to_markdown": "summary"}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'nanbisect.triage' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"nanbisect.triage.{_WHERE[name]}"), name)
+    globals()[name] = value
+    return value

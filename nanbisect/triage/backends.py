@@ -25,6 +25,19 @@ _CLUSTER_HINT = "pip install 'nanbisect[cluster]'"
 
 
 
+def check_backend(backend: str, scheduler: str | None, address: str | None) -> None:
+    """BadInput unless ``backend`` is one of `BACKENDS` and ``scheduler`` (Dask) and ``address``
+    (Ray) go with it. Light: the CLI checks its arguments with it before importing torch."""
+    if backend not in BACKENDS:
+        raise BadInput(f"triage: unknown --backend {backend!r}; pass one of {', '.join(BACKENDS)}")
+    if scheduler and backend != "dask":
+        raise BadInput("triage: --scheduler is the Dask scheduler's address; pass it with "
+                       "--backend dask")
+    if address and backend != "ray":
+        raise BadInput("triage: --address is the Ray cluster's address; pass it with "
+                       "--backend ray")
+
+
 def _host_port(address: str) -> tuple[str, int] | None:
     m = re.fullmatch(r"(?:(?:tcp|tls|ray)://)?\[?([^\]/]+?)\]?:(\d+)/?", address.strip())
     return (m.group(1), int(m.group(2))) if m else None
@@ -67,14 +80,7 @@ def _reachable(address: str, what: str, flag: str, greets: bool = False) -> None
 def _backend(backend: str, scheduler: str | None, address: str | None, jobs: int | None):
     """Connect to the cluster; yields (joblib parallel_config kwargs, n_jobs, wave size or None
     when results come back one by one)."""
-    if backend not in BACKENDS:
-        raise BadInput(f"triage: unknown --backend {backend!r}; pass one of {', '.join(BACKENDS)}")
-    if scheduler and backend != "dask":
-        raise BadInput("triage: --scheduler is the Dask scheduler's address; pass it with "
-                       "--backend dask")
-    if address and backend != "ray":
-        raise BadInput("triage: --address is the Ray cluster's address; pass it with "
-                       "--backend ray")
+    check_backend(backend, scheduler, address)
     if backend == "loky":
         yield {"backend": "loky"}, jobs, None
         return
