@@ -16,7 +16,6 @@ import importlib.machinery
 import importlib.util
 import os
 import sys
-import sysconfig
 import threading
 import traceback
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanbisect.errors import BadInput
+from nanbisect.util import frames
 from nanbisect.util.compiled import compile_args, compile_model, is_compiled
 from nanbisect.util.spec import split_entry
 
@@ -138,22 +138,18 @@ class _TrainedAtImport(BaseException):
 
 # the thread importing an entry under `_no_training` (None: no import going on), and how deep
 _trap = threading.local()
-_OWN_DIR = str(Path(__file__).resolve().parent)
-_TORCH_DIR = str(Path(torch.__file__).resolve().parent)
-_LIB_DIRS = tuple({sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
-                                                       "platlib")})
 
 
 def _training_line() -> str:
     """'file:line' where the user's code started the training call: the innermost frame outside
     torch, nanbisect, the standard library and installed packages (a Trainer's own frames), else
     the innermost outside torch and nanbisect."""
-    frames = [(f.filename, f.lineno) for f in traceback.extract_stack()]
-    outside = [(f, n) for f, n in frames if not f.startswith("<") and not any(
-        os.path.abspath(f).startswith(d + os.sep) for d in (_OWN_DIR, _TORCH_DIR))]
-    user = [(f, n) for f, n in outside if "site-packages" not in f and not any(
-        os.path.abspath(f).startswith(d + os.sep) for d in _LIB_DIRS)]
-    f, n = (user or outside or frames)[-1]
+    stack = [(f.filename, f.lineno, frames.kind(f.filename))
+             for f in traceback.extract_stack()]
+    outside = [(f, n, k) for f, n, k in stack
+               if not f.startswith("<") and k not in ("nanbisect", "torch")]
+    user = [(f, n, k) for f, n, k in outside if k == "user"]
+    f, n, _ = (user or outside or stack)[-1]
     return f"{os.path.relpath(f) if not os.path.relpath(f).startswith('..') else f}:{n}"
 
 

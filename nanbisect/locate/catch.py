@@ -27,6 +27,7 @@ from nanbisect.records import CallId, Caught, ModuleCaught, OpSite, RowTrace
 from nanbisect.replay.recorder import SKIP
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.util import frames
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nanbisect/
@@ -38,14 +39,8 @@ _RIDERS = {os.path.join(_OWN_DIR, "locate", "rows.py")}
 def _where(path: str) -> str:
     """Whose a frame is: "own" (nanbisect), "torch", "lib" (the standard library, frozen and
     generated code) or "user" (anything else: the user's files and installed model code)."""
-    path = os.path.abspath(path) if not path.startswith("<") else path
-    if path.startswith(_OWN_DIR + os.sep):
-        return "own"
-    if path.startswith(_TORCH_DIR + os.sep):
-        return "torch"
-    if path.startswith("<") or "/lib/python3" in path and "site-packages" not in path:
-        return "lib"
-    return "user"
+    return {"nanbisect": "own", "stdlib": "lib", "installed": "user"}.get(
+        k := frames.kind(path), k)
 
 
 def _is_user(path: str) -> bool:

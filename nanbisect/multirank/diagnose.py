@@ -7,43 +7,19 @@ from __future__ import annotations
 import os
 import re
 import signal
-import site
-import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from nanbisect.errors import signal_name
 from nanbisect.multirank.rundir import run_processes
+from nanbisect.util import frames
 from nanbisect.util.files import read_json as _read_json
 
 # errors a rank sees when a peer died or left: consequences, not causes
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
               "remote worker crashing", "NCCL communicator was aborted")
-
-
-_TORCH = str(Path(torch.__file__).parent) + os.sep
-
-
-_OURS = str(Path(__file__).resolve().parent.parent) + os.sep   # nanbisect/
-
-
-_STDLIB = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("stdlib", "platstdlib")})
-
-
-# NB: in a virtual environment made with --system-site-packages (scripts/env.sh's .venv) the
-# base interpreter's site-packages, where torch may live, lies under the standard library's
-# directory and is not the venv's purelib: a site-packages or dist-packages component says
-# "installed package" wherever it is.
-_SITE = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("purelib", "platlib")}
-              | {str(Path(p)) + os.sep for p in getattr(site, "getsitepackages", lambda: [])()})
-
-
-def _installed(path: str) -> bool:
-    return path.startswith(_SITE) or any(f"{os.sep}{d}{os.sep}" in path
-                                         for d in ("site-packages", "dist-packages"))
 
 
 _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
@@ -52,17 +28,14 @@ _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
 def _category(path: str) -> str | None:
     """What a frame's file is: None for the standard library (looked through).
 
-    >>> _category(_TORCH + "distributed/distributed_c10d.py"), _category("/u/train.py")
+    >>> _category(frames.TORCH + "distributed/distributed_c10d.py"), _category("/u/train.py")
     ('collective', 'user')
     """
-    if path.startswith(_TORCH):
-        return "collective" if path.startswith(_TORCH + "distributed" + os.sep) else "torch"
-    if path.startswith(_OURS):
-        return "nanbisect"
-    installed = _installed(path)
-    if path.startswith("<frozen") or path.startswith(_STDLIB) and not installed:
-        return None
-    return "library" if installed else "user"
+    k = frames.kind(path)
+    if k == "torch":
+        return "collective" if os.path.abspath(path).startswith(
+            frames.TORCH + "distributed" + os.sep) else "torch"
+    return {"stdlib": None, "installed": "library"}.get(k, k)
 
 
 @dataclass(frozen=True)

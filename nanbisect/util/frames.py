@@ -1,0 +1,47 @@
+"""Whose a source file is, for the places that look at stack frames: nanbisect's, torch's, the
+standard library's (frozen and generated ``<...>`` code too), an installed package's, or the
+user's. One rule for them all (`kind`).
+
+NB: in a virtual environment made with ``--system-site-packages`` (scripts/env.sh's ``.venv``)
+the base interpreter's site-packages, where torch may live, lies under the standard library's
+directory and is not the venv's purelib: a ``site-packages`` or ``dist-packages`` component says
+"installed package" wherever it is. Paths are compared as given (made absolute, not resolved:
+a frame names the file as it was imported).
+"""
+from __future__ import annotations
+
+import os
+import site
+import sysconfig
+from pathlib import Path
+
+import torch
+
+OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep     # nanbisect/
+TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_STDLIB = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("stdlib", "platstdlib")})
+_SITE = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("purelib", "platlib")}
+              | {str(Path(p)) + os.sep for p in getattr(site, "getsitepackages", lambda: [])()})
+
+
+def kind(path: str) -> str:
+    """"nanbisect", "torch", "stdlib", "installed" or "user".
+
+    >>> kind(TORCH + "nn/modules/linear.py"), kind(OWN + "task.py"), kind("<frozen os>")
+    ('torch', 'nanbisect', 'stdlib')
+    >>> kind(_STDLIB[0] + "json/decoder.py"), kind("/u/train.py")
+    ('stdlib', 'user')
+    >>> kind("/opt/venv/lib/python3.11/site-packages/transformers/trainer.py")
+    'installed'
+    """
+    if path.startswith("<"):
+        return "stdlib"
+    path = os.path.abspath(path)
+    if path.startswith(OWN):
+        return "nanbisect"
+    if path.startswith(TORCH):
+        return "torch"
+    if path.startswith(_SITE) or any(f"{os.sep}{d}{os.sep}" in path
+                                     for d in ("site-packages", "dist-packages")):
+        return "installed"
+    return "stdlib" if path.startswith(_STDLIB) else "user"
