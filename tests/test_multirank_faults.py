@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TEST_TASKS, cli
+from conftest import ROOT, TEST_TASKS, cli, run_python
 
 from nanbisect.multirank.launcher import PREFIX, sweep, where
 
@@ -200,8 +200,8 @@ def test_a_worker_that_cannot_see_the_launchers_lock_exits_at_once(bundle, tmp_p
     partial = tmp_path / f"{PREFIX}orphan"
     partial.mkdir()
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "nanbisect.multirank.worker", str(bundle),
-                        str(partial)], env={**os.environ, "RANK": "0"}, cwd=ROOT,
-                       capture_output=True, text=True, timeout=120)
-    assert p.returncode == 1 and not (partial / "rank0.json").exists(), p.stderr
+    # forked from the worker's fork server, as the spawner forks ranks (torch imported once)
+    p = run_python(["-m", "nanbisect.multirank.worker", str(bundle), str(partial)],
+                   env={**os.environ, "RANK": "0"}, timeout=120)
+    assert p.code == 1 and not (partial / "rank0.json").exists(), p.stderr
     assert time.monotonic() - t0 < 60
