@@ -24,12 +24,18 @@ pip_install() {  # pip install ARGS..., its progress shown, then one line naming
   [ "$code" = 0 ] || return "$code"
   echo "setup: installed ${added:-nothing new (all present)}" >&2
 }
-if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-  echo "setup: no torch importable: installing torch==2.13.0 (a large wheel: a minute or two)" >&2
+if ! "$PY" -c "import importlib.util, sys; sys.exit(importlib.util.find_spec('torch') is None)" \
+    >/dev/null 2>&1; then
+  echo "setup: no torch installed: installing torch==2.13.0 (a large wheel: a minute or two)" >&2
   pip_install "torch==2.13.0"
 fi
-echo "setup: installing nanbisect -e '$what' and its missing dependencies" >&2
-pip_install -e "$what"
+if "$PY" scripts/setup_satisfied.py "$what" 2>/dev/null; then
+  # (pip takes 20 s to say "already satisfied"; a new dependency in pyproject.toml runs it)
+  echo "setup: nanbisect -e '$what' and everything pyproject.toml asks for are installed" >&2
+else
+  echo "setup: installing nanbisect -e '$what' and its missing dependencies" >&2
+  pip_install -e "$what"
+fi
 # A C++ compiler: torch.compile's CPU backend (inductor) builds C++ kernels, and nanbisect
 # replays a compiled capture compiled (README "NaN only when compiled"). Best effort: with apt
 # and root, install g++ when no C++ compiler is present; otherwise say what is missing.
