@@ -11,7 +11,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from nanbisect.errors import signal_name
 from nanbisect.multirank.rundir import run_processes
 from nanbisect.util import frames

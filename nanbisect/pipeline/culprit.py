@@ -28,7 +28,7 @@ from nanbisect.remedies import budget as remedy_budget
 from nanbisect.remedies import try_remedies
 from nanbisect.report.model import Report
 from nanbisect.report.repro import repro_imports, write_module_repro, write_repro
-from nanbisect.report.rerun import runner
+from nanbisect.report.rerun import ServerFork, runner
 
 
 def _evidence(run: _Run, side: "ReferenceSide | None", op_check: OpCheck | None) -> Evidence:
@@ -48,9 +48,10 @@ def _repro_starter(run: _Run):
         return None
 
     def start(script: Path, caught: Caught):
-        # one script per interpreter: the one started ahead is used once, or closed
-        started = runner(run.rep.device.type, caught.op, run.interp)
-        run.interp = None
+        spare = run.interp
+        started = runner(run.rep.device.type, caught.op, spare)
+        if started is spare or isinstance(started, ServerFork):
+            run.interp = None      # one script per interpreter: used, or closed by `runner`
         started.submit(script, run.facts.target)
 
         def result():
