@@ -127,31 +127,12 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
 
 def run_repro_forked(script: Path, device: str, timeout: float = 300.0) -> ReproResult:
     """Run a repro script once, forked from the fork server (torch imported already: a fresh
-    interpreter's import is most of a small repro's time); what it said. Reproduced: exit 1 and
-    its own "REPRODUCED:" line."""
-    scratch = Path(tempfile.mkdtemp(prefix="nanbisect-repro-"))
-    try:
-        out = os.open(scratch / "out", os.O_WRONLY | os.O_CREAT, 0o600)
-        err = os.open(scratch / "err", os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            # (the server may have preloaded nanbisect: the script runs without it, `isolate`)
-            child = _start([str(script.resolve()), "--device", device], dict(os.environ),
-                           cwd=str(script.parent.parent), stderr=err, stdout=out,
-                           prelude="nanbisect.report.rerun:isolate")
-        finally:
-            os.close(out)
-            os.close(err)
-        try:
-            code = child.wait(timeout)
-        except subprocess.TimeoutExpired:
-            child.kill_group()
-            child.wait()
-            return ReproResult(False, None, f"timed out after {timeout:g}s")
-        stdout = (scratch / "out").read_text(errors="replace")
-        tail = (stdout + (scratch / "err").read_text(errors="replace")).strip().splitlines()
-        said = any(line.startswith("REPRODUCED:") for line in stdout.splitlines())
-        return ReproResult(code == 1 and said, code, "\n".join(tail[-6:]))
-    except OSError as e:
-        return ReproResult(False, None, f"could not start: {e}", ran=False)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    interpreter's import is most of a small repro's time; the server may have preloaded
+    nanbisect: the script runs without it); what it said. Reproduced: exit 1 and its own
+    "REPRODUCED:" line."""
+    from nanbisect.report.rerun import ServerFork
+
+    runner = ServerFork(start=_start).submit(script, device, timeout)
+    if runner.child is None:
+        return ReproResult(False, None, f"could not start: {runner.error}", ran=False)
+    return runner.result()

@@ -43,8 +43,8 @@ def run_repro(script: Path, device: str, timeout: int = 300) -> ReproResult:
     return _said(p.returncode, p.stdout, p.stderr)
 
 
-def _timed_out(timeout: int) -> ReproResult:
-    return ReproResult(False, None, f"timed out after {timeout}s")
+def _timed_out(timeout: float) -> ReproResult:
+    return ReproResult(False, None, f"timed out after {timeout:g}s")
 
 
 class _Pending:
@@ -171,15 +171,35 @@ class Interpreter(_Pending):
             proc.communicate()
 
 
+def _from_inherited(target: list[str], **kw):
+    """Fork ``target`` from the fork server this process was forked from (`ServerFork`'s
+    default start); OSError when there is none."""
+    from nanbisect.util.forks import ForkServer
+
+    server = ForkServer.inherited(kw["env"])
+    if server is None:
+        raise OSError("this process was not forked from a fork server")
+    try:
+        return server.start(target, **kw)
+    finally:
+        server.close()
+
+
 class ServerFork(_Pending):
-    """One repro run forked from the fork server this process was itself forked from (a
-    triage replay's, a test's run; `nanbisect.util.forks`): torch is loaded there and no user
-    code ever ran there, so the script registers a custom op or imports the entry itself, as in
-    a fresh interpreter, without paying an interpreter's start and ``import torch``. The child
-    drops nanbisect's modules the server preloaded and cannot import nanbisect (`isolate`).
-    For a device whose ranks may be forked (the CPU): `usable` says when. Same
-    ``submit``/``result`` as `Interpreter`; it falls back to `run_repro` when the server cannot
-    start it."""
+    """One repro run forked from a fork server: by default the one this process was itself
+    forked from (a triage replay's, a test's run; `nanbisect.util.forks`), or what ``start``
+    (``start(target, cwd=, env=, stdout=, stderr=, prelude=)`` -> a started `Child`, OSError
+    when it cannot) gives. Torch is loaded there and no user code ever ran there, so the script
+    registers a custom op or imports the entry itself, as in a fresh interpreter, without paying
+    an interpreter's start and ``import torch``. The child drops nanbisect's modules the server
+    preloaded and cannot import nanbisect (`isolate`). For a device whose ranks may be forked
+    (the CPU): `usable` says when. Same ``submit``/``result`` as `Interpreter`; when it could
+    not start the child, ``error`` says why and ``result`` falls back to `run_repro`."""
+
+    def __init__(self, start=None) -> None:
+        self._start = start or _from_inherited
+        self.child = None
+        self.error: OSError | None = None
 
     @staticmethod
     def usable(device_type: str) -> bool:
@@ -192,34 +212,29 @@ class ServerFork(_Pending):
         server.close()
         return devices.entry(device_type).forkable
 
-    def submit(self, script: Path, device: str, timeout: int = 300) -> "ServerFork":
-        from nanbisect.util.forks import ForkServer
-
+    def submit(self, script: Path, device: str, timeout: float = 300) -> "ServerFork":
         self._submitted(script, device, timeout)
-        self.child = None
         self.scratch = Path(tempfile.mkdtemp(prefix="nanbisect-repro-"))
-        server = ForkServer.inherited(dict(os.environ))
         out = os.open(self.scratch / "out", os.O_WRONLY | os.O_CREAT, 0o600)
         err = os.open(self.scratch / "err", os.O_WRONLY | os.O_CREAT, 0o600)
         try:
-            if server is not None:
-                self.child = server.start(
-                    [str(script.resolve()), "--device", device], cwd=str(script.parent.parent),
-                    env=dict(os.environ), stdout=out, stderr=err,
-                    prelude="nanbisect.report.rerun:isolate")
-        except OSError:
-            self.child = None
+            self.child = self._start([str(script.resolve()), "--device", device],
+                                     cwd=str(script.parent.parent), env=dict(os.environ),
+                                     stdout=out, stderr=err,
+                                     prelude="nanbisect.report.rerun:isolate")
+        except OSError as e:
+            self.error = e
         finally:
             os.close(out)
             os.close(err)
-            if server is not None:
-                server.close()
+            if self.child is None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
         return self
 
     def result(self) -> ReproResult:
+        if self.child is None:
+            return self._fallback()
         try:
-            if self.child is None:
-                return self._fallback()
             try:
                 code = self.child.wait(max(1.0, self.deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
