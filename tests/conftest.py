@@ -59,9 +59,8 @@ def run_python(target: list[str], *, cwd: Path = ROOT, env: dict | None = None,
     `cli`), else in a fresh interpreter."""
     env = dict(os.environ) if env is None else env
     if not fresh and os.environ.get("NANBISECT_FRESH_CLI") != "1":
-        res = _ZYGOTE.run(target, Path(cwd), env, timeout)
-        if res is not None:
-            return res
+        with tempfile.TemporaryDirectory(prefix="nanbisect-cli-") as d:
+            return Started(target, Path(cwd), env, Path(d)).finish(timeout)
     p = subprocess.run([sys.executable, *target], cwd=cwd, env=env, capture_output=True,
                        text=True, timeout=timeout)
     return CliResult(p.returncode, p.stdout, p.stderr)
@@ -69,7 +68,7 @@ def run_python(target: list[str], *, cwd: Path = ROOT, env: dict | None = None,
 
 class _Zygote:
     """This worker's fork server (the product's, `nanbisect.util.forks`: torch imported once),
-    started on first use; None from `run` when it cannot serve a request (then the caller starts
+    started on first use; None from `start` when it cannot serve a request (then the caller starts
     a fresh interpreter)."""
 
     def __init__(self) -> None:
@@ -106,23 +105,6 @@ class _Zygote:
         finally:
             self.lock.release()
 
-    def run(self, target: list[str], cwd: Path, env: dict[str, str], timeout: float
-            ) -> CliResult | None:
-        with tempfile.TemporaryDirectory(prefix="nanbisect-cli-") as d:
-            out, err = Path(d) / "out", Path(d) / "err"
-            with open(out, "wb") as fo, open(err, "wb") as fe:
-                child = self.start(target, cwd, env, fo.fileno(), fe.fileno())
-            if child is None:
-                return None
-            try:
-                code = child.wait(timeout)
-            except subprocess.TimeoutExpired:
-                child.kill_group()
-                child.wait()
-                raise subprocess.TimeoutExpired(target, timeout) from None
-            return CliResult(code, out.read_text(errors="replace"),
-                             err.read_text(errors="replace"))
-
     def close(self) -> None:
         if self.server is not None:
             self.server.proc.kill()
@@ -134,7 +116,8 @@ _ZYGOTE = _Zygote()
 
 
 class Started:
-    """``python TARGET`` started by `start_python` and running: ``poll()``, ``kill()``, and
+    """``python TARGET`` started (by `start_python`, `run_python`) and running: forked from the
+    worker's fork server, else a fresh interpreter; ``poll()``, ``kill()``, and
     ``finish(timeout)`` -> `CliResult` (what it printed, once it ended)."""
 
     def __init__(self, target: list[str], cwd: Path, env: dict[str, str], folder: Path) -> None:
@@ -157,6 +140,7 @@ class Started:
             code = self.child.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
+            self.child.wait()
             raise
         return CliResult(code, self.out.read_text(errors="replace"),
                          self.err.read_text(errors="replace"))
