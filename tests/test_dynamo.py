@@ -3,11 +3,15 @@ directly while torch._dynamo is not imported, and are torch's own again after th
 the first import of torch._dynamo on."""
 from __future__ import annotations
 
+import shutil
+import subprocess
 import sys
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from conftest import FIXTURES, ROOT
 from nanbisect.util import dynamo
 
 
@@ -49,3 +53,74 @@ def test_nothing_changes_once_dynamo_is_imported(monkeypatch):
     before = list(sys.meta_path)
     with dynamo.defer_dynamo():
         assert sys.meta_path == before and vars(fn).get("__dynamo_disable") is cached
+
+
+def _wrapper_calls(code, run) -> list:
+    """The functions under a ``torch._disable_dynamo`` wrapper that ``run()`` called through
+    the wrapper (each wrapper call's ``fn``), in order."""
+    calls = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is code:
+            calls.append(frame.f_locals["fn"])
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_the_remedies_meta_computation_meets_only_deferred_wrappers():
+    """The upcast remedy asks a meta kernel for an op's dtypes (`remedies.upcast.widened`):
+    torch's Python references run under type-promotion wrappers that are `_disable_dynamo`
+    ones, reached only through closures (the reference's outer ``functools.wraps(prim)``
+    points ``__wrapped__`` past them). Every wrapper met is deferred: none would import
+    torch._dynamo."""
+    from nanbisect.remedies.upcast import widened
+
+    code = dynamo._wrapper_code()
+    x = torch.tensor([4.0, -1.0], dtype=torch.float16)
+    ops = [(torch.ops.aten.sqrt.default, (x,)), (torch.ops.aten.exp.default, (x,)),
+           (torch.ops.aten.log.default, (x,)), (torch.ops.aten.div.Tensor, (x, x)),
+           (torch.ops.aten.rsqrt.default, (x,))]
+    assert any(True for _ in dynamo._under(torch._refs.sqrt, code))   # found through a closure
+    # this process imported torch._dynamo: the wrappers that ran cached torch's own function;
+    # take those out for the test, as in a process that never imported it
+    refs = {id(fn): fn for name, module in list(sys.modules.items())
+            if name.startswith(dynamo._REFERENCE_MODULES) and module is not None
+            for v in list(vars(module).values()) for fn in dynamo._under(v, code)}
+    saved = {fn: vars(fn).pop("__dynamo_disable") for fn in refs.values()
+             if "__dynamo_disable" in vars(fn)}
+    try:
+        fns = dynamo._wrapped_functions(code)
+        with dynamo._deferred(fns):
+            calls = _wrapper_calls(code, lambda: [widened(op, args, {}, torch.float32)
+                                                  for op, args in ops])
+            assert calls, "no _disable_dynamo wrapper met: the test no longer tests anything"
+            assert all(vars(fn).get("__dynamo_disable") is fn for fn in calls), [
+                fn.__qualname__ for fn in calls if vars(fn).get("__dynamo_disable") is not fn]
+        assert all("__dynamo_disable" not in vars(fn) for fn in fns)    # undone at the end
+    finally:
+        for fn, disabled in saved.items():
+            setattr(fn, "__dynamo_disable", disabled)
+
+
+@pytest.mark.slow
+def test_a_run_with_remedies_never_imports_dynamo(tmp_path):
+    """A fresh interpreter (the only one where torch._dynamo is not imported yet) replays the
+    README's bundle with its remedies, which upcast the culprit op: torch._dynamo stays out
+    (about 2 s of CPU that a user's `nanbisect run` no longer pays)."""
+    bundle = tmp_path / "b"
+    shutil.copytree(FIXTURES / "forward_nan_behind_mask", bundle)
+    code = ("import sys\n"
+            "from nanbisect.pipeline import RunOptions, run_bundle\n"
+            f"r = run_bundle({str(bundle)!r}, RunOptions(run_repro=False),\n"
+            f"               {str(tmp_path / 'o')!r})\n"
+            "print(r.verdict, r.culprit.op, [x.kind for x in r.remedies][:1])\n"
+            "print('dynamo' if 'torch._dynamo' in sys.modules else 'no dynamo')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.splitlines() == ["culprit aten.sqrt.default ['precision']", "no dynamo"], (
+        p.stdout, p.stderr[-2000:])

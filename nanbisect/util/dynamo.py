@@ -1,8 +1,10 @@
 """`defer_dynamo`: an eager replay that never compiles does not pay for importing torch._dynamo.
 
 torch wraps a few functions in ``torch._disable_dynamo`` (``torch/_compile.py``): the
-optimizer's ``add_param_group``, ``zero_grad``, ``state_dict`` and ``load_state_dict``, and the
-``__torch_dispatch__`` of every `TorchDispatchMode` subclass. The wrapper's first call imports
+optimizer's ``add_param_group``, ``zero_grad``, ``state_dict`` and ``load_state_dict``, the
+``__torch_dispatch__`` of every `TorchDispatchMode` subclass, and the Python references and meta
+kernels of ``torch._refs`` and ``torch._prims_common.wrappers``' type promotion (which an op on
+``meta`` tensors runs: the remedies' dtype check). The wrapper's first call imports
 ``torch._dynamo`` (with sympy, torch.fx's symbolic shapes and inductor's registrations: 1.5-3 s
 of CPU on the 2-core machine, more than a plain step of bench_culprit's medium GPT) to build
 ``torch._dynamo.disable(fn)`` and caches it on the wrapped function as ``fn.__dynamo_disable``.
@@ -17,11 +19,13 @@ itself in that cache (the wrapper then calls ``fn`` directly) and takes it out a
 
 NB: this touches torch internals, minimally: the attribute the wrapper itself reads. It applies
 only when the wrapper's code is the one this was written against (it reads and writes
-``__dynamo_disable`` on ``__wrapped__``: checked on the code object, so another torch's wrapper
-is left alone) and ``torch._dynamo`` is not imported yet. Wrappers of classes defined inside the
-block (a user's own optimizer or dispatch mode) are not covered: they import torch._dynamo as
-usual. Not thread-safe against another thread compiling at the same time (nanbisect's replay
-runs on one thread).
+``__dynamo_disable`` on its closure's ``fn``: checked on the code object, so another torch's
+wrapper is left alone) and ``torch._dynamo`` is not imported yet. The wrappers are found from
+the optimizer and dispatch-mode classes and from the functions of torch's reference modules,
+following ``__wrapped__`` and closures a few levels down. Wrappers of classes defined inside the
+block (a user's own optimizer or dispatch mode), or in a reference module first imported inside
+it, are not covered: they import torch._dynamo as usual. Not thread-safe against another thread
+compiling at the same time (nanbisect's replay runs on one thread).
 """
 from __future__ import annotations
 
@@ -42,7 +46,8 @@ def _wrapper_code():
     if decorate is None:
         return None
     code = getattr(decorate(lambda: None), "__code__", None)
-    if code is None or _ATTR not in code.co_consts or _ATTR not in code.co_names:
+    if (code is None or _ATTR not in code.co_consts or _ATTR not in code.co_names
+            or "fn" not in code.co_freevars):
         return None
     return code
 
@@ -55,19 +60,61 @@ def _subclasses(cls: type) -> Iterator[type]:
         todo.extend(c.__subclasses__())
 
 
+# torch's modules of Python references, decompositions and meta kernels, as far as imported
+_REFERENCE_MODULES = ("torch._refs", "torch._prims", "torch._decomp", "torch._meta_registrations")
+_MAX_WRAPS = 6     # a reference is wrapped a few times over (out=, type promotion, the wrapper)
+
+
+def _closure_fn(wrapper):
+    """The function a wrapper reads ``__dynamo_disable`` on: its closure's ``fn`` (its
+    ``__wrapped__`` says the same unless another ``functools.wraps`` repointed it, as torch's
+    binary references do)."""
+    try:
+        return wrapper.__closure__[wrapper.__code__.co_freevars.index("fn")].cell_contents
+    except (ValueError, IndexError, TypeError):
+        return None
+
+
+def _under(value, code) -> Iterator:
+    """The functions under a wrapper of ``code`` inside ``value``: the wrappers are found
+    through each function's ``__wrapped__`` and the functions its closure holds (torch's
+    references end in ``functools.wraps(prim)``, which points ``__wrapped__`` past them)."""
+    todo, seen = [value], set()
+    for _ in range(_MAX_WRAPS):
+        step = []
+        for v in todo:
+            if not callable(v) or id(v) in seen:
+                continue
+            seen.add(id(v))
+            if getattr(v, "__code__", None) is code:
+                fn = _closure_fn(v)
+                if fn is not None:
+                    yield fn
+            step.append(getattr(v, "__wrapped__", None))
+            for cell in getattr(v, "__closure__", None) or ():
+                with contextlib.suppress(ValueError):       # an empty cell
+                    step.append(cell.cell_contents)
+        todo = step
+        if not todo:
+            return
+
+
 def _wrapped_functions(code) -> list:
     """The functions under a ``torch._disable_dynamo`` wrapper on the optimizers' and the
-    dispatch modes' classes defined so far."""
+    dispatch modes' classes defined so far, and in torch's reference modules imported so far."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    out = []
-    for base in (torch.optim.Optimizer, TorchDispatchMode):
-        for cls in _subclasses(base):
-            for value in vars(cls).values():
-                if getattr(value, "__code__", None) is code:
-                    fn = getattr(value, "__wrapped__", None)
-                    if fn is not None and _ATTR not in vars(fn):
-                        out.append(fn)
+    values = [v for base in (torch.optim.Optimizer, TorchDispatchMode)
+              for cls in _subclasses(base) for v in vars(cls).values()]
+    values += [v for name, module in list(sys.modules.items())
+               if name.startswith(_REFERENCE_MODULES) and module is not None
+               for v in list(vars(module).values())]
+    out, seen = [], set()
+    for value in values:
+        for fn in _under(value, code):
+            if id(fn) not in seen and _ATTR not in vars(fn):
+                seen.add(id(fn))
+                out.append(fn)
     return out
 
 
