@@ -310,6 +310,8 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
             raise BadInput(f"bundle '{p}': the top manifest's manifest_sha256 of rank {r} is not a "
                            "string; re-capture the bundle")
         check_section(p, "observed", info.get("observed"), f"ranks.{r}.observed")
+        if verify:      # here, not after the loop: a copy without its parts is refused at once
+            _part_there(p, r, d)
         dirs.append(d)
     if len(set(dirs)) != len(dirs):
         seen: set = set()
@@ -319,12 +321,6 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
     if verify:
         for r, info in ranks.items():
             d = p / info["dir"]
-            if os.path.islink(d):
-                raise BadInput(f"bundle '{p}': the part of rank {r} ({info['dir']}) is a symbolic "
-                               "link; a bundle holds only plain directories: re-capture the bundle")
-            if not (d / MANIFEST).is_file():
-                raise BadInput(f"bundle '{p}': the part of rank {r} ({info['dir']}) is missing; "
-                               "copy the whole bundle directory or re-capture it")
             _regular(d / MANIFEST, f"bundle '{p}': the manifest of rank {r}")
             if _sha256(d / MANIFEST) != info.get("manifest_sha256"):
                 raise BadInput(f"bundle '{p}': the manifest of rank {r} does not match its "
@@ -338,6 +334,16 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
             if part.manifest.get("shared"):
                 _check_lent(top, part, _borrowed(top, int(r), part, verify=False))
     return top
+
+
+def _part_there(p: Path, rank: str, d: str) -> None:
+    """`BadInput` unless rank ``rank``'s part ``d`` is a plain directory with a manifest."""
+    if os.path.islink(p / d):
+        raise BadInput(f"bundle '{p}': the part of rank {rank} ({d}) is a symbolic link; a "
+                       "bundle holds only plain directories: re-capture the bundle")
+    if not (p / d / MANIFEST).is_file():
+        raise BadInput(f"bundle '{p}': the part of rank {rank} ({d}) is missing; copy the whole "
+                       "bundle directory or re-capture it")
 
 
 def _borrowed(top: Bundle, rank: int, part: Bundle, verify: bool) -> dict:
