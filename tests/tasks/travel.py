@@ -2,10 +2,10 @@
 
 Its loss is a label-smoothed cross entropy over 23 classes. ATen's CPU kernels compute the
 log-softmax with other ``exp``/``log`` code per instruction set (glibc's for ``DEFAULT``, SLEEF's
-vector code for AVX2 and AVX512), which differs in the last bit for some inputs: a few of the 115
-log-probabilities differ, but which few depends on the CPU, and a float32 mean of five picked
-ones can round them away (on an AVX512 Xeon it did). So the loss weighs every log-probability and
-adds them in float64, where a float32 value's last bit is never rounded away:
+vector code for AVX2 and AVX512), which differs in the last bit for some inputs: some of the 115
+log-probabilities differ (26 on an AVX512 Xeon), but which ones depends on the CPU, and a float32
+mean of five picked ones can round them away (on that Xeon it did). So the loss weighs every
+log-probability and adds them in float64, where a float32 value's last bit survives the sum:
 ``ATEN_CPU_CAPABILITY=default`` changes the loss in its last bits, as another CPU would. Its
 update is NaN on every machine: Adam with ``eps=0`` divides 0 by 0 for ``idle``, a parameter whose
 gradient is zero.
