@@ -64,7 +64,7 @@ def test_the_readme_quick_start_runs_as_written_from_a_fresh_clone(tmp_path):
     subprocess.run(["git", "-C", str(clone), "checkout", "-q", head], check=True)
     bin_ = tmp_path / "bin"                  # `python` and `nanbisect` as an install gives them
     bin_.mkdir()
-    # scripts, not a symlink: a symlink to a venv's python starts the base interpreter (the
+    # a script, not a symlink: a symlink to a venv's python starts the base interpreter (the
     # venv is found beside the path it was started by), which may have no torch
     (bin_ / "python").write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
     (bin_ / "python").chmod(0o755)
