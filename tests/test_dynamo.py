@@ -84,13 +84,10 @@ def test_the_remedies_meta_computation_meets_only_deferred_wrappers():
     ops = [(torch.ops.aten.sqrt.default, (x,)), (torch.ops.aten.exp.default, (x,)),
            (torch.ops.aten.log.default, (x,)), (torch.ops.aten.div.Tensor, (x, x)),
            (torch.ops.aten.rsqrt.default, (x,))]
-    assert any(True for _ in dynamo._under(torch._refs.sqrt, code))   # found through a closure
+    assert any(True for _ in dynamo._under(torch._refs.sqrt, code, set()))   # via a closure
     # this process imported torch._dynamo: the wrappers that ran cached torch's own function;
     # take those out for the test, as in a process that never imported it
-    refs = {id(fn): fn for name, module in list(sys.modules.items())
-            if name.startswith(dynamo._REFERENCE_MODULES) and module is not None
-            for v in list(vars(module).values()) for fn in dynamo._under(v, code)}
-    saved = {fn: vars(fn).pop("__dynamo_disable") for fn in refs.values()
+    saved = {fn: vars(fn).pop("__dynamo_disable") for fn in set(dynamo._under_wrappers(code))
              if "__dynamo_disable" in vars(fn)}
     try:
         fns = dynamo._wrapped_functions(code)

@@ -75,11 +75,12 @@ def _closure_fn(wrapper):
         return None
 
 
-def _under(value, code) -> Iterator:
+def _under(value, code, seen: set) -> Iterator:
     """The functions under a wrapper of ``code`` inside ``value``: the wrappers are found
     through each function's ``__wrapped__`` and the functions its closure holds (torch's
-    references end in ``functools.wraps(prim)``, which points ``__wrapped__`` past them)."""
-    todo, seen = [value], set()
+    references end in ``functools.wraps(prim)``, which points ``__wrapped__`` past them).
+    ``seen`` (ids of what was walked, shared across calls) keeps each function walked once."""
+    todo = [value]
     for _ in range(_MAX_WRAPS):
         step = []
         for v in todo:
@@ -99,9 +100,9 @@ def _under(value, code) -> Iterator:
             return
 
 
-def _wrapped_functions(code) -> list:
-    """The functions under a ``torch._disable_dynamo`` wrapper on the optimizers' and the
-    dispatch modes' classes defined so far, and in torch's reference modules imported so far."""
+def _under_wrappers(code) -> list:
+    """Every function under a wrapper of ``code`` on the optimizers' and the dispatch modes'
+    classes defined so far and in torch's reference modules imported so far, cached or not."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     values = [v for base in (torch.optim.Optimizer, TorchDispatchMode)
@@ -109,12 +110,18 @@ def _wrapped_functions(code) -> list:
     values += [v for name, module in list(sys.modules.items())
                if name.startswith(_REFERENCE_MODULES) and module is not None
                for v in list(vars(module).values())]
+    seen: set = set()
+    return [fn for value in values for fn in _under(value, code, seen)]
+
+
+def _wrapped_functions(code) -> list:
+    """The functions under a ``torch._disable_dynamo`` wrapper (`_under_wrappers`) that have
+    no disabled version cached yet."""
     out, seen = [], set()
-    for value in values:
-        for fn in _under(value, code):
-            if id(fn) not in seen and _ATTR not in vars(fn):
-                seen.add(id(fn))
-                out.append(fn)
+    for fn in _under_wrappers(code):
+        if id(fn) not in seen and _ATTR not in vars(fn):
+            seen.add(id(fn))
+            out.append(fn)
     return out
 
 
