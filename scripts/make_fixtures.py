@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import shutil
 import sys
 from pathlib import Path
 
 import nanbisect
+from nanbisect.util.files import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 # bundle name -> (task file, context the guarded steps run under)
@@ -24,6 +26,19 @@ FAULTY = {name: (name, None) for name in [
 FAULTY["moe_unpermute_on_npu"] = ("moe_unpermute", "npu_kernels:npu")
 FAULTY["device_only_op"] = ("device_only_op", "npu_kernels:npu")
 HEALTHY = {"healthy": 3, "deterministic_gpt": 1}   # task -> steps trained before capture
+
+
+def _move(bundle: Path, dest: Path) -> None:
+    """Move a bundle the guard wrote under its scratch directory to ``dest``, keeping its entry
+    file findable from where it now lies: ``entry_file_from_bundle`` is relative to the bundle's
+    directory, and the scratch one lies a level deeper than ``dest``."""
+    shutil.move(str(bundle), str(dest))
+    path = dest / "manifest.json"
+    manifest = json.loads(path.read_text())
+    if manifest.get("entry_file"):
+        manifest["entry_file_from_bundle"] = os.path.relpath(manifest["entry_file"],
+                                                             dest.resolve())
+        write_atomic(path, json.dumps(manifest, indent=1, allow_nan=False))
 
 
 def main() -> None:
@@ -49,7 +64,7 @@ def main() -> None:
                 with ctx():
                     guard.step(batch)
         except nanbisect.NonFiniteStep as e:
-            shutil.move(str(e.bundle), str(out / name))
+            _move(e.bundle, out / name)
             print(f"{name}: step {e.observed['step']} {e.observed['summary']} -> {out / name}")
         else:
             raise SystemExit(f"{name}: the guard never fired")

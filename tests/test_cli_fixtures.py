@@ -4,11 +4,12 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import FIXTURES, TASKS, cli, run_json, same_run
+from conftest import FIXTURES, TASKS, cli, run_json, same_run, tree_digest
 
 import nanbisect
 
@@ -205,3 +206,62 @@ def test_console_script_and_module_agree(fixture_bundle):
     assert (script.returncode, module.code) == (0, 0), script.stderr + module.stderr
     assert json.loads(script.stdout) == json.loads(module.stdout)
     assert json.loads(script.stdout)["bundle"] == str(bundle)
+
+
+def test_fixtures_find_their_entry_from_any_directory(tmp_path, monkeypatch):
+    """Issue 38 item 9: every shipped bundle's ``entry_file_from_bundle`` leads, from the bundle,
+    to its task file, so a replay started in any working directory imports it."""
+    from nanbisect.bundle.format import read_bundle
+    from nanbisect.replay.replayer import resolve_entry
+
+    monkeypatch.chdir(tmp_path)
+    names = sorted(d.name for d in FIXTURES.iterdir() if (d / "manifest.json").is_file())
+    assert len(names) >= 10
+    for name in names:
+        bundle = read_bundle(FIXTURES / name, verify=False)
+        target, _, func = resolve_entry(bundle).rpartition(":")
+        recorded = bundle.manifest["entry"].partition(":")[0]    # fixtures/tasks/NAME.py
+        assert Path(target).is_absolute() and Path(target) == (TASKS / Path(recorded).name
+                                                               ).resolve(), name
+
+
+def test_fixture_replays_from_another_directory(tmp_path):
+    """The shipped bundle itself (not a copy), replayed from a temporary working directory with
+    its report elsewhere: the culprit is found and the fixture is left as it was."""
+    bundle = FIXTURES / "optimizer_adam_eps0"
+    before = tree_digest(bundle)
+    res = cli("run", "--ckpt", bundle, "--json", "--out", tmp_path / "rep", cwd=tmp_path)
+    assert res.code == 1, res.stdout[-2000:] + res.stderr
+    rep = json.loads(res.stdout)
+    assert (rep["culprit"]["phase"], rep["culprit"]["op"]) == ("optimizer",
+                                                               "aten.addcdiv_.default")
+    assert tree_digest(bundle) == before
+
+
+def test_make_fixtures_keeps_the_entry_of_a_moved_bundle(tmp_path, monkeypatch):
+    """The fixture maker moves each guard bundle out of its scratch directory (a level deeper):
+    the moved bundle's entry file is still found from it, from any working directory."""
+    import importlib.util
+
+    from nanbisect.bundle.format import read_bundle
+    from nanbisect.replay.replayer import resolve_entry
+
+    spec = importlib.util.spec_from_file_location(
+        "make_fixtures", Path(__file__).resolve().parent.parent / "scripts" / "make_fixtures.py")
+    make_fixtures = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_fixtures)
+    monkeypatch.syspath_prepend(str(TASKS))
+    import healthy
+
+    task = healthy.task()
+    written = nanbisect.capture(task, next(healthy.batches()), tmp_path / "scratch" / "step-3",
+                                entry=f"{TASKS / 'healthy.py'}:task", step=3)
+    (tmp_path / "bundles").mkdir()
+    make_fixtures._move(written, tmp_path / "bundles" / "healthy")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    bundle = read_bundle(tmp_path / "bundles" / "healthy")     # sha256s still match
+    rel = bundle.manifest["entry_file_from_bundle"]
+    assert (bundle.path / rel).resolve() == (TASKS / "healthy.py").resolve()
+    assert resolve_entry(bundle) == f"{(TASKS / 'healthy.py').resolve()}:task"
