@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save, save_file
 
-from conftest import ROOT, invoke
+from conftest import ROOT, cli, invoke, one_line_exit_2
 from nanbisect import BadInput, Task, capture
 from nanbisect.bundle import bounded
 from nanbisect.bundle import pack as pk
@@ -610,6 +610,18 @@ def test_run_refuses_what_inspect_refuses(tmp_path, case):
     assert seen.code == ran.code == 2, (seen, ran)
     assert ran.stderr == seen.stderr and len(ran.stderr.strip().splitlines()) == 1
     assert phrase in ran.stderr, ran.stderr
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_run_reads_the_manifest_only_through_the_bounded_reader(tmp_path):
+    """Issue 38 item 10: `run` (which reads the manifest before the pipeline does, to start the
+    repro's interpreter early) refuses a manifest nested 100,000 levels deep as `inspect` does:
+    one line, exit 2, no traceback, nothing written (before: a RecursionError, exit 1)."""
+    path, phrase = _deep_manifest(tmp_path / "b")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    for flags in ([path], ["--ckpt", path, "--target", "cuda"]):
+        res = cli("run", *flags, "--out", tmp_path / "out")
+        assert one_line_exit_2(res, phrase, str(path)) == invoke("inspect", path).stderr.strip()
     assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
 

@@ -55,7 +55,8 @@ from nanbisect.util.text import show
 __all__ = ["DTYPE_BITS", "MANIFEST", "MAX_HEADER_BYTES", "MAX_JSON_DEPTH", "MAX_JSON_ITEMS",
            "MAX_MANIFEST_BYTES", "MAX_NDIM", "MAX_TENSORS", "MAX_WORLD_SIZE", "PER_RANK", "ROLES",
            "SCHEMA", "SCHEMA_VERSION", "SUFFIX", "Bundle", "environment", "field_problem",
-           "parse_json", "read_bundle", "read_header", "show", "umask_mode", "write_bundle"]
+           "parse_json", "read_bundle", "read_header", "read_manifest", "show", "umask_mode",
+           "write_bundle"]
 
 
 @dataclass(frozen=True)
@@ -143,6 +144,14 @@ class Bundle:
         if verify:
             _check_lent(self, b, borrowed)
         return replace(b, borrowed=borrowed)
+
+
+def read_manifest(path: str | Path) -> dict:
+    """The manifest.json of the bundle (or multi-rank top) at ``path``, read within the bounds
+    of an untrusted file (size, JSON values and depth) with its schema checked, and nothing else
+    of the bundle: `BadInput` naming the problem otherwise. Every read of a manifest goes
+    through here (or `read_bundle`, which does)."""
+    return _read_manifest(Path(path))
 
 
 def _read_manifest(p: Path) -> dict:

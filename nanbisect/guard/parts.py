@@ -39,7 +39,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from nanbisect.bundle.atomic import place
-from nanbisect.bundle.format import MANIFEST, SCHEMA, environment, write_bundle
+from nanbisect.bundle.format import MANIFEST, SCHEMA, environment, read_manifest, write_bundle
 from nanbisect.guard.agree import Board, Clock, Running, held_sigterm, write_timeout
 from nanbisect.guard.coord import (LISTED, _measured_or_not, _merge_groups, broadcast_str,
                                    exchange, out_of_sync, process_groups, rank_info, share,
@@ -69,7 +69,7 @@ def held_ranks(path: Path | None) -> list[int] | None:
     """The ranks a partial multi-rank bundle this process just wrote holds; None when it is
     complete (or unreadable: the bundle's own reader says why, later)."""
     try:
-        top = json.loads((Path(path) / MANIFEST).read_text())
+        top = read_manifest(path)
         return sorted(map(int, top["ranks"])) if top.get("partial") else None
     except Exception:  # noqa: BLE001 - only a hint for NonFiniteStep's message
         return None
@@ -263,7 +263,7 @@ class _Job:
         parts, saved = {}, [0, 0]
         for r in present:
             m = self.tmp / f"rank{r}" / MANIFEST
-            pm = json.loads(m.read_text())
+            pm = json.loads(m.read_text())   # a part this job's ranks just wrote, not an input
             parts[str(r)] = {"dir": f"rank{r}", "manifest_sha256": file_sha256(m),
                              "observed": pm.get("observed")}
             for ref in (pm.get("shared") or {}).values():

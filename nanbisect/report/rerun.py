@@ -377,16 +377,21 @@ _SPARE: list[Interpreter] = []
 def prestart(bundle: Path, target: str | None) -> None:
     """Start an interpreter for the repro of a run of ``bundle`` on ``target`` (None: where it
     was captured) now (`take` hands it over): when the bundle records a failure of one process
-    (its manifest, read as plain JSON; the pipeline checks it properly later) and the target is
-    not the CPU (there the repro runs in a `Fork`). One not taken is ended when this process
-    exits."""
+    (its manifest, read within the bounds of an untrusted file; a bundle it refuses is left to
+    the pipeline, which says why) and the target is not the CPU (there the repro runs in a
+    `Fork`). One not taken is ended when this process exits."""
+    if target is not None and str(target).split(":")[0] == "cpu":
+        return
+    from nanbisect.bundle.format import read_manifest
+    from nanbisect.errors import BadInput
     try:
-        m = json.loads((Path(bundle) / "manifest.json").read_text())
-        wanted = (isinstance(m, dict) and m.get("kind") != "multi-rank"
-                  and isinstance(m.get("observed"), dict))
+        m = read_manifest(bundle)
+        wanted = m.get("kind") != "multi-rank" and isinstance(m.get("observed"), dict)
         if wanted and target is None:
-            target = str((m.get("devices") or {}).get("captured_on") or "cpu")
-    except (OSError, ValueError, AttributeError):
+            devices = m.get("devices")
+            target = str((devices.get("captured_on") if isinstance(devices, dict) else None)
+                         or "cpu")
+    except BadInput:
         wanted = False
     wanted = wanted and str(target).split(":")[0] != "cpu"
     if wanted and not _SPARE:
