@@ -238,6 +238,40 @@ def test_optimizer_class_mismatch_is_bad_input(tmp_path, trained):
                           b.all_tensors(), "test")
 
 
+def test_optimizer_class_from_main_matches_the_entry_files_class():
+    """A class recorded as ``__main__.Name`` (the script ran as ``python train.py``) is the class
+    of that name the entry file defines when the replay imports it as a module; never a class
+    of torch's, nor one of another name or another recorded module."""
+    from main_optimizer import Lamb
+
+    from nanbisect.bundle.state import same_class
+
+    assert same_class("__main__.Lamb", Lamb) and same_class("main_optimizer.Lamb", Lamb)
+    assert not same_class("__main__.Adam", torch.optim.Adam)
+    assert not same_class("__main__.Lamb2", Lamb) and not same_class("train.Lamb", Lamb)
+
+
+def test_script_run_as_main_with_its_own_optimizer_replays(tmp_path):
+    """Issue 38 item 5: a training script run as ``__main__`` that defines its own optimizer
+    (tests/tasks/main_optimizer.py: a hand-written LAMB whose trust ratio makes 0 / 0) is caught
+    by the Guard, and `nanbisect run` replays it and finds the op in the optimizer phase (before:
+    exit 2, "the bundle holds a __main__.Lamb state but the entry built a main_optimizer.Lamb")."""
+    from conftest import TEST_TASKS, run_json, run_python
+
+    script = TEST_TASKS / "main_optimizer.py"
+    res = run_python([str(script), str(tmp_path / "out")], cwd=tmp_path)
+    assert res.code == 0, res.stdout + res.stderr
+    bundle = Path(res.stdout.strip().splitlines()[-1])
+    assert read_bundle(bundle).manifest["optimizer"]["class"] == "__main__.Lamb"
+    rep = run_json(bundle)
+    c = rep["culprit"]
+    assert (rep["verdict"], c["phase"], c["op"], c["parameter"]) == (
+        "culprit", "optimizer", "aten.div.Tensor", "gate")
+    line = next(i for i, text in enumerate(script.read_text().splitlines(), 1)
+                if "# the bug" in text)
+    assert c["source"].endswith(f"main_optimizer.py:{line}"), c["source"]
+
+
 def test_restore_optimizer_leaves_source_tensors_untouched(tmp_path, trained):
     b = read_bundle(capture(trained, make_batch(3), tmp_path / "b", entry=ENTRY))
     tensors = b.all_tensors()

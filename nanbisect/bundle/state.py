@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import math
 import random
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from nanbisect import devices
+from nanbisect.bundle.code import _excluded_roots, _is_user
 from nanbisect.errors import BadInput
 
 Tensors = dict[str, torch.Tensor]
@@ -301,9 +304,31 @@ def decode_optimizer(meta: dict, tensors, where: str) -> dict:
     return sd
 
 
+def same_class(recorded: str, cls: type) -> bool:
+    """Whether the class a bundle recorded as ``recorded`` (``module.qualname``) is ``cls``, the
+    one the entry built now. A class the training script defined while it ran as ``__main__``
+    (``python train.py``) is recorded as ``__main__.Name``; the replay imports that script under
+    its own name (``train``), so there ``__main__.Name`` is the class of that qualified name from
+    a user source file (not torch, the standard library or an installed package). (A model's
+    class is never recorded: its parameters are matched by name.)
+
+    >>> same_class("torch.optim.sgd.SGD", torch.optim.SGD)
+    True
+    >>> same_class("__main__.SGD", torch.optim.SGD)     # a user's own SGD is not torch's
+    False
+    """
+    if recorded == f"{cls.__module__}.{cls.__qualname__}":
+        return True
+    module, _, qualname = recorded.partition(".")
+    if module != "__main__" or qualname != cls.__qualname__:
+        return False
+    f = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return isinstance(f, str) and _is_user(Path(f).resolve(), _excluded_roots())
+
+
 def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, where: str) -> None:
     cls = type(opt).__module__ + "." + type(opt).__qualname__
-    if cls != meta["class"]:
+    if not same_class(meta["class"], type(opt)):
         raise BadInput(f"{where}: the bundle holds a {meta['class']} state but the entry built a "
                        f"{cls}; replay with the code that captured it")
     sd = decode_optimizer(meta, tensors, where)
