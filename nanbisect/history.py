@@ -24,6 +24,7 @@ import torch
 
 from nanbisect.errors import BadInput
 from nanbisect.records import HistoryEntry
+from nanbisect.util.tensors import floating, parts
 
 ROLE = "history"
 SCHEMA = 1
@@ -241,8 +242,9 @@ def _lr_jumps(entries: list[dict]) -> list[dict]:
 
 def _moment_norm(name: str, t: torch.Tensor) -> float:
     """An optimizer state tensor's size on the gradients' scale: the L2 norm, or for a second
-    moment (a name with "sq": an average of squared gradients) the root of its sum."""
-    t = t.detach().float()
+    moment (a name with "sq": an average of squared gradients) the root of its sum. A complex
+    state (Adam's moments of a complex parameter) by its parts: the same L2 norm."""
+    t = parts(t.detach()).float()
     return float(t.abs().sum().sqrt()) if "sq" in name else float(torch.linalg.vector_norm(t))
 
 
@@ -293,7 +295,7 @@ def findings(h: History | None, model: torch.nn.Module | None = None,
         if i is None or float(gmax[i]) <= 0:
             continue
         for k, v in st.items():
-            if not isinstance(v, torch.Tensor) or not v.is_floating_point() or \
+            if not isinstance(v, torch.Tensor) or not floating(v) or \
                     v.shape != p.shape or not bool(torch.isfinite(v).all()):
                 continue
             m = _moment_norm(k, v)

@@ -105,7 +105,8 @@ def decode(obj: Any, tensors: Tensors, device: torch.device | str | None = None)
         # NB: always a copy: an optimizer step or an in-place loss_fn must not alter the bundle's
         # tensors, which every later replay restores from.
         t = tensors[name].to(device, copy=True) if device is not None else tensors[name].clone()
-        return t.requires_grad_(True) if obj.get("requires_grad") and t.is_floating_point() else t
+        return t.requires_grad_(True) if obj.get("requires_grad") and (
+            t.is_floating_point() or t.is_complex()) else t
     if "__tuple__" in obj:
         return tuple(decode(v, tensors, device) for v in _tagged(obj, "__tuple__", list))
     if "__float__" in obj:

@@ -225,7 +225,7 @@ class RowTracer(TorchDispatchMode):
             states = self._outputs(func, args, kwargs, outs)
             found: set[int] = set()
             for o, s in zip(outs, states):
-                if not o.is_floating_point():
+                if not (o.is_floating_point() or o.is_complex()):
                     continue
                 bad = o.isnan() if self.kind == "nan" else ~o.isfinite()
                 if not bool(bad.any()):

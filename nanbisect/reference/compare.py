@@ -32,6 +32,7 @@ from dataclasses import replace
 import torch
 
 from nanbisect.records import Comparison
+from nanbisect.util.tensors import parts
 
 OP_TOL = {torch.float64: (1e-7, 1e-7), torch.float32: (1.3e-6, 1e-5),
           torch.float16: (1e-3, 1e-5), torch.bfloat16: (1.6e-2, 1e-5)}
@@ -43,11 +44,17 @@ SHARE_REL = {torch.float32: 1e-3, torch.float64: 1e-3, torch.float16: 1e-2, torc
 
 
 def op_tol(dtype: torch.dtype) -> tuple[float, float]:
-    return OP_TOL.get(dtype, (0.0, 0.0))
+    """(rtol, atol) of ``dtype`` (a complex dtype: its parts')."""
+    return OP_TOL.get(dtype.to_real(), (0.0, 0.0))
 
 
 def step_rtol(dtype: torch.dtype) -> float:
-    return STEP_RTOL.get(dtype, 0.0)
+    """The step-level relative L2 tolerance of ``dtype`` (a complex dtype: its parts').
+
+    >>> step_rtol(torch.complex64) == step_rtol(torch.float32)
+    True
+    """
+    return STEP_RTOL.get(dtype.to_real(), 0.0)
 
 
 def _summary(t: torch.Tensor, e: torch.Tensor, off: torch.Tensor, dtype: torch.dtype,
@@ -111,9 +118,15 @@ def compare_op(target: torch.Tensor, reference: torch.Tensor | None, truth: torc
 
 
 def compare_step(target: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> Comparison:
-    """Relative L2 error of a whole-step result (loss, a gradient, a parameter)."""
-    t = target.detach().to("cpu", torch.float64)
-    e = reference.detach().to("cpu", torch.float64)
+    """Relative L2 error of a whole-step result (loss, a gradient, a parameter); a complex one
+    by its real and imaginary parts (the same L2 norm).
+
+    >>> z = torch.tensor([1 + 1j, 2 - 1j])
+    >>> compare_step(z, z, torch.float32).ok, compare_step(z, z.conj(), torch.float32).ok
+    (True, False)
+    """
+    t = parts(target.detach()).to("cpu", torch.float64)
+    e = parts(reference.detach()).to("cpu", torch.float64)
     if t.shape != e.shape:
         return Comparison(False, t.numel(), t.numel(), math.inf, None, None, None, math.inf, 0.0,
                           1.0, reason=f"shape {tuple(t.shape)} vs {tuple(e.shape)}")

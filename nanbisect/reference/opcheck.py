@@ -2,7 +2,8 @@
 
 Accumulated rounding is never blamed on an op: each op is judged from the *same* inputs on both
 sides, at the same dtype (moved to the reference device), against a float64 ground truth of those
-inputs (see `compare.compare_op`). An op the reference device has no
+inputs (see `compare.compare_op`); a complex output is compared by its real and imaginary parts
+(``torch.view_as_real``), at the tolerance of their real dtype. An op the reference device has no
 kernel for runs through `registry.reference_impl` when one is registered; otherwise it is
 ``uncomparable`` and reported as such, never taken as correct. Random ops and ops that return
 uninitialised memory cannot be compared value by value and are ``skipped``.
@@ -17,6 +18,7 @@ from nanbisect.reference import kernels as registry
 from nanbisect.records import OpCheck
 from nanbisect.reference.compare import compare_op
 from nanbisect.replay.recorder import is_collective, tensor_args, written_tensors
+from nanbisect.util.tensors import cast_floating, floating, parts
 
 RANDOM_OR_UNINITIALISED = {
     "native_dropout", "bernoulli", "bernoulli_", "rand", "rand_like", "randn", "randn_like",
@@ -31,11 +33,11 @@ def resolve(op: str):
 
 
 def move(obj: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    """Copy tensors to ``device`` (floating ones cast to ``dtype`` when given)."""
+    """Copy tensors to ``device`` (floating ones cast to ``dtype`` when given, complex ones to
+    the complex dtype of that precision: `nanbisect.util.tensors.cast_floating`)."""
     def one(x):
         if isinstance(x, torch.Tensor):
-            cast = dtype if dtype is not None and x.is_floating_point() else None
-            return x.detach().to(device=device, dtype=cast, copy=True)
+            return cast_floating(x.detach().to(device=device, copy=True), dtype)
         if isinstance(x, torch.device):
             return device
         return x
@@ -101,9 +103,12 @@ def check_op(op: str, index: int, args: list, kwargs: dict, target_out: list[tor
         truth_w = ref_w  # the op has no float64 path: judge against the reference itself
     comps = []
     for t, r, e in zip(target_out, ref_w, truth_w):
-        if not (isinstance(t, torch.Tensor) and t.is_floating_point()):
+        if not (isinstance(t, torch.Tensor) and floating(t)):
             continue
-        comps.append(compare_op(t, r if r.dtype == t.dtype else None, e, t.dtype))
+        same = r.dtype == t.dtype
+        # a complex output is compared by its real view: part by part, at its parts' tolerance
+        t, r, e = parts(t), parts(r), parts(e)
+        comps.append(compare_op(t, r if same else None, e, t.dtype))
     status = "ok" if all(c.ok for c in comps) else "mismatch"
     return OpCheck(op, index, status, how, comps)
 

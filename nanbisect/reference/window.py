@@ -32,6 +32,7 @@ from nanbisect.reference.compare import compare_step
 from nanbisect.reference.differential import RandomReplay, RandomTape, ReferenceKernels
 from nanbisect.reference.side import model_dtype
 from nanbisect.replay.replayer import Replayer, stacked
+from nanbisect.util.tensors import cast_floating, parts
 
 
 @dataclass
@@ -50,7 +51,7 @@ class WindowResult:
 
 
 def _params(rep: Replayer) -> dict[str, torch.Tensor]:
-    return {n: local(p).detach().to("cpu", torch.float64, copy=True)
+    return {n: cast_floating(local(p).detach().to("cpu", copy=True), torch.float64)
             for n, p in rep.task.model.named_parameters()}
 
 
@@ -105,8 +106,9 @@ def _recorded_gap(rep: Replayer, bundle: Bundle) -> dict:
         compared += 1
         if a.dtype != saved.dtype or not torch.equal(a, saved):
             exact = False
-            d = (a.double() - saved.double()).abs().max().item()
-            s = saved.double().abs().max().item()
+            a, saved = parts(a).double(), parts(saved).double()    # complex: part by part
+            d = (a - saved).abs().max().item()
+            s = saved.abs().max().item()
             worst = max(worst, d / s if s > 0 else float("inf"))
     return {"bit_exact": exact and compared > 0, "max_rel_diff": json_number(worst),
             "parameters": compared}

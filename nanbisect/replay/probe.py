@@ -2,8 +2,8 @@
 
 `ModuleProbe` listens to a `ModuleTracker` (which names each call) for one replayed step. For
 each module *call* it records NaN/+inf/-inf counts and the largest finite magnitude of the call's
-floating inputs and outputs (forward) and of the gradients flowing into and out of the call
-(backward). Statistics stay on the device as small tensors and are read back once, by
+floating (real or complex) inputs and outputs (forward) and of the gradients flowing into and out
+of the call (backward). Statistics stay on the device as small tensors and are read back once, by
 `ModuleProbe.read`; `ProbeTable.in_order` gives the calls in forward or backward order.
 
 How backward is observed: a forward pre-hook hands the module an identity view of each floating
@@ -25,6 +25,7 @@ import torch
 from nanbisect.bundle.state import iter_tensors, local
 from nanbisect.records import CallId, Stats
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.util.tensors import floating, nonfinite_masks, parts
 
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
@@ -36,11 +37,13 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     instead of the three counting passes (about 10x less, see docs/BENCHMARKS.md). The sum can
     also overflow on finite values; that falls through to the exact path, which is always right.
     On accelerators everything stays on the device, with no host read.
+    A complex tensor counts element by element (`nanbisect.util.tensors.nonfinite_masks`: NaN
+    when a part is NaN) and measures its parts: max and sum of ``|re|`` and ``|im|``.
     """
     t = local(t).detach()
     if not t.numel():
         return torch.zeros(5, device=t.device)
-    mags = t.abs()
+    mags = parts(t).abs()
     if t.device.type == "cpu":
         total = mags.sum(dtype=torch.float32)
         if bool(torch.isfinite(total)):
@@ -48,9 +51,9 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
             return torch.stack([zero, zero, zero, mags.amax().float(), total])
     finite_abs = mags.nan_to_num(0.0, 0.0, 0.0)
     # NB: not util.tensors.nonfinite: these counts stay on the device, stacked with the stats
-    return torch.stack([torch.isnan(t).sum().float(), torch.isposinf(t).sum().float(),
-                        torch.isneginf(t).sum().float(), finite_abs.amax().float(),
-                        finite_abs.sum(dtype=torch.float32)])
+    nan, pos, neg = nonfinite_masks(t)
+    return torch.stack([nan.sum().float(), pos.sum().float(), neg.sum().float(),
+                        finite_abs.amax().float(), finite_abs.sum(dtype=torch.float32)])
 
 
 def merge_stats(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -61,7 +64,7 @@ def merge_stats(ts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
 
 
 def _floats(obj: Any) -> list[torch.Tensor]:
-    return [t for _, t in iter_tensors(obj) if t.is_floating_point()]
+    return [t for _, t in iter_tensors(obj) if floating(t)]
 
 
 @dataclass
@@ -129,7 +132,7 @@ class ModuleProbe:
         swap = {}
 
         def view(t):
-            if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad:
+            if isinstance(t, torch.Tensor) and floating(t) and t.requires_grad:
                 if id(t) not in swap:
                     v = t.view_as(t)
                     v.register_hook(partial(self._grad, call, "grad_in"))

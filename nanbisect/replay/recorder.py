@@ -6,8 +6,9 @@ fused) and opaque `torch.library` custom ops. For each op it records its inputs 
 *values*: a value is a storage at a write count kept by the recorder (NB: not torch's version
 counter, which foreach ops do not bump and which ADInplaceOrView bumps only after the mode
 returns), so a view is the same value as its base, and an in-place op (``masked_fill_``) makes a
-new value whose inputs include the old one. Each value gets
-one ``aminmax`` on the device (NaN propagates into both, +inf into the max, -inf into the min);
+new value whose inputs include the old one. Each floating or complex value gets
+one ``aminmax`` on the device (NaN propagates into both, +inf into the max, -inf into the min;
+a complex value's over its real and imaginary parts);
 all of them are read back once, by `OpRecorder.read`. Ops are counted over the whole step
 (``op_index``) but recorded only in ``phases``. Not recorded: Python-side values that never pass
 through an aten op.
@@ -42,6 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.bundle.state import local
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.util.tensors import floating, parts
 
 aten = torch.ops.aten
 # Pure metadata ops: counting them would make op_index depend on Python-side shape queries.
@@ -287,10 +289,13 @@ class OpRecorder(TorchDispatchMode):
         """One row of flags for a value: (min, max, largest finite magnitude or NaN when that
         is max(|min|, |max|)). On the CPU, reading min and max costs no device synchronisation,
         so the finite magnitude is computed only for values that hold inf or NaN (a masked
-        attention score); on accelerators it is always computed, on the device."""
-        if not t.is_floating_point() or t.numel() == 0:
+        attention score); on accelerators it is always computed, on the device. A complex value
+        is flagged through its parts (`nanbisect.util.tensors.parts`): NaN when a real or
+        imaginary part is NaN, +inf/-inf when a part is and none is NaN; its magnitude is the
+        largest finite part, not the modulus."""
+        if not floating(t) or t.numel() == 0:
             return None
-        t = t.detach()
+        t = parts(t.detach())
         lo, hi = torch.aminmax(t)
         host = None
         if t.device.type == "cpu":

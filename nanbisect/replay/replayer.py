@@ -25,7 +25,7 @@ from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, resto
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
 from nanbisect.util.compiled import compile_model
-from nanbisect.util.tensors import nonfinite, surely_finite
+from nanbisect.util.tensors import cast_floating, floating, nonfinite, surely_finite
 
 PHASES = ("input", "forward", "backward", "optimizer")
 
@@ -95,10 +95,10 @@ class Replayer:
             raise BadInput(f"{where}: the bundle {has} optimizer state but the entry's Task "
                            f"{'has' if self.task.optimizer is not None else 'has no'} optimizer; "
                            "replay with the code that captured it")
+        self.task.model.to(device)
         if dtype is not None:
-            self.task.model.to(device=device, dtype=dtype)
-        else:
-            self.task.model.to(device)
+            # NB: not model.to(dtype), which drops the imaginary part of complex parameters
+            self.task.model._apply(lambda t: cast_floating(t, dtype))
         self._where = where
         self.notes = apply_step_shape(self.task, m.get("task"), device, dtype)
         # a compiled capture ({backend, mode, options}, manifest task.compiled): every run is
@@ -162,8 +162,8 @@ class Replayer:
         batch = decode(m["batch"], self.tensors, self.device)
         if self.dtype is not None:
             batch = torch.utils._pytree.tree_map(
-                lambda t: t.to(self.dtype) if isinstance(t, torch.Tensor)
-                and t.is_floating_point() else t, batch)
+                lambda t: cast_floating(t, self.dtype) if isinstance(t, torch.Tensor) else t,
+                batch)
         for edit in self.batch_edits:
             batch = edit(batch)
         self.task.model.zero_grad(set_to_none=True)
@@ -178,13 +178,13 @@ class Replayer:
         model, opt = self.task.model, self.task.optimizer
         bad = [b for b in _scan("batch", iter_tensors(batch), True) if b.nan or b.posinf]
         bad += _scan("parameter", model.named_parameters(), True)
-        bad += _scan("buffer", ((n, b) for n, b in model.named_buffers() if b.is_floating_point()),
+        bad += _scan("buffer", ((n, b) for n, b in model.named_buffers() if floating(b)),
                      True)
         if opt is not None:
             names = {p: n for n, p in model.named_parameters()}
             bad += _scan("optimizer", ((f"{names.get(p, '?')}.{k}", v) for p, st in
                                        opt.state.items() for k, v in st.items()
-                                       if isinstance(v, torch.Tensor) and v.is_floating_point()),
+                                       if isinstance(v, torch.Tensor) and floating(v)),
                          True)
         return bad
 

@@ -2,6 +2,9 @@
 
 `write_repro` renders ``repro.py`` from a template and saves the inputs, with the call's non-tensor
 arguments as JSON in the safetensors metadata. The repro needs only torch and safetensors.
+Complex tensors are saved as their real view (``torch.view_as_real``: safetensors stores no
+complex128 nor complex32, and older versions no complex at all), named in the metadata's
+``"complex"`` (tensor name -> dtype); the scripts rebuild them with ``torch.view_as_complex``.
 `write_module_repro` does the same for a whole module call (it rebuilds the model from the entry,
 so it needs that code). Running them once: `nanbisect.report.rerun`.
 """
@@ -27,6 +30,22 @@ def _template(name: str) -> string.Template:
         resources.files("nanbisect.report").joinpath(f"templates/{name}").read_text())
 
 
+def complex_as_real(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Replace each complex tensor of ``tensors`` by its real view (contiguous, last dimension
+    2: real and imaginary part); return their names -> complex dtype, for the metadata.
+
+    >>> ts = {"a": torch.tensor([1 + 2j]), "b": torch.ones(1)}
+    >>> complex_as_real(ts), ts["a"].tolist()
+    ({'a': 'complex64'}, [[1.0, 2.0]])
+    """
+    kept = {}
+    for k, v in tensors.items():
+        if v.is_complex():
+            kept[k] = str(v.dtype).removeprefix("torch.")
+            tensors[k] = torch.view_as_real(v.resolve_conj().resolve_neg()).contiguous()
+    return kept
+
+
 def repro_imports(op: str, entry: str) -> list[str]:
     """Files the repro must import to have ``op``: the entry file, for non-built-in ops.
 
@@ -39,6 +58,17 @@ def repro_imports(op: str, entry: str) -> list[str]:
     return [str(Path(target).resolve())] if target.endswith(".py") else []
 
 
+def device_of(target: str) -> str:
+    """The device of a target (``DEVICE[:DTYPE]``): what a repro's ``--device`` takes (its saved
+    inputs already hold the replay's dtype).
+
+    >>> device_of("cpu:float64"), device_of("cuda:1:float16"), device_of("cuda:1"), device_of("npu")
+    ('cpu', 'cuda:1', 'cuda:1', 'npu')
+    """
+    head, _, last = target.rpartition(":")
+    return head if head and last and not last.isdigit() else target
+
+
 def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, target: str,
                 imports: list[str], role: str = "Culprit") -> Path:
     """Write ``out/repro.py`` and ``out/inputs.safetensors``; return the script's path.
@@ -49,13 +79,14 @@ def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, targe
     meta = {"op": caught.op, "args": encode(caught.args, "args", tensors),
             "kwargs": encode(caught.kwargs, "kwargs", tensors), "mutated": caught.mutated}
     tensors.update({k: v.contiguous() for k, v in caught.rng.items()})
+    meta["complex"] = complex_as_real(tensors)
     save_file(tensors, str(out / "inputs.safetensors"), metadata={"nanbisect": json.dumps(meta)})
     umask_mode(out / "inputs.safetensors")     # safetensors writes 0600: a colleague must read it
     text = _template("repro.py.tmpl").substitute(
         version=__version__, role=role, op=caught.op, phase=culprit.phase,
         module=module_label(culprit.module),
         module_call=culprit.module_call, op_index=culprit.op_index, source=culprit.source,
-        kind=kind, target=target, imports=repr(imports))
+        kind=kind, target=device_of(target), imports=repr(imports))
     (out / "repro.py").write_text(text)
     return out / "repro.py"
 
@@ -73,6 +104,7 @@ def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: s
                          else None)}
     tensors.update({f"state/{k}": v.contiguous() for k, v in mc.state.items()})
     tensors.update({k: v.contiguous() for k, v in mc.rng.items()})
+    meta["complex"] = complex_as_real(tensors)
     save_file(tensors, str(out / "module_inputs.safetensors"),
               metadata={"nanbisect": json.dumps(meta)})
     umask_mode(out / "module_inputs.safetensors")
@@ -80,7 +112,7 @@ def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: s
     text = _template("module_repro.py.tmpl").substitute(
         version=__version__, op=culprit.op, phase=culprit.phase,
         module=module_label(mc.call.module),
-        module_call=mc.call.call, kind=kind, target=target, entry=entry,
+        module_call=mc.call.call, kind=kind, target=device_of(target), entry=entry,
         entry_file=repr(str(Path(target_file).resolve())), entry_func=repr(func),
         compile=repr(compile))
     (out / "module_repro.py").write_text(text)

@@ -5,6 +5,13 @@ synchronisation per call); `surely_finite` one reduction per tensor and one read
 exact "all finite" or "count them"; `nan_inf_on_device` never does (its result stays on the tensor's
 device, ready for a collective). Integer and bool tensors count as finite. `tensor_bytes` is the
 row-major bytes of a tensor's elements, whatever its strides or device.
+
+Complex tensors count as floating tensors (DESIGN, contract v4), element by element: a complex
+element is NaN when its real or imaginary part is NaN; otherwise +inf when a part is +inf, else
+-inf when a part is -inf (so each element is counted once). Magnitudes of a complex tensor are
+those of its parts (`parts`: ``torch.view_as_real``), never of its modulus: they cannot overflow
+where the parts do not, and ``|z| <= sqrt(2) * max(|re|, |im|)``. `cast_floating` casts a complex
+tensor to the complex dtype of the asked precision instead of dropping its imaginary part.
 Not here, on purpose: `replay.probe`'s per-module statistics (a fused fast path for finite CPU
 tensors) and `guard`'s early-out ``isnan().any()`` checks; both answer other questions.
 """
@@ -13,8 +20,72 @@ from __future__ import annotations
 import torch
 
 
-def _counted(t: torch.Tensor) -> bool:
+def floating(t: torch.Tensor) -> bool:
+    """A tensor whose values can be NaN or inf: real floating or complex.
+
+    >>> [floating(torch.ones(1, dtype=d)) for d in (torch.float16, torch.complex64, torch.int64)]
+    [True, True, False]
+    """
     return t.is_floating_point() or t.is_complex()
+
+
+_counted = floating
+
+
+def parts(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as real numbers: a complex tensor's ``torch.view_as_real`` (a view, one more
+    dimension of size 2: real and imaginary part), any other tensor itself.
+
+    >>> parts(torch.tensor([1 + 2j])).tolist()
+    [[1.0, 2.0]]
+    """
+    if not t.is_complex():
+        return t
+    if t.is_conj() or t.is_neg():     # a lazy conjugate has no real view: materialise it
+        t = t.resolve_conj().resolve_neg()
+    return torch.view_as_real(t)
+
+
+def nonfinite_masks(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Element masks (nan, +inf, -inf) of a floating or complex tensor, on its device; each
+    element is in at most one (a complex one as the module docstring says).
+
+    >>> [m.tolist() for m in nonfinite_masks(torch.tensor([complex(1, float("nan")),
+    ...                                                      complex(float("-inf"), 2), 3j]))]
+    [[True, False, False], [False, False, False], [False, True, False]]
+    """
+    if not t.is_complex():
+        return torch.isnan(t), torch.isposinf(t), torch.isneginf(t)
+    p = parts(t)
+    nan = torch.isnan(p).any(-1)
+    pos = torch.isposinf(p).any(-1) & ~nan
+    return nan, pos, torch.isneginf(p).any(-1) & ~nan & ~pos
+
+
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64,
+               torch.float16: torch.complex32}
+
+
+def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` at ``dtype`` when it is real floating; a complex ``t`` at the complex dtype of that
+    precision (kept as it is when there is none: bfloat16); anything else unchanged. NB:
+    ``Module.to(dtype)`` and ``Tensor.to(dtype)`` drop a complex tensor's imaginary part.
+
+    >>> cast_floating(torch.tensor([1 + 2j]), torch.float64).dtype
+    torch.complex128
+    >>> cast_floating(torch.ones(1), torch.float64).dtype, cast_floating(torch.ones(1).long(),
+    ...                                                                  torch.float64).dtype
+    (torch.float64, torch.int64)
+    """
+    if dtype is None:
+        return t
+    if t.is_floating_point():
+        return t.to(dtype)
+    if t.is_complex():
+        if dtype.is_complex:
+            return t.to(dtype)
+        return t.to(_COMPLEX_OF[dtype]) if dtype in _COMPLEX_OF else t
+    return t
 
 
 def nan_inf_counts(tensors: list[torch.Tensor]) -> tuple[int, int]:
@@ -26,8 +97,9 @@ def nan_inf_counts(tensors: list[torch.Tensor]) -> tuple[int, int]:
     nan = inf = 0
     for t in tensors:
         if _counted(t):
-            nan += int(torch.isnan(t).sum())
-            inf += int(torch.isinf(t).sum())
+            n, p, m = nonfinite_masks(t)
+            nan += int(n.sum())
+            inf += int(p.sum()) + int(m.sum())
     return nan, inf
 
 
@@ -36,11 +108,12 @@ def nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
 
     >>> nonfinite(torch.tensor([float("inf"), float("-inf"), float("nan"), 0.0]))
     (1, 1, 1)
+    >>> nonfinite(torch.tensor([complex(float("inf"), float("nan")), complex(0, float("inf"))]))
+    (1, 1, 0)
     """
-    # NB: torch.isposinf refuses complex tensors; a complex input raises, as it always has
     if not _counted(t):
         return 0, 0, 0
-    s = torch.stack([torch.isnan(t).sum(), torch.isposinf(t).sum(), torch.isneginf(t).sum()])
+    s = torch.stack([m.sum() for m in nonfinite_masks(t)])
     n, p, m = s.tolist()
     return int(n), int(p), int(m)
 
@@ -48,7 +121,8 @@ def nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
 # dtypes whose sum (accumulated in at least float32) answers "all finite?" (others: the exact
 # count, `nonfinite`)
 _SUMMED = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
-           torch.float32: torch.float32, torch.float64: torch.float64}
+           torch.float32: torch.float32, torch.float64: torch.float64,
+           torch.complex64: torch.complex64, torch.complex128: torch.complex128}
 
 
 def surely_finite(tensors: list[torch.Tensor]) -> list[bool]:
@@ -56,13 +130,14 @@ def surely_finite(tensors: list[torch.Tensor]) -> list[bool]:
     sum) per tensor and one host read per device; False means "count them" (`nonfinite`).
 
     A sum is finite only when every element is (a NaN makes it NaN; an inf makes it inf, or NaN
-    beside an inf of the other sign), so True is exact. False may also be a sum of large finite
-    values that overflowed (or a dtype not summed here): the caller counts those exactly.
+    beside an inf of the other sign; a complex sum is that, part by part), so True is exact.
+    False may also be a sum of large finite values that overflowed (or a dtype not summed here):
+    the caller counts those exactly.
     Integer and bool tensors are finite.
 
     >>> surely_finite([torch.ones(3), torch.tensor([1.0, float("-inf")]),
-    ...                torch.full((2,), 3e38), torch.arange(3)])
-    [True, False, False, True]
+    ...                torch.full((2,), 3e38), torch.arange(3), torch.tensor([1j, float("nan")])])
+    [True, False, False, True, False]
     """
     out: list[bool] = [not _counted(t) for t in tensors]
     by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
@@ -85,6 +160,9 @@ def nan_inf_on_device(t: torch.Tensor) -> torch.Tensor:
     """
     # NB: not nan_inf_counts: this one runs inside a DDP comm hook, where a host read would
     # synchronise every bucket's reduction
+    if t.is_complex():
+        n, p, m = nonfinite_masks(t)
+        return torch.stack([n.sum(), p.sum() + m.sum()]).float()
     return torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]).float()
 
 
