@@ -90,21 +90,38 @@ def test_a_corrupt_row_is_traced_and_the_step_without_it_is_finite(tmp_path):
 
 
 def test_a_float16_overflow_is_finite_when_its_module_runs_in_float32(tmp_path):
-    """exp overflows float16 and inf / inf is NaN: the culprit (the div) already gets inf, so
-    computing it alone wider cannot help (skipped, saying so); its module call in float32 keeps
-    exp's value and the step is finite."""
+    """exp overflows float16 and inf / inf is NaN. Precision follows the chain: exp, where the
+    inf was born, wider first (its result, cast back to float16, is inf again: still failing);
+    the culprit (the div) already gets that inf, so computing it alone wider cannot help
+    (skipped, saying so); the module call in float32 keeps exp's value and the step is
+    finite."""
     bundle = capture(tmp_path, "half_overflow", tasks.batch(bad=3, scale=30.0,
                                                              dtype=torch.float16))
     r, _ = run(bundle, tmp_path / "r")
     assert (r.culprit.op, r.inf_origin.op) == ("aten.div.Tensor", "aten.exp.default")
-    op, module = by_kind(r)["precision"]
-    assert op.outcome == "skipped" and "already carry inf (born in aten.exp.default)" in \
-        op.detail["reason"]
+    origin, op, module = by_kind(r)["precision"]
+    assert (origin.outcome, origin.detail["scope"]) == ("still-failing", "inf_origin")
+    assert origin.change == ("when aten.exp.default in act (call 0), where the inf was born, "
+                             "runs in float32")
+    assert op.outcome == "skipped" and "already carry inf (born in aten.exp.default (tried " \
+        "above))" in op.detail["reason"]
     assert (module.outcome, module.detail["dtype"], module.detail["module"]) == (
         "finite", "float32", "act")
     assert module.sentence() == "the step is finite when module act (call 0) runs in float32"
     assert module.loss is not None
     assert r.culprit.samples == [3]
+
+
+def test_a_module_that_casts_to_float16_itself_is_finite_with_its_casts_kept_wide(tmp_path):
+    """The float32 model's act casts to float16 itself (``h.half()``) before exp: the module
+    in float32 is finite only when its own cast is kept wide (`upcast.KeepWide`)."""
+    bundle = capture(tmp_path, "half_cast_overflow", tasks.batch(bad=3, scale=30.0))
+    r, _ = run(bundle, tmp_path / "r")
+    assert (r.culprit.op, r.culprit.input_dtypes, r.inf_origin.op) == (
+        "aten.div.Tensor", ["float16", "float16"], "aten.exp.default")
+    assert [(m.outcome, m.detail.get("scope")) for m in by_kind(r)["precision"]] == [
+        ("still-failing", "inf_origin"), ("skipped", "op"), ("finite", "module")]
+    assert r.remedies[0].kind == "precision"
 
 
 def test_an_adam_eps0_culprit_is_finite_with_eps_raised(fixture_bundle, tmp_path):

@@ -265,7 +265,7 @@ def test_headlines_say_what_happened():
 
 def test_signature_normalises_layers_and_names_non_culprits():
     data = REPORTS["culprit"].to_json()
-    assert signature(data) == "aten.sqrt.default · blocks.N.act · forward · float32 · device"
+    assert signature(data) == "aten.sqrt @ model.py:12 · blocks.N.act · forward · float32 · device"
     assert signature(REPORTS["input-nonfinite"].to_json()) == "input-nonfinite · data"
     assert signature(REPORTS["not-reproduced"].to_json()) == "not-reproduced · transient"
     changed = {**REPORTS["not-reproduced"].to_json(), "classification": "code-changed"}

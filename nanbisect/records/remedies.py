@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from nanbisect.util.recordjson import number
+
 KINDS = ("precision", "samples", "state", "optimizer")
 OUTCOMES = ("finite", "still-failing", "error", "skipped")
 
@@ -26,6 +28,10 @@ class Remedy:
     >>> r = Remedy("samples", "without batch rows [5]", "finite", 0.25, {"rows": [5]})
     >>> r.sentence(), r.to_json()["outcome"]
     ('the step is finite without batch rows [5]', 'finite')
+    >>> Remedy("samples", "without batch rows [2, 3]", "finite", 0.25, {
+    ...     "rows": [2, 3], "complete": False,
+    ...     "note": "narrowed to 2 rows, budget ended; row 2 alone not tried"}).sentence()
+    'the step is finite without batch rows [2, 3] (narrowed to 2 rows, budget ended; row 2 alone not tried)'
     """
 
     kind: str
@@ -47,7 +53,11 @@ class Remedy:
     def sentence(self) -> str:
         """The remedy in words: what the replay with the change showed."""
         if self.outcome == "finite":
-            return f"the step is finite {self.change}"
+            # a search the budget (or an error) ended: how far it got, on the same line
+            unfinished = self.detail.get("note") if self.detail.get("complete") is False \
+                else None
+            return f"the step is finite {self.change}" + (f" ({unfinished})" if unfinished
+                                                           else "")
         if self.outcome == "still-failing":
             return f"the step still fails {self.change}"
         if self.outcome == "error":
@@ -59,7 +69,7 @@ class Remedy:
 
     @staticmethod
     def from_json(d: dict) -> "Remedy":
-        return Remedy(d["kind"], d["change"], d["outcome"], d.get("loss"),
+        return Remedy(d["kind"], d["change"], d["outcome"], number(d.get("loss")),
                       dict(d.get("detail") or {}))
 
 

@@ -6,15 +6,21 @@ What is tried, in this order (an optimizer culprit's optimizer changes first):
 
 - ``optimizer`` (optimizer culprits): the step with the optimizer's eps raised (to 1e-8, or
   100x), then with the gradients clipped to norm 1 (a tenth of the Task's ``clip_grad_norm``);
-- ``precision``: the culprit op computed one dtype wider (float16/bfloat16 -> float32,
-  float32 -> float64: `upcast.UpcastOp`); when that is not enough, or cannot help (its inputs
-  already carry inf), its module call (`upcast.upcast_module`; the smallest module holding both
-  the culprit and the op where its inf was born). "Finite" there tells a range problem of the
+- ``precision``: along the chain the report shows, one dtype wider (float16/bfloat16 ->
+  float32, float32 -> float64): the op where the culprit's inf was born (``inf_origin``) first,
+  then the culprit op (`upcast.UpcastOp`; skipped when its inputs carry that inf, which the
+  origin was tried for), then its module call (`upcast.upcast_module`, the module's own
+  narrowing casts kept wide; the smallest module holding both the culprit and the op where its
+  inf was born). "Finite" there tells a range problem of the
   dtype from a domain error (a sqrt of a negative is NaN at any precision);
-- ``samples``: the step without the batch rows the bad value depends on: those traced through
-  the ops (`RowTrace`, ``culprit.samples``), else those found by bisecting the batch (remove
-  half of the candidate rows; finite: keep that half; else try the other half; stop at one row
-  or when neither half alone is to blame); each row identified (`batch.identify`);
+- ``samples``: the step without the batch rows the bad value depends on, narrowed to a minimal
+  set (`narrow.narrow`): the rows traced through the ops first (`RowTrace`,
+  ``culprit.samples``), then bisection within them (the trace can name rows whose bad values
+  the step masks later); without a trace, or when the step still fails without the traced
+  rows, bisection of the whole batch (remove half of the candidate rows; finite: keep that
+  half; else try the other half; neither half of the whole batch: not the batch's rows); each
+  row identified (`batch.identify`). When the budget ends the narrowing the sentence says so
+  ("narrowed to 2 rows, budget ended; row 2 alone not tried");
 - ``state`` (bundles with a lookback): the same pre-step state with the batch of the step
   before: finite means the batch did it, still failing that the state was already poised.
 
@@ -33,6 +39,7 @@ from nanbisect.bundle.lookback import Window
 from nanbisect.bundle.state import decode
 from nanbisect.records import Culprit, OpFinding, Remedy, RowTrace, module_label
 from nanbisect.remedies.batch import drop_rows, identify, row_count
+from nanbisect.remedies.narrow import narrow, untried_text
 from nanbisect.remedies.trials import DEFAULT_BUDGET, Progress, Trials, budget, rows_text
 from nanbisect.remedies.upcast import UpcastOp, upcast_module, wider
 from nanbisect.replay.replayer import Replayer
@@ -58,7 +65,18 @@ def _common(a: str, b: str) -> str:
     return ".".join(out)
 
 
+def _at_ref(o) -> str:
+    """Where an op the report names (an `OpRef`: the ``inf_origin``) runs, in words."""
+    call = f" (call {o.module_call})" if o.module_call is not None else ""
+    back = "backward of " if o.phase == "backward" else ""
+    return f"in {back}{module_label(o.module or '')}{call}"
+
+
 def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
+    """Precision along the chain the report shows: the op where the inf was born
+    (``inf_origin``) first, then the culprit op, then the module call holding both. A candidate
+    is skipped only for a reason an earlier one was tried for (the culprit's inputs carry the
+    inf the origin, tried first, made)."""
     out: list[Remedy] = []
     dtypes = wider(f.input_dtypes if f is not None else c.input_dtypes)
     if dtypes is None:
@@ -69,13 +87,24 @@ def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
     narrow, wide = dtypes
     wide_name = str(wide).removeprefix("torch.")
     origin = f.inf_origin if f is not None else None
+    if origin is not None and f.origin_site is not None:
+        change = f"when {origin.op} {_at_ref(origin)}, where the inf was born, runs in {wide_name}"
+        if trials.left <= 0:
+            return [trials.spent("precision", change)]
+        outcome, loss, detail = trials.replay(
+            change, modes=lambda: [UpcastOp(f.origin_site, wide)])
+        out.append(Remedy("precision", change, outcome, loss,
+                          {"dtype": wide_name, "scope": "inf_origin", **detail}))
+        if outcome == "finite":
+            return out
     if f is not None:
         change = f"when {c.op} {_at(c)} runs in {wide_name}"
         if origin is not None:
+            tried = " (tried above)" if f.origin_site is not None else ""
             out.append(Remedy("precision", change, "skipped", detail={
                 "dtype": wide_name, "scope": "op",
-                "reason": f"its inputs already carry inf (born in {origin.op}): computing it "
-                          "wider cannot help"}))
+                "reason": f"its inputs already carry inf (born in {origin.op}{tried}): "
+                          "computing it alone wider cannot help"}))
         elif trials.left <= 0:
             return [trials.spent("precision", change)]
         else:
@@ -124,62 +153,93 @@ def _samples(trials: Trials, trace: RowTrace | None) -> Remedy:
             "reason": "the batch has no tensor with two or more rows"})
     if trace is not None and trace.samples is not None:
         drop = trace.samples
-        change = f"without {rows_text(drop)}"
-        ids = identify(batch, drop, rows)
         if len(drop) >= rows:
-            return Remedy("samples", change, "skipped", detail={
-                "rows": drop, "found_by": "trace", "identify": ids,
+            return Remedy("samples", f"without {rows_text(drop)}", "skipped", detail={
+                "rows": drop, "found_by": "trace", "identify": identify(batch, drop, rows),
                 "reason": "every row of the batch holds the bad value: none would be left"})
-        if trials.left <= 0:
-            return trials.spent("samples", change)
-        outcome, loss, detail = trials.replay(change, edit=lambda b: drop_rows(b, drop, rows))
-        return Remedy("samples", change, outcome, loss,
-                      {"rows": drop, "found_by": "trace", "identify": ids, **detail})
+        return _rows(trials, batch, rows, drop, None)
     why = trace.why if trace is not None else "no op was isolated to trace them from"
     if trace is not None and trace.why and "no batch row" in trace.why:
         return Remedy("samples", "without the rows the bad value depends on", "skipped",
                       detail={"reason": trace.why})
-    return _bisect(trials, batch, rows, why)
+    return _rows(trials, batch, rows, None, why)
 
 
-def _bisect(trials: Trials, batch: Any, rows: int, why: str) -> Remedy:
-    """Rows found by replaying the step without halves of the candidates."""
-    cand, found, loss, tried, stop = list(range(rows)), None, None, [], None
-    while len(cand) > 1 and stop is None:
-        halves = (cand[:len(cand) // 2], cand[len(cand) // 2:])
-        for half in halves:
-            if trials.left <= 0:
-                stop = "budget"
-                break
-            outcome, l, detail = trials.replay(f"without {rows_text(half)}",
-                                               edit=lambda b, h=half: drop_rows(b, h, rows))
-            tried.append({"without": half, "outcome": outcome, **detail})
-            if outcome == "error":
-                stop = "error"
-                break
-            if outcome == "finite":
-                cand, found, loss = half, half, l
-                break
-        else:
-            stop = "neither half"
-    detail = {"found_by": "bisection", "why_not_traced": why, "tried": tried,
-              "complete": stop != "budget" and stop != "error"}
-    if found is not None:
-        if stop == "budget" and len(found) > 1:
-            detail["note"] = "the budget ended the bisection before it reached one row"
-        return Remedy("samples", f"without {rows_text(found)}", "finite", loss,
-                      {"rows": found, "identify": identify(batch, found, rows), **detail})
-    change = "without batch rows found by bisecting the batch"
+def _rows(trials: Trials, batch: Any, rows: int, traced: list[int] | None,
+          why: str | None) -> Remedy:
+    """The step without the rows to blame, narrowed to a minimal set (`narrow.narrow`): the
+    traced rows first (``traced``), else, or when the step still fails without them, the whole
+    batch bisected. When the budget ends the narrowing, the remedy's sentence says so."""
+    losses: dict[tuple[int, ...], float | None] = {}
+    tried: list[dict] = []
+
+    def attempt(drop: list[int]) -> str:
+        if trials.left <= 0:
+            return "budget"
+        outcome, loss, detail = trials.replay(f"without {rows_text(drop)}",
+                                              edit=lambda b: drop_rows(b, drop, rows))
+        tried.append({"without": drop, "outcome": outcome, **detail})
+        losses[tuple(drop)] = loss
+        return outcome
+
+    start, known = list(range(rows)), False
+    if traced is not None:
+        change = f"without {rows_text(traced)}"
+        first = attempt(traced)
+        if first == "budget":
+            return trials.spent("samples", change)
+        if first == "error":
+            return Remedy("samples", change, "error", None, {
+                "rows": traced, "found_by": "trace", "identify": identify(batch, traced, rows),
+                "error": tried[-1].get("error")})
+        if first == "finite":
+            start, known = traced, True
+    found = narrow(attempt, start, known, failed=[traced] if traced is not None and not known
+                   else [])
+    detail: dict = {"found_by": _found_by(known and traced is not None, traced, found.rows,
+                                          len(tried) > (traced is not None)),
+                    **({"traced": traced} if traced is not None else {}),
+                    **({"why_not_traced": why} if why is not None else {}),
+                    **({"tried": tried} if traced is None or len(tried) > 1 else {}),
+                    "complete": found.complete}
+    if found.rows is not None:
+        if found.stop == "budget":
+            detail["note"] = (f"narrowed to {len(found.rows)} rows, budget ended; "
+                              + untried_text(found.next))
+        elif found.stop == "error":
+            detail["note"] = (f"narrowed to {len(found.rows)} rows; the step without "
+                              f"{rows_text(found.next)} could not be replayed: "
+                              f"{tried[-1].get('error')}")
+        return Remedy("samples", f"without {rows_text(found.rows)}", "finite",
+                      losses.get(tuple(found.rows)),
+                      {"rows": found.rows, "identify": identify(batch, found.rows, rows),
+                       **detail})
+    change = (f"without {rows_text(traced)}" if traced is not None and len(tried) == 1
+              else "without batch rows found by bisecting the batch")
     if not tried:
         return trials.spent("samples", change)
-    if stop == "error":
+    if found.stop == "error":
         return Remedy("samples", change, "error", None, {"rows": None, **detail,
                                                            "error": tried[-1].get("error")})
-    detail["note"] = ("no half of the batch alone makes the step finite: the rows act "
-                      "together, or the failure does not come from the batch"
-                      if stop == "neither half" else
-                      "the budget ended the bisection before any removal made it finite")
+    notes = ["the step still fails without the traced rows"] if traced is not None else []
+    if found.stop == "neither half":
+        notes.append("no half of the batch alone makes the step finite: the rows act together, "
+                     "or the failure does not come from the batch")
+    elif traced is not None and len(tried) == 1:
+        notes.append("the budget ended before the batch was bisected")
+    else:
+        notes.append("the budget ended the bisection before any removal made it finite")
+    detail["note"] = "; ".join(notes)
     return Remedy("samples", change, "still-failing", None, {"rows": None, **detail})
+
+
+def _found_by(traced_finite: bool, traced: list[int] | None, rows: list[int] | None,
+              bisected: bool) -> str:
+    """How the rows were found: "trace", "trace, narrowed by bisection" (a part of the traced
+    rows is enough), "bisection" (the whole batch)."""
+    if traced_finite:
+        return "trace" if rows == traced else "trace, narrowed by bisection"
+    return "bisection" if traced is None or bisected else "trace"
 
 
 def _state(trials: Trials, window: Window) -> Remedy | None:

@@ -8,8 +8,10 @@ arguments), so autograd and every later op see what they expect: only that op's 
 changes. A result that does not fit the narrow dtype (exp(12) in float16) is inf again after
 the cast back: computing one op wider helps only where its own arithmetic overflows or loses
 the value. `upcast_module` keeps the values inside one module call wide (its inputs, parameters
-and buffers cast with differentiable casts, its outputs cast back), so a float16 range problem
-inside the module goes away there when it is one, and backward flows through the casts.
+and buffers cast with differentiable casts, its outputs cast back, and the module's own casts to
+a narrower floating dtype, ``x.half()`` or ``x.to(torch.float16)``, kept wide: `KeepWide`), so a
+float16 range problem inside the module goes away there when it is one, and backward flows
+through the casts.
 
 Not changed: ops outside the site or the module call; a module call's in-place updates of its
 buffers (running statistics) go to the wide copies and are dropped.
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from nanbisect.records import OpSite
@@ -135,6 +138,44 @@ class UpcastOp(TorchDispatchMode):
         return widened(func, args, kwargs, self.wide)
 
 
+_NARROWING = {torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}
+_CASTS = {torch.Tensor.to, torch.Tensor.type}
+
+
+class KeepWide(TorchFunctionMode):
+    """Within the block, a cast of a ``wide`` tensor to a narrower floating dtype (``.half()``,
+    ``.bfloat16()``, ``.to(torch.float16)``, ``.type(torch.float16)``) keeps it ``wide``: a
+    module that casts explicitly still computes wide under `upcast_module`.
+
+    >>> x = torch.ones(2)
+    >>> with KeepWide(torch.float32):
+    ...     a, b = x.half(), x.to(torch.float16)
+    >>> a.dtype, b.dtype
+    (torch.float32, torch.float32)
+    """
+
+    def __init__(self, wide: torch.dtype) -> None:
+        super().__init__()
+        self.wide = wide
+
+    def _keep(self, a: Any) -> Any:
+        if isinstance(a, torch.dtype) and a.is_floating_point and \
+                a.itemsize < self.wide.itemsize:
+            return self.wide
+        return a
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        wide_in = isinstance(first, torch.Tensor) and first.dtype == self.wide
+        if wide_in and func in _NARROWING:
+            return first
+        if wide_in and func in _CASTS:
+            args = (first, *(self._keep(a) for a in args[1:]))
+            kwargs = {k: self._keep(v) for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
 @contextmanager
 def upcast_module(model: torch.nn.Module, name: str, call: int | None,
                   wide: torch.dtype) -> Iterator[list[int]]:
@@ -166,7 +207,9 @@ def upcast_module(model: torch.nn.Module, name: str, call: int | None,
         state = {n: cast(t) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
         ctx = _reparametrize_module(mod, state)
         ctx.__enter__()
-        frames.append((ctx, narrow))
+        keep = KeepWide(wide)
+        keep.__enter__()
+        frames.append((ctx, narrow, keep))
         done.append(k)
         return (torch.utils._pytree.tree_map(cast, tuple(args)),
                 torch.utils._pytree.tree_map(cast, dict(kwargs)))
@@ -175,7 +218,8 @@ def upcast_module(model: torch.nn.Module, name: str, call: int | None,
         frame = frames.pop() if frames else None
         if frame is None:
             return None
-        ctx, narrow = frame
+        ctx, narrow, keep = frame
+        keep.__exit__(None, None, None)
         ctx.__exit__(None, None, None)
         return torch.utils._pytree.tree_map(
             lambda t: t.to(narrow) if isinstance(t, torch.Tensor) and t.dtype == wide
@@ -190,4 +234,5 @@ def upcast_module(model: torch.nn.Module, name: str, call: int | None,
             h.remove()
         for frame in reversed(frames):
             if frame is not None:
+                frame[2].__exit__(None, None, None)
                 frame[0].__exit__(None, None, None)

@@ -15,8 +15,12 @@ from nanbisect import __version__
 from nanbisect.triage.find import _MAX_MANIFEST, MANIFEST
 from nanbisect.triage.reports import copy_in
 from nanbisect.util.files import file_sha256, read_json, source_digest, write_atomic
+from nanbisect.util.recordjson import dumps
 
-CACHE_SCHEMA = "nanbisect.triage-cache/1"
+# /2 (issue 38): signatures name a backward culprit by its autograd node (report.json's
+# ``culprit.node``); a report cached before it existed would sign the same bug another way than
+# a fresh replay does, so those entries are misses (replayed once), never mixed into a night
+CACHE_SCHEMA = "nanbisect.triage-cache/2"
 _MAX_SOURCE = 16 << 20              # a user source file bigger than this is keyed by size+mtime
 _MAX_REPORT = 64 << 20
 
@@ -120,7 +124,7 @@ class _Cache:
         with contextlib.suppress(OSError):
             self.root.mkdir(parents=True, exist_ok=True)
             write_atomic(self.root / f"{key}.json",
-                          json.dumps({"schema": CACHE_SCHEMA, "key": key, "report": report}))
+                          dumps({"schema": CACHE_SCHEMA, "key": key, "report": report}))
 
     def report_dir(self, key: str) -> Path | None:
         """The cached report directory of ``key``, when one was kept."""

@@ -21,8 +21,9 @@ from nanbisect.triage.index import to_html
 from nanbisect.triage.reports import REPORTS, drop, report_name
 from nanbisect.triage.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW,
                                            counts_text)
-from nanbisect.triage.signatures import signature
+from nanbisect.triage.signatures import legacy_signature, signature
 from nanbisect.util.files import write_atomic
+from nanbisect.util.recordjson import dumps
 
 SCHEMA = "nanbisect.triage/1"
 
@@ -71,12 +72,17 @@ class _State:
             if sig is None:
                 continue
             created = r.get("created")
+            # a known list or last night's summary may hold the legacy form of the signature
+            names = {sig, r.get("legacy") or sig}
             g = groups.setdefault(sig, {"signature": sig, "count": 0, "first_seen": created,
-                                        "example": r["bundle"], "known": sig in self.known,
-                                        "new_since_last": (None if self.previous is None
-                                                           else sig not in self.previous),
+                                        "example": r["bundle"], "known": False,
+                                        "new_since_last": None if self.previous is None
+                                        else True,
                                         "classification": r.get("classification"),
                                         "remedies": [], "tried": [], "bundles": []})
+            g["known"] = g["known"] or bool(names & self.known)
+            if self.previous is not None and names & self.previous:
+                g["new_since_last"] = False
             g["count"] += 1
             for kind in r.get("remedies") or []:     # what made a step of this kind finite
                 if kind not in g["remedies"]:
@@ -104,7 +110,8 @@ class _State:
                 "interrupted": self.interrupted,
                 "seconds": round(time.monotonic() - self.started, 1),
                 "pending": [] if self.finished else sorted(self.pending),
-                "bundles": [{k: v for k, v in r.items() if k != "created"} for r in results],
+                "bundles": [{k: v for k, v in r.items() if k not in ("created", "legacy")}
+                            for r in results],
                 "signatures": sigs, "errors": errors, "skipped": self.skipped,
                 "leftovers": self.leftovers, "exit_code": code}
 
@@ -120,7 +127,7 @@ class _State:
         if self.out is not None:
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
-                write_atomic(self.out / "triage.json", json.dumps(data, indent=1))
+                write_atomic(self.out / "triage.json", dumps(data, indent=1))
                 write_atomic(self.out / "triage.md", to_markdown(data))
                 write_atomic(self.out / "index.html", _index(data))
             except OSError as e:
@@ -140,7 +147,8 @@ class _State:
         rep = res["report"]
         self.results[b] = {"bundle": b, "verdict": rep.get("verdict"),
                            "classification": rep.get("classification"),
-                           "signature": signature(rep), "cached": cached,
+                           "signature": signature(rep), "legacy": legacy_signature(rep),
+                           "cached": cached,
                            "remedies": remedy_kinds(rep),
                            "tried": remedy_kinds(rep, ("still-failing", "error")),
                            "seconds": res.get("seconds", 0.0), "worker": res.get("worker"),
@@ -219,7 +227,8 @@ def to_markdown(data: dict) -> str:
         state = f" (interrupted by {data['interrupted']})"
     lines = ["# nanbisect triage", "", counts_text(data) + f"; exit code {data['exit_code']}"
              f"{state}.", "",
-             "| count | signature (op, module, phase, dtypes, classification) | made finite by | "
+             "| count | signature (origin @ line, module, phase, dtypes, classification) | "
+             "made finite by | "
              "first seen | example | known |", "|---|---|---|---|---|---|"]
     for g in data["signatures"]:
         lines.append(f"| {g['count']} | `{g['signature']}` | "

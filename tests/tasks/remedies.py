@@ -6,6 +6,8 @@ known change fixes, or does not.
   so only that row's values go bad: the rows trace through the ops to row 5.
 - ``half_overflow``: the model in float16; ``act`` is ``exp(h) / exp(h).sum(-1)``: exp overflows
   float16 (65504) for h > 11 and inf / inf is NaN; in float32 the module is finite.
+- ``half_cast_overflow``: the same arithmetic in a float32 model whose ``act`` casts to float16
+  itself (``h.half()``): the module in float32 helps only when its own cast is kept wide.
 - ``fixed_rows``: ``sqrt_rows`` whose forward reshapes its input to exactly 16 rows: the step
   without a row cannot run (a remedy replay the user's code cannot take).
 - ``batch_mean``: ``act`` centres by the batch's mean (a reduction over the rows) before the
@@ -29,6 +31,12 @@ class ExpNormalize(nn.Module):
     def forward(self, h):
         e = torch.exp(h)                          # overflows float16 for h > 11
         return e / e.sum(-1, keepdim=True)        # inf / inf = NaN
+
+
+class CastExpNormalize(nn.Module):
+    def forward(self, h):
+        e = torch.exp(h.half())                   # BUG: a float16 exp overflows for h > 11
+        return (e / e.sum(-1, keepdim=True)).float()
 
 
 class CentredSqrt(nn.Module):
@@ -72,6 +80,10 @@ def fixed_rows() -> nanbisect.Task:
 
 def half_overflow() -> nanbisect.Task:
     return _task(ExpNormalize(), torch.float16)
+
+
+def half_cast_overflow() -> nanbisect.Task:
+    return _task(CastExpNormalize())
 
 
 def batch_mean() -> nanbisect.Task:

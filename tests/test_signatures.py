@@ -1,0 +1,100 @@
+"""Triage signatures that survive another batch (issue 38, item 8): one bug on one source line is
+one signature whichever aten op (or overload) the first NaN shows up in; two lines are two; a
+``--known`` list or last night's summary in the older form still matches. In process, on made-up
+report.json dicts (the fields `nanbisect.triage.signatures` reads)."""
+from __future__ import annotations
+
+import json
+
+from nanbisect.triage.cache import CACHE_SCHEMA, _Cache
+from nanbisect.triage.signatures import legacy_signature, signature
+from nanbisect.triage.summary import EXIT_KNOWN, EXIT_NEW, _State
+
+NODE = {"name": "DivBackward0", "forward_op": "aten.div.Tensor",
+        "forward_source": "train/contrastive.py:41"}
+
+
+def report(op: str, *, source: str | None = "/home/a/train/contrastive.py:41",
+           node: dict | None = NODE, dtypes=("float32", "float32"), module: str = "",
+           phase: str = "backward") -> dict:
+    culprit = {"phase": phase, "module": module, "module_call": 0, "op": op, "op_index": 812,
+               "rank": 0, "input_dtypes": list(dtypes), "input_shapes": [[8, 8]] * len(dtypes),
+               "source": source}
+    if node is not None:
+        culprit["node"] = node
+    return {"schema": "nanbisect.report/1", "verdict": "culprit", "classification": "numerics",
+            "culprit": culprit}
+
+
+def test_one_line_is_one_signature_whichever_op_the_batch_ends_in():
+    """The contrastive loss's line: one batch's first NaN is in aten.div.Tensor, another's in
+    aten.mul.Tensor (inputs of other dtypes per argument), both in DivBackward0's formula,
+    captured from two checkouts: one signature, naming the node and the line."""
+    div = report("aten.div.Tensor")
+    mul = report("aten.mul.Tensor", source="/ci/job7/train/contrastive.py:41",
+                 dtypes=("float32",))
+    assert signature(div) == signature(mul) == \
+        "DivBackward0 @ contrastive.py:41 · <root> · backward · float32 · numerics"
+    assert legacy_signature(div) != legacy_signature(mul)   # what used to split them
+
+
+def test_without_a_node_the_op_packet_and_line_sign_it():
+    """A report without ``culprit.node`` (null or absent): the op without its overload and the
+    line; another overload of the same op is the same bug, another op on another line is not."""
+    tensor = report("aten.div.Tensor", node=None)
+    scalar = report("aten.div.Scalar", node=None, source="contrastive.py:41")
+    nulled = {**tensor, "culprit": {**tensor["culprit"], "node": None}}
+    assert signature(tensor) == signature(scalar) == signature(nulled) == \
+        "aten.div @ contrastive.py:41 · <root> · backward · float32 · numerics"
+    assert signature(report("aten.div.Tensor", node=None, source=None)) == \
+        "aten.div · <root> · backward · float32 · numerics"
+
+
+def test_two_lines_are_two_signatures():
+    other_line = {**NODE, "forward_source": "train/contrastive.py:57"}
+    assert signature(report("aten.div.Tensor")) != signature(report("aten.div.Tensor",
+                                                                     node=other_line))
+    assert signature(report("aten.div.Tensor", node=None)) != signature(
+        report("aten.div.Tensor", node=None, source="/home/a/train/contrastive.py:57"))
+    # and the same line in another phase or module is still another failure
+    assert signature(report("aten.div.Tensor", phase="forward", node=None)) != signature(
+        report("aten.div.Tensor", node=None))
+    assert signature(report("aten.div.Tensor", module="layers.3.attn")) == signature(
+        report("aten.div.Tensor", module="layers.11.attn")) != signature(
+        report("aten.div.Tensor", module="layers.3.mlp"))
+
+
+def night(known: set, previous: set | None, *reports: dict) -> dict:
+    st = _State([], known, None, {}, "loky", 60.0, previous=previous)
+    for i, rep in enumerate(reports):
+        st.add({"bundle": f"/night/b{i}", "report": rep}, cached=False)
+    return st.data()
+
+
+def test_a_known_list_in_the_old_form_still_matches():
+    """Last night's triage.json (or a --known file) holds the old form of the signature: the two
+    bundles are one group tonight, known and seen before; the old form is not written out."""
+    div, mul = report("aten.div.Tensor"), report("aten.mul.Tensor")
+    old = {legacy_signature(div)}
+    data = night(old, old, div, mul)
+    (g,) = data["signatures"]
+    assert (g["count"], g["known"], g["new_since_last"]) == (2, True, False)
+    assert data["exit_code"] == EXIT_KNOWN
+    assert all(set(b) >= {"signature"} and "legacy" not in b for b in data["bundles"])
+    fresh = night(set(), set(), div, mul)
+    (g,) = fresh["signatures"]
+    assert (g["known"], g["new_since_last"], fresh["exit_code"]) == (False, True, EXIT_NEW)
+    assert night(set(), None, div)["signatures"][0]["new_since_last"] is None  # first night
+
+
+def test_reports_cached_before_the_new_signatures_are_misses(tmp_path):
+    """A cached report from before backward culprits carried their node would sign the same bug
+    another way than a fresh replay: the cache's schema moved on and such an entry is a miss."""
+    key = "0" * 64
+    (tmp_path / f"{key}.json").write_text(json.dumps(
+        {"schema": "nanbisect.triage-cache/1", "key": key, "report": report("aten.div.Tensor")}))
+    cache = _Cache(tmp_path)
+    assert cache.get(key) is None
+    cache.put(key, report("aten.div.Tensor"))
+    assert json.loads((tmp_path / f"{key}.json").read_text())["schema"] == CACHE_SCHEMA
+    assert cache.get(key)["culprit"]["op"] == "aten.div.Tensor"
