@@ -5,7 +5,8 @@ belongs or a malformed device string is answered by the first stage, in a fracti
 ``--help`` and ``--version`` never reach the second.
 
 Exit codes: 0 replay clean, 1 culprit found (or non-finite input), 2 usage or bad input (one line
-on stderr, no traceback, nothing written), 3 the recorded failure did not reproduce.
+on stderr, no traceback, nothing written), 3 the recorded failure did not reproduce, 4 (`run`) an
+internal error before any verdict (one line on stderr naming the log file with the traceback).
 """
 from __future__ import annotations
 

@@ -3,7 +3,9 @@
 imports what a command needs only when it runs (torch among it).
 
 Exit codes: 0 replay clean, 1 culprit found (or non-finite input), 2 usage or bad input (one line
-on stderr, no traceback, nothing written), 3 the recorded failure did not reproduce.
+on stderr, no traceback, nothing written), 3 the recorded failure did not reproduce, 4 (`run`)
+an internal error before any verdict (one line on stderr naming the log file that holds the
+traceback: `internal_error`).
 """
 from __future__ import annotations
 
@@ -63,6 +65,32 @@ def _fail(e: BadInput) -> NoReturn:
     raise SystemExit(2)
 
 
+INTERNAL_ERROR = 4     # `run`: an exception of nanbisect's own before a verdict (never 0-3)
+
+
+def internal_error(e: BaseException) -> NoReturn:
+    """An exception that is not a `BadInput` escaped `run` (no verdict, so no report): one line
+    on stderr naming it and the log its traceback went to, a new file in the temporary
+    directory (created exclusively: it never replaces a file), and exit `INTERNAL_ERROR`."""
+    import tempfile
+    import traceback
+
+    from nanbisect.util.text import failure_line
+
+    try:
+        fd, log = tempfile.mkstemp(prefix="nanbisect-error-", suffix=".log")
+        with open(fd, "w") as f:
+            f.write("nanbisect run: " + " ".join(sys.argv) + "\n")
+            traceback.print_exception(type(e), e, e.__traceback__, file=f)
+        where = f"the traceback is in {log}"
+    except OSError as err:
+        where = f"its traceback could not be written ({err.strerror or err})"
+    echo(f"nanbisect: internal error (exit {INTERNAL_ERROR}, no verdict, no report): "
+         f"{failure_line(e)}; {where}: a bug of nanbisect's, please report it with that file",
+         err=True)
+    raise SystemExit(INTERNAL_ERROR)
+
+
 def run(bundle: Optional[Path] = None, ckpt: Optional[Path] = None, target: Optional[str] = None,
         reference: Optional[str] = None, inject: Optional[str] = None,
         out: Optional[Path] = None, entry: Optional[str] = None, ranks: Optional[str] = None,
@@ -74,13 +102,15 @@ def run(bundle: Optional[Path] = None, ckpt: Optional[Path] = None, target: Opti
     script would; `nanbisect inspect` never runs any. --out is replaced only when it is new,
     empty, or a report nanbisect wrote."""
     path = bundle if bundle is not None else ckpt     # one of them (nanbisect.cli.checks.run)
-    from nanbisect.report.rerun import prestart
-    prestart(path, target)    # a repro's interpreter imports torch while this one does
-    from nanbisect.pipeline import RunOptions, run_bundle
-    from nanbisect.report.text import terminal
-
     out_dir = out or Path(path) / "nanbisect-report"
     try:
+        from nanbisect.report.rerun import prestart
+        prestart(path, target)    # a repro's interpreter imports torch while this one does
+        from nanbisect.pipeline import RunOptions, run_bundle
+        from nanbisect.report.text import terminal
+        from nanbisect.util.recordjson import dumps
+        from nanbisect.util.text import failure_line
+
         with _progress() as progress:
             report = run_bundle(path, RunOptions(target=target, reference=reference,
                                                  inject=inject, entry=entry, ranks=ranks,
@@ -89,10 +119,15 @@ def run(bundle: Optional[Path] = None, ckpt: Optional[Path] = None, target: Opti
                                 out_dir, progress)
     except BadInput as e:
         _fail(e)
-    if as_json:
-        echo(json.dumps(report.to_json(), indent=1))
-    else:
-        echo(terminal(report, out_dir))
+    except Exception as e:  # noqa: BLE001 - no verdict: exit 4, the traceback in a log file
+        internal_error(e)
+    # the report is written: what follows only prints it (report.json's own encoding)
+    try:
+        text = dumps(report.to_json(), indent=1) if as_json else terminal(report, out_dir)
+    except Exception as e:  # noqa: BLE001 - the verdict stands; its report is on disk
+        text = (f"nanbisect: {report.verdict}; the summary could not be printed "
+                f"({failure_line(e)}): see {out_dir / 'report.md'}")
+    echo(text)
     return report.exit_code
 
 
@@ -137,7 +172,9 @@ def triage(dirs: list[Path], out: Path = Path("nanbisect-triage"), jobs: Optiona
         _fail(BadInput(f"triage failed: {type(e).__name__}: {str(e)[:200]}; {out}/triage.json "
                        "holds the bundles finished so far"))
     if as_json:
-        echo(json.dumps(res.data, indent=1))
+        from nanbisect.util.recordjson import dumps
+
+        echo(dumps(res.data, indent=1))
     else:
         echo(to_markdown(res.data).rstrip())
         echo(f"\nIn a browser: {out / 'index.html'} (each bundle's report.html under "

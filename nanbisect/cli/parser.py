@@ -53,7 +53,9 @@ def _run(sub) -> None:
         description="Replay a bundle, bisect the failure, write report.json, report.md and "
         "report.html.\n\nRuns the entry's code (it rebuilds the model and replays the step), as "
         "running the training\nscript would; `nanbisect inspect` never runs any. --out is "
-        "replaced only when it is new,\nempty, or a report nanbisect wrote.")
+        "replaced only when it is new,\nempty, or a report nanbisect wrote.\n\nExit: 0 clean, 1 "
+        "culprit (or non-finite input), 2 usage or bad input, 3 not reproduced,\n4 internal "
+        "error before any verdict (the traceback in the log file its one line names).")
     p.add_argument("bundle", nargs="?", type=Path, metavar="BUNDLE",
                    help="bundle directory to replay")
     p.add_argument("--ckpt", type=Path, metavar="PATH",

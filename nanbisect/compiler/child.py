@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import re
 import sys
@@ -32,6 +31,7 @@ from nanbisect.records import CallId, CompilerFinding
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.util.compiled import compile_model
+from nanbisect.util.recordjson import dumps
 from nanbisect.util.tensors import nonfinite
 
 MAX_CANDIDATES = 4        # module calls of the culprit op tried compiled alone
@@ -88,7 +88,7 @@ class _OpCalls(TorchDispatchMode):
 
 def _bad(tree) -> int:
     return sum(sum(nonfinite(t.detach())[:2]) for t in torch.utils._pytree.tree_leaves(tree)
-               if isinstance(t, torch.Tensor) and t.is_floating_point())
+               if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
 def attribute(rep: Replayer, op: str, backend: str) -> CallId | None:
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             op=op, module=call.module if call else None,
             module_call=call.call if call else None, seconds=seconds, finished=True)
     tmp = Path(a.out + ".part")
-    tmp.write_text(json.dumps(finding.__dict__))
+    tmp.write_text(dumps(finding.__dict__))
     os.replace(tmp, a.out)
     print("bisect: done", flush=True)
     return 0

@@ -48,12 +48,13 @@ from nanbisect.multirank.diagnose import (_PEER_GONE, _died, _hang, _stacks, _st
                                           where)
 from nanbisect.multirank.rundir import PREFIX, _kill_run, run_dir, sweep
 from nanbisect.multirank.verdict import job_report, subset_report
-from nanbisect.records import Losses, RankResult, RunFacts
+from nanbisect.records import Losses, RankResult, RunFacts, after_verdict
 from nanbisect.reference.compare import step_rtol
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import captured_on, tier_notes
 from nanbisect.replay.replayer import parse_device, resolve_entry
 from nanbisect.report.model import Report
+from nanbisect.report.repro import device_of
 from nanbisect.report.rerun import runner
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
@@ -320,18 +321,29 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
             own = next((r for r in results if report.culprit is not None
                         and r.rank == report.culprit.rank and r.repro), None)
             if own is not None and report.classification != "communication":
-                shutil.copytree(Path(own.repro).parent, tmp / "repro")
-                script = tmp / "repro" / "repro.py"
-                if not run_repro_once:
-                    result = None
-                else:     # a fork of this process (torch loaded) or of its fork server
-                    result = runner(target.split(":")[0], report.culprit.op).submit(
-                        script, target).result()
-                report = replace(report, repro="repro/repro.py", repro_result=result)
-                if result is not None and not result.reproduced and inject:
-                    report = replace(report, notes=[*report.notes, (
-                        f"the repro did not reproduce on {target}: it runs the op without "
-                        f"--inject {inject}, which emulated the fault here; run repro/repro.py "
-                        "on the device that has the faulty kernel")])
-            write_report(report, tmp)
+                errors = list(report.errors)      # the verdict stands: a repro that fails is
+                report = after_verdict(           # listed in the report's errors
+                    errors, "repro", lambda: _with_repro(report, own, tmp, target, inject,
+                                                         run_repro_once), report)
+                report = replace(report, errors=errors)
+            report = write_report(report, tmp)    # with the renderings that failed in errors
         return report
+
+
+def _with_repro(report: Report, own: RankResult, tmp: Path, target: str, inject: str | None,
+                run_repro_once: bool) -> Report:
+    """``report`` with the culprit rank's repro copied into the report and run once."""
+    shutil.copytree(Path(own.repro).parent, tmp / "repro")
+    script = tmp / "repro" / "repro.py"
+    if not run_repro_once:
+        result = None
+    else:     # a fork of this process (torch loaded) or of its fork server
+        result = runner(target.split(":")[0], report.culprit.op).submit(
+            script, device_of(target)).result()
+    report = replace(report, repro="repro/repro.py", repro_result=result)
+    if result is not None and not result.reproduced and inject:
+        report = replace(report, notes=[*report.notes, (
+            f"the repro did not reproduce on {target}: it runs the op without --inject "
+            f"{inject}, which emulated the fault here; run repro/repro.py on the device that "
+            "has the faulty kernel")])
+    return report

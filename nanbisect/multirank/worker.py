@@ -66,6 +66,7 @@ from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.task import load_inject
 from nanbisect.util.files import write_atomic
+from nanbisect.util.recordjson import dumps
 
 
 def _gather(obj):
@@ -272,13 +273,13 @@ def main() -> None:
                                     world_size=int(os.environ["WORLD_SIZE"]))
             result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
                                   a.reference, stage=_stage, remedies=a.remedies)
-            out.write_text(json.dumps(result.to_json()))
+            out.write_text(dumps(result.to_json()))
         else:
             dist.init_process_group(backend=backend,
                                     timeout=datetime.timedelta(seconds=a.timeout + 30))
             result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry,
                                  a.reference, remedies=a.remedies)
-            out.write_text(json.dumps(result.to_json()))
+            out.write_text(dumps(result.to_json()))
             _stage("finished, waiting for the other ranks")
             dist.barrier()
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which names the rank
@@ -290,7 +291,7 @@ def main() -> None:
             msg = (f"{type(e).__name__}: {str(e)[:300]}{where}; fix the entry's code for that "
                    "rank or re-capture the bundle")
         try:
-            out.write_text(json.dumps(RankResult(rank, error=msg).to_json()))
+            out.write_text(dumps(RankResult(rank, error=msg).to_json()))
         finally:
             os._exit(1)
     # The replayed model is garbage now; FSDP2 modules keep the process group in reference

@@ -1,6 +1,6 @@
 """What every module of the pipeline shares: the options of a run, the state its passes
-share (`_Run`), and the guard that turns a failure of the user's code into a one-line
-`BadInput`.
+share (`_Run`, with the errors of the stages after the verdict: `after_verdict`), and the
+guard that turns a failure of the user's code into a one-line `BadInput`.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from nanbisect.errors import BadInput
-from nanbisect.records import RunFacts
+from nanbisect.records import RunFacts, StageError, after_verdict  # noqa: F401 (re-exported)
 from nanbisect.replay.probe import ModuleProbe
 from nanbisect.replay.replayer import Replayer
 from nanbisect.report.rerun import Interpreter
@@ -73,3 +73,5 @@ class _Run:
     progress: Progress
     notes: list[str] = field(default_factory=list)
     interp: Interpreter | None = None   # started ahead for the repro's run (opts.run_repro)
+    errors: list[StageError] = field(default_factory=list)   # stages after the verdict that
+                                                             # failed (`after_verdict`)

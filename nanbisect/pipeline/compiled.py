@@ -14,7 +14,7 @@ from pathlib import Path
 
 from nanbisect.compiler import bisect_compiled, repro_compile_args, run_repro_forked
 from nanbisect.locate.catch import catch_module_call
-from nanbisect.pipeline.common import _guarded, _Run
+from nanbisect.pipeline.common import _guarded, _Run, after_verdict
 from nanbisect.records import CallId, CompilerFinding, Culprit, ModuleRepro, StepOutcome
 from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
@@ -71,28 +71,39 @@ def compiler_report(run: _Run, compiled: StepOutcome, tmp: Path) -> Report:
                       op=f.op, micro_batch=compiled.micro_batch)
     module_repro = None
     if f.module is not None:
-        run.progress("module-repro", "writing the repro: the culprit's module call compiled")
-        mc = _guarded(lambda: catch_module_call(rep, CallId(f.module, f.module_call), run.wrap),
-                      "catching the culprit's module call")
-        if mc is not None:
-            tensors = [t for t in mc.args if hasattr(t, "dtype")]
-            culprit = Culprit(culprit.phase, culprit.module, culprit.module_call,
-                              [str(t.dtype).removeprefix("torch.") for t in tensors],
-                              [list(t.shape) for t in tensors], None, op=f.op,
-                              micro_batch=culprit.micro_batch)
-            script = write_module_repro(
-                tmp / "repro", mc, culprit=Culprit(**{**culprit.__dict__, "phase": "forward"}),
-                kind=kind, target=run.facts.target, entry=rep.entry,
-                compile=repro_compile_args(rep.compiled_spec, f.backend))
-            result = None
-            if run.opts.run_repro:
-                run.progress("repro", "running the repro once")
-                result = run_repro_forked(script, run.facts.target)
-            module_repro = ModuleRepro("repro/module_repro.py", result)
+        culprit, module_repro = after_verdict(
+            run.errors, "module-repro",
+            lambda: _compiled_repro(run, f, culprit, kind, tmp), (culprit, None))
     return Report("culprit", "compiler", compiled.phase, kind, culprit, run.facts,
                   notes=notes, repro=module_repro.script if module_repro else None,
                   repro_result=module_repro.result if module_repro else None,
                   module_repro=module_repro, compiler=f)
+
+
+def _compiled_repro(run: _Run, f: CompilerFinding, culprit: Culprit, kind: str, tmp: Path
+                    ) -> tuple[Culprit, ModuleRepro | None]:
+    """The repro of a compiled culprit: its module call, compiled, from its caught inputs
+    (and the culprit with those inputs' dtypes and shapes)."""
+    rep = run.rep
+    run.progress("module-repro", "writing the repro: the culprit's module call compiled")
+    mc = _guarded(lambda: catch_module_call(rep, CallId(f.module, f.module_call), run.wrap),
+                  "catching the culprit's module call")
+    if mc is None:
+        return culprit, None
+    tensors = [t for t in mc.args if hasattr(t, "dtype")]
+    culprit = Culprit(culprit.phase, culprit.module, culprit.module_call,
+                      [str(t.dtype).removeprefix("torch.") for t in tensors],
+                      [list(t.shape) for t in tensors], None, op=f.op,
+                      micro_batch=culprit.micro_batch)
+    script = write_module_repro(
+        tmp / "repro", mc, culprit=Culprit(**{**culprit.__dict__, "phase": "forward"}),
+        kind=kind, target=run.facts.target, entry=rep.entry,
+        compile=repro_compile_args(rep.compiled_spec, f.backend))
+    result = None
+    if run.opts.run_repro:
+        run.progress("repro", "running the repro once")
+        result = run_repro_forked(script, run.facts.target)
+    return culprit, ModuleRepro("repro/module_repro.py", result)
 
 
 def _finding_notes(f: CompilerFinding) -> list[str]:

@@ -1,5 +1,11 @@
 """`run_bundle`: read and check the bundle, pick the target, hand a multi-rank bundle to the
 launcher, run one step (or a window of steps), time the passes and write the report.
+
+Every run that reaches a verdict ends with a report: a stage after the verdict that raises
+(the repro, the op check, the remedies, the module and surfaced repros, the classification,
+the context tables, the history, the plots and pages) is listed in the report's ``errors``
+(`nanbisect.records.after_verdict`), the rest is written, and the exit code stays the
+verdict's.
 """
 from __future__ import annotations
 
@@ -14,7 +20,7 @@ from nanbisect import history as hist
 from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.errors import BadInput
-from nanbisect.pipeline.common import Progress, RunOptions
+from nanbisect.pipeline.common import Progress, RunOptions, after_verdict
 from nanbisect.pipeline.step import _analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
@@ -157,15 +163,20 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, t
         else:
             report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
         if history is not None:
-            model = opt = None
-            if rep is not None and rep.bundle is bundle:   # the failing step's pre-state
-                rep.restore()
-                model, opt = rep.task.model, rep.task.optimizer
-            report = replace(report, history=history.records(), history_findings=[
-                Finding(**f) for f in hist.findings(history, model, opt)])
+            def findings() -> list[Finding]:
+                model = opt = None
+                if rep is not None and rep.bundle is bundle:   # the failing step's pre-state
+                    rep.restore()
+                    model, opt = rep.task.model, rep.task.optimizer
+                return [Finding(**f) for f in hist.findings(history, model, opt)]
+            errors = list(report.errors)
+            records = after_verdict(errors, "history", history.records, None)
+            found = after_verdict(errors, "history", findings, []) if records is not None \
+                else []
+            report = replace(report, history=records, history_findings=found, errors=errors)
         report = replace(report, timings=progress.seconds())
         progress("report", "writing the report")
-        write_report(report, tmp)
+        report = write_report(report, tmp)    # with the renderings that failed in `errors`
     return report
 
 

@@ -102,7 +102,9 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
                      fidelity)
     run = _Run(rep, probe, wrap, opts, facts, progress, notes, interp)
-    return _decide(run, first, side, ref, tmp, compiled), rep
+    report = _decide(run, first, side, ref, tmp, compiled)
+    # the stages after the verdict that failed (`after_verdict`): listed, the rest written
+    return replace(report, errors=[*report.errors, *run.errors]), rep
 
 
 def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tmp: Path,

@@ -1,13 +1,17 @@
-"""The facts every report of a run shares (`Losses`, `Fidelity`, `RunFacts`), and the parts of a
-report that say what came before the failing step (`HistoryEntry`, `Finding`, `StepRow`,
-`StepsWindow`).
+"""The facts every report of a run shares (`Losses`, `Fidelity`, `RunFacts`, `StageError`), and
+the parts of a report that say what came before the failing step (`HistoryEntry`, `Finding`,
+`StepRow`, `StepsWindow`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable, TypeVar
 
+from nanbisect.errors import BadInput
 from nanbisect.records.words import json_number
+from nanbisect.util.text import failure_line
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,44 @@ class RunFacts:
     observed: Any                    # the manifest's `observed` (one rank's, or rank -> its)
     losses: Losses
     fidelity: Fidelity | None = None
+
+@dataclass(frozen=True)
+class StageError:
+    """A stage after the verdict that failed (report.json ``errors``): the rest of the report
+    is written without what it would have added, and the exit code stays the verdict's.
+
+    >>> StageError("remedies", "RuntimeError: out of memory").to_json()
+    {'stage': 'remedies', 'message': 'RuntimeError: out of memory'}
+    """
+
+    stage: str        # a key of nanbisect.pipeline.STAGES, or "history", "page", ...
+    message: str      # one line: the exception's type and text, and where it was raised
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "message": self.message}
+
+
+def after_verdict(errors: list[StageError], stage: str, fn: Callable[[], T], default: T) -> T:
+    """``fn()``, a stage that runs once the verdict is known; when it raises, ``default``, and
+    ``StageError(stage, the exception in one line)`` appended to ``errors`` (report.json
+    ``errors``): the report is still written, without what the stage would have added, and the
+    exit code stays the verdict's. `BadInput` (the one-line answer to a bad bundle, entry or
+    ``--out``) and what is not an `Exception` (KeyboardInterrupt, SystemExit, the passes' own
+    control flow, such as the catch that ends a narrow replay) go through.
+
+    >>> errors = []
+    >>> after_verdict(errors, "remedies", lambda: 1 / 0, []), errors[0].stage
+    ([], 'remedies')
+    >>> errors[0].message.startswith("ZeroDivisionError: division by zero at ")
+    True
+    """
+    try:
+        return fn()
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - listed in the report, which is still written
+        errors.append(StageError(stage, failure_line(e)))
+        return default
 
 @dataclass(frozen=True)
 class HistoryEntry:

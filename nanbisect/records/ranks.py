@@ -10,6 +10,7 @@ from nanbisect.records.compared import OpCheck
 from nanbisect.records.culprit import ContextRow, Culprit, OpRef
 from nanbisect.records.remedies import Remedy
 from nanbisect.records.seen import BadValue, Stats
+from nanbisect.util.recordjson import number
 
 
 @dataclass(frozen=True)
@@ -155,20 +156,27 @@ class RankResult:
 
     @staticmethod
     def from_json(d: dict) -> "RankResult":
+        """The inverse of `to_json` as the one record encoder wrote it: the number fields the
+        launcher computes on (statistics, abs-max) read back as floats from "nan"/"inf"."""
         def opt(cls, v):
             return None if v is None else cls(**v)
+
+        def stats(v):
+            return None if v is None else Stats(**{k: number(x) for k, x in v.items()})
 
         s = d.get("summary")
         summary = None if s is None else RankSummary(
             **{**s, "buckets": [Bucket(**b) for b in s.get("buckets", [])],
                "input_nonfinite": [BadValue(**b) for b in s.get("input_nonfinite", [])]})
-        stats = d.get("module_stats")
+        module_stats = d.get("module_stats")
         return RankResult(
             rank=d["rank"], plan=opt(Plan, d.get("plan")), summary=summary,
             root=opt(RankRoot, d.get("root")),
-            module_stats=None if stats is None else {k: opt(Stats, v) for k, v in stats.items()},
+            module_stats=(None if module_stats is None
+                          else {k: stats(v) for k, v in module_stats.items()}),
             culprit=Culprit.from_json(d["culprit"]) if d.get("culprit") else None,
-            context=[ContextRow(**c) for c in d.get("context", [])],
+            context=[ContextRow(**{**c, "out_absmax": number(c.get("out_absmax"))})
+                     for c in d.get("context", [])],
             inf_origin=opt(OpRef, d.get("inf_origin")), repro=d.get("repro"),
             error=d.get("error"), reference=opt(RankReference, d.get("reference")),
             op_check=(OpCheck.from_json(d["op_check"]) if d.get("op_check") is not None

@@ -4,19 +4,10 @@ is named (`ROOT`, `module_label`).
 """
 from __future__ import annotations
 
-import math
 from enum import Enum
 
+from nanbisect.util.recordjson import json_number  # noqa: F401 - its home is there
 
-def json_number(x: float | None) -> float | str | None:
-    """A float as JSON: itself when finite, else ``"nan"``, ``"inf"`` or ``"-inf"``.
-
-    >>> json_number(float("inf")), json_number(0.5), json_number(None)
-    ('inf', 0.5, None)
-    """
-    if x is None or math.isfinite(x):
-        return x
-    return repr(float(x))
 
 class Word(str, Enum):
     """A word of the report contract: a ``str`` (JSON, comparisons and f-strings see its

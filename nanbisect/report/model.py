@@ -2,7 +2,9 @@
 (``nanbisect.report/1``).
 
 Guarantees: the JSON carries every field of the user contract (``culprit`` is null unless the
-verdict is ``culprit``). Exit codes: 0 clean, 1 culprit or input-nonfinite, 3 not reproduced.
+verdict is ``culprit``); ``to_json`` may hold non-finite floats, which the one record encoder
+(`nanbisect.util.recordjson`) writes as "nan", "inf", "-inf". Exit codes: 0 clean, 1 culprit or
+input-nonfinite, 3 not reproduced (4, an internal error, has no report: `nanbisect.cli`).
 Renderers read the `Report` itself, never its JSON: text in `report.text`, the page in
 `report.page`; the directory is written by `report.write`.
 """
@@ -13,7 +15,8 @@ from dataclasses import asdict, dataclass, field, replace
 from nanbisect.records import (BadValue, Classification, CompilerFinding, ContextRow, Culprit,
                                Divergence, Finding, HistoryEntry, ModuleRepro, OpCheck,
                                OpRecording, OpRef, RankResult, ReplicaDiff, Remedy, ReproResult,
-                               RunFacts, StepsWindow, Subset, TimelineRow, TraceRow, Verdict)
+                               RunFacts, StageError, StepsWindow, Subset, TimelineRow, TraceRow,
+                               Verdict)
 
 SCHEMA = "nanbisect.report/1"
 EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
@@ -67,6 +70,9 @@ class Report:
     # a compiled capture whose failure comes back compiled and not eagerly: where torch's
     # compiler bisector says the compiled step parts from the eager one (nanbisect.compiler)
     compiler: CompilerFinding | None = None
+    # stages after the verdict that raised: what they would have added is missing, the rest is
+    # written, the exit code stays the verdict's (`nanbisect.records.after_verdict`)
+    errors: list[StageError] = field(default_factory=list)
 
     def with_replicas(self, replicas: dict | None) -> "Report":
         """This report plus the finding of a bundle whose data-parallel replicas differ (its top
@@ -143,4 +149,5 @@ class Report:
             **({"timings": dict(self.timings)} if self.timings is not None else {}),
             "remedies": [r.to_json() for r in self.remedies],
             **({"compiler": self.compiler.to_json()} if self.compiler is not None else {}),
+            "errors": [e.to_json() for e in self.errors],
         }

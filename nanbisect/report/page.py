@@ -11,14 +11,14 @@ call. Each is drawn wide and narrow; the page's CSS shows the one that fits the 
 from __future__ import annotations
 
 import functools
-import json
 from importlib.resources import files
 
-from nanbisect.records import module_label
+from nanbisect.records import StageError, after_verdict, module_label
 from nanbisect.report.model import Report
 from nanbisect.report.plots import both, history_svg, plot_svg
 from nanbisect.report.text import (fidelity_text, headline, remedy_detail, rows_text, to_markdown,
                                    verified)
+from nanbisect.util.recordjson import dumps
 
 
 def history_marks(r: Report) -> list[tuple[int, str]]:
@@ -50,6 +50,7 @@ MEANING = {
 
 
 def _num(v) -> str:
+    """A number in a cell: ``-`` for none; a non-finite one as ``nan``, ``inf``, ``-inf``."""
     if v is None:
         return "-"
     if isinstance(v, float):
@@ -71,10 +72,23 @@ def page_template():
         (files("nanbisect.report") / "templates" / "report.html.j2").read_text())
 
 
-def to_html(r: Report) -> str:
-    """The page for ``r``: the culprit card first, target and reference side by side, the ops
-    and module calls as tables, the plots, the notes; self-contained (no script, no network),
-    readable in a narrow window and printable (`templates/report.html.j2`)."""
+def _plot(failed: list[StageError] | None, draw, *args) -> str:
+    """Both drawings of a plot; with ``failed`` a plot that raises is a line saying so, listed
+    there (stage ``plots``)."""
+    if failed is None:
+        return both(draw, *args)
+    return after_verdict(failed, "plots", lambda: both(draw, *args),
+                         "<p>(this plot could not be drawn: see the errors)</p>")
+
+
+def to_html(r: Report, failed: list[StageError] | None = None,
+            report_json: str | None = None) -> str:
+    """The page for ``r``: the culprit card first, the errors of stages that failed, target
+    and reference side by side, the ops and module calls as tables, the plots, the notes;
+    self-contained (no script, no network), readable in a narrow window and printable
+    (`templates/report.html.j2`). With ``failed``, a plot that raises is left out and listed
+    there (`nanbisect.report.write.render` adds it to the report's errors); ``report_json``:
+    the report.json text folded in at the end (default: made from ``r``)."""
     c = r.culprit if r.verdict == "culprit" else None
     if c is not None and r.subset and not r.subset.decided and r.subset.next_ranks:
         c = None     # a rank that was not replayed: the headline says which to replay next
@@ -91,13 +105,13 @@ def to_html(r: Report) -> str:
         fidelity=fidelity_text(r),
         side_in="inputs" if forward else "grad arriving",
         side_out="output" if forward else "grad leaving",
-        timeline_svg=both(plot_svg, r.timeline, culprit, r.phase or ""),
+        timeline_svg=_plot(failed, plot_svg, r.timeline, culprit, r.phase or ""),
         # NaN/inf counts along the step: only where some call had any (not for a divergence)
         show_timeline=any(t.nan or t.inf for t in r.timeline),
-        history_svg=both(history_svg, list(r.history or []), history_marks(r)),
+        history_svg=_plot(failed, history_svg, list(r.history or []), history_marks(r)),
         markdown=to_markdown(r),
         verified=verified(r), tried=[m for m in r.remedies if m.outcome in ("still-failing",
                                                                            "error")],
         rows_ids=next((rows_text(m) for m in r.remedies if m.kind == "samples"
                        and rows_text(m)), ""),
-        report_json=json.dumps(r.to_json(), indent=1))
+        report_json=report_json if report_json is not None else dumps(r.to_json(), indent=1))

@@ -6,8 +6,12 @@ only their ends), tick labels closer than a line of text are dropped rather than
 module calls are numbered from 0 as the report's tables number them (the ``#`` column of
 "Module calls around the culprit"), bars are centred on their ticks, and each plot comes in a
 wide and a narrow drawing (`SIZES`) whose text is 12 px at its natural width; the page's CSS
-shows the one that fits the window. Not guaranteed: that very long module names fit the culprit
-label at phone width (the label is shortened from the left).
+shows the one that fits the window. Any number draws (`nanbisect.report.axes`): a value a log
+axis has no place for is marked, never dropped silently and never an error: 0 as a hollow
+circle at the axis bottom, a value that is not finite as a triangle at the top (labelled
+``nan``, ``inf``, ``-inf``); a series that goes below 0 gets a linear axis;
+no coordinate in the SVG is ever ``nan`` or ``inf``. Not guaranteed: that very long module
+names fit the culprit label at phone width (the label is shortened from the left).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from nanbisect.records import HistoryEntry, TimelineRow, module_label
+from nanbisect.report.axes import count_axis, finite, nice_ceil, value_axis, word
 
 FONT = 12                   # px, at the drawing's natural width
 CHAR = 0.6 * FONT           # a sans-serif character's width, roughly (labels' boxes, shortening)
@@ -34,114 +39,6 @@ class Size:
 
 
 SIZES = (Size("wide", 960, 66, 66, 7, 48), Size("narrow", 360, 58, 56, 5, 36))
-
-
-def nice_ticks(lo: float, hi: float, limit: int) -> list[float]:
-    """Real values for a log axis over [lo, hi] (both > 0): 1-2-5 in each decade when at most
-    ``limit`` of them fit, else 1-3, else decades (every k-th one on a wide range).
-
-    >>> nice_ticks(1, 400, 7)
-    [1, 3, 10, 30, 100, 300]
-    >>> nice_ticks(0.5, 30, 7)
-    [0.5, 1, 2, 5, 10, 20]
-    >>> nice_ticks(1e-3, 1e9, 5)
-    [0.001, 1, 1000, 1000000, 1000000000]
-    """
-    a, b = math.floor(math.log10(lo)), math.ceil(math.log10(hi))
-    inside = lambda v: lo * (1 - 1e-9) <= v <= hi * (1 + 1e-9)  # noqa: E731
-    for mult in ((1, 2, 5), (1, 3), (1,)):
-        ticks = [_round(m * 10.0 ** k) for k in range(a, b + 1) for m in mult
-                 if inside(m * 10.0 ** k)]
-        if len(ticks) <= limit:
-            return ticks
-    step = math.ceil((b - a + 1) / limit)
-    return [_round(10.0 ** k) for k in range(a, b + 1) if (k - a) % step == 0
-            and inside(10.0 ** k)]
-
-
-def nice_ceil(v: float) -> float:
-    """The 1-2-5 value at or above ``v`` > 0: the top of an axis, a real value.
-
-    >>> nice_ceil(348), nice_ceil(1005.5), nice_ceil(0.03)
-    (500, 2000, 0.05)
-    """
-    k = math.floor(math.log10(v))
-    for m in (1, 2, 5, 10):
-        if m * 10.0 ** k >= v * (1 - 1e-9):
-            return _round(m * 10.0 ** k)
-    return _round(10.0 ** (k + 1))
-
-
-def nice_floor(v: float) -> float:
-    """The 1-2-5 value at or below ``v`` > 0.
-
-    >>> nice_floor(0.8), nice_floor(3.2)
-    (0.5, 2)
-    """
-    k = math.floor(math.log10(v))
-    for m in (5, 2, 1):
-        if m * 10.0 ** k <= v * (1 + 1e-9):
-            return _round(m * 10.0 ** k)
-    return _round(10.0 ** (k - 1))
-
-
-def _round(v: float) -> float:
-    r = float(f"{v:.6g}")
-    return int(r) if r == int(r) and abs(r) < 1e15 else r
-
-
-def fmt(v: float) -> str:
-    """A tick label: ``0.001``, ``20``, ``5000``, ``2e5``, ``1e-6``.
-
-    >>> [fmt(v) for v in (0.001, 20, 5000, 200000, 1e-6, 0.35)]
-    ['0.001', '20', '5000', '2e5', '1e-6', '0.35']
-    """
-    if v == 0 or 1e-3 <= abs(v) < 1e4:
-        return f"{v:g}"
-    m, e = f"{v:.2e}".split("e")
-    m = m.rstrip("0").rstrip(".")
-    return f"{m}e{int(e)}"
-
-
-class _Axis:
-    """A log axis from ``bottom`` to ``top`` mapped on ``ph`` pixels; ``offset`` 1 for counts
-    (log10(1 + n): 0 sits at the bottom)."""
-
-    def __init__(self, bottom: float, top: float, ph: float, offset: float = 0.0):
-        self.lo = math.log10(bottom + offset)
-        self.span = (math.log10(top + offset) - self.lo) or 1.0
-        self.ph, self.offset = ph, offset
-
-    def height(self, v: float) -> float:
-        return self.ph * max(0.0, math.log10(max(v, 0.0) + self.offset) - self.lo) / self.span
-
-
-def _spaced(ticks: list[tuple[float, str]], gap: float) -> list[tuple[float, str]]:
-    """Ticks (pixel height, label) with those closer than ``gap`` to the last kept one dropped."""
-    kept: list[tuple[float, str]] = []
-    for h, label in ticks:
-        if not kept or h - kept[-1][0] >= gap:
-            kept.append((h, label))
-    return kept
-
-
-def _count_axis(top_count: int, ph: float, limit: int) -> tuple[_Axis, list[tuple[float, str]]]:
-    top = nice_ceil(max(top_count, 1))
-    axis = _Axis(0, top, ph, offset=1.0)
-    ticks = [(0.0, "0")] + [(axis.height(v), fmt(v)) for v in nice_ticks(1, top, limit - 1)]
-    return axis, _spaced(ticks, FONT + 2)
-
-
-def _magnitude_axis(values: list[float], ph: float, limit: int
-                    ) -> tuple[_Axis, list[tuple[float, str]]]:
-    pos = [v for v in values if v is not None and math.isfinite(v) and v > 0]
-    lo, hi = (min(pos), max(pos)) if pos else (1.0, 1.0)
-    bottom, top = nice_floor(lo), nice_ceil(hi)
-    if top <= bottom * 1.0001:
-        bottom, top = nice_floor(lo / 10), nice_ceil(hi * 10)
-    axis = _Axis(bottom, top, ph)
-    ticks = [(axis.height(v), fmt(v)) for v in nice_ticks(bottom, top, limit)]
-    return axis, _spaced(ticks, FONT + 2)
 
 
 def _x_step(n: int, pw: float, gap: float) -> int:
@@ -188,9 +85,9 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     pw, ph = W - PL - PR, H - PT - PB
     bw = pw / n
     base = PT + ph
-    counts, count_ticks = _count_axis(max(max(r.nan, r.inf) for r in timeline), ph,
-                                      size.y_ticks)
-    mags, mag_ticks = _magnitude_axis([r.absmax for r in timeline], ph, size.y_ticks)
+    counts, count_ticks = count_axis(max(max(r.nan, r.inf) for r in timeline), ph,
+                                     size.y_ticks, FONT + 2)
+    mags, mag_ticks = value_axis([r.absmax for r in timeline], ph, size.y_ticks, FONT + 2)
     out = _open(size, H, "timeline", "NaN and inf counts per module call")
     out += [f'<line x1="{PL}" y1="{base}" x2="{PL + pw}" y2="{base}" stroke="#333"/>',
             f'<line x1="{PL}" y1="{PT}" x2="{PL}" y2="{base}" stroke="#333"/>',
@@ -218,8 +115,12 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
                        f'width="{width / len(bars):.2f}" height="{h:.1f}" fill="{colour}">'
                        f'<title>#{i} {html.escape(module_label(r.module))} call {r.call}: '
                        f'{key} {getattr(r, key)}</title></rect>')
-        if r.absmax is not None and math.isfinite(r.absmax) and r.absmax > 0:
+        if r.absmax is not None and mags.placed(r.absmax):
             points.append(f"{cx:.1f},{base - mags.height(r.absmax):.1f}")
+        elif r.absmax is not None:      # 0 on the log axis, or not finite: marked
+            out.append(_off_axis(cx, base, PT, "#2ca02c",
+                                 f"#{i} {module_label(r.module)} call {r.call}: largest "
+                                 "finite |value|", r.absmax, label=False))
         if culprit and (r.module, r.call) == culprit and marker is None:
             marker = (cx, i, r)
     out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="#2ca02c" '
@@ -242,7 +143,8 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     title = (f"module calls in {phase} execution order (# 0 .. {n - 1}, as in the tables)"
              if wide else f"module calls, {phase} order (# 0 .. {n - 1})")
     left = f"NaN / inf count of the {side} (log)" if wide else "NaN / inf (log)"
-    right = "largest finite |value| (log)" if wide else "largest |value| (log)"
+    scale = "log" if mags.log else "linear"
+    right = f"largest finite |value| ({scale})" if wide else f"largest |value| ({scale})"
     mid = PT + ph / 2
     legend_y = H - 12
     out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
@@ -263,16 +165,31 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     return "\n".join(out)
 
 
-def _finite(v) -> bool:
-    return v is not None and math.isfinite(v)
+def _off_axis(cx: float, base: float, top: float, colour: str, what: str, v: float,
+              label: bool = True, dy: float = 0.0) -> str:
+    """The marker of a value its axis has no place for: 0 as a hollow circle at the bottom, a
+    value that is not finite as a triangle at the top, labelled with its word (``nan``, ``inf``,
+    ``-inf``) when ``label``; ``what`` and the value in its tooltip."""
+    if finite(v):
+        return (f'<circle class="point-zero" cx="{cx:.1f}" cy="{base:.1f}" r="3" fill="white" '
+                f'stroke="{colour}" stroke-width="1.5"><title>{html.escape(what)} {v:.4g} '
+                "(no place on the log axis: drawn at its bottom)</title></circle>")
+    y = top + dy
+    text = (f'<text class="nonfinite-label" x="{cx + 6:.1f}" y="{y + 4:.1f}" '
+            f'fill="{colour}">{word(v)}</text>' if label else "")
+    return (f'<path class="point-nonfinite" d="M{cx - 4:.1f},{y + 4:.1f} L{cx + 4:.1f},'
+            f'{y + 4:.1f} L{cx:.1f},{y - 3:.1f} Z" fill="{colour}"><title>{html.escape(what)} '
+            f"{word(v)} (not finite: drawn at the top)</title></path>{text}")
 
 
 def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
                 size: Size = SIZES[0]) -> str:
     """SVG of the history's loss (blue, left axis) and gradient norm (grey, right axis), each on
-    a log axis with values, a dot per step (its values in a tooltip); the failing step (the last
-    entry) marked in red, with the values it could not plot (``NaN``, ``inf``) written at the
-    top; the steps in ``marks`` (step, what) marked dashed."""
+    a log axis with values (linear when the series goes below 0), a dot per step (its values in
+    a tooltip); a value the axis has no place for marked (`_off_axis`: 0 at the bottom, ``nan``
+    and ``inf`` at the top); the failing step (the last entry) marked in red, with the values it
+    could not plot (``NaN``, ``inf``) written at the top; the steps in ``marks`` (step, what)
+    marked dashed."""
     if len(history) < 2:
         return ""
     W, PL, PR = size.w, size.pad_l, size.pad_r
@@ -280,41 +197,52 @@ def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
     pw, ph = W - PL - PR, H - PT - PB
     base = PT + ph
     steps = [e.step for e in history]
-    first, last = steps[0], steps[-1]
-    x = lambda s: PL + pw * (s - first + 0.5) / (last - first + 1)  # noqa: E731 (centred)
+    first, last = min(steps), steps[-1]       # x runs from the earliest step to the latest
+    end = max(steps)
+    x = lambda s: PL + pw * (s - first + 0.5) / (end - first + 1)  # noqa: E731 (centred)
     out = _open(size, H, "history", "loss and gradient norm of the steps before")
     out += [f'<line x1="{PL}" y1="{base}" x2="{PL + pw}" y2="{base}" stroke="#333"/>']
-    for key, colour, side, ax_x in (("loss", "#1f77b4", "left", PL),
-                                    ("grad_norm", "#555", "right", PL + pw)):
-        vals = [(e.step, abs(getattr(e, key))) for e in history if _finite(getattr(e, key))]
+    scales = []
+    for key, colour, side, ax_x, dy in (("loss", "#1f77b4", "left", PL, 0.0),
+                                        ("grad_norm", "#555", "right", PL + pw, 12.0)):
+        vals = [(e.step, getattr(e, key)) for e in history if getattr(e, key) is not None]
         if not vals:
             continue
-        axis, ticks = _magnitude_axis([v for _, v in vals], ph, size.y_ticks)
+        axis, ticks = value_axis([v for _, v in vals], ph, size.y_ticks, FONT + 2)
+        scales.append("log" if axis.log else "linear")
         out.append(f'<line x1="{ax_x}" y1="{PT}" x2="{ax_x}" y2="{base}" stroke="{colour}"/>')
         out += _y_labels(ticks, ax_x, base, colour, side)
-        pts = [(x(s), base - axis.height(v), s, v) for s, v in vals]
+        pts = [(x(s), base - axis.height(v), s, v) for s, v in vals if axis.placed(v)]
         if len(pts) > 1:
             out.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for a, b, _, _ in pts)}"'
                        f' fill="none" stroke="{colour}" stroke-width="1.5"/>')
         out += [f'<circle class="point" cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{colour}">'
                 f'<title>step {s}: {key} {v:.4g}</title></circle>' for a, b, s, v in pts]
-    step = _x_step(last - first + 1, pw, size.x_gap)
-    ticks = list(range(first, last + 1, step))
-    if last - ticks[-1] >= step * 0.6:
-        ticks.append(last)
+        labelled = -math.inf        # x of the last word written at the top: none closer
+        for s, v in vals:
+            if axis.placed(v):
+                continue
+            # the failing step's own words are in its label; others' when they have room
+            label = not finite(v) and s != last and x(s) - labelled >= CHAR * 5
+            labelled = x(s) if label else labelled
+            out.append(_off_axis(x(s), base, PT, colour, f"step {s}: {key}", v, label, dy))
+    step = _x_step(end - first + 1, pw, size.x_gap)
+    ticks = list(range(first, end + 1, step))
+    if end - ticks[-1] >= step * 0.6:
+        ticks.append(end)
     for s in ticks:
         out.append(f'<line class="tick" x1="{x(s):.1f}" y1="{base}" x2="{x(s):.1f}" '
                    f'y2="{base + 4}" stroke="#333"/><text class="xlabel" x="{x(s):.1f}" '
                    f'y="{base + 8 + FONT}" text-anchor="middle">{s}</text>')
     for s, what in marks:
-        if first <= s <= last and s != last:
+        if first <= s <= end and s != last:
             out.append(f'<line class="mark" x1="{x(s):.1f}" y1="{PT}" x2="{x(s):.1f}" '
                        f'y2="{base}" stroke="#ff7f0e" stroke-dasharray="4,3">'
                        f'<title>{html.escape(f"{what} (step {s})")}</title></line>')
     e = history[-1]                         # the failing step
     bad = [f"{name} {_word(getattr(e, key))}" for key, name in (("loss", "loss"),
                                                                 ("grad_norm", "grad norm"))
-           if getattr(e, key) is not None and not math.isfinite(getattr(e, key))]
+           if getattr(e, key) is not None and not finite(getattr(e, key))]
     label = f"failing step {last}" + (f": {', '.join(bad)}" if bad else "")
     lw = CHAR * len(label) + 10
     lx = min(max(x(last) - lw, 2), W - lw - 2)
@@ -324,7 +252,8 @@ def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
                f'fill="white" stroke="#d62728"/><text class="failing-label" '
                f'x="{lx + lw / 2:.1f}" y="{FONT + 4}" text-anchor="middle" fill="#d62728" '
                f'font-weight="bold">{html.escape(label)}</text>')
-    title = ("step; loss (blue, left) and gradient norm (grey, right), log scales" if
+    how = "log scales" if set(scales) <= {"log"} else "scales " + " and ".join(scales)
+    title = (f"step; loss (blue, left) and gradient norm (grey, right), {how}" if
              size.name == "wide" else "step; loss (left), grad norm (right)")
     out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
             f'text-anchor="middle">{html.escape(title)}</text>', "</svg>"]
@@ -332,7 +261,8 @@ def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
 
 
 def _word(v: float) -> str:
-    return "NaN" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    """The failing step's label: ``NaN`` as people write it, else ``inf``, ``-inf``."""
+    return "NaN" if math.isnan(v) else word(v)
 
 
 def both(draw, *args) -> str:

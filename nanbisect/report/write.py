@@ -1,5 +1,7 @@
 """Write a report directory: report.json, report.md and report.html together, atomically (built
-beside its final place, then renamed over it).
+beside its final place, then renamed over it). Each file is rendered alone (`render`): one whose
+rendering raises is written in a plain form and listed in the report's ``errors``, the others
+are whole; report.json is strict JSON whatever numbers the report holds.
 
 Guarantees: nanbisect never deletes what it did not write. `check_out` (its home is
 `nanbisect.report.out`, which the command line calls before importing torch) refuses a report
@@ -22,21 +24,25 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import html
 import json
 import os
 import shutil
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
 from nanbisect.bundle.atomic import rename_noreplace
 from nanbisect.errors import BadInput
-from nanbisect.report.model import Report
+from nanbisect.records import StageError, after_verdict
+from nanbisect.report.model import SCHEMA, Report
 from nanbisect.report.page import to_html
 from nanbisect.report.text import to_markdown
 from nanbisect.report.out import (DEFAULT_NAME, MARKER, _files, _inside,  # noqa: F401
                                   check_out, foreign_files, is_report_dir, older_report)
 from nanbisect.util.files import file_sha256, os_error, remove_made
+from nanbisect.util.recordjson import dumps
 from nanbisect.util.staging import MARKER as STAGING_MARKER
 from nanbisect.util.staging import make_staging_dir, mark, staging_path, unmark
 
@@ -134,8 +140,58 @@ def _cannot_write(out: Path, e: OSError) -> BadInput:
                     "file system with room for it")
 
 
-def write_report(r: Report, out: Path) -> None:
-    """Write report.json, report.md and report.html into ``out`` (a staged directory)."""
-    (out / "report.json").write_text(json.dumps(r.to_json(), indent=1, allow_nan=False))
-    (out / "report.md").write_text(to_markdown(r))
-    (out / "report.html").write_text(to_html(r))
+def write_report(r: Report, out: Path) -> Report:
+    """Write report.json, report.md and report.html into ``out`` (a staged directory); the
+    report as written: ``r``, plus in ``errors`` each rendering that raised (``markdown``,
+    ``page``, ``plots``, ``json``: written then in a plain form that lists the errors).
+    report.json is strict JSON: non-finite numbers are "nan", "inf", "-inf"
+    (`nanbisect.util.recordjson`). What writing a file raises goes through (`staged`)."""
+    r, text, page, data = render(r)
+    (out / "report.json").write_text(data)
+    (out / "report.md").write_text(text)
+    (out / "report.html").write_text(page)
+    return r
+
+
+def render(r: Report) -> tuple[Report, str, str, str]:
+    """(``r`` with the renderings that failed in ``errors``, report.md, report.html,
+    report.json): each rendered alone, so that one that raises leaves the others whole."""
+    def all_three(r: Report, failed: list[StageError]
+                  ) -> tuple[str | None, str | None, str | None]:
+        plots: list[StageError] = []            # a plot that raised: the page without it
+        text = after_verdict(failed, "markdown", lambda: to_markdown(r), None)
+        data = after_verdict(failed, "json", lambda: dumps(r.to_json(), indent=1), None)
+        folded = data if data is not None else dumps(_plain_json(r), indent=1)
+        page = after_verdict(failed, "page", lambda: to_html(r, plots, folded), None)
+        failed += plots
+        return text, page, data
+
+    failed: list[StageError] = []
+    text, page, data = all_three(r, failed)
+    if failed:
+        r = replace(r, errors=[*r.errors, *failed])
+        text, page, data = all_three(r, [])     # again: each lists every error now
+    text = text if text is not None else _plain_markdown(r)
+    return (r, text, page if page is not None else _plain_page(r, text),
+            data if data is not None else dumps(_plain_json(r), indent=1))
+
+
+def _plain_json(r: Report) -> dict:
+    """What report.json holds when the report's own JSON cannot be made."""
+    return {"schema": SCHEMA, "verdict": str(r.verdict),
+            "classification": None if r.classification is None else str(r.classification),
+            "phase": r.phase, "kind": r.kind,
+            "errors": [{"stage": e.stage, "message": e.message} for e in r.errors]}
+
+
+def _plain_markdown(r: Report) -> str:
+    """report.md when the report cannot be rendered: the verdict and the errors."""
+    return "\n".join([f"# nanbisect report: {r.verdict}", "", "## Errors", ""]
+                     + [f"- {e.stage}: {e.message}" for e in r.errors]) + "\n"
+
+
+def _plain_page(r: Report, text: str) -> str:
+    """report.html when the page cannot be rendered: report.md as preformatted text."""
+    return ("<!doctype html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>nanbisect: {html.escape(str(r.verdict))}</title></head><body>"
+            f"<pre>{html.escape(text)}</pre></body></html>\n")

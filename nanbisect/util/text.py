@@ -5,6 +5,9 @@ characters (plus the closing quote).
 """
 from __future__ import annotations
 
+import traceback
+from pathlib import Path
+
 
 def show(value, limit: int = 60) -> str:
     """``value`` for a one-line message: repr (no newline or control character), cut short.
@@ -33,3 +36,19 @@ def exception_line(e: BaseException, limit: int = 300) -> str:
         text = str(e) or type(e).__name__
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def failure_line(e: BaseException, limit: int = 300) -> str:
+    """An unexpected exception on one line: its type, `exception_line` and the innermost frame
+    it was raised in.
+
+    >>> try:
+    ...     {}["k"]
+    ... except KeyError as e:
+    ...     failure_line(e).split(" at ")[0]
+    "KeyError: 'k'"
+    """
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+    text = exception_line(e, limit)
+    return f"{type(e).__name__}" + (f": {text}" if text != type(e).__name__ else "") + where
