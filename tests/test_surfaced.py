@@ -39,8 +39,6 @@ def replay(tmp_path, func: str, batch=None, run_repro: bool = False):
 
 @pytest.mark.parametrize("func, op, made, surfaced_ops, bug", [
     ("where_sqrt", "aten.sqrt.default", "nan", {"aten.mul.Scalar"}, "BUG: sqrt of negatives"),
-    ("where_log", "aten.log.default", "inf", {"aten.div.Tensor"}, "BUG: log(0)"),
-    ("where_div", "aten.div.Tensor", "inf", {"aten.mul.Tensor"}, "BUG: 1/0"),
 ])
 def test_where_over_a_bad_branch_is_born_in_forward(tmp_path, func, op, made, surfaced_ops, bug):
     """forward is finite (where drops the bad branch); backward multiplies the zero gradient by
@@ -75,6 +73,38 @@ def test_where_over_a_bad_branch_is_born_in_forward(tmp_path, func, op, made, su
                            f"surfaced{as_nan} in backward at {s.op}")
 
 
+@pytest.mark.parametrize("func, inf_op, inf_phase, op, node, bug", [
+    # log's backward divides the zero gradient by x = 0: forward's -inf starts the chain
+    ("where_log", "aten.log.default", "forward", "aten.div.Tensor", "LogBackward0",
+     "BUG: log(0)"),
+    # div's backward divides by b*b = 0 itself (an inf born there), then multiplies it by 0
+    ("where_div", "aten.div.Tensor", "backward", "aten.mul.Tensor", "DivBackward0",
+     "BUG: 1/0"),
+])
+def test_an_infinity_behind_where_starts_the_chain_of_a_nan_born_in_backward(
+        tmp_path, func, inf_op, inf_phase, op, node, bug):
+    """The rule of birth: forward's infinity (log(0) = -inf, 1/0 = inf, dropped by where) is
+    no NaN; the NaN is born in backward, where the branch's derivative meets the zero gradient
+    (0/0, 0 * inf). The culprit is that backward op, its source the forward line that made its
+    autograd node; the infinity is ``inf_origin``, the start of the chain."""
+    r, passes = replay(tmp_path, func, run_repro=True)
+    c = r.culprit
+    assert (r.verdict, r.phase, r.kind) == ("culprit", "backward", "nan")
+    assert (c.phase, c.module, c.module_call, c.op, c.surfaced) == (
+        "backward", "act", 0, op, None)
+    assert c.source.endswith(f"surfaced.py:{line_of(bug)}")
+    assert (c.node.name, c.node.forward_source) == (node, c.source)
+    o = r.inf_origin
+    assert (o.op, o.phase, o.module, o.module_call) == (inf_op, inf_phase, "act", 0)
+    assert o.op_index < c.op_index
+    assert "cross-phase" in passes            # only forward could tell where the inf was born
+    assert r.repro_result.reproduced
+    assert "produces nan from nan-free inputs" in r.repro_result.output
+    data = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert (data["culprit"]["phase"], data["culprit"]["surfaced"], data["inf_origin"]["op"]) == (
+        "backward", None, inf_op)
+
+
 def test_a_custom_function_that_saves_nan_in_forward(tmp_path):
     r, _ = replay(tmp_path, "saved_nan")
     c = r.culprit
@@ -85,26 +115,21 @@ def test_a_custom_function_that_saves_nan_in_forward(tmp_path):
 
 
 def test_layer_norm_fp16_constant_row_saved_rstd_inf(tmp_path):
-    """native_layer_norm's output is finite, its saved rstd (output 2) is inf: the culprit is
-    native_layer_norm in forward, surfaced at its backward, and inf_origin names where the inf
-    that backward consumed was born."""
+    """native_layer_norm's output is finite, its saved rstd (output 2) is inf (a float16
+    overflow): an infinity, not a NaN. The NaN is born in its backward, the culprit;
+    native_layer_norm in forward is ``inf_origin``, the start of the chain."""
     r, _ = replay(tmp_path, "layer_norm_fp16", run_repro=True)
     c = r.culprit
-    assert (c.phase, c.module, c.op) == ("forward", "act", "aten.native_layer_norm.default")
-    assert c.input_dtypes == ["float16"]
-    assert (c.surfaced.phase, c.surfaced.op) == (
-        "backward", "aten.native_layer_norm_backward.default")
+    assert (c.phase, c.module, c.op, c.surfaced) == (
+        "backward", "act", "aten.native_layer_norm_backward.default", None)
+    assert c.source.endswith(f"surfaced.py:{line_of('nn.functional.layer_norm(x.half()')}")
     o = r.inf_origin
-    assert (o.op, o.phase, o.module, o.op_index) == (
-        "aten.native_layer_norm.default", "forward", "act", c.op_index)
-    assert any("kept in output 2 of 3, which nothing in forward read" in n for n in r.notes)
-    assert r.repro_result.reproduced and "produces inf" in r.repro_result.output
-    out = r.surfaced_repro.result.output       # the saved inf turned into NaN, alone
-    assert "nan=0 inf=2\noutputs: nan=16" in out          # rstd's two inf rows in, NaN out
+    assert (o.op, o.phase, o.module) == ("aten.native_layer_norm.default", "forward", "act")
+    assert o.op_index < c.op_index
+    out = r.repro_result.output             # the saved inf turned into NaN, alone
+    assert r.repro_result.reproduced and "nan=0 inf=2\noutputs: nan=16" in out
     assert "REPRODUCED: aten.native_layer_norm_backward.default produces nan" in out
-    md = to_markdown(r)
-    assert "The inputs of the op where it surfaced carried inf" in md
-    assert "Surfaced in backward at `aten.native_layer_norm_backward.default`" in md
+    assert "native_layer_norm" in to_markdown(r)
 
 
 def test_a_fused_op_with_a_non_finite_secondary_output(tmp_path):
@@ -144,6 +169,9 @@ def test_a_nan_born_in_backward_costs_no_extra_pass(tmp_path):
     r, passes = replay(tmp_path, "backward_born")
     c = r.culprit
     assert (c.phase, c.module, c.op, c.surfaced) == ("backward", "act", "aten.mul.Tensor", None)
+    # a custom Function's node: its name, no one forward op, the line that applied it
+    assert (c.node.name, c.node.forward_op) == ("_BackwardNaNBackward", None)
+    assert c.node.forward_source.endswith(f"surfaced.py:{line_of('_BackwardNaN.apply(x)')}")
     assert "cross-phase" not in passes and r.op_recording.phases == ()
     assert json.loads((tmp_path / "report" / "report.json").read_text())["culprit"][
         "surfaced"] is None

@@ -14,16 +14,18 @@ import inspect
 import os
 import re
 import traceback
+import weakref
 from contextlib import nullcontext
 from typing import Callable, ContextManager
 
 import torch
+from torch.autograd.function import BackwardCFunction
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.locate.rows import RowTracer
-from nanbisect.records import CallId, Caught, ModuleCaught, OpSite, RowTrace
+from nanbisect.records import CallId, Caught, ModuleCaught, Node, OpSite, RowTrace
 from nanbisect.replay.recorder import SKIP
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
@@ -132,9 +134,20 @@ class InputCatcher(TorchDispatchMode):
         self.phase = "forward"
         self.seen = 0
         self.caught: Caught | None = None
+        # a backward site: each forward op's outputs, to tag the autograd node it made with
+        # the op (autograd sets ``grad_fn`` after the op returns: read at the next op)
+        self._made: list = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._made:
+            _tag_nodes(self._made)
+        if self.site.phase == "backward" and self.phase == "forward" and func not in SKIP:
+            out = func(*args, **kwargs)
+            self._made = [(str(func), weakref.ref(t))
+                          for t in torch.utils._pytree.tree_leaves(out)
+                          if isinstance(t, torch.Tensor)][:1]
+            return out
         if (self.caught is None and self.phase == self.site.phase and func not in SKIP
                 and str(func) == self.site.op):
             if self.seen == self.site.occurrence:
@@ -159,15 +172,35 @@ class InputCatcher(TorchDispatchMode):
         if source is None and phase == "optimizer":    # the optimizer's own code
             source = optimizer_frame(stack, optimizer_files)
         node = torch._C._current_autograd_node()
-        if node is not None and source is None:  # a backward formula: where forward made it
+        made = None
+        if node is not None:
             tb = (node.metadata or {}).get("traceback_") or []
-            source = user_frame([(m.group(1), int(m.group(2))) for line in tb
-                                 for m in [_FRAME.search(line)] if m])
+            made = user_frame([(m.group(1), int(m.group(2))) for line in tb
+                               for m in [_FRAME.search(line)] if m])
+            if source is None:      # a backward formula: where forward made it
+                source = made
         return Caught(op=str(func), args=torch.utils._pytree.tree_map(_clone, list(args)),
                       kwargs=torch.utils._pytree.tree_map(_clone, dict(kwargs)),
                       mutated=[i for i, a in enumerate(func._schema.arguments[:len(args)])
                                if a.alias_info is not None and a.alias_info.is_write],
-                      rng=rng, source=source)
+                      rng=rng, source=source,
+                      node=Node(node.name(), (node.metadata or {}).get(_OP_KEY), made)
+                      if node is not None else None)
+
+
+_OP_KEY = "nanbisect.forward_op"      # in an autograd node's metadata: the op that made it
+
+
+def _tag_nodes(made: list) -> None:
+    """Tag the autograd node each recorded forward op made with that op (``_OP_KEY``)."""
+    for op, ref in made:
+        t = ref()
+        fn = t.grad_fn if t is not None else None
+        # NB: a custom Function's node is made by its apply, not by the last op of its forward
+        if fn is not None and not isinstance(fn, BackwardCFunction) and \
+                _OP_KEY not in fn.metadata:
+            fn.metadata[_OP_KEY] = op
+    made.clear()
 
 
 class AheadCatch:
@@ -292,7 +325,7 @@ def catch_module_call(rep: Replayer, target: CallId,
         leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
         grads.extend([None] * len(leaves))
         for i, t in enumerate(leaves):
-            if t.is_floating_point() and t.requires_grad:
+            if (t.is_floating_point() or t.is_complex()) and t.requires_grad:
                 def keep(g, i=i):
                     grads[i] = g.detach().clone()
                 t.register_hook(keep)

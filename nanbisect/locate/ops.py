@@ -14,9 +14,9 @@ from dataclasses import replace
 from typing import Callable, ContextManager
 
 from nanbisect.locate.catch import AheadCatch
-from nanbisect.locate.provenance import (Root, born_in_forward, context, culprit_root, hidden_by,
-                                         inf_origin, op_ref, points_to_forward, reaches_outside,
-                                         surfaced_at)
+from nanbisect.locate.provenance import (Root, context, culprit_root,
+                                         forward_inf_origin, hidden_by, inf_origin, op_ref,
+                                         points_to_forward, reaches_outside, surfaced_at)
 from nanbisect.records import CallId, OpFinding, OpSite
 from nanbisect.replay.recorder import OpRecorder, OpTable
 from nanbisect.replay.replayer import Replayer, stacked
@@ -171,7 +171,12 @@ def _make(table: OpTable, root: Root, phase: str, parameter: str | None,
                      input_shapes=[list(i.shape) for i in ins], parameter=parameter,
                      context=context(table, root), total_ops=table.total_ops,
                      inf_origin=op_ref(origin) if origin is not None else None,
+                     origin_site=_site(origin),
                      recorded=len(table.ops), scope=scope, micro_batch=root.op.micro, **more)
+
+
+def _site(root: Root | None) -> OpSite | None:
+    return OpSite(root.op.op, root.op.phase, root.op.occurrence) if root is not None else None
 
 
 def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None) -> OpFinding | None:
@@ -179,10 +184,11 @@ def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None) -> OpF
 
     A root in forward (a NaN saved for backward: ``sqrt`` behind a ``where``, a custom
     Function's saved tensor, a fused op's secondary output) is the culprit, surfaced at the
-    first backward op that read it. A root in a built-in backward formula whose forward op made
-    a non-finite value (`born_in_forward`) is surfaced there, the culprit that forward op. Else
-    the backward root stands (``alone``, the backward-only finding), with the ``inf_origin``
-    that only forward could tell. None when the combined replay finds no root."""
+    first backward op that read it. Else the backward root stands (``alone``, the backward-only
+    finding), with the ``inf_origin`` that only forward could tell: the inf its inputs carried,
+    or the infinity of the forward op its formula differentiates (``log(0)``, a ``-inf`` mask:
+    the rule of birth makes an infinity the start of a NaN's chain, never its culprit). None
+    when the combined replay finds no root."""
     recorded = _record(rep, "backward", wrap, None, phases={"forward", "backward"})
     table, starts, names = recorded
     root = _root(table, starts, "backward", kind)
@@ -193,16 +199,14 @@ def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None) -> OpF
         surfaced = surfaced_at(table, list(starts.values()), kind, root)
         if surfaced is None:    # not reached through a backward op: nothing to say it surfaced
             return alone
-    else:
-        born = born_in_forward(table, root)
-        if born is not None:
-            root, surfaced = born, root
     phases = ("forward", "backward")
     if surfaced is None:
-        origin = inf_origin(table, root)
+        origin = inf_origin(table, root) or forward_inf_origin(table, root)
         if alone is not None and alone.op_index == root.op.index:
             return replace(alone, inf_origin=op_ref(origin) if origin is not None
-                           else alone.inf_origin)
+                           else alone.inf_origin,
+                           origin_site=_site(origin) if origin is not None
+                           else alone.origin_site)
         return _make(table, root, "backward", None, origin, None, phases=phases)
     origin = inf_origin(table, root) or inf_origin(table, surfaced)
     out = root.op.outputs[root.output]

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from nanbisect.records import Culprit, OpFinding, Stats, TimelineRow, TraceRow
+from nanbisect.records import Culprit, Node, OpFinding, Stats, TimelineRow, TraceRow
 from nanbisect.replay.probe import CallStats, ProbeTable
 
 
@@ -128,11 +128,12 @@ def timeline(table: ProbeTable, phase: str) -> list[TimelineRow]:
 def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | None = None,
                  call: CallStats | None = None, parameter: str | None = None,
                  source: str | None = None, rank: int = 0,
-                 micro_batch: int | None = None) -> Culprit:
+                 micro_batch: int | None = None, node: Node | None = None) -> Culprit:
     """The culprit, built once from what the passes found, most precise first: the root op
     (``finding``: its module call, dtypes and shapes), else the producing module call, else
     the parameter an optimizer step made non-finite, else only the phase. ``source`` is the
-    user line the narrow pass caught; without it, a module call's ``forward``.
+    user line the narrow pass caught; without it, a module call's ``forward``. ``node``: the
+    autograd node a backward culprit op ran in, as the narrow pass caught it.
 
     >>> make_culprit(torch.nn.Linear(2, 2), "optimizer", parameter="weight").input_shapes
     [[2, 2]]
@@ -146,7 +147,8 @@ def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | Non
                        source=source, op=finding.op, op_index=finding.op_index, rank=rank,
                        parameter=finding.parameter or parameter,
                        micro_batch=None if phase == "optimizer" else finding.micro_batch,
-                       surfaced=finding.surfaced)
+                       surfaced=finding.surfaced,
+                       node=node if finding.phase == "backward" else None)
     if call is not None:
         return Culprit(phase=phase, module=call.call.module, module_call=call.call.call,
                        input_dtypes=call.input_dtypes, input_shapes=call.input_shapes,

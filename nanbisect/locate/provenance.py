@@ -8,12 +8,20 @@ relu's backward zeroed) are never visited, so they are never blamed. A legitimat
 makes a NaN root: for a NaN failure only NaN counts as bad. When the culprit's inputs carried inf,
 `inf_origin` follows that inf back to where it was born from finite values (an overflow, a mask).
 
+The rule of birth: the culprit is the first op whose output holds a value of the failing kind
+that none of its inputs held, in whatever phase. An op that makes an infinity is the culprit only
+when the failure is an infinity and no NaN came first; otherwise it is ``inf_origin``, the start
+of the chain ``inf_origin`` -> culprit -> ``surfaced``.
+
 Across phases (a table that holds forward and backward ops): a backward failure can come from a
 value forward made and hid (masked by ``where``, or kept in a secondary output saved for
 backward). `points_to_forward` says, from a backward-only table, whether the failure may lead
-there; `surfaced_at` names the backward op where such a value became visible, `born_in_forward`
-the forward op whose backward formula turned its non-finite value into the failure, and
-`hidden_by` how forward hid it.
+there; `surfaced_at` names the backward op where such a value became visible,
+`forward_inf_origin` the forward op whose infinity a backward formula turned into a NaN (the
+NaN's ``inf_origin``, not its culprit: ``log(0)`` behind a ``where``, whose backward divides 0 by
+0), and `hidden_by` how forward hid it. A NaN that forward made and removed (``nan_to_num``) is
+not the one a backward formula makes again from the same infinities: the culprit is where the
+NaN that reached the failure was born.
 """
 from __future__ import annotations
 
@@ -164,22 +172,15 @@ def forward_op_of(table: OpTable, op: OpRecord) -> OpRecord | None:
     return next((o for o in table.ops if o.phase == "forward" and o.node == op.node), None)
 
 
-def born_in_forward(table: OpTable, root: Root) -> Root | None:
-    """For a backward root made inside a built-in formula: where the non-finite value of the
-    forward op that formula differentiates was born, when that op's outputs held one (``log``
-    gave -inf at 0, and its backward then divides 0 by 0). None when the forward op was finite,
-    or when the root consumed an inf that another backward formula made (that inf, not the
-    forward op, explains it)."""
+def forward_inf_origin(table: OpTable, root: Root) -> Root | None:
+    """For a backward root made inside a built-in formula from finite inputs: where the
+    infinity of the forward op that formula differentiates was born (``log(0)`` behind a
+    ``where``: its backward divides 0 by 0). None when that op's outputs were finite."""
     fwd = forward_op_of(table, root.op)
     if fwd is None:
         return None
-    outs = [(fwd.pos, j) for j, o in enumerate(fwd.outputs) if _nonfinite(o.flags)]
-    if not outs:
-        return None
-    origin = inf_origin(table, root)
-    if origin is not None and origin.op.phase == "backward" and origin.op.node != root.op.node:
-        return None
-    return trace(table, outs, _nonfinite)
+    outs = [(fwd.pos, j) for j, o in enumerate(fwd.outputs) if o.flags.inf]
+    return trace(table, outs, _nonfinite) if outs else None
 
 
 def hidden_by(table: OpTable, root: Root) -> str:

@@ -18,7 +18,7 @@ from nanbisect.locate.ops import record_ops
 from nanbisect.locate.rows import RowTracer
 from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_parameter,
                                         forward_producer, timeline)
-from nanbisect.pipeline.common import _guarded, _Run
+from nanbisect.pipeline.common import _guarded, _Run, after_verdict
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, ModuleRepro, OpCheck,
                                OpFinding, OpRecording, Remedy, RowTrace, StepOutcome,
                                module_label)
@@ -27,7 +27,7 @@ from nanbisect.reference.side import ReferenceSide
 from nanbisect.remedies import budget as remedy_budget
 from nanbisect.remedies import try_remedies
 from nanbisect.report.model import Report
-from nanbisect.report.repro import repro_imports, write_module_repro, write_repro
+from nanbisect.report.repro import device_of, repro_imports, write_module_repro, write_repro
 from nanbisect.report.rerun import ServerFork, runner
 
 
@@ -52,7 +52,7 @@ def _repro_starter(run: _Run):
         started = runner(run.rep.device.type, caught.op, spare)
         if started is spare or isinstance(started, ServerFork):
             run.interp = None      # one script per interpreter: used, or closed by `runner`
-        started.submit(script, run.facts.target)
+        started.submit(script, device_of(run.facts.target))
 
         def result():
             run.progress("repro", "waiting for the repro's run")
@@ -89,14 +89,17 @@ def _divergence_report(run: _Run, side: ReferenceSide, div: Divergence, tmp: Pat
         notes.append("no module call or op could be isolated as the first divergence")
     done = finish(rep, phase, "mismatch", finding=finding, caught=caught, call=call,
                   op_check=check, repro_dir=tmp / "repro", target=run.facts.target,
-                  start_repro=_repro_starter(run), progress=run.progress)
+                  start_repro=_repro_starter(run), progress=run.progress,
+                  errors=run.errors)
     classification = "device" if check is not None else "unknown"
     if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
         classification = "replay-mismatch"
+    stage = _guard(run)
     return Report("culprit", classification, phase, "mismatch", done.culprit, run.facts,
                   notes=notes, repro="repro/repro.py" if done.repro else None,
-                  timeline=timeline(run.probe.read(), phase),
-                  repro_result=done.pending() if done.pending else None,
+                  timeline=stage("context", lambda: timeline(run.probe.read(), phase), []),
+                  repro_result=(stage("repro", done.pending, None) if done.pending
+                                else None),
                   divergence=div, op_check=check, uncomparable=uncomparable)
 
 
@@ -138,18 +141,22 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         if caught is None:
             notes.append("the culprit op could not be caught again in a narrow replay (the "
                          "step is not deterministic); no repro was written")
-    trace = backtrace(table, call, phase, kind) if call is not None and phase != "optimizer" \
-        else []
     done = finish(rep, phase, kind, finding=finding, caught=caught, call=call,
                   parameter=parameter, micro_batch=first.micro_batch,
                   check_on=ref[0] if ref is not None else None, wrap=run.wrap,
                   repro_dir=tmp / "repro", target=target, start_repro=_repro_starter(run),
-                  progress=run.progress)
+                  progress=run.progress, errors=run.errors)
+    # the verdict is known: what each stage below adds is left out when it fails (`errors`)
+    stage = _guard(run)
     culprit = replace(done.culprit, samples=traced.samples if traced else None)
-    op_check, remedies = done.op_check, _remedies(run, culprit, finding, kind, traced)
+    trace, table_rows = stage("context", lambda: (
+        backtrace(table, call, phase, kind) if call is not None and phase != "optimizer"
+        else [], timeline(table, phase)), ([], []))
+    op_check = done.op_check
+    remedies = stage("remedies", lambda: _remedies(run, culprit, finding, kind, traced), [])
     repro_result = module_repro = None
     if done.repro is not None:
-        repro_result = done.pending() if done.pending else None
+        repro_result = stage("repro", done.pending, None) if done.pending else None
         if repro_result and not repro_result.reproduced and opts.inject:
             notes.append(f"the repro did not reproduce on {target}: it runs the op without "
                          f"--inject {opts.inject}, which emulated the fault here; run "
@@ -159,21 +166,27 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
                 and culprit.module and culprit.module_call is not None):
             run.progress("module-repro", "the op alone did not reproduce: catching its module "
                                          "call")
-            module_repro = _module_fallback(run, culprit, kind, tmp)
+            failed = len(run.errors)
+            module_repro = stage("module-repro",
+                                 lambda: _module_fallback(run, culprit, kind, tmp), None)
             worked = (module_repro is not None and module_repro.result is not None
                       and module_repro.result.reproduced)
             notes.append("the culprit op alone did not reproduce (it depends on state "
                          "outside its inputs); module_repro replays its module call "
-                         "with the module's state: " + ("reproduced" if worked else
-                                                        "did not reproduce either"))
-    surfaced_repro = (_surfaced_repro(run, finding, kind, tmp, notes)
+                         "with the module's state: " + (
+                             "it could not be made (see errors)" if len(run.errors) > failed
+                             else "reproduced" if worked else "did not reproduce either"))
+    surfaced_repro = (stage("surfaced-repro",
+                            lambda: _surfaced_repro(run, finding, kind, tmp, notes), None)
                       if finding is not None and finding.surfaced_site is not None
                       and caught is not None else None)
-    classification, why = classify_culprit(_evidence(run, side, op_check))
+    classification, why = stage("classification",
+                                lambda: classify_culprit(_evidence(run, side, op_check)),
+                                ("unknown", []))
     notes += why
     return Report(
         "culprit", classification, phase, kind, culprit, run.facts, backtrace=trace,
-        timeline=timeline(table, phase), notes=notes,
+        timeline=table_rows, notes=notes,
         repro="repro/repro.py" if done.repro else None, repro_result=repro_result,
         inf_origin=finding.inf_origin if finding else None,
         context=finding.context if finding else [], op_check=op_check,
@@ -182,6 +195,11 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
                                   finding.phases) if finding else None),
         uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [],
         remedies=remedies)
+
+
+def _guard(run: _Run):
+    """``(stage, fn, default) -> fn() or default``: `after_verdict` into this run's errors."""
+    return lambda stage, fn, default: after_verdict(run.errors, stage, fn, default)
 
 
 def _ahead(run: _Run, phase: str, kind: str) -> AheadCatch | None:
@@ -271,4 +289,4 @@ def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> Modul
     script = write_module_repro(tmp / "repro", mc, culprit=culprit, kind=kind,
                                 target=run.facts.target, entry=run.rep.entry)
     return ModuleRepro("repro/module_repro.py", runner(run.rep.device.type, None).submit(
-        script, run.facts.target).result() if run.opts.run_repro else None)
+        script, device_of(run.facts.target)).result() if run.opts.run_repro else None)

@@ -6,9 +6,12 @@ What a replay saw (`StepOutcome`, `BadValue`, `Stats`), where the failure was bo
 repro (`Caught`, `ModuleCaught`) and what running it said (`ReproResult`), what replaying the
 step with a change gave (`Remedy`) and which batch rows the failure depends on (`RowTrace`),
 what the reference said (`Comparison`, `OpCheck`, `Divergence`), the facts every report shares
-(`Losses`, `RunFacts`), and the protocol between the multi-rank launcher and its rank workers
-(`Bucket`, `RankSummary`, `RankRoot`, `Plan`, `RankResult`). Records that become JSON say how,
-in ``to_json``; those that come back from JSON (the rank workers' results) have ``from_json``.
+(`Losses`, `RunFacts`), a stage after the verdict that failed (`StageError`), and the protocol
+between the multi-rank launcher and its rank workers (`Bucket`, `RankSummary`, `RankRoot`,
+`Plan`, `RankResult`). Records that become JSON say how, in ``to_json`` (written with the one
+encoder, `nanbisect.util.recordjson`: non-finite floats as "nan", "inf", "-inf"); those that
+come back from JSON (the rank workers' results) have ``from_json``, which reads those strings
+back as floats where the field is a number.
 
 Guarantees: importing this module imports no torch; nothing here computes on tensors (records
 that hold tensors only carry them).
@@ -18,10 +21,11 @@ from __future__ import annotations
 from nanbisect.records.compiler import CompilerFinding
 from nanbisect.records.compared import Comparison, Divergence, OpCheck
 from nanbisect.records.culprit import (Caught, ContextRow, Culprit, ModuleCaught, ModuleRepro,
-                                       OpFinding, OpRecording, OpRef, OpSite, ReproResult,
+                                       Node, OpFinding, OpRecording, OpRef, OpSite, ReproResult,
                                        TimelineRow, TraceRow)
-from nanbisect.records.facts import (Fidelity, Finding, HistoryEntry, Losses, RunFacts, StepRow,
-                                     StepsWindow, fidelity_tier)
+from nanbisect.records.facts import (Fidelity, Finding, HistoryEntry, Losses, RunFacts,
+                                     StageError, StepRow, StepsWindow, after_verdict,
+                                     fidelity_tier)
 from nanbisect.records.remedies import Remedy, RowTrace
 from nanbisect.records.ranks import (Bucket, Plan, RankReference, RankResult, RankRoot, RankSummary,
                                      ReplicaDiff, Subset)
@@ -34,4 +38,5 @@ __all__ = ["json_number", "Word", "Verdict", "Classification", "ROOT", "module_l
            "ReproResult", "ModuleRepro", "Comparison", "OpCheck", "Divergence", "Losses",
            "Fidelity", "RunFacts", "HistoryEntry", "Finding", "StepRow", "StepsWindow", "Bucket",
            "RankSummary", "RankRoot", "Plan", "RankReference", "ReplicaDiff", "Subset",
-           "RankResult", "fidelity_tier", "Remedy", "RowTrace", "CompilerFinding"]
+           "RankResult", "fidelity_tier", "Remedy", "RowTrace", "CompilerFinding", "StageError",
+           "after_verdict", "Node"]

@@ -14,6 +14,17 @@ from nanbisect.records.seen import CallId, Stats
 
 
 @dataclass(frozen=True)
+class Node:
+    """The autograd node a backward op ran in, as ``detect_anomaly`` names it
+    (``SqrtBackward0``), with the forward op that created it and that op's user source line.
+    ``forward_op`` is None where no one op made the node (a custom ``autograd.Function``'s)."""
+
+    name: str
+    forward_op: str | None = None
+    forward_source: str | None = None
+
+
+@dataclass(frozen=True)
 class Culprit:
     """What the report names: the op (or the module call, or the parameter update) at fault."""
 
@@ -35,6 +46,10 @@ class Culprit:
     # the batch rows (dim 0 of the batch's tensors) the first bad value depends on, traced
     # through the ops; None when they cannot be traced (or were not: a divergence, no batch)
     samples: list[int] | None = None
+    # a backward culprit's autograd node (None in other phases, or when it ran in none)
+    node: Node | None = None
+    # a plain sentence for a recognised pattern (`nanbisect.locate.cause`), None otherwise
+    likely_cause: str | None = None
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -44,8 +59,9 @@ class Culprit:
 
     @staticmethod
     def from_json(d: dict) -> "Culprit":
-        s = d.get("surfaced")
-        return Culprit(**{**d, "surfaced": OpRef(**s) if s is not None else None})
+        s, n = d.get("surfaced"), d.get("node")
+        return Culprit(**{**d, "surfaced": OpRef(**s) if s is not None else None,
+                          "node": Node(**n) if isinstance(n, dict) else None})
 
 @dataclass(frozen=True)
 class TraceRow:
@@ -133,6 +149,8 @@ class OpFinding:
     # where to catch the surfaced op again, when it alone shows the failure (its inputs are
     # free of it) and a repro of it helps
     surfaced_site: OpSite | None = None
+    # where to find the ``inf_origin`` op again (the precision remedy tries it first)
+    origin_site: OpSite | None = None
 
     @property
     def op(self) -> str:
@@ -170,6 +188,7 @@ class Caught:
     mutated: list[int]
     rng: dict[str, "torch.Tensor"]
     source: str | None
+    node: Node | None = None          # the autograd node it ran in (a backward op)
 
 @dataclass(frozen=True)
 class ModuleCaught:

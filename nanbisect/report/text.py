@@ -11,7 +11,7 @@ from nanbisect.report.model import Report
 def _fmt_stats(s: Stats | None) -> str:
     if s is None:
         return "-"
-    return f"{s.nan:>6} | {s.posinf + s.neginf:>6} | {s.absmax:.3g}"
+    return f"{s.nan:>6} | {s.posinf + s.neginf:>6} | {_num(s.absmax, '.3g')}"
 
 
 def headline(r: Report) -> str:
@@ -103,6 +103,14 @@ def _born_kind(r: Report) -> str:
     return "nan" if row is None or row.out_nan else "inf"
 
 
+def node_made(node, quote: str = "") -> str:
+    """What made an autograd node, in words: " (created by aten.log.default at model.py:12)"."""
+    parts = [f"by {quote}{node.forward_op}{quote}" if node.forward_op else "",
+             f"at {quote}{node.forward_source}{quote}" if node.forward_source else ""]
+    said = " ".join(p for p in parts if p)
+    return f" (created {said})" if said else ""
+
+
 def _surfaced_line(r: Report) -> str | None:
     c = r.culprit
     if c is None or c.surfaced is None:
@@ -133,9 +141,13 @@ def to_markdown(r: Report) -> str:
         c = r.culprit
         lines += ["", "## Culprit", "", "| field | value |", "|---|---|"]
         for k, v in asdict(c).items():
-            if k == "surfaced":
-                continue            # a sentence of its own, below the table
+            if k in ("surfaced", "node", "likely_cause"):
+                continue            # sentences of their own, below the table
             lines.append(f"| {k} | `{v}` |" if v is not None else f"| {k} | - |")
+        if c.node is not None:
+            lines.append(f"| node | `{c.node.name}`" + node_made(c.node, "`") + " |")
+        if c.likely_cause:
+            lines += ["", f"**Likely cause:** {c.likely_cause}."]
         surfaced = _surfaced_line(r)
         if surfaced:
             lines += ["", surfaced]
@@ -145,12 +157,21 @@ def to_markdown(r: Report) -> str:
                  else "The culprit's inputs")
         lines += ["", f"{whose} carried inf, born from finite values in `{o.op}` "
                   f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` call {o.module_call})."]
-    lines += _compiler_md(r) + _remedies_md(r)
+    lines += _errors_md(r) + _compiler_md(r) + _remedies_md(r)
     lines += _ranks_md(r) + _checks_md(r) + _repro_md(r) + _backtrace_md(r)
     lines += _steps_md(r) + _history_md(r)
     if r.notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
     return "\n".join(lines) + "\n"
+
+
+def _errors_md(r: Report) -> list[str]:
+    """report.json ``errors``: the stages after the verdict that failed."""
+    if not r.errors:
+        return []
+    return (["", "## Errors", "", "Stages after the verdict that failed; the verdict stands, "
+             "what they would have added is missing from this report:", ""]
+            + [f"- {e.stage}: `{e.message}`" for e in r.errors])
 
 
 def _compiler_md(r: Report) -> list[str]:
@@ -264,7 +285,7 @@ def _checks_md(r: Report) -> list[str]:
             lines.append(f"| {c.op_index} | {mark}`{c.op}`{mark} | `{module_label(c.module)}` | "
                          f"{_num(c.module_call)} | {'yes' if c.out_nan else '-'} | "
                          f"{'yes' if c.out_inf else '-'} | "
-                         f"{'-' if c.out_absmax is None else format(c.out_absmax, '.3g')} |")
+                         f"{_num(c.out_absmax, '.3g')} |")
     return lines
 
 
@@ -306,8 +327,14 @@ def _backtrace_md(r: Report) -> list[str]:
     return lines
 
 
-def _num(v) -> str:
-    return "-" if v is None else format(v, ".4g") if isinstance(v, float) else str(v)
+def _num(v, spec: str = ".4g") -> str:
+    """A number in a table: ``-`` for none; one that is not finite as ``nan``, ``inf``,
+    ``-inf`` (as report.json writes it); a string (report.json's own ``"nan"``) as it is.
+
+    >>> [_num(v) for v in (None, 0.123456, float("-inf"), "nan", 3)]
+    ['-', '0.1235', '-inf', 'nan', '3']
+    """
+    return "-" if v is None else format(v, spec) if isinstance(v, float) else str(v)
 
 
 def _steps_md(r: Report) -> list[str]:
@@ -366,6 +393,10 @@ def terminal(r: Report, out: Path) -> str:
             lines.append(f"  op={c.op} op_index={c.op_index}")
         if c.source:
             lines.append(f"  source: {c.source}")
+        if c.node is not None:
+            lines.append(f"  node: {c.node.name}{node_made(c.node)}")
+        if c.likely_cause:
+            lines.append(f"  likely cause: {c.likely_cause}")
         if c.surfaced is not None:
             sf = c.surfaced
             lines.append(f"  surfaced: {sf.op} in {sf.phase} (op #{sf.op_index}, module "
@@ -396,6 +427,7 @@ def terminal(r: Report, out: Path) -> str:
     f = r.facts.fidelity
     if f is not None and (f.tier not in (None, "bit-exact") or f.hardware_changed):
         lines.append(f"  replay: {fidelity_text(r)}")
+    lines += [f"  error in {e.stage}: {e.message} (the report is without it)" for e in r.errors]
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     lines.append(f"  in a browser: {out / 'report.html'}")
     return "\n".join(lines)
