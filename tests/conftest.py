@@ -28,6 +28,14 @@ sys.path.insert(0, str(TEST_TASKS))   # the tests' own task modules (loops, trap
 # quarter of the cost (the CLI children inherit it). tests/test_remedies.py and the remedies
 # assertions elsewhere ask for their budgets explicitly.
 os.environ.setdefault("NANBISECT_REMEDY_BUDGET", "1")
+# torch's inductor reuses kernels and its precompiled header from its cache directory whatever
+# ATEN_CPU_CAPABILITY says: a suite run forced to another instruction set (issue 44: the suite
+# under default, avx2 and unset) then fails to compile ("'at::vec' has not been declared"). Each
+# forced instruction set gets a cache of its own (torch 2.13; a user's own setting is kept).
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor-nanbisect-tests-{os.getuid()}-"
+                               f"{os.environ['ATEN_CPU_CAPABILITY'].lower()}")
 
 
 @dataclass

@@ -55,7 +55,11 @@ def test_matmul_off_for_one_shape(fixture_bundle, reference):
         "forward", "head", 0, "aten.mm.default")
     assert c["input_shapes"] == [[48, 32], [32, 64]]
     comp = rep["op_check"]["comparisons"][0]
-    assert comp["ok"] is False and 0.029 < comp["max_rel"] < 0.031
+    # the planted 3% at the worst element; the largest element-wise relative difference can be
+    # more, where the float32 kernel's own rounding meets a near-zero element of the float64
+    # truth (how much depends on the instruction set: 0.0317 under ATEN_CPU_CAPABILITY=default)
+    assert comp["ok"] is False and comp["max_rel"] > 0.029
+    assert abs(comp["worst_target"] / comp["worst_expected"] - 1.03) < 1e-3
     assert comp["message"].startswith("Mismatched elements: ")
     assert rep["divergence"]["what"] == "loss"
 

@@ -125,6 +125,8 @@ def test_a_shared_child_forks_its_own_children_from_the_server(server, tmp_path)
     multi-rank spawner from the same server (`launcher._start_spawner`), not from a fresh
     interpreter, and its ranks still get torchrun's one thread each; with another value of what
     torch reads at import it starts a fresh interpreter."""
+    # a value other than the server's (the suite may itself run under ATEN_CPU_CAPABILITY)
+    other = "avx2" if os.environ.get("ATEN_CPU_CAPABILITY", "").lower() == "default" else "default"
     rank = tmp_path / "rank.py"
     rank.write_text("import os, torch\n"
                     "def up(pid):\n"
@@ -133,7 +135,7 @@ def test_a_shared_child_forks_its_own_children_from_the_server(server, tmp_path)
                     "print('rank', torch.get_num_threads(), up(up(os.getppid())), flush=True)\n")
     code = ("import os, sys\n"
             "from nanbisect.multirank.launcher import _start_spawner\n"
-            "for extra in ({}, {'ATEN_CPU_CAPABILITY': 'default'}):\n"
+            f"for extra in ({{}}, {{'ATEN_CPU_CAPABILITY': {other!r}}}):\n"
             "    os.environ.update(extra)\n"
             "    p = _start_spawner([sys.executable, '-m', 'nanbisect.multirank.spawn',\n"
             f"                        '--world=2', '--group', '--', {str(rank)!r}], 1)\n"
