@@ -3,8 +3,9 @@ evidence the run holds: the culprit op, its autograd node, its phase, the inputs
 caught (`Caught`), where its inf was born (``inf_origin``) and the optimizer.
 
 Guarantees: every sentence is backed by a check of that evidence (an input row that is entirely
--inf, an exact zero where a backward formula divides, a division whose numerator and denominator
-are both 0, a float16 value at its limit, an Adam ``eps`` of 0 or below the dtype's resolution);
+-inf, an exact zero where a backward formula divides and no inf came in, a log's input below or at
+its edge, a division whose numerator and denominator are both 0, a float16 culprit whose inf was
+born in an op that can overflow, an Adam ``eps`` of 0 or below the dtype's smallest normal);
 `likely_cause` returns None when none holds. Not guaranteed: that the pattern named is the only
 thing wrong (it is the arithmetic that made the value, not why the data or the model got there).
 """
@@ -18,14 +19,21 @@ from nanbisect.records import Caught, Culprit, OpFinding
 _AT_ZERO = {"SqrtBackward0": "sqrt", "RsqrtBackward0": "rsqrt", "PowBackward0": "pow",
             "PowBackward1": "pow", "PowBackward2": "pow", "NormBackward0": "norm",
             "NormBackward1": "norm", "LinalgVectorNormBackward0": "norm",
-            "HypotBackward0": "hypot", "CdistBackward0": "cdist", "AbsBackward0": "abs",
+            "HypotBackward0": "hypot", "CdistBackward0": "cdist",
             "LogBackward0": "log", "Log2Backward0": "log2", "Log10Backward0": "log10",
             "DivBackward0": "div", "AngleBackward0": "angle"}
+# ops whose float16 result can exceed 65504 from finite inputs (a cast from float32 included)
+_OVERFLOWING = ("aten.exp", "aten.expm1", "aten.mul", "aten.add", "aten.sub", "aten.sum",
+                "aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.matmul", "aten.mv",
+                "aten.dot", "aten.linear", "aten.pow", "aten.square", "aten.cumsum",
+                "aten.native_layer_norm", "aten.native_batch_norm", "aten.convolution",
+                "aten._to_copy", "aten.sinh", "aten.cosh", "aten.sigmoid_backward")
 _SOFTMAX = {"aten._softmax.default", "aten._log_softmax.default",
             "aten._softmax_backward_data.default", "aten._log_softmax_backward_data.default",
             "aten.logsumexp.default"}
 _SOFTMAX_NODES = {"SoftmaxBackward0", "LogSoftmaxBackward0", "LogsumexpBackward0"}
 _LOGS = {"aten.log.default", "aten.log2.default", "aten.log10.default", "aten.log1p.default"}
+_LOG_EDGE = {"aten.log1p.default": -1.0}      # where a log gives -inf (0 for the others)
 _DIVS = {"aten.div.Tensor", "aten.div_.Tensor", "aten.div.Scalar", "aten.div_.Scalar",
          "aten.mean.default", "aten.mean.dim", "aten.nll_loss_forward.default",
          "aten.nll_loss2d_forward.default"}
@@ -97,10 +105,6 @@ def _zero_times_inf(caught: Caught | None) -> bool:
         return False
 
 
-def _half_at_limit(ts: list[torch.Tensor]) -> bool:
-    return any(t.dtype == torch.float16 and t.numel() and bool(t.isinf().any()) for t in ts)
-
-
 def likely_cause(culprit: Culprit, caught: Caught | None, finding: OpFinding | None,
                  optimizer: torch.optim.Optimizer | None = None) -> str | None:
     """One plain sentence for a recognised pattern, else None.
@@ -114,7 +118,8 @@ def likely_cause(culprit: Culprit, caught: Caught | None, finding: OpFinding | N
     node = culprit.node.name if culprit.node is not None else None
     origin = finding.inf_origin if finding is not None else None
     if culprit.phase == "optimizer" and optimizer is not None:
-        eps = [g.get("eps") for g in optimizer.param_groups if isinstance(g.get("eps"), float)]
+        eps = [float(g["eps"]) for g in optimizer.param_groups
+               if isinstance(g.get("eps"), (int, float)) and not isinstance(g.get("eps"), bool)]
         name = type(optimizer).__name__
         if eps and "Adam" in name:
             low = min(eps)
@@ -127,29 +132,33 @@ def likely_cause(culprit: Culprit, caught: Caught | None, finding: OpFinding | N
     if (culprit.op in _SOFTMAX or node in _SOFTMAX_NODES) and _all_neginf_row(ins):
         return ("a softmax (or logsumexp) over a row that is entirely -inf (every position "
                 "masked): exp(-inf - -inf) is NaN")
-    if node in _SOFTMAX_NODES and origin is not None and "masked_fill" in origin.op:
-        return ("a softmax (or logsumexp) over a row that is entirely -inf (every position "
-                f"masked by {origin.op}): its backward computes exp(-inf - -inf), NaN")
-    if culprit.phase == "backward" and node in _AT_ZERO and _has_zero(ins):
+    if culprit.phase == "backward" and node in _AT_ZERO and origin is None and _has_zero(ins):
         f = _AT_ZERO[node]
+        if f in ("log", "log2", "log10", "div"):
+            return f"the backward of {f} at 0: it divides the incoming gradient by 0"
         return (f"the backward of {f} at 0: its derivative is infinite there (a norm or "
                 "distance of a zero or duplicated vector, a magnitude of 0), and 0 times it "
-                "is NaN") if f not in ("log", "log2", "log10", "div") else (
-            f"the backward of {f} at 0: it divides the incoming gradient by 0")
+                "is NaN")
+    if culprit.op in _LOGS and ins:
+        edge = _LOG_EDGE.get(culprit.op, 0.0)
+        x = ins[0]
+        if x.is_floating_point() and bool((x < edge).any()):
+            return f"log of a number below {edge:g}: NaN"
+        if x.is_floating_point() and bool((x == edge).any()):
+            return f"log of {edge:g}: -inf"
     if origin is not None and origin.op in _LOGS:
         return f"log of 0: {origin.op} made -inf, and the arithmetic after it made NaN of it"
-    if culprit.op in _LOGS and ins and _has_zero(ins):
-        return "log of 0: -inf"
     if _zero_times_inf(caught):
         made = f" ({origin.op} made the infinity)" if origin is not None else ""
         return ("0 * inf: a zero (a probability of 0, a gradient a mask zeroed) times an "
                 f"infinity (a log of 0, a -inf mask){made} is NaN")
     if _zero_over_zero(caught):
+        if culprit.phase == "optimizer":
+            return "0/0: the update divides 0 by 0"
         return ("0/0: a division of 0 by 0, as a mean over an empty selection gives (no "
                 "tokens, every label ignored, an empty mask)")
-    if "float16" in culprit.input_dtypes and (_half_at_limit(ins) or origin is not None) and \
-            not (origin is not None and "masked_fill" in origin.op):
-        where = f" in {origin.op}" if origin is not None else ""
-        return (f"a float16 overflow{where}: a value above {_HALF_MAX:g} (float16's largest) "
-                "became inf, and inf - inf, inf / inf or 0 * inf made NaN")
+    if "float16" in culprit.input_dtypes and origin is not None and \
+            origin.op.startswith(_OVERFLOWING):
+        return (f"a float16 overflow in {origin.op}: a value above {_HALF_MAX:g} (float16's "
+                "largest) became inf, and inf - inf, inf / inf or 0 * inf made NaN")
     return None
