@@ -104,6 +104,26 @@ def test_module_repro_that_raises_keeps_the_repro(fixture_bundle, tmp_path, monk
                for n in r.notes)
 
 
+def test_a_bad_input_a_stage_raises_is_listed_not_the_runs_end(fixture_bundle, tmp_path,
+                                                              monkeypatch):
+    """The entry's code failing in a remedy's replay, or the likely cause failing, is the
+    stage's error (`BadInput` included): the verdict stands, the report is written, exit 1."""
+    from nanbisect.errors import BadInput
+
+    def refuses(*args, **kwargs):
+        raise BadInput("the entry's code fails on this bundle (remedy replay)")
+
+    monkeypatch.setattr(culprit_stage, "try_remedies", refuses)
+    monkeypatch.setattr(nanbisect.finish, "likely_cause", _boom("likely-cause"))
+    r = run_bundle(fixture_bundle(BUNDLE), RunOptions(reference="none"), tmp_path / "r")
+    assert (r.verdict, r.exit_code, r.culprit.op) == ("culprit", 1, "aten.sqrt.default")
+    assert [(e.stage, e.message.split(" at ")[0]) for e in r.errors] == [
+        ("likely-cause", "RuntimeError: likely-cause boom"),
+        ("remedies", "BadInput: the entry's code fails on this bundle (remedy replay)")]
+    data, _, _ = _read(tmp_path / "r")
+    assert data["culprit"]["likely_cause"] is None and data["remedies"] == []
+
+
 def _report() -> Report:
     return Report("culprit", "numerics", "forward", "nan",
                   Culprit("forward", "fc", 0, ["float32"], [[2]], None, "aten.log.default", 4),

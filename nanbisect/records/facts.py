@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, TypeVar
 
-from nanbisect.errors import BadInput
 from nanbisect.records.words import json_number
 from nanbisect.util.text import failure_line
 
@@ -156,9 +155,10 @@ def after_verdict(errors: list[StageError], stage: str, fn: Callable[[], T], def
     """``fn()``, a stage that runs once the verdict is known; when it raises, ``default``, and
     ``StageError(stage, the exception in one line)`` appended to ``errors`` (report.json
     ``errors``): the report is still written, without what the stage would have added, and the
-    exit code stays the verdict's. `BadInput` (the one-line answer to a bad bundle, entry or
-    ``--out``) and what is not an `Exception` (KeyboardInterrupt, SystemExit, the passes' own
-    control flow, such as the catch that ends a narrow replay) go through.
+    exit code stays the verdict's. A `BadInput` a stage raises (the entry's code failing in a
+    remedy's or a repro's replay) is listed the same way: the verdict was reached on that entry.
+    What is not an `Exception` (KeyboardInterrupt, SystemExit, the passes' own control flow,
+    such as the catch that ends a narrow replay) goes through.
 
     >>> errors = []
     >>> after_verdict(errors, "remedies", lambda: 1 / 0, []), errors[0].stage
@@ -168,8 +168,6 @@ def after_verdict(errors: list[StageError], stage: str, fn: Callable[[], T], def
     """
     try:
         return fn()
-    except BadInput:
-        raise
     except Exception as e:  # noqa: BLE001 - listed in the report, which is still written
         errors.append(StageError(stage, failure_line(e)))
         return default
