@@ -211,3 +211,26 @@ def test_the_op_check_compares_complex_outputs_part_by_part():
     assert bad.status == "mismatch" and bad.comparisons[0].worst_index == (1, 1)
     assert not compare_step(right, wrong, torch.complex64).ok
     assert math.isclose(compare_step(right, right, torch.complex64).cosine, 1.0)
+
+
+def test_a_complex128_state_is_refused_by_name_and_nothing_is_written(tmp_path):
+    """safetensors stores complex64, not complex128: the capture says which tensor and what to
+    do, not ``KeyError: torch.complex128``, and leaves nothing behind."""
+    class Phase(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3, dtype=torch.complex128))
+
+        def forward(self, x):
+            return (self.w * x).abs().sum() * float("nan")
+
+    m = Phase()
+    task = nanbisect.Task(m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, b: m(b))
+    with pytest.raises(ValueError, match=r"'model/w' is complex128, which a bundle cannot hold"):
+        nanbisect.capture(task, torch.ones(3, dtype=torch.complex128), tmp_path / "b",
+                          entry=f"{__file__}:_complex128_task")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _complex128_task():      # the entry the capture above names (it is checked, never built)
+    raise AssertionError("not built by a capture")

@@ -93,7 +93,8 @@ def test_an_infinity_behind_where_starts_the_chain_of_a_nan_born_in_backward(
     assert (c.phase, c.module, c.module_call, c.op, c.surfaced) == (
         "backward", "act", 0, op, None)
     assert c.source.endswith(f"surfaced.py:{line_of(bug)}")
-    assert (c.node.name, c.node.forward_source) == (node, c.source)
+    assert c.node.name == node
+    assert c.node.forward_source.endswith(f"surfaced.py:{line_of(bug)}")
     o = r.inf_origin
     assert (o.op, o.phase, o.module, o.module_call) == (inf_op, inf_phase, "act", 0)
     assert o.op_index < c.op_index

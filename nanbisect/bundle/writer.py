@@ -67,6 +67,21 @@ def environment() -> dict:
             "hardware": devices.fingerprint()}
 
 
+# dtypes safetensors has no code for (it stores complex64, not complex128 or complex32)
+_UNSTORABLE = (torch.complex128, torch.complex32)
+
+
+def _storable(role: str, tensors: dict) -> None:
+    """A tensor safetensors cannot store: a `ValueError` naming it and the way out, not the
+    ``KeyError: torch.complex128`` safetensors raises."""
+    for name, t in tensors.items():
+        if t.dtype in _UNSTORABLE:
+            dtype = str(t.dtype).removeprefix("torch.")
+            raise ValueError(f"the {role} tensor '{name}' is {dtype}, which a bundle cannot hold "
+                             "yet (safetensors stores complex64, not complex128): keep the "
+                             "model's state and batch in complex64 or real tensors")
+
+
 def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
                  unique: bool = False, *, staging: Path | None = None,
                  claim: Callable[[], None] | None = None) -> Path:
@@ -99,6 +114,7 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
             name = f"{role}{SUFFIX}"
             if not _safe_name(name):
                 raise ValueError(f"tensor role {role!r} is not a plain file name")
+            _storable(role, tensors[role])
             save_file(tensors[role], str(tmp / name))
             umask_mode(tmp / name)   # NB: safetensors >= 0.5 writes 0600 whatever the umask
             with open(tmp / name, "rb+") as f:

@@ -18,7 +18,7 @@ from nanbisect.pipeline.common import _guarded, _Run, after_verdict
 from nanbisect.records import CallId, CompilerFinding, Culprit, ModuleRepro, StepOutcome
 from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
-from nanbisect.report.repro import write_module_repro
+from nanbisect.report.repro import device_of, write_module_repro
 
 
 def kind_of(outcome: StepOutcome) -> str:
@@ -102,7 +102,7 @@ def _compiled_repro(run: _Run, f: CompilerFinding, culprit: Culprit, kind: str, 
     result = None
     if run.opts.run_repro:
         run.progress("repro", "running the repro once")
-        result = run_repro_forked(script, run.facts.target)
+        result = run_repro_forked(script, device_of(run.facts.target))
     return culprit, ModuleRepro("repro/module_repro.py", result)
 
 

@@ -152,6 +152,8 @@ class LinearAxis(Axis):
     >>> a = LinearAxis(-10, 10, 100)
     >>> a.height(0), a.height(-10), a.height(-1e308), a.height(1e308)
     (50.0, 0.0, 0.0, 100.0)
+    >>> LinearAxis(-1e308, 1e308, 100).height(-5e307)     # placed, not pinned to the top
+    25.0
     """
 
     log = False
@@ -166,7 +168,7 @@ class LinearAxis(Axis):
     def height(self, v: float) -> float:
         if not self.placed(v):
             return 0.0
-        h = self.ph * (v / 2 - self.bottom / 2) / self.half
+        h = self.ph * ((v / 2 - self.bottom / 2) / self.half)   # NB: ph * 1e308 is inf
         return float(min(max(h, 0.0), self.ph))
 
 
