@@ -167,3 +167,15 @@ def test_an_internal_error_before_the_verdict_is_exit_4_in_one_line(fixture_bund
     assert "Traceback (most recent call last)" in text and "RuntimeError: decide boom" in text
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
     assert tree_digest(bundle) == before
+
+
+def test_a_ranks_stage_errors_travel_in_its_rank_file():
+    """A rank's stages after its verdict that failed (its repro, op check, remedies) are in its
+    rank file and read back; the launcher lists them in the report's errors with the rank."""
+    from nanbisect.records import RankResult, StageError
+    from nanbisect.util.recordjson import dumps
+
+    r = RankResult(rank=3, errors=[StageError("repro", "OSError: no room at repro.py:1")])
+    back = RankResult.from_json(json.loads(dumps(r.to_json())))
+    assert back.errors == r.errors and back.rank == 3
+    assert RankResult.from_json(json.loads(dumps(RankResult(rank=0).to_json()))).errors == []

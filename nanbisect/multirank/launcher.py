@@ -48,7 +48,7 @@ from nanbisect.multirank.diagnose import (_PEER_GONE, _died, _hang, _stacks, _st
                                           where)
 from nanbisect.multirank.rundir import PREFIX, _kill_run, run_dir, sweep
 from nanbisect.multirank.verdict import job_report, subset_report
-from nanbisect.records import Losses, RankResult, RunFacts, after_verdict
+from nanbisect.records import Losses, RankResult, RunFacts, StageError, after_verdict
 from nanbisect.reference.compare import step_rtol
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import captured_on, tier_notes
@@ -307,6 +307,10 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
         report = (job_report(facts, bundle.world_size, m.get("backend"), results)
                   if ranks is None else subset_report(facts, bundle.world_size, results))
         report = report.with_replicas(m.get("replicas"))   # DDP replicas out of sync: a finding
+        # the ranks' stages after their verdicts that failed, each said with its rank
+        report = replace(report, errors=[*report.errors, *(
+            StageError(e.stage, f"rank {r.rank}: {e.message}") for r in results
+            for e in r.errors)])
         notes = tier_notes(fidelity, target)
         if fidelity.code_changed:
             notes.insert(0, "the code differs from the capture's: "

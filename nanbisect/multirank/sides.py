@@ -12,8 +12,8 @@ from nanbisect import devices
 from nanbisect.finish import Evidence, classify_culprit, finish
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, OpFinding, RankReference,
-                               RankResult, RankRoot, Remedy, RowTrace, Stats, StepOutcome,
-                               json_number)
+                               RankResult, RankRoot, Remedy, RowTrace, StageError, Stats,
+                               StepOutcome, after_verdict, json_number)
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.differential import StepState
 from nanbisect.reference.side import ReferenceSide, model_dtype
@@ -87,13 +87,15 @@ def finish_rank(result: RankResult, rep: Replayer, phase: str, kind: str,
     reference's step says, `Evidence`), ``culprit.samples`` from ``rows``, and with a
     ``remedies`` budget its remedies (`rank_remedies`; ``step_wrap``: what wraps a replay of
     the step, served collectives included)."""
+    errors: list[StageError] = []     # the verdict stands: what fails after it is listed
     done = finish(rep, phase, kind, finding=finding, caught=caught, call=call, rank=result.rank,
                   check_on=side.device if side is not None else None, wrap=wrap,
                   repro_dir=partial / f"rank{result.rank}" / "repro", target=target,
-                  progress=lambda key, text: stage(text))
+                  progress=lambda key, text: stage(text), errors=errors)
     culprit = replace(done.culprit, samples=rows.samples if rows is not None else None)
-    result = replace(result, culprit=culprit, remedies=rank_remedies(
-        rep, culprit, finding, rows, remedies, step_wrap or wrap, stage))
+    result = replace(result, culprit=culprit, errors=errors, remedies=after_verdict(
+        errors, "remedies", lambda: rank_remedies(rep, culprit, finding, rows, remedies,
+                                                  step_wrap or wrap, stage), []))
     if finding is None:
         return result
     result = replace(result, context=finding.context, inf_origin=finding.inf_origin)

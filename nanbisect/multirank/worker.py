@@ -205,9 +205,11 @@ def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, resu
         caught = catch_inputs(rep, spec[0], wrap)
     if rank != culprit_rank:
         return result
+    errors: list = []     # the verdict stands: what fails after it is listed
     done = finish(rep, phase, "mismatch", finding=finding, caught=caught, call=call, rank=rank,
-                  op_check=check, repro_dir=partial / f"rank{rank}" / "repro", target=target)
-    return replace(result, culprit=done.culprit, op_check=check,
+                  op_check=check, repro_dir=partial / f"rank{rank}" / "repro", target=target,
+                  errors=errors)
+    return replace(result, culprit=done.culprit, op_check=check, errors=errors,
                    classification="device" if check is not None else "unknown",
                    repro=str(done.repro) if done.repro is not None else None)
 

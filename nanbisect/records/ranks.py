@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 from nanbisect.records.compared import OpCheck
 from nanbisect.records.culprit import ContextRow, Culprit, OpRef
+from nanbisect.records.facts import StageError
 from nanbisect.records.remedies import Remedy
 from nanbisect.records.seen import BadValue, Stats
 from nanbisect.util.recordjson import number
@@ -148,6 +149,8 @@ class RankResult:
     served_inputs_differ: list[int] = field(default_factory=list)   # tape entries whose input
                                                                     # was not the capture's
     remedies: list[Remedy] = field(default_factory=list)   # the culprit rank's (or why not)
+    # the culprit rank's stages after its verdict that failed (repro, op check, remedies, ...)
+    errors: list[StageError] = field(default_factory=list)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -186,7 +189,9 @@ class RankResult:
             received_from=d.get("received_from"),
             recorded_input_bad=bool(d.get("recorded_input_bad", False)),
             served_inputs_differ=d.get("served_inputs_differ", []),
-            remedies=[Remedy.from_json(r) for r in d.get("remedies") or []])
+            remedies=[Remedy.from_json(r) for r in d.get("remedies") or []],
+            errors=[StageError(str(e.get("stage")), str(e.get("message")))
+                    for e in d.get("errors") or [] if isinstance(e, dict)])
 
     def row(self) -> dict:
         """This rank's row in report.json's ``ranks``."""
