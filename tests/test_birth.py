@@ -101,3 +101,18 @@ def test_a_micro_batch_of_padding_divides_0_by_its_0_tokens(tmp_path):
         "culprit", "forward", "aten.div.Tensor", 1)
     assert c.source.endswith(f"birth.py:{line_of('BUG: a micro-batch of padding')}")
     assert c.likely_cause.startswith("0/0: ")
+
+
+def test_the_node_is_named_when_the_narrow_catch_fails(tmp_path, monkeypatch):
+    """A step that does not replay the same way twice leaves no caught inputs (no repro): the
+    culprit still names its autograd node, as the op recording saw it, and the forward op
+    that made it when forward was recorded too."""
+    import nanbisect.pipeline.culprit as culprit_stage
+
+    monkeypatch.setattr(culprit_stage, "_catch", lambda run, finding, kind: (None, None))
+    r, data = replay(tmp_path, "logsumexp_bag", birth.bag_batch())
+    c = r.culprit
+    assert (c.phase, c.op, r.repro) == ("backward", "aten.sub.Tensor", None)
+    assert (c.node.name, c.node.forward_op, c.node.forward_source) == (
+        "LogsumexpBackward0", "aten.logsumexp.default", None)
+    assert data["culprit"]["node"]["name"] == "LogsumexpBackward0"

@@ -14,10 +14,10 @@ from dataclasses import replace
 from typing import Callable, ContextManager
 
 from nanbisect.locate.catch import AheadCatch
-from nanbisect.locate.provenance import (Root, context, culprit_root,
-                                         forward_inf_origin, hidden_by, inf_origin, op_ref,
+from nanbisect.locate.provenance import (Root, context, culprit_root, forward_inf_origin,
+                                         forward_op_of, hidden_by, inf_origin, op_ref,
                                          points_to_forward, reaches_outside, surfaced_at)
-from nanbisect.records import CallId, OpFinding, OpSite
+from nanbisect.records import CallId, Node, OpFinding, OpSite
 from nanbisect.replay.recorder import OpRecorder, OpTable
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
@@ -171,8 +171,17 @@ def _make(table: OpTable, root: Root, phase: str, parameter: str | None,
                      input_shapes=[list(i.shape) for i in ins], parameter=parameter,
                      context=context(table, root), total_ops=table.total_ops,
                      inf_origin=op_ref(origin) if origin is not None else None,
-                     origin_site=_site(origin),
+                     origin_site=_site(origin), node=_node(table, root),
                      recorded=len(table.ops), scope=scope, micro_batch=root.op.micro, **more)
+
+
+def _node(table: OpTable, root: Root) -> Node | None:
+    """A backward root's autograd node as recorded: its name, and the forward op that made it
+    when forward was recorded in the same table."""
+    if root.op.phase != "backward" or root.op.node_name is None:
+        return None
+    fwd = forward_op_of(table, root.op)
+    return Node(root.op.node_name, fwd.op if fwd is not None else None)
 
 
 def _site(root: Root | None) -> OpSite | None:
@@ -206,7 +215,7 @@ def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None) -> OpF
             return replace(alone, inf_origin=op_ref(origin) if origin is not None
                            else alone.inf_origin,
                            origin_site=_site(origin) if origin is not None
-                           else alone.origin_site)
+                           else alone.origin_site, node=_node(table, root) or alone.node)
         return _make(table, root, "backward", None, origin, None, phases=phases)
     origin = inf_origin(table, root) or inf_origin(table, surfaced)
     out = root.op.outputs[root.output]

@@ -133,7 +133,8 @@ def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | Non
     (``finding``: its module call, dtypes and shapes), else the producing module call, else
     the parameter an optimizer step made non-finite, else only the phase. ``source`` is the
     user line the narrow pass caught; without it, a module call's ``forward``. ``node``: the
-    autograd node a backward culprit op ran in, as the narrow pass caught it.
+    autograd node a backward culprit op ran in, as the narrow pass caught it (else as the
+    op recording saw it: ``finding.node``, without a source line).
 
     >>> make_culprit(torch.nn.Linear(2, 2), "optimizer", parameter="weight").input_shapes
     [[2, 2]]
@@ -148,7 +149,7 @@ def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | Non
                        parameter=finding.parameter or parameter,
                        micro_batch=None if phase == "optimizer" else finding.micro_batch,
                        surfaced=finding.surfaced,
-                       node=node if finding.phase == "backward" else None)
+                       node=(node or finding.node) if finding.phase == "backward" else None)
     if call is not None:
         return Culprit(phase=phase, module=call.call.module, module_call=call.call.call,
                        input_dtypes=call.input_dtypes, input_shapes=call.input_shapes,

@@ -151,6 +151,9 @@ class OpFinding:
     surfaced_site: OpSite | None = None
     # where to find the ``inf_origin`` op again (the precision remedy tries it first)
     origin_site: OpSite | None = None
+    # a backward root's autograd node as the recording saw it (the forward op when forward was
+    # recorded too; no source line: the narrow catch adds it)
+    node: Node | None = None
 
     @property
     def op(self) -> str:

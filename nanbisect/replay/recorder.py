@@ -196,6 +196,7 @@ class OpRecord:
     # for a forward op (recorded with nodes=True) the node it created; None: none or unknown
     node: int | None = None
     formula: bool = False            # a backward op of a built-in formula (not a custom Function)
+    node_name: str | None = None     # a backward op's node, as detect_anomaly names it
 
     def inputs_for(self, out: OutputRef) -> list[InputRef]:
         """The inputs that fed one output (the matching list element for foreach ops)."""
@@ -423,11 +424,12 @@ class OpRecorder(TorchDispatchMode):
         if self.born is not None and self.phase == "forward" and \
                 self._is_born(func, ins, outs, mutated):
             self.born(index, func, args, kwargs)
-        node, formula = None, False
+        node, formula, node_name = None, False, None
         if self.phase == "backward":
             fn = torch._C._current_autograd_node()
             if fn is not None:
                 node, formula = fn._sequence_nr(), not isinstance(fn, BackwardCFunction)
+                node_name = fn.name()
             module, call = self._where(fn)
         else:
             module, call = self._where(None)
@@ -437,7 +439,8 @@ class OpRecorder(TorchDispatchMode):
                           "occurrence": occurrence, "micro": max(self.micro, 0),
                           "call": call, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),
                                                  tuple(t.shape)) for src, elem, t in ins],
-                          "outs": outs, "node": node, "formula": formula})
+                          "outs": outs, "node": node, "formula": formula,
+                          "node_name": node_name})
         return out
 
     def follow(self, phase: str) -> nullcontext:
@@ -484,6 +487,6 @@ class OpRecorder(TorchDispatchMode):
             outs = tuple(OutputRef(flags(r), elem) for r, elem in o["outs"])
             ops.append(OpRecord(pos, o["index"], o["op"], o["phase"], o["module"], o["call"],
                                 tuple(ins), outs, o["occurrence"], o["micro"], o["node"],
-                                o["formula"]))
+                                o["formula"], o["node_name"]))
         marks = {k: (v if isinstance(v, tuple) else None) for k, v in self._marks.items()}
         return OpTable(ops, self.count), marks
