@@ -46,13 +46,15 @@ from nanbisect.replay.replayer import Replayer
 
 __all__ = ["DEFAULT_BUDGET", "budget", "try_remedies", "not_tried"]
 
-def _at(c: Culprit) -> str:
-    """Where the culprit op runs, in words."""
+def _at(c) -> str:
+    """Where the culprit op (a `Culprit`), or an op the report names (an `OpRef`: the
+    ``inf_origin``), runs, in words."""
     if c.phase == "optimizer":
-        return "in the optimizer step" + (f" (parameter {c.parameter})" if c.parameter else "")
+        parameter = getattr(c, "parameter", None)     # an OpRef names none
+        return "in the optimizer step" + (f" (parameter {parameter})" if parameter else "")
     call = f" (call {c.module_call})" if c.module_call is not None else ""
     back = "backward of " if c.phase == "backward" else ""
-    return f"in {back}{module_label(c.module)}{call}"
+    return f"in {back}{module_label(c.module or '')}{call}"
 
 
 def _common(a: str, b: str) -> str:
@@ -65,11 +67,11 @@ def _common(a: str, b: str) -> str:
     return ".".join(out)
 
 
-def _at_ref(o) -> str:
-    """Where an op the report names (an `OpRef`: the ``inf_origin``) runs, in words."""
-    call = f" (call {o.module_call})" if o.module_call is not None else ""
-    back = "backward of " if o.phase == "backward" else ""
-    return f"in {back}{module_label(o.module or '')}{call}"
+def _upcast_op(trials: Trials, change: str, site, wide, scope: str) -> Remedy:
+    """Replay the step with the op at ``site`` computed in ``wide`` (`upcast.UpcastOp`)."""
+    outcome, loss, detail = trials.replay(change, modes=lambda: [UpcastOp(site, wide)])
+    return Remedy("precision", change, outcome, loss,
+                  {"dtype": str(wide).removeprefix("torch."), "scope": scope, **detail})
 
 
 def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
@@ -88,14 +90,11 @@ def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
     wide_name = str(wide).removeprefix("torch.")
     origin = f.inf_origin if f is not None else None
     if origin is not None and f.origin_site is not None:
-        change = f"when {origin.op} {_at_ref(origin)}, where the inf was born, runs in {wide_name}"
+        change = f"when {origin.op} {_at(origin)}, where the inf was born, runs in {wide_name}"
         if trials.left <= 0:
             return [trials.spent("precision", change)]
-        outcome, loss, detail = trials.replay(
-            change, modes=lambda: [UpcastOp(f.origin_site, wide)])
-        out.append(Remedy("precision", change, outcome, loss,
-                          {"dtype": wide_name, "scope": "inf_origin", **detail}))
-        if outcome == "finite":
+        out.append(_upcast_op(trials, change, f.origin_site, wide, "inf_origin"))
+        if out[-1].outcome == "finite":
             return out
     if f is not None:
         change = f"when {c.op} {_at(c)} runs in {wide_name}"
@@ -108,11 +107,8 @@ def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
         elif trials.left <= 0:
             return [trials.spent("precision", change)]
         else:
-            outcome, loss, detail = trials.replay(
-                change, modes=lambda: [UpcastOp(f.site, wide)])
-            out.append(Remedy("precision", change, outcome, loss,
-                              {"dtype": wide_name, "scope": "op", **detail}))
-            if outcome == "finite":
+            out.append(_upcast_op(trials, change, f.site, wide, "op"))
+            if out[-1].outcome == "finite":
                 return out
     if c.phase not in ("forward", "backward") or c.module_call is None:
         return out
