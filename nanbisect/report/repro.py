@@ -23,6 +23,7 @@ from nanbisect.bundle.format import umask_mode
 from nanbisect.bundle.state import encode
 from nanbisect.records import Caught, Culprit, ModuleCaught, module_label
 from nanbisect.report.rerun import BUILTIN_NAMESPACES
+from nanbisect.util.spec import check_device
 
 
 def _template(name: str) -> string.Template:
@@ -59,14 +60,13 @@ def repro_imports(op: str, entry: str) -> list[str]:
 
 
 def device_of(target: str) -> str:
-    """The device of a target (``DEVICE[:DTYPE]``): what a repro's ``--device`` takes (its saved
-    inputs already hold the replay's dtype).
+    """The device of a target (``DEVICE[:DTYPE]``, as `nanbisect.util.spec.check_device` splits
+    it): what a repro's ``--device`` takes (its saved inputs already hold the replay's dtype).
 
-    >>> device_of("cpu:float64"), device_of("cuda:1:float16"), device_of("cuda:1"), device_of("npu")
-    ('cpu', 'cuda:1', 'cuda:1', 'npu')
+    >>> device_of("cpu:float64"), device_of("cuda:1"), device_of("npu")
+    ('cpu', 'cuda:1', 'npu')
     """
-    head, _, last = target.rpartition(":")
-    return head if head and last and not last.isdigit() else target
+    return check_device(target)[0]
 
 
 def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, target: str,
