@@ -26,7 +26,7 @@ from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.locate.rows import RowTracer
 from nanbisect.records import CallId, Caught, ModuleCaught, Node, OpSite, RowTrace
-from nanbisect.replay.recorder import SKIP
+from nanbisect.replay.recorder import SKIP, made_node
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.util import frames
@@ -144,9 +144,8 @@ class InputCatcher(TorchDispatchMode):
             _tag_nodes(self._made)
         if self.site.phase == "backward" and self.phase == "forward" and func not in SKIP:
             out = func(*args, **kwargs)
-            self._made = [(str(func), weakref.ref(t))
-                          for t in torch.utils._pytree.tree_leaves(out)
-                          if isinstance(t, torch.Tensor)][:1]
+            self._made = [(str(func), [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out)
+                                       if isinstance(t, torch.Tensor)])]
             return out
         if (self.caught is None and self.phase == self.site.phase and func not in SKIP
                 and str(func) == self.site.op):
@@ -193,9 +192,8 @@ _OP_KEY = "nanbisect.forward_op"      # in an autograd node's metadata: the op t
 
 def _tag_nodes(made: list) -> None:
     """Tag the autograd node each recorded forward op made with that op (``_OP_KEY``)."""
-    for op, ref in made:
-        t = ref()
-        fn = t.grad_fn if t is not None else None
+    for op, refs in made:
+        fn = made_node(refs)
         # NB: a custom Function's node is made by its apply, not by the last op of its forward
         if fn is not None and not isinstance(fn, BackwardCFunction) and \
                 _OP_KEY not in fn.metadata:

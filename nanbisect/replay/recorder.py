@@ -218,6 +218,18 @@ class OpTable:
                 if (op.pos, j) not in used]
 
 
+def made_node(refs: list) -> Any:
+    """The autograd node an op made, from weak references to its outputs (autograd sets their
+    ``grad_fn`` after the op returns: read when the next op starts): the first output's that
+    has one; None when none has (no grad, or the outputs are gone)."""
+    for ref in refs:
+        t = ref()
+        fn = t.grad_fn if t is not None else None
+        if fn is not None:
+            return fn
+    return None
+
+
 class OpRecorder(TorchDispatchMode):
     """Record ops of ``phases``; set ``.phase`` as the step moves on.
 
@@ -352,12 +364,9 @@ class OpRecorder(TorchDispatchMode):
         """The nodes the last recorded forward op created: autograd sets its outputs'
         ``grad_fn`` after the op returns, so they are read when the next op starts."""
         for pos, refs in self._pending:
-            for ref in refs:
-                t = ref()
-                fn = t.grad_fn if t is not None else None
-                if fn is not None:
-                    self._ops[pos]["node"] = fn._sequence_nr()
-                    break
+            fn = made_node(refs)
+            if fn is not None:
+                self._ops[pos]["node"] = fn._sequence_nr()
         self._pending.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
