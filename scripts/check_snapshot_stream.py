@@ -5,15 +5,16 @@ snapshot on a side stream (the default on an accelerator), one with ``snapshot_s
 then an update with an infinite learning rate makes every parameter non-finite in the optimizer
 step (the step that writes what the side stream is still copying, if the wait were missing). Both
 Guards write a bundle; the check compares each bundle's model and optimizer tensors, bit for bit,
-with a copy of the pre-step state this script took itself (synchronously), and the two bundles
-with each other. Exit 0 when all agree, 1 otherwise. On the CPU both Guards copy synchronously:
-the check still runs, and says so.
+with a copy of the pre-step state this script took itself (synchronously), and the two bundles'
+lists of tensors with each other. Exit 0 when all agree, 1 otherwise. On the CPU both Guards
+copy synchronously: the check still runs, and says so.
 
     python scripts/check_snapshot_stream.py [--device cuda] [--steps 5]
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 
 import nanbisect
 from nanbisect.bundle.format import read_bundle
+from nanbisect.bundle.state import encode_optimizer
 from nanbisect import devices
 
 
@@ -50,14 +52,18 @@ def main() -> int:
     batches = [torch.randn(256, 512, generator=g).to(dev) for _ in range(args.steps + 1)]
     for b in batches[:-1]:
         losses = {k: guard.step(b) for k, guard in guards.items()}
-        if len(set(losses.values())) != 1:
+        a, c = losses.values()
+        if not math.isclose(a, c, rel_tol=1e-5):    # alike, not bit for bit (see below)
             print(f"FAIL: the two Guards' losses differ: {losses}")
             return 1
     bundles, before = {}, {}
     for k, guard in guards.items():
         t = tasks[k]
+        optim: dict = {}
+        encode_optimizer(t.optimizer, optim)       # the names the bundle stores them under
         before[k] = {**{f"model/{n}": v.detach().cpu().clone()
-                        for n, v in t.model.state_dict().items()}}
+                        for n, v in t.model.state_dict().items()},
+                     **{n: v.detach().cpu().clone() for n, v in optim.items()}}
         for group in t.optimizer.param_groups:
             group["lr"] = float("inf")        # the update makes every parameter non-finite
         try:
@@ -69,15 +75,18 @@ def main() -> int:
             return 1
     ok = True
     for k, b in bundles.items():
-        model = b.tensors("model")
+        stored = {**b.tensors("model"), **b.tensors("optimizer")}
         for name, want in before[k].items():
-            got = model.get(name)
+            got = stored.get(name)
             if got is None or not torch.equal(got.cpu(), want):
                 print(f"FAIL: {k}: bundle tensor {name} is not the pre-step value")
                 ok = False
-    a, c = (bundles[k].tensors("optimizer") for k in ("side_stream", "plain_copy"))
-    if set(a) != set(c) or any(not torch.equal(a[n], c[n]) for n in a):
-        print("FAIL: the two bundles' optimizer states differ")
+    # NB: each bundle against its own pre-step copy, never one model's against the other's: two
+    # models trained side by side need not agree bit for bit (MKL may give a GEMM fewer threads
+    # on a busy machine, summing in another order), and the check is of the snapshot, not that
+    a, c = (set(bundles[k].tensors("optimizer")) for k in ("side_stream", "plain_copy"))
+    if a != c:
+        print("FAIL: the two bundles store different optimizer tensors")
         ok = False
     print("OK: both bundles hold the pre-step state bit for bit" if ok else "FAIL")
     return 0 if ok else 1
