@@ -9,6 +9,8 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
+from nanbisect.util.text import ranks_arg
+
 
 def signal_name(num: int) -> str:
     """``SIGSEGV`` for 11: how a process that a signal ended is named in one-line errors."""
@@ -51,7 +53,7 @@ class NonFiniteStep(RuntimeError):
         self.observed = observed
         self.error = error
         what = ", ".join(f"{k}={v}" for k, v in observed.get("summary", {}).items())
-        held = (f" --ranks {','.join(map(str, ranks))} (a partial bundle: the other ranks could "
+        held = (f" --ranks {ranks_arg(ranks)} (a partial bundle: the other ranks could "
                 "not write their parts)" if ranks else "")
         then = (f"replay it with: nanbisect run --ckpt {self.bundle}{held}"
                 if self.bundle is not None

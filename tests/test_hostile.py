@@ -720,8 +720,7 @@ def test_limits_can_be_raised_for_a_real_giant(tmp_path, monkeypatch):
         read_bundle(path)
     monkeypatch.setenv("NANBISECT_MAX_JSON_ITEMS", "lots")
     res = invoke("inspect", path)
-    assert res.code == 2 and "NANBISECT_MAX_JSON_ITEMS='lots' is not a positive integer" in \
-        res.stderr
+    assert res.code == 2 and "NANBISECT_MAX_JSON_ITEMS='lots' is not a number" in res.stderr
     monkeypatch.delenv("NANBISECT_MAX_JSON_ITEMS")
     assert read_bundle(path).manifest["step"] == 3
 
@@ -1236,7 +1235,7 @@ def test_partial_bundle_inspects_and_run_refuses_it_unless_ranks_are_present(tmp
         b.part(1)
     res = invoke("run", "--ckpt", path)
     assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert "is partial: rank(s) [1] could not write their parts when it was captured (rank 1: " \
+    assert "is partial: rank 1 could not write its part when it was captured (rank 1: " \
            "'on host h: No space left on device" in res.stderr
     assert "replay the ranks it holds alone with --ranks 0" in res.stderr
     res = invoke("run", "--ckpt", path, "--ranks", "1")

@@ -71,13 +71,13 @@ def test_rank_0_out_of_space_leaves_a_partial_bundle_that_replays(tmp_path):
         assert sorted(p.name for p in out.iterdir()) == ["step000001"]   # no filler, no leftover
 
         res = invoke("inspect", said[0])
-        assert res.code == 0 and "partial   rank(s) [0] could not write their parts" in res.stdout
+        assert res.code == 0 and "partial   rank 0 could not write its part" in res.stdout
         res = invoke("run", "--ckpt", said[0])
         assert res.code == 2 and len(res.stderr.strip().splitlines()) == 1, res.stderr
-        assert "is partial: rank(s) [0] could not write their parts" in res.stderr
+        assert "is partial: rank 0 could not write its part" in res.stderr
         assert "No space left on device" in res.stderr and "--ranks 1" in res.stderr
         res = invoke("run", "--ckpt", said[0], "--ranks", "0,1")
-        assert res.code == 2 and "--ranks names rank(s) [0]" in res.stderr
+        assert res.code == 2 and "--ranks names rank 0," in res.stderr
         res = cli("run", "--ckpt", said[0], "--ranks", "1", "--out", tmp_path / "rep", "--json")
         assert res.code == 1, res.stdout[-2000:] + res.stderr
         culprit = json.loads(res.stdout)["culprit"]

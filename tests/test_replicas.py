@@ -109,7 +109,7 @@ def test_in_sync_ddp_replicas_are_written_once(ddp4):
     shown = invoke("inspect", ddp4)
     assert shown.code == 0, shown.stderr
     count = 3 * sum(len(ts) for ts in want.values())
-    assert (f"replicas  data-parallel group(s) [[0, 1, 2, 3]]; {rep['shared_bytes']} bytes "
+    assert (f"replicas  data-parallel group(s) [0-3]; {rep['shared_bytes']} bytes "
             f"({count} tensors) written once instead of per rank; replicas in sync"
             ) in shown.stdout
     assert "rank3/optimizer.safetensors" in shown.stdout and "in rank 0's file" in shown.stdout
@@ -157,17 +157,17 @@ def test_out_of_sync_replica_is_reported_by_inspect_and_the_run(oos2, tmp_path):
     assert names(oos2 / "rank1" / "model.safetensors") == [FC]
     shown = invoke("inspect", oos2)
     assert shown.code == 0, shown.stderr
-    assert ("1 tensor(s) out of sync: model:module.fc.weight (ranks [[0], [1]], max |diff| "
+    assert ("1 tensor(s) out of sync: model:module.fc.weight (ranks 0 vs 1, max |diff| "
             "0.25)") in shown.stdout
     rep = run_json(oos2, "--out", tmp_path / "rep", code=0)
     assert rep["verdict"] == "clean"        # a healthy step: the finding is the replicas
     (row,) = rep["replicas_out_of_sync"]
     assert (row["tensor"], row["ranks"]) == ("model:module.fc.weight", [[0], [1]])
     note = next(n for n in rep["notes"] if "replicas out of sync" in n)
-    assert note.startswith("replicas out of sync on ranks [1] (vs [0]): the data-parallel "
+    assert note.startswith("replicas out of sync on rank 1 (vs 0): the data-parallel "
                            "replicas differ (a bug of the job: unsynchronised init, a rank "
                            "skipping a step, non-deterministic update): 1 tensor(s): "
-                           "model:module.fc.weight (ranks [[0], [1]], max |diff| 0.25)"), note
+                           "model:module.fc.weight (ranks 0 vs 1, max |diff| 0.25)"), note
     assert note in (tmp_path / "rep" / "report.md").read_text()
 
 

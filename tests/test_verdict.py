@@ -158,7 +158,7 @@ def test_job_local_culprit_and_received_elsewhere():
                                        "grad_leaving": None})])
     assert r.culprit == culprit and r.classification == "unknown"
     text = render_all(r)
-    assert "rank(s) [0] received it through c10d.allreduce_.default in row call 0" in text
+    assert "rank 0 received it through c10d.allreduce_.default in row call 0" in text
     assert "| 1 | forward | nan |" in text
 
 

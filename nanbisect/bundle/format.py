@@ -48,7 +48,7 @@ from nanbisect.bundle.state import Tensors
 from nanbisect.bundle.writer import environment, umask_mode, write_bundle
 from nanbisect.errors import BadInput
 from nanbisect.util.files import file_sha256 as _sha256
-from nanbisect.util.text import show
+from nanbisect.util.text import ranks_arg, show
 
 # the bundle's reader; its writer (`writer`), the bounded parsing of untrusted files (`bounded`)
 # and the manifest's schema (`schema`) are re-exported here, where callers have always found them
@@ -123,7 +123,7 @@ class Bundle:
         info = self.manifest["ranks"].get(str(rank))
         if info is None:     # a partial bundle (`read_bundle` checked it lists the others)
             why = ((self.manifest.get("partial") or {}).get("reasons") or {}).get(str(rank))
-            held = ",".join(sorted(self.manifest["ranks"], key=int))
+            held = ranks_arg(int(r) for r in self.manifest["ranks"])
             raise BadInput(f"bundle '{self.path}' is partial: rank {rank} could not write its "
                            f"part{f' ({show(why, 300)})' if why else ''}; replay the ranks it "
                            f"holds with --ranks {held}")

@@ -9,8 +9,12 @@ memory are bounded whatever the manifest claims (see `nanbisect.bundle.format.re
 world size up to 2**20 that must match the parts actually listed and present, safetensors headers
 checked against the file's real size): a malformed or hostile bundle is a one-line `BadInput`.
 The text form escapes control characters from the manifest (no terminal escape sequences get
-through). A directory that is not a bundle but holds bundles or leftovers of killed captures is
-listed instead (`directory_summary`: directory entries and staging markers only).
+through) and is bounded whatever the manifest holds: ranks are shown as ranges and a count
+(`nanbisect.util.text.ranks_text`), lists by their first few items and how many more, quoted
+strings cut short, and no line longer than `MAX_LINE` characters (and a note of how many more);
+the JSON form (`--json`) is the summary whole, bounded by the manifest's own caps. A
+directory that is not a bundle but holds bundles or leftovers of killed captures is listed
+instead (`directory_summary`: directory entries and staging markers only).
 Not guaranteed: time to hash tensor files that really are huge.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 
 from nanbisect.bundle.format import MANIFEST, Bundle, read_bundle, read_header
 from nanbisect.bundle.leftovers import find_leftovers, walk
+from nanbisect.util.text import MAX_LINE, clip, ranges, ranks_text, show
 
 
 def summarize(path: str | Path) -> dict:
@@ -97,6 +102,15 @@ def directory_text(info: dict) -> str:
     return "\n".join(_clean(line) for line in lines)
 
 
+MAX_SHOWN = 8   # items of a list from the manifest a line shows, then how many more
+
+
+def _more(items: list, shown: list[str]) -> str:
+    """``shown`` (texts of the first items of ``items``) joined, and how many more there are."""
+    more = len(items) - len(shown)
+    return "; ".join(shown) + (f"; ... and {more:,} more" if more > 0 else "")
+
+
 def _summary(b: Bundle) -> dict:
     m = b.manifest
     files = {}
@@ -138,25 +152,26 @@ def _count(section, key: str) -> int | None:
 
 def _clean(line: str) -> str:
     """A line safe for a terminal: control characters (ESC, CR, newlines from the manifest)
-    shown escaped."""
-    if line.isprintable():
+    shown escaped, at most `MAX_LINE` characters (and a note of how many more)."""
+    if line.isprintable() and len(line) <= MAX_LINE:
         return line
-    return "".join(c if c.isprintable() or c == "\t" else repr(c)[1:-1] for c in line)
+    return clip(line, MAX_LINE)
 
 
 def summary_text(info: dict) -> str:
     env = info.get("environment") or {}
     devices = info.get("devices") or {}
+    tied = info["model"]["tied"]
     lines = [f"bundle    {info['bundle']}  ({info['schema']}, checksums {info['checksums']})",
-             f"entry     {info['entry']}", f"step      {info['step']}   world size "
+             f"entry     {clip(info['entry'], 300)}", f"step      {info['step']}   world size "
              f"{info['world_size']}   rank {info['rank']}",
-             f"captured  {info['created']} on {devices.get('captured_on')} "
-             f"with torch {env.get('torch')}, python {env.get('python')}",
+             f"captured  {clip(info['created'], 40)} on {devices.get('captured_on')} "
+             f"with torch {clip(env.get('torch'), 40)}, python {clip(env.get('python'), 60)}",
              "machine   " + hardware_text(env.get("hardware") if isinstance(env, dict) else None),
              f"model     {info['model']['parameters']} parameters, {info['model']['buffers']} "
-             f"buffers, dtypes {info['dtypes']}" + (f", tied {info['model']['tied']}"
-                                                    if info['model']['tied'] else ""),
-             f"optimizer {info['optimizer']['class'] if info['optimizer'] else '-'}",
+             f"buffers, dtypes {clip(info['dtypes'], 120)}"
+             + (f", tied {clip(tied, 200)}" if tied else ""),
+             f"optimizer {clip(info['optimizer']['class'], 120) if info['optimizer'] else '-'}",
              "observed  " + _observed_text(info.get("observed"))]
     if info.get("history_steps") is not None or info.get("lookback_steps") is not None:
         lookback = info.get("lookback_steps") or 0
@@ -167,7 +182,8 @@ def summary_text(info: dict) -> str:
         lines.append("partial   " + partial_text(info["partial"]))
     groups = info.get("process_groups")
     if groups and len(groups) > 1:   # more than the world: the job's layout
-        lines.append("groups    " + "; ".join(f"{n}: {r}" for n, r in groups.items()))
+        lines.append("groups    " + _more(list(groups), [
+            f"{clip(n, 40)}: [{ranges(r, 4)}]" for n, r in list(groups.items())[:MAX_SHOWN]]))
     if info.get("replicas") is not None:
         lines.append("replicas  " + replicas_text(info["replicas"]))
     for name, f in info["files"].items():
@@ -206,58 +222,86 @@ def hardware_text(hardware) -> str:
 
 
 def partial_text(partial: dict) -> str:
-    """One line on a partial bundle's ``partial`` (what `schema.check_partial` accepted).
+    """One line on a partial bundle's ``partial`` (what `schema.check_partial` accepted):
+    the missing ranks as ranges and a count, the reasons of the first two that give one, each
+    cut short.
 
     >>> partial_text({"missing_ranks": [1], "reasons": {"1": "disk full"}}).split("; ")[0]
-    'rank(s) [1] could not write their parts (rank 1: disk full)'
+    "rank 1 could not write its part (rank 1: 'disk full')"
+    >>> partial_text({"missing_ranks": list(range(1, 1 << 20))}).split("; ")[0]
+    'ranks 1-1048575 (1,048,575 ranks) could not write their parts'
     """
     missing, reasons = partial["missing_ranks"], partial.get("reasons") or {}
-    said = "; ".join(f"rank {r}: {reasons[str(r)]}" for r in missing[:8] if str(r) in reasons)
-    return (f"rank(s) {missing} could not write their parts" + (f" ({said})" if said else "")
-            + "; replay the others with --ranks")
+    said = [f"rank {r}: {show(reasons[r], 120)}" for r in sorted(reasons, key=int)[:2]]
+    more = len(reasons) - len(said)
+    said_text = "; ".join(said) + (f"; {more:,} more reasons" if more > 0 else "")
+    return (f"{ranks_text(missing)} could not write "
+            + ("its part" if len(missing) == 1 else "their parts")
+            + (f" ({said_text})" if said else "") + "; replay the others with --ranks")
 
 
 def replicas_text(rep: dict) -> str:
-    """One line on a multi-rank bundle's ``replicas`` (what `format._check_replicas` accepted).
+    """One line on a multi-rank bundle's ``replicas`` (what `format._check_replicas` accepted):
+    the first four groups and the first two rows out of sync, ranks as ranges, names cut short.
 
-    >>> replicas_text({"groups": [[0, 1]], "shared_bytes": 2048, "shared_tensors": 3,
-    ...                "out_of_sync": [{"tensor": "model:fc.weight", "ranks": [[0], [1]],
-    ...                                 "max_abs_diff": 0.25}], "out_of_sync_count": 1})
-    'data-parallel group(s) [[0, 1]]; 2048 bytes (3 tensors) written once instead of per rank; 1 tensor(s) out of sync: model:fc.weight (ranks [[0], [1]], max |diff| 0.25)'
+    >>> for part in replicas_text({
+    ...         "groups": [[0, 1]], "shared_bytes": 2048, "shared_tensors": 3,
+    ...         "out_of_sync": [{"tensor": "model:fc.weight", "ranks": [[0], [1]],
+    ...                          "max_abs_diff": 0.25}], "out_of_sync_count": 1}).split("; "):
+    ...     print(part)
+    data-parallel group(s) [0-1]
+    2048 bytes (3 tensors) written once instead of per rank
+    1 tensor(s) out of sync: model:fc.weight (ranks 0 vs 1, max |diff| 0.25)
     """
     groups = rep.get("groups") or []
-    text = (f"data-parallel group(s) {groups}; " if groups else "") + (
+    shown = ", ".join(f"[{ranges(g, 4)}]" for g in groups[:4]) + (
+        f" and {len(groups) - 4:,} more" if len(groups) > 4 else "")
+    text = (f"data-parallel group(s) {shown}; " if groups else "") + (
         f"{rep.get('shared_bytes', 0)} bytes ({rep.get('shared_tensors', 0)} tensors) written "
         "once instead of per rank")
     rows, count = rep.get("out_of_sync") or [], rep.get("out_of_sync_count", 0)
     if rows or count:
-        text += f"; {count} tensor(s) out of sync: " + ", ".join(map(out_of_sync_text, rows[:3]))
-        if count > 3:
-            text += f" and {count - 3} more"
+        text += f"; {count} tensor(s) out of sync: " + ", ".join(map(out_of_sync_text, rows[:2]))
+        if count > 2:
+            text += f" and {count - 2} more"
     elif groups:
         text += "; replicas in sync"
     if rep.get("uncompared"):
-        text += f"; ranks {rep['uncompared']} not compared tensor by tensor"
+        text += f"; {ranks_text(rep['uncompared'])} not compared tensor by tensor"
     return text
 
 
 def out_of_sync_text(row: dict) -> str:
-    """``model:fc.weight (ranks [[0], [1]], max |diff| 0.25)``"""
+    """``model:fc.weight (ranks 0 vs 1, max |diff| 0.25)``: each side's ranks as ranges, the
+    first four sides, the name and a textual diff cut short."""
     diff = row.get("max_abs_diff")
-    extra = (f", missing on ranks {row['missing']}" if row.get("missing") else "") + (
+    extra = (f", missing on {ranks_text(row['missing'], 2)}" if row.get("missing") else "") + (
         f", max |diff| {diff:.3g}" if isinstance(diff, (int, float)) else
-        f", max |diff| {diff}" if diff is not None else "")
-    return f"{row['tensor']} (ranks {row['ranks']}{extra})"
+        f", max |diff| {clip(diff, 40)}" if diff is not None else "")
+    return f"{clip(row['tensor'], 100)} (ranks {sides_text(row['ranks'])}{extra})"
+
+
+def sides_text(sides: list) -> str:
+    """Groups of ranks that agree (``[[0, 1], [2]]``) as '0-1 vs 2': the first three, each as
+    ranges.
+
+    >>> sides_text([[0, 1], [2]]), sides_text([[r] for r in range(6)])
+    ('0-1 vs 2', '0 vs 1 vs 2 vs ... (6 groups)')
+    """
+    shown = " vs ".join(ranges(s, 2) for s in sides[:3])
+    return shown + (f" vs ... ({len(sides):,} groups)" if len(sides) > 3 else "")
 
 
 def _observed_text(obs, top: bool = True) -> str:
     if not obs:
         return "- (captured on demand, no failure recorded)"
     if not isinstance(obs, dict):
-        return json.dumps(obs)[:200]
+        return clip(json.dumps(obs), 200)
     if "summary" not in obs:
         if top and all(isinstance(o, dict) or o is None for o in obs.values()):
             # multi-rank: one entry per rank
-            return "; ".join(f"rank {r}: {_observed_text(o, False)}" for r, o in obs.items())
-        return json.dumps(obs)[:200]
-    return json.dumps(obs.get("summary")) + f" (first bad: {obs.get('first')})"
+            return _more(list(obs), [f"rank {clip(r, 10)}: {_observed_text(o, False)}"
+                                     for r, o in list(obs.items())[:4]])
+        return clip(json.dumps(obs), 200)
+    return clip(json.dumps(obs.get("summary")), 200) + \
+        f" (first bad: {clip(obs.get('first'), 120)})"

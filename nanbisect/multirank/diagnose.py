@@ -15,6 +15,7 @@ from nanbisect.errors import signal_name
 from nanbisect.multirank.rundir import run_processes
 from nanbisect.util import frames
 from nanbisect.util.files import read_json as _read_json
+from nanbisect.util.text import ranks_text
 
 # errors a rank sees when a peer died or left: consequences, not causes
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -158,6 +159,15 @@ def _died(partial: Path, r: int, status: int, then: str) -> str:
             "rank's code alone")
 
 
+MAX_SAID = 4    # ranks a hang's message says where they were, then how many more
+
+
+def _first(said: list[str], total: int) -> str:
+    """The first ranks' whereabouts, and how many more ranks there are."""
+    return "; ".join(said) + (f"; and {total - len(said):,} more ranks" if total > len(said)
+                              else "")
+
+
 def _hang(partial: Path, world: int, timeout: float, finished: set[int],
           stacks: dict[int, Where | None]) -> str:
     """One line for a replay that outlived its deadline, naming the rank that hung: the one still
@@ -176,12 +186,14 @@ def _hang(partial: Path, world: int, timeout: float, finished: set[int],
     running = [r for r in range(world) if r not in finished and (
         state(r) is None or (stacks.get(r) is not None and not stacks[r].waiting))]
     if running:
-        others = [said(r) for r in range(world) if r not in running]
-        who = f"rank {running[0]}" if len(running) == 1 else f"ranks {running}"
-        return (f"{who} hung: after {timeout:.0f}s " + "; ".join(said(r) for r in running)
-                + (", while " + "; ".join(others) + ", waiting for it" if others else "")
+        rest = [r for r in range(world) if r not in running]
+        return (f"{ranks_text(running)} hung: after {timeout:.0f}s " + _first(
+                    [said(r) for r in running[:MAX_SAID]], len(running))
+                + (", while " + _first([said(r) for r in rest[:MAX_SAID]], len(rest))
+                   + ", waiting for it" if rest else "")
                 + "; fix that code, or raise NANBISECT_RANK_TIMEOUT if it is only slow")
-    return (f"no rank finished within {timeout:.0f}s: " + "; ".join(said(r) for r in range(world))
+    return (f"no rank finished within {timeout:.0f}s: "
+            + _first([said(r) for r in range(min(world, MAX_SAID))], world)
             + "; the ranks probably took different control paths (one skipped or added a "
             "collective), or a collective never completed; run those ranks' code alone, or "
             "raise NANBISECT_RANK_TIMEOUT")

@@ -13,6 +13,7 @@ from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, Ra
                                RunFacts, module_label)
 from nanbisect.reference.classify import REPLAY_MISMATCH_NOTE, classify_not_reproduced
 from nanbisect.report.model import Report
+from nanbisect.util.text import ranks_text
 
 
 def decide(summaries: list[RankSummary]) -> Plan:
@@ -105,7 +106,7 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
         holders = sorted({r.rank for r in results if r.summary and r.summary.input_nonfinite})
         return Report("input-nonfinite", "data", "input", bad[0].kind if bad else None, None,
                       input_nonfinite=bad, notes=notes + [
-                          f"rank(s) {holders} hold non-finite values before the step"],
+                          f"{ranks_text(holders)} hold non-finite values before the step"],
                       **common)
     if phase == "grad-reduce":
         buckets = [b for r in results if r.summary for b in r.summary.buckets if b.out_bad]
@@ -147,10 +148,10 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
     note = f"rank {culprit_rank} computed the failure locally; "
     if via_op:
         root = via_op[0].root
-        note += (f"rank(s) {[r.rank for r in via_op]} received it through "
+        note += (f"{ranks_text([r.rank for r in via_op])} received it through "
                  f"{root.op}{_where(root)} (finite inputs, non-finite output there)")
     if via_reduce:
-        note += ("; " if via_op else "") + (f"rank(s) {via_reduce} received it through "
+        note += ("; " if via_op else "") + (f"{ranks_text(via_reduce)} received it through "
                                             "the gradient reduction")
     if not others:
         note += "the other ranks stayed finite"
@@ -195,8 +196,8 @@ def _subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) 
     collective that made NaN from finite inputs is ``communication`` only when every rank was
     replayed; a subset cannot re-run it (`subset.decided` false)."""
     replayed = sorted(r.rank for r in results)
-    notes = [f"replayed rank(s) {replayed} of world size {world_size} alone, each in a process "
-             "of its own, every collective served what the capture recorded for that rank"
+    notes = [f"replayed {ranks_text(replayed)} of world size {world_size} alone, each in a "
+             "process of its own, every collective served what the capture recorded for that rank"
              + (f" ({world_size - len(replayed)} rank(s) not replayed)"
                 if len(replayed) < world_size else "")] + _reference_notes(facts.reference,
                                                                            results)
@@ -221,7 +222,7 @@ def _subset_report(facts: RunFacts, world_size: int, results: list[RankResult]) 
         others = [r.rank for r in results if r is not own and r.summary
                   and r.summary.phase is not None]
         notes.append(f"rank {own.rank} computed the failure locally"
-                     + (f"; rank(s) {others} received it" if others else ""))
+                     + (f"; {ranks_text(others)} received it" if others else ""))
         notes += own.classification_notes
         kind = (own.summary.kind if own.summary else None) or "nan"
         return Report("culprit", own.classification or "unknown", own.culprit.phase, kind,
@@ -252,16 +253,17 @@ def _received(facts: RunFacts, received: list[RankResult], results: list[RankRes
     contradicted = sorted((fed & set(replayed))
                           | {r.rank for r in received if r.recorded_input_bad})
     if contradicted:
-        notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
-                     f"{how} as the capture recorded it, but rank(s) {contradicted}, whose "
-                     "input to it held NaN/inf at capture, compute finite values in this "
+        notes.append(f"{ranks_text([r.rank for r in received])} received the failure "
+                     f"through {how} as the capture recorded it, but "
+                     f"{ranks_text(contradicted)}, whose input to it held NaN/inf at capture, "
+                     "compute finite values in this "
                      f"replay on {facts.target}: the failure does not reproduce there (it "
                      "needs the capture's device, or it was a transient); replay those "
                      "ranks on the capture device")
         return Report("not-reproduced", "unknown", None, None, None, notes=notes,
                       subset=replace(subset, decided=False, why=(
-                          f"rank(s) {contradicted} fed the collective NaN/inf at capture but "
-                          "compute finite values when replayed")), **common)
+                          f"{ranks_text(contradicted)} fed the collective NaN/inf at "
+                          "capture but compute finite values when replayed")), **common)
     if senders:
         s = senders[0]
         # where the sender's failure was at capture: its own loss non-finite -> forward;
@@ -269,15 +271,16 @@ def _received(facts: RunFacts, received: list[RankResult], results: list[RankRes
         seen = ((facts.observed or {}).get(str(s)) or {}).get("first")
         phase = "forward" if seen == "loss" else (
             "backward" if first.root is None else (first.plan.phase or "forward"))
-        notes.append(f"rank(s) {[r.rank for r in received]} received the failure through "
-                     f"{how} (finite inputs here, non-finite output as the capture "
-                     f"recorded it); at capture, rank(s) {senders} fed it non-finite input: "
+        notes.append(f"{ranks_text([r.rank for r in received])} received the failure "
+                     f"through {how} (finite inputs here, non-finite output as the capture "
+                     f"recorded it); at capture, {ranks_text(senders)} fed it non-finite "
+                     "input: "
                      "the failure came from there (computed there, or received there in "
                      f"turn); replay with --ranks {s} to find the op")
         return Report("culprit", "unknown", phase, kind, Culprit(phase, "", None, [], [], None,
                                                                  rank=s),
                       notes=notes, subset=replace(subset, decided=False, next_ranks=senders,
-                                                  why=(f"rank(s) {senders} fed the failure "
+                                                  why=(f"{ranks_text(senders)} fed the failure "
                                                        "into the collective and were not "
                                                        "replayed: their op is not known")),
                       **common)
@@ -295,7 +298,8 @@ def _received(facts: RunFacts, received: list[RankResult], results: list[RankRes
                      "around it) is at fault")
         return Report("culprit", "communication", phase, kind, culprit, notes=notes,
                       subset=subset, **common)
-    notes.append(f"rank(s) {[r.rank for r in received]} received the failure through {how}; "
+    notes.append(f"{ranks_text([r.rank for r in received])} received the failure through "
+                 f"{how}; "
                  "every other rank's input to it was finite at capture, so no rank computed "
                  "it and the collective (or its comm hook) looks at fault, but a replay of "
                  "some ranks cannot re-run a collective: replay all ranks (drop --ranks) "
@@ -315,7 +319,8 @@ def _stayed_finite(facts: RunFacts, results: list[RankResult], subset: Subset,
     if failed_at_capture:
         others = [r for r in failed_at_capture if r not in subset.replayed]
         notes.append(f"the replayed rank(s) stay finite with the collectives they received at "
-                     f"capture; the failure was seen at capture on rank(s) {failed_at_capture}"
+                     "capture; the failure was seen at capture on "
+                     f"{ranks_text(failed_at_capture)}"
                      + (f": replay with --ranks {others[0]}" if others else ""))
         return Report("not-reproduced", "unknown", None, None, None, notes=notes,
                       subset=replace(subset, decided=False, next_ranks=others, why=(

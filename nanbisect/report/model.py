@@ -84,7 +84,7 @@ class Report:
         ...            RunFacts("b", "t.py:task", "cpu", "none", None, Losses(1.5, 1.5)))
         >>> r.with_replicas({"out_of_sync": [{"tensor": "model:fc.weight", "ranks": [[0], [1]],
         ...                  "max_abs_diff": 0.25}], "out_of_sync_count": 1}).notes[0][:38]
-        'replicas out of sync on ranks [1] (vs '
+        'replicas out of sync on rank 1 (vs 0):'
         """
         rows = [ReplicaDiff.from_json(r) for r in (replicas or {}).get("out_of_sync") or []]
         if not rows:
@@ -95,17 +95,17 @@ class Report:
         base = sorted({r for row in rows for r in (row.ranks[0] if row.ranks else [])}
                       - set(off))
 
-        def one(row: ReplicaDiff) -> str:
-            d = row.max_abs_diff
-            return (f"{row.tensor} (ranks {row.ranks}"
-                    + (f", missing on {row.missing}" if row.missing else "")
-                    + (f", max |diff| {d:.3g}" if isinstance(d, (int, float)) else
-                       f", max |diff| {d}" if d is not None else "") + ")")
+        from nanbisect.bundle.summary import out_of_sync_text
+        from nanbisect.util.text import ranges, ranks_text
 
-        note = (f"replicas out of sync on ranks {off} (vs {base}): the data-parallel replicas "
+        def one(row: ReplicaDiff) -> str:      # (bundle content: bounded, as inspect shows it)
+            return out_of_sync_text(row.to_json())
+
+        note = (f"replicas out of sync on {ranks_text(off)} (vs {ranges(base)}): the "
+                "data-parallel replicas "
                 "differ (a bug of the job: unsynchronised init, a rank skipping a step, "
                 f"non-deterministic update): {count} tensor(s): "
-                + ", ".join(map(one, rows[:5])) + (f" and {count - 5} more" if count > 5 else ""))
+                + ", ".join(map(one, rows[:3])) + (f" and {count - 3} more" if count > 3 else ""))
         return replace(self, notes=[*self.notes, note], replicas_out_of_sync=rows)
 
     def __post_init__(self) -> None:

@@ -6,6 +6,10 @@ from pathlib import Path
 
 from nanbisect.records import Remedy, Stats, module_label
 from nanbisect.report.model import Report
+from nanbisect.util.text import clip
+
+MAX_NOTE = 2000    # characters of a note, an error or a line of the terminal summary: they
+                   # may quote the bundle (its entry, paths, tensor names)
 
 
 def _fmt_stats(s: Stats | None) -> str:
@@ -127,7 +131,7 @@ def to_markdown(r: Report) -> str:
     first = verified(r)
     if first:
         lines += [f"**Verified:** {v}." for v in first] + [""]
-    lines += [f"- bundle: `{r.facts.bundle}`", f"- entry: `{r.facts.entry}`",
+    lines += [f"- bundle: `{r.facts.bundle}`", f"- entry: `{clip(r.facts.entry, 300)}`",
              f"- target: `{r.facts.target}`, reference: `{r.facts.reference}`",
              f"- classification: {r.classification or '-'}", f"- first bad phase: {r.phase or '-'}"]
     rp = r.facts.losses
@@ -161,7 +165,7 @@ def to_markdown(r: Report) -> str:
     lines += _ranks_md(r) + _checks_md(r) + _repro_md(r) + _backtrace_md(r)
     lines += _steps_md(r) + _history_md(r)
     if r.notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in r.notes]
+        lines += ["", "## Notes", ""] + [f"- {clip(n, MAX_NOTE)}" for n in r.notes]
     return "\n".join(lines) + "\n"
 
 
@@ -171,7 +175,7 @@ def _errors_md(r: Report) -> list[str]:
         return []
     return (["", "## Errors", "", "Stages after the verdict that failed; the verdict stands, "
              "what they would have added is missing from this report:", ""]
-            + [f"- {e.stage}: `{e.message}`" for e in r.errors])
+            + [f"- {e.stage}: `{clip(e.message, MAX_NOTE)}`" for e in r.errors])
 
 
 def _compiler_md(r: Report) -> list[str]:
@@ -417,7 +421,8 @@ def terminal(r: Report, out: Path) -> str:
                             else ""))
     if r.replicas_out_of_sync:
         lines.append(f"  replicas out of sync: {len(r.replicas_out_of_sync)} tensor(s) differ "
-                     f"between data-parallel ranks, first {r.replicas_out_of_sync[0].tensor} "
+                     "between data-parallel ranks, first "
+                     f"{clip(r.replicas_out_of_sync[0].tensor, 120)} "
                      "(see the notes)")
     if r.steps:
         lines.append(f"  steps: {len(r.steps.replayed)} replayed, first divergent step "
@@ -430,4 +435,4 @@ def terminal(r: Report, out: Path) -> str:
     lines += [f"  error in {e.stage}: {e.message} (the report is without it)" for e in r.errors]
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     lines.append(f"  in a browser: {out / 'report.html'}")
-    return "\n".join(lines)
+    return "\n".join(clip(line, MAX_NOTE) for line in lines)

@@ -24,8 +24,10 @@ from nanbisect.triage.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN,
 from nanbisect.triage.signatures import legacy_signature, signature
 from nanbisect.util.files import write_atomic
 from nanbisect.util.recordjson import dumps
+from nanbisect.util.text import clip
 
 SCHEMA = "nanbisect.triage/1"
+MAX_ERROR = 1000    # characters of an error row's message
 
 
 @dataclass(frozen=True)
@@ -139,8 +141,8 @@ class _State:
     def add(self, res: dict, cached: bool) -> None:
         b = res["bundle"]
         self.pending.discard(b)
-        if "error" in res:
-            self.errors[b] = res
+        if "error" in res:    # a message may quote the bundle: one bounded line in every file
+            self.errors[b] = {**res, "error": clip(res["error"], MAX_ERROR)}
             if self.report_path(b) is not None:
                 drop(self.report_path(b))       # an earlier night's verdict is not tonight's
             return
@@ -231,11 +233,11 @@ def to_markdown(data: dict) -> str:
              "made finite by | "
              "first seen | example | known |", "|---|---|---|---|---|---|"]
     for g in data["signatures"]:
-        lines.append(f"| {g['count']} | `{g['signature']}` | "
+        lines.append(f"| {g['count']} | `{clip(g['signature'], 300)}` | "
                      f"{', '.join(g.get('remedies') or []) or '-'} | {g['first_seen'] or '-'} | "
                      f"`{g['example']}` | {'yes' if g['known'] else '**new**'} |")
     if data["errors"]:
-        lines += ["", "## Errors", ""] + [f"- `{e['bundle']}`: {e['error']}"
+        lines += ["", "## Errors", ""] + [f"- `{e['bundle']}`: {clip(e['error'], MAX_ERROR)}"
                                           for e in data["errors"]]
     clean = [b["bundle"] for b in data["bundles"] if b["signature"] is None]
     if clean:
