@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
+from nanbisect.util.forks import reaped, stop
+
 PREFIX = "nanbisect-ranks-"
 
 # Waits (as a shared lock) until the launcher lets go of its exclusive lock, i.e. until it ended or
@@ -134,8 +136,8 @@ def run_dir() -> Iterator[Path]:
         if fd is not None:
             os.close(fd)        # lets the janitor go: it finds nothing left, and exits
         if janitor is not None:
-            try:
-                janitor.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                janitor.kill()
-                janitor.wait()
+            with reaped(janitor):       # interrupted: ended and reaped, the interrupt goes on
+                try:
+                    janitor.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    stop(janitor)

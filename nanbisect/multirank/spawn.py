@@ -40,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-from nanbisect.util.forks import end_child, run_main
+from nanbisect.util.forks import end_child, held, run_main, stop, unheld
 
 _STOP_GRACE = 30.0     # seconds between SIGTERM and SIGKILL for the ranks of a failed group
 
@@ -79,12 +79,23 @@ def _rank_env(a: argparse.Namespace, rank: int, local: int, count: int) -> dict[
 
 
 def _fork_rank(env: dict[str, str], target: list[str], log: Path | None,
-               port_pipe: int | None, close: list[int]) -> int:
-    pid = os.fork()
-    if pid:
-        return pid
+               port_pipe: int | None, close: list[int], rank: int, ranks: list[_Rank]) -> None:
+    """Fork rank ``rank``, noted in ``ranks`` before any signal handler can run (`held`); the
+    child never returns."""
+    with held() as mask:
+        pid = os.fork()
+        if pid:
+            ranks.append(_Rank(rank, pid=pid))
+            return
+        _rank_main(env, target, log, port_pipe, close, mask)
+
+
+def _rank_main(env: dict[str, str], target: list[str], log: Path | None,
+               port_pipe: int | None, close: list[int], mask: set | None) -> None:
+    """A forked rank: its environment, then its target; it ends with ``os._exit``."""
     code = 1
     try:
+        unheld(mask)
         import random
 
         for fd in close:                  # the other ranks' pipe ends and the parent's write ends:
@@ -193,36 +204,42 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(a.logs) if a.logs else None
     envs = {r: _rank_env(a, r, i % per_host, min(per_host, len(started)))
             for i, r in enumerate(started)}
-    ranks, pipes, store = [], [], None
-    if a.exec:
-        port = None
-        if a.group:
-            store = _store(a.world)
-            port = store.port
-        for r in started:
-            p = _exec_rank(envs[r], target, logs / f"rank{r}.log" if logs else None, port)
-            ranks.append(_Rank(r, proc=p))
-    else:
-        ends = {r: os.pipe() for r in started} if a.group else {}
-        for r in started:
-            read = ends[r][0] if a.group else None
-            others = [fd for q, pair in ends.items() for fd in pair if fd != read]
-            pid = _fork_rank(envs[r], target, logs / f"rank{r}.log" if logs else None, read,
-                             others)
-            ranks.append(_Rank(r, pid=pid))
-        for read, write in ends.values():
-            os.close(read)
-            pipes.append(write)
-        if a.group:
-            port = ""
-            try:
+    ranks: list[_Rank] = []
+    pipes, store = [], None
+    try:
+        if a.exec:
+            port = None
+            if a.group:
                 store = _store(a.world)
-                port = str(store.port)
-            finally:                      # an empty line: the rank exits 1
-                for w in pipes:
-                    with os.fdopen(w, "w") as f:
-                        f.write(port + "\n")
-    root = _supervise(ranks, a.group)
+                port = store.port
+            for r in started:
+                p = _exec_rank(envs[r], target, logs / f"rank{r}.log" if logs else None, port)
+                ranks.append(_Rank(r, proc=p))
+        else:
+            ends = {r: os.pipe() for r in started} if a.group else {}
+            for r in started:
+                read = ends[r][0] if a.group else None
+                others = [fd for q, pair in ends.items() for fd in pair if fd != read]
+                _fork_rank(envs[r], target, logs / f"rank{r}.log" if logs else None, read,
+                           others, r, ranks)
+            for read, write in ends.values():
+                os.close(read)
+                pipes.append(write)
+            if a.group:
+                port = ""
+                try:
+                    store = _store(a.world)
+                    port = str(store.port)
+                finally:                      # an empty line: the rank exits 1
+                    for w in pipes:
+                        with os.fdopen(w, "w") as f:
+                            f.write(port + "\n")
+        root = _supervise(ranks, a.group)
+    except BaseException:   # KeyboardInterrupt, SystemExit too: no rank outlives this process
+        for rank in ranks:
+            if rank.code is None:
+                stop(rank.proc if rank.proc is not None else rank.pid)
+        raise
     if a.statuses:
         path = Path(a.statuses)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -73,5 +73,7 @@ class _Run:
     progress: Progress
     notes: list[str] = field(default_factory=list)
     interp: Interpreter | None = None   # started ahead for the repro's run (opts.run_repro)
+    started: list = field(default_factory=list)   # the repro runs started (`rerun._Pending`):
+                                                  # `_analyse` closes them on every path
     errors: list[StageError] = field(default_factory=list)   # stages after the verdict that
                                                              # failed (`after_verdict`)

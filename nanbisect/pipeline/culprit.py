@@ -50,6 +50,7 @@ def _repro_starter(run: _Run):
     def start(script: Path, caught: Caught):
         spare = run.interp
         started = runner(run.rep.device.type, caught.op, spare)
+        run.started.append(started)    # ended and reaped if nobody collects it (an interrupt)
         if started is spare or isinstance(started, ServerFork):
             run.interp = None      # one script per interpreter: used, or closed by `runner`
         started.submit(script, device_of(run.facts.target))
@@ -288,5 +289,9 @@ def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> Modul
         return None
     script = write_module_repro(tmp / "repro", mc, culprit=culprit, kind=kind,
                                 target=run.facts.target, entry=run.rep.entry)
-    return ModuleRepro("repro/module_repro.py", runner(run.rep.device.type, None).submit(
-        script, device_of(run.facts.target)).result() if run.opts.run_repro else None)
+    if not run.opts.run_repro:
+        return ModuleRepro("repro/module_repro.py", None)
+    started = runner(run.rep.device.type, None)
+    run.started.append(started)
+    return ModuleRepro("repro/module_repro.py",
+                       started.submit(script, device_of(run.facts.target)).result())

@@ -102,7 +102,11 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
                      fidelity)
     run = _Run(rep, probe, wrap, opts, facts, progress, notes, interp)
-    report = _decide(run, first, side, ref, tmp, compiled)
+    try:
+        report = _decide(run, first, side, ref, tmp, compiled)
+    finally:
+        for started in run.started:   # collected: nothing to do; else (an interrupt) ended
+            started.close()
     # the stages after the verdict that failed (`after_verdict`): listed, the rest written
     return replace(report, errors=[*report.errors, *run.errors]), rep
 

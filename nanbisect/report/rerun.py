@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from nanbisect.records import ReproResult
+from nanbisect.util.forks import held, reaped, stop, unheld
 
 
 def _said(code: int, stdout: str, stderr: str) -> ReproResult:
@@ -33,14 +34,18 @@ def _said(code: int, stdout: str, stderr: str) -> ReproResult:
 
 
 def run_repro(script: Path, device: str, timeout: int = 300) -> ReproResult:
-    """Run the repro once in a fresh interpreter, from another directory; report what it said."""
-    try:
-        p = subprocess.run([sys.executable, str(script.resolve()), "--device", device],
-                           cwd=str(script.parent.parent), capture_output=True, text=True,
-                           timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return _timed_out(timeout)
-    return _said(p.returncode, p.stdout, p.stderr)
+    """Run the repro once in a fresh interpreter, from another directory; report what it said.
+    (Not `subprocess.run`: interrupted, it kills the child without waiting for it.)"""
+    p = subprocess.Popen([sys.executable, str(script.resolve()), "--device", device],
+                         cwd=str(script.parent.parent), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    with reaped(p):
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            stop(p)
+            return _timed_out(timeout)
+    return _said(p.returncode, out, err)
 
 
 def _timed_out(timeout: float) -> ReproResult:
@@ -49,7 +54,10 @@ def _timed_out(timeout: float) -> ReproResult:
 
 class _Pending:
     """What `Interpreter` and `Fork` share: the submitted run, its deadline, and the plain
-    `run_repro` they fall back to when they could not run it themselves."""
+    `run_repro` they fall back to when they could not run it themselves. ``result`` waits for
+    the run; ``close`` ends (and reaps) one whose result nobody will collect: whoever submits
+    closes on every path (a KeyboardInterrupt between the two too); after ``result``, a no-op.
+    An exception inside ``result`` ends the run before it goes through."""
 
     def _submitted(self, script: Path, device: str, timeout: int) -> None:
         self.script, self.device, self.timeout = script, device, timeout
@@ -150,12 +158,12 @@ class Interpreter(_Pending):
         proc, self.proc = self.proc, None
         if proc is None:
             return self._fallback()
-        try:
-            out, err = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
-            return _timed_out(self.timeout)
+        with reaped(proc):
+            try:
+                out, err = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                stop(proc)
+                return _timed_out(self.timeout)
         if proc.returncode == 75 or not self.handed:
             return self._fallback()     # it was not set up, or never got the script
         return _said(proc.returncode, out, err)
@@ -165,10 +173,7 @@ class Interpreter(_Pending):
 
     def close(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-        if proc is not None:
-            proc.communicate()
+        stop(proc)
 
 
 def _from_inherited(target: list[str], **kw):
@@ -235,15 +240,20 @@ class ServerFork(_Pending):
         if self.child is None:
             return self._fallback()
         try:
-            try:
-                code = self.child.wait(max(1.0, self.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.child.kill_group()
-                self.child.wait()
-                return _timed_out(self.timeout)
+            with reaped(self.child):
+                try:
+                    code = self.child.wait(max(1.0, self.deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    stop(self.child)
+                    return _timed_out(self.timeout)
             said = [(self.scratch / n).read_text(errors="replace") for n in ("out", "err")]
             return _said(code, *said)
         finally:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+    def close(self) -> None:
+        if self.child is not None:
+            stop(self.child)
             shutil.rmtree(self.scratch, ignore_errors=True)
 
 
@@ -298,17 +308,20 @@ class Fork(_Pending):
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         sys.stdout.flush()
         sys.stderr.flush()
+        self.live = False
         try:
-            self.pid = os.fork()
+            with held() as mask:   # no handler runs before the pid is stored (`close` needs it)
+                self.pid = os.fork()
+                self.live = self.pid != 0
+                if self.pid == 0:  # the child: never returns
+                    code = 1
+                    try:
+                        code = _forked(script, device, self.out.fileno(), self.err.fileno(),
+                                       mask)
+                    finally:
+                        os._exit(code)
         except OSError:        # e.g. no memory to account a copy of a large process for
             self.pid = None
-            return self
-        if self.pid == 0:      # the child: never returns
-            code = 1
-            try:
-                code = _forked(script, device, self.out.fileno(), self.err.fileno())
-            finally:
-                os._exit(code)
         return self
 
     def result(self) -> ReproResult:
@@ -317,16 +330,17 @@ class Fork(_Pending):
                 f.close()
             return self._fallback()
         code = None
-        while code is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                code = os.waitstatus_to_exitcode(status)
-            elif time.monotonic() > self.deadline:
-                os.kill(self.pid, signal.SIGKILL)
-                os.waitpid(self.pid, 0)
-                return _timed_out(self.timeout)
-            else:
-                time.sleep(0.005)
+        with reaped(self):
+            while code is None:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.live = False
+                    code = os.waitstatus_to_exitcode(status)
+                elif time.monotonic() > self.deadline:
+                    self.close()
+                    return _timed_out(self.timeout)
+                else:
+                    time.sleep(0.005)
         said = []
         for f in (self.out, self.err):
             f.seek(0)
@@ -334,14 +348,24 @@ class Fork(_Pending):
             f.close()
         return _said(code, *said)
 
+    def close(self) -> None:
+        if getattr(self, "live", False):
+            self.live = False
+            stop(self.pid)
+        for f in (getattr(self, "out", None), getattr(self, "err", None)):
+            if f is not None:
+                f.close()
 
-def _forked(script: Path, device: str, out: int, err: int) -> int:
-    """In the forked child: run ``script`` as a fresh ``python script --device D`` would."""
+
+def _forked(script: Path, device: str, out: int, err: int, mask: set | None = None) -> int:
+    """In the forked child: run ``script`` as a fresh ``python script --device D`` would
+    (``mask``: the signal mask to restore, `held`'s)."""
     import runpy
     import traceback
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_DFL)
+    unheld(mask)
     os.dup2(out, 1)
     os.dup2(err, 2)
     sys.stdout = open(1, "w", closefd=False)     # objects of its own: no lock a thread of the

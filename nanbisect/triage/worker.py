@@ -214,11 +214,7 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                     kind="crash")
     finally:
         if proc is not None:
-            if proc.poll() is None:     # interrupted while waiting: the replay goes too
-                with contextlib.suppress(OSError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                with contextlib.suppress(Exception):
-                    proc.wait(5)
+            forks.stop(proc)            # interrupted while waiting: the replay goes too, reaped
             with _active_lock:
                 _active.discard(proc.pid)
         if w >= 0:

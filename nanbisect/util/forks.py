@@ -18,6 +18,11 @@ child in a session of its own, sends ``{"pid": P}`` and, when the child has ende
 on the reply socket (C < 0: killed by signal -C, as `subprocess` reports it). The server ends
 when the client's end closes (the client exited or was killed); children have their own
 guards against outliving their starter (triage's pipe guardian).
+
+`reaped` and `stop`: every child this package starts (a fork, a `subprocess.Popen`, a server's
+`Child`) is killed and waited for when its starter is interrupted between the start and the wait
+(KeyboardInterrupt and SystemExit too), and the interrupt goes on unchanged; `held` keeps a
+signal's handler from running between an ``os.fork()`` and the line that stores its pid.
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable, Iterator
 
 _MAX_MSG = 1 << 20
 _MAX_FDS = 8
@@ -118,6 +124,94 @@ def _title(target: list[str]) -> None:
     except ImportError:
         return
     setproctitle(" ".join([sys.executable, *target]))
+
+
+# the synchronous signals a fault raises, never held
+_FAULTS = ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS",
+           "SIGABRT")
+
+
+@contextlib.contextmanager
+def held() -> Iterator[set | None]:
+    """Around an ``os.fork()`` and the line that stores its pid: the asynchronous signals are
+    held (blocked, not lost) so that no handler (a KeyboardInterrupt, a timer's) runs between
+    the fork's return and that line; the parent's mask is restored on the way out. Gives the
+    mask to restore (None where there are no masks): the child never leaves the block (it
+    ends with ``os._exit``) and restores it itself (`unheld`) inside its own ``try``, so that
+    no exception of its unwinds into the parent's code. (``_thread.interrupt_main`` sends no
+    signal: it cannot be held.)"""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield None
+        return
+    faults = {getattr(signal, name) for name in _FAULTS if hasattr(signal, name)}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, [])   # read only: an interrupt here is harmless
+    try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals() - faults)
+        yield old
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unheld(mask: set | None) -> None:
+    """In a child forked inside `held`: the signal mask its parent had before."""
+    if mask is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def _settled(step: Callable[[], object]) -> None:
+    """``step()`` of a cleanup, which never raises: once more when an interrupt (a second
+    Ctrl-C, a timer) cuts it short; an error (the process is gone already) ends it."""
+    for _ in range(3):
+        try:
+            step()
+        except Exception:  # noqa: BLE001 - gone already, or cannot: nothing more to do
+            return
+        except BaseException:  # noqa: BLE001 - an interrupt: the wait is still owed
+            continue
+        return
+
+
+def stop(proc) -> None:
+    """End ``proc`` now (SIGKILL, to its whole process group where it leads one) and wait for
+    it; never raises. ``proc``: a `subprocess.Popen`, a `Child`, the pid of a fork of this
+    process (an int), or what ends and reaps its own with ``close()``; None: nothing."""
+    if proc is None:
+        return
+    if isinstance(proc, int):
+        _settled(lambda: os.kill(proc, signal.SIGKILL))
+        _settled(lambda: os.waitpid(proc, 0))
+    elif isinstance(proc, Child):
+        if proc.returncode is None:
+            _settled(proc.kill_group)
+            _settled(proc.wait)
+    elif isinstance(proc, subprocess.Popen):
+        def kill() -> None:
+            if proc.returncode is None:         # not reaped: its pid is still its own
+                if os.getpgid(proc.pid) == proc.pid != os.getpgrp():
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+        _settled(kill)
+        _settled(proc.wait)
+        for f in (proc.stdin, proc.stdout, proc.stderr):
+            if f is not None:
+                _settled(f.close)
+    else:
+        _settled(proc.close)
+
+
+@contextlib.contextmanager
+def reaped(*procs) -> Iterator[None]:
+    """What the block raises, KeyboardInterrupt and SystemExit included, first ends and reaps
+    ``procs`` (`stop`), then goes on unchanged: a cleanup that fails never replaces it. Every
+    child this package starts is waited for inside one, or with `stop` in a ``finally``, from
+    the line that stores it to its wait."""
+    try:
+        yield
+    except BaseException:
+        for proc in procs:
+            stop(proc)
+        raise
 
 
 def _status(status: int) -> int:
@@ -301,12 +395,13 @@ class ForkServer:
         finally:
             theirs.close()
         self.sock = mine
-        mine.settimeout(120.0)
-        try:
-            ready = mine.recv(16)
-        except OSError:
-            ready = b""
-        mine.settimeout(None)
+        with reaped(mine, self.proc):
+            mine.settimeout(120.0)
+            try:
+                ready = mine.recv(16)
+            except OSError:
+                ready = b""
+            mine.settimeout(None)
         if ready != b"ready":
             self.close()
             raise OSError("the fork server did not start")
@@ -351,16 +446,23 @@ class ForkServer:
             socket.send_fds(self.sock, [msg], fds)
         finally:
             theirs.close()
-        answer.settimeout(60.0)
+        line = b""
         try:
-            line = answer.recv(4096)
+            answer.settimeout(60.0)
+            try:
+                line = answer.recv(4096)
+            except OSError:
+                line = b""
+            if b"\n" not in line:
+                answer.close()
+                raise OSError("the fork server did not start the child")
+            first, _, rest = line.partition(b"\n")
+            return Child(int(json.loads(first)["pid"]), answer, rest)
         except OSError:
-            line = b""
-        if b"\n" not in line:
-            answer.close()
-            raise OSError("the fork server did not start the child")
-        first, _, rest = line.partition(b"\n")
-        return Child(int(json.loads(first)["pid"]), answer, rest)
+            raise
+        except BaseException:   # an interrupt: the child may start all the same; it goes
+            _unwanted(answer, line)
+            raise
 
     def close(self) -> None:
         """End the server (its children are not touched); for an inherited one, let go of it."""
@@ -368,8 +470,30 @@ class ForkServer:
             self.sock.close()
         if self.proc is None:
             return
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        with reaped(self.proc):
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def _unwanted(answer: socket.socket, got: bytes) -> None:
+    """A child asked of a server whose pid the asker was interrupted before it read (``got``:
+    what it had read): its pid, read now (5 s at most), then it is ended and waited for."""
+    buf = got
+
+    def read() -> None:
+        nonlocal buf
+        answer.settimeout(5.0)
+        while b"\n" not in buf:
+            chunk = answer.recv(4096)
+            if not chunk:
+                return
+            buf += chunk
+    _settled(read)
+    first, nl, rest = buf.partition(b"\n")
+    if nl:
+        with contextlib.suppress(Exception):
+            stop(Child(int(json.loads(first)["pid"]), answer, rest))
+    _settled(answer.close)
