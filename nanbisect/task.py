@@ -28,7 +28,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from nanbisect.errors import BadInput
 from nanbisect.util import frames
-from nanbisect.util.compiled import compile_args, compile_model, is_compiled
+from nanbisect.util.compiled import captured_args, compile_model, is_compiled, recorded
 from nanbisect.util.spec import split_entry
 
 
@@ -69,24 +69,26 @@ class Task:
         # what the step calls: the compiled model; `model` is always the eager module, so every
         # name (parameters, modules) is the one the user's code has, without `_orig_mod.`
         self.runner: torch.nn.Module | None = None
-        if is_compiled(self.model):
-            if self.compiled is None:
-                self.compiled = compile_args(self.model)
-            self.runner, self.model = self.model, self.model._orig_mod
-        elif self.compiled is not None:
+        # options the training compiles with that a bundle does not record (not ones a replay
+        # applies: `nanbisect.util.compiled.REPLAYED`); the manifest names them
+        self.compiled_dropped: list[str] = []
+        given = None
+        if self.compiled is not None:
             if not isinstance(self.compiled, dict) or not isinstance(
-                    self.compiled.get("backend", "inductor"), str):
+                    self.compiled.get("backend", "inductor"), str) or not isinstance(
+                    self.compiled.get("options") or {}, dict):
                 raise ValueError(f"Task(compiled={self.compiled!r}): give a dict such as "
                                  "{'backend': 'inductor', 'mode': None, 'options': None}, or None")
-            options = self.compiled.get("options")
-            if options is not None and (not isinstance(options, dict) or any(
-                    not (v is None or isinstance(v, (bool, int, float)))
-                    for v in options.values())):
-                raise ValueError(f"Task(compiled={self.compiled!r}): options must be inductor "
-                                 "settings of numbers and booleans (a bundle records them)")
-            self.compiled = {"backend": self.compiled.get("backend", "inductor"),
-                             "mode": self.compiled.get("mode"), "options": options}
-            self.runner = compile_model(self.model, self.compiled)
+            given = {"backend": self.compiled.get("backend", "inductor"),
+                     "mode": self.compiled.get("mode"), "options": self.compiled.get("options")}
+        if is_compiled(self.model):
+            given = captured_args(self.model) if given is None else given
+            self.runner, self.model = self.model, self.model._orig_mod
+        elif given is not None:
+            # the training compiles with every option given (the user's to choose)
+            self.runner = compile_model(self.model, given)
+        if given is not None:
+            self.compiled, self.compiled_dropped = recorded(given)
         if not isinstance(self.accumulate, int) or isinstance(self.accumulate, bool) \
                 or self.accumulate < 1:
             raise ValueError(f"Task(accumulate={self.accumulate!r}): give the number of "
@@ -113,7 +115,8 @@ class Task:
         return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm,
                 "grad_scaler": self.grad_scaler is not None and self.grad_scaler.is_enabled(),
                 "loss_normalized": self.loss_normalized, "autocast": self.autocast,
-                "compiled": self.compiled}
+                "compiled": self.compiled,
+                **({"compiled_dropped": self.compiled_dropped} if self.compiled_dropped else {})}
 
     def step_model(self) -> torch.nn.Module:
         """The module the step hands ``loss_fn``: the compiled one while `runner` is set (the
@@ -251,6 +254,9 @@ def _import_file(path: Path, shown: str) -> Any:
     except _TrainedAtImport as e:
         del sys.modules[name]
         raise _trained(e, shown) from None
+    except KeyboardInterrupt:
+        del sys.modules[name]
+        raise       # Ctrl-C while the entry imports: the user's, not a bad entry
     except BaseException as e:
         del sys.modules[name]
         raise BadInput(f"entry file '{shown}' failed to import: {type(e).__name__}: {e}"
@@ -297,6 +303,8 @@ def import_target(target: str, search: list[Path] = ()) -> Any:
     except ModuleNotFoundError as e:
         raise BadInput(f"entry module '{target}' cannot be imported ({e}); install it, add its "
                        "directory to PYTHONPATH, or pass --entry") from None
+    except KeyboardInterrupt:
+        raise
     except BaseException as e:
         raise BadInput(f"entry module '{target}' failed to import: {type(e).__name__}: {e}"
                        f"{_user_frame(e)}; fix that module or pass --entry") from None
@@ -316,6 +324,8 @@ def load_task(entry: str, search: list[Path] = ()) -> Task:
                        "naming the function that returns nanbisect.Task")
     try:
         task = fn()
+    except KeyboardInterrupt:
+        raise
     except BaseException as e:
         raise BadInput(f"entry '{entry}' raised {type(e).__name__}: {e}{_user_frame(e)}; fix the "
                        "entry function or pass --entry") from None

@@ -15,6 +15,7 @@ from nanbisect.bundle.where import MANIFEST  # noqa: F401 - re-exported
 from nanbisect.bundle.bounded import MAX_WORLD_SIZE, _kind, _too_deep, _uint
 from nanbisect.errors import BadInput
 from nanbisect.task import split_entry
+from nanbisect.util.compiled import MAX_DROPPED, MAX_NAME, option_problem
 from nanbisect.util.text import show
 
 SCHEMA = "nanbisect.bundle/1"
@@ -117,9 +118,9 @@ def _names(v) -> bool:
 
 def _compiled(v) -> bool:
     """``task.compiled``: null, or {backend, mode, options} where nothing names a program or a
-    path: the backend a registered name, the mode one of torch.compile's, the options inductor
-    settings of plain numbers and booleans (a bundle is data: its options must not choose the
-    C++ compiler a replay runs)."""
+    path: the backend a registered name, the mode one of torch.compile's, the options an object
+    of fewer than 64 (each checked by `check_compiled_options`: a bundle is data, its options must
+    not choose the C++ compiler a replay runs, nor what it writes or where)."""
     if v is None:
         return True
     if not isinstance(v, dict) or set(v) - {"backend", "mode", "options"}:
@@ -128,10 +129,27 @@ def _compiled(v) -> bool:
     return (isinstance(backend, str) and backend.replace("_", "").isalnum() and len(backend) < 64
             and (mode is None or mode in ("default", "reduce-overhead", "max-autotune",
                                           "max-autotune-no-cudagraphs"))
-            and (options is None or (isinstance(options, dict) and len(options) < 64 and all(
-                isinstance(k, str) and k.replace("_", "").replace(".", "").isalnum()
-                and (o is None or isinstance(o, (bool, int, float)))
-                for k, o in options.items()))))
+            and (options is None or (isinstance(options, dict) and len(options) < 64)))
+
+
+def check_compiled_options(p: Path, field: str, compiled) -> None:
+    """`BadInput` naming the first option of ``compiled`` (a ``task.compiled`` that passed
+    `_compiled`) that is not one a replay applies with a value it may take
+    (`nanbisect.util.compiled.REPLAYED`): one line, the name and value cut short."""
+    options = compiled.get("options") if isinstance(compiled, dict) else None
+    for name, value in (options or {}).items():
+        problem = option_problem(name, value)
+        if problem is not None:
+            raise BadInput(f"bundle '{p}': manifest.json field '{field}.options' holds the "
+                           f"inductor option {show(name, 60)}, which {problem} (README \"NaN "
+                           "only when compiled\" lists those it replays); the manifest was "
+                           "altered or written by an older nanbisect: re-capture the bundle")
+
+
+def _dropped(v) -> bool:
+    """``task.compiled_dropped``: the names of the options the capture compiled with and did not
+    record (`nanbisect.util.compiled.recorded`)."""
+    return _strs(v) and len(v) <= MAX_DROPPED and all(len(x) <= MAX_NAME for x in v)
 
 
 _LOSS = (lambda v: v is None or _num(v) or isinstance(v, str),
@@ -161,7 +179,8 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "loss_normalized": (lambda v: isinstance(v, bool), "true or false"),
         "autocast": (lambda v: v is None or _dtype_name(v), "null or a torch dtype name"),
         "compiled": (_compiled, "null or {backend: a backend name, mode: null or a "
-                     "torch.compile mode, options: null or {name: number or boolean}}")},
+                     "torch.compile mode, options: null or {option: value}}"),
+        "compiled_dropped": (_dropped, f"a list of at most {MAX_DROPPED} option names")},
     "grad_scaler": {   # torch's GradScaler.state_dict(): all five, or {} (a disabled scaler)
         "scale": (lambda v: _num(v) and v >= 0, "a number >= 0"),
         "growth_factor": (_num, "a number"), "backoff_factor": (_num, "a number"),
@@ -212,6 +231,8 @@ def check_section(p: Path, name: str, v, field: str | None = None) -> None:
         raise _bad(p, field, v, "null or an object")
     problem = _section_problem(name, v)
     if problem is None:
+        if name == "task":
+            check_compiled_options(p, f"{field}.compiled", v.get("compiled"))
         return
     key, want = problem
     if key is not None:

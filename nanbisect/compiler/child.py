@@ -30,7 +30,7 @@ from nanbisect.locate.catch import catch_module_call
 from nanbisect.records import CallId, CompilerFinding
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.replay.tracker import ModuleTracker
-from nanbisect.util.compiled import compile_model
+from nanbisect.util.compiled import compile_model, point_debug_output
 from nanbisect.util.recordjson import dumps
 from nanbisect.util.tensors import nonfinite
 
@@ -125,6 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if a.cache_dir:       # its kernels compiled already, not this process's TMPDIR's (empty)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.cache_dir
+    if not os.environ.get("TORCH_COMPILE_DEBUG_DIR") and os.environ.get("TMPDIR"):
+        # torch's compile debug output (torch_compile_debug/: traces, the minifier), which torch
+        # puts in the directory it was imported in: in this process's TMPDIR, which the parent
+        # removes
+        point_debug_output(os.path.join(os.environ["TMPDIR"], "torch_compile_debug"))
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
         import torch._inductor.config as inductor_config
 

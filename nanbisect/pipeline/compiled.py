@@ -19,6 +19,8 @@ from nanbisect.records import CallId, CompilerFinding, Culprit, ModuleRepro, Ste
 from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of, write_module_repro
+from nanbisect.util.compiled import debug_output
+from nanbisect.util.text import show
 
 
 def kind_of(outcome: StepOutcome) -> str:
@@ -32,13 +34,29 @@ def backend_of(rep: Replayer) -> str:
     return (rep.compiled_spec or {}).get("backend") or "inductor"
 
 
+def dropped_note(rep: Replayer) -> list[str]:
+    """A note naming the options the capture compiled with and the bundle did not record (not
+    ones nanbisect replays: manifest ``task.compiled_dropped``), at most 5 of them shown."""
+    names = (rep.bundle.manifest.get("task") or {}).get("compiled_dropped") or []
+    if not names:
+        return []
+    shown = ", ".join(show(n, 60) for n in names[:5])
+    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+    return [f"the capture compiled with inductor options nanbisect does not replay ({shown}"
+            f"{more}): the compiled replay runs without them (README \"NaN only when "
+            "compiled\" lists those it replays)"]
+
+
 def replay_compiled(rep: Replayer, wrap, notes: list[str]) -> StepOutcome | None:
     """The step once compiled as captured, then eager again for the passes that follow; None
     (and a note) when it cannot be compiled here (the eager step ran, so the compiler failed:
-    no C++ compiler for inductor, a backend this torch lacks)."""
+    no C++ compiler for inductor, a backend this torch lacks). torch's compile debug output
+    goes to a private directory, removed after (`debug_output`)."""
+    notes += dropped_note(rep)
     try:
-        rep.compile()
-        return rep.run(wrap=wrap)
+        with debug_output():
+            rep.compile()
+            return rep.run(wrap=wrap)
     except Exception as e:  # noqa: BLE001 - the compiler's failure is a finding, not a crash
         first = (str(e).strip().splitlines() or [""])[0][:200]
         notes.append(f"the step could not be replayed compiled ({backend_of(rep)}): "
