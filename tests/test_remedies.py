@@ -197,7 +197,7 @@ def test_the_budget_lists_what_it_left_out_and_no_remedies_turns_them_off(tmp_pa
     assert js["culprit"]["samples"] == [5]
     monkeypatch.setenv("NANBISECT_REMEDY_BUDGET", "four")
     one_line_exit_2(invoke("run", bundle, "--out", tmp_path / "bad"), "NANBISECT_REMEDY_BUDGET",
-                    "'four'", "0 to turn remedies off")
+                    "'four'", "from 0 to 1000")
     assert not (tmp_path / "bad").exists()
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from nanbisect.bundle.state import Tensors
 from nanbisect.errors import BadInput
-from nanbisect.util.env import env_number
+from nanbisect.util.numbers import env
 from nanbisect.util.text import show
 
 
@@ -38,10 +38,9 @@ DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "I16": 16
 _FIX = "copy the whole bundle again or re-capture it"
 
 
-def _limit(env: str, default: int) -> int:
-    """``default``, or the positive integer in environment variable ``env``."""
-    return env_number(env, default, int, what="a positive integer",
-                      fix=f"set it to a number such as {default}, or unset it")
+def _limit(name: str, default: int) -> int:
+    """``default``, or the positive integer in environment variable ``name``."""
+    return env(name, default)
 
 
 def _kind(value) -> str:

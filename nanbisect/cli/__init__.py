@@ -16,6 +16,8 @@ from typing import NoReturn, Sequence
 from nanbisect.cli import checks
 from nanbisect.cli.parser import build
 from nanbisect.errors import BadInput
+from nanbisect.util.numbers import check_environment
+from nanbisect.util.text import clip
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
@@ -40,9 +42,10 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     name = ns.command
     del ns.command
     try:
+        check_environment(name)     # a NANBISECT_* number the command reads, before it starts
         getattr(checks, name)(ns)
     except BadInput as e:
-        print(f"nanbisect: error: {e}", file=sys.stderr, flush=True)
+        print(f"nanbisect: error: {clip(e, 2000)}", file=sys.stderr, flush=True)
         sys.exit(2)
     from nanbisect.cli import commands
 

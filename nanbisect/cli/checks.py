@@ -53,8 +53,6 @@ def run(a: argparse.Namespace) -> None:
                            "function that returns a context manager")
     if a.ranks is not None:
         check_ranks(a.ranks)
-    if a.steps is not None and a.steps < 1:
-        raise BadInput(f"--steps {a.steps}: give a number of steps of 1 or more")
     if a.out is not None:       # the default, BUNDLE/nanbisect-report, is checked by `run`
         from nanbisect.report.out import check_out    # (hashlib, json: only when needed)
 
@@ -67,8 +65,6 @@ def inspect(a: argparse.Namespace) -> None:
 
 def triage(a: argparse.Namespace) -> None:
     _dirs(a.dirs, "triage", "pass directories holding bundles")
-    if not a.timeout > 0:
-        raise BadInput(f"triage: --timeout {a.timeout:g} must be more than 0 seconds")
     if a.out.exists() and not a.out.is_dir():
         raise BadInput(f"triage: --out '{a.out}' is a file; pass a directory for triage.json, "
                        "triage.md and the cache")

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from nanbisect.util.numbers import NUMBERS
+
 COMMANDS = ("run", "inspect", "triage", "pack", "unpack", "clean", "selftest")
 
 
@@ -31,15 +33,10 @@ class Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
-def _count(text: str) -> int:
-    """An int of 0 or more (``--remedy-budget``)."""
-    n = int(text)       # NB: argparse turns the ValueError into "invalid _count value"
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is not 0 or more")
-    return n
-
-
-_count.__name__ = "count"   # argparse names the type in its message: "invalid count value: 'x'"
+def _number(p: argparse.ArgumentParser, name: str, help: str, **kw) -> None:
+    """A flag whose value goes through `nanbisect.util.numbers` (its range in its help)."""
+    n = NUMBERS[name]
+    p.add_argument(name, type=n.arg, help=n.help(help), **kw)
 
 
 def _flag(p: argparse.ArgumentParser, name: str, help: str, dest: str | None = None) -> None:
@@ -73,13 +70,13 @@ def _run(sub) -> None:
     p.add_argument("--ranks", metavar="R,...", help="R,... (multi-rank bundles captured by "
                    "Guard): replay only these ranks, each alone, with the other ranks' "
                    "collective results as recorded")
-    p.add_argument("--steps", type=int, metavar="K", help="K (bundles of "
-                   "Guard(lookback=...)): replay the last K recorded steps on target and "
-                   "reference, find the first step where they part and bisect it")
+    _number(p, "--steps", "K (bundles of Guard(lookback=...)): replay the last K recorded "
+            "steps on target and reference, find the first step where they part and bisect it",
+            metavar="K")
     _flag(p, "--no-remedies", "do not replay the step with remedies once the culprit is found "
           "(report remedies: [])")
-    p.add_argument("--remedy-budget", type=_count, metavar="N", help="extra replays of the step "
-                   "the remedies may use, 0 or more (default: NANBISECT_REMEDY_BUDGET, else 4)")
+    _number(p, "--remedy-budget", "extra replays of the step the remedies may use (default: "
+            "NANBISECT_REMEDY_BUDGET, else 4)", metavar="N")
     _flag(p, "--json", "print report.json instead of a summary", dest="as_json")
 
 
@@ -106,14 +103,13 @@ def _triage(sub) -> None:
                    help="directories to search for bundles")
     p.add_argument("--out", type=Path, default=Path("nanbisect-triage"), metavar="DIR",
                    help="where triage.json/.md and the cache go (default: nanbisect-triage)")
-    p.add_argument("--jobs", type=int, metavar="N", help="parallel replays (default: by cores "
-                   "and free memory; on a cluster: all its slots)")
+    _number(p, "--jobs", "parallel replays (default: by cores and free memory; on a cluster: "
+            "all its slots)", metavar="N")
     p.add_argument("--known", type=Path, metavar="FILE", help="a previous triage.json or a file "
                    "of known signatures, one a line")
     p.add_argument("--target", metavar="DEVICE", help="device to replay on")
-    p.add_argument("--timeout", type=float, default=1800.0, metavar="S", help="seconds one "
-                   "bundle's replay may take before it is killed and becomes an error row "
-                   "(default: 1800)")
+    _number(p, "--timeout", "seconds one bundle's replay may take before it is killed and "
+            "becomes an error row (default: 1800)", default=1800.0, metavar="S")
     p.add_argument("--backend", default="loky", metavar="NAME", help="loky (processes here, "
                    "the default), dask or ray (an existing cluster, through joblib)")
     p.add_argument("--scheduler", metavar="ADDR", help="Dask scheduler address for --backend "
@@ -149,9 +145,9 @@ def _unpack(sub) -> None:
                    help="an archive written by nanbisect pack")
     p.add_argument("dest", type=Path, metavar="DEST",
                    help="new or empty directory to extract into")
-    p.add_argument("--max-bytes", type=int, metavar="N", help="most uncompressed bytes to "
-                   "accept (default: 50x the archive, at least 64 MiB, at most 4 GiB; env "
-                   "NANBISECT_UNPACK_MAX_BYTES)")
+    _number(p, "--max-bytes", "most uncompressed bytes to accept (default: "
+            "NANBISECT_UNPACK_MAX_BYTES, else 50x the archive, at least 64 MiB, at most 4 GiB)",
+            metavar="N")
 
 
 def _clean(sub) -> None:
@@ -161,11 +157,15 @@ def _clean(sub) -> None:
         ".NAME.tmp-XXXXXXXX\ndirectories that carry nanbisect's marker); never a bundle, a "
         "report or anything else.\n\nLooks in each DIR and in the bundles directly inside it, "
         "nowhere deeper; a directory with\nthat name shape but without the marker (an older "
-        "nanbisect's, or yours) is listed and kept.")
+        "nanbisect's, or yours) is listed and kept.\n\nA directory that is or holds a mount "
+        "point is kept: clean never enters another\nfile system. One that cannot be removed "
+        "(read-only, immutable) is one line on\nstderr; the rest are removed all the same."
+        "\n\nExit: 0 done (removed, or kept for the reason printed), 1 some leftover could"
+        "\nnot be removed, or only in part, 2 bad input (nothing removed).")
     p.add_argument("dirs", nargs="+", type=Path, metavar="DIRS", help="directories to search "
                    "for leftovers: Guard's out, a bundle, the parent of a --out")
-    p.add_argument("--min-age", type=float, default=600.0, metavar="S", help="remove only "
-                   "leftovers nothing has written to for this many seconds (default: 600)")
+    _number(p, "--min-age", "remove only leftovers nothing has written to for this many "
+            "seconds (default: 600)", default=600.0, metavar="S")
     _flag(p, "--dry-run", "list what would be removed")
 
 

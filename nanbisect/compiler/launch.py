@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Callable
 
 from nanbisect.records import CompilerFinding, ReproResult
-from nanbisect.util.env import env_number
-from nanbisect.util.forks import ForkServer
+from nanbisect.util.numbers import env
+from nanbisect.util.forks import ForkServer, stop
 
 TIMEOUT_ENV = "NANBISECT_COMPILER_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
@@ -32,9 +32,7 @@ DEFAULT_TIMEOUT = 600.0
 
 def bisect_timeout() -> float:
     """Seconds the bisection may take (``NANBISECT_COMPILER_TIMEOUT``)."""
-    return env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT, what="a number of seconds > 0",
-                      fix=f"set it to the seconds the compiler bisection may take, e.g. "
-                          f"{int(DEFAULT_TIMEOUT)}")
+    return env(TIMEOUT_ENV, DEFAULT_TIMEOUT)
 
 
 def _start(target: list[str], env: dict[str, str], **kw):
@@ -78,6 +76,7 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
     last = ""
     read, write = os.pipe()
     err = os.open(scratch / "stderr.txt", os.O_WRONLY | os.O_CREAT, 0o600)
+    child = None
     try:
         try:
             child = _start(argv, env, cwd=os.getcwd(), stderr=err, stdout=write)
@@ -120,6 +119,7 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
     except OSError as e:
         return CompilerFinding(**base, detail=f"the bisection could not start: {e}")
     finally:
+        stop(child)     # waited for already, else (an interrupt, an OSError) ended and reaped
         os.close(read)
         shutil.rmtree(scratch, ignore_errors=True)
         sys.stdout.flush()

@@ -27,7 +27,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from nanbisect.util.env import env_number
+from nanbisect.util.numbers import env
 
 WRITE_TIMEOUT = 300.0   # seconds a rank may take to write its part (NANBISECT_WRITE_TIMEOUT)
 TERM_GRACE = 20.0       # seconds still waited after a SIGTERM (torchrun SIGKILLs 30 s after it)
@@ -37,10 +37,7 @@ _POLL = 0.05            # the longest sleep between two looks at the store
 def write_timeout() -> float:
     """``NANBISECT_WRITE_TIMEOUT`` (seconds), default `WRITE_TIMEOUT`; `BadInput` when not a
     number > 0 (read when the Guard is made, so a typo fails before training, not at the NaN)."""
-    return env_number("NANBISECT_WRITE_TIMEOUT", WRITE_TIMEOUT, float,
-                      what="a number of seconds > 0",
-                      fix=f"set it to the seconds a rank may take to write its part of a bundle "
-                          f"(default {WRITE_TIMEOUT:.0f})")
+    return env("NANBISECT_WRITE_TIMEOUT", WRITE_TIMEOUT)
 
 
 class Clock:

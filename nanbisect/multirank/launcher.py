@@ -59,7 +59,8 @@ from nanbisect.report.rerun import runner
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
 from nanbisect.util import forks
-from nanbisect.util.env import env_number
+from nanbisect.util.numbers import env
+from nanbisect.util.text import ranks_text
 
 __all__ = ["PREFIX", "launch", "launch_alone", "parse_ranks", "rank_timeout", "run_multirank",
            "sweep", "where"]
@@ -67,9 +68,7 @@ __all__ = ["PREFIX", "launch", "launch_alone", "parse_ranks", "rank_timeout", "r
 
 def rank_timeout() -> float:
     """NANBISECT_RANK_TIMEOUT as it is now (seconds, the whole replay)."""
-    return env_number("NANBISECT_RANK_TIMEOUT", 600.0, float, empty_is_default=False,
-                      shown=repr, what="a positive number of seconds",
-                      fix="set it to e.g. 600 or unset it")
+    return env("NANBISECT_RANK_TIMEOUT", 600.0)
 
 
 def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, timeout: float,
@@ -93,17 +92,18 @@ def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, tim
     cmd += [] if fork else ["--exec"]
     cmd += ["--preload=nanbisect.multirank.worker", "--preload=torch._dynamo", "--",
             "-m", "nanbisect.multirank.worker", str(bundle.path.resolve()), str(partial), *worker]
-    with open(partial / "ranks.log", "w") as log:
-        p = _start_spawner(cmd, log.fileno())
-    stacks = None
+    stacks = p = None
     try:
+        with open(partial / "ranks.log", "w") as log:
+            p = _start_spawner(cmd, log.fileno())
         try:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             stacks = _stacks(partial, [r for r in ranks
                                        if not (partial / f"rank{r}.json").is_file()])
     finally:
-        _kill_run(p, partial)
+        if p is not None:       # on every path once started (an interrupt too)
+            _kill_run(p, partial)
     return p.returncode, stacks
 
 
@@ -161,14 +161,14 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
         raise BadInput(_hang(partial, world, timeout, {r.rank for r in results} | set(errors),
                              stacks))
     if missing:
-        then = (f"; rank(s) {sorted(errors)} then lost their peers" if errors else "")
+        then = (f"; {ranks_text(sorted(errors))} then lost their peers" if errors else "")
         statuses, root = exit_statuses(partial)
         dead = [r for r in missing if statuses.get(r) not in (None, 0, -signal.SIGTERM)]
         first = root if root in dead else (dead[0] if dead else None)
         if first is not None:
             raise BadInput(_died(partial, first, statuses[first], then))
         tail = " | ".join(line for line in log.strip().splitlines()[-3:])
-        raise BadInput(f"rank(s) {missing} ended without a result (launcher exit {code}"
+        raise BadInput(f"{ranks_text(missing)} ended without a result (launcher exit {code}"
                        f"{': ' + tail if tail else ''}){then}; run those ranks' code alone")
     if errors:
         r = min(errors)
@@ -342,8 +342,9 @@ def _with_repro(report: Report, own: RankResult, tmp: Path, target: str, inject:
     if not run_repro_once:
         result = None
     else:     # a fork of this process (torch loaded) or of its fork server
-        result = runner(target.split(":")[0], report.culprit.op).submit(
-            script, device_of(target)).result()
+        started = runner(target.split(":")[0], report.culprit.op)
+        with forks.reaped(started):     # an interrupt ends the run (`_Pending.close`)
+            result = started.submit(script, device_of(target)).result()
     report = replace(report, repro="repro/repro.py", repro_result=result)
     if result is not None and not result.reproduced and inject:
         report = replace(report, notes=[*report.notes, (

@@ -24,12 +24,13 @@ from nanbisect.pipeline.common import Progress, RunOptions, after_verdict
 from nanbisect.pipeline.step import _analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
+from nanbisect.util.numbers import NUMBERS, check_environment
 from nanbisect.replay.replayer import parse_device
 from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
 from nanbisect.util.dynamo import defer_dynamo
-from nanbisect.util.text import show
+from nanbisect.util.text import ranks_arg, ranks_text, show
 
 
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
@@ -82,6 +83,9 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     """
     clock = _Clock(progress)
     opts = replace(opts, remedies=remedy_budget(opts.remedies))   # a bad budget: before anything
+    check_environment("run")        # a bad NANBISECT_* number too, not an hour in
+    if opts.steps is not None:
+        NUMBERS["--steps"].check(opts.steps, "run")
     # --ranks: verify only the parts replayed (a 1,000-rank bundle is not hashed whole for one)
     bundle = read_bundle(path, verify=opts.ranks is None)
     m = bundle.manifest
@@ -129,18 +133,20 @@ def _check_partial(bundle: Bundle, subset: list[int] | None) -> None:
     missing = bundle.missing_ranks
     if not missing or (subset is not None and not set(subset) & set(missing)):
         return
-    present = ",".join(sorted(bundle.manifest["ranks"], key=int))
+    present = ranks_arg(int(r) for r in bundle.manifest["ranks"])
     reasons = bundle.manifest["partial"].get("reasons") or {}
     first = next((f"rank {r}: {show(reasons[str(r)], 200)}" for r in missing
                   if str(r) in reasons), None)
     why = f" ({first})" if first else ""
+    named = missing if subset is None else sorted(set(subset) & set(missing))
+    parts = "its part" if len(named) == 1 else "their parts"
     if subset is None:
-        raise BadInput(f"bundle '{bundle.path}' is partial: rank(s) {missing} could not write "
-                       f"their parts when it was captured{why}; replay the ranks it holds "
+        raise BadInput(f"bundle '{bundle.path}' is partial: {ranks_text(missing)} could not "
+                       f"write {parts} when it was captured{why}; replay the ranks it holds "
                        f"alone with --ranks {present}")
-    raise BadInput(f"bundle '{bundle.path}' is partial: --ranks names rank(s) "
-                   f"{sorted(set(subset) & set(missing))}, which could not write their parts "
-                   f"when it was captured{why}; pass only ranks it holds (--ranks {present})")
+    raise BadInput(f"bundle '{bundle.path}' is partial: --ranks names {ranks_text(named)}, "
+                   f"which could not write {parts} when it was captured{why}; pass only ranks "
+                   f"it holds (--ranks {present})")
 
 
 def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, target: str,

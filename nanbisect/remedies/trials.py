@@ -6,10 +6,9 @@ from __future__ import annotations
 from contextlib import nullcontext
 from typing import Any, Callable, ContextManager
 
-from nanbisect.errors import BadInput
 from nanbisect.records import Remedy, StepOutcome
 from nanbisect.replay.replayer import Replayer, stacked
-from nanbisect.util.env import env_number
+from nanbisect.util.numbers import NUMBERS, env
 
 DEFAULT_BUDGET = 4
 BUDGET_ENV = "NANBISECT_REMEDY_BUDGET"
@@ -24,14 +23,8 @@ def budget(requested: int | None = None) -> int:
     (0, 3)
     """
     if requested is not None:
-        n = requested
-    else:
-        n = env_number(BUDGET_ENV, DEFAULT_BUDGET, int, positive=False,
-                       what="a number of extra replays (0 or more)",
-                       fix="set it to e.g. 4, or 0 to turn remedies off")
-    if n < 0:
-        raise BadInput(f"a remedy budget of {n} replays; give 0 or more (0: no remedies)")
-    return n
+        return NUMBERS["--remedy-budget"].check(requested, "run")
+    return env(BUDGET_ENV, DEFAULT_BUDGET)
 
 
 Progress = Callable[[str, str], None]

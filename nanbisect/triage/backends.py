@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 
 from nanbisect.errors import BadInput
-from nanbisect.util.env import env_number
+from nanbisect.util.numbers import env
 
 CONNECT_TIMEOUT = 15.0              # seconds to reach a Dask scheduler / Ray cluster (default of
 #                                     NANBISECT_CONNECT_TIMEOUT)
@@ -45,8 +45,7 @@ def _host_port(address: str) -> tuple[str, int] | None:
 
 def _connect_timeout() -> float:
     """``NANBISECT_CONNECT_TIMEOUT`` (seconds) as it is now, else `CONNECT_TIMEOUT`."""
-    return env_number("NANBISECT_CONNECT_TIMEOUT", CONNECT_TIMEOUT, float, shown=repr,
-                      what="a positive number of seconds", fix="set it to e.g. 15 or unset it")
+    return env("NANBISECT_CONNECT_TIMEOUT", CONNECT_TIMEOUT)
 
 
 def _reachable(address: str, what: str, flag: str, greets: bool = False) -> None:

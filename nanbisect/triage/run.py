@@ -22,6 +22,7 @@ from nanbisect.triage.reports import copy_in, drop
 from nanbisect.triage.summary import TriageResult, _State
 from nanbisect.triage.worker import _analyse_one
 from nanbisect.util import lockdir
+from nanbisect.util.numbers import NUMBERS, check_environment
 
 DEFAULT_TIMEOUT = 1800.0            # seconds per bundle
 
@@ -75,12 +76,10 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     """
     roots = [Path(r) for r in roots]
     _check_roots(roots)
-    try:
-        timeout = float(timeout)
-    except (TypeError, ValueError):
-        raise BadInput(f"triage: --timeout {timeout!r} is not a number of seconds") from None
-    if not timeout > 0:
-        raise BadInput(f"triage: --timeout {timeout:g} must be more than 0 seconds")
+    timeout = float(NUMBERS["--timeout"].check(timeout, "triage"))
+    if jobs is not None:
+        NUMBERS["--jobs"].check(jobs, "triage")
+    check_environment("triage")     # every replay reads them: a bad one, before the first
     if out is not None:
         out = Path(out)
         if out.exists() and not out.is_dir():

@@ -14,11 +14,13 @@ from __future__ import annotations
 import re
 
 from nanbisect.errors import BadInput
+from nanbisect.util.text import show
 
 # c10/core/Device.cpp parses "TYPE[:INDEX]" with this grammar; the type's name is checked there
 _DEVICE = re.compile(r"[a-zA-Z_]+(:(0|[1-9][0-9]*))?")
 # torch's floating dtypes by name: float, double, half, bfloat16, float16/32/64, float8_*, ...
 _FLOAT_DTYPE = re.compile(r"(b?float[0-9a-z_]*|double|half)")
+MAX_RANK = (1 << 20) - 1      # nanbisect.bundle.bounded.MAX_WORLD_SIZE - 1
 
 
 def split_entry(entry: str) -> tuple[str, str]:
@@ -29,7 +31,7 @@ def split_entry(entry: str) -> tuple[str, str]:
     """
     target, sep, func = entry.rpartition(":")
     if not sep or not target or not func.isidentifier():
-        raise BadInput(f"entry '{entry}' is not of the form 'pkg.module:function' or "
+        raise BadInput(f"entry {show(entry)} is not of the form 'pkg.module:function' or "
                        "'path/to/file.py:function'; pass --entry with that form")
     return target, func
 
@@ -45,12 +47,12 @@ def check_device(spec: str) -> tuple[str, str | None]:
     dev, _, dtype_name = spec.partition(":")
     if dtype_name and not dtype_name.isdigit():
         if not _FLOAT_DTYPE.fullmatch(dtype_name):
-            raise BadInput(f"device '{spec}': '{dtype_name}' is not a floating dtype; use e.g. "
-                           "cpu:float64")
+            raise BadInput(f"device {show(spec)}: {show(dtype_name)} is not a floating dtype; "
+                           "use e.g. cpu:float64")
     else:
         dev, dtype_name = spec, None
     if not _DEVICE.fullmatch(dev):
-        raise BadInput(f"device '{spec}' is not a torch device string; use e.g. cpu, cuda, "
+        raise BadInput(f"device {show(spec)} is not a torch device string; use e.g. cpu, cuda, "
                        "cuda:1")
     return dev, dtype_name
 
@@ -62,11 +64,12 @@ def check_ranks(spec: str) -> list[int]:
     >>> check_ranks("3, 1")
     [1, 3]
     """
-    try:
-        ranks = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        ranks = []
-    if not ranks or min(ranks) < 0:
-        raise BadInput(f"--ranks {spec!r}: give rank numbers (0 or more) separated by commas, "
-                       "e.g. --ranks 1 or --ranks 0,3")
+    parts = [x.strip() for x in spec.split(",") if x.strip()]
+    if not parts or not all(x.isascii() and x.isdigit() for x in parts):
+        raise BadInput(f"--ranks {show(spec)}: give rank numbers (0 to {MAX_RANK}) separated by "
+                       "commas, e.g. --ranks 1 or --ranks 0,3")
+    if any(len(x.lstrip("0")) > 7 or int(x) > MAX_RANK for x in parts):
+        raise BadInput(f"--ranks {show(spec)}: a rank past the largest a bundle can have "
+                       f"({MAX_RANK}); give the ranks of the bundle's world")
+    ranks = sorted({int(x) for x in parts})
     return ranks
