@@ -163,7 +163,8 @@ def test_pack_force_replaces_only_an_earlier_pack(reported, tmp_path):
     one_line_exit_2(invoke("pack", reported, "-o", ticket), "exists", "--force")
     res = invoke("pack", reported, "-o", ticket, "--force")
     assert res.code == 0 and is_pack(ticket), res.stderr
-    # a pack of an older nanbisect (pack.json last, no schema): a pack too
+    # a pack of an older nanbisect (pack.json last, no schema) lists no hashes: it cannot be
+    # proven to hold only what nanbisect wrote, so it is refused (issue 39; before: replaced)
     old = tmp_path / "old.tar.gz"
     with tarfile.open(old, "w:gz") as tar:
         for name in ("report/report.md", "environment.json", "pack.json"):
@@ -171,7 +172,11 @@ def test_pack_force_replaces_only_an_earlier_pack(reported, tmp_path):
             info = tarfile.TarInfo(name)
             info.size = len(data)
             tar.addfile(info, io.BytesIO(data))
-    assert is_pack(old) and invoke("pack", reported, "-o", old, "--force").code == 0
+    before = old.read_bytes()
+    assert not is_pack(old)
+    one_line_exit_2(invoke("pack", reported, "-o", old, "--force"), "is not a pack",
+                    "not pack.json", "cannot be proven", "another -o")
+    assert old.read_bytes() == before
     # the user's own archive with a pack.json in it is not
     notes = tmp_path / "notes.tar.gz"
     with tarfile.open(notes, "w:gz") as tar:
@@ -181,7 +186,18 @@ def test_pack_force_replaces_only_an_earlier_pack(reported, tmp_path):
             tar.addfile(info, io.BytesIO(b"{}"))
     before = notes.read_bytes()
     assert not is_pack(notes)
-    one_line_exit_2(invoke("pack", reported, "-o", notes, "--force"), "notes/todo.md")
+    one_line_exit_2(invoke("pack", reported, "-o", notes, "--force"), "is not a pack",
+                    "its pack.json does not name the schema nanbisect.pack/1")
+    assert notes.read_bytes() == before
+    # ... nor with a pack.json that names the schema (tests/test_pack_force.py: the rest)
+    with tarfile.open(notes, "w:gz") as tar:
+        for name, data in (("pack.json", json.dumps({"schema": PACK_SCHEMA}).encode()),
+                           ("environment.json", b"{}"), ("notes/todo.md", b"{}")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    before = notes.read_bytes()
+    one_line_exit_2(invoke("pack", reported, "-o", notes, "--force"), "an older nanbisect")
     assert notes.read_bytes() == before
 
 

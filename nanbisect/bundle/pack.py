@@ -5,13 +5,17 @@ environment summary (Python, torch, devices and driver versions, the environment
 change numerics or communication). By default it leaves out the model and optimizer state and
 stays under `LIMIT` bytes; ``full=True`` adds the whole bundle. `pack` writes a hidden temporary
 file beside the archive and renames it into place (removed on any error, with any directory it
-created for it).
+created for it). Its first member, pack.json, lists every other member with its size and
+sha256.
 
 Guarantees of `pack` (it never replaces or deletes what it did not write): it refuses a
 destination that exists (a directory, a link, a special file, or a file: only with
-``force=True``, and then only a file that is a pack archive, `is_pack`), one inside the
+``force=True``, and then only a file proven, over the whole file, to be an archive `pack`
+wrote and nothing else, `is_pack`; checked again just before it is replaced), one inside the
 directory being packed or inside any bundle; a failure to write (no room, a read-only or busy
-file system, no permission) is a one-line `BadInput` and leaves nothing behind.
+file system, no permission) is a one-line `BadInput` and leaves nothing behind, and the first
+error is the one reported (a full disk failing again as the half-written file is closed never
+replaces it); a file that changes while it is packed is refused, not packed half-old.
 
 Guarantees of `unpack` (archives from anyone): it streams (decompresses and writes one chunk at a
 time, memory stays flat whatever the archive holds); it reads at most ``max_bytes`` uncompressed
@@ -21,9 +25,11 @@ compression bomb stops early having written at most that; it refuses the whole a
 absolute or ``..`` path, an empty or ``.`` name, a link, device or sparse file, a duplicate
 member, an oversized extended header, more than `MAX_MEMBERS` members, a truncated or damaged
 stream (gzip CRC and length are checked to the end; a tar without its end-of-archive marker is
-truncated); it writes into a hidden staging directory beside ``dest`` and renames it only when
-everything is written, so a refusal leaves nothing behind; it never writes into a ``dest`` that
-exists and is not an empty directory; files get the user's umask (never the archive's modes).
+truncated); a write that fails (no room, read-only, no permission) is that one-line error,
+never masked by the same failure again as the file is closed; it writes into a hidden staging
+directory beside ``dest`` and renames it only when everything is written, so a refusal leaves
+nothing behind; it never writes into a ``dest`` that exists and is not an empty directory;
+files get the user's umask (never the archive's modes).
 Not guaranteed: case-insensitive file systems (``A`` and ``a`` are two members here, one file
 there), and a pack's contents being what its report claims (anyone can write a pack).
 """
@@ -33,6 +39,7 @@ import bz2
 import contextlib
 import errno
 import gzip
+import hashlib
 import io
 import json
 import lzma
@@ -40,6 +47,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import tarfile
 import zlib
 from pathlib import Path, PurePosixPath
@@ -48,7 +56,7 @@ from nanbisect import __version__
 from nanbisect.bundle.atomic import rename_noreplace
 from nanbisect.bundle.where import MANIFEST
 from nanbisect.errors import BadInput
-from nanbisect.util.env import env_number
+from nanbisect.util.numbers import NUMBERS, env
 from nanbisect.util.files import remove_made
 from nanbisect.util.staging import MARKER as STAGING_MARKER
 from nanbisect.util.staging import make_staging_dir, staging_name, staging_path, unmark
@@ -113,6 +121,7 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
     """Write ``dest`` (.tar.gz) for a ticket; refuse to exceed `LIMIT` unless ``full``.
 
     ``dest`` must be new; ``force`` replaces a file there only when it is a pack (`is_pack`).
+    pack.json, the first member, lists every other member with its size and sha256.
 
     >>> import tempfile; from nanbisect.pipeline import RunOptions, run_bundle
     >>> d = Path(tempfile.mkdtemp())
@@ -139,28 +148,40 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
         big = max(members, key=lambda m: m[0].stat().st_size)
         raise BadInput(f"pack: {size} bytes exceed the {LIMIT}-byte ticket limit (largest: "
                        f"{big[1]}); pass --full to include everything anyway")
+    env = json.dumps(environment_summary(), indent=1).encode()
+    listed = [{"name": "environment.json", "size": len(env),
+               "sha256": hashlib.sha256(env).hexdigest()}]
+    for f, name in members:    # NB: before writing: pack.json comes first and lists them all
+        size, digest = _file_digest(f)
+        listed.append({"name": name, "size": size, "sha256": digest})
     head = {"schema": PACK_SCHEMA, "full": full, "left_out": left_out,
-            "left_out_always": [] if full else ["model and optimizer state (use --full)"]}
+            "left_out_always": [] if full else ["model and optimizer state (use --full)"],
+            "members": listed}
     made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]  # innermost first
     tmp, done = staging_path(dest), False
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with tarfile.open(tmp, "w:gz") as tar:
-            # NB: pack.json first: `is_pack` tells a pack from its first member
-            for name, obj in (("pack.json", head), ("environment.json", environment_summary())):
-                data = json.dumps(obj, indent=1).encode()
+        with _tar_gz(tmp) as tar:
+            # NB: pack.json first: `is_pack` reads it before any other member
+            for name, data in (("pack.json", json.dumps(head, indent=1).encode()),
+                               ("environment.json", env)):
                 info = tarfile.TarInfo(name)
                 info.size = len(data)
                 info.mode = 0o644
                 tar.addfile(info, io.BytesIO(data))
-            for f, name in members:
+            for (f, name), entry in zip(members, listed[1:]):
                 try:
                     fobj = open(f, "rb")
                 except OSError as e:
-                    raise BadInput(f"pack: cannot read '{f}' ({e.strerror or e}); nothing was "
-                                   "written: check the directory being packed") from None
+                    raise _cannot_read(f, e) from None
                 with fobj:
-                    tar.addfile(tar.gettarinfo(arcname=name, fileobj=fobj), fobj)
+                    info = tar.gettarinfo(arcname=name, fileobj=fobj)
+                    if info.size != entry["size"]:
+                        raise _changed(f)
+                    reader = _Hashing(fobj, f, info.size)
+                    tar.addfile(info, reader)
+                    if reader.sha256.hexdigest() != entry["sha256"]:
+                        raise _changed(f)
         if force and dest.exists():
             check_dest(given, src, force)    # NB: again, just before it is replaced
             os.replace(tmp, dest)
@@ -181,6 +202,75 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
                 os.unlink(tmp)
             remove_made(made)
     return dest
+
+
+@contextlib.contextmanager
+def _tar_gz(path: Path):
+    """A new tar.gz at ``path`` (as ``tarfile.open(path, "w:gz")`` writes it, without the gzip
+    file name): closed in full when the block ends; when the block raises, the half-written
+    file is closed quietly, so the block's error is the one that is raised (a full disk fails
+    again at close; that second error must not replace the first)."""
+    raw = open(path, "xb")
+    gz = None
+    try:
+        gz = gzip.GzipFile(filename="", mode="wb", fileobj=raw)
+        tar = tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT)
+        yield tar
+        tar.close()      # NB: end-of-archive blocks and record padding
+        gz.close()       # the gzip trailer (CRC, length)
+        raw.close()      # the last buffered bytes: a full disk may fail here
+    except BaseException:
+        for f in (gz, raw):      # NB: not tar.close(): it would write the end-of-archive blocks
+            if f is not None:
+                with contextlib.suppress(Exception):
+                    f.close()
+        raise
+
+
+def _cannot_read(f: Path, e: OSError) -> BadInput:
+    return BadInput(f"pack: cannot read '{f}' ({e.strerror or e}); nothing was written: check "
+                    "the directory being packed")
+
+
+def _changed(f: Path) -> BadInput:
+    return BadInput(f"pack: '{f}' changed while it was packed; nothing was written: pack again "
+                    "once nothing writes into the directory being packed")
+
+
+def _file_digest(f: Path) -> tuple[int, str]:
+    """(size, sha256) of the file ``f``, streamed."""
+    h, size = hashlib.sha256(), 0
+    try:
+        with open(f, "rb") as fobj:
+            while chunk := fobj.read(_CHUNK):
+                h.update(chunk)
+                size += len(chunk)
+    except OSError as e:
+        raise _cannot_read(f, e) from None
+    return size, h.hexdigest()
+
+
+class _Hashing(io.RawIOBase):
+    """``fobj`` read for the archive: hashed as it is read, and exactly ``size`` bytes (a file
+    that shrank or cannot be read is one line, not tarfile's OSError)."""
+
+    def __init__(self, fobj, path: Path, size: int):
+        self.fobj, self.path, self.left, self.sha256 = fobj, path, size, hashlib.sha256()
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, n: int | None = -1) -> bytes:
+        n = self.left if n is None or n < 0 else min(n, self.left)
+        try:
+            data = self.fobj.read(n)
+        except OSError as e:
+            raise _cannot_read(self.path, e) from None
+        if len(data) < n:
+            raise _changed(self.path)
+        self.left -= len(data)
+        self.sha256.update(data)
+        return data
 
 
 def check_dest(dest: Path, src: Path, force: bool = False) -> Path:
@@ -219,7 +309,8 @@ def check_dest(dest: Path, src: Path, force: bool = False) -> Path:
         why = _not_a_pack(dest)
         if why is not None:
             raise BadInput(f"pack: -o '{given}' exists and is not a pack ({why}); --force "
-                           "replaces only an archive nanbisect pack wrote: pass a new path")
+                           "replaces only an archive nanbisect pack wrote, proven whole: pass "
+                           "another -o, or move the file away")
     return dest
 
 
@@ -238,7 +329,9 @@ def _is_bundle(d: Path) -> bool:
 
 
 def is_pack(path: str | Path) -> bool:
-    """Whether ``path`` is an archive `pack` wrote (the only kind ``--force`` replaces).
+    """Whether ``path`` is an archive `pack` wrote, proven over the whole file (the only kind
+    ``--force`` replaces): see `_not_a_pack`. A pack of a nanbisect from before pack.json
+    listed each member's sha256 cannot be proven, and is not one here.
 
     >>> import tempfile
     >>> f = Path(tempfile.mkdtemp()) / "notes.tar.gz"
@@ -249,36 +342,237 @@ def is_pack(path: str | Path) -> bool:
 
 
 def _not_a_pack(path: Path) -> str | None:
-    """None for a pack; else why ``path`` is not one. A pack made since `PACK_SCHEMA` shows it
-    in its first member; an older one (pack.json last) is read to its end: every member under
-    report/ or bundle/, plus pack.json and environment.json."""
+    """None for an archive `pack` wrote, proven over the whole file; else why ``path`` is not
+    one (or cannot be proven to be one).
+
+    Proven: one gzip stream (no second member, nothing after it; CRC and length checked) of a
+    tar whose first member is pack.json, exactly as `pack` writes it, listing every other
+    member with its size and sha256; every member is a file it lists, with that size and hash,
+    each once; no member is missing; padding and the end-of-archive blocks are zeros, up to
+    the record `tarfile` pads to, and nothing more. Bounded: an archive over `FORCE_MAX_BYTES`
+    is not read, one that expands past `default_max_bytes` is refused there, and memory stays
+    under a chunk plus pack.json (at most `MAX_PACK_JSON`). A pack from before members were
+    listed with their hashes cannot be proven, and is refused so."""
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            return "not a plain file"
+        size = st.st_size
+        if size > FORCE_MAX_BYTES:
+            return (f"it is {size} bytes, more than the {FORCE_MAX_BYTES} bytes --force reads "
+                    "to prove an archive is a pack")
         with open(path, "rb") as raw:
-            if raw.read(2) != b"\x1f\x8b":
+            head = raw.read(4)
+            if head[:2] != b"\x1f\x8b":
                 return "not a gzip file"
+            if len(head) < 4 or head[2] != 8 or head[3] not in (0, 8):  # deflate; FNAME only
+                return "a gzip file with a header nanbisect pack does not write"
             raw.seek(0)
-            stream = _Capped(gzip.GzipFile(fileobj=raw, mode="rb"), CEILING_BYTES
-                             + BIG_RATIO * path.stat().st_size, path)
-            names: set[str] = set()
-            with tarfile.open(fileobj=stream, mode="r|",
-                              tarinfo=_strict_tarinfo(path, [])) as tar:
-                for i, m in enumerate(tar):
-                    if i >= MAX_MEMBERS:
-                        return f"more than {MAX_MEMBERS} members"
-                    if i == 0 and m.name == "pack.json" and m.isfile() and m.size <= 1 << 20:
-                        head = json.loads(tar.extractfile(m).read())
-                        if isinstance(head, dict) and head.get("schema") == PACK_SCHEMA:
-                            return None
-                    if not (m.name in ("pack.json", "environment.json")
-                            or m.name.startswith(("report/", "bundle/"))):
-                        return f"it holds {show(m.name)}, which no pack holds"
-                    names.add(m.name)
-    except (BadInput, OSError, tarfile.TarError, EOFError, zlib.error, ValueError,
-            RecursionError) as e:
-        return f"not a readable pack: {type(e).__name__}"
-    if not {"pack.json", "environment.json"} <= names:
-        return "it has no pack.json"
-    return None
+            return _walk(_Gunzip(raw, default_max_bytes(size)))
+    except _NotPack as e:
+        return str(e)
+    except OSError as e:
+        return f"it cannot be read: {e.strerror or e}"
+    except (zlib.error, tarfile.HeaderError, ValueError, RecursionError) as e:
+        return f"it is damaged: {type(e).__name__}: {show(str(e), 80)[1:-1]}"
+
+
+FORCE_MAX_BYTES = 4 << 30       # the biggest archive --force reads through to prove it a pack
+MAX_PACK_JSON = 32 << 20        # pack.json of `MAX_MEMBERS` members, with their hashes
+PAX_KEYS = frozenset({"path", "size", "mtime", "uid", "gid", "uname", "gname"})  # tarfile's
+HEAD_KEYS = ("schema", "full", "left_out", "left_out_always", "members")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+_BLOCK = tarfile.BLOCKSIZE
+_OLDER = ("written by an older nanbisect: its pack.json records no size or sha256 of its "
+          "members, so it cannot be proven to hold only what nanbisect wrote")
+
+
+class _NotPack(Exception):
+    """Why an archive is not one `pack` wrote: the proof stops there."""
+
+
+class _Gunzip:
+    """The decompressed bytes of the one gzip member at the start of ``raw``, counted and
+    capped at ``cap``; `end` proves nothing follows it."""
+
+    def __init__(self, raw, cap: int):
+        self.raw, self.cap, self.pos = raw, cap, 0
+        self.d = zlib.decompressobj(wbits=31)     # NB: checks the gzip CRC and length at the end
+
+    def read(self, n: int) -> bytes:
+        """``n`` bytes, fewer only at the end of the gzip member."""
+        out = bytearray()
+        while len(out) < n and not self.d.eof:
+            data = self.d.unconsumed_tail or self.raw.read(_CHUNK)
+            if not data:
+                raise _NotPack("it is truncated (its gzip stream ends early)")
+            out += self.d.decompress(data, n - len(out))
+        self.pos += len(out)
+        if self.pos > self.cap:
+            raise _NotPack(f"it expands to more than {self.cap} bytes, more than a pack of its "
+                           "size holds")
+        return bytes(out)
+
+    def exact(self, n: int) -> bytes:
+        data = self.read(n)
+        if len(data) < n:
+            raise _NotPack("it is truncated (the tar ends inside a member)")
+        return data
+
+    def skip(self, n: int) -> None:
+        while n > 0:
+            n -= len(self.exact(min(n, _CHUNK)))
+
+    def end(self) -> None:
+        """Nothing after the gzip member: no second member, no other bytes."""
+        if self.read(1):
+            raise _NotPack("it holds more after its end-of-archive blocks (data added inside "
+                           "its gzip stream)")
+        rest = self.d.unused_data or self.raw.read(_CHUNK)
+        if rest[:2] == b"\x1f\x8b":
+            raise _NotPack("a second gzip stream follows the pack's (an archive appended to it)")
+        if rest:
+            raise _NotPack("bytes follow the end of its gzip stream (data appended to it)")
+
+
+def _padded(n: int) -> int:
+    return -(-n // _BLOCK) * _BLOCK
+
+
+def _zeros(g: _Gunzip, n: int, what: str) -> None:
+    while n > 0:
+        chunk = g.exact(min(n, _CHUNK))
+        if chunk.count(0) != len(chunk):
+            raise _NotPack(f"it holds data in {what}, where nanbisect pack writes zeros")
+        n -= len(chunk)
+
+
+def _pax(data: bytes) -> dict[str, str]:
+    """The records of a pax extended header ("LENGTH key=value\\n", LENGTH counting itself)."""
+    out, pos = {}, 0
+    while pos < len(data):
+        sp = data.find(b" ", pos)
+        if sp < 0 or not data[pos:sp].isdigit():
+            raise _NotPack("it holds a damaged extended header")
+        end = pos + int(data[pos:sp])
+        if end <= sp + 1 or end > len(data) or data[end - 1:end] != b"\n":
+            raise _NotPack("it holds a damaged extended header")
+        key, eq, value = data[sp + 1:end - 1].partition(b"=")
+        if not eq:
+            raise _NotPack("it holds a damaged extended header")
+        out[key.decode("utf-8")] = value.decode("utf-8")
+        pos = end
+    return out
+
+
+def _listed(data: bytes) -> dict[str, tuple[int, str]]:
+    """name -> (size, sha256) of every member pack.json lists; `_NotPack` unless pack.json is
+    byte for byte what `pack` writes."""
+    try:
+        head = json.loads(data)
+    except (ValueError, RecursionError):
+        raise _NotPack("its pack.json is not JSON") from None
+    if not isinstance(head, dict) or head.get("schema") != PACK_SCHEMA:
+        raise _NotPack(f"its pack.json does not name the schema {PACK_SCHEMA}")
+    if "members" not in head:
+        raise _NotPack(_OLDER)
+    extra = [k for k in head if k not in HEAD_KEYS]
+    if extra:
+        raise _NotPack(f"its pack.json holds {show(extra[0])}, a field nanbisect does not write")
+    members, out = head["members"], {}
+    if not isinstance(members, list) or len(members) > MAX_MEMBERS:
+        raise _NotPack("its pack.json's members are not a list nanbisect writes")
+    for m in members:
+        if not (isinstance(m, dict) and list(m) == ["name", "size", "sha256"]
+                and isinstance(m["name"], str) and m["name"] != "pack.json"
+                and m["name"] not in out and type(m["size"]) is int and m["size"] >= 0
+                and isinstance(m["sha256"], str) and _SHA256.fullmatch(m["sha256"])):
+            raise _NotPack(f"its pack.json lists a member as nanbisect does not: {show(m, 80)}")
+        out[m["name"]] = (m["size"], m["sha256"])
+    if json.dumps(head, indent=1).encode() != data:
+        raise _NotPack("its pack.json is not laid out as nanbisect writes it (edited)")
+    return out
+
+
+def _walk(g: _Gunzip) -> str | None:
+    """The proof of `_not_a_pack` over the decompressed tar ``g``: None, or why not a pack. A
+    file nanbisect did not write is named at once; any other reason, the first one, at the
+    end (a user's re-tarred ticket lists its directories before its notes)."""
+    listed: dict[str, tuple[int, str]] | None = None
+    seen: set[str] = set()
+    why, pax = None, None
+    while True:
+        block = g.exact(_BLOCK)
+        if block.count(0) == _BLOCK:
+            break
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "surrogateescape")
+        if info.type == tarfile.XHDTYPE and pax is None:
+            if info.size > MAX_META_BYTES:
+                raise _NotPack(f"it holds a {info.size}-byte extended header")
+            data = g.exact(_padded(info.size))
+            if data[info.size:].count(0) != len(data) - info.size:
+                raise _NotPack("it holds data in an extended header's padding")
+            pax = _pax(data[:info.size])
+            continue
+        pax, fields = None, pax or {}
+        name, size = fields.get("path", info.name), info.size
+        if "size" in fields:
+            if not fields["size"].isdigit():
+                raise _NotPack("it holds a damaged extended header")
+            size = int(fields["size"])
+        if listed is None:
+            if name != "pack.json" or info.type != tarfile.REGTYPE:
+                raise _NotPack(f"its first member is {show(name)}, not pack.json, with which "
+                               "every pack nanbisect writes begins (an older nanbisect's pack, "
+                               "pack.json last, cannot be proven)")
+            if size > MAX_PACK_JSON:
+                raise _NotPack(f"its pack.json is {size} bytes, more than nanbisect writes")
+            data = g.exact(size)
+            _zeros(g, _padded(size) - size, "padding")
+            listed = _listed(data)
+            continue
+        if info.type != tarfile.REGTYPE:
+            kind = "a directory" if info.isdir() else "a link or special file"
+            why = why or f"it holds {show(name)}, {kind}; nanbisect writes only files"
+            g.skip(_padded(size))
+            continue
+        if name not in listed:
+            raise _NotPack(f"it holds {show(name)}, which nanbisect did not write")
+        if name in seen:
+            raise _NotPack(f"it holds {show(name)} twice")
+        seen.add(name)
+        extra = sorted(set(fields) - PAX_KEYS)
+        if extra:
+            why = why or (f"{show(name)} has an extended header field nanbisect does not write "
+                          f"({show(extra[0])})")
+        want_size, want_sha = listed[name]
+        if size != want_size:
+            why = why or (f"{show(name)} is {size} bytes, not the {want_size} its pack.json "
+                          "records: changed since nanbisect wrote it")
+            g.skip(_padded(size))
+            continue
+        h, left = hashlib.sha256(), size
+        while left:
+            chunk = g.exact(min(left, _CHUNK))
+            h.update(chunk)
+            left -= len(chunk)
+        _zeros(g, _padded(size) - size, "padding")
+        if h.hexdigest() != want_sha:
+            why = why or (f"{show(name)} is not the file its pack.json records (another "
+                          "sha256): edited since nanbisect wrote it")
+    if listed is None:
+        raise _NotPack("it holds no member")
+    if pax is not None:
+        why = why or "it ends with an extended header and no member"
+    end = g.pos - _BLOCK                            # where the end-of-archive blocks begin
+    total = -(-(end + 2 * _BLOCK) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
+    _zeros(g, total - g.pos, "its end-of-archive blocks")
+    g.end()
+    missing = [n for n in listed if n not in seen]
+    if missing:
+        why = why or (f"{show(missing[0])}, listed in its pack.json, is missing"
+                      + (f" ({len(missing)} members are)" if len(missing) > 1 else ""))
+    return why
 
 
 # --------------------------------------------------------------------------------------------
@@ -474,19 +768,7 @@ def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int) -> int:
                 out = open(target, "xb")   # NB: exclusive, and the user's umask, not m.mode
             except OSError as e:
                 raise _cannot_write(dest, e) from None
-            src = tar.extractfile(m)
-            written = 0
-            with out:
-                while chunk := src.read(_CHUNK):
-                    try:
-                        out.write(chunk)
-                    except OSError as e:
-                        raise _cannot_write(dest, e) from None
-                    written += len(chunk)
-                try:
-                    out.close()      # NB: the last buffered bytes meet a full disk here
-                except OSError as e:
-                    raise _cannot_write(dest, e) from None
+            written = _copy(tar.extractfile(m), out, dest)
             if written != m.size:
                 raise BadInput(f"unpack: '{archive}' is truncated ({show(m.name)} holds "
                                f"{written} of {m.size} bytes); copy it again")
@@ -494,6 +776,29 @@ def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int) -> int:
         raise BadInput(f"unpack: '{archive}' is truncated or damaged (it ends without the "
                        "end-of-archive marker); copy it again")
     return count
+
+
+def _copy(src, out, dest: Path) -> int:
+    """Write ``src`` (a member being read) into the file ``out`` and close it; return how many
+    bytes. The first error wins: after a failed write (or a failed read of the archive) ``out``
+    is closed quietly, since closing flushes what is buffered and a full disk fails there again,
+    which must not replace the first error (it read "not a readable archive")."""
+    written = 0
+    try:
+        while chunk := src.read(_CHUNK):
+            try:
+                out.write(chunk)
+            except OSError as e:
+                raise _cannot_write(dest, e) from None
+            written += len(chunk)
+        try:
+            out.close()      # NB: the last buffered bytes meet a full disk here
+        except OSError as e:
+            raise _cannot_write(dest, e) from None
+    finally:
+        with contextlib.suppress(OSError):
+            out.close()      # after an error: quietly (a no-op once closed)
+    return written
 
 
 def _cannot_write(dest: Path, e: OSError) -> BadInput:
@@ -572,11 +877,7 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
 
 
 def _max_bytes(archive: Path, max_bytes: int | None) -> int:
-    if max_bytes is None:
-        max_bytes = env_number(ENV_MAX_BYTES, None, int, positive=False, what="a number of bytes",
-                               fix="set it to an integer such as 10000000000")
-    if max_bytes is None:
-        return default_max_bytes(archive.stat().st_size)
-    if max_bytes <= 0:
-        raise BadInput(f"unpack: --max-bytes {max_bytes} is not a positive number of bytes")
-    return max_bytes
+    if max_bytes is not None:
+        return NUMBERS["--max-bytes"].check(max_bytes, "unpack")
+    from_env = env(ENV_MAX_BYTES)
+    return default_max_bytes(archive.stat().st_size) if from_env is None else from_env
