@@ -17,14 +17,19 @@ Guarantees: `find_leftovers` only reads directory entries, sizes and markers; `r
 only directories whose name has exactly that shape, that carry a valid marker (a name alone,
 ``.ssh.old-20240101``, is never enough: such a directory is listed and kept, as are staging
 directories of nanbisect versions before the marker), that hold nothing but regular files and
-directories (no links), and that nothing has written to for ``min_age`` seconds (a capture
-still being written by another process is left alone); every kept one comes with the reason.
+directories (no links), that are not and hold no mount point (another file system, or a bind
+mount of this one, listed in /proc/self/mountinfo), and that nothing has written to for
+``min_age`` seconds (a capture still being written by another process is left alone); every
+kept one comes with the reason. Neither function ever enters another file system. A removal that
+fails part-way (a read-only file system, an immutable file) never raises: `remove` returns it
+with the reason and what is left, goes on with the next leftover, and keeps the leftover's marker
+while anything else is left in it, so that a later `remove` finishes it.
 Not guaranteed: that a young leftover belongs to a live process (there is no lock to ask).
 """
 from __future__ import annotations
 
 import os
-import shutil
+import re
 import stat
 import time
 from dataclasses import dataclass
@@ -32,7 +37,8 @@ from pathlib import Path
 from typing import Iterator
 
 from nanbisect.bundle.where import MANIFEST
-from nanbisect.util.staging import is_marked, staging_kind
+from nanbisect.util.numbers import NUMBERS
+from nanbisect.util.staging import MARKER, is_marked, staging_kind
 
 MIN_AGE = 600.0     # seconds without a write before `remove` takes a leftover
 MAX_DIRS = 100_000  # directories looked at under one root
@@ -75,21 +81,48 @@ def walk(root: Path, max_dirs: int | None = None) -> Iterator[tuple[str, list[st
         stack.extend(os.path.join(top, d) for d in reversed(dirnames))
 
 
-def _walk(root: Path) -> tuple[int, float, bool]:
-    """(bytes, newest mtime, only regular files and directories) of everything under ``root``."""
-    total, newest, plain = 0, os.lstat(root).st_mtime, True
+def _walk(root: Path) -> tuple[int, float, bool, list[Path]]:
+    """(bytes, newest mtime, only regular files and directories, the directories below it on
+    another file system) of everything under ``root``; those directories are not entered."""
+    top = os.lstat(root)
+    total, newest, plain, other = 0, top.st_mtime, True, []
     for dirpath, dirnames, filenames in walk(root):
         for name in dirnames + filenames:
             try:
                 st = os.lstat(os.path.join(dirpath, name))
             except OSError:
                 continue
+            if stat.S_ISDIR(st.st_mode) and st.st_dev != top.st_dev:
+                other.append(Path(dirpath, name))
+                dirnames.remove(name)       # a mount point: never entered, never measured
+                continue
             if stat.S_ISREG(st.st_mode):
                 total += st.st_size
             elif not stat.S_ISDIR(st.st_mode):
                 plain = False       # a link or a device: not something we write
             newest = max(newest, st.st_mtime)
-    return total, newest, plain
+    return total, newest, plain, other
+
+
+def mount_points() -> set[str]:
+    """Every mount point of this process (from /proc/self/mountinfo; empty where that cannot be
+    read): a bind mount of a file system shows in it though its st_dev is its source's."""
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    octal = re.compile(rb"\\([0-7]{3})")      # a space in a path is written \040
+    return {os.fsdecode(octal.sub(lambda m: bytes([int(m[1], 8) & 0xFF]), f[4]))
+            for f in (line.split(b" ") for line in lines) if len(f) > 4}
+
+
+def _mounts_in(path: Path, mounts: set[str]) -> list[Path]:
+    """The mount points in ``mounts`` at or below ``path``, as paths below ``path``."""
+    real = os.path.realpath(path)
+    below = real.rstrip("/") + "/"
+    return sorted(path / os.path.relpath(m, real) for m in mounts
+                  if m == real or m.startswith(below))
 
 
 def _places(roots: list[Path], beside: list[Path]) -> list[Path]:
@@ -150,7 +183,7 @@ def find_leftovers(roots: list[Path], beside: list[Path] = ()) -> list[Leftover]
             p = place / d
             try:
                 if is_marked(p):
-                    size, newest, _ = _walk(p)
+                    size, newest, _, _ = _walk(p)
                     found.append(Leftover(p, size, max(0.0, now - newest), staging_kind(d)))
                 else:      # not ours to look into: listed with its own age only
                     age = max(0.0, now - os.lstat(p).st_mtime)
@@ -164,17 +197,33 @@ NO_MARKER = ("no nanbisect marker in it: not made by this version of nanbisect (
              "not nanbisect at all); remove it yourself if you know it is a leftover")
 
 
+def check_min_age(min_age: float) -> float:
+    """``min_age`` when it is a number of seconds within ``--min-age``'s range; else `BadInput`
+    (a NaN made every leftover "old": ``age < nan`` is False)."""
+    return float(NUMBERS["--min-age"].check(min_age, "clean"))
+
+
 def why_kept(x: Leftover, min_age: float = MIN_AGE, now: float | None = None) -> str | None:
-    """Why `remove` would keep ``x`` (checked on the disk now), or None when it may go."""
+    """Why `remove` would keep ``x`` (checked on the disk now), or None when it may go.
+    `BadInput` when ``min_age`` is out of ``--min-age``'s range (`check_min_age`)."""
+    check_min_age(min_age)
     now = time.time() if now is None else now
-    if not staging_kind(x.path.name) or x.path.is_symlink() or not x.path.is_dir():
-        return "not a nanbisect staging directory"
-    if not is_marked(x.path):
-        return NO_MARKER
     try:
-        _, newest, plain = _walk(x.path)
+        if not staging_kind(x.path.name) or x.path.is_symlink() or not x.path.is_dir():
+            return "not a nanbisect staging directory"
+        if not is_marked(x.path):
+            return NO_MARKER
+        mounts = _mounts_in(x.path, mount_points())
+        if x.path in mounts or os.lstat(x.path).st_dev != os.lstat(x.path.parent).st_dev:
+            return "is a mount point: clean never removes one, nor anything on it"
+        _, newest, plain, other = _walk(x.path)
     except OSError as e:
-        return e.strerror or str(e)
+        return _reason(e)
+    mounts = sorted(set(mounts) | set(other))
+    if mounts:
+        more = f" and {len(mounts) - 1} more" if len(mounts) > 1 else ""
+        return (f"holds a mount point at {mounts[0]}{more}: clean never enters another file "
+                f"system; unmount it, then clean again")
     if not plain:
         return "holds links or special files, which nanbisect never writes"
     if now - newest < min_age:
@@ -183,14 +232,175 @@ def why_kept(x: Leftover, min_age: float = MIN_AGE, now: float | None = None) ->
     return None
 
 
-def remove(leftovers: list[Leftover], min_age: float = MIN_AGE, dry_run: bool = False
-           ) -> tuple[list[Leftover], list[tuple[Leftover, str]]]:
-    """Delete the leftovers that are safe to delete (with ``dry_run``, none); return (removed,
-    or would be, [(kept, why)]).
+def _reason(e: BaseException) -> str:
+    return (e.strerror if isinstance(e, OSError) else None) or str(e) or type(e).__name__
 
-    Each one is checked again just before it goes (name, marker, no links, age), so a directory
-    that changed since it was listed is kept."""
-    removed, kept = [], []
+
+@dataclass(frozen=True)
+class Failure:
+    """A leftover `remove` could not remove (wholly): the first thing that failed and why, how
+    many failed, and what is left of it (its marker stays while anything else is left)."""
+
+    leftover: Leftover
+    path: Path          # the first file or directory that could not be removed
+    reason: str         # its strerror ("Read-only file system")
+    failures: int       # how many removals failed in all
+    removed: int        # files and directories of it that were removed
+    left_files: int     # regular files left in it, its marker aside
+    left_bytes: int
+    marked: bool        # still carries its marker: a later clean finishes it
+
+    def __str__(self) -> str:
+        at = [f"at {self.path}"] if self.path != self.leftover.path else []
+        at += [f"{self.failures} removals failed"] if self.failures > 1 else []
+        where = f" ({'; '.join(at)})" if at else ""
+        if self.removed == 0:
+            left = "nothing in it was removed"
+        elif self.marked:
+            left = (f"left in it: {self.left_files} file(s), {self.left_bytes} bytes, and its "
+                    f"marker: clean removes the rest once that is fixed")
+        else:
+            left = (f"left in it: {self.left_files} file(s), {self.left_bytes} bytes, without "
+                    f"its marker: remove the rest yourself")
+        return f"cannot remove {self.leftover.path}: {self.reason}{where}; {left}"
+
+    def to_json(self) -> dict:
+        return {"path": str(self.leftover.path), "failed": str(self.path),
+                "reason": self.reason, "failures": self.failures, "removed": self.removed,
+                "left_files": self.left_files, "left_bytes": self.left_bytes,
+                "marked": self.marked}
+
+
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+MOUNT_NOT_ENTERED = "holds a mount point, not entered"
+
+
+def _entries(fd: int) -> list[tuple[str, bool]]:
+    with os.scandir(fd) as it:
+        return [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+
+
+def _rmtree(root: Path, mounts: set[str]) -> tuple[list[tuple[Path, str]], int, int]:
+    """Remove ``root`` and everything in it, going on past each failure; never following a link
+    and never entering another file system (st_dev) or a mount point in ``mounts``. Its marker
+    goes last, and only when nothing before it failed. Iterative, with a directory descriptor
+    per level (no recursion, no path a link could redirect). Returns (the first failures, up to
+    10, as (path, strerror)), how many failed, how many entries were removed)."""
+    first: list[tuple[Path, str]] = []
+    count = removed = 0
+    failed_in: set[Path] = set()        # the directories under which something failed
+
+    def fail(p: Path, why: str) -> None:
+        nonlocal count
+        count += 1
+        if len(first) < 10:
+            first.append((p, why))
+        q = p.parent
+        while q not in failed_in and (q == root or root in q.parents):
+            failed_in.add(q)
+            q = q.parent
+
+    real = os.path.realpath(root)
+    try:
+        fd = os.open(root, _DIR)
+    except OSError as e:
+        return [(root, _reason(e))], 1, 0
+    try:
+        dev = os.fstat(fd).st_dev
+        top = _entries(fd)
+    except OSError as e:
+        os.close(fd)
+        return [(root, _reason(e))], 1, 0
+    top.sort(key=lambda e: e[0] != MARKER)              # popped from the end: the marker last
+    stack = [(fd, root, top)]
+    try:
+        while stack:
+            fd, path, entries = stack[-1]
+            if not entries:
+                stack.pop()
+                os.close(fd)
+                if not stack:
+                    break
+                try:
+                    os.rmdir(path.name, dir_fd=stack[-1][0])
+                    removed += 1
+                except OSError as e:
+                    if path not in failed_in:       # else: what failed in it is the reason
+                        fail(path, _reason(e))
+                continue
+            name, is_dir = entries.pop()
+            p = path / name
+            if not is_dir:
+                if path == root and name == MARKER and count:
+                    continue            # still marked: a later clean finishes what is left
+                try:
+                    os.unlink(name, dir_fd=fd)
+                    removed += 1
+                except OSError as e:
+                    fail(p, _reason(e))
+                continue
+            try:
+                sub = os.open(name, _DIR, dir_fd=fd)
+            except OSError as e:
+                fail(p, _reason(e))
+                continue
+            try:
+                mount = os.fstat(sub).st_dev != dev \
+                    or os.path.join(real, os.path.relpath(p, root)) in mounts
+                listed = [] if mount else _entries(sub)
+            except OSError as e:
+                os.close(sub)
+                fail(p, _reason(e))
+                continue
+            if mount:
+                os.close(sub)
+                fail(p, MOUNT_NOT_ENTERED)
+                continue
+            stack.append((sub, p, listed))
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+    if not count:
+        try:
+            os.rmdir(root)
+            removed += 1
+        except OSError as e:
+            fail(root, _reason(e))
+    return first, count, removed
+
+
+def _left(path: Path) -> tuple[int, int]:
+    """(regular files, bytes) left under ``path``, its marker aside, not entering another file
+    system."""
+    files = total = 0
+    try:
+        dev = os.lstat(path).st_dev
+    except OSError:
+        return 0, 0
+    for dirpath, dirnames, filenames in walk(path):
+        for name in dirnames + filenames:
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode) and st.st_dev != dev:
+                dirnames.remove(name)
+            elif stat.S_ISREG(st.st_mode) and not (name == MARKER and dirpath == str(path)):
+                files, total = files + 1, total + st.st_size
+    return files, total
+
+
+def remove(leftovers: list[Leftover], min_age: float = MIN_AGE, dry_run: bool = False
+           ) -> tuple[list[Leftover], list[tuple[Leftover, str]], list[Failure]]:
+    """Delete the leftovers that are safe to delete (with ``dry_run``, none); return (removed,
+    or would be, [(kept, why)], [what could not be removed, or only in part]).
+
+    Each one is checked again just before it goes (name, marker, no links, no mount point, age),
+    so a directory that changed since it was listed is kept. An OSError while removing one is
+    recorded in its `Failure` and the next one is removed all the same: this never raises one.
+    `BadInput` (before anything is removed) when ``min_age`` is out of ``--min-age``'s range."""
+    check_min_age(min_age)
+    removed, kept, failed = [], [], []
     now = time.time()
     for x in leftovers:
         why = why_kept(x, min_age, now)
@@ -198,6 +408,14 @@ def remove(leftovers: list[Leftover], min_age: float = MIN_AGE, dry_run: bool = 
             kept.append((x, why))
             continue
         if not dry_run:
-            shutil.rmtree(x.path)
+            try:
+                first, count, gone = _rmtree(x.path, mount_points())
+            except OSError as e:                # not expected: _rmtree records its own
+                first, count, gone = [(x.path, _reason(e))], 1, 0
+            if count:
+                (path, reason), (files, size) = first[0], _left(x.path)
+                failed.append(Failure(x, path, reason, count, gone, files, size,
+                                      is_marked(x.path)))
+                continue
         removed.append(x)
-    return removed, kept
+    return removed, kept, failed

@@ -61,7 +61,9 @@ def _progress(delay: float = 2.0):
 
 
 def _fail(e: BadInput) -> NoReturn:
-    echo(f"nanbisect: error: {e}", err=True)
+    from nanbisect.util.text import clip
+
+    echo(f"nanbisect: error: {clip(e, 2000)}", err=True)    # one line, whatever it quotes
     raise SystemExit(2)
 
 
@@ -216,18 +218,30 @@ def clean(dirs: list[Path], min_age: float = 600.0, dry_run: bool = False) -> in
     directories that carry nanbisect's marker); never a bundle, a report or anything else.
 
     Looks in each DIR and in the bundles directly inside it, nowhere deeper; a directory with
-    that name shape but without the marker (an older nanbisect's, or yours) is listed and kept."""
+    that name shape but without the marker (an older nanbisect's, or yours) is listed and kept,
+    as is one that is or holds a mount point (clean never enters another file system).
+    A leftover that cannot be removed (a read-only file system, an immutable file) is one line
+    on stderr naming it, the reason and what is left of it; the others are removed all the same.
+
+    Exit: 0 done (every leftover removed or kept for the reason printed), 1 some leftover could
+    not be removed (or only in part: each named on stderr), 2 bad input (nothing removed)."""
     from nanbisect.bundle.leftovers import find_leftovers, remove
 
-    removed, kept = remove(find_leftovers(dirs), min_age, dry_run=dry_run)
+    try:
+        removed, kept, failed = remove(find_leftovers(dirs), min_age, dry_run=dry_run)
+    except BadInput as e:       # a min_age out of range (the flag's parser refuses it first)
+        _fail(e)
     verb = "would remove" if dry_run else "removed"
     for x in removed:
         echo(f"{verb} {x.path} ({x.bytes} bytes, {x.age_s:.0f}s old)")
     for x, why in kept:
         echo(f"{'would keep' if dry_run else 'kept'} {x.path}: {why}")
+    for f in failed:
+        echo(f"nanbisect: {f}", err=True)
     echo(f"nanbisect: {verb} {len(removed)} leftover(s), "
-         f"{sum(x.bytes or 0 for x in removed)} bytes; kept {len(kept)}")
-    return 0
+         f"{sum(x.bytes or 0 for x in removed)} bytes; kept {len(kept)}"
+         + (f"; could not remove {len(failed)} (see above)" if failed else ""))
+    return 1 if failed else 0
 
 
 def selftest(device: str = "cpu", as_json: bool = False) -> int:
