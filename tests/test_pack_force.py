@@ -283,3 +283,28 @@ def test_pack_of_an_unreadable_file_onto_a_full_disk_names_the_file(reported, tm
     finally:
         secret.chmod(0o644)
     one_line_exit_2(res, f"cannot read '{secret}' (Permission denied)")
+
+
+def test_force_replaces_a_full_pack_of_zeros_that_expands_past_the_ratio(tmp_path):
+    """A `--full` pack whose state is mostly zeros (fresh Adam moments) expands far past the 50x
+    a hostile file is held to: once its pack.json is read, the members it lists bound the
+    proof instead (review of issue 39: refused as "expands to more than ... bytes")."""
+    import hashlib
+
+    big = bytes(96 << 20)         # 96 MiB of zeros: ~100 KiB compressed, past 64 MiB and 50x
+    env = json.dumps(pk.environment_summary(), indent=1).encode()
+    members = [("environment.json", env), ("bundle/model.safetensors", big)]
+    head = {"schema": pk.PACK_SCHEMA, "full": True, "left_out": [], "left_out_always": [],
+            "members": [{"name": n, "size": len(d), "sha256": hashlib.sha256(d).hexdigest()}
+                        for n, d in members]}
+    path = tmp_path / "full.tar.gz"
+    with pk._tar_gz(path) as tar:
+        for name, data in [("pack.json", json.dumps(head, indent=1).encode()), *members]:
+            info = tarfile.TarInfo(name)
+            info.size, info.mode = len(data), 0o644
+            tar.addfile(info, io.BytesIO(data))
+    assert path.stat().st_size * 50 < len(big)
+    assert pk._not_a_pack(path) is None
+    with open(path, "ab") as f:       # the members' bound still holds against more data
+        f.write(b"x")
+    assert "bytes follow the end of its gzip stream" in pk._not_a_pack(path)

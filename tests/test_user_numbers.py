@@ -61,7 +61,7 @@ def oracle(n: Number, raw: str):
 def _args(n: Number, tmp: Path) -> list[str]:
     """A command line that reads ``n``, everything else in it good."""
     command = n.commands[0]
-    first = {"run": [str(BUNDLE), "--no-remedies"], "inspect": [str(BUNDLE)],
+    first = {"run": [str(BUNDLE)], "inspect": [str(BUNDLE)],
              "triage": [str(tmp)], "clean": [str(tmp)],
              "unpack": [str(tmp / "a.tar.gz"), str(tmp / "dest")]}[command]
     return [command, *first]
@@ -237,3 +237,29 @@ def test_ranks_are_numbers_too(value, tmp_path):
     code, err = _cli(["run", str(BUNDLE), f"--ranks={value}", "--out", str(tmp_path / "r")], {})
     assert code == 2 and err.count("\n") == 1 and "--ranks" in err and len(err) < 300, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_variable_its_flag_overrides_is_not_read(tmp_path):
+    """``--max-bytes`` given: NANBISECT_UNPACK_MAX_BYTES is not read, so a bad one is not the
+    error (review of issue 39: it was refused though the flag overrode it); the same for
+    ``--remedy-budget`` and ``--no-remedies`` (`check_environment`'s ``given``)."""
+    from nanbisect.util.numbers import check_environment
+
+    code, err = _cli(["unpack", str(tmp_path / "none.tar.gz"), str(tmp_path / "d"),
+                      "--max-bytes", "100"], {"NANBISECT_UNPACK_MAX_BYTES": "junk"})
+    assert code == 2 and "is not a file" in err and "NANBISECT_" not in err, err
+    with _env("NANBISECT_REMEDY_BUDGET", "lots"):
+        check_environment("run", {"--remedy-budget"})
+        with pytest.raises(BadInput, match="NANBISECT_REMEDY_BUDGET='lots'"):
+            check_environment("run")
+
+
+def test_numpy_numbers_are_numbers():
+    """A library keyword given as a numpy number is judged by its value (review of issue 39:
+    "jobs=np.int64(4) is not a number")."""
+    import numpy as np
+
+    assert NUMBERS["--jobs"].check(np.int64(4)) == 4
+    assert type(NUMBERS["--min-age"].check(np.float32(1.5))) is float
+    with pytest.raises(BadInput, match="is not an integer"):
+        NUMBERS["--jobs"].check(np.float64(2.0))

@@ -81,18 +81,23 @@ def walk(root: Path, max_dirs: int | None = None) -> Iterator[tuple[str, list[st
         stack.extend(os.path.join(top, d) for d in reversed(dirnames))
 
 
-def _walk(root: Path) -> tuple[int, float, bool, list[Path]]:
+def _walk(root: Path, mounts: set[str] | None = None) -> tuple[int, float, bool, list[Path]]:
     """(bytes, newest mtime, only regular files and directories, the directories below it on
-    another file system) of everything under ``root``; those directories are not entered."""
+    another file system or mounted (``mounts``, default `mount_points`: a bind mount of this
+    one too)) of everything under ``root``, at most `MAX_DIRS` directories; those directories
+    are not entered."""
     top = os.lstat(root)
+    mounts = mount_points() if mounts is None else mounts
+    real = os.path.realpath(root)
     total, newest, plain, other = 0, top.st_mtime, True, []
-    for dirpath, dirnames, filenames in walk(root):
+    for dirpath, dirnames, filenames in walk(root, MAX_DIRS):
         for name in dirnames + filenames:
             try:
                 st = os.lstat(os.path.join(dirpath, name))
             except OSError:
                 continue
-            if stat.S_ISDIR(st.st_mode) and st.st_dev != top.st_dev:
+            if stat.S_ISDIR(st.st_mode) and (st.st_dev != top.st_dev or os.path.join(
+                    real, os.path.relpath(os.path.join(dirpath, name), root)) in mounts):
                 other.append(Path(dirpath, name))
                 dirnames.remove(name)       # a mount point: never entered, never measured
                 continue

@@ -409,8 +409,8 @@ class _Gunzip:
             out += self.d.decompress(data, n - len(out))
         self.pos += len(out)
         if self.pos > self.cap:
-            raise _NotPack(f"it expands to more than {self.cap} bytes, more than a pack of its "
-                           "size holds")
+            raise _NotPack(f"it expands to more than {self.cap} bytes, more than its members "
+                           "or a pack of its size hold")
         return bytes(out)
 
     def exact(self, n: int) -> bytes:
@@ -530,6 +530,10 @@ def _walk(g: _Gunzip) -> str | None:
             data = g.exact(size)
             _zeros(g, _padded(size) - size, "padding")
             listed = _listed(data)
+            # what the listed members take, headers and padding included: a --full pack of
+            # zeros (fresh Adam moments) expands far past the ratio a hostile file is held to
+            g.cap = max(g.cap, g.pos + sum(_padded(n) + 4 * _BLOCK for n, _ in listed.values())
+                        + tarfile.RECORDSIZE + 2 * _BLOCK)
             continue
         if info.type != tarfile.REGTYPE:
             kind = "a directory" if info.isdir() else "a link or special file"

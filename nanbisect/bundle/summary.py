@@ -103,6 +103,7 @@ def directory_text(info: dict) -> str:
 
 
 MAX_SHOWN = 8   # items of a list from the manifest a line shows, then how many more
+MAX_FILES = 32  # files listed by inspect, then how many more and their bytes
 
 
 def _more(items: list, shown: list[str]) -> str:
@@ -186,13 +187,22 @@ def summary_text(info: dict) -> str:
             f"{clip(n, 40)}: [{ranges(r, 4)}]" for n, r in list(groups.items())[:MAX_SHOWN]]))
     if info.get("replicas") is not None:
         lines.append("replicas  " + replicas_text(info["replicas"]))
-    for name, f in info["files"].items():
+    files = list(info["files"].items())
+    for name, f in files[:MAX_FILES]:
         lines.append(f"  {name:<22} {f['bytes']:>10} bytes  {f['tensors']:>4} tensors  "
                      f"{f['dtypes']}")
-    for name, f in (info.get("shared") or {}).items():
+    if len(files) > MAX_FILES:      # a rank's files each: a 4,096-rank bundle, 16k lines
+        rest = [f for _, f in files[MAX_FILES:]]
+        lines.append(f"  ... and {len(rest):,} more files, "
+                     f"{sum(f['bytes'] for f in rest if isinstance(f['bytes'], int)):,} bytes "
+                     "(inspect --json lists them all)")
+    shared = list((info.get("shared") or {}).items())
+    for name, f in shared[:MAX_FILES]:
         n = {k: "?" if v is None else v for k, v in f.items()}
         lines.append(f"  {name:<22} {n['bytes']:>10} bytes  {n['tensors']:>4} tensors  in rank "
                      f"{n['rank']}'s file (written once)")
+    if len(shared) > MAX_FILES:
+        lines.append(f"  ... and {len(shared) - MAX_FILES:,} more shared tensors' files")
     return "\n".join(_clean(line) for line in lines)
 
 

@@ -20,6 +20,14 @@ from nanbisect.util.numbers import check_environment
 from nanbisect.util.text import clip
 
 
+def _flags_given(ns) -> set[str]:
+    """The flags of ``ns`` that override a variable: given, the variable is not read."""
+    given = {f"--{k.replace('_', '-')}" for k, v in vars(ns).items() if v is not None}
+    if getattr(ns, "no_remedies", False):
+        given.add("--remedy-budget")
+    return given
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """``nanbisect ARGS`` (``argv``, default ``sys.argv[1:]``): exits with the command's code.
 
@@ -42,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     name = ns.command
     del ns.command
     try:
-        check_environment(name)     # a NANBISECT_* number the command reads, before it starts
+        # a NANBISECT_* number the command reads, before it starts (not one a flag overrides)
+        check_environment(name, _flags_given(ns))
         getattr(checks, name)(ns)
     except BadInput as e:
         print(f"nanbisect: error: {clip(e, 2000)}", file=sys.stderr, flush=True)

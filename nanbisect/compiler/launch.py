@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Callable
 
 from nanbisect.records import CompilerFinding, ReproResult
+from nanbisect.util.text import clip
 from nanbisect.util.numbers import env
-from nanbisect.util.forks import ForkServer, stop
+from nanbisect.util.forks import ForkServer, reaped, stop
 
 TIMEOUT_ENV = "NANBISECT_COMPILER_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
@@ -101,8 +102,9 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
                 break
             buf += chunk
             *lines, buf = buf.split(b"\n")
+            buf = buf[-65536:]      # a line that never ends: its tail only
             for line in lines:
-                text = line.decode(errors="replace").strip()
+                text = clip(line.decode(errors="replace").strip(), 300)
                 if text:
                     last = text
                     progress("compiler-bisect", f"compiler bisection: {text}")
@@ -115,11 +117,14 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
             return CompilerFinding.from_json(json.loads(out.read_text()))
         tail = (scratch / "stderr.txt").read_text(errors="replace").strip().splitlines()[-1:]
         return CompilerFinding(**base, seconds=time.perf_counter() - t0, detail=(
-            f"the bisection failed (exit {code}): {tail[0] if tail else last or 'no output'}"))
+            f"the bisection failed (exit {code}): "
+            f"{clip(tail[0], 1000) if tail else last or 'no output'}"))
     except OSError as e:
         return CompilerFinding(**base, detail=f"the bisection could not start: {e}")
     finally:
-        stop(child)     # waited for already, else (an interrupt, an OSError) ended and reaped
+        # waited for already, else (an interrupt, an OSError) ended and reaped; an interrupt
+        # while it waits goes on only when nothing else is already raised (the first wins)
+        stop(child, reraise=sys.exc_info()[0] is None)
         os.close(read)
         shutil.rmtree(scratch, ignore_errors=True)
         sys.stdout.flush()
@@ -132,7 +137,9 @@ def run_repro_forked(script: Path, device: str, timeout: float = 300.0) -> Repro
     "REPRODUCED:" line."""
     from nanbisect.report.rerun import ServerFork
 
-    runner = ServerFork(start=_start).submit(script, device, timeout)
-    if runner.child is None:
-        return ReproResult(False, None, f"could not start: {runner.error}", ran=False)
-    return runner.result()
+    runner = ServerFork(start=_start)
+    with reaped(runner):    # an interrupt between the start and the result: ended, reaped
+        runner.submit(script, device, timeout)
+        if runner.child is None:
+            return ReproResult(False, None, f"could not start: {runner.error}", ran=False)
+        return runner.result()

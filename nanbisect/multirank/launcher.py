@@ -60,7 +60,8 @@ from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
 from nanbisect.util import forks
 from nanbisect.util.numbers import env
-from nanbisect.util.text import ranks_text
+from nanbisect.util.spec import check_ranks
+from nanbisect.util.text import ranks_text, show
 
 __all__ = ["PREFIX", "launch", "launch_alone", "parse_ranks", "rank_timeout", "run_multirank",
            "sweep", "where"]
@@ -182,13 +183,10 @@ def parse_ranks(spec: str, world: int) -> list[int]:
     >>> parse_ranks("3, 1", 4)
     [1, 3]
     """
-    try:
-        ranks = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        ranks = []
-    if not ranks or any(not 0 <= r < world for r in ranks):
-        raise BadInput(f"--ranks {spec!r}: give rank numbers from 0 to {world - 1} separated by "
-                       "commas, e.g. --ranks 1 or --ranks 0,3")
+    ranks = check_ranks(spec)   # the command line's own parse (ASCII digits, bounded message)
+    if ranks[-1] >= world:
+        raise BadInput(f"--ranks {show(spec)}: give rank numbers from 0 to {world - 1} "
+                       "separated by commas, e.g. --ranks 1 or --ranks 0,3")
     return ranks
 
 

@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:   # KeyboardInterrupt, SystemExit too: no rank outlives this process
         for rank in ranks:
             if rank.code is None:
-                stop(rank.proc if rank.proc is not None else rank.pid)
+                stop(rank.proc if rank.proc is not None else rank.pid, reraise=False)
         raise
     if a.statuses:
         path = Path(a.statuses)

@@ -82,8 +82,9 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     ('aten.sqrt.default', 'blocks.1.mlp.act', 2)
     """
     clock = _Clock(progress)
+    # a bad NANBISECT_* number, before anything (not one a given option overrides)
+    check_environment("run", {"--remedy-budget"} if opts.remedies is not None else set())
     opts = replace(opts, remedies=remedy_budget(opts.remedies))   # a bad budget: before anything
-    check_environment("run")        # a bad NANBISECT_* number too, not an hour in
     if opts.steps is not None:
         NUMBERS["--steps"].check(opts.steps, "run")
     # --ranks: verify only the parts replayed (a 1,000-rank bundle is not hashed whole for one)

@@ -183,8 +183,13 @@ def _compiler_md(r: Report) -> list[str]:
     if r.compiler is None:
         return []
     return (["", "## Compiler (torch's CompilerBisector)", "", "| field | value |", "|---|---|"]
-            + [f"| {k} | `{v}` |" if v is not None else f"| {k} | - |"
+            + [f"| {k} | `{_cell(v)}` |" if v is not None else f"| {k} | - |"
                for k, v in r.compiler.to_json().items()])
+
+
+def _cell(v) -> str:
+    """A value in a markdown table's code cell: one line, bounded, no '|' or '`' to end it."""
+    return clip(v, MAX_NOTE).replace("|", "\\|").replace("`", "'")
 
 
 def rows_text(rem: Remedy) -> str:

@@ -214,7 +214,8 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                     kind="crash")
     finally:
         if proc is not None:
-            forks.stop(proc)            # interrupted while waiting: the replay goes too, reaped
+            # interrupted while waiting: the replay goes too, reaped (the first error wins)
+            forks.stop(proc, reraise=sys.exc_info()[0] is None)
             with _active_lock:
                 _active.discard(proc.pid)
         if w >= 0:

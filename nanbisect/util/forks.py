@@ -158,32 +158,37 @@ def unheld(mask: set | None) -> None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
-def _settled(step: Callable[[], object]) -> None:
+def _settled(step: Callable[[], object], caught: list) -> None:
     """``step()`` of a cleanup, which never raises: once more when an interrupt (a second
-    Ctrl-C, a timer) cuts it short; an error (the process is gone already) ends it."""
+    Ctrl-C, a timer) cuts it short, the interrupt kept in ``caught``; an error (the process is
+    gone already) ends it."""
     for _ in range(3):
         try:
             step()
         except Exception:  # noqa: BLE001 - gone already, or cannot: nothing more to do
             return
-        except BaseException:  # noqa: BLE001 - an interrupt: the wait is still owed
+        except BaseException as e:  # noqa: BLE001 - an interrupt: the wait is still owed
+            caught.append(e)
             continue
         return
 
 
-def stop(proc) -> None:
+def stop(proc, reraise: bool = True) -> None:
     """End ``proc`` now (SIGKILL, to its whole process group where it leads one) and wait for
-    it; never raises. ``proc``: a `subprocess.Popen`, a `Child`, the pid of a fork of this
-    process (an int), or what ends and reaps its own with ``close()``; None: nothing."""
+    it. ``proc``: a `subprocess.Popen`, a `Child`, the pid of a fork of this process (an int),
+    or what ends and reaps its own with ``close()``; None: nothing. Raises nothing of its own;
+    an interrupt that came while it waited is raised once the child is reaped (with
+    ``reraise``; `reaped`, which is already raising the first error, drops it)."""
     if proc is None:
         return
+    caught: list = []
     if isinstance(proc, int):
-        _settled(lambda: os.kill(proc, signal.SIGKILL))
-        _settled(lambda: os.waitpid(proc, 0))
+        _settled(lambda: os.kill(proc, signal.SIGKILL), caught)
+        _settled(lambda: os.waitpid(proc, 0), caught)
     elif isinstance(proc, Child):
         if proc.returncode is None:
-            _settled(proc.kill_group)
-            _settled(proc.wait)
+            _settled(proc.kill_group, caught)
+            _settled(proc.wait, caught)
     elif isinstance(proc, subprocess.Popen):
         def kill() -> None:
             if proc.returncode is None:         # not reaped: its pid is still its own
@@ -191,13 +196,15 @@ def stop(proc) -> None:
                     os.killpg(proc.pid, signal.SIGKILL)
                 else:
                     proc.kill()
-        _settled(kill)
-        _settled(proc.wait)
+        _settled(kill, caught)
+        _settled(proc.wait, caught)
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f is not None:
-                _settled(f.close)
+                _settled(f.close, caught)
     else:
-        _settled(proc.close)
+        _settled(proc.close, caught)
+    if caught and reraise:
+        raise caught[0]
 
 
 @contextlib.contextmanager
@@ -210,7 +217,7 @@ def reaped(*procs) -> Iterator[None]:
         yield
     except BaseException:
         for proc in procs:
-            stop(proc)
+            stop(proc, reraise=False)   # the block's error goes on, not a later interrupt
         raise
 
 

@@ -14,12 +14,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import numbers
 import os
+import re
 from dataclasses import dataclass
 
 from nanbisect.errors import BadInput
 
 DAY = 86_400
+_DIGITS = re.compile(r"[+-]?[0-9]+(_[0-9]+)*")
 WEEK = 7 * DAY
 
 
@@ -48,6 +51,7 @@ class Number:
     commands: tuple[str, ...] = ()      # the commands that read it (a variable: checked first)
     about: str = ""                     # what it sets, for the README's table
     param: str = ""                     # the library's keyword for it, where one exists
+    flag: str = ""                      # a variable's flag: given, the variable is not read
 
     @property
     def is_env(self) -> bool:
@@ -76,32 +80,36 @@ class Number:
 
     def _why(self, raw: str) -> str | None:
         """None when ``raw`` is a good value, else what is wrong with it."""
-        if not raw.strip():
+        text = raw.strip()
+        if not text:
             return "is empty"
+        digits = _DIGITS.fullmatch(text) is not None        # a plain integer, written out
         try:
             value = self._value(raw)
         except ValueError:
+            if digits:
+                return "is out of range"        # int() refuses integers of over 4,300 digits
             if self.kind is not int:
                 return "is not a number"
-            if raw.strip().lstrip("+-").replace("_", "").isdigit():
-                return "is out of range"        # int() refuses integers of over 4,300 digits
             try:        # "1e3", "2.5"
                 value = float(raw)
             except ValueError:
                 return "is not a number"
-            if math.isfinite(value) and not value.is_integer():
-                return "is not an integer"
+            if not math.isfinite(value):
+                return self._why_value(value)
+            return "is not written as an integer"
+        if isinstance(value, float) and math.isinf(value) and \
+                text.lstrip("+-").lower() not in ("inf", "infinity"):
+            return "is out of range"            # 1e400, or 400 digits: finite, just huge
         return self._why_value(value)
 
     def _why_value(self, value) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, (numbers.Integral, numbers.Real)):
             return "is not a number"
-        if isinstance(value, float) and not math.isfinite(value):
+        if not isinstance(value, numbers.Integral) and not math.isfinite(value):
             return "is not a finite number"
-        if self.kind is int and isinstance(value, float) and not value.is_integer():
-            return "is not an integer"
-        if self.kind is int and isinstance(value, float) and abs(value) < 2 ** 53:
-            return "is not an integer"      # 3.0 given where an int is counted
+        if self.kind is int and not isinstance(value, numbers.Integral):
+            return "is not an integer"      # 3.0 or 2.5 given where a count is expected
         if value < self.low or (self.low_open and value == self.low) or value > self.high:
             return "is out of range"
         return None
@@ -150,7 +158,7 @@ of seconds more than 0, at most 604800 (7 days)
         """
         why = self._why_value(value)
         if why is None:
-            return value
+            return self.kind(value)     # a numpy number too, as a plain int or float
         head = f"{who}: " if who else ""
         raise BadInput(f"{head}{self.param or self.name}={_text(repr(value))[1:-1]} {why}: "
                        f"give {self.wanted()}")
@@ -166,7 +174,8 @@ _ALL = (
     Number("--remedy-budget", "replays", int, 0, 1000, commands=("run",), param="remedies",
            about="extra replays the remedies may use (0: none)"),
     Number("NANBISECT_REMEDY_BUDGET", "replays", int, 0, 1000, default=4,
-           commands=("run", "triage"), about="`--remedy-budget` when it is not given"),
+           flag="--remedy-budget", commands=("run", "triage"),
+           about="`--remedy-budget` when it is not given"),
     Number("--jobs", "replays", int, 1, 4096, commands=("triage",), param="jobs",
            about="parallel replays"),
     Number("--timeout", "seconds", float, 0, WEEK, low_open=True, default=1800,
@@ -175,6 +184,7 @@ _ALL = (
     Number("--max-bytes", "bytes", int, 1, 1 << 40, commands=("unpack",), param="max_bytes",
            about="most uncompressed bytes `unpack` accepts"),
     Number("NANBISECT_UNPACK_MAX_BYTES", "bytes", int, 1, 1 << 40, commands=("unpack",),
+           flag="--max-bytes",
            about="`--max-bytes` when it is not given (default: 50x the archive, 64 MiB to "
                  "4 GiB)"),
     Number("--min-age", "seconds", float, 0, 3650 * DAY, default=600, commands=("clean",),
@@ -211,11 +221,12 @@ def env(name: str, default=None):
     return NUMBERS[name].parse(raw)
 
 
-def check_environment(command: str) -> None:
+def check_environment(command: str, given: frozenset[str] | set[str] = frozenset()) -> None:
     """Every variable ``command`` reads, parsed now: a bad one is refused before the command
-    starts, not an hour in (a multi-rank replay, the compiler bisection)."""
+    starts, not an hour in (a multi-rank replay, the compiler bisection). A variable whose flag
+    is in ``given`` is not read, so it is not checked either."""
     for n in _ALL:
-        if n.is_env and command in n.commands and n.name in os.environ:
+        if n.is_env and command in n.commands and n.name in os.environ and n.flag not in given:
             n.parse(os.environ[n.name])
 
 
