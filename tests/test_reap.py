@@ -242,10 +242,11 @@ def test_an_interrupted_run_leaves_no_child(tmp_path):
     assert [r for r in rows if r["children"]] == [], shown
     # the interrupt went through unchanged (the first error wins)
     assert all(r["same"] for r in rows), shown
-    # and the child's window was hit, by each kind of interrupt
+    # and the child's window was hit, by each kind of interrupt that a signal or the loss
+    # delivers; `_thread.interrupt_main` sends no signal: it lands where the interpreter next
+    # checks (on a busy machine, after the window; in an after-fork hook, swallowed by Python)
     hit = {r["name"].split("@")[0] for r in rows if r["in_window"]}
-    assert hit == {"loss-kbd", "loss-exit", "timer-kbd", "timer-exit", "interrupt_main",
-                   "run_repro"}, shown
+    assert {"loss-kbd", "loss-exit", "timer-kbd", "timer-exit", "run_repro"} <= hit, shown
 
 
 # the repro's other runners, each interrupted while it waits: a started interpreter (a run on an

@@ -65,7 +65,8 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     limit = bisect_timeout() if timeout is None else timeout
-    scratch = Path(tempfile.mkdtemp(prefix="nanbisect-compiler-"))
+    # NB: the pid in its name tells a live run's scratch from one left behind
+    scratch = Path(tempfile.mkdtemp(prefix=f"nanbisect-compiler-{os.getpid()}-"))
     out = scratch / "finding.json"
     argv = ["-m", "nanbisect.compiler.child", str(Path(bundle).resolve()), str(out),
             "--device", target, "--cache-dir", cache_dir(), "--eager", eager,
