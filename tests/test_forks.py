@@ -132,7 +132,10 @@ def test_a_shared_child_forks_its_own_children_from_the_server(server, tmp_path)
                     "def up(pid):\n"
                     "    stat = open(f'/proc/{pid}/stat').read()\n"
                     "    return int(stat.rsplit(')', 1)[1].split()[1])\n"
-                    "print('rank', torch.get_num_threads(), up(up(os.getppid())), flush=True)\n")
+                    # NB: one write: under PYTHONUNBUFFERED print writes each piece on its
+                    # own, and the two ranks' pieces interleaved ('rankrank 1 1...')
+                    "os.write(1, f'rank {torch.get_num_threads()} {up(up(os.getppid()))}\\n'"
+                    ".encode())\n")
     code = ("import os, sys\n"
             "from nanbisect.multirank.launcher import _start_spawner\n"
             f"for extra in ({{}}, {{'ATEN_CPU_CAPABILITY': {other!r}}}):\n"

@@ -332,9 +332,11 @@ class Fork(_Pending):
         code = None
         with reaped(self):
             while code is None:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                with held():    # reaped and marked so as one step: `close` never kills a
+                    pid, status = os.waitpid(self.pid, os.WNOHANG)     # pid it reaped
+                    if pid:
+                        self.live = False
                 if pid:
-                    self.live = False
                     code = os.waitstatus_to_exitcode(status)
                 elif time.monotonic() > self.deadline:
                     self.close()
