@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,10 +198,27 @@ def one_line_exit_2(res: CliResult, *words: str) -> str:
     return line
 
 
+def aged(*paths, seconds=3 * 86400) -> None:
+    """Set every file and directory under ``paths`` (and they) to ``seconds`` ago."""
+    old = time.time() - seconds
+    for p in paths:
+        for q in sorted(Path(p).rglob("*"), reverse=True) + [Path(p)]:
+            os.utime(q, (old, old), follow_symlinks=False)
+
+
 def tree_digest(root) -> dict[str, str]:
     """Every file under ``root`` (relative path -> sha256): to show a tree was left untouched."""
     return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in sorted(Path(root).rglob("*")) if p.is_file()}
+
+
+@pytest.fixture
+def reported(tmp_path):
+    """A copy of the nan_batch bundle with its report (in-process run)."""
+    b = tmp_path / "b"
+    shutil.copytree(FIXTURES / "nan_batch", b, ignore=shutil.ignore_patterns("nanbisect-report"))
+    assert invoke("run", b).code == 1
+    return b
 
 
 @pytest.fixture

@@ -11,11 +11,10 @@ import math
 import os
 import shutil
 import subprocess
-import time
 
 import pytest
 
-from conftest import cli, invoke
+from conftest import aged, cli, invoke, tree_digest
 from mounts import read_only, tmpfs
 
 from nanbisect.bundle.leftovers import find_leftovers, remove, why_kept
@@ -33,17 +32,6 @@ def leftover(parent, tag="0123abcd", files=("model.safetensors", "rank0/opt.safe
         (d / f).write_bytes(b"x" * 100)
     aged(d)
     return d
-
-
-def aged(root, seconds=3 * 86400):
-    old = time.time() - seconds
-    for q in sorted(root.rglob("*"), reverse=True) + [root]:
-        os.utime(q, (old, old), follow_symlinks=False)
-
-
-def digest(root):
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
 
 
 def one_line(stderr):
@@ -88,7 +76,7 @@ def test_clean_goes_on_past_a_read_only_file_system(tmp_path):
     next directory was never looked at); the one in the next directory is removed."""
     ro_dir, other = tmp_path / "ro", tmp_path / "other"
     stuck, gone = leftover(ro_dir), leftover(other, "89abcdef")
-    before = digest(ro_dir)
+    before = tree_digest(ro_dir)
     with read_only(ro_dir):
         res = cli("clean", ro_dir, other, "--min-age", "0", fresh=True)
         assert res.code == SOME_FAILED, res.stdout + res.stderr
@@ -97,7 +85,7 @@ def test_clean_goes_on_past_a_read_only_file_system(tmp_path):
         assert "nothing in it was removed" in line, line
         assert not gone.exists() and f"removed {gone}" in res.stdout, res.stdout
         assert "removed 1 leftover(s)" in res.stdout and "could not remove 1" in res.stdout
-        assert digest(ro_dir) == before and is_marked(stuck)
+        assert tree_digest(ro_dir) == before and is_marked(stuck)
 
 
 def test_clean_says_what_is_left_beside_an_immutable_file(tmp_path):
@@ -130,7 +118,7 @@ def test_clean_never_enters_a_mount_inside_a_leftover(tmp_path):
     with tmpfs(d / "rank1", "1m") as mnt:
         (mnt / "weights.bin").write_bytes(b"mounted" * 10)
         aged(d)
-        before = digest(d)
+        before = tree_digest(d)
         [x] = find_leftovers([tmp_path])
         assert x.bytes == 200 + (d / MARKER).stat().st_size      # the mount's not counted
         res = invoke("clean", tmp_path, "--min-age", "0", "--dry-run")
@@ -139,7 +127,7 @@ def test_clean_never_enters_a_mount_inside_a_leftover(tmp_path):
         assert res.code == 0 and f"kept {d}: holds a mount point at {mnt}" in res.stdout, \
             res.stdout + res.stderr
         assert res.stderr == "" and "removed 0 leftover(s)" in res.stdout
-        assert digest(d) == before and os.path.ismount(mnt)
+        assert tree_digest(d) == before and os.path.ismount(mnt)
 
 
 def test_clean_never_enters_a_bind_mount_of_the_same_file_system(tmp_path):

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from conftest import FIXTURES, ROOT, TEST_TASKS, invoke
+from conftest import FIXTURES, ROOT, TEST_TASKS, aged, invoke, tree_digest
 
 from nanbisect.bundle.format import read_bundle
 from nanbisect.bundle.leftovers import find_leftovers
@@ -95,19 +95,6 @@ def test_inspect_lists_bundles_and_leftovers_of_a_directory(tmp_path):
     assert listing["leftovers"][0]["bytes"] == left.bytes and listing["bundles"] == ["step000000"]
 
 
-def aged(*paths, seconds=3 * 86400):
-    """Set every file and directory under ``paths`` (and they) to ``seconds`` ago."""
-    old = time.time() - seconds
-    for p in paths:
-        for q in sorted(p.rglob("*"), reverse=True) + [p]:
-            os.utime(q, (old, old), follow_symlinks=False)
-
-
-def digest(root):
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
-            if p.is_file()}
-
-
 def test_clean_never_removes_by_name_alone(tmp_path):
     """The user's directories that have a staging name's shape (an 8-digit date matches the
     hex suffix), days old, are kept: the top-level one listed with why, the one in a
@@ -122,13 +109,13 @@ def test_clean_never_removes_by_name_alone(tmp_path):
     forged.mkdir()
     (forged / MARKER).write_text('{"schema": "nanbisect.staging/1", "name": ".x.tmp-00000000"}')
     aged(ssh, data, forged)
-    before = digest(tmp_path)
+    before = tree_digest(tmp_path)
     res = invoke("clean", tmp_path, "--min-age", "0")
     assert res.code == 0, res.stdout + res.stderr
     assert f"kept {ssh}: no nanbisect marker" in res.stdout, res.stdout
     assert f"kept {forged}: no nanbisect marker" in res.stdout
     assert "proj" not in res.stdout and "removed 0 leftover(s)" in res.stdout
-    assert digest(tmp_path) == before and ssh.is_dir() and data.is_dir() and forged.is_dir()
+    assert tree_digest(tmp_path) == before and ssh.is_dir() and data.is_dir() and forged.is_dir()
     # listed, not looked into: no size for a directory nanbisect did not mark
     [x] = [x for x in find_leftovers([tmp_path]) if x.path == ssh]
     assert (x.marked, x.bytes) == (False, None)

@@ -106,15 +106,6 @@ def test_pack_without_report_is_bad_input(fixture_bundle, tmp_path):
     assert res.code == 2 and "run `nanbisect run --ckpt" in res.stderr
 
 
-@pytest.fixture
-def reported(tmp_path):
-    """A copy of the nan_batch bundle with its report (in-process run)."""
-    b = tmp_path / "b"
-    shutil.copytree(FIXTURES / "nan_batch", b, ignore=shutil.ignore_patterns("nanbisect-report"))
-    assert invoke("run", b).code == 1
-    return b
-
-
 def test_pack_refuses_paths_inside_a_bundle(reported, tmp_path):
     """`-o BUNDLE/model.safetensors` used to exit 0 and break the bundle's sha256."""
     other = tmp_path / "other"

@@ -17,19 +17,10 @@ import tarfile
 import time
 
 import pytest
-from conftest import FIXTURES, cli, invoke, one_line_exit_2
+from conftest import cli, invoke, one_line_exit_2
 from mounts import tmpfs
 
 from nanbisect.bundle import pack as pk
-
-
-@pytest.fixture
-def reported(tmp_path):
-    """A copy of the nan_batch bundle with its report (in-process run)."""
-    b = tmp_path / "b"
-    shutil.copytree(FIXTURES / "nan_batch", b, ignore=shutil.ignore_patterns("nanbisect-report"))
-    assert invoke("run", b).code == 1
-    return b
 
 
 @pytest.fixture

@@ -50,7 +50,27 @@ ENTRY = textwrap.dedent("""
         return t
 """)
 
-DRIVER = textwrap.dedent("""
+# both drivers count their own children: every process whose parent is this one, any state
+CHILDREN = textwrap.dedent("""
+    import os
+
+
+    def children():
+        me, out = os.getpid(), []
+        for d in os.listdir("/proc"):
+            if not d.isdigit():
+                continue
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    rest = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(rest[1]) == me:
+                out.append([int(d), rest[0]])
+        return out
+""")
+
+DRIVER = CHILDREN + textwrap.dedent("""
     import _thread
     import json
     import os
@@ -67,7 +87,6 @@ DRIVER = textwrap.dedent("""
     import nanbisect.report.rerun as rerun
 
     bundle, entry, out_file = sys.argv[1:4]
-    me = os.getpid()
     forks = []                      # the repro runs started (`rerun.Fork`), in order
     submit, result = rerun.Fork.submit, rerun.Fork.result
     marks = {}
@@ -87,20 +106,6 @@ DRIVER = textwrap.dedent("""
         return got
 
     rerun.Fork.submit, rerun.Fork.result = submitted, collected
-
-    def children():
-        out = []
-        for d in os.listdir("/proc"):
-            if not d.isdigit():
-                continue
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    rest = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(rest[1]) == me:
-                out.append([int(d), rest[0]])
-        return out
 
     def reap_leftovers():               # so that one failure does not count again later
         for pid, _ in children():
@@ -251,7 +256,7 @@ def test_an_interrupted_run_leaves_no_child(tmp_path):
 
 # the repro's other runners, each interrupted while it waits: a started interpreter (a run on an
 # accelerator) and a child of a fork server (a triage replay's); then the server itself closed
-RUNNERS = textwrap.dedent("""
+RUNNERS = CHILDREN + textwrap.dedent("""
     import json
     import os
     import signal
@@ -262,21 +267,6 @@ RUNNERS = textwrap.dedent("""
 
     from nanbisect.report import rerun
     from nanbisect.util.forks import ForkServer
-
-    me = os.getpid()
-
-    def children():
-        out = []
-        for d in os.listdir("/proc"):
-            if d.isdigit():
-                try:
-                    with open(f"/proc/{d}/stat") as f:
-                        rest = f.read().rsplit(")", 1)[1].split()
-                except OSError:
-                    continue
-                if int(rest[1]) == me:
-                    out.append([int(d), rest[0]])
-        return out
 
     def raising(signum, frame):
         raise KeyboardInterrupt("timer")

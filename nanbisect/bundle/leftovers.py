@@ -81,13 +81,11 @@ def walk(root: Path, max_dirs: int | None = None) -> Iterator[tuple[str, list[st
         stack.extend(os.path.join(top, d) for d in reversed(dirnames))
 
 
-def _walk(root: Path, mounts: set[str] | None = None) -> tuple[int, float, bool, list[Path]]:
+def _walk(root: Path, mounts: set[str]) -> tuple[int, float, bool, list[Path]]:
     """(bytes, newest mtime, only regular files and directories, the directories below it on
-    another file system or mounted (``mounts``, default `mount_points`: a bind mount of this
-    one too)) of everything under ``root``, at most `MAX_DIRS` directories; those directories
-    are not entered."""
+    another file system or mounted (``mounts``, `mount_points`: a bind mount of this one too))
+    of everything under ``root``, at most `MAX_DIRS` directories; those are not entered."""
     top = os.lstat(root)
-    mounts = mount_points() if mounts is None else mounts
     real = os.path.realpath(root)
     total, newest, plain, other = 0, top.st_mtime, True, []
     for dirpath, dirnames, filenames in walk(root, MAX_DIRS):
@@ -177,6 +175,7 @@ def find_leftovers(roots: list[Path], beside: list[Path] = ()) -> list[Leftover]
     """
     found: list[Leftover] = []
     now = time.time()
+    mounts: set[str] | None = None      # the mount table, read once, when a leftover needs it
     for place in _places(list(roots), list(beside)):
         try:
             with os.scandir(place) as it:
@@ -188,7 +187,8 @@ def find_leftovers(roots: list[Path], beside: list[Path] = ()) -> list[Leftover]
             p = place / d
             try:
                 if is_marked(p):
-                    size, newest, _, _ = _walk(p)
+                    mounts = mount_points() if mounts is None else mounts
+                    size, newest, _, _ = _walk(p, mounts)
                     found.append(Leftover(p, size, max(0.0, now - newest), staging_kind(d)))
                 else:      # not ours to look into: listed with its own age only
                     age = max(0.0, now - os.lstat(p).st_mtime)
@@ -218,10 +218,11 @@ def why_kept(x: Leftover, min_age: float = MIN_AGE, now: float | None = None) ->
             return "not a nanbisect staging directory"
         if not is_marked(x.path):
             return NO_MARKER
-        mounts = _mounts_in(x.path, mount_points())
+        table = mount_points()
+        mounts = _mounts_in(x.path, table)
         if x.path in mounts or os.lstat(x.path).st_dev != os.lstat(x.path.parent).st_dev:
             return "is a mount point: clean never removes one, nor anything on it"
-        _, newest, plain, other = _walk(x.path)
+        _, newest, plain, other = _walk(x.path, table)
     except OSError as e:
         return _reason(e)
     mounts = sorted(set(mounts) | set(other))

@@ -57,7 +57,7 @@ from nanbisect.bundle.atomic import rename_noreplace
 from nanbisect.bundle.where import MANIFEST
 from nanbisect.errors import BadInput
 from nanbisect.util.numbers import NUMBERS, env
-from nanbisect.util.files import remove_made
+from nanbisect.util.files import file_sha256, remove_made
 from nanbisect.util.staging import MARKER as STAGING_MARKER
 from nanbisect.util.staging import make_staging_dir, staging_name, staging_path, unmark
 from nanbisect.util.text import show
@@ -238,16 +238,12 @@ def _changed(f: Path) -> BadInput:
 
 
 def _file_digest(f: Path) -> tuple[int, str]:
-    """(size, sha256) of the file ``f``, streamed."""
-    h, size = hashlib.sha256(), 0
+    """(size, sha256) of the file ``f`` (`file_sha256`, streamed); one that changes meanwhile
+    is caught as it is written into the archive (`_Hashing`: its size and hash again)."""
     try:
-        with open(f, "rb") as fobj:
-            while chunk := fobj.read(_CHUNK):
-                h.update(chunk)
-                size += len(chunk)
+        return f.stat().st_size, file_sha256(f)
     except OSError as e:
         raise _cannot_read(f, e) from None
-    return size, h.hexdigest()
 
 
 class _Hashing(io.RawIOBase):
