@@ -99,6 +99,16 @@ class HealthLog:
             self.entries.pop()
         self.entries.append(entry)
 
+    def drop_from(self, step: int) -> None:
+        """Forget the entries of ``step`` and later (a failure found a step late: its bundle
+        ends with the step that failed)."""
+        while self.entries and self.entries[-1]["step"] >= step:
+            self.entries.pop()
+        if self._ring is not None:   # the later steps' rows took the oldest entries' rows
+            have = {s for s in self._steps if s is not None}
+            while self.entries and self.entries[0]["step"] not in have:
+                self.entries.popleft()
+
     def losses_before(self, last: int = JUMP_WINDOW) -> list[float]:
         """The finite losses of the last ``last`` steps before the newest entry that the scaler
         did not skip."""

@@ -79,10 +79,14 @@ def _autocast(task: Task) -> ContextManager:
 
 
 def run_step(task: Task, batch: Any,
-             phase: Callable[[str], ContextManager] = lambda name: nullcontext()
+             phase: Callable[[str], ContextManager] = lambda name: nullcontext(),
+             before_update: Callable[[Any, Any, Any], bool] | None = None
              ) -> Iterator[Event]:
     """Run the step; yield after each micro-batch's forward and backward and after the
     optimizer. The caller zeroes gradients first (``optimizer.zero_grad``) and may stop early.
+    ``before_update(total, grad_norm, skipped)`` is called after unscaling and clipping, just
+    before the update (the Guard reads the step there): False leaves the update out (neither
+    ``scaler.step`` nor ``scaler.update`` nor ``optimizer.step`` runs).
 
     >>> model = torch.nn.Linear(2, 1)
     >>> task = Task(model, torch.optim.SGD(model.parameters(), lr=0.1),
@@ -117,6 +121,9 @@ def run_step(task: Task, batch: Any,
                 norm = norm.full_tensor()
         if scaler is not None:
             skipped = found_inf(scaler, opt)
+        if before_update is not None and not before_update(total, norm, skipped):
+            pass        # the update is left out: the Guard stopped the step
+        elif scaler is not None:
             scaler.step(opt)
             scaler.update()
         else:

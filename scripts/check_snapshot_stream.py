@@ -1,4 +1,5 @@
-"""Check: the Guard's pre-step snapshot taken on a side stream is the pre-step state (issue 15).
+"""Check: the Guard's pre-step snapshot taken on a side stream is the pre-step state (issue 15;
+``Guard(snapshot="every-step")``, the mode that copies the state before every step).
 
 Two identical models (same seed) train side by side under `nanbisect.Guard`, one with the
 snapshot on a side stream (the default on an accelerator), one with ``snapshot_stream=False``;
@@ -46,6 +47,7 @@ def main() -> int:
     tasks = {"side_stream": make_task(args.device), "plain_copy": make_task(args.device)}
     out = Path(tempfile.mkdtemp(prefix="snapshot-stream-"))
     guards = {k: nanbisect.Guard(t, entry=f"{__file__}:make_task", out=out / k,
+                                 snapshot="every-step",
                                  snapshot_stream=(k == "side_stream"))
               for k, t in tasks.items()}
     g = torch.Generator().manual_seed(1)

@@ -73,7 +73,8 @@ class CountingCpu(devices.Cpu):
 def test_a_test_device_type_runs_capture_replay_and_op_check_through_the_seam(tmp_path):
     mod = import_target(str(TASK))
     with devices.registered(CountingCpu()) as dt:
-        guard = Guard(mod.task(), entry=f"{TASK}:task", out=tmp_path / "bundles", history=0)
+        guard = Guard(mod.task(), entry=f"{TASK}:task", out=tmp_path / "bundles", history=0,
+                      snapshot="every-step")    # the mode that copies on a side stream
         for i in range(3):
             guard.step(mod.batch(i))
         with pytest.raises(NonFiniteStep) as caught:

@@ -220,6 +220,7 @@ def test_long_lists_of_bad_parameters_are_counted(tmp_path):
     guard = Guard(task, entry=f"{TEST_TASKS / 'loops.py'}:scaled", out=tmp_path)
     with pytest.raises(NonFiniteStep) as e:
         guard.step(torch.ones(1, 2))
+        guard.close()      # the update made them NaN: read here
     bad = e.value.observed["nonfinite_params"]
     assert len(bad["nan"]) == 20 and bad["nan_count"] == 60
     shutil.rmtree(e.value.bundle)

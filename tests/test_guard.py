@@ -253,7 +253,7 @@ def test_backward_only_nonfinite_is_classified_grad(tmp_path):
 
 def test_optimizer_phase_nan_after_healthy_steps(tmp_path):
     task = late_task()
-    guard = Guard(task, entry=ENTRY, out=tmp_path / "out")
+    guard = Guard(task, entry=ENTRY, out=tmp_path / "out", snapshot_every=50)
     for s in range(2):
         guard.step(late_batch(s))
     pre_model = clone_state(task.model)
@@ -262,12 +262,17 @@ def test_optimizer_phase_nan_after_healthy_steps(tmp_path):
     assert sorted(names[i] for i in pre_opt["state"]) == ["a.bias", "a.weight"]  # b: no state
     assert all(float(s["step"]) == 2.0 for s in pre_opt["state"].values())
 
+    # the update makes b NaN: the next step's reading sees it, before its own update, and the
+    # failing step's pre-state is rebuilt from the snapshot of step 0 and steps 0 and 1
+    guard.step(late_batch(2, touch_b=True))
     with pytest.raises(NonFiniteStep) as ei:
-        guard.step(late_batch(2, touch_b=True))
+        guard.step(late_batch(3))
     e = ei.value
     obs = e.observed
-    assert e.bundle.name == "step000002"
+    assert e.bundle.name == "step000002" and guard.step_index == 2
     assert obs["first"] == "param"
+    assert obs["rebuild"] == {"from_step": 0, "steps": 2, "fidelity": "bit-exact",
+                              "max_rel_diff": 0.0, "first_mismatch": None}
     assert obs["summary"] == {"loss": "finite", "grads": "finite", "params": "nan"}
     assert obs["nonfinite_params"]["nan"] == ["b"]
     assert math.isfinite(obs["loss"])
@@ -292,10 +297,13 @@ def test_fixture_adam_eps0_fails_in_optimizer_at_step0(tmp_path):
     task = load_task(entry)
     pre = clone_state(task.model)
     guard = Guard(task, entry=entry, out=tmp_path)
-    batch = next(import_target(str(ADAM_EPS0)).batches())
+    batches = import_target(str(ADAM_EPS0)).batches()
+    batch = next(batches)
+    guard.step(batch)            # its update makes NaN: seen by the next step's reading
     with pytest.raises(NonFiniteStep) as ei:
-        guard.step(batch)
+        guard.step(next(batches))
     obs = ei.value.observed
+    assert obs["rebuild"]["fidelity"] == "bit-exact" and obs["rebuild"]["steps"] == 0
     assert ei.value.bundle == tmp_path / "step000000"
     assert obs["first"] == "param" and obs["summary"]["grads"] == "finite"
     assert "embed.weight" in obs["nonfinite_params"]["nan"]

@@ -47,8 +47,10 @@ def test_history_is_bounded_and_holds_per_parameter_norms(tmp_path):
     assert steps == list(range(e.observed["step"] - 4, e.observed["step"] + 1))
     norms = load_file(str(e.bundle / "history.safetensors"))["history/norms"]
     assert tuple(norms.shape) == (5, 2, 4) and h["parameters"][0] == "fc1.weight"
-    # the last row is the failing step's: non-finite parameters after its update
-    assert not norms[-1, 0].isfinite().all() and norms[:-2].isfinite().all()
+    # the last row is the failing step's: its update was left out (a forward failure), so its
+    # parameters are as they entered it, the previous step's "after"; its gradients not finite
+    assert e.observed["first"] == "loss" and norms[:, 0].isfinite().all()
+    assert torch.equal(norms[-1, 0], norms[-2, 0]) and not norms[-1, 1].isfinite().all()
 
 
 def test_history_off(tmp_path):

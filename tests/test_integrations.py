@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TEST_TASKS, cli
+from held import holds_no_copy
 from nanbisect.task import import_target
 
 EXAMPLES = ROOT / "examples"
@@ -31,9 +32,10 @@ def test_lightning_callback(tmp_path):
         "aten.sqrt.default", "act", "forward")
 
 
-def hf_train(tmp_path, func: str, dataset: str, **settings):
-    """Train hf_task's ``func`` task on its ``dataset`` with the HF Trainer and the callback;
-    return the callback."""
+def hf_train(tmp_path, func: str, dataset: str, extra=lambda cb: [], fails: bool = True,
+             **settings):
+    """Train hf_task's ``func`` task on its ``dataset`` with the HF Trainer and the callback
+    (then ``extra(callback)``'s); return the callback."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from transformers import Trainer, TrainingArguments
@@ -49,9 +51,9 @@ def hf_train(tmp_path, func: str, dataset: str, **settings):
                              logging_strategy="no", learning_rate=1e-3,
                              lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
                              optim="adamw_torch", disable_tqdm=True, **settings)
-    Trainer(model=task.model, args=args, train_dataset=getattr(hf_task, dataset)(), callbacks=[cb],
-            optimizers=(task.optimizer, None)).train()
-    assert cb.bundle is not None
+    Trainer(model=task.model, args=args, train_dataset=getattr(hf_task, dataset)(),
+            callbacks=[cb, *extra(cb)], optimizers=(task.optimizer, None)).train()
+    assert (cb.bundle is not None) == fails
     return cb
 
 
@@ -102,3 +104,47 @@ def test_hf_clipping_and_accumulation_replay_the_trainers_step(tmp_path):
     # embedding is tied to the LM head, which gives every row one)
     assert (rep["phase"], rep["culprit"]["parameter"]) == ("optimizer",
                                                            "transformer.wpe.weight")
+
+
+def test_the_callbacks_hold_no_copy_of_the_state(tmp_path):
+    """Issue 40: inside Lightning and the HF Trainer the default Guard holds no tensor the size
+    of a parameter or a moment (at most 0.10x the state in all), measured mid-training; the
+    Guard is closed when training ends (its snapshot dropped)."""
+    L = pytest.importorskip("lightning")
+    import lit_task
+
+    from nanbisect.integrations.lightning import NanbisectCallback
+
+    seen: list = []
+    cb = NanbisectCallback(entry=f"{TEST_TASKS / 'lit_task.py'}:wide_task", out=tmp_path / "l")
+
+    class Measure(L.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            if batch_idx == 6:
+                seen.append(holds_no_copy(cb.guard))
+
+    trainer = L.Trainer(max_steps=10, accelerator="cpu", logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[cb, Measure()])
+    trainer.fit(lit_task.LitWide(), torch.utils.data.DataLoader(lit_task.wide_data(),
+                                                                batch_size=8))
+    assert cb.bundle is None and len(seen) == 1 and seen[0][0], seen
+    assert cb.guard.step_index == 10 and cb.guard._keeper.snap is None     # closed
+
+    pytest.importorskip("transformers")
+    from transformers import TrainerCallback
+
+    got: list = []
+
+    class HfMeasure(TrainerCallback):
+        def __init__(self, ours):
+            self.ours = ours
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 6:
+                got.append(holds_no_copy(self.ours.guard))
+
+    hf = hf_train(tmp_path, "task_wide", "dataset", extra=lambda cb: [HfMeasure(cb)],
+                  fails=False, max_steps=8)
+    assert len(got) == 1 and got[0][0], got
+    assert hf.guard._keeper.snap is None

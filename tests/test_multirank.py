@@ -216,3 +216,26 @@ def test_rank_taking_a_different_control_path_ends_within_the_timeout(tmp_path):
     assert "rank 1 waited in a collective at " in res.stderr and "control path" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     assert took < timeout + 60
+
+
+@pytest.mark.parametrize("func", ["ddp_adam_eps0", "fsdp_adam_eps0"])
+def test_a_fault_born_in_the_update_is_rebuilt_on_every_rank(func, tmp_path):
+    """Issue 40: Adam with eps=0 makes NaN in step 0's update (finite loss and gradients); the
+    Guard, which copies no parameter, sees it at step 1's reading on every rank, and every rank
+    rebuilds step 0's pre-state from its snapshot together (DDP's all-reduces, FSDP2's
+    all-gathers and reduce-scatters run again): the bundle is step 0's, bit-exact, and its replay
+    finds the NaN in the optimizer."""
+    bundle = ranks_capture(func, tmp_path / "g")
+    top = json.loads((bundle / "manifest.json").read_text())
+    assert bundle.name == "step000000"
+    for r in ("0", "1"):
+        obs = top["ranks"][r]["observed"]
+        assert obs["step"] == 0 and obs["summary"]["loss"] == "finite", obs
+        assert obs["rebuild"] == {"from_step": 0, "steps": 0, "fidelity": "bit-exact",
+                                  "max_rel_diff": 0.0, "first_mismatch": None}, obs
+        assert obs["summary"]["params"] == "nan"
+        assert [n.rsplit(".", 1)[-1] for n in obs["nonfinite_params"]["nan"]] == ["dead"]
+    rep = run_json(bundle)
+    assert (rep["verdict"], rep["phase"]) == ("culprit", "optimizer")
+    assert any("rebuilt its pre-state from the snapshot of step 0" in n for n in rep["notes"]), \
+        rep["notes"]

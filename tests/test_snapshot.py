@@ -95,15 +95,23 @@ def test_the_history_row_holds_the_norms_of_the_last_step(tmp_path):
     task = Task(model, torch.optim.AdamW(model.parameters(), lr=0.01),
                 lambda m, b: m(b).pow(2).mean())
     guard = Guard(task, entry=ENTRY, out=tmp_path, history=4)
-    for i in range(6):           # the ring wraps around
+    for i in range(5):           # the ring wraps around
         guard.step(torch.randn(5, 4))
     ps = list(model.parameters())
-    want = torch.stack([torch.stack([torch.linalg.vector_norm(t) for t in ts])
-                        for ts in (ps, [p.grad for p in ps])])
+    before = torch.stack([torch.linalg.vector_norm(t) for t in ps])
+    guard.step(torch.randn(5, 4))
+    after = torch.stack([torch.linalg.vector_norm(t) for t in ps])
+    want = torch.stack([before, torch.stack([torch.linalg.vector_norm(p.grad) for p in ps])])
     log = guard._history
     last = (log._next - 1) % log.n
-    assert log._steps[last] == 5
+    assert log._steps[last] == 5 and log._steps[(last - 1) % log.n] == 4
+    # read just before the update: the step's parameters as it began (step 4's "after") ...
     torch.testing.assert_close(log._ring[last], want)
+    torch.testing.assert_close(log._ring[(last - 1) % log.n][0], before)
+    # ... and the next reading writes the parameters after step 5's update into its row
+    guard.step(torch.randn(5, 4))
+    torch.testing.assert_close(log._ring[last][0], after)
+    torch.testing.assert_close(log._ring[last][1], want[1])
     # the gradients' global norm (their finiteness flag) is the one the history keeps
-    torch.testing.assert_close(torch.tensor(log.entries[-1]["grad_norm"]),
+    torch.testing.assert_close(torch.tensor(log.entries[-2]["grad_norm"]),
                                torch.linalg.vector_norm(want[1]))

@@ -152,6 +152,20 @@ def _dropped(v) -> bool:
     return _strs(v) and len(v) <= MAX_DROPPED and all(len(x) <= MAX_NAME for x in v)
 
 
+REBUILD_FIDELITY = ("bit-exact", "within-tolerance", "mismatch", "unavailable")
+
+
+def _rebuild(v) -> bool:
+    """``observed.rebuild``: how a Guard rebuilt the pre-state of a step whose update failed
+    (`nanbisect.guard.keep.Rebuilt`)."""
+    return isinstance(v, dict) and set(v) == {"from_step", "steps", "fidelity", "max_rel_diff",
+                                              "first_mismatch"} \
+        and (v["from_step"] is None or _count(v["from_step"])) and _count(v["steps"]) \
+        and v["fidelity"] in REBUILD_FIDELITY \
+        and (v["max_rel_diff"] is None or _num(v["max_rel_diff"])) \
+        and (v["first_mismatch"] is None or _count(v["first_mismatch"]))
+
+
 _LOSS = (lambda v: v is None or _num(v) or isinstance(v, str),
          "null, a number or a string such as 'nan'")
 _SECTIONS: dict[str, dict[str, tuple]] = {
@@ -170,7 +184,10 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "undeclared_scaler": (lambda v: isinstance(v, bool), "true or false"),
         "rank": (lambda v: _int(v) and 0 <= v < MAX_WORLD_SIZE, "an integer >= 0"),
         "spike": (lambda v: isinstance(v, dict) and all(map(_num, v.values())),
-                  "an object of numbers")},
+                  "an object of numbers"),
+        "rebuild": (_rebuild, "{from_step: null or an integer >= 0, steps: an integer >= 0, "
+                    "fidelity: one of " + ", ".join(REBUILD_FIDELITY) + ", max_rel_diff: null "
+                    "or a number, first_mismatch: null or an integer}")},
     "task": {
         "accumulate": (lambda v: _int(v) and 1 <= v <= MAX_ACCUMULATE,
                        f"an integer from 1 to {MAX_ACCUMULATE}"),

@@ -28,6 +28,11 @@ def _live_scale(scaler) -> torch.Tensor | None:
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
 
 
+def _param_groups(opt) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] \
+        if opt is not None else []
+
+
 _WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "named_modules",
           "modules", "_named_members")
 
@@ -194,8 +199,7 @@ class _Snapshot:
         self._early.bind(early, n_buf)
         # the scale before the step; None: the step is the scaler's first
         self.scale = self._early.copies[-2] if scale is not None else None
-        self._groups = ([{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-                        if opt is not None else [])
+        self._groups = _param_groups(opt)
         self._n_params = len(ps)
         dev = (ps or early or [torch.zeros(())])[0].device
         dt = devices.entry(dev)
@@ -224,6 +228,50 @@ class _Snapshot:
             if self._hooked is not None:
                 self._hooked[1].remove()
             self._hooked = (opt, opt.register_step_pre_hook(lambda *_: self.wait()))
+
+    @torch.no_grad()
+    def take_early(self, opt: torch.optim.Optimizer | None, scaler, buffers: list) -> None:
+        """Copy only what a forward pass or the scaler's update changes (buffers, the scaler's
+        scale and growth tracker) and the optimizer's groups: the default Guard's per-step copy
+        (the update is stopped before it runs, `nanbisect.guard.core`). Drops any parameter
+        and optimizer-state copies a `take` made."""
+        self.wait()
+        self.scale = None
+        if self._late.copies:
+            self.release()
+        early = _locals(buffers)
+        n_buf = len(early)
+        scale = _live_scale(scaler)
+        if scale is not None:
+            early += [scale, scaler._growth_tracker]
+        self._early.bind(early, n_buf)
+        self.scale = self._early.copies[-2] if scale is not None else None
+        self._groups = _param_groups(opt)
+        if early:
+            torch._foreach_copy_(self._early.copies, self._early.live)
+
+    def early_copies(self, buffers: list) -> dict[int, torch.Tensor]:
+        """id of each of ``buffers`` (the ones `take_early` copied, in its order) -> its copy."""
+        return {id(b): c for b, c in zip(buffers, self._early.copies)}
+
+    @torch.no_grad()
+    def restore_early(self, opt: torch.optim.Optimizer | None) -> None:
+        """Put back what `take_early` copied."""
+        self._early.put_back()
+        if opt is not None:
+            for g, saved in zip(opt.param_groups, self._groups):
+                g.update(saved)
+
+    @torch.no_grad()
+    def swap_early(self, opt: torch.optim.Optimizer | None) -> None:
+        """Exchange the live buffers and scale with `take_early`'s copies (twice: as it was)."""
+        self._early.swap()
+
+    def release(self) -> None:
+        """Drop the parameter and optimizer-state copies (`take` makes them again)."""
+        self.wait()
+        self._late = _Copies()
+        self._state_vals, self._opt_state, self._state = [], {}, []
 
     def _bind_late(self, ps: list[torch.Tensor], opt: torch.optim.Optimizer | None) -> bool:
         """Point the late copies at the parameters and the optimizer's state tensors; True when

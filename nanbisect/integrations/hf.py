@@ -9,8 +9,10 @@ normalises over the whole accumulation with ``num_items_in_batch`` is not divide
 ``fp16``/``bf16`` (autocast, and fp16's GradScaler from the accelerator). The Trainer hands
 callbacks no batch, so the callback takes each micro-batch from the model's forward calls (a forward
 pre-hook) and its loss from the forward's output, and opens the guard at the first one, before
-anything changed. On a non-finite step it writes the bundle, keeps its path in ``.bundle`` and sets
-``control.should_training_stop``. The entry must rebuild the same model and optimizer, with
+anything changed; the step is read by the optimizer's step pre-hook, before its update (a failing
+update is left out). On a non-finite step it writes the bundle, keeps its path in ``.bundle`` and
+sets ``control.should_training_stop``; ``on_train_end`` closes the Guard (the last update read,
+the snapshot dropped). The entry must rebuild the same model and optimizer, with
 ``loss_fn = hf_loss``; the step's shape comes from the bundle.
 """
 from __future__ import annotations
@@ -19,8 +21,9 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from nanbisect.errors import NonFiniteStep
 from nanbisect.guard import Guard
-from nanbisect.integrations import close_step
+from nanbisect.integrations import close_step, log
 from nanbisect.step import add_loss
 from nanbisect.task import Task
 
@@ -71,6 +74,7 @@ class NanbisectTrainerCallback(TrainerCallback):
         loss = getattr(output, "loss", None)
         if self._cm is not None and module.training and loss is not None:
             _, self._total = add_loss(self.guard.task, self._total, loss)
+            self._w.loss = self._total     # read before the update (the step pre-hook)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self._cm is None:
@@ -91,3 +95,9 @@ class NanbisectTrainerCallback(TrainerCallback):
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self.guard is not None:
+            try:
+                self.guard.close()
+            except NonFiniteStep as e:     # the last update failed
+                log.error("nanbisect: %s", e)
+                self.bundle = e.bundle

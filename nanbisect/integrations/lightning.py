@@ -6,9 +6,13 @@ The Task it guards is filled from the Trainer's own settings, so the bundle repl
 Trainer's real step: ``gradient_clip_val`` (norm clipping), ``accumulate_grad_batches`` (each
 step's batch is its micro-batches, each loss divided by their number as Lightning does) and
 ``precision`` (``16-mixed``/``bf16-mixed``: autocast around ``training_step``, and 16-mixed's
-GradScaler). On a non-finite step the callback writes the bundle, keeps its path in
+GradScaler). The step is read in ``on_before_optimizer_step`` (after Lightning's closure ran
+forward and backward, before the update; with 32-bit precision the optimizer's own step pre-hook
+fires before the closure, too early), with the loss from ``on_before_backward``; a failing step's
+update is left out. On a non-finite step the callback writes the bundle, keeps its path in
 ``.bundle``, logs it, and asks the trainer to stop (``trainer.should_stop``) instead of raising
-from inside a hook. The entry must rebuild the same module and optimizer: `task_from_module`
+from inside a hook; ``on_train_end`` closes the Guard (the last update is read, the snapshot
+dropped). The entry must rebuild the same module and optimizer: `task_from_module`
 does that for a LightningModule with one optimizer; the step's shape comes from the bundle.
 Automatic optimisation only; value clipping (``gradient_clip_algorithm="value"``) is refused.
 """
@@ -19,8 +23,10 @@ from pathlib import Path
 import lightning as L
 import torch
 
+from nanbisect.errors import NonFiniteStep
 from nanbisect.guard import Guard
-from nanbisect.integrations import close_step
+from nanbisect.guard.core import drop_grads
+from nanbisect.integrations import close_step, log
 from nanbisect.task import Task
 
 
@@ -66,6 +72,7 @@ class NanbisectCallback(L.Callback):
                     accumulate=trainer.accumulate_grad_batches,
                     autocast=_AUTOCAST.get(str(trainer.precision)))
         self.guard = Guard(task, entry=self.entry, out=self.out, start_step=trainer.global_step)
+        self.guard._external = True      # read in on_before_optimizer_step (see the module doc)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._cm is None:
@@ -75,17 +82,25 @@ class NanbisectCallback(L.Callback):
             self._w = self._cm.__enter__()
         self._mbs.append(batch)
 
+    def on_before_backward(self, trainer, pl_module, loss) -> None:
+        if self._cm is None:
+            return
+        # Lightning hands the loss already divided by accumulate_grad_batches, as the step
+        # divides it: the sum of these is the step's loss as a replay computes it
+        part = loss.detach()
+        self._total = part if self._total is None else self._total + part
+        self._w.loss = self._total
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if self._cm is not None and not self.guard._before_update():
+            drop_grads(self.guard.task.optimizer)    # the failing update is left out
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if self._cm is None:
             return
-        # Lightning hands back the loss already divided by accumulate_grad_batches, as the
-        # step divides it: the sum of these is the step's loss as a replay computes it
         part = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if part is None:      # training_step returned None: Lightning skipped this batch
             self._mbs.pop()
-        else:
-            part = part.detach()
-            self._total = part if self._total is None else self._total + part
         k = self.guard.task.accumulate
         if (batch_idx + 1) % k and not self._last_of_epoch(trainer, batch_idx):
             return                  # Lightning steps the optimizer after every k-th batch
@@ -99,6 +114,15 @@ class NanbisectCallback(L.Callback):
         if failed is not None:       # the step failed, even if no bundle could be written
             self.bundle = failed.bundle
             trainer.should_stop = True
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        if self.guard is None:
+            return
+        try:
+            self.guard.close()
+        except NonFiniteStep as e:     # the last update failed
+            log.error("nanbisect: %s", e)
+            self.bundle = e.bundle
 
     @staticmethod
     def _last_of_epoch(trainer, batch_idx: int) -> bool:

@@ -55,6 +55,7 @@ from nanbisect.replay.fidelity import captured_on, tier_notes
 from nanbisect.replay.replayer import parse_device, resolve_entry
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of
+from nanbisect.report.text import rebuild_note
 from nanbisect.report.rerun import runner
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
@@ -310,6 +311,10 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
             StageError(e.stage, f"rank {r.rank}: {e.message}") for r in results
             for e in r.errors)])
         notes = tier_notes(fidelity, target)
+        rebuilt = next((n for n in (rebuild_note((info or {}).get("observed"))
+                                    for _, info in sorted(m["ranks"].items())) if n), None)
+        if rebuilt:     # the Guard rebuilt the failing step's pre-state (every rank did)
+            notes.insert(0, rebuilt)
         if fidelity.code_changed:
             notes.insert(0, "the code differs from the capture's: "
                          + ", ".join(fidelity.code_changed) + "; every rank ran today's code")

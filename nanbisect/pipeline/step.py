@@ -12,6 +12,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import UNDECLARED_SCALER, BadInput
+from nanbisect.report.text import rebuild_note
 from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, captured_type,
                                        recorded_failure)
 from nanbisect.pipeline.compiled import (backend_of, compiler_report, opposite_note,
@@ -126,6 +127,9 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
     fid = facts.fidelity
     if undeclared_scaler(facts.observed):
         run.notes.append(UNDECLARED_SCALER)
+    note = rebuild_note(facts.observed)
+    if note:
+        run.notes.append(note)
     if first.phase is None and first.scaler_skipped:
         scale = (run.rep.bundle.manifest.get("grad_scaler") or {}).get("scale")
         run.notes.append(f"the GradScaler skipped this step: its gradients were not finite at "

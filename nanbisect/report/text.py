@@ -441,3 +441,25 @@ def terminal(r: Report, out: Path) -> str:
     lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
     lines.append(f"  in a browser: {out / 'report.html'}")
     return "\n".join(clip(line, MAX_NOTE) for line in lines)
+
+
+def rebuild_note(observed) -> str | None:
+    """What the Guard did to bundle a step whose update failed (``observed.rebuild``), in one
+    line; None when it did not rebuild."""
+    rb = observed.get("rebuild") if isinstance(observed, dict) else None
+    if not isinstance(rb, dict):
+        return None
+    step = observed.get("step")
+    if rb.get("fidelity") == "unavailable":
+        return (f"the Guard saw step {step}'s update make parameters non-finite, but no snapshot "
+                "reached its pre-state: the bundle holds the state after that update")
+    how = {"bit-exact": "bit-exact (every replayed loss and gradient norm as in training)",
+           "within-tolerance": f"within tolerance (relative difference up to "
+                               f"{rb.get('max_rel_diff')})",
+           "mismatch": f"a mismatch (the steps replayed differ from training from step "
+                       f"{rb.get('first_mismatch')}, relative difference "
+                       f"{rb.get('max_rel_diff')}: the loop did something the Task does not "
+                       "describe; this pre-state may not be the one that failed)"}
+    return (f"the Guard saw step {step}'s update make parameters non-finite at the next "
+            f"reading and rebuilt its pre-state from the snapshot of step {rb.get('from_step')} "
+            f"and {rb.get('steps')} step(s) replayed since: {how.get(rb.get('fidelity'), '?')}")

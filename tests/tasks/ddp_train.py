@@ -20,7 +20,10 @@ trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails
   backward takes sqrt of rank 1's negative feature sum: rank 1 computes a NaN gradient, the
   reduce-scatter hands every rank NaN in its shard;
 - fsdp_healthy: the same model, healthy; captures step 3. Replayed with `--inject
-  tests/tasks/corrupt_allreduce.py:corrupt_reduce_scatter` the reduce-scatter is at fault.
+  tests/tasks/corrupt_allreduce.py:corrupt_reduce_scatter` the reduce-scatter is at fault;
+- ddp_adam_eps0, fsdp_adam_eps0: Adam with eps=0 turns a parameter whose gradient is exactly 0
+  into NaN in step 0's update (born in the optimizer): the Guard sees it at step 1's reading and
+  every rank rebuilds step 0's pre-state from its snapshot.
 """
 import gc
 import os
@@ -187,6 +190,40 @@ def _fsdp_task():
     fully_shard(model.head)
     fully_shard(model)
     return nanbisect.Task(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.01),
+                          loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
+class DeadNet(nn.Module):
+    """SqrtNet's layers and a parameter the loss uses times zero: its gradient is exactly 0, and
+    Adam with eps=0 makes it 0 / 0 = NaN in the first update (finite loss and gradients: a fault
+    born in the optimizer, seen by the Guard one step later)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 8)
+        self.head = nn.Linear(8, 1)
+        self.dead = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.fc(x))).squeeze(-1) + 0.0 * self.dead.sum()
+
+
+def ddp_adam_eps0():
+    torch.manual_seed(0)
+    model = DDP(DeadNet())
+    return nanbisect.Task(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01,
+                                                                  eps=0.0),
+                          loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
+def fsdp_adam_eps0():
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = DeadNet()
+    fully_shard(model)
+    return nanbisect.Task(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=0.01,
+                                                                  eps=0.0),
                           loss_fn=lambda m, b: m(b).pow(2).mean())
 
 

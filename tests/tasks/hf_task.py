@@ -47,3 +47,13 @@ def dataset_low_tokens():
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 25, (8, 8), generator=g)
     return [{"input_ids": r, "labels": r} for r in ids]
+
+
+def task_wide():
+    """A healthy tiny GPT-2 with embeddings of 128 (its weights dwarf a step's RNG state: the
+    Guard's memory, issue 40)."""
+    torch.manual_seed(0)
+    m = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=16, n_embd=128, n_layer=1,
+                                   n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    return nanbisect.Task(model=m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-3),
+                          loss_fn=hf_loss)

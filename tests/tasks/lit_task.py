@@ -32,3 +32,28 @@ def bag_data():
 
 def bag_task():
     return task_from_module(LitBag())
+
+
+class LitWide(L.LightningModule):
+    """A healthy module with weights of 16384 elements (the Guard's memory, issue 40)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+
+    def training_step(self, batch, batch_idx):
+        (x,) = batch
+        return self.net(x).pow(2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+def wide_data():
+    return torch.utils.data.TensorDataset(torch.randn(96, 64,
+                                                      generator=torch.Generator().manual_seed(0)))
+
+
+def wide_task():
+    return task_from_module(LitWide())

@@ -1,0 +1,443 @@
+"""The default Guard's way back to a step's pre-state without a copy of the state on its device:
+a snapshot every K steps, off the device, and the steps since, replayed (issue 40).
+
+Guarantees: `Keeper.take` stores the parameters, buffers, optimizer state, module modes and the
+GradScaler's state of a step that began with finite parameters: in a file under the system's
+temporary directory when the state lives in host memory (the CPU: a copy in memory would double
+it), else in host memory (pinned, copied without a host synchronisation on the device's stream,
+so it is complete before the optimizer changes the state). Each later step's RNG, hyper-parameters,
+batch (a copy: a loop may refill its buffer), loss and gradient norm are kept (`record`).
+`rebuild` restores the snapshot into the live model and optimizer and replays the kept steps
+through the Task's step (`nanbisect.step.run_step`) up to a given step, then that step's forward
+and backward alone, comparing each step's loss and gradient norm with what the Guard read while
+training: ``bit-exact``, ``within-tolerance`` (relative difference at most `TOLERANCE`) or
+``mismatch`` (what the loop did outside the Task, an edit of the weights between steps, a thread
+count the kernels depend on). K is chosen so that a snapshot's cost, amortised, stays under
+`BUDGET` of a step (``Guard(snapshot_every=K)`` fixes it); under torch.distributed every rank
+snapshots at the same steps (one all-reduce of K, once). Memory: the kept steps' batches and RNG
+states, at most `RECORD_SHARE` of the state's bytes (more: a snapshot is taken sooner).
+Not guaranteed: state outside the model, the optimizer and the scaler (a scheduler's, a data
+loader's); a rebuild needs every step since the snapshot to replay as it ran.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import re
+import shutil
+import tempfile
+import time
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from nanbisect.bundle.state import (RngState, Tensors, decode, encode, encode_model,
+                                    encode_optimizer, local, restore_model, restore_modes,
+                                    restore_optimizer)
+from nanbisect.util import lockdir
+
+BUDGET = 0.005          # a snapshot's amortised share of a step's time
+MAX_EVERY = 1000        # steps between snapshots at most (a rebuild replays up to this many)
+CHOOSE_AFTER = 4        # steps timed after a snapshot before K is chosen from their median
+RECORD_SHARE = 0.05     # the kept steps' bytes, as a share of the state's, before a new snapshot
+TOLERANCE = 1e-4        # relative difference of a replayed step's loss and gradient norm
+SCRATCH = "nanbisect-guard-"    # the snapshot file's directory, in the temporary directory
+_RNG_BYTES = 32 * 1024  # a step's RNG states as kept: torch's (5 KB), NumPy's, Python's
+
+
+def _groups(opt) -> list[dict]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] \
+        if opt is not None else []
+
+
+def _nbytes(ts: Tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in ts.values())
+
+
+@dataclass
+class Record:
+    """One step as the Guard saw it: what a rebuild needs to run it again and to check it."""
+
+    step: int
+    rng: RngState
+    groups: Any               # the optimizer's hyper-parameters, encoded
+    batch: Any                # the batch, encoded
+    tensors: Tensors          # the batch's and groups' tensors (copies)
+    loss: float | None        # as the Guard read it (None: not read)
+    grad_norm: float | None   # the gradients' global norm as the Guard read it
+    nbytes: int = 0
+
+
+@dataclass
+class Rebuilt:
+    """What `Keeper.rebuild` did: bundle's ``observed.rebuild``."""
+
+    from_step: int
+    steps: int                     # steps replayed in full (the failing step's update excluded)
+    fidelity: str                  # bit-exact | within-tolerance | mismatch
+    max_rel_diff: float | None     # the largest relative difference seen (0: bit-exact)
+    first_mismatch: int | None = None   # the first step whose loss or norm differed
+
+    def to_json(self) -> dict:
+        return {"from_step": self.from_step, "steps": self.steps, "fidelity": self.fidelity,
+                "max_rel_diff": self.max_rel_diff, "first_mismatch": self.first_mismatch}
+
+
+def _rel(a: float | None, b: float | None) -> float | None:
+    """The relative difference of two read values (0 when both are the same, inf when one is
+    not finite and the other is); None when either was not read."""
+    if a is None or b is None:
+        return None
+    if a == b or (a != a and b != b):
+        return 0.0
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.inf
+    return abs(a - b) / max(abs(a), abs(b), 1e-30)
+
+
+class _FileStore:
+    """The snapshot's tensors in one safetensors file (read back one tensor at a time), in a
+    directory of the system's temporary directory (``TMPDIR``) that this process holds a lock
+    in (`nanbisect.util.lockdir`): removed when the Guard closes or is collected, or by the next
+    Guard anywhere on the machine once its owner is dead (a killed run)."""
+
+    def __init__(self) -> None:
+        self._dir: str | None = None
+        self._finalizer = None
+
+    def _path(self) -> str:
+        if self._dir is None:
+            _sweep()
+            path, fd = lockdir.make(f"{SCRATCH}{os.getpid()}-")
+            self._dir = str(path)
+            self._finalizer = weakref.finalize(self, _drop_dir, self._dir, fd)
+        return os.path.join(self._dir, "state.safetensors")
+
+    def put(self, tensors: Tensors) -> None:
+        from safetensors.torch import save_file
+
+        seen: set = set()
+        out = {}
+        for k, t in tensors.items():
+            t = t.detach().to("cpu")
+            ptr = t.untyped_storage().data_ptr() if t.numel() else None
+            # NB: safetensors refuses tensors sharing storage: those are cloned, one by one
+            if not t.is_contiguous() or (ptr is not None and ptr in seen):
+                t = t.contiguous().clone()
+            elif ptr is not None:
+                seen.add(ptr)
+            out[k] = t
+        path = self._path()
+        save_file(out, path + ".tmp")
+        os.replace(path + ".tmp", path)
+
+    def get(self) -> "_Lazy":
+        return _Lazy(self._path())
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._dir = self._finalizer = None
+
+
+def _drop_dir(path: str, fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _sweep() -> None:
+    """Remove the snapshot directories of Guards whose process is gone (their lock is free)."""
+    tmp = tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return
+    for e in entries:
+        if re.fullmatch(rf"{SCRATCH}\d+-[a-z0-9_]{{8}}", e.name) and \
+                e.is_dir(follow_symlinks=False) and lockdir.state(e.path) == "free":
+            shutil.rmtree(e.path, ignore_errors=True)
+
+
+class _Lazy(dict):
+    """A read-only mapping of a safetensors file's tensors, each read when asked for."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        super().__init__()
+        self._f = safe_open(path, framework="pt")
+        self._keys = set(self._f.keys())
+
+    def __contains__(self, k) -> bool:
+        return k in self._keys
+
+    def __getitem__(self, k):
+        if k not in self._keys:
+            raise KeyError(k)
+        return self._f.get_tensor(k)
+
+    def get(self, k, default=None):
+        return self[k] if k in self._keys else default
+
+    def keys(self):
+        return set(self._keys)
+
+    def items(self):
+        return ((k, self[k]) for k in sorted(self._keys))
+
+    def __iter__(self):
+        return iter(sorted(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class _HostStore:
+    """The snapshot's tensors in (pinned) host memory, kept from one snapshot to the next while
+    they fit, copied without a host synchronisation (ordered before the optimizer on the
+    device's stream)."""
+
+    def __init__(self) -> None:
+        self._held: Tensors = {}
+        self._pending = False
+
+    def put(self, tensors: Tensors) -> None:
+        held = {}
+        for k, t in tensors.items():
+            t = t.detach()
+            h = self._held.get(k)
+            if h is None or h.shape != t.shape or h.dtype != t.dtype:
+                h = torch.empty(t.shape, dtype=t.dtype, device="cpu",
+                                pin_memory=t.device.type == "cuda")
+            h.copy_(t, non_blocking=t.device.type == "cuda")
+            held[k] = h
+        self._held = held
+        self._pending = any(t.device.type == "cuda" for t in tensors.values())
+
+    def get(self) -> Tensors:
+        if self._pending:      # the asynchronous copies, complete
+            torch.cuda.synchronize()
+            self._pending = False
+        return dict(self._held)
+
+    def close(self) -> None:
+        self._held = {}
+
+
+@dataclass
+class _Snap:
+    step: int
+    model: dict
+    optimizer: dict | None
+    scaler: dict | None
+    modes: dict
+    seconds: float = 0.0
+
+
+@dataclass
+class Keeper:
+    """The Guard's side: `due`, `take` (in the step, before its update), `record` (after it),
+    `rebuild` (after a failure seen once the update had run)."""
+
+    every: int | None = None            # fixed K (None: chosen from the snapshot's cost)
+    on_host: bool = True                # the state lives in host memory: a file, not a copy
+    distributed: bool = False
+    agree: Callable[[int], int] | None = None   # under torch.distributed: the ranks' largest K
+    snap: _Snap | None = None
+    records: list[Record] = field(default_factory=list)
+    k: int | None = None
+    state_bytes: int = 0
+    _store: Any = None
+    _step_times: list[float] = field(default_factory=list)
+    _last: float | None = None
+
+    def __post_init__(self) -> None:
+        self._store = _FileStore() if self.on_host else _HostStore()
+        if self.every is not None:
+            self.k = self.every
+
+    # -- while training ---------------------------------------------------------------------
+    def tick(self) -> None:
+        """A step begins: its wall time since the last (for K)."""
+        now = time.perf_counter()
+        if self._last is not None:
+            self._step_times = (self._step_times + [now - self._last])[-16:]
+        self._last = now
+
+    def due(self, step: int) -> bool:
+        if self.snap is None:
+            return True
+        if self.k is None and step - self.snap.step >= CHOOSE_AFTER:
+            # K from the snapshot's cost and the steps' time, once a few steps were timed (under
+            # torch.distributed every rank is here at the same step: one all-reduce)
+            self.k = self._choose_k(self.snap.seconds)
+        if self.k is not None and step - self.snap.step >= self.k:
+            return True
+        # the kept steps outgrew their share (big batches): a snapshot sooner. NB: under
+        # torch.distributed the ranks must agree: only K decides there
+        return self.every is None and not self.distributed and self.state_bytes > 0 and \
+            sum(r.nbytes for r in self.records) > RECORD_SHARE * self.state_bytes
+
+    @torch.no_grad()
+    def take(self, step: int, model: torch.nn.Module, opt, scaler_state: dict | None,
+             buffers: dict[int, torch.Tensor]) -> None:
+        """Snapshot the step's pre-state: the live parameters and optimizer state (the update has
+        not run), the buffers as the step began (``buffers``: id of a live buffer -> its copy
+        from before the forward pass), the scaler's state before the step."""
+        t0 = time.perf_counter()
+        ts: Tensors = {}
+        keep = lambda t: buffers.get(id(t), local(t)).detach()  # noqa: E731
+        meta = encode_model(model, ts, keep)
+        opt_meta = encode_optimizer(opt, ts, keep) if opt is not None else None
+        modes = {"training": {n: m.training for n, m in model.named_modules()},
+                 "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
+        self.state_bytes = _nbytes(ts)
+        self._store.put(ts)
+        del ts
+        self.snap = _Snap(step, meta, opt_meta, scaler_state, modes,
+                          time.perf_counter() - t0)
+        self.records = [r for r in self.records if r.step >= step]
+        if self.every is None:
+            self.k = None         # chosen CHOOSE_AFTER steps from now (`due`)
+
+    def _choose_k(self, seconds: float) -> int:
+        times = sorted(self._step_times[-CHOOSE_AFTER:])
+        step = times[len(times) // 2] if times else None
+        k = MAX_EVERY if not step else max(1, min(MAX_EVERY, math.ceil(
+            seconds / (BUDGET * step))))
+        if self.distributed and self.agree is not None:
+            k = self.agree(k)       # every rank snapshots at the same steps
+        return k
+
+    def record(self, step: int, rng: RngState, opt, groups: list[dict] | None, batch: Any,
+               loss: float | None, grad_norm: float | None) -> None:
+        """Keep step ``step`` (after its update, or its skip) for a later rebuild; a step run
+        again (a loop that goes on after a failure) replaces the one kept."""
+        if self.snap is None or step < self.snap.step:
+            return
+        self.records = [r for r in self.records if r.step < step]
+        ts: Tensors = {}
+        clone = lambda t: local(t).detach().clone()  # noqa: E731
+        g = encode(groups if groups is not None else _groups(opt), "groups", ts, clone)
+        b = encode(batch, "batch", ts, clone)
+        self.records.append(Record(step, rng, g, b, ts, loss, grad_norm,
+                                   _nbytes(ts) + _RNG_BYTES))
+
+    def drop_from(self, step: int) -> None:
+        self.records = [r for r in self.records if r.step < step]
+
+    def can_rebuild(self, step: int) -> bool:
+        """Is step ``step``'s pre-state within reach (a snapshot at or before it, and every step
+        since kept)?"""
+        if self.snap is None or step < self.snap.step:
+            return False
+        steps = [r.step for r in self.records if r.step < step]
+        return steps == list(range(self.snap.step, step))
+
+    # -- after a failure --------------------------------------------------------------------
+    def restore(self, task) -> None:
+        """Put the snapshot's state into the live model, optimizer and scaler."""
+        snap, tensors = self.snap, self._store.get()
+        where = "the Guard's snapshot"
+        restore_model(task.model, snap.model, tensors, where)
+        restore_modes(task.model, snap.modes, where)
+        if task.optimizer is not None and snap.optimizer is not None:
+            restore_optimizer(task.optimizer, snap.optimizer, tensors, where)
+        if task.grad_scaler is not None and snap.scaler:
+            task.grad_scaler.load_state_dict(dict(snap.scaler))
+
+    def rebuild(self, task, step: int, read: Callable, device: torch.device | None = None
+                ) -> tuple[Rebuilt, Record]:
+        """Bring the live state to step ``step``'s pre-state (`can_rebuild` must hold): restore
+        the snapshot, replay every kept step before ``step`` in full, then ``step`` up to its
+        update alone (the update is what failed), comparing each step's loss and gradient norm
+        (``read(total)``: the Guard's reading of the loss and the live gradients, where it read
+        them in training: just before the update) with the ones kept. The buffers and the
+        scaler end as ``step`` began; the gradients are cleared. Returns what it did and
+        ``step``'s record."""
+        from nanbisect.step import run_step
+
+        self.restore(task)
+        worst, first_bad = 0.0, None
+        recs = [r for r in self.records if self.snap.step <= r.step <= step]
+        target = recs[-1]
+        pre = None
+        for r in recs:
+            last = r is target
+            if last:     # the buffers and scaler as the failing step began: kept aside
+                pre = self._pre_step(task)
+            self._inputs(task, r)
+            batch = decode(r.batch, r.tensors, device)
+            seen: dict = {}
+
+            def before_update(total, grad_norm, skipped, _last=last, _seen=seen) -> bool:
+                _seen["v"] = read(total)
+                return not _last       # the failing update is not run again
+
+            ev = None
+            for ev in run_step(task, batch, before_update=before_update):
+                pass
+            if "v" not in seen:        # no optimizer: read after the last backward
+                seen["v"] = read(ev.total if ev is not None else None)
+            loss, grad = seen["v"]
+            for a, b in ((loss, r.loss), (grad, r.grad_norm)):
+                d = _rel(a, b)
+                if d is not None and d > worst:
+                    worst = d
+                if d is not None and d > 0 and first_bad is None:
+                    first_bad = r.step
+        self._put_back(task, pre)
+        if task.optimizer is not None:
+            task.optimizer.zero_grad(set_to_none=True)
+        fidelity = ("bit-exact" if worst == 0 else "within-tolerance" if worst <= TOLERANCE
+                    else "mismatch")
+        return Rebuilt(self.snap.step, len(recs) - 1, fidelity,
+                       worst if math.isfinite(worst) else None, first_bad), target
+
+    @staticmethod
+    def _inputs(task, r: Record) -> None:
+        r.rng.set()
+        opt = task.optimizer
+        if opt is not None:
+            saved = decode(r.groups, r.tensors)
+            for g, h in zip(opt.param_groups, saved):
+                g.update(h)
+            opt.zero_grad(set_to_none=True)
+        task.model.zero_grad(set_to_none=True)
+
+    @staticmethod
+    @torch.no_grad()
+    def _pre_step(task) -> tuple:
+        bufs = [(b, local(b).detach().clone()) for b in task.model.buffers()]
+        scaler = task.grad_scaler
+        sc = scaler.state_dict() if scaler is not None and scaler.is_enabled() else None
+        return bufs, sc
+
+    @staticmethod
+    @torch.no_grad()
+    def _put_back(task, pre: tuple) -> None:
+        bufs, sc = pre
+        for b, saved in bufs:
+            local(b).copy_(saved)
+        if sc:
+            task.grad_scaler.load_state_dict(sc)
+        reset_scaler_stage(task.grad_scaler)
+
+    def close(self) -> None:
+        """Drop the snapshot (its file too) and the kept steps."""
+        self._store.close()
+        self.snap, self.records = None, []
+
+
+def reset_scaler_stage(scaler) -> None:
+    """Forget that ``unscale_`` ran on an optimizer whose update was then not run (else the
+    next step's ``unscale_`` refuses)."""
+    if scaler is not None and scaler.is_enabled() and hasattr(scaler, "_per_optimizer_states"):
+        from torch.amp.grad_scaler import _refresh_per_optimizer_state   # NB: private
+
+        scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
