@@ -25,19 +25,20 @@ def main(out: str | Path = "nanbisect-bundles") -> Path | None:
     task = make_task()
     model, optimizer = task.model, task.optimizer
     guard = nanbisect.Guard(task, entry=ENTRY, out=out)
-    for step, batch in enumerate(batches()):
-        try:
+    try:
+        for step, batch in enumerate(batches()):
             with guard.watch(batch) as w:
                 optimizer.zero_grad()
-                w.loss = loss_fn(model, batch)           # set it: the guard checks and records it
+                w.loss = loss_fn(model, batch)   # set it before optimizer.step(): it is read then
                 w.loss.backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
-        except nanbisect.NonFiniteStep as e:             # raised when the block ends
-            print(f"step {step}: non-finite {e.observed['first']}; replay it with: "
-                  f"nanbisect run {e.bundle}")
-            return e.bundle
-        print(f"step {step}: loss {w.value:.4f}")
+            print(f"step {step}: loss {w.value:.4f}")
+        guard.close()                            # reads the last step's update
+    except nanbisect.NonFiniteStep as e:         # raised when the block ends
+        print(f"step {e.observed['step']}: non-finite {e.observed['first']}; replay it with: "
+              f"nanbisect run {e.bundle}")
+        return e.bundle
     return None
 
 

@@ -70,14 +70,15 @@ def main(out: str | Path = "nanbisect-bundles") -> Path | None:
     """Train; return the bundle of the first non-finite step (None if training stayed finite)."""
     task = make_task()
     guard = nanbisect.Guard(task, entry=ENTRY, out=out)
-    for step, batch in enumerate(batches()):
-        try:
+    try:
+        for step, batch in enumerate(batches()):
             loss = guard.step(batch)       # zero_grad, forward, backward, checks, step
-        except nanbisect.NonFiniteStep as e:
-            print(f"step {step}: non-finite {e.observed['first']}; replay it with: "
-                  f"nanbisect run {e.bundle}")
-            return e.bundle
-        print(f"step {step}: loss {loss:.4f}")
+            print(f"step {step}: loss {loss:.4f}")
+        guard.close()                      # reads the last step's update, drops the snapshot
+    except nanbisect.NonFiniteStep as e:
+        print(f"step {e.observed['step']}: non-finite {e.observed['first']}; replay it with: "
+              f"nanbisect run {e.bundle}")
+        return e.bundle
     return None
 
 

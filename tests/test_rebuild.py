@@ -232,3 +232,25 @@ def test_the_run_reports_the_rebuild(tmp_path):
     assert any("rebuilt its pre-state from the snapshot of step 0" in n and "bit-exact" in n
                for n in rep["notes"]), rep["notes"]
     assert json.loads((e.value.bundle / "manifest.json").read_text())["observed"]["rebuild"]
+
+
+def test_a_full_temporary_directory_never_stops_the_training(tmp_path, monkeypatch):
+    """The snapshot's file system is full (a real 16 KiB tmpfs as TMPDIR): one warning, the
+    training goes on (tried again every RETRY_AFTER steps), and a NaN born in an update is
+    bundled as the state after it, saying that no snapshot reached it."""
+    from mounts import tmpfs
+
+    with tmpfs(tmp_path / "tmp", "16k") as tmp:
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        t = eps0_task()
+        guard = Guard(t, entry="tests/test_rebuild.py:eps0_task", out=tmp_path / "b")
+        with warnings.catch_warnings(record=True) as got, pytest.raises(NonFiniteStep) as e:
+            warnings.simplefilter("always")
+            guard.step(batch(0))
+            guard.step(batch(1))
+        said = [str(w.message) for w in got if "could not write the snapshot" in str(w.message)]
+        assert len(said) == 1 and "No space left on device" in said[0], said
+        obs = e.value.observed
+        assert obs["step"] == 0 and obs["rebuild"]["fidelity"] == "unavailable"
+        assert e.value.bundle.is_dir()
+        assert [p.name for p in tmp.iterdir() if (p / "state.safetensors.tmp").exists()] == []

@@ -50,7 +50,7 @@ from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
 from nanbisect.guard.entry import _check_out, resolve_entry_file
 from nanbisect.guard.parts import held_ranks
 from nanbisect.bundle.state import decode
-from nanbisect.guard.keep import Keeper, reset_scaler_stage
+from nanbisect.guard.keep import RETRY_AFTER, Keeper, SnapshotFailed, reset_scaler_stage
 from nanbisect.guard.screen import _bad_names, _kind, _listed, _norms, _step_norms
 from nanbisect.guard.snapshot import _live_scale, _Snapshot, model_tensors
 from nanbisect.guard.tape import record_step
@@ -211,6 +211,7 @@ class Guard:
         self._params: list[torch.nn.Parameter] = []   # the model's, read as each step begins
         self._buffers: list[torch.Tensor] = []
         self._warned_undeclared = False
+        self._warned_snapshot = False
         opt = task.optimizer
         if snapshot == "rebuild" and opt is not None and \
                 not isinstance(opt, torch.optim.Optimizer):
@@ -400,11 +401,20 @@ class Guard:
         """A clean reading before the update: the snapshot, when one is due, from the live
         state (the update has not run) and the buffers as the step began."""
         keeper = self._keeper
-        if keeper is None or not keeper.due(self.step_index):
+        if keeper is None or not keeper.due(self.step_index, self.task.optimizer):
             return
         task = self.task
-        keeper.take(self.step_index, task.model, task.optimizer, _scaler_state(task),
-                    self._snapshot.early_copies(self._buffers))
+        try:
+            keeper.take(self.step_index, task.model, task.optimizer, _scaler_state(task),
+                        self._snapshot.early_copies(self._buffers))
+        except SnapshotFailed as e:
+            if not self._warned_snapshot:
+                self._warned_snapshot = True
+                warnings.warn(f"Guard: could not write the snapshot of step {self.step_index} "
+                              f"({e}); training goes on, tried again every {RETRY_AFTER} steps "
+                              "(a NaN born in an update is rebuilt from the last snapshot that "
+                              "was written, or bundled as the state after it)",
+                              RuntimeWarning, stacklevel=5)
 
     def _end(self, batch: Any, rng: RngState, loss: torch.Tensor | None,
              grad_norm: torch.Tensor | None = None, skipped: torch.Tensor | None = None,
@@ -712,8 +722,18 @@ class Guard:
         not record it."""
         keeper, task = self._keeper, self.task
         copied = self._copying or keeper is None
-        if not copied:
-            keeper.take(self.step_index, task.model, task.optimizer, _scaler_state(task), {})
+        ok = True
+        if not copied:     # the state to put back after the recording, off the device
+            try:
+                keeper.take(self.step_index, task.model, task.optimizer, _scaler_state(task), {})
+            except SnapshotFailed as e:
+                ok, why = False, f"its state could not be kept aside: {e}"
+        if _ranks_max(float(not ok)) > 0:    # every rank records, or none
+            warnings.warn("Guard: the failing step's collectives were not recorded ("
+                          f"{why if not ok else 'another rank could not keep its state aside'}"
+                          "); the bundle replays all ranks only (no --ranks)", RuntimeWarning,
+                          stacklevel=4)
+            return None
         scale = _live_scale(task.grad_scaler)
         pre_scale = None if scale is None else scale.clone()
         rng.set()

@@ -43,10 +43,11 @@ from nanbisect.util import lockdir
 BUDGET = 0.005          # a snapshot's amortised share of a step's time
 MAX_EVERY = 1000        # steps between snapshots at most (a rebuild replays up to this many)
 CHOOSE_AFTER = 4        # steps timed after a snapshot before K is chosen from their median
+RETRY_AFTER = 16        # steps before a snapshot that could not be written is tried again
 RECORD_SHARE = 0.05     # the kept steps' bytes, as a share of the state's, before a new snapshot
 TOLERANCE = 1e-4        # relative difference of a replayed step's loss and gradient norm
 SCRATCH = "nanbisect-guard-"    # the snapshot file's directory, in the temporary directory
-_RNG_BYTES = 32 * 1024  # a step's RNG states as kept: torch's (5 KB), NumPy's, Python's
+_RNG_BYTES = 32 * 1024  # a step's RNG states: torch's (5 KB), NumPy's (2.5 KB), Python's (24 KB)
 
 
 def _groups(opt) -> list[dict]:
@@ -56,6 +57,10 @@ def _groups(opt) -> list[dict]:
 
 def _nbytes(ts: Tensors) -> int:
     return sum(t.numel() * t.element_size() for t in ts.values())
+
+
+class SnapshotFailed(Exception):
+    """The snapshot could not be written (the training goes on without it)."""
 
 
 @dataclass
@@ -117,6 +122,9 @@ class _FileStore:
             self._finalizer = weakref.finalize(self, _drop_dir, self._dir, fd)
         return os.path.join(self._dir, "state.safetensors")
 
+    def prepare(self) -> None:
+        self._path()
+
     def put(self, tensors: Tensors) -> None:
         from safetensors.torch import save_file
 
@@ -132,8 +140,13 @@ class _FileStore:
                 seen.add(ptr)
             out[k] = t
         path = self._path()
-        save_file(out, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        try:
+            save_file(out, path + ".tmp")
+            os.replace(path + ".tmp", path)
+        except BaseException:
+            with contextlib.suppress(OSError):    # a half-written file takes no room
+                os.unlink(path + ".tmp")
+            raise
 
     def get(self) -> "_Lazy":
         return _Lazy(self._path())
@@ -206,6 +219,9 @@ class _HostStore:
         self._held: Tensors = {}
         self._pending = False
 
+    def prepare(self) -> None:
+        pass
+
     def put(self, tensors: Tensors) -> None:
         held = {}
         for k, t in tensors.items():
@@ -255,6 +271,9 @@ class Keeper:
     _store: Any = None
     _step_times: list[float] = field(default_factory=list)
     _last: float | None = None
+    _retry_at: int | None = None    # a snapshot failed: the next try (`due`)
+    _stateless: bool = False        # the snapshot was taken before the optimizer had state
+    failed: str | None = None       # why the last snapshot could not be written
 
     def __post_init__(self) -> None:
         self._store = _FileStore() if self.on_host else _HostStore()
@@ -269,8 +288,14 @@ class Keeper:
             self._step_times = (self._step_times + [now - self._last])[-16:]
         self._last = now
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, opt=None) -> bool:
+        if self._retry_at is not None and step < self._retry_at:
+            return False        # the last snapshot could not be written: not every step
         if self.snap is None:
+            return True
+        if self._stateless and self.every is None and opt is not None and opt.state:
+            # the first update made the optimizer's state: a snapshot of it, so that its size
+            # and cost (for K and the kept steps' share) are the state's
             return True
         if self.k is None and step - self.snap.step >= CHOOSE_AFTER:
             # K from the snapshot's cost and the steps' time, once a few steps were timed (under
@@ -289,6 +314,7 @@ class Keeper:
         """Snapshot the step's pre-state: the live parameters and optimizer state (the update has
         not run), the buffers as the step began (``buffers``: id of a live buffer -> its copy
         from before the forward pass), the scaler's state before the step."""
+        self._store.prepare()      # once: its directory (not timed: K is for the steady cost)
         t0 = time.perf_counter()
         ts: Tensors = {}
         keep = lambda t: buffers.get(id(t), local(t)).detach()  # noqa: E731
@@ -297,10 +323,19 @@ class Keeper:
         modes = {"training": {n: m.training for n, m in model.named_modules()},
                  "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
         self.state_bytes = _nbytes(ts)
-        self._store.put(ts)
+        try:
+            self._store.put(ts)
+        except Exception as e:  # noqa: BLE001 - a full disk must not stop the training
+            # NB: the file of the last snapshot is replaced only once the new one is whole:
+            # it and the steps kept since still rebuild what they reach
+            self._retry_at = step + RETRY_AFTER
+            self.failed = f"{type(e).__name__}: {str(e)[:300]}"
+            raise SnapshotFailed(self.failed) from None
+        self._retry_at, self.failed = None, None
         del ts
         self.snap = _Snap(step, meta, opt_meta, scaler_state, modes,
                           time.perf_counter() - t0)
+        self._stateless = opt is not None and not opt.state
         self.records = [r for r in self.records if r.step >= step]
         if self.every is None:
             self.k = None         # chosen CHOOSE_AFTER steps from now (`due`)
@@ -325,8 +360,14 @@ class Keeper:
         clone = lambda t: local(t).detach().clone()  # noqa: E731
         g = encode(groups if groups is not None else _groups(opt), "groups", ts, clone)
         b = encode(batch, "batch", ts, clone)
+        rng, rng_bytes = _shared(rng, self.records[-1].rng if self.records else None)
         self.records.append(Record(step, rng, g, b, ts, loss, grad_norm,
-                                   _nbytes(ts) + _RNG_BYTES))
+                                   _nbytes(ts) + rng_bytes))
+        if self.failed is not None and (len(self.records) > MAX_EVERY or sum(
+                r.nbytes for r in self.records) > 4 * RECORD_SHARE * self.state_bytes):
+            # snapshots keep failing (a full disk): the kept steps are bounded, the rebuild
+            # becomes unavailable until a snapshot is written again
+            self.snap, self.records = None, []
 
     def drop_from(self, step: int) -> None:
         self.records = [r for r in self.records if r.step < step]
@@ -432,6 +473,25 @@ class Keeper:
         """Drop the snapshot (its file too) and the kept steps."""
         self._store.close()
         self.snap, self.records = None, []
+
+
+def _shared(rng: RngState, last: RngState | None) -> tuple[RngState, int]:
+    """``rng`` with each part equal to ``last``'s replaced by ``last``'s (one object kept, not
+    two: a loop that draws from Python's or NumPy's generator rarely draws every step), and the
+    bytes of the parts it adds."""
+    if last is None:
+        return rng, _RNG_BYTES
+    python = last.python if rng.python == last.python else rng.python
+    numpy = last.numpy if _same_numpy(rng.numpy, last.numpy) else rng.numpy
+    cpu = last.torch_cpu if torch.equal(rng.torch_cpu, last.torch_cpu) else rng.torch_cpu
+    added = ((python is not last.python) * 24 * 1024 + (numpy is not last.numpy) * 2600
+             + (cpu is not last.torch_cpu) * cpu.numel() * cpu.element_size()
+             + sum(t.numel() * t.element_size() for ts in rng.accel.values() for t in ts))
+    return RngState(python, numpy, cpu, rng.accel), added
+
+
+def _same_numpy(a, b) -> bool:
+    return a[0] == b[0] and a[2:] == b[2:] and bool((a[1] == b[1]).all())
 
 
 def reset_scaler_stage(scaler) -> None:

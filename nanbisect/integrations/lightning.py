@@ -73,6 +73,7 @@ class NanbisectCallback(L.Callback):
                     autocast=_AUTOCAST.get(str(trainer.precision)))
         self.guard = Guard(task, entry=self.entry, out=self.out, start_step=trainer.global_step)
         self.guard._external = True      # read in on_before_optimizer_step (see the module doc)
+        self.guard._hook_seen = True     # ... every step: no whole-state copy of the first
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._cm is None:
