@@ -237,5 +237,18 @@ def test_a_fault_born_in_the_update_is_rebuilt_on_every_rank(func, tmp_path):
         assert [n.rsplit(".", 1)[-1] for n in obs["nonfinite_params"]["nan"]] == ["dead"]
     rep = run_json(bundle)
     assert (rep["verdict"], rep["phase"]) == ("culprit", "optimizer")
-    assert any("rebuilt its pre-state from the snapshot of step 0" in n for n in rep["notes"]), \
+    assert any("pre-state from the snapshot of step 0" in n for n in rep["notes"]), \
         rep["notes"]
+
+
+def test_a_snapshot_one_rank_cannot_write_is_given_up_by_every_rank(tmp_path):
+    """Rank 1's temporary directory is unusable: the ranks agree that no snapshot was taken
+    (else rank 0 would rebuild while rank 1 does not, and their collectives part); both bundle
+    step 1 as it began and say why."""
+    bundle = ranks_capture("ddp_adam_eps0_rank1_nosnap", tmp_path / "g")
+    top = json.loads((bundle / "manifest.json").read_text())
+    assert bundle.name == "step000001"
+    whys = {r: top["ranks"][r]["observed"]["rebuild"] for r in ("0", "1")}
+    assert all(rb["fidelity"] == "unavailable" for rb in whys.values()), whys
+    assert "another rank could not write its snapshot" in whys["0"]["why"], whys
+    assert "NotADirectoryError" in whys["1"]["why"], whys

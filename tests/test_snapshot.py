@@ -115,3 +115,29 @@ def test_the_history_row_holds_the_norms_of_the_last_step(tmp_path):
     # the gradients' global norm (their finiteness flag) is the one the history keeps
     torch.testing.assert_close(torch.tensor(log.entries[-2]["grad_norm"]),
                                torch.linalg.vector_norm(want[1]))
+
+
+def test_every_step_history_rows_hold_each_steps_own_norms_with_a_scaler(tmp_path):
+    """snapshot='every-step' reads after the update: each row's parameter norms are that step's
+    own, after its update, also in a watched loop with a declared GradScaler (whose scale the
+    reading compares with the one the step began with)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    task = Task(model, opt, lambda m, b: m(b).pow(2).mean(), grad_scaler=scaler)
+    guard = Guard(task, entry=ENTRY, out=tmp_path, history=8, snapshot="every-step")
+    after = []
+    for i in range(4):
+        b = torch.randn(5, 4)
+        with guard.watch(b) as w:
+            opt.zero_grad()
+            w.loss = task.loss_fn(model, b)
+            scaler.scale(w.loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        after.append(torch.stack([torch.linalg.vector_norm(p) for p in model.parameters()]))
+    log = guard._history
+    rows = {s: log._rows[i] for i, s in enumerate(log._steps) if s is not None}
+    for s in range(4):
+        torch.testing.assert_close(rows[s][0], after[s])

@@ -158,8 +158,10 @@ REBUILD_FIDELITY = ("bit-exact", "within-tolerance", "mismatch", "unavailable")
 def _rebuild(v) -> bool:
     """``observed.rebuild``: how a Guard rebuilt the pre-state of a step whose update failed
     (`nanbisect.guard.keep.Rebuilt`)."""
-    return isinstance(v, dict) and set(v) == {"from_step", "steps", "fidelity", "max_rel_diff",
-                                              "first_mismatch"} \
+    return isinstance(v, dict) and set(v) - {"why"} == {"from_step", "steps", "fidelity",
+                                                      "max_rel_diff", "first_mismatch"} \
+        and (not isinstance(v.get("why"), str) or len(v["why"]) <= 1000) \
+        and ("why" not in v or isinstance(v["why"], str)) \
         and (v["from_step"] is None or _count(v["from_step"])) and _count(v["steps"]) \
         and v["fidelity"] in REBUILD_FIDELITY \
         and (v["max_rel_diff"] is None or _num(v["max_rel_diff"])) \
@@ -187,7 +189,7 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
                   "an object of numbers"),
         "rebuild": (_rebuild, "{from_step: null or an integer >= 0, steps: an integer >= 0, "
                     "fidelity: one of " + ", ".join(REBUILD_FIDELITY) + ", max_rel_diff: null "
-                    "or a number, first_mismatch: null or an integer}")},
+                    "or a number, first_mismatch: null or an integer, why: a string}")},
     "task": {
         "accumulate": (lambda v: _int(v) and 1 <= v <= MAX_ACCUMULATE,
                        f"an integer from 1 to {MAX_ACCUMULATE}"),

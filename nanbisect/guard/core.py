@@ -57,7 +57,7 @@ from nanbisect.guard.tape import record_step
 from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
 from nanbisect.step import found_inf, run_step
 from nanbisect.task import Task, refuse_training_at_import
-from nanbisect.util.text import exception_line
+from nanbisect.util.text import clip, exception_line
 
 
 @dataclass
@@ -117,6 +117,12 @@ def _pre_hook(guard: "Guard"):
             drop_grads(opt)
         return None
     return hook
+
+
+def _unavailable(why: str) -> dict:
+    """``observed.rebuild`` of a step whose pre-state could not be rebuilt."""
+    return {"from_step": None, "steps": 0, "fidelity": "unavailable", "max_rel_diff": None,
+            "first_mismatch": None, "why": clip(why, 300)}
 
 
 def drop_grads(opt) -> None:
@@ -227,7 +233,9 @@ class Guard:
             on_host = p is None or local(p).device.type == "cpu"
             self._keeper = Keeper(every=snapshot_every, on_host=on_host,
                                   distributed=self._rank.distributed,
-                                  agree=_agree_max if self._rank.distributed else None)
+                                  agree=_agree_max if self._rank.distributed else None,
+                                  agree_failed=(lambda bad: _ranks_max(float(bad)) > 0)
+                                  if self._rank.distributed else None)
         # the step in progress (rebuild mode)
         self._open = False          # between a step's begin and its end
         self._watching: StepWatch | None = None
@@ -237,7 +245,7 @@ class Guard:
         self._trip: dict | None = None     # a failure seen before the update
         self._copying = False       # this step keeps an exact copy (`Guard.watch`, until the
         self._hook_seen = False     # ... Task's optimizer step is seen inside a watched step)
-        self._hook_lost = False     # a watched loop stepped without the Task's optimizer
+        self._hook_lost = False     # a watched loop stepped without the Task's optimizer (said)
         self._last_applied: int | None = None    # the last step whose update ran
         self._prev_row: tuple[int, torch.Tensor] | None = None   # (step, its history row)
         self._hook = (opt.register_step_pre_hook(_pre_hook(self))
@@ -323,8 +331,7 @@ class Guard:
         task = self.task
         self._params, self._buffers = model_tensors(task.model)   # one walk of the tree
         self._read, self._trip, self._watching = None, None, None
-        self._copying = self._keeper is None or (watched and (not self._hook_seen or
-                                                              self._hook_lost))
+        self._copying = self._keeper is None or (watched and not self._hook_seen)
         if self._copying:
             self._snapshot.take(task.model, task.optimizer, task.grad_scaler, self._params,
                                 self._buffers)
@@ -336,7 +343,8 @@ class Guard:
         # the learning rate this step uses (a scheduler changes it after the step)
         self._lr = task.optimizer.param_groups[0].get("lr") if task.optimizer is not None and \
             task.optimizer.param_groups else None
-        self._groups = ([{k: v for k, v in g.items() if k != "params"}
+        self._groups = ([{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                          for k, v in g.items() if k != "params"}
                          for g in task.optimizer.param_groups]
                         if self._keeper is not None and task.optimizer is not None else None)
         self._open = True
@@ -349,8 +357,10 @@ class Guard:
         failure, bundled at the step's end from the live tensors). Called by `run_step`, by
         the step pre-hook of `Guard.watch`, or by an integration that knows the point itself
         (`_external`). A second call in a step reads nothing."""
-        if not self._open or self._busy or self._read is not None or self._keeper is None:
+        if not self._open or self._busy or self._keeper is None:
             return True
+        if self._read is not None:     # read already: a second update waits on the first's fate
+            return self._trip is None
         if self._watching is not None:
             total = self._watching.loss
             if skipped is None and _declared_scaler(self.task) and \
@@ -401,7 +411,8 @@ class Guard:
         """A clean reading before the update: the snapshot, when one is due, from the live
         state (the update has not run) and the buffers as the step began."""
         keeper = self._keeper
-        if keeper is None or not keeper.due(self.step_index, self.task.optimizer):
+        if keeper is None or not keeper.due(self.step_index, self.task.optimizer,
+                                            over=self._read.get("over")):
             return
         task = self.task
         try:
@@ -493,26 +504,31 @@ class Guard:
         if not skip and self.task.optimizer is not None:
             self._last_applied = self.step_index
         self._record(batch, rng, read)
-        if self._copying and self._keeper is not None and self._hook_seen and \
-                not self._hook_lost:
+        if self._copying and self._keeper is not None and self._hook_seen:
             self._snapshot.release()     # the Task's optimizer step is seen: no copies now
         self.step_index += 1
 
     def _record(self, batch: Any, rng: RngState, read: dict) -> None:
         if self._keeper is not None:
-            self._keeper.record(self.step_index, rng, self.task.optimizer, self._groups, batch,
-                                read["loss"] if read.get("had_loss") else None, read["grads"])
+            task = self.task
+            # Lightning reads before it clips; a rebuild reads after the Task's clipping: only
+            # the loss compares there
+            grads = None if self._external and task.clip_grad_norm is not None else read["grads"]
+            self._keeper.record(self.step_index, rng, task.optimizer, self._groups, batch,
+                                read["loss"] if read.get("had_loss") else None, grads,
+                                task.accumulate, task.loss_normalized)
 
     def _lost_hook(self) -> None:
         """A watched step whose gradients were finite and not skipped, and whose Task optimizer
-        did not step: the loop updates some other way. Copy the state before every step."""
+        did not step: the loop left the update out, or updates some other way, unread. Said
+        once; a NaN such an update makes is seen by the next reading and rebuilt."""
         if self._hook_lost:
             return
         self._hook_lost = True
         warnings.warn("Guard.watch: the loop did not call the Task's optimizer.step() in a "
-                      f"guarded step (step {self.step_index}); the Guard copies the whole state "
-                      "before every step from now on (as snapshot='every-step')",
-                      RuntimeWarning, stacklevel=5)
+                      f"guarded step (step {self.step_index}); an update made another way is not "
+                      "read before it runs (a NaN it makes is seen by the next reading and "
+                      "its step rebuilt through the Task)", RuntimeWarning, stacklevel=5)
 
     def _add_history(self, read: dict, skip: bool) -> None:
         if self._history is None:
@@ -547,36 +563,51 @@ class Guard:
     def _fail_after_update(self, step: int, batch: Any = None, rng: RngState | None = None
                            ) -> None:
         """A failure whose update ran (step ``step``'s: its parameters are not finite): rebuild
-        its pre-state from the snapshot and the steps since, bundle it, raise."""
+        its pre-state from the snapshot and the steps since, bundle it, raise. When no snapshot
+        reaches it (or the model or optimizer changed since), the step in progress is bundled
+        as it began instead (``batch``, ``rng``; the non-finite parameters are then its input),
+        saying why."""
         task, keeper = self.task, self._keeper
         params = _bad_names([(n, p.data) for n, p in task.model.named_parameters()])
-        can = keeper is not None and keeper.can_rebuild(step)
+        if keeper is None:
+            why = "the Guard keeps no snapshot"
+        elif not keeper.can_rebuild(step):
+            why = (f"no snapshot reaches step {step}" + (f" (the last could not be written: "
+                                                          f"{keeper.failed})" if keeper.failed
+                                                         else ""))
+        else:
+            why = keeper.unfit(task)
         if self._rank.distributed:    # every rank rebuilds, or none
-            can = _ranks_max(float(not can)) == 0
+            if _ranks_max(float(why is not None)) > 0 and why is None:
+                why = "another rank could not rebuild"
         rec = None
-        if can:
+        if why is None:
             self._busy = True
             try:
-                p = next(task.model.parameters(), None)
-                dev = local(p).device if p is not None else None
-                rebuilt, rec = keeper.rebuild(task, step, self._read_values, dev)
+                rebuilt, rec = keeper.rebuild(task, step, self._read_values)
+                rebuild = rebuilt.to_json()
+                batch, rng = decode(rec.batch, rec.tensors), rec.rng
+                self.step_index = step
+                keeper.drop_from(step)
+            except Exception as e:  # noqa: BLE001 - the failure is bundled all the same
+                rec = None
+                rebuild = _unavailable(f"the rebuild raised {exception_line(e)}: the state is "
+                                       "where it stopped")
             finally:
                 self._busy = False
-            rebuild = rebuilt.to_json()
-            batch, rng = decode(rec.batch, rec.tensors), rec.rng
-            self.step_index = step
-            keeper.drop_from(step)
-        else:      # no snapshot reaches it: the state as it is, said so
-            rebuild = {"from_step": None, "steps": 0, "fidelity": "unavailable",
-                       "max_rel_diff": None, "first_mismatch": None}
-            rec = keeper.records[-1] if keeper is not None and keeper.records and \
-                keeper.records[-1].step == step else None
-            if rec is not None:
-                batch, rng = decode(rec.batch, rec.tensors), rec.rng
+        else:
+            rebuild = _unavailable(why)
+            if self._open or batch is not None:
+                # the step in progress, as it began: buffers and scale back (its forward and
+                # backward ran), its parameters the non-finite ones it was given
+                self._restore(_live_scale(task.grad_scaler))
+            else:      # `close`: no step in progress; the last step's batch stands in
+                last = keeper.records[-1] if keeper is not None and keeper.records else None
+                if last is not None:
+                    batch, rng = decode(last.batch, last.tensors), last.rng
             rng = rng if rng is not None else RngState.get(self._accel)
-            self.step_index = step
         if self._history is not None:
-            self._history.drop_from(step + 1)
+            self._history.drop_from(self.step_index + 1)
         loss = rec.loss if rec is not None else None
         grads = rec.grad_norm if rec is not None else None
         loss_kind = _kind(loss) if loss is not None else "unknown"
@@ -585,7 +616,7 @@ class Guard:
         first = ("loss" if loss_kind in ("nan", "inf") else
                  "grad" if grads_kind in ("nan", "inf") else
                  "param" if params_kind != "finite" else "other-rank")
-        observed = {"step": step, "first": first,
+        observed = {"step": self.step_index, "first": first,
                     "loss": loss if loss_kind not in ("nan", "inf") else loss_kind,
                     "summary": {"loss": loss_kind, "grads": grads_kind, "params": params_kind},
                     "nonfinite_grads": _listed({"nan": [], "inf": []}),
@@ -650,9 +681,9 @@ class Guard:
         scaler, scale = self.task.grad_scaler, _live_scale(self.task.grad_scaler)
         if skipped is None and scale is not None and not before:
             # a loop of its own (watch): the scaler skipped when it backed its scale off
-            before = (self._snapshot.scale if self._snapshot.scale is not None else
-                      torch.full_like(scale, scaler._init_scale))
-            skipped = (scale < before).float()
+            began = (self._snapshot.scale if self._snapshot.scale is not None else
+                     torch.full_like(scale, scaler._init_scale))
+            skipped = (scale < began).float()
         with torch.no_grad():
             # per parameter its norm after the update (the screen) and its gradient's, in one
             # pass, written straight into the history's ring row when there is a history
@@ -690,11 +721,16 @@ class Guard:
             # a failure whose update ran: parameters no longer finite after an update
             ran = (~torch.isfinite(vals[1])) if before and self._last_applied is not None \
                 else torch.zeros((), dtype=torch.bool, device=dev)
-            flag = torch.stack([flag, ran]).float()
+            # the kept steps past their share on some rank: a snapshot on every rank
+            over = torch.tensor(before and self._keeper is not None and
+                                self._keeper.over_share(), device=dev)
+            flag = torch.stack([flag, ran, over]).float()
             flag = any_rank(flag.cpu() if self._rank.backend == "gloo" else flag)
             vals = torch.cat([vals, flag.to(dev)])
             got = vals.tolist()
-            return dev, scale, dict(zip(keys, got[:-2])), got[-2:]
+            out = dict(zip(keys, got[:-3]))
+            out["over"] = got[-1] > 0
+            return dev, scale, out, got[-3:-1]
         got = vals.tolist()
         return dev, scale, dict(zip(keys, got)), [0.0, 0.0]
 

@@ -36,8 +36,8 @@ from typing import Any, Callable
 import torch
 
 from nanbisect.bundle.state import (RngState, Tensors, decode, encode, encode_model,
-                                    encode_optimizer, local, restore_model, restore_modes,
-                                    restore_optimizer)
+                                    encode_optimizer, local, model_entries, restore_model,
+                                    restore_modes, restore_optimizer)
 from nanbisect.util import lockdir
 
 BUDGET = 0.005          # a snapshot's amortised share of a step's time
@@ -75,6 +75,8 @@ class Record:
     loss: float | None        # as the Guard read it (None: not read)
     grad_norm: float | None   # the gradients' global norm as the Guard read it
     nbytes: int = 0
+    accumulate: int = 1       # the step's micro-batches (a trainer's last window is shorter)
+    loss_normalized: bool = False
 
 
 @dataclass
@@ -125,7 +127,8 @@ class _FileStore:
     def prepare(self) -> None:
         self._path()
 
-    def put(self, tensors: Tensors) -> None:
+    def stage(self, tensors: Tensors) -> None:
+        """Write the new snapshot beside the current one (`commit` puts it in its place)."""
         from safetensors.torch import save_file
 
         seen: set = set()
@@ -142,11 +145,21 @@ class _FileStore:
         path = self._path()
         try:
             save_file(out, path + ".tmp")
-            os.replace(path + ".tmp", path)
         except BaseException:
-            with contextlib.suppress(OSError):    # a half-written file takes no room
-                os.unlink(path + ".tmp")
+            self.abort()           # a half-written file takes no room
             raise
+
+    def commit(self) -> None:
+        path = self._path()
+        os.replace(path + ".tmp", path)
+
+    def abort(self) -> None:
+        if self._dir is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path() + ".tmp")
+
+    def settle(self) -> None:
+        pass
 
     def get(self) -> "_Lazy":
         return _Lazy(self._path())
@@ -217,23 +230,40 @@ class _HostStore:
 
     def __init__(self) -> None:
         self._held: Tensors = {}
+        self._staged: dict = {}
         self._pending = False
 
     def prepare(self) -> None:
         pass
 
-    def put(self, tensors: Tensors) -> None:
-        held = {}
+    def stage(self, tensors: Tensors) -> None:
+        """Allocate what the new snapshot needs (what can fail: pinned memory), copying
+        nothing: the current snapshot is whole until `commit`."""
+        staged = {}
         for k, t in tensors.items():
             t = t.detach()
             h = self._held.get(k)
             if h is None or h.shape != t.shape or h.dtype != t.dtype:
                 h = torch.empty(t.shape, dtype=t.dtype, device="cpu",
                                 pin_memory=t.device.type == "cuda")
+            staged[k] = (h, t)
+        self._staged = staged
+
+    def commit(self) -> None:
+        staged, self._staged = self._staged, {}
+        for h, t in staged.values():
             h.copy_(t, non_blocking=t.device.type == "cuda")
-            held[k] = h
-        self._held = held
-        self._pending = any(t.device.type == "cuda" for t in tensors.values())
+        self._held = {k: h for k, (h, _) in staged.items()}
+        self._pending = any(t.device.type == "cuda" for _, t in staged.values())
+
+    def abort(self) -> None:
+        self._staged = {}
+
+    def settle(self) -> None:
+        """Wait for the copies (timed: the transfer is what a snapshot costs)."""
+        if self._pending:
+            torch.cuda.synchronize()
+            self._pending = False
 
     def get(self) -> Tensors:
         if self._pending:      # the asynchronous copies, complete
@@ -242,7 +272,7 @@ class _HostStore:
         return dict(self._held)
 
     def close(self) -> None:
-        self._held = {}
+        self._held, self._staged = {}, {}
 
 
 @dataclass
@@ -264,6 +294,7 @@ class Keeper:
     on_host: bool = True                # the state lives in host memory: a file, not a copy
     distributed: bool = False
     agree: Callable[[int], int] | None = None   # under torch.distributed: the ranks' largest K
+    agree_failed: Callable[[bool], bool] | None = None   # ... did any rank's snapshot fail
     snap: _Snap | None = None
     records: list[Record] = field(default_factory=list)
     k: int | None = None
@@ -288,7 +319,14 @@ class Keeper:
             self._step_times = (self._step_times + [now - self._last])[-16:]
         self._last = now
 
-    def due(self, step: int, opt=None) -> bool:
+    def over_share(self) -> bool:
+        """Have the kept steps outgrown their share of the state's bytes (big batches)?"""
+        return self.state_bytes > 0 and \
+            sum(r.nbytes for r in self.records) > RECORD_SHARE * self.state_bytes
+
+    def due(self, step: int, opt=None, over: bool | None = None) -> bool:
+        """Is a snapshot due at ``step``? ``over``: `over_share` as every rank agreed on it
+        (under torch.distributed each rank's own would split them)."""
         if self._retry_at is not None and step < self._retry_at:
             return False        # the last snapshot could not be written: not every step
         if self.snap is None:
@@ -303,10 +341,10 @@ class Keeper:
             self.k = self._choose_k(self.snap.seconds)
         if self.k is not None and step - self.snap.step >= self.k:
             return True
-        # the kept steps outgrew their share (big batches): a snapshot sooner. NB: under
-        # torch.distributed the ranks must agree: only K decides there
-        return self.every is None and not self.distributed and self.state_bytes > 0 and \
-            sum(r.nbytes for r in self.records) > RECORD_SHARE * self.state_bytes
+        # the kept steps outgrew their share (big batches): a snapshot sooner
+        if self.every is not None:
+            return False
+        return bool(over) if self.distributed else self.over_share()
 
     @torch.no_grad()
     def take(self, step: int, model: torch.nn.Module, opt, scaler_state: dict | None,
@@ -314,7 +352,11 @@ class Keeper:
         """Snapshot the step's pre-state: the live parameters and optimizer state (the update has
         not run), the buffers as the step began (``buffers``: id of a live buffer -> its copy
         from before the forward pass), the scaler's state before the step."""
-        self._store.prepare()      # once: its directory (not timed: K is for the steady cost)
+        why = None
+        try:      # once: its directory (not timed: K is for the steady cost)
+            self._store.prepare()
+        except Exception as e:  # noqa: BLE001 - no room for it must not stop the training
+            why = f"{type(e).__name__}: {str(e)[:300]}"
         t0 = time.perf_counter()
         ts: Tensors = {}
         keep = lambda t: buffers.get(id(t), local(t)).detach()  # noqa: E731
@@ -323,14 +365,23 @@ class Keeper:
         modes = {"training": {n: m.training for n, m in model.named_modules()},
                  "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
         self.state_bytes = _nbytes(ts)
-        try:
-            self._store.put(ts)
-        except Exception as e:  # noqa: BLE001 - a full disk must not stop the training
-            # NB: the file of the last snapshot is replaced only once the new one is whole:
-            # it and the steps kept since still rebuild what they reach
+        if why is None:
+            try:
+                self._store.stage(ts)
+            except Exception as e:  # noqa: BLE001 - a full disk must not stop the training
+                why = f"{type(e).__name__}: {str(e)[:300]}"
+        if self.distributed and self.agree_failed is not None and \
+                self.agree_failed(why is not None) and why is None:
+            why = "another rank could not write its snapshot"     # every rank keeps its last
+        if why is not None:
+            # NB: the last snapshot stays whole until a new one is: it and the steps kept since
+            # still rebuild what they reach
+            self._store.abort()
             self._retry_at = step + RETRY_AFTER
-            self.failed = f"{type(e).__name__}: {str(e)[:300]}"
-            raise SnapshotFailed(self.failed) from None
+            self.failed = why
+            raise SnapshotFailed(why)
+        self._store.commit()
+        self._store.settle()
         self._retry_at, self.failed = None, None
         del ts
         self.snap = _Snap(step, meta, opt_meta, scaler_state, modes,
@@ -350,7 +401,8 @@ class Keeper:
         return k
 
     def record(self, step: int, rng: RngState, opt, groups: list[dict] | None, batch: Any,
-               loss: float | None, grad_norm: float | None) -> None:
+               loss: float | None, grad_norm: float | None, accumulate: int = 1,
+               loss_normalized: bool = False) -> None:
         """Keep step ``step`` (after its update, or its skip) for a later rebuild; a step run
         again (a loop that goes on after a failure) replaces the one kept."""
         if self.snap is None or step < self.snap.step:
@@ -362,7 +414,7 @@ class Keeper:
         b = encode(batch, "batch", ts, clone)
         rng, rng_bytes = _shared(rng, self.records[-1].rng if self.records else None)
         self.records.append(Record(step, rng, g, b, ts, loss, grad_norm,
-                                   _nbytes(ts) + rng_bytes))
+                                   _nbytes(ts) + rng_bytes, accumulate, loss_normalized))
         if self.failed is not None and (len(self.records) > MAX_EVERY or sum(
                 r.nbytes for r in self.records) > 4 * RECORD_SHARE * self.state_bytes):
             # snapshots keep failing (a full disk): the kept steps are bounded, the rebuild
@@ -381,6 +433,27 @@ class Keeper:
         return steps == list(range(self.snap.step, step))
 
     # -- after a failure --------------------------------------------------------------------
+    def unfit(self, task) -> str | None:
+        """Why the snapshot cannot be put into the live model and optimizer (their parameters,
+        buffers or parameter groups changed since: a layer unfrozen into a new group); None
+        when it can. Checked before anything is restored."""
+        snap, tensors = self.snap, self._store.get()
+        entries = model_entries(task.model)
+        if {n for n, _, _ in entries} != set(snap.model["params"]) | set(snap.model["buffers"]):
+            return "the model's parameters or buffers are not the snapshot's"
+        aliases = snap.model["aliases"]
+        for name, t, _ in entries:
+            key = f"model/{aliases.get(name, name)}"
+            if key not in tensors or tuple(_shape(tensors, key)) != tuple(local(t).shape):
+                return f"'{name}' changed shape since the snapshot"
+        opt = task.optimizer
+        if opt is not None and snap.optimizer is not None:
+            groups = decode(snap.optimizer["param_groups"], tensors)
+            if [len(g["params"]) for g in groups] != [len(g["params"])
+                                                     for g in opt.param_groups]:
+                return "the optimizer's parameter groups changed since the snapshot"
+        return None
+
     def restore(self, task) -> None:
         """Put the snapshot's state into the live model, optimizer and scaler."""
         snap, tensors = self.snap, self._store.get()
@@ -392,8 +465,7 @@ class Keeper:
         if task.grad_scaler is not None and snap.scaler:
             task.grad_scaler.load_state_dict(dict(snap.scaler))
 
-    def rebuild(self, task, step: int, read: Callable, device: torch.device | None = None
-                ) -> tuple[Rebuilt, Record]:
+    def rebuild(self, task, step: int, read: Callable) -> tuple[Rebuilt, Record]:
         """Bring the live state to step ``step``'s pre-state (`can_rebuild` must hold): restore
         the snapshot, replay every kept step before ``step`` in full, then ``step`` up to its
         update alone (the update is what failed), comparing each step's loss and gradient norm
@@ -401,6 +473,13 @@ class Keeper:
         them in training: just before the update) with the ones kept. The buffers and the
         scaler end as ``step`` began; the gradients are cleared. Returns what it did and
         ``step``'s record."""
+        shape = (task.accumulate, task.loss_normalized)
+        try:
+            return self._rebuild(task, step, read)
+        finally:
+            task.accumulate, task.loss_normalized = shape
+
+    def _rebuild(self, task, step: int, read: Callable) -> tuple[Rebuilt, Record]:
         from nanbisect.step import run_step
 
         self.restore(task)
@@ -413,7 +492,7 @@ class Keeper:
             if last:     # the buffers and scaler as the failing step began: kept aside
                 pre = self._pre_step(task)
             self._inputs(task, r)
-            batch = decode(r.batch, r.tensors, device)
+            batch = decode(r.batch, r.tensors)   # the copies, where the batch was
             seen: dict = {}
 
             def before_update(total, grad_norm, skipped, _last=last, _seen=seen) -> bool:
@@ -442,6 +521,7 @@ class Keeper:
 
     @staticmethod
     def _inputs(task, r: Record) -> None:
+        task.accumulate, task.loss_normalized = r.accumulate, r.loss_normalized
         r.rng.set()
         opt = task.optimizer
         if opt is not None:
@@ -473,6 +553,14 @@ class Keeper:
         """Drop the snapshot (its file too) and the kept steps."""
         self._store.close()
         self.snap, self.records = None, []
+        self._last, self._step_times, self._retry_at, self.failed = None, [], None, None
+
+
+def _shape(tensors, key: str) -> tuple:
+    """A stored tensor's shape (from a file's header, without reading it)."""
+    if isinstance(tensors, _Lazy):
+        return tuple(tensors._f.get_slice(key).get_shape())
+    return tuple(tensors[key].shape)
 
 
 def _shared(rng: RngState, last: RngState | None) -> tuple[RngState, int]:

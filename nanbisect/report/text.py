@@ -451,8 +451,11 @@ def rebuild_note(observed) -> str | None:
         return None
     step = observed.get("step")
     if rb.get("fidelity") == "unavailable":
-        return (f"the Guard saw step {step}'s update make parameters non-finite, but no snapshot "
-                "reached its pre-state: the bundle holds the state after that update")
+        why = rb.get("why")
+        return (f"the Guard found parameters non-finite at step {step}'s reading, after an "
+                "update, but could not rebuild the step that made them"
+                + (f" ({clip(why, 200)})" if why else "") + f": the bundle holds step {step} "
+                "as it began, its parameters already non-finite")
     how = {"bit-exact": "bit-exact (every replayed loss and gradient norm as in training)",
            "within-tolerance": f"within tolerance (relative difference up to "
                                f"{rb.get('max_rel_diff')})",
@@ -460,6 +463,8 @@ def rebuild_note(observed) -> str | None:
                        f"{rb.get('first_mismatch')}, relative difference "
                        f"{rb.get('max_rel_diff')}: the loop did something the Task does not "
                        "describe; this pre-state may not be the one that failed)"}
-    return (f"the Guard saw step {step}'s update make parameters non-finite at the next "
-            f"reading and rebuilt its pre-state from the snapshot of step {rb.get('from_step')} "
-            f"and {rb.get('steps')} step(s) replayed since: {how.get(rb.get('fidelity'), '?')}")
+    return (f"the Guard found parameters non-finite at the reading after step {step}'s update "
+            f"and rebuilt step {step}'s pre-state from the snapshot of step "
+            f"{rb.get('from_step')} and {rb.get('steps')} step(s) replayed since: "
+            f"{how.get(rb.get('fidelity'), '?')}; the replay tells whether the update made them "
+            "or the loop did between steps")

@@ -23,7 +23,8 @@ trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails
   tests/tasks/corrupt_allreduce.py:corrupt_reduce_scatter` the reduce-scatter is at fault;
 - ddp_adam_eps0, fsdp_adam_eps0: Adam with eps=0 turns a parameter whose gradient is exactly 0
   into NaN in step 0's update (born in the optimizer): the Guard sees it at step 1's reading and
-  every rank rebuilds step 0's pre-state from its snapshot.
+  every rank rebuilds step 0's pre-state from its snapshot; ddp_adam_eps0_rank1_nosnap: rank 1
+  cannot write its snapshot, so no rank keeps one.
 """
 import gc
 import os
@@ -216,6 +217,13 @@ def ddp_adam_eps0():
                           loss_fn=lambda m, b: m(b).pow(2).mean())
 
 
+def ddp_adam_eps0_rank1_nosnap():
+    """ddp_adam_eps0; while training (`main`), rank 1 cannot write its snapshot (its temporary
+    directory lies under a regular file): the ranks must agree that no snapshot was taken, or
+    they would part."""
+    return ddp_adam_eps0()
+
+
 def fsdp_adam_eps0():
     from torch.distributed.fsdp import fully_shard
 
@@ -259,6 +267,13 @@ def _say_bundle(path) -> None:
 def main():
     func, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
+    if func == "ddp_adam_eps0_rank1_nosnap" and dist.get_rank() == 1:
+        import tempfile
+
+        os.makedirs(out, exist_ok=True)
+        block = os.path.join(out, "not-a-dir")
+        open(block, "w").close()
+        tempfile.tempdir = os.path.join(block, "tmp")    # rank 1's snapshot cannot be written
     task = globals()[func]()
     guard = nanbisect.Guard(task, entry=f"{os.path.abspath(__file__)}:{func}", out=out)
     try:
