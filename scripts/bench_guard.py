@@ -1,41 +1,59 @@
-"""Benchmark: per-step overhead of `nanbisect.Guard` against a plain training loop (issues 2, 29).
+"""Benchmark: per-step overhead and memory of `nanbisect.Guard` against a plain training loop
+(issues 2, 29, 40).
 
 What the numbers are: wall-clock (``--clock cpu``: CPU) time of one training step (zero_grad,
 forward, backward, AdamW step) of a GPT on CPU (fixtures/tasks/tinygpt.py: the tests' GPT, built
 bigger; its ``plain_step`` is the plain loop) at ``--size default`` (5.0M parameters, batch 8x256)
-or ``tiny`` (0.5M parameters, batch 8x64), with ``--threads`` torch threads (2). Four sides on
-identical model copies built from the same seed, interleaved round by round in one process (each
-round runs every side for a block of ``--block`` steps (5) on the same batches, the order rotating,
-so drift (thermal, other load, allocator warm-up) hits all sides alike; the first step of each block
-is not measured: it finds its model's state evicted from the cache by the other sides' steps, where
-a training loop, which trains one model, finds it there): the plain loop; `Guard.step` as it ships
-(history of 64 steps); `Guard(history=0).step`; and the plain loop's step inside `Guard.watch` (a
-custom loop: the gradient-finiteness flag of issue 30 is on every guarded side). The plain step
-reads its loss with `.item()`, since `Guard.step` returns the loss as a float. Ratios: of the
-medians, and the median of the per-step ratios (paired: the same round and batch). Then the pieces
-of the Guard are timed alone (RNG state read, snapshot copy, the one-pass parameter and gradient
-norms, the history ring's row, the host sync, the walks of the module tree) beside what was
-weighed against them and not used (one flat copy of the same bytes, the copies into one flat
-buffer's views, AdamW's one-element steps as one stack), and in real steps: Guard.step's parts
-before and after the step, and entering and leaving `Guard.watch`.
+or ``tiny`` (0.5M parameters, batch 8x64), or of an MLP at ``mlp25m`` (below), with ``--threads``
+torch threads (2). Five sides on identical model copies built from the same seed, interleaved
+round by round in one process (each round runs every side for a block of ``--block`` steps (5) on
+the same batches, the order rotating, so drift (thermal, other load, allocator warm-up) hits all
+sides alike; the first step of each block is not measured: it finds its model's state evicted from
+the cache by the other sides' steps, where a training loop, which trains one model, finds it
+there): the plain loop; `Guard.step` as it ships (issue 40's default ``snapshot="rebuild"``,
+history of 64 steps: the step read once just before its update, per step a copy of the buffers
+and the GradScaler's scale only, the step's record (RNG, groups, a copy of the batch), and a
+snapshot of parameters and optimizer state every K steps, K chosen so that it costs <= 0.5% of a
+step); `Guard(history=0).step`; `Guard(snapshot="every-step").step` (the former exact copy of
+the whole state before every step); and the plain loop's step inside `Guard.watch` (a custom
+loop, read from the optimizer's step pre-hook). Every guarded side's Guard is closed at the end
+(`Guard.close`: the snapshot file removed). The plain step reads its loss with `.item()`, since
+`Guard.step` returns the loss as a float. Ratios: of the medians, and the median of the per-step
+ratios (paired: the same round and batch); the bars (issue 40): `Guard.step` <= 1.03x plain at
+``tiny`` and <= 1.01x at ``default`` (an idle machine, medians of interleaved steps). A median
+leaves the K-step snapshot out (one step in K): it is timed alone below, and amortised by K.
+Then the pieces of the Guard are timed alone: the RNG state read, the per-step copy
+(`_Snapshot.take_early`: buffers, scaler scale), the step's record (`Keeper.record`), the K-step
+snapshot (`Keeper.take`: a safetensors file write on the CPU), alone and divided by K, the
+one-pass parameter and gradient norms, the history ring's row, the host sync, the walks of the
+module tree, and every-step mode's copy (`_Snapshot.take`) for comparison; and in real steps:
+`Guard.step`'s parts (`_begin`, `_before_update`, `_end`), and entering, reading (the pre-hook)
+and leaving `Guard.watch`.
 
-What they are not: a GPU figure (on an accelerator the snapshot is a device-to-device copy on a
-side stream and the screen waits on the device, which cost differently), a figure for other
-optimizers (snapshot cost scales with parameters plus optimizer state, the step with FLOPs),
-nor the cost of a failing step (which writes a bundle). On a shared machine the step times are
-noisy: run it a few times and read the range, and the pieces, which vary less.
+What they are not: a GPU figure (on an accelerator the K-step snapshot goes to pinned host
+memory, every-step mode's copy is a device-to-device copy on a side stream, and the screen waits
+on the device, which cost differently), a figure for other optimizers (snapshot cost scales with
+parameters plus optimizer state, the step with FLOPs), nor the cost of a failing step (which
+writes a bundle, and after an update that went non-finite rebuilds its pre-state by replaying up
+to K steps). On a shared machine the step times are noisy: run it a few times and read the range,
+and the pieces, which vary less.
 
 ``--memory`` (issue 40) measures memory instead of time: (1) the bytes of the parameters and the
 optimizer state (AdamW: two moments and a step per parameter); (2) the bytes of the tensors the
-Guard itself holds after ``--mem-steps`` steps (its attributes walked for tensors, one count per
-storage, the model's and optimizer's own tensors left out: the snapshot's copies, the history's
-ring, anything else), as a multiple of (1); (3) from outside, the resident memory (VmRSS, VmHWM
-of /proc/self/status) of ``--mem-steps`` steps of each side (plain, Guard.step, history=0,
-Guard.watch), each side in a fresh process of its own (this script, re-invoked), so that no two
-share an allocator: the growth of each guarded side's RSS over the steps minus the plain loop's
-(as read, after glibc's ``malloc_trim`` has handed back free heap pages (the stable figure: the
-heap keeps freed activations, in which a copy may land), and in anonymous pages only), and its
-peak minus the plain loop's, as multiples of (1), against issue 40's bar of 0.10x (trimmed).
+Guard itself holds in memory after ``--mem-steps`` steps (its attributes walked for tensors, one
+count per storage, the model's and optimizer's own tensors left out: the per-step copies, the
+kept steps' batches, the history's ring, anything else), as a multiple of (1); (3) from outside,
+the resident memory (VmRSS, VmHWM of /proc/self/status) of ``--mem-steps`` steps of each side
+(plain, Guard.step, history=0, every-step, Guard.watch), each side in a fresh process of its own
+(this script, re-invoked), so that no two share an allocator: the growth of each guarded side's
+RSS over the steps minus the plain loop's (as read, after glibc's ``malloc_trim`` has handed back
+free heap pages (the stable figure: the heap keeps freed activations, in which a copy may land),
+and in anonymous pages only), and its peak minus the plain loop's, as multiples of (1), against
+issue 40's bar of 0.10x (trimmed). On the CPU the default Guard's K-step snapshot is a file, not
+memory: it is not in (2) nor in RSS (its pages are in the page cache; on a tmpfs temporary
+directory they would be memory all the same): its size, K and the file system it is on are
+reported beside the table (K is chosen ``CHOOSE_AFTER`` (4) steps after the first snapshot: with
+fewer steps it is not chosen yet).
 ``--size mlp25m``: an MLP of 25.2M parameters (Linear 2048->4096->2048->4096, GELU, MSE loss,
 batch 64) with AdamW, about 288 MiB of parameters and moments (issue 40's model).
 
@@ -52,25 +70,30 @@ import json
 import os
 import platform
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
 from pathlib import Path
 
 import torch
 
 import nanbisect
 from nanbisect import history as hist
-from nanbisect.guard import _Snapshot
-from nanbisect.guard.screen import _step_norms
 from nanbisect.bundle.state import RngState, accelerator_types
+from nanbisect.guard.keep import CHOOSE_AFTER, Keeper
+from nanbisect.guard.screen import _step_norms
+from nanbisect.guard.snapshot import _Snapshot, model_tensors
+from nanbisect.guard.write import _scaler_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "tasks"))
 import tinygpt  # noqa: E402  (the tests' GPT, built bigger; its plain_step is the baseline)
 from tinygpt import plain_step  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from held import _storage, guard_tensors, state_storages  # noqa: E402  (what a Guard holds)
 
 CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-4,
               weight_decay=0.1, seed=0)
@@ -131,81 +154,103 @@ def timed(fn) -> tuple[float, object]:
     return CLOCK() - t0, out
 
 
-def piece_times(guard: nanbisect.Guard, reps: int) -> dict[str, float]:
+def piece_times(guard: nanbisect.Guard, reps: int, batch, k: int | None = None,
+                every: float | None = None) -> dict[str, float]:
     """Median ms of each piece of a healthy guarded step, timed alone on the guarded model (after
-    its last step: parameters, gradients and optimizer state as a step leaves them)."""
+    its last step: parameters, gradients and optimizer state as a step leaves them). ``batch``:
+    a step's batch (the record copies it); ``k``: the K of the shipped Guard (the K-step
+    snapshot's cost is also shown divided by it); ``every``: the steps between the snapshots
+    the shipped Guard took in the run (the kept steps' share of the state can bring one sooner
+    than K: `nanbisect.guard.keep.RECORD_SHARE`)."""
     task = guard.task
-    model, opt = task.model, task.optimizer
-    params = list(model.parameters())
+    model, opt, scaler = task.model, task.optimizer, task.grad_scaler
+    params, buffers = model_tensors(model)
     dev = params[0].device
-    snap, accel = _Snapshot(side_stream=False), accelerator_types()
-    snap.take(model, opt, task.grad_scaler, params)  # the copies, allocated once
+    accel = accelerator_types()
 
     def done(*_):     # on an accelerator: the queued work, finished
         if dev.type != "cpu":
             getattr(torch, dev.type).synchronize()
 
-    def copy():       # what the Guard copies before each step
-        snap.take(model, opt, task.grad_scaler, params)
+    # the default Guard's per-step copy (buffers, the scaler's scale and growth tracker)
+    early = _Snapshot(side_stream=False)
+    early.take_early(opt, scaler, buffers)   # the copies, allocated once
+    # every-step mode's whole-state copy (parameters, buffers, AdamW state), for comparison
+    whole = _Snapshot(side_stream=False)
+    whole.take(model, opt, scaler, params, buffers)
+    # the K-step snapshot, on a Keeper of its own (the shipped Guard's is left as it is)
+    keeper = Keeper(on_host=guard._keeper.on_host if guard._keeper is not None else
+                    dev.type == "cpu")
+    bufs = early.early_copies(buffers)
+    scaler_state = _scaler_state(task)
+    rng = RngState.get(accel)
+    groups = [{kk: v for kk, v in g.items() if kk != "params"} for g in opt.param_groups]
+    at = [0]
+
+    def take_k():     # a snapshot written (a file on the CPU; pinned host memory on a GPU)
+        keeper.take(at[0], model, opt, scaler_state, bufs)
         done()
-    # the same bytes as one flat buffer: would a single copy (another layout) be cheaper?
-    flat_src = torch.cat([t.detach().reshape(-1) for t in snap._live
-                          if t.dtype == torch.float32])
-    flat_dst = torch.empty_like(flat_src)
-    # the live tensors copied into views of one flat buffer (a Guard-owned layout): is one
-    # destination cheaper than a copy per tensor?
-    live = [t for t in snap._live if t.dtype == torch.float32]
-    views, at = [], 0
-    for t in live:
-        views.append(flat_dst[at:at + t.numel()].view(t.shape))
-        at += t.numel()
-    ones = [t for t in live if t.numel() == 1]        # AdamW's step tensors
-    ones_copies = [torch.empty_like(t) for t in ones]
-    ones_dst = torch.empty(len(ones), device=dev)
+
+    def record():     # the step's record: RNG (read), groups and a copy of the batch
+        at[0] += 1
+        keeper.record(at[0], rng, opt, groups, batch, 1.0, 1.0)
+
     grads = [p.grad for p in params]
     norms = _step_norms(params, grads, dev)
     slots = [torch.zeros((), device=dev)] * 4
     ring = hist.HealthLog(hist.DEFAULT_N, [])
     pieces = {
         "RNG state read": lambda: RngState.get(accel),
-        "snapshot copy (parameters, buffers, AdamW state)": copy,
-        "the same bytes as one flat copy (not used)": lambda: done(flat_dst.copy_(flat_src)),
-        "the live tensors into one flat buffer's views (not used)": lambda: done(
-            torch._foreach_copy_(views, live)),
-        "the one-element tensors (AdamW's step) alone, one foreach call": lambda: done(
-            torch._foreach_copy_(ones_copies, ones) if ones else None),
-        "the same as one torch.stack (not used)": lambda: done(
-            torch.stack(ones, out=ones_dst) if ones else None),
+        "per-step copy (buffers, scaler scale): _Snapshot.take_early": lambda: done(
+            early.take_early(opt, scaler, buffers)),
+        "per-step record (RNG, groups, batch copy): Keeper.record": record,
         "screen: parameter and gradient norms, one pass": lambda: done(
             _step_norms(params, grads, dev)),
         "history: the ring's row (one device copy)": lambda: done(
             ring.record_norms(0, norms, lambda: [])),
         "host sync: the slots read back": lambda: torch.stack(slots).tolist(),
-        "model.parameters() (read once per step)": lambda: list(model.parameters()),
         "model.parameters() and model.buffers()": lambda: (list(model.parameters()),
                                                            list(model.buffers())),
+        "parameters and buffers, one walk (model_tensors, once per step)": lambda:
+            model_tensors(model),
+        "every-step mode's copy (parameters, buffers, AdamW state): _Snapshot.take": lambda:
+            done(whole.take(model, opt, scaler, params, buffers)),
     }
-    try:    # the one walk of both (absent before issue 29's cut: the bench runs either side)
-        from nanbisect.guard.snapshot import model_tensors
-        pieces["parameters and buffers, one walk (model_tensors, read once per step)"] = \
-            lambda: model_tensors(model)
-    except ImportError:
-        pass
-    with torch.no_grad():
-        out = {k: 1e3 * statistics.median(timed(f)[0] for _ in range(reps))
-               for k, f in pieces.items()}
-    print(f"the snapshot copies {len(snap._live)} tensors ({len(ones)} of one element), "
-          f"{sum(t.numel() * t.element_size() for t in snap._live) / 1e6:.1f} MB; the screen "
+    try:
+        with torch.no_grad():
+            take_k()      # the first: a snapshot for the records to follow
+            out = {name: 1e3 * statistics.median(timed(f)[0] for _ in range(reps))
+                   for name, f in pieces.items()}
+            # a file write of the whole state: fewer repetitions
+            snap_ms = 1e3 * statistics.median(timed(take_k)[0] for _ in range(min(reps, 7)))
+    finally:
+        keeper.close()
+    snap_name = "K-step snapshot (Keeper.take, file write), once per K steps"
+    if dev.type != "cpu":
+        snap_name = "K-step snapshot (Keeper.take, to pinned host memory), once per K steps"
+    out[snap_name] = snap_ms
+    if k:
+        out[f"  ... amortised: / K = {k}"] = snap_ms / k
+    if every:
+        out[f"  ... amortised: / the steps between this run's snapshots = {every:.1f}"] = \
+            snap_ms / every
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    print(f"per step: {len(early._early.live)} tensors copied "
+          f"({nbytes(early._early.live) / 1e6:.3f} MB); the K-step snapshot: "
+          f"{keeper.state_bytes / 1e6:.1f} MB every K = {k} steps; "
+          f"every-step mode copies {len(whole._live)} tensors, "
+          f"{nbytes(whole._live) / 1e6:.1f} MB; the screen "
           f"takes {2 * len(params)} norms")
     return out
 
 
 def in_step_times(guard: nanbisect.Guard, batches: list, reps: int) -> dict[str, float]:
-    """Median ms of Guard.step's own parts inside real steps (the RNG read and snapshot
-    before the step, the screen after it), and of entering and leaving `Guard.watch` around the
-    plain loop's step."""
-    times: dict[str, list[float]] = {"begin": [], "end": []}
-    saved = {k: getattr(guard, f"_{k}") for k in ("begin", "end")}
+    """Median ms of Guard.step's own parts inside real steps (`_begin`: RNG read, per-step copy;
+    `_before_update`: the reading, and the K-step snapshot when due; `_end`: the record, the
+    history), and of entering, reading (the optimizer's pre-hook) and leaving `Guard.watch`
+    around the plain loop's step."""
+    names = ("begin", "before_update", "end")
+    times: dict[str, list[float]] = {k: [] for k in names}
 
     def timer(key, fn):
         def run(*a, **kw):
@@ -215,29 +260,42 @@ def in_step_times(guard: nanbisect.Guard, batches: list, reps: int) -> dict[str,
             finally:
                 times[key].append(CLOCK() - t0)
         return run
-    guard._begin, guard._end = timer("begin", saved["begin"]), timer("end", saved["end"])
+    for k in names:
+        setattr(guard, f"_{k}", timer(k, getattr(guard, f"_{k}")))
     try:
         for i in range(reps):
             guard.step(batches[i % len(batches)])
+        step_times = {k: list(v) for k, v in times.items()}
+        for v in times.values():
+            v.clear()
+        task, enter, leave = guard.task, [], []
+        for i in range(reps):
+            b = batches[i % len(batches)]
+            cm = guard.watch(b)
+            t0 = CLOCK()
+            cm.__enter__()  # _begin: RNG state read + per-step copy
+            t1 = CLOCK()
+            plain_step(task, b)   # the reading runs in the optimizer's pre-hook
+            t2 = CLOCK()
+            cm.__exit__(None, None, None)  # _end: record, history, bookkeeping
+            leave.append(CLOCK() - t2)
+            enter.append(t1 - t0)
     finally:
-        del guard._begin, guard._end
-    task, enter, leave = guard.task, [], []
-    for i in range(reps):
-        b = batches[i % len(batches)]
-        cm = guard.watch(b)
-        t0 = CLOCK()
-        cm.__enter__()  # RNG state read + snapshot copy
-        t1 = CLOCK()
-        plain_step(task, b)
-        t2 = CLOCK()
-        cm.__exit__(None, None, None)  # screen + gradient flag + sync + bookkeeping
-        leave.append(CLOCK() - t2)
-        enter.append(t1 - t0)
-    med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-    return {"Guard.step: before the step (RNG, snapshot) (in step)": med["begin"],
-            "Guard.step: after the step (screen, flag, history, sync) (in step)": med["end"],
-            "watch enter: RNG + snapshot (in step)": 1e3 * statistics.median(enter),
-            "watch exit: screen + flag + sync (in step)": 1e3 * statistics.median(leave)}
+        for k in names:
+            guard.__dict__.pop(f"_{k}", None)
+    med = {k: 1e3 * statistics.median(v) if v else float("nan") for k, v in step_times.items()}
+    mean_bu = 1e3 * statistics.mean(step_times["before_update"]) \
+        if step_times["before_update"] else float("nan")
+    hook = times["before_update"]
+    return {"Guard.step: _begin (RNG, per-step copy) (in step)": med["begin"],
+            "Guard.step: _before_update (screen, sync, history) (in step)":
+                med["before_update"],
+            "Guard.step: _before_update, mean (with any K-step snapshot) (in step)": mean_bu,
+            "Guard.step: _end (record, bookkeeping) (in step)": med["end"],
+            "watch enter: _begin (in step)": 1e3 * statistics.median(enter),
+            "watch: _before_update in the optimizer's pre-hook (in step)":
+                1e3 * statistics.median(hook) if hook else float("nan"),
+            "watch exit: _end (in step)": 1e3 * statistics.median(leave)}
 
 
 def summary(ts: list[float]) -> dict:
@@ -255,63 +313,62 @@ def watch_step(guard: nanbisect.Guard, batch) -> float:
 
 # -- memory (issue 40) -----------------------------------------------------------------------
 MiB = 2.0 ** 20
-MEM_SIDES = ["plain", "Guard.step", "Guard.step, history=0", "Guard.watch"]
+SIDES = ["plain", "Guard.step", "Guard.step, history=0", "Guard.step, every-step",
+         "Guard.watch"]
+MEM_SIDES = SIDES
+TIME_BARS = {"tiny": 1.03, "default": 1.01}   # issue 40: Guard.step's median, x plain
 MEM_BAR = 0.10      # issue 40's target: the Guard's extra memory, x the parameter + state bytes
 
 
-def _storage(t: torch.Tensor) -> tuple[int, int]:
-    """(data pointer, bytes) of the storage under ``t``: one count per storage."""
-    st = t.untyped_storage()
-    return st.data_ptr(), st.nbytes()
+def count_takes(guard: nanbisect.Guard) -> list[int]:
+    """The steps at which ``guard``'s Keeper takes its K-step snapshot, from now on (a list
+    that grows as it takes them)."""
+    keeper, at = guard._keeper, []
+    take = keeper.take
+
+    def counted(step, *a, **kw):
+        at.append(step)
+        return take(step, *a, **kw)
+    keeper.take = counted
+    return at
 
 
-def state_storages(task: nanbisect.Task) -> dict[str, dict[int, int]]:
-    """The storages of the user's own tensors: parameters, their gradients, buffers, the
-    optimizer's state (data pointer -> bytes), by kind."""
-    out: dict[str, dict[int, int]] = {"params": {}, "grads": {}, "buffers": {}, "state": {}}
-    for p in task.model.parameters():
-        out["params"].__setitem__(*_storage(p))
-        if p.grad is not None:
-            out["grads"].__setitem__(*_storage(p.grad))
-    for b in task.model.buffers():
-        out["buffers"].__setitem__(*_storage(b))
-    for st in task.optimizer.state.values():
-        for v in st.values():
-            if isinstance(v, torch.Tensor):
-                out["state"].__setitem__(*_storage(v))
-    return out
+def make_guard(side: str, task: nanbisect.Task, out: str, **kw) -> nanbisect.Guard:
+    """The Guard of a side: as it ships, ``history=0``, or ``snapshot="every-step"``."""
+    if "history=0" in side:
+        kw["history"] = 0
+    if "every-step" in side:
+        kw["snapshot"] = "every-step"
+    return nanbisect.Guard(task, entry="scripts/bench_guard.py:make_task", out=out, **kw)
 
 
-def guard_tensors(guard: nanbisect.Guard, user: set[int]) -> dict[int, tuple[str, int, tuple]]:
-    """Every tensor storage the Guard holds that is not one of the user's (``user``: data
-    pointers): data pointer -> (the attribute path it was first met at, bytes, a shape met
-    there). Walks the Guard's attributes (lists, tuples, dicts, deques, objects), not the Task
-    nor modules, optimizers and scalers it reaches."""
-    skip = (torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler, nanbisect.Task,
-            type, type(sys), type(len), type(lambda: 0), type(guard.step), Path, str, bytes)
-    held: dict[int, tuple[str, int, tuple]] = {}
-    seen: set[int] = set()
-    todo: list = [("guard", guard)]
-    while todo:
-        path, obj = todo.pop()
-        if id(obj) in seen or isinstance(obj, skip) or obj is None:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            ptr, n = _storage(obj)
-            if ptr not in user and ptr not in held and n:
-                held[ptr] = (path, n, tuple(obj.shape))
-        elif isinstance(obj, dict):
-            todo += [(f"{path}[{k!r}]", v) for k, v in obj.items()]
-            todo += [(f"{path}.key", k) for k in obj if isinstance(k, torch.Tensor)]
-        elif isinstance(obj, (list, tuple, deque, set, frozenset)):
-            todo += [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
-        else:
-            fields = dict(getattr(obj, "__dict__", {}))
-            fields.update({k: getattr(obj, k) for c in type(obj).__mro__
-                           for k in getattr(c, "__slots__", ()) if hasattr(obj, k)})
-            todo += [(f"{path}.{k}", v) for k, v in fields.items() if k != "task"]
-    return held
+def _fs_type(path: str) -> str:
+    """The file system ``path`` is on (/proc/mounts: the longest mount point above it)."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return "?"
+    path = os.path.realpath(path)
+    best = max((m for m in mounts if path == m[0] or path.startswith(m[0].rstrip("/") + "/")),
+               key=lambda m: len(m[0]), default=None)
+    return best[1] if best else "?"
+
+
+def snapshot_file(guard: nanbisect.Guard | None) -> dict | None:
+    """The default Guard's K-step snapshot: its file (None without one), its bytes, K (None:
+    not chosen yet), the state bytes it holds, the step it was taken at, the file system."""
+    keeper = getattr(guard, "_keeper", None)
+    if keeper is None:
+        return None
+    d = getattr(keeper._store, "_dir", None)
+    path = Path(d) / "state.safetensors" if d is not None else None
+    return {"path": str(path) if path is not None else None,
+            "bytes": path.stat().st_size if path is not None and path.exists() else 0,
+            "k": keeper.k, "state_bytes": keeper.state_bytes,
+            "taken_at_step": keeper.snap.step if keeper.snap is not None else None,
+            "kept_steps": len(keeper.records),
+            "filesystem": _fs_type(str(path.parent)) if path is not None else None}
 
 
 def _proc_status() -> dict[str, float]:
@@ -343,9 +400,7 @@ def mem_side(side: str, cfg: dict, steps: int, device: str) -> dict:
     before = _proc_status()
     dev_before = acc.memory_allocated() if acc is not None else 0
     out_dir = tempfile.mkdtemp(prefix="bench_guard_mem_")
-    guard = None if side == "plain" else nanbisect.Guard(
-        task, entry="scripts/bench_guard.py:make_task", out=out_dir,
-        **({"history": 0} if "history=0" in side else {}))
+    guard = None if side == "plain" else make_guard(side, task, out_dir)
     run = {"plain": lambda b: plain_step(task, b), "Guard.watch": lambda b: watch_step(guard, b)
            }.get(side, guard.step if guard is not None else None)
     rss, copies_at = [], []
@@ -358,6 +413,7 @@ def mem_side(side: str, cfg: dict, steps: int, device: str) -> dict:
             snap = guard._snapshot
             copies_at.append(sorted({_storage(c)[0] for c in
                                      snap._early.copies + snap._late.copies}))
+    snap_file = snapshot_file(guard)   # before close: the K-step snapshot, on disk
     gc.collect()
     after = _proc_status()
     try:    # glibc: give back the heap's free pages, so that what is left is what is live
@@ -394,7 +450,30 @@ def mem_side(side: str, cfg: dict, steps: int, device: str) -> dict:
         # the steps at which the copies moved to new storage (0: the first take)
         res["copies_made_at_steps"] = [i for i, c in enumerate(copies_at)
                                        if i == 0 or c != copies_at[i - 1]]
+        res["snapshot_file"] = snap_file
+        guard.close()     # the snapshot file removed
+        if snap_file is not None:
+            res["snapshot_file"]["removed_by_close"] = not Path(snap_file["path"]).exists()
+    shutil.rmtree(out_dir, ignore_errors=True)    # no bundle was written: an empty directory
     return res
+
+
+def _snap_line(f: dict | None, state: int) -> str:
+    """The K-step snapshot as the memory report says it (``state``: the parameter and optimizer
+    state bytes after the steps)."""
+    if f is None:
+        return "no K-step snapshot (the whole state is copied in memory before every step)"
+    if f["path"] is None:
+        return "the K-step snapshot: in pinned host memory (not a file)"
+    k = f["k"] if f["k"] is not None else (f"not chosen yet (chosen {CHOOSE_AFTER} steps after "
+                                           "the first snapshot)")
+    return (f"the K-step snapshot lives on disk, not in memory: {f['bytes'] / MiB:.1f} MiB "
+            f"(state {f['state_bytes'] / MiB:.1f} MiB"
+            + (": parameters only, taken before the optimizer's state existed"
+               if f["state_bytes"] < 0.9 * state else "")
+            + f") in {f['path']} ({f['filesystem']}), "
+            f"taken at step {f['taken_at_step']}, K = {k}, {f['kept_steps']} steps kept since; "
+            f"removed by close: {f.get('removed_by_close')}")
 
 
 def memory_main(args, cfg: dict) -> None:
@@ -475,6 +554,7 @@ def memory_main(args, cfg: dict) -> None:
               f"{r['snapshot_copies']['bytes'] / MiB:.2f} MiB, made at steps "
               f"{r['copies_made_at_steps']} (reused after); history ring: "
               + (f"{ring['shape']} float32, {ring['bytes'] / 1024:.1f} KiB" if ring else "none")
+              + "; " + _snap_line(r.get("snapshot_file"), state)
               + "; every tensor the Guard holds:")
         for h in r["held"]:
             print(f"  {h['bytes'] / MiB:10.3f} MiB  {h['shape']}  {h['path']}")
@@ -486,7 +566,7 @@ def memory_main(args, cfg: dict) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--size", choices=sorted(SIZES), default="default",
                     help="the model and batch (tiny: 0.5M parameters, batch 8x64)")
     ap.add_argument("--steps", type=int, default=30, help="measured steps per side")
@@ -530,7 +610,7 @@ def main() -> None:
         memory_main(args, cfg)
         return
 
-    names = ["plain", "Guard.step", "Guard.step, history=0", "Guard.watch"]
+    names = list(SIDES)
     tasks = {name: make_task(cfg) for name in names}   # same seed: identical weights
     assert all(torch.equal(a, b) for t in tasks.values() for a, b in
                zip(tasks["plain"].model.parameters(), t.model.parameters()))
@@ -540,15 +620,14 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in names}
     same_loss = True
     with tempfile.TemporaryDirectory() as out:
-        guards = {name: nanbisect.Guard(
-            tasks[name], entry="scripts/bench_guard.py:make_task", out=out,
-            snapshot_stream=not args.no_snapshot_stream,
-            **({"history": 0} if "history=0" in name else {})) for name in names[1:]}
-        runs = {"plain": lambda b: plain_step(tasks["plain"], b),
-                "Guard.step": guards["Guard.step"].step,
-                "Guard.step, history=0": guards["Guard.step, history=0"].step,
-                "Guard.watch": lambda b: watch_step(guards["Guard.watch"], b)}
-        k = args.block
+        guards = {name: make_guard(name, tasks[name], out,
+                                   snapshot_stream=not args.no_snapshot_stream)
+                  for name in names[1:]}
+        takes = {name: count_takes(g) for name, g in guards.items() if g._keeper is not None}
+        runs = {name: guards[name].step for name in names[1:-1]}
+        runs |= {"plain": lambda b: plain_step(tasks["plain"], b),
+                 "Guard.watch": lambda b: watch_step(guards["Guard.watch"], b)}
+        k = k_block = args.block
         rounds = args.warmup + -(-args.steps // max(1, k - 1))
         for i in range(rounds):
             order = names[i % len(names):] + names[:i % len(names)]
@@ -561,8 +640,17 @@ def main() -> None:
                     if i >= args.warmup and (j > 0 or k == 1):
                         times[name].append(dt)
             same_loss &= all(len(v) == 1 for v in losses.values())
-        pieces = piece_times(guards["Guard.step"], reps=max(10, args.steps))
-        pieces |= in_step_times(guards["Guard.step"], batches, reps=max(10, args.steps // 2))
+        shipped = guards["Guard.step"]
+        snap = {name: snapshot_file(g) for name, g in guards.items()}   # as the steps left it
+        at = takes["Guard.step"]
+        every = (at[-1] - at[0]) / (len(at) - 1) if len(at) > 1 else None
+        pieces = piece_times(shipped, max(10, args.steps), batches[0], shipped._keeper.k, every)
+        for name, f in snap.items():
+            if f is not None:
+                f["taken_at_steps"] = list(takes[name])
+        pieces |= in_step_times(shipped, batches, reps=max(10, args.steps // 2))
+        for g in guards.values():
+            g.close()     # the snapshot file removed
 
     plain = times["plain"]
     med_p = statistics.median(plain)
@@ -572,7 +660,7 @@ def main() -> None:
         "load_average": os.getloadavg(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "platform": platform.platform(),
         "processor": platform.processor(), "losses_identical": same_loss, "sides": {},
-        "pieces_ms_median": pieces}
+        "pieces_ms_median": pieces, "snapshots": snap}
     for name in names:
         ts = times[name]
         res["sides"][name] = {
@@ -591,6 +679,21 @@ def main() -> None:
         ms = r["ms"]
         print(f"| {name} | {ms['median']:.2f} | {ms['mean']:.2f} | {ms['stdev']:.2f} "
               f"| {r['ratio_of_medians']:.4f} | {r['ratio_paired_median']:.4f} |")
+    bar = TIME_BARS.get(args.size)
+    if bar is not None:
+        r = res["sides"]["Guard.step"]
+        res["bar"] = {"x_plain": bar, "meets": r["ratio_of_medians"] <= bar}
+        print(f"\nissue 40's bar at --size {args.size}: Guard.step <= {bar:.2f}x plain (medians, "
+              f"an idle machine): {r['ratio_of_medians']:.4f}x: "
+              f"{'meets' if res['bar']['meets'] else 'misses'} it (load average "
+              f"{os.getloadavg()[0]:.1f})")
+    for name, f in snap.items():
+        if f is not None:
+            k = f["k"] if f["k"] is not None else "not chosen yet"
+            print(f"{name}: K-step snapshot {f['state_bytes'] / 1e6:.1f} MB "
+                  f"({f['filesystem']} file), K = {k}, the last taken at step "
+                  f"{f['taken_at_step']}; taken at steps {f['taken_at_steps']} of "
+                  f"{rounds * k_block} (the median step leaves it out; see the pieces)")
     print("\n| Guard piece | median ms | % of plain step |\n|---|---:|---:|")
     for k, v in pieces.items():
         print(f"| {k} | {v:.3f} | {100 * v / (1e3 * med_p):.2f}% |")
