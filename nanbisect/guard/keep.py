@@ -77,6 +77,7 @@ class Record:
     nbytes: int = 0
     accumulate: int = 1       # the step's micro-batches (a trainer's last window is shorter)
     loss_normalized: bool = False
+    groups_key: tuple | None = None     # the hyper-parameters as plain values (None: tensors)
 
 
 @dataclass
@@ -299,6 +300,7 @@ class Keeper:
     records: list[Record] = field(default_factory=list)
     k: int | None = None
     state_bytes: int = 0
+    kept_bytes: int = 0                 # the records' bytes
     _store: Any = None
     _step_times: list[float] = field(default_factory=list)
     _last: float | None = None
@@ -321,8 +323,7 @@ class Keeper:
 
     def over_share(self) -> bool:
         """Have the kept steps outgrown their share of the state's bytes (big batches)?"""
-        return self.state_bytes > 0 and \
-            sum(r.nbytes for r in self.records) > RECORD_SHARE * self.state_bytes
+        return self.state_bytes > 0 and self.kept_bytes > RECORD_SHARE * self.state_bytes
 
     def due(self, step: int, opt=None, over: bool | None = None) -> bool:
         """Is a snapshot due at ``step``? ``over``: `over_share` as every rank agreed on it
@@ -388,6 +389,7 @@ class Keeper:
                           time.perf_counter() - t0)
         self._stateless = opt is not None and not opt.state
         self.records = [r for r in self.records if r.step >= step]
+        self.kept_bytes = sum(r.nbytes for r in self.records)
         if self.every is None:
             self.k = None         # chosen CHOOSE_AFTER steps from now (`due`)
 
@@ -407,22 +409,32 @@ class Keeper:
         again (a loop that goes on after a failure) replaces the one kept."""
         if self.snap is None or step < self.snap.step:
             return
-        self.records = [r for r in self.records if r.step < step]
+        if self.records and self.records[-1].step >= step:
+            self.drop_from(step)
+        last = self.records[-1] if self.records else None
         ts: Tensors = {}
         clone = lambda t: local(t).detach().clone()  # noqa: E731
-        g = encode(groups if groups is not None else _groups(opt), "groups", ts, clone)
+        groups = groups if groups is not None else _groups(opt)
+        key = _plain(groups)
+        if key is not None and last is not None and key == last.groups_key:
+            g = last.groups        # the same hyper-parameters as the last step: kept once
+        else:
+            g = encode(groups, "groups", ts, clone)
         b = encode(batch, "batch", ts, clone)
-        rng, rng_bytes = _shared(rng, self.records[-1].rng if self.records else None)
-        self.records.append(Record(step, rng, g, b, ts, loss, grad_norm,
-                                   _nbytes(ts) + rng_bytes, accumulate, loss_normalized))
-        if self.failed is not None and (len(self.records) > MAX_EVERY or sum(
-                r.nbytes for r in self.records) > 4 * RECORD_SHARE * self.state_bytes):
+        rng, rng_bytes = _shared(rng, last.rng if last is not None else None)
+        rec = Record(step, rng, g, b, ts, loss, grad_norm, _nbytes(ts) + rng_bytes, accumulate,
+                     loss_normalized, key)
+        self.records.append(rec)
+        self.kept_bytes += rec.nbytes
+        if self.failed is not None and (len(self.records) > MAX_EVERY or
+                                        self.kept_bytes > 4 * RECORD_SHARE * self.state_bytes):
             # snapshots keep failing (a full disk): the kept steps are bounded, the rebuild
             # becomes unavailable until a snapshot is written again
-            self.snap, self.records = None, []
+            self.snap, self.records, self.kept_bytes = None, [], 0
 
     def drop_from(self, step: int) -> None:
         self.records = [r for r in self.records if r.step < step]
+        self.kept_bytes = sum(r.nbytes for r in self.records)
 
     def can_rebuild(self, step: int) -> bool:
         """Is step ``step``'s pre-state within reach (a snapshot at or before it, and every step
@@ -552,8 +564,28 @@ class Keeper:
     def close(self) -> None:
         """Drop the snapshot (its file too) and the kept steps."""
         self._store.close()
-        self.snap, self.records = None, []
+        self.snap, self.records, self.kept_bytes = None, [], 0
         self._last, self._step_times, self._retry_at, self.failed = None, [], None, None
+
+
+_PLAIN_TYPES = (int, float, bool, str, type(None))
+
+
+def _plain(groups: list[dict]) -> tuple | None:
+    """The groups' hyper-parameters as a comparable tuple, or None when one is not a plain
+    value (a tensor learning rate: encoded every step)."""
+    out = []
+    for g in groups:
+        items = []
+        for k, v in g.items():
+            if isinstance(v, tuple) and all(type(x) in _PLAIN_TYPES for x in v):
+                items.append((k, v))
+            elif type(v) in _PLAIN_TYPES:
+                items.append((k, v))
+            else:
+                return None
+        out.append(tuple(items))
+    return tuple(out)
 
 
 def _shape(tensors, key: str) -> tuple:
@@ -579,7 +611,7 @@ def _shared(rng: RngState, last: RngState | None) -> tuple[RngState, int]:
 
 
 def _same_numpy(a, b) -> bool:
-    return a[0] == b[0] and a[2:] == b[2:] and bool((a[1] == b[1]).all())
+    return a[2:] == b[2:] and a[0] == b[0] and a[1].tobytes() == b[1].tobytes()
 
 
 def reset_scaler_stage(scaler) -> None:

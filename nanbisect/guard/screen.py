@@ -51,9 +51,12 @@ def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
     if len(gs) < n:
         zero = torch.zeros(1, dtype=(gs or ps)[0].dtype, device=device)
         gs = [g if g is not None else zero for g in _locals(grads)]
+    both = ps + gs
     try:
-        # all on one device, each dtype with a kernel: one call (else an error, below)
-        norms = torch._foreach_norm(ps + gs, 2, dtype=torch.float32)
+        # all on one device, each dtype with a kernel: one call (else an error, below); float32
+        # tensors without the dtype argument (it costs them a fifth more: docs/BENCHMARKS.md)
+        norms = torch._foreach_norm(both, 2) if all(t.dtype == torch.float32 for t in both) \
+            else torch._foreach_norm(both, 2, dtype=torch.float32)
     except (RuntimeError, TypeError):   # another device, a dtype foreach has no kernel for
         both = torch.stack([_norms(ps, device), _norms(gs, device)])
         return both if out is None else out.copy_(both)
