@@ -148,21 +148,31 @@ def test_a_fault_born_in_the_update_is_rebuilt_bit_exact(tmp_path):
     assert out.phase == "optimizer" and {b.name for b in out.bad} == {"dead", "fc1.bias"}
 
 
-def test_a_rebuild_over_steps_that_ran_otherwise_says_mismatch(tmp_path):
-    """A loop that decays a weight between steps (outside the Task): the rebuild from the
-    snapshot of step 0 does not decay it, so the replayed steps differ from training; the
-    bundle and the report say so, with the first step that differs."""
+def inf_at_step_5(tmp_path, name: str, between=None) -> NonFiniteStep:
+    """Train ``task()`` (snapshot only at step 0) until the infinite learning rate of step 5
+    makes every weight inf in its update; ``between(model)`` after each step."""
     t = task()
-    guard = Guard(t, entry=ENTRY, out=tmp_path / "b", snapshot_every=50)
+    guard = Guard(t, entry=ENTRY, out=tmp_path / name, snapshot_every=50)
     with pytest.raises(NonFiniteStep) as e:
         for i in range(8):
             if i == 5:
                 for g in t.optimizer.param_groups:
-                    g["lr"] = float("inf")      # the update of step 5 makes every weight inf
+                    g["lr"] = float("inf")
             guard.step(batch(i))
-            with torch.no_grad():
-                t.model.fc2.weight.mul_(0.9)
-    obs = e.value.observed
+            if between is not None:
+                between(t.model)
+    return e.value
+
+
+def test_a_rebuild_over_steps_that_ran_otherwise_says_mismatch(tmp_path):
+    """A loop that decays a weight between steps (outside the Task): the rebuild from the
+    snapshot of step 0 does not decay it, so the replayed steps differ from training; the
+    bundle and the report say so, with the first step that differs."""
+    def decay(model):
+        with torch.no_grad():
+            model.fc2.weight.mul_(0.9)
+
+    obs = inf_at_step_5(tmp_path, "b", decay).observed
     assert obs["step"] == 5 and obs["first"] == "param"
     rb = obs["rebuild"]
     assert (rb["from_step"], rb["steps"], rb["fidelity"], rb["first_mismatch"]) == (
@@ -171,16 +181,8 @@ def test_a_rebuild_over_steps_that_ran_otherwise_says_mismatch(tmp_path):
     note = rebuild_note(obs)
     assert "a mismatch" in note and "from step 1" in note
     # without the decay the same run rebuilds bit-exact
-    t2 = task()
-    g2 = Guard(t2, entry=ENTRY, out=tmp_path / "c", snapshot_every=50)
-    with pytest.raises(NonFiniteStep) as e2:
-        for i in range(8):
-            if i == 5:
-                for g in t2.optimizer.param_groups:
-                    g["lr"] = float("inf")
-            g2.step(batch(i))
-    assert e2.value.observed["rebuild"]["fidelity"] == "bit-exact"
-    assert e2.value.observed["rebuild"]["steps"] == 5
+    rb = inf_at_step_5(tmp_path, "c").observed["rebuild"]
+    assert (rb["fidelity"], rb["steps"]) == ("bit-exact", 5)
 
 
 def test_close_reads_the_last_update_and_removes_the_snapshot(tmp_path):

@@ -26,7 +26,7 @@ import torch
 from nanbisect.bundle.check import MAX_LOOKBACK_STEPS, lookback_steps
 from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.state import (RngState, Tensors, encode, encode_model, encode_optimizer,
-                                    local)
+                                    hyper_parameters, local)
 from nanbisect.errors import BadInput
 
 ROLE = "lookback"
@@ -48,24 +48,22 @@ def _keeper(kept_on: str):
     return host
 
 
-def _groups(opt: torch.optim.Optimizer | None) -> list[dict]:
-    if opt is None:
-        return []
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
-
-
 def _prefixed(prefix: str, tensors: Tensors) -> Tensors:
     return {f"{prefix}{k}": v for k, v in tensors.items()}
 
 
 @dataclass
-class _Snap:
+class Snap:
+    """A snapshot of a step's pre-state as `encode_model`/`encode_optimizer` describe it (its
+    tensors here, or where the keeper put them: `nanbisect.guard.keep`)."""
+
     step: int
     model: dict
     optimizer: dict | None
     scaler: dict | None
     modes: dict
-    tensors: Tensors
+    tensors: Tensors | None = None
+    seconds: float = 0.0          # what taking it cost
 
 
 @dataclass
@@ -87,7 +85,7 @@ class Lookback:
             raise BadInput(f"Guard(lookback_on={kept_on!r}): give 'device' or 'cpu'")
         self.k, self.kept_on = k, kept_on
         self._copy = _keeper(kept_on)
-        self._snaps: list[_Snap] = []     # oldest first, at most two
+        self._snaps: list[Snap] = []     # oldest first, at most two
         self._steps: list[_Step] = []
         self._groups: Any = None
         self._gtensors: Tensors = {}
@@ -98,7 +96,7 @@ class Lookback:
             first = self._snaps[0].step
             self._steps = [s for s in self._steps if s.step >= first]
         self._gtensors = {}
-        self._groups = encode(_groups(opt), "groups", self._gtensors, self._copy)
+        self._groups = encode(hyper_parameters(opt), "groups", self._gtensors, self._copy)
 
     def end(self, step: int, rng: RngState, batch: Any) -> None:
         # a step that failed was rolled back: a loop that goes on runs that step index again
@@ -107,7 +105,7 @@ class Lookback:
         meta = encode(batch, "batch", ts, self._copy)
         self._steps.append(_Step(step, rng, self._groups, meta, ts))
 
-    def _take(self, step: int, model, opt, scaler) -> _Snap:
+    def _take(self, step: int, model, opt, scaler) -> Snap:
         ts: Tensors = {}
         meta = encode_model(model, ts, self._copy)
         opt_meta = encode_optimizer(opt, ts, self._copy) if opt is not None else None
@@ -122,7 +120,7 @@ class Lookback:
                 ts["scaler/scale"], ts["scaler/tracker"] = scale.clone(), tracker.clone()
         modes = {"training": {n: m.training for n, m in model.named_modules()},
                  "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
-        return _Snap(step, meta, opt_meta, sc, modes, ts)
+        return Snap(step, meta, opt_meta, sc, modes, ts)
 
     @property
     def steps(self) -> int:

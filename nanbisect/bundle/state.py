@@ -268,6 +268,13 @@ def restore_modes(model: torch.nn.Module, meta: dict, where: str) -> None:
 # optimizer
 
 
+def hyper_parameters(opt: torch.optim.Optimizer | None) -> list[dict]:
+    """Each parameter group's settings (learning rate, betas, weight decay: what a scheduler
+    changes between steps), without its parameters; [] without an optimizer."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] \
+        if opt is not None else []
+
+
 def encode_optimizer(opt: torch.optim.Optimizer, tensors: Tensors,
                      copy: Callable = _tensor_for_file) -> dict:
     """Store ``opt.state_dict()``: tensors under ``optim/...``, everything else as JSON."""

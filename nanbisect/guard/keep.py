@@ -35,9 +35,10 @@ from typing import Any, Callable
 
 import torch
 
+from nanbisect.bundle.lookback import Snap
 from nanbisect.bundle.state import (RngState, Tensors, decode, encode, encode_model,
-                                    encode_optimizer, local, model_entries, restore_model,
-                                    restore_modes, restore_optimizer)
+                                    encode_optimizer, hyper_parameters, local, model_entries,
+                                    restore_model, restore_modes, restore_optimizer)
 from nanbisect.util import lockdir
 
 BUDGET = 0.005          # a snapshot's amortised share of a step's time
@@ -48,11 +49,6 @@ RECORD_SHARE = 0.05     # the kept steps' bytes, as a share of the state's, befo
 TOLERANCE = 1e-4        # relative difference of a replayed step's loss and gradient norm
 SCRATCH = "nanbisect-guard-"    # the snapshot file's directory, in the temporary directory
 _RNG_BYTES = 32 * 1024  # a step's RNG states: torch's (5 KB), NumPy's (2.5 KB), Python's (24 KB)
-
-
-def _groups(opt) -> list[dict]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] \
-        if opt is not None else []
 
 
 def _nbytes(ts: Tensors) -> int:
@@ -277,16 +273,6 @@ class _HostStore:
 
 
 @dataclass
-class _Snap:
-    step: int
-    model: dict
-    optimizer: dict | None
-    scaler: dict | None
-    modes: dict
-    seconds: float = 0.0
-
-
-@dataclass
 class Keeper:
     """The Guard's side: `due`, `take` (in the step, before its update), `record` (after it),
     `rebuild` (after a failure seen once the update had run)."""
@@ -296,7 +282,7 @@ class Keeper:
     distributed: bool = False
     agree: Callable[[int], int] | None = None   # under torch.distributed: the ranks' largest K
     agree_failed: Callable[[bool], bool] | None = None   # ... did any rank's snapshot fail
-    snap: _Snap | None = None
+    snap: Snap | None = None
     records: list[Record] = field(default_factory=list)
     k: int | None = None
     state_bytes: int = 0
@@ -385,8 +371,8 @@ class Keeper:
         self._store.settle()
         self._retry_at, self.failed = None, None
         del ts
-        self.snap = _Snap(step, meta, opt_meta, scaler_state, modes,
-                          time.perf_counter() - t0)
+        self.snap = Snap(step, meta, opt_meta, scaler_state, modes,
+                         seconds=time.perf_counter() - t0)
         self._stateless = opt is not None and not opt.state
         self.records = [r for r in self.records if r.step >= step]
         self.kept_bytes = sum(r.nbytes for r in self.records)
@@ -414,7 +400,7 @@ class Keeper:
         last = self.records[-1] if self.records else None
         ts: Tensors = {}
         clone = lambda t: local(t).detach().clone()  # noqa: E731
-        groups = groups if groups is not None else _groups(opt)
+        groups = groups if groups is not None else hyper_parameters(opt)
         key = _plain(groups)
         if key is not None and last is not None and key == last.groups_key:
             g = last.groups        # the same hyper-parameters as the last step: kept once

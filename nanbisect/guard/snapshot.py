@@ -17,6 +17,7 @@ import operator
 import torch
 
 from nanbisect import devices
+from nanbisect.bundle.state import hyper_parameters
 from nanbisect.guard.screen import _PLAIN, _locals
 
 
@@ -26,11 +27,6 @@ def _live_scale(scaler) -> torch.Tensor | None:
     if scaler is None or not scaler.is_enabled():
         return None
     return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
-
-
-def _param_groups(opt) -> list[dict]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] \
-        if opt is not None else []
 
 
 _WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "named_modules",
@@ -199,7 +195,7 @@ class _Snapshot:
         self._early.bind(early, n_buf)
         # the scale before the step; None: the step is the scaler's first
         self.scale = self._early.copies[-2] if scale is not None else None
-        self._groups = _param_groups(opt)
+        self._groups = hyper_parameters(opt)
         self._n_params = len(ps)
         dev = (ps or early or [torch.zeros(())])[0].device
         dt = devices.entry(dev)
@@ -246,7 +242,7 @@ class _Snapshot:
             early += [scale, scaler._growth_tracker]
         self._early.bind(early, n_buf)
         self.scale = self._early.copies[-2] if scale is not None else None
-        self._groups = _param_groups(opt)
+        self._groups = hyper_parameters(opt)
         if early:
             torch._foreach_copy_(self._early.copies, self._early.live)
 
@@ -309,7 +305,7 @@ class _Snapshot:
         self._late.swap()
         if opt is None:
             return
-        groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        groups = hyper_parameters(opt)
         for g, saved in zip(opt.param_groups, self._groups):
             g.update(saved)
         self._groups = groups
