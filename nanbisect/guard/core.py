@@ -22,11 +22,12 @@ in a row is a failure (the scaler has stalled), bundled as the last skipped step
 (``observed.undeclared_scaler`` when the Task declares no scaler and the loop skipped: the report
 names the fix). With ``clip_grad_norm``, the gradients' kind (NaN or inf) is the one the total
 norm had before clipping turned it into NaN. Under torch.distributed all ranks agree on a failure
-(one all-reduce of a two-element flag per step, before the update: every rank leaves the update
-out together) and every rank writes its part of one bundle, with what each collective of the
-failing step gave it (`nanbisect.guard.tape`). `close` reads the last step's update and drops the
-snapshot. Not guaranteed: custom loops (`Guard.watch`) are replayed through the Task, not through
-the loop: what the loop does beyond the Task's fields is not in the bundle.
+(one all-reduce of a three-element flag per step, before the update: every rank leaves the
+update out together, rebuilds together, snapshots together) and every rank writes its part of
+one bundle, with what each collective of the failing step gave it (`nanbisect.guard.tape`).
+`close` reads the last step's update and drops the snapshot. Not guaranteed: custom loops
+(`Guard.watch`) are replayed through the Task, not through the loop: what the loop does beyond
+the Task's fields is not in the bundle.
 """
 from __future__ import annotations
 
@@ -43,13 +44,12 @@ import torch
 from nanbisect import history as hist
 from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.lookback import Lookback
-from nanbisect.bundle.state import RngState, accelerator_types, local
+from nanbisect.bundle.state import RngState, accelerator_types, decode, local
 from nanbisect.errors import BadInput, NonFiniteStep
 from nanbisect.guard.agree import write_timeout
 from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
 from nanbisect.guard.entry import _check_out, resolve_entry_file
 from nanbisect.guard.parts import held_ranks
-from nanbisect.bundle.state import decode
 from nanbisect.guard.keep import RETRY_AFTER, Keeper, SnapshotFailed, reset_scaler_stage
 from nanbisect.guard.screen import _bad_names, _kind, _listed, _norms, _step_norms
 from nanbisect.guard.snapshot import _live_scale, _Snapshot, model_tensors
