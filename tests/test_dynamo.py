@@ -121,3 +121,35 @@ def test_a_run_with_remedies_never_imports_dynamo(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.splitlines() == ["culprit aten.sqrt.default ['precision']", "no dynamo"], (
         p.stdout, p.stderr[-2000:])
+
+
+def test_an_error_while_patching_switches_the_speed_up_off_and_leaves_nothing(monkeypatch):
+    """The speed-up fails soft: a wrapped function that refuses the attribute (here a built-in,
+    after one that takes it) undoes what was patched; a scan that raises is caught the same way;
+    either way the block runs unpatched and the speed-up stays off for the process."""
+    if "torch._dynamo" in sys.modules:
+        pytest.skip("torch._dynamo already imported: defer_dynamo does nothing here")
+
+    def plain():
+        return 1
+
+    monkeypatch.setattr(dynamo, "_off", [])
+    monkeypatch.setattr(dynamo, "_wrapped_functions", lambda code: [plain, len])
+    hooks = list(sys.meta_path)
+    with dynamo.defer_dynamo():
+        assert "__dynamo_disable" not in vars(plain) and sys.meta_path == hooks
+    assert len(dynamo._off) == 1 and "AttributeError" in dynamo._off[0]
+    # off for the rest of the process: nothing is scanned again
+    monkeypatch.setattr(dynamo, "_wrapped_functions",
+                        lambda code: (_ for _ in ()).throw(AssertionError("scanned")))
+    with dynamo.defer_dynamo():
+        pass
+    monkeypatch.setattr(dynamo, "_off", [])
+
+    def broken(code):
+        raise RuntimeError("a torch whose wrappers moved")
+
+    monkeypatch.setattr(dynamo, "_wrapped_functions", broken)
+    with dynamo.defer_dynamo():
+        pass
+    assert dynamo._off == ["RuntimeError: a torch whose wrappers moved"]

@@ -25,7 +25,10 @@ the optimizer and dispatch-mode classes and from the functions of torch's refere
 following ``__wrapped__`` and closures a few levels down. Wrappers of classes defined inside the
 block (a user's own optimizer or dispatch mode), or in a reference module first imported inside
 it, are not covered: they import torch._dynamo as usual. Not thread-safe against another thread
-compiling at the same time (nanbisect's replay runs on one thread).
+compiling at the same time (nanbisect's replay runs on one thread). Fails soft: any error while
+finding or patching the wrappers (a torch whose internals differ in a way the checks above do not
+see) undoes what was patched and switches the speed-up off for the rest of the process; the block
+then runs as without this module.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ import torch
 
 _ATTR = "__dynamo_disable"
 _MODULE = "torch._dynamo"
+_off: list[str] = []    # why the speed-up was switched off (empty: it is on)
 
 
 def _wrapper_code():
@@ -156,21 +160,35 @@ def defer_dynamo() -> Iterator[None]:
     ...                                               "__dynamo_disable")
     True
     """
-    code = _wrapper_code()
-    if code is None or _MODULE in sys.modules:
+    fns = None
+    if not _off and _MODULE not in sys.modules:
+        try:
+            code = _wrapper_code()
+            fns = _wrapped_functions(code) if code is not None else None
+        except Exception as e:  # noqa: BLE001 - a speed-up never fails the run
+            _off.append(f"{type(e).__name__}: {e}")
+    if not fns:
         yield
         return
-    with _deferred(_wrapped_functions(code)):
+    with _deferred(fns):
         yield
 
 
 @contextlib.contextmanager
 def _deferred(fns: list) -> Iterator[_Watch]:
     """``fns`` (functions under a wrapper) cached as their own disabled version until the block
-    ends or torch._dynamo starts being imported."""
-    for fn in fns:
-        setattr(fn, _ATTR, fn)
-    watch = _Watch(fns)
+    ends or torch._dynamo starts being imported. A function that refuses the attribute undoes
+    the others and switches the speed-up off (`_off`): the block runs unpatched."""
+    watch = _Watch([])
+    try:
+        for fn in fns:
+            setattr(fn, _ATTR, fn)
+            watch.patched.append(fn)
+    except Exception as e:  # noqa: BLE001 - a speed-up never fails the run
+        watch.undo()
+        _off.append(f"{type(e).__name__}: {e}")
+        yield watch
+        return
     sys.meta_path.insert(0, watch)
     try:
         yield watch
