@@ -44,14 +44,16 @@ import torch
 from nanbisect import history as hist
 from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.lookback import Lookback
-from nanbisect.bundle.state import RngState, accelerator_types, decode, local
+from nanbisect.bundle.state import (RngState, accelerator_types, decode, hyper_parameters,
+                                    local)
 from nanbisect.errors import BadInput, NonFiniteStep
 from nanbisect.guard.agree import write_timeout
 from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
 from nanbisect.guard.entry import _check_out, resolve_entry_file
 from nanbisect.guard.parts import held_ranks
 from nanbisect.guard.keep import RETRY_AFTER, Keeper, SnapshotFailed, reset_scaler_stage
-from nanbisect.guard.screen import _bad_names, _kind, _listed, _norms, _step_norms
+from nanbisect.guard.screen import (_any_nonfinite, _bad_names, _kind, _listed, _norms,
+                                    _step_norms)
 from nanbisect.guard.snapshot import _live_scale, _Snapshot, model_tensors
 from nanbisect.guard.tape import record_step
 from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
@@ -315,8 +317,7 @@ class Guard:
                 params = list(self.task.model.parameters())
                 dev = local(params[0]).device if params else torch.device("cpu")
                 screen = torch.linalg.vector_norm(_norms(params, dev)).item()
-                bad = float(_kind(screen) != "finite" and any(
-                    not bool(torch.isfinite(local(p)).all()) for p in params))
+                bad = float(_kind(screen) != "finite" and _any_nonfinite(params))
                 if (_ranks_max(bad) if self._rank.distributed else bad) > 0:
                     self._fail_after_update(self._last_applied)
         finally:
@@ -343,9 +344,9 @@ class Guard:
         # the learning rate this step uses (a scheduler changes it after the step)
         self._lr = task.optimizer.param_groups[0].get("lr") if task.optimizer is not None and \
             task.optimizer.param_groups else None
+        # (a tensor learning rate cloned: a scheduler may change it in place later in the step)
         self._groups = ([{k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                          for k, v in g.items() if k != "params"}
-                         for g in task.optimizer.param_groups]
+                          for k, v in g.items()} for g in hyper_parameters(task.optimizer)]
                         if self._keeper is not None and task.optimizer is not None else None)
         self._open = True
         return rng
@@ -381,7 +382,7 @@ class Guard:
             tripped = (_kind(loss_v) != "finite" or _kind(param_v) != "finite" or stalled or
                        (_kind(grads_v) != "finite" and not skip))
         if rebuild:     # exactly: the screen's sum of squares overflows on large finite values
-            bad = float(any(not bool(torch.isfinite(local(p)).all()) for p in self._params))
+            bad = float(_any_nonfinite(self._params))
             rebuild = (_ranks_max(bad) if self._rank.distributed else bad) > 0
         self._add_history(read, skip)
         if not tripped:
@@ -392,9 +393,8 @@ class Guard:
             self._trip = {"rebuild": True}
             return False
         # gradients the update would apply: checked exactly (the sum of squares can overflow)
-        applied = _kind(grads_v) != "finite" and not skip and any(
-            g is not None and not bool(torch.isfinite(local(g)).all())
-            for g in (p.grad for p in self._params))
+        applied = _kind(grads_v) != "finite" and not skip and \
+            _any_nonfinite(p.grad for p in self._params)
         if stalled:
             self.scaler_skips += 1      # this skip counts in what is observed
         observed = self._confirm(loss_v if total is not None else None, loss_v,
@@ -647,8 +647,7 @@ class Guard:
         parameters that did not move, the step was skipped: a declared scaler says so itself
         (``skipped``); without one, whatever skipped it (a GradScaler the loop keeps for itself:
         warned about once). `step` without an optimizer skips nothing: a failure at once."""
-        if not any(g is not None and not bool(torch.isfinite(local(g)).all())
-                   for g in (p.grad for p in self._params)):
+        if not _any_nonfinite(p.grad for p in self._params):
             return skipped, False     # the sum of squares overflowed on finite gradients
         moved = self._copying and self._snapshot.moved()
         if moved or (not watched and self.task.optimizer is None):

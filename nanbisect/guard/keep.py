@@ -29,7 +29,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -263,9 +263,7 @@ class _HostStore:
             self._pending = False
 
     def get(self) -> Tensors:
-        if self._pending:      # the asynchronous copies, complete
-            torch.cuda.synchronize()
-            self._pending = False
+        self.settle()          # the asynchronous copies, complete
         return dict(self._held)
 
     def close(self) -> None:
@@ -288,7 +286,7 @@ class Keeper:
     state_bytes: int = 0
     kept_bytes: int = 0                 # the records' bytes
     _store: Any = None
-    _step_times: list[float] = field(default_factory=list)
+    _step_times: deque = field(default_factory=lambda: deque(maxlen=16))
     _last: float | None = None
     _retry_at: int | None = None    # a snapshot failed: the next try (`due`)
     _stateless: bool = False        # the snapshot was taken before the optimizer had state
@@ -304,7 +302,7 @@ class Keeper:
         """A step begins: its wall time since the last (for K)."""
         now = time.perf_counter()
         if self._last is not None:
-            self._step_times = (self._step_times + [now - self._last])[-16:]
+            self._step_times.append(now - self._last)
         self._last = now
 
     def over_share(self) -> bool:
@@ -374,13 +372,12 @@ class Keeper:
         self.snap = Snap(step, meta, opt_meta, scaler_state, modes,
                          seconds=time.perf_counter() - t0)
         self._stateless = opt is not None and not opt.state
-        self.records = [r for r in self.records if r.step >= step]
-        self.kept_bytes = sum(r.nbytes for r in self.records)
+        self._set_records([r for r in self.records if r.step >= step])
         if self.every is None:
             self.k = None         # chosen CHOOSE_AFTER steps from now (`due`)
 
     def _choose_k(self, seconds: float) -> int:
-        times = sorted(self._step_times[-CHOOSE_AFTER:])
+        times = sorted(list(self._step_times)[-CHOOSE_AFTER:])
         step = times[len(times) // 2] if times else None
         k = MAX_EVERY if not step else max(1, min(MAX_EVERY, math.ceil(
             seconds / (BUDGET * step))))
@@ -416,11 +413,14 @@ class Keeper:
                                         self.kept_bytes > 4 * RECORD_SHARE * self.state_bytes):
             # snapshots keep failing (a full disk): the kept steps are bounded, the rebuild
             # becomes unavailable until a snapshot is written again
-            self.snap, self.records, self.kept_bytes = None, [], 0
+            self.snap = None
+            self._set_records([])
 
     def drop_from(self, step: int) -> None:
-        self.records = [r for r in self.records if r.step < step]
-        self.kept_bytes = sum(r.nbytes for r in self.records)
+        self._set_records([r for r in self.records if r.step < step])
+
+    def _set_records(self, records: list[Record]) -> None:
+        self.records, self.kept_bytes = records, sum(r.nbytes for r in records)
 
     def can_rebuild(self, step: int) -> bool:
         """Is step ``step``'s pre-state within reach (a snapshot at or before it, and every step
@@ -550,8 +550,10 @@ class Keeper:
     def close(self) -> None:
         """Drop the snapshot (its file too) and the kept steps."""
         self._store.close()
-        self.snap, self.records, self.kept_bytes = None, [], 0
-        self._last, self._step_times, self._retry_at, self.failed = None, [], None, None
+        self.snap = None
+        self._set_records([])
+        self._step_times.clear()
+        self._last, self._retry_at, self.failed = None, None, None
 
 
 _PLAIN_TYPES = (int, float, bool, str, type(None))

@@ -84,6 +84,12 @@ def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
     return out
 
 
+def _any_nonfinite(tensors) -> bool:
+    """Does one of ``tensors`` (None ones skipped) hold a NaN or an inf? The exact check behind a
+    tripped screen (whose sum of squares can overflow on finite values)."""
+    return any(t is not None and not bool(torch.isfinite(local(t)).all()) for t in tensors)
+
+
 def _kind(x: float) -> str:
     return "nan" if x != x else ("inf" if abs(x) == float("inf") else "finite")
 

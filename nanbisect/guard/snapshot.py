@@ -187,15 +187,7 @@ class _Snapshot:
         if params is None or buffers is None:
             params, buffers = model_tensors(model)
         ps = _locals(params)
-        scale = _live_scale(scaler)
-        early = _locals(buffers)
-        n_buf = len(early)
-        if scale is not None:
-            early += [scale, scaler._growth_tracker]   # two 1-element tensors
-        self._early.bind(early, n_buf)
-        # the scale before the step; None: the step is the scaler's first
-        self.scale = self._early.copies[-2] if scale is not None else None
-        self._groups = hyper_parameters(opt)
+        early = self._bind_early(opt, scaler, buffers)
         self._n_params = len(ps)
         dev = (ps or early or [torch.zeros(())])[0].device
         dt = devices.entry(dev)
@@ -235,6 +227,13 @@ class _Snapshot:
         self.scale = None
         if self._late.copies:
             self.release()
+        if self._bind_early(opt, scaler, buffers):
+            torch._foreach_copy_(self._early.copies, self._early.live)
+
+    def _bind_early(self, opt, scaler, buffers: list) -> list:
+        """Point the early copies at the buffers and the scaler's scale and growth tracker (two
+        1-element tensors), keep the scale before the step (None: the step is the scaler's
+        first) and the optimizer's groups; the live tensors early copies are made of."""
         early = _locals(buffers)
         n_buf = len(early)
         scale = _live_scale(scaler)
@@ -243,8 +242,7 @@ class _Snapshot:
         self._early.bind(early, n_buf)
         self.scale = self._early.copies[-2] if scale is not None else None
         self._groups = hyper_parameters(opt)
-        if early:
-            torch._foreach_copy_(self._early.copies, self._early.live)
+        return early
 
     def early_copies(self, buffers: list) -> dict[int, torch.Tensor]:
         """id of each of ``buffers`` (the ones `take_early` copied, in its order) -> its copy."""
