@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import nanbisect.chain
 import nanbisect.finish
 import nanbisect.history
 import nanbisect.pipeline.culprit as culprit_stage
@@ -44,17 +45,17 @@ def _read(out: Path) -> tuple[dict, str, str]:
 def test_every_stage_after_the_verdict_raises_and_the_report_is_written(
         fixture_bundle, tmp_path, monkeypatch):
     bundle = fixture_bundle(BUNDLE)
-    record_ops = culprit_stage.record_ops
+    record_ops = nanbisect.chain.record_ops
 
     def with_surfaced_site(*args, **kwargs):   # so that the surfaced repro is attempted too
         f = record_ops(*args, **kwargs)
         return replace(f, surfaced_site=f.site)
 
-    monkeypatch.setattr(culprit_stage, "record_ops", with_surfaced_site)
+    monkeypatch.setattr(nanbisect.chain, "record_ops", with_surfaced_site)
     stages = {"repro": (nanbisect.finish, "write_repro"),
               "op-check": (nanbisect.finish, "safe_check"),
               "context": (culprit_stage, "backtrace"),
-              "remedies": (culprit_stage, "try_remedies"),
+              "remedies": (nanbisect.chain, "try_remedies"),
               "surfaced-repro": (culprit_stage, "_surfaced_repro"),
               "classification": (culprit_stage, "classify_culprit"),
               "history": (nanbisect.history, "findings"),
@@ -113,7 +114,7 @@ def test_a_bad_input_a_stage_raises_is_listed_not_the_runs_end(fixture_bundle, t
     def refuses(*args, **kwargs):
         raise BadInput("the entry's code fails on this bundle (remedy replay)")
 
-    monkeypatch.setattr(culprit_stage, "try_remedies", refuses)
+    monkeypatch.setattr(nanbisect.chain, "try_remedies", refuses)
     monkeypatch.setattr(nanbisect.finish, "likely_cause", _boom("likely-cause"))
     r = run_bundle(fixture_bundle(BUNDLE), RunOptions(reference="none"), tmp_path / "r")
     assert (r.verdict, r.exit_code, r.culprit.op) == ("culprit", 1, "aten.sqrt.default")

@@ -26,10 +26,7 @@ from pathlib import Path
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.bundle.tape import ROLE, Entry, TapeMismatch, parse
 from nanbisect.errors import BadInput
-from nanbisect.locate.catch import catch_inputs
-from nanbisect.locate.ops import record_ops
-from nanbisect.locate.rows import RowTracer
-from nanbisect.locate.producers import forward_producer
+from nanbisect.chain import Chain, Serving
 from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
                                        root_of)
 from nanbisect.multirank.tape import TapeServer
@@ -147,30 +144,27 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
         feeders, mine_bad = _feeders(top, rank, None, 0)
         return replace(result, plan=Plan("grad-reduce", None, through_collective=True),
                        received_from=feeders, recorded_input_bad=mine_bad)
-    kind = first.kind or "nan"
-    stage("replay pass 2/3: op recording")
-    finding = record_ops(rep, phase, kind, wrap, cross_phase=False)
-    root = root_of(finding)
-    result = replace(result, root=root)
-    if root is not None and root.collective:
-        entry, occurrence = _through(server, root)
+    chain = Chain(rep, Serving.SERVED, wrap, op_wrap=inject_wrap,
+                  progress=lambda key, text: stage(text))
+
+    def agree(finding):   # a root that is a served collective: received, not computed here
+        root = root_of(finding)
+        return None if root is not None and root.collective else (
+            finding.site if finding is not None else None, True)
+
+    loc = chain.locate(first, probe.read(), agree)
+    finding = loc.finding
+    result = replace(result, root=root_of(finding))
+    if loc.through:
+        entry, occurrence = _through(server, result.root)
         feeders, mine_bad = (_feeders(top, rank, entry, occurrence) if entry is not None
                              else ([], False))
         return replace(result, plan=Plan(phase, None, through_collective=True),
                        received_from=feeders, recorded_input_bad=mine_bad)
-    stage("replay pass 3/3: catching the culprit op's inputs")
-    rows = (RowTracer(finding.site, finding.born or kind)
-            if finding is not None and rep.task.accumulate == 1 else None)
-    caught = catch_inputs(rep, finding.site, wrap, rows=rows) if finding is not None else None
-    table = probe.read()
-    plan = Plan(phase, rank)
-    result = replace(result, plan=plan)
+    result = replace(result, plan=Plan(phase, rank))
     if finding is not None:
         result = replace(result, module_stats=call_stats(
-            table, CallId(finding.module, finding.module_call)))
-    call = forward_producer(table, kind) if phase == "forward" and finding is None else None
+            probe.read(), CallId(finding.module, finding.module_call)))
     # NB: the reference is served the capture's collectives, non-finite ones included, so its
     # step failing proves nothing here: only the op, re-run from the same inputs, does
-    return finish_rank(result, rep, phase, kind, finding, caught, call, side, "served",
-                       inject_wrap, partial, target, stage, remedies=remedies,
-                       rows=rows.result() if rows is not None else None, step_wrap=wrap)
+    return finish_rank(result, chain, loc, side, "served", partial, target, remedies=remedies)

@@ -6,19 +6,18 @@ from __future__ import annotations
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable
 
 from nanbisect import devices
-from nanbisect.finish import Evidence, classify_culprit, finish
+from nanbisect.chain import Chain, Located
+from nanbisect.finish import Evidence, classify_culprit
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
-from nanbisect.records import (CallId, Caught, Culprit, Divergence, OpFinding, RankReference,
-                               RankResult, RankRoot, Remedy, RowTrace, StageError, Stats,
-                               StepOutcome, after_verdict, json_number)
+from nanbisect.records import (CallId, Divergence, OpFinding, RankReference, RankResult,
+                               RankRoot, StageError, Stats, StepOutcome, after_verdict,
+                               json_number)
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.differential import StepState
 from nanbisect.reference.side import ReferenceSide, model_dtype
-from nanbisect.remedies import not_tried, try_remedies
-from nanbisect.replay.probe import CallStats, ProbeTable
+from nanbisect.replay.probe import ProbeTable
 from nanbisect.replay.recorder import is_collective
 from nanbisect.replay.replayer import Replayer
 
@@ -77,25 +76,22 @@ class RankReferenceSide(ReferenceSide):
                              json_number(div.comparison.max_rel) if div else None), div
 
 
-def finish_rank(result: RankResult, rep: Replayer, phase: str, kind: str,
-                finding: OpFinding | None, caught: Caught | None, call: CallStats | None,
-                side: RankReferenceSide | None, reference: str, wrap, partial: Path,
-                target: str, stage: Callable[[str], None], *, remedies: int = 0,
-                rows: RowTrace | None = None, step_wrap=None) -> RankResult:
-    """The culprit rank's result: `finish` (culprit, repro under ``PARTIAL/rank{r}/repro``, op
-    check on the reference), its classification from the evidence (``reference``: what the
-    reference's step says, `Evidence`), ``culprit.samples`` from ``rows``, and with a
-    ``remedies`` budget its remedies (`rank_remedies`; ``step_wrap``: what wraps a replay of
-    the step, served collectives included)."""
+def finish_rank(result: RankResult, chain: Chain, loc: Located,
+                side: RankReferenceSide | None, reference: str, partial: Path, target: str, *,
+                remedies: int = 0) -> RankResult:
+    """The culprit rank's result: the chain's finisher (culprit, repro under
+    ``PARTIAL/rank{r}/repro``, op check on the reference), its classification from the evidence
+    (``reference``: what the reference's step says, `Evidence`), ``culprit.samples`` from the
+    traced rows, and with a ``remedies`` budget its remedies (`Chain.remedies`: skipped in
+    lockstep, judged on its forward alone)."""
     errors: list[StageError] = []     # the verdict stands: what fails after it is listed
-    done = finish(rep, phase, kind, finding=finding, caught=caught, call=call, rank=result.rank,
-                  check_on=side.device if side is not None else None, wrap=wrap,
-                  repro_dir=partial / f"rank{result.rank}" / "repro", target=target,
-                  progress=lambda key, text: stage(text), errors=errors)
-    culprit = replace(done.culprit, samples=rows.samples if rows is not None else None)
+    chain.errors = errors
+    done, culprit = chain.finish(loc, partial / f"rank{result.rank}" / "repro", target,
+                                 rank=result.rank,
+                                 check_on=side.device if side is not None else None)
+    finding = loc.finding
     result = replace(result, culprit=culprit, errors=errors, remedies=after_verdict(
-        errors, "remedies", lambda: rank_remedies(rep, culprit, finding, rows, remedies,
-                                                  step_wrap or wrap, stage), []))
+        errors, "remedies", lambda: chain.remedies(culprit, finding, loc.traced, remedies), []))
     if finding is None:
         return result
     result = replace(result, context=finding.context, inf_origin=finding.inf_origin)
@@ -103,35 +99,10 @@ def finish_rank(result: RankResult, rep: Replayer, phase: str, kind: str,
         return result
     if side is not None:
         classification, notes = classify_culprit(Evidence(reference, side.dtype,
-                                                          model_dtype(rep), done.op_check))
+                                                          model_dtype(chain.rep), done.op_check))
         result = replace(result, op_check=done.op_check, classification=classification,
                          classification_notes=notes)
     return replace(result, repro=str(done.repro))
-
-
-def rank_remedies(rep: Replayer, culprit: Culprit, finding: OpFinding | None,
-                  rows: RowTrace | None, budget: int, wrap, stage: Callable[[str], None]
-                  ) -> list[Remedy]:
-    """The culprit rank's remedies. A rank in lockstep cannot replay its step again without every
-    other rank (their collectives would wait for it): none is tried, each is listed as skipped.
-    A rank replayed alone replays freely, but the collectives of its step are served as the
-    capture recorded them, the failure they carried included: a remedy is judged on what the
-    rank computes up to the end of its forward, so only a forward culprit's remedies are
-    tried."""
-    if budget <= 0:
-        return []
-    if rep.lockstep:
-        return not_tried(culprit, "a rank replayed in lockstep cannot replay its step again "
-                                  "without every other rank; replay this rank alone "
-                                  f"(--ranks {culprit.rank}) to try them")
-    if culprit.phase != "forward":
-        return not_tried(culprit, "on a rank replayed alone the collectives after its forward "
-                                  "are served as the capture recorded them (the failure "
-                                  "included), so only a forward culprit's step can be judged")
-    judged = {"judged_on": "this rank's forward; its collectives served as recorded"}
-    return [replace(r, detail={**r.detail, **judged}) if r.outcome != "skipped" else r
-            for r in try_remedies(rep, culprit, finding, budget=budget, trace=rows, wrap=wrap,
-                                  judge="forward", progress=lambda key, text: stage(text))]
 
 
 def root_of(finding: OpFinding | None) -> RankRoot | None:

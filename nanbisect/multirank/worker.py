@@ -51,17 +51,12 @@ import torch.distributed as dist
 from nanbisect import devices
 from nanbisect.bundle.format import read_bundle
 from nanbisect.errors import BadInput
-from nanbisect.locate.catch import catch_inputs
-from nanbisect.locate.ops import record_ops
-from nanbisect.locate.rows import RowTracer
-from nanbisect.finish import finish
-from nanbisect.locate.producers import forward_producer
+from nanbisect.chain import Chain, Serving
 from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
                                        root_of)
 from nanbisect.multirank.verdict import choose_rank, decide
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
-from nanbisect.reference.differential import (RandomTape, diverging_call, isolate_window,
-                                              step_state)
+from nanbisect.reference.differential import RandomTape, step_state
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.task import load_inject
@@ -140,37 +135,49 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         return _divergence(rep, side, probe, result, div, wrap, target, partial)
     if phase not in ("forward", "backward", "optimizer") or culprit_rank is None:
         return result
-    kind = everyone[culprit_rank].kind or "nan"
-    _stage("replay pass 2/3: op recording")
-    finding = record_ops(rep, phase, kind, wrap,          # every rank: same passes
-                         cross_phase=False)
-    roots = _gather(root_of(finding))
-    culprit_rank, through = choose_rank(roots, culprit_rank)
-    plan = replace(plan, rank=culprit_rank, through_collective=through)
-    result = replace(result, plan=plan, root=roots[rank])
-    if through:   # every rank's root is a collective: nobody computed it, it was received
+    # every rank runs the culprit rank's phase and kind: the same passes
+    chain = Chain(rep, Serving.LOCKSTEP, wrap, progress=lambda key, text: _stage(text))
+    agreed = _Agreement(rank, result)
+    loc = chain.locate(first, probe.read(), agreed,
+                       failed=(phase, everyone[culprit_rank].kind or "nan"))
+    result = agreed.result
+    if loc.through:   # every rank's root is a collective: nobody computed it, it was received
         return result
-    # the culprit rank's op, caught on every rank (the catch pass runs the step's collectives)
-    spec = [(finding.site, CallId(finding.module, finding.module_call))
-            if rank == culprit_rank and finding is not None else None]
-    dist.broadcast_object_list(spec, src=culprit_rank)
-    _stage("replay pass 3/3: catching the culprit op's inputs")
-    # the culprit rank also traces the batch rows (local: no collective of its own)
-    rows = (RowTracer(spec[0][0], finding.born or kind) if rank == culprit_rank
-            and spec[0] is not None and finding is not None and rep.task.accumulate == 1
-            else None)
-    caught = catch_inputs(rep, spec[0][0], wrap, rows=rows) if spec[0] is not None else None
-    table = probe.read()
-    if spec[0] is not None:
-        result = replace(result, module_stats=call_stats(table, spec[0][1]))
-    if rank != culprit_rank:
+    if agreed.call is not None:
+        result = replace(result, module_stats=call_stats(probe.read(), agreed.call))
+    if rank != result.plan.rank:
         return result
-    call = forward_producer(table, kind) if phase == "forward" and finding is None else None
     # the op check: one op, on this rank alone (no collective)
-    return finish_rank(result, rep, phase, kind, finding, caught, call, side,
+    return finish_rank(result, chain, loc, side,
                        "failed" if theirs is not None and theirs.phase is not None else "finite",
-                       wrap, partial, target, _stage, remedies=remedies,
-                       rows=rows.result() if rows is not None else None)
+                       partial, target, remedies=remedies)
+
+
+class _Agreement:
+    """Between passes 2 and 3 in lockstep: every rank's root op exchanged, the culprit rank
+    chosen (`choose_rank`; received through a collective when every root is one), and the
+    culprit rank's op sent to every rank, which all catch it (the catch runs the step's
+    collectives); the culprit rank also traces the batch rows."""
+
+    def __init__(self, rank: int, result: RankResult) -> None:
+        self.rank, self.result, self.call = rank, result, None
+
+    def __call__(self, finding):
+        roots = _gather(root_of(finding))
+        plan = self.result.plan
+        culprit_rank, through = choose_rank(roots, plan.rank)
+        self.result = replace(self.result, root=roots[self.rank],
+                              plan=replace(plan, rank=culprit_rank, through_collective=through))
+        if through:
+            return None
+        mine = self.rank == culprit_rank
+        spec = [(finding.site, CallId(finding.module, finding.module_call))
+                if mine and finding is not None else None]
+        dist.broadcast_object_list(spec, src=culprit_rank)
+        if spec[0] is None:
+            return None, mine
+        self.call = spec[0][1]
+        return spec[0][0], mine
 
 
 def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, result: RankResult,
@@ -184,14 +191,12 @@ def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, resu
     if not any(diverged):
         return result
     _stage("replay pass 2/3: isolating the ops on the reference")
-    call = None
-    if div is not None and div.phase in ("forward", "backward"):
-        call = diverging_call(probe.read(), side.probe.read(), div.phase, side.target_dtype)
+    chain = Chain(rep, Serving.LOCKSTEP, wrap, progress=lambda key, text: _stage(text))
     if div is not None:
-        finding, check, _, _ = isolate_window(rep, div.phase, call.call if call else None,
-                                              side.device, wrap)
+        call, finding, check, _, _ = chain.isolate(div.phase, probe.read(), side.probe.read(),
+                                                   side.device, side.target_dtype)
     else:   # the step's collectives, in step with the ranks that isolate
-        finding, check = None, None
+        call, finding, check = None, None, None
         rep.run(wrap=wrap)
     found = _gather(finding is not None)
     culprit_rank = next((r for r, f in enumerate(found) if f), None)
@@ -199,16 +204,15 @@ def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, resu
     plan = Plan(phase, culprit_rank)
     result = replace(result, plan=plan)
     spec = [finding.site if finding is not None else None]
+    caught = None
     if culprit_rank is not None:
         dist.broadcast_object_list(spec, src=culprit_rank)
-        _stage("replay pass 3/3: catching the diverging op's inputs")
-        caught = catch_inputs(rep, spec[0], wrap)
+        caught = chain.catch_diverging(spec[0])
     if rank != culprit_rank:
         return result
-    errors: list = []     # the verdict stands: what fails after it is listed
-    done = finish(rep, phase, "mismatch", finding=finding, caught=caught, call=call, rank=rank,
-                  op_check=check, repro_dir=partial / f"rank{rank}" / "repro", target=target,
-                  errors=errors)
+    chain.errors = errors = []     # the verdict stands: what fails after it is listed
+    done = chain.finish_divergence(phase, finding, caught, call, check,
+                                   partial / f"rank{rank}" / "repro", target, rank=rank)
     return replace(result, culprit=done.culprit, op_check=check, errors=errors,
                    classification="device" if check is not None else "unknown",
                    repro=str(done.repro) if done.repro is not None else None)

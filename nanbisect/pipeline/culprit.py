@@ -5,27 +5,18 @@ first divergence from the reference.
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from nanbisect.bundle import lookback
-from nanbisect.bundle.lookback import BundleView
-from nanbisect.finish import Evidence, classify_culprit, finish
-from nanbisect.locate.catch import AheadCatch, catch_inputs, catch_module_call
-from nanbisect.locate.ops import record_ops
-from nanbisect.locate.rows import RowTracer
-from nanbisect.locate.producers import (backtrace, backward_producer, first_bad_parameter,
-                                        forward_producer, timeline)
+from nanbisect.chain import Chain, Located, Serving
+from nanbisect.finish import Evidence, classify_culprit
+from nanbisect.locate.producers import backtrace, timeline
 from nanbisect.pipeline.common import _guarded, _Run, after_verdict
-from nanbisect.records import (CallId, Caught, Culprit, Divergence, ModuleRepro, OpCheck,
-                               OpFinding, OpRecording, Remedy, RowTrace, StepOutcome,
-                               module_label)
-from nanbisect.reference.differential import diverging_call, isolate_window
+from nanbisect.records import (Caught, Culprit, Divergence, ModuleRepro, OpCheck, OpFinding,
+                               OpRecording, StepOutcome, module_label)
 from nanbisect.reference.side import ReferenceSide
 from nanbisect.remedies import budget as remedy_budget
-from nanbisect.remedies import try_remedies
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of, repro_imports, write_module_repro, write_repro
 from nanbisect.report.rerun import ServerFork, runner
@@ -62,36 +53,32 @@ def _repro_starter(run: _Run):
     return start
 
 
+def _chain(run: _Run) -> Chain:
+    """The pass chain of this run: one process, the run's injection around every replay, user
+    code failing as a one-line `BadInput`."""
+    return Chain(run.rep, Serving.NONE, run.wrap, progress=run.progress, guard=_guarded,
+                 errors=run.errors, start_repro=_repro_starter(run))
+
+
 def _divergence_report(run: _Run, side: ReferenceSide, div: Divergence, tmp: Path) -> Report:
-    rep, phase = run.rep, div.phase
-    call = None
-    if phase in ("forward", "backward"):
-        call = diverging_call(run.probe.read(), side.probe.read(), phase, side.target_dtype)
-    finding, check, checked, uncomparable = _guarded(
-        lambda: isolate_window(rep, phase, call.call if call is not None else None, side.device,
-                               run.wrap),
-        "isolating the target's ops on the reference")
+    phase, chain = div.phase, _chain(run)
+    call, finding, check, checked, uncomparable = chain.isolate(
+        phase, run.probe.read(), side.probe.read(), side.device, side.target_dtype)
     notes = [f"target and reference diverge first at {div.what}: "
              + div.comparison.message().replace("\n", "; ")]
     if uncomparable:
         notes.append(f"{len(uncomparable)} op(s) could not be compared (no reference kernel "
                      "or registered reference_impl): " + ", ".join(sorted({u.op for u in
                                                                           uncomparable})))
-    caught = None
-    if finding is not None:
-        run.progress("input-catch", "catching the diverging op's inputs")
-        caught = _guarded(lambda: catch_inputs(rep, finding.site, run.wrap),
-                          "catching the op's inputs")
-    elif call is not None:
+    caught = chain.catch_diverging(finding.site) if finding is not None else None
+    if finding is None and call is not None:
         notes.append(f"every op inside the diverging module call passed its isolated check "
                      f"({checked} checked): the divergence comes from the call as a "
                      "whole (e.g. an op without a comparable reference)")
-    else:
+    elif finding is None:
         notes.append("no module call or op could be isolated as the first divergence")
-    done = finish(rep, phase, "mismatch", finding=finding, caught=caught, call=call,
-                  op_check=check, repro_dir=tmp / "repro", target=run.facts.target,
-                  start_repro=_repro_starter(run), progress=run.progress,
-                  errors=run.errors)
+    done = chain.finish_divergence(phase, finding, caught, call, check, tmp / "repro",
+                                   run.facts.target)
     classification = "device" if check is not None else "unknown"
     if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
         classification = "replay-mismatch"
@@ -106,88 +93,34 @@ def _divergence_report(run: _Run, side: ReferenceSide, div: Divergence, tmp: Pat
 
 def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, ref,
                     tmp: Path) -> Report:
-    rep, opts, target = run.rep, run.opts, run.facts.target
-    model, phase, kind = rep.task.model, first.phase, first.kind or "nan"
-    notes = list(run.notes)
-    table = run.probe.read()
-    call, parameter, traced = None, None, None
-    if phase == "forward":
-        call = forward_producer(table, kind)
-    elif phase == "backward":
-        call, parameter = backward_producer(table, kind)
-    elif phase == "optimizer":
-        parameter = first_bad_parameter(model, [b.name for b in first.bad])
-
-    run.progress("op-recording", f"pass 2/3: recording the {phase} phase's ops")
-    scope = call.call if phase == "forward" and call is not None else None
-    ahead = _ahead(run, phase, kind)
-    finding = _guarded(lambda: record_ops(rep, phase, kind, run.wrap, scope,
-                                          progress=run.progress, ahead=ahead),
-                       "recording the step's ops")
-    caught = None
-    if finding is None:
-        notes.append("op-level provenance found no root op inside the recorded phase; the "
-                     "culprit is the module call that produced the value")
-    else:
-        if finding.surfaced is not None:
-            notes.append(_surfaced_note(finding, kind))
-        if finding.module_call is not None:   # the table row of the op's own module call
-            call = table.get(CallId(finding.module, finding.module_call)) or call
-        got = ahead.caught(finding.site.op, finding.op_index) if ahead is not None else None
-        if got is not None:     # caught by pass 2 on its way
-            caught, traced = got
-        else:
-            run.progress("input-catch", "pass 3/3: catching the culprit's inputs")
-            caught, traced = _catch(run, finding, kind)
-        if caught is None:
-            notes.append("the culprit op could not be caught again in a narrow replay (the "
-                         "step is not deterministic); no repro was written")
-    done = finish(rep, phase, kind, finding=finding, caught=caught, call=call,
-                  parameter=parameter, micro_batch=first.micro_batch,
-                  check_on=ref[0] if ref is not None else None, wrap=run.wrap,
-                  repro_dir=tmp / "repro", target=target, start_repro=_repro_starter(run),
-                  progress=run.progress, errors=run.errors)
+    chain, table = _chain(run), run.probe.read()
+    loc = chain.locate(first, table)
+    phase, kind, finding, call = loc.phase, loc.kind, loc.finding, loc.call
+    notes = list(run.notes) + _finding_notes(loc)
+    done, culprit = chain.finish(loc, tmp / "repro", run.facts.target,
+                                 check_on=ref[0] if ref is not None else None)
     # the verdict is known: what each stage below adds is left out when it fails (`errors`)
     stage = _guard(run)
-    culprit = replace(done.culprit, samples=traced.samples if traced else None)
     trace, table_rows = stage("context", lambda: (
         backtrace(table, call, phase, kind) if call is not None and phase != "optimizer"
         else [], timeline(table, phase)), ([], []))
     op_check = done.op_check
-    remedies = stage("remedies", lambda: _remedies(run, culprit, finding, kind, traced), [])
-    repro_result = module_repro = None
-    if done.repro is not None:
-        repro_result = stage("repro", done.pending, None) if done.pending else None
-        if repro_result and not repro_result.reproduced and opts.inject:
-            notes.append(f"the repro did not reproduce on {target}: it runs the op without "
-                         f"--inject {opts.inject}, which emulated the fault here; run "
-                         "repro/repro.py on the device that has the faulty kernel")
-        elif (repro_result and not repro_result.reproduced
-                and phase in ("forward", "backward")
-                and culprit.module and culprit.module_call is not None):
-            run.progress("module-repro", "the op alone did not reproduce: catching its module "
-                                         "call")
-            failed = len(run.errors)
-            module_repro = stage("module-repro",
-                                 lambda: _module_fallback(run, culprit, kind, tmp), None)
-            worked = (module_repro is not None and module_repro.result is not None
-                      and module_repro.result.reproduced)
-            notes.append("the culprit op alone did not reproduce (it depends on state "
-                         "outside its inputs); module_repro replays its module call "
-                         "with the module's state: " + (
-                             "it could not be made (see errors)" if len(run.errors) > failed
-                             else "reproduced" if worked else "did not reproduce either"))
+    remedies = stage("remedies", lambda: chain.remedies(
+        culprit, finding, loc.traced, remedy_budget(run.opts.remedies)), [])
+    repro_result = stage("repro", done.pending, None) if done.pending else None
+    module_repro = None
+    if done.repro is not None and repro_result and not repro_result.reproduced:
+        module_repro = _unreproduced(run, chain, culprit, kind, tmp, notes)
     surfaced_repro = (stage("surfaced-repro",
-                            lambda: _surfaced_repro(run, finding, kind, tmp, notes), None)
+                            lambda: _surfaced_repro(run, chain, finding, kind, tmp, notes), None)
                       if finding is not None and finding.surfaced_site is not None
-                      and caught is not None else None)
+                      and loc.caught is not None else None)
     classification, why = stage("classification",
                                 lambda: classify_culprit(_evidence(run, side, op_check)),
                                 ("unknown", []))
-    notes += why
     return Report(
         "culprit", classification, phase, kind, culprit, run.facts, backtrace=trace,
-        timeline=table_rows, notes=notes,
+        timeline=table_rows, notes=notes + why,
         repro="repro/repro.py" if done.repro else None, repro_result=repro_result,
         inf_origin=finding.inf_origin if finding else None,
         context=finding.context if finding else [], op_check=op_check,
@@ -198,46 +131,46 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         remedies=remedies)
 
 
+def _finding_notes(loc: Located) -> list[str]:
+    """What the report says about passes 2 and 3."""
+    if loc.finding is None:
+        return ["op-level provenance found no root op inside the recorded phase; the culprit is "
+                "the module call that produced the value"]
+    notes = [_surfaced_note(loc.finding, loc.kind)] if loc.finding.surfaced is not None else []
+    if loc.caught is None:
+        notes.append("the culprit op could not be caught again in a narrow replay (the step is "
+                     "not deterministic); no repro was written")
+    return notes
+
+
+def _unreproduced(run: _Run, chain: Chain, culprit: Culprit, kind: str, tmp: Path,
+                  notes: list[str]) -> ModuleRepro | None:
+    """The op alone did not reproduce: why (an injected kernel), or its module call's repro."""
+    target = run.facts.target
+    if run.opts.inject:
+        notes.append(f"the repro did not reproduce on {target}: it runs the op without "
+                     f"--inject {run.opts.inject}, which emulated the fault here; run "
+                     "repro/repro.py on the device that has the faulty kernel")
+        return None
+    if culprit.phase not in ("forward", "backward") or not culprit.module \
+            or culprit.module_call is None:
+        return None
+    run.progress("module-repro", "the op alone did not reproduce: catching its module call")
+    failed = len(run.errors)
+    module_repro = _guard(run)("module-repro",
+                               lambda: _module_fallback(run, chain, culprit, kind, tmp), None)
+    worked = (module_repro is not None and module_repro.result is not None
+              and module_repro.result.reproduced)
+    notes.append("the culprit op alone did not reproduce (it depends on state outside its "
+                 "inputs); module_repro replays its module call with the module's state: " + (
+                     "it could not be made (see errors)" if len(run.errors) > failed
+                     else "reproduced" if worked else "did not reproduce either"))
+    return module_repro
+
+
 def _guard(run: _Run):
     """``(stage, fn, default) -> fn() or default``: `after_verdict` into this run's errors."""
     return lambda stage, fn, default: after_verdict(run.errors, stage, fn, default)
-
-
-def _ahead(run: _Run, phase: str, kind: str) -> AheadCatch | None:
-    """Pass 3 folded into pass 2 (`AheadCatch`) where it can be: a forward failure replayed on
-    the CPU, in one process (a forward catch there ends its replay at the culprit: in lockstep
-    or under torch.distributed it would not, and elsewhere the flags stay on the device)."""
-    rep = run.rep
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if phase != "forward" or rep.device.type != "cpu" or rep.lockstep or distributed:
-        return None
-    return AheadCatch(rep, RowTracer(None, kind) if rep.task.accumulate == 1 else None)
-
-
-def _catch(run: _Run, finding: OpFinding, kind: str) -> tuple[Caught | None, RowTrace | None]:
-    """Pass 3: the culprit's inputs and, in the same replay (one-batch steps), the batch rows
-    its bad value depends on."""
-    tracer = RowTracer(finding.site, finding.born or kind) if run.rep.task.accumulate == 1 \
-        else None
-    caught = _guarded(lambda: catch_inputs(run.rep, finding.site, run.wrap, rows=tracer),
-                      "catching the op's inputs")
-    return caught, tracer.result() if tracer is not None else None
-
-
-def _remedies(run: _Run, culprit: Culprit, finding: OpFinding | None, kind: str,
-              trace: RowTrace | None) -> list[Remedy]:
-    """The remedies tried on the culprit's step (`nanbisect.remedies`), within the run's budget,
-    while the repro's run goes on in the background; the bundle's lookback gives the state remedy its earlier batch (the failing step's own
-    bundle only: a step of ``--steps`` has no earlier batch of its own here)."""
-    budget = remedy_budget(run.opts.remedies)
-    if budget <= 0:
-        return []
-    bundle = run.rep.bundle
-    window = None
-    if bundle.manifest.get("lookback") is not None and not isinstance(bundle, BundleView):
-        window = lookback.parse(bundle, f"bundle '{bundle.path}'")
-    return try_remedies(run.rep, culprit, finding, budget=budget, trace=trace, window=window,
-                        wrap=run.wrap, progress=run.progress)
 
 
 def _surfaced_note(f: OpFinding, kind: str) -> str:
@@ -251,16 +184,14 @@ def _surfaced_note(f: OpFinding, kind: str) -> str:
             "is where it was born, culprit.surfaced where it became visible")
 
 
-def _surfaced_repro(run: _Run, finding: OpFinding, kind: str, tmp: Path,
+def _surfaced_repro(run: _Run, chain: Chain, finding: OpFinding, kind: str, tmp: Path,
                     notes: list[str]) -> ModuleRepro | None:
     """Catch the op where a failure born earlier surfaced and write (and run once) its repro,
     ``repro/surfaced/repro.py``: it shows how the earlier phase's value turns into the
     failure (the saved rstd inf into NaN in layer norm's backward). Its outcome goes into
     ``notes``."""
-    run.progress("surfaced-repro", "catching the op where the failure surfaced")
-    site, s = finding.surfaced_site, finding.surfaced
-    caught = _guarded(lambda: catch_inputs(run.rep, site, run.wrap),
-                      "catching the op where the failure surfaced")
+    s = finding.surfaced
+    caught = chain.catch_surfaced(finding)
     if caught is None:
         return None
     tensors = [t for t in torch.utils._pytree.tree_leaves((caught.args, caught.kwargs))
@@ -272,7 +203,7 @@ def _surfaced_repro(run: _Run, finding: OpFinding, kind: str, tmp: Path,
                          target=run.facts.target, imports=repro_imports(caught.op,
                                                                         run.rep.entry),
                          role="Where a failure born earlier surfaced (its culprit: ../repro.py)")
-    start = _repro_starter(run)
+    start = chain.start_repro
     res = start(script, caught)() if start is not None else None
     notes.append(f"repro/surfaced/repro.py re-runs {s.op}, where it surfaced, from its inputs in "
                  f"{s.phase}" + ("" if res is None else ": reproduced" if res.reproduced
@@ -280,11 +211,10 @@ def _surfaced_repro(run: _Run, finding: OpFinding, kind: str, tmp: Path,
     return ModuleRepro("repro/surfaced/repro.py", res)
 
 
-def _module_fallback(run: _Run, culprit: Culprit, kind: str, tmp: Path) -> ModuleRepro | None:
+def _module_fallback(run: _Run, chain: Chain, culprit: Culprit, kind: str, tmp: Path
+                     ) -> ModuleRepro | None:
     """Write (and run once) a repro of the culprit's whole module call, with its state."""
-    mc = _guarded(lambda: catch_module_call(run.rep, CallId(culprit.module, culprit.module_call),
-                                            run.wrap, backward=culprit.phase == "backward"),
-                  "catching the culprit's module call")
+    mc = chain.catch_module_call(culprit)
     if mc is None:
         return None
     script = write_module_repro(tmp / "repro", mc, culprit=culprit, kind=kind,

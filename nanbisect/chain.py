@@ -1,0 +1,278 @@
+"""The one chain of passes every replay runs once its step's failure is known: the producing
+module call (from the first pass's probe table) -> the op recording and provenance to the root op
+(pass 2) -> the root op's inputs caught (pass 3, or folded into pass 2) -> the finisher (culprit,
+repro, op check) -> the remedies; and, for a finite step that parts from its reference, the
+isolation of the first diverging op. The single-process pipeline (`pipeline/culprit.py`), a rank
+in lockstep (`multirank/worker.py`) and a rank alone (`multirank/alone.py`) are thin callers:
+they build a `Chain`, say how collectives are served, and turn what it found into their record.
+
+How collectives are served (`Serving`) is the one thing that decides which passes may run:
+
+- ``none``: one process. Every pass runs; pass 3 rides along pass 2 for a forward failure on
+  the CPU (`AheadCatch`).
+- ``served``: one rank alone, its collectives served from the capture's tape. It may replay its
+  step as often as a pass likes (a forward recording scoped to the producing call, the
+  cross-phase recording of a backward failure born in forward), but a remedy is judged only up
+  to the end of its forward (the collectives after it carry the capture's failure).
+- ``lockstep``: every rank replays together, so every rank must run the same passes the same
+  number of times: no scoped recording, no cross-phase recording, no extra replay on one rank
+  (no remedy), and the ranks agree (``agree``) on the culprit rank and its op between pass 2
+  and pass 3.
+
+Guarantees: the passes of every path are the functions below, so a pass added here reaches every
+path (`tests/test_chain.py` fails when a caller imports a pass itself). What runs after the
+verdict (repro, op check, remedies) is listed in ``errors`` when it fails, never raised.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
+from enum import Enum
+from pathlib import Path
+from typing import Callable, ContextManager
+
+import torch
+
+from nanbisect.bundle import lookback
+from nanbisect.bundle.lookback import BundleView
+from nanbisect.finish import Finished, finish
+from nanbisect.locate.catch import AheadCatch, catch_inputs, catch_module_call
+from nanbisect.locate.ops import record_ops
+from nanbisect.locate.producers import backward_producer, first_bad_parameter, forward_producer
+from nanbisect.locate.rows import RowTracer
+from nanbisect.records import (CallId, Caught, Culprit, OpCheck, OpFinding, OpSite, Remedy,
+                               RowTrace, StageError, StepOutcome)
+from nanbisect.reference.differential import diverging_call, isolate_window
+from nanbisect.remedies import not_tried, try_remedies
+from nanbisect.replay.probe import CallStats, ProbeTable
+from nanbisect.replay.replayer import Replayer
+
+Progress = Callable[[str, str], None]
+# what ``agree`` answers: (the site to catch, is it this process's culprit) once the processes
+# agreed; None: nobody computed the failure, every rank received it through a collective
+Agreed = "tuple[OpSite | None, bool] | None"
+
+
+class Serving(str, Enum):
+    """How the collectives of a replayed step are served."""
+
+    NONE = "none"            # one process: no collectives
+    LOCKSTEP = "lockstep"    # every rank replays together
+    SERVED = "served"        # one rank alone, its collectives served from the tape
+
+    @property
+    def solo(self) -> bool:
+        """May a pass replay this process's step on its own (another replay, a scoped one)?"""
+        return self is not Serving.LOCKSTEP
+
+
+def _plain(fn, what: str):
+    return fn()
+
+
+@dataclass
+class Located:
+    """What passes 2 and 3 found: the producing call and parameter, the root op (``finding``),
+    its caught inputs and the batch rows its bad value depends on; ``through``: the failure came
+    through a collective on every rank (nothing was caught)."""
+
+    phase: str
+    kind: str
+    call: CallStats | None
+    parameter: str | None
+    finding: OpFinding | None
+    caught: Caught | None = None
+    traced: RowTrace | None = None
+    micro_batch: int | None = None
+    through: bool = False
+    site: OpSite | None = None     # the op caught on this process (in lockstep: the culprit's)
+
+
+@dataclass
+class Chain:
+    """The passes over one replayer's step. ``wrap``: what wraps every replay of the step (the
+    injected kernel, served collectives); ``op_wrap``: what wraps a single op re-run alone (the
+    op check: the injection only; default ``wrap``); ``guard(fn, what)``: how user code is run
+    (the pipeline turns its failure into a one-line `BadInput`); ``errors``: what failed after
+    the verdict; ``start_repro``: how the repro's one run is started (None: not run here)."""
+
+    rep: Replayer
+    serving: Serving
+    wrap: Callable[[], ContextManager] = nullcontext
+    op_wrap: Callable[[], ContextManager] | None = None
+    progress: Progress = lambda key, text: None
+    guard: Callable = _plain
+    errors: list[StageError] | None = None
+    start_repro: Callable | None = None
+
+    # -- pass 2 and 3 ------------------------------------------------------------------------
+
+    def producer(self, table: ProbeTable, first: StepOutcome, phase: str
+                 ) -> tuple[CallStats | None, str | None]:
+        """The module call that produced ``phase``'s failure from clean inputs (forward,
+        backward) and the parameter it concerns (backward, optimizer), from the first pass's
+        probe table."""
+        kind = first.kind or "nan"
+        if phase == "forward":
+            return forward_producer(table, kind), None
+        if phase == "backward":
+            return backward_producer(table, kind)
+        if phase == "optimizer":
+            return None, first_bad_parameter(self.rep.task.model, [b.name for b in first.bad])
+        return None, None
+
+    def ahead(self, phase: str, kind: str) -> AheadCatch | None:
+        """Pass 3 folded into pass 2 where it can be: a forward failure replayed on a device
+        whose flags the host reads for free (the CPU), in one process (a forward catch there
+        ends its replay at the culprit: in lockstep or under torch.distributed it would not, and
+        elsewhere the flags stay on the device)."""
+        rep = self.rep
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if (phase != "forward" or self.serving is not Serving.NONE or distributed
+                or rep.device.type != "cpu"):
+            return None
+        return AheadCatch(rep, RowTracer(None, kind) if rep.task.accumulate == 1 else None)
+
+    def record(self, phase: str, kind: str, call: CallStats | None,
+               ahead: AheadCatch | None = None) -> OpFinding | None:
+        """Pass 2: the failing phase's ops recorded and traced to the root op; scoped to the
+        producing forward call and followed across phases only where this process may replay
+        alone (`Serving.solo`)."""
+        solo = self.serving.solo
+        scope = call.call if phase == "forward" and call is not None and solo else None
+        self.progress("op-recording", f"pass 2/3: recording the {phase} phase's ops")
+        return self.guard(lambda: record_ops(self.rep, phase, kind, self.wrap, scope,
+                                             cross_phase=solo, progress=self.progress,
+                                             ahead=ahead),
+                          "recording the step's ops")
+
+    def catch(self, site: OpSite | None, finding: OpFinding | None, kind: str, mine: bool = True,
+              ahead: AheadCatch | None = None) -> tuple[Caught | None, RowTrace | None]:
+        """Pass 3: ``site``'s inputs and (this process's culprit, one-batch steps) the batch rows
+        its bad value depends on; from ``ahead`` when pass 2 caught them on its way."""
+        if site is None:
+            return None, None
+        if ahead is not None and finding is not None:
+            got = ahead.caught(finding.site.op, finding.op_index)
+            if got is not None:
+                return got
+        self.progress("input-catch", "pass 3/3: catching the culprit's inputs")
+        tracer = (RowTracer(site, finding.born or kind) if mine and finding is not None
+                  and self.rep.task.accumulate == 1 else None)
+        caught = self.guard(lambda: catch_inputs(self.rep, site, self.wrap, rows=tracer),
+                            "catching the op's inputs")
+        return caught, tracer.result() if tracer is not None else None
+
+    def locate(self, first: StepOutcome, table: ProbeTable,
+               agree: Callable[[OpFinding | None], Agreed] | None = None, *,
+               failed: tuple[str, str] | None = None) -> Located:
+        """Passes 2 and 3 for ``first``'s failure (``failed``: the phase and kind the ranks
+        agreed on, in lockstep the culprit rank's). ``agree(finding)``: between them, what the
+        processes of the job settled on (lockstep: the culprit rank's op, caught on every rank;
+        a rank alone: None when its root is a collective it was served)."""
+        phase, kind = failed or (first.phase, first.kind or "nan")
+        call, parameter = self.producer(table, first, phase)
+        ahead = self.ahead(phase, kind)
+        finding = self.record(phase, kind, call, ahead)
+        if finding is not None and finding.module_call is not None:
+            call = table.get(CallId(finding.module, finding.module_call)) or call
+        site, mine = (finding.site if finding is not None else None), True
+        if agree is not None:
+            agreed = agree(finding)
+            if agreed is None:
+                return Located(phase, kind, call, parameter, finding, through=True,
+                               micro_batch=first.micro_batch)
+            site, mine = agreed
+        caught, traced = self.catch(site, finding, kind, mine, ahead)
+        return Located(phase, kind, call, parameter, finding, caught, traced,
+                       first.micro_batch, site=site)
+
+    # -- after the verdict -------------------------------------------------------------------
+
+    def finish(self, loc: Located, repro_dir: Path, target: str, *, rank: int = 0,
+               check_on: torch.device | None = None) -> tuple[Finished, Culprit]:
+        """The finisher on what `locate` found; the culprit with its batch rows."""
+        done = finish(self.rep, loc.phase, loc.kind, finding=loc.finding, caught=loc.caught,
+                      call=loc.call, parameter=loc.parameter, micro_batch=loc.micro_batch,
+                      rank=rank, check_on=check_on, wrap=self.op_wrap or self.wrap,
+                      repro_dir=repro_dir, target=target, start_repro=self.start_repro,
+                      progress=self.progress, errors=self.errors)
+        return done, replace(done.culprit,
+                             samples=loc.traced.samples if loc.traced is not None else None)
+
+    def remedies(self, culprit: Culprit, finding: OpFinding | None, traced: RowTrace | None,
+                 budget: int) -> list[Remedy]:
+        """The remedies tried on the culprit's step within ``budget`` replays. In lockstep none
+        is tried (the other ranks' collectives would wait): each is listed as skipped. A rank
+        alone is judged on its forward (the collectives after it are served with the capture's
+        failure), so only a forward culprit's remedies are tried. One process: the bundle's
+        lookback gives the state remedy its earlier batch (a step of ``--steps`` has none)."""
+        if budget <= 0:
+            return []
+        if self.serving is Serving.LOCKSTEP:
+            return not_tried(culprit, "a rank replayed in lockstep cannot replay its step again "
+                                      "without every other rank; replay this rank alone "
+                                      f"(--ranks {culprit.rank}) to try them")
+        if self.serving is Serving.SERVED:
+            if culprit.phase != "forward":
+                return not_tried(culprit, "on a rank replayed alone the collectives after its "
+                                          "forward are served as the capture recorded them (the "
+                                          "failure included), so only a forward culprit's step "
+                                          "can be judged")
+            judged = {"judged_on": "this rank's forward; its collectives served as recorded"}
+            return [replace(r, detail={**r.detail, **judged}) if r.outcome != "skipped" else r
+                    for r in try_remedies(self.rep, culprit, finding, budget=budget,
+                                          trace=traced, wrap=self.wrap, judge="forward",
+                                          progress=self.progress)]
+        bundle, window = self.rep.bundle, None
+        if bundle.manifest.get("lookback") is not None and not isinstance(bundle, BundleView):
+            window = lookback.parse(bundle, f"bundle '{bundle.path}'")
+        return try_remedies(self.rep, culprit, finding, budget=budget, trace=traced,
+                            window=window, wrap=self.wrap, progress=self.progress)
+
+    def catch_module_call(self, culprit: Culprit):
+        """The culprit's whole module call caught with the module's state (the module repro,
+        when the op alone does not reproduce): one more replay of this process alone."""
+        if not self.serving.solo:
+            return None
+        return self.guard(lambda: catch_module_call(
+            self.rep, CallId(culprit.module, culprit.module_call), self.wrap,
+            backward=culprit.phase == "backward"), "catching the culprit's module call")
+
+    def catch_surfaced(self, finding: OpFinding) -> Caught | None:
+        """The op where a failure born earlier surfaced, caught (its own repro)."""
+        if finding.surfaced_site is None or not self.serving.solo:
+            return None
+        self.progress("surfaced-repro", "catching the op where the failure surfaced")
+        return self.guard(lambda: catch_inputs(self.rep, finding.surfaced_site, self.wrap),
+                          "catching the op where the failure surfaced")
+
+    # -- a finite step that parts from its reference ------------------------------------------
+
+    def isolate(self, phase: str, table: ProbeTable, reference_table: ProbeTable,
+                reference_device: torch.device, target_dtype: torch.dtype):
+        """The first diverging module call (forward, backward) and its ops isolated on the
+        reference: (call, finding, op check, how many ops were checked, the uncomparable)."""
+        call = None
+        if phase in ("forward", "backward"):
+            call = diverging_call(table, reference_table, phase, target_dtype)
+        finding, check, checked, uncomparable = self.guard(
+            lambda: isolate_window(self.rep, phase, call.call if call is not None else None,
+                                   reference_device, self.wrap),
+            "isolating the target's ops on the reference")
+        return call, finding, check, checked, uncomparable
+
+    def catch_diverging(self, site: OpSite | None) -> Caught | None:
+        """Pass 3 of a divergence: the diverging op's inputs."""
+        if site is None:
+            return None
+        self.progress("input-catch", "catching the diverging op's inputs")
+        return self.guard(lambda: catch_inputs(self.rep, site, self.wrap),
+                          "catching the op's inputs")
+
+    def finish_divergence(self, phase: str, finding: OpFinding | None, caught: Caught | None,
+                          call: CallStats | None, check: OpCheck | None, repro_dir: Path,
+                          target: str, rank: int = 0) -> Finished:
+        return finish(self.rep, phase, "mismatch", finding=finding, caught=caught, call=call,
+                      rank=rank, op_check=check, repro_dir=repro_dir, target=target,
+                      start_repro=self.start_repro, progress=self.progress, errors=self.errors)
