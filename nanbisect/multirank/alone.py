@@ -26,7 +26,7 @@ from pathlib import Path
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.bundle.tape import ROLE, Entry, TapeMismatch, parse
 from nanbisect.errors import BadInput
-from nanbisect.chain import Chain, Serving
+from nanbisect.chain import Chain, Located, Serving
 from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
                                        root_of)
 from nanbisect.multirank.tape import TapeServer
@@ -146,6 +146,20 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
                        received_from=feeders, recorded_input_bad=mine_bad)
     chain = Chain(rep, Serving.SERVED, wrap, op_wrap=inject_wrap,
                   progress=lambda key, text: stage(text))
+    result, loc = _locate(chain, top, server, first, probe, result)
+    if loc is None:
+        return result
+    # NB: the reference is served the capture's collectives, non-finite ones included, so its
+    # step failing proves nothing here: only the op, re-run from the same inputs, does
+    return finish_rank(result, chain, loc, side, "served", partial, target, remedies=remedies)
+
+
+def _locate(chain: Chain, top: Bundle, server: TapeServer, first, probe: ModuleProbe,
+            result: RankResult) -> tuple[RankResult, "Located | None"]:
+    """Passes 2 and 3 on a rank alone: a root that is a served collective means the failure
+    was received (its senders read from the capture's record: no `Located`); else this rank
+    computed it."""
+    rank, phase = result.rank, first.phase
 
     def agree(finding):   # a root that is a served collective: received, not computed here
         root = root_of(finding)
@@ -160,11 +174,9 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
         feeders, mine_bad = (_feeders(top, rank, entry, occurrence) if entry is not None
                              else ([], False))
         return replace(result, plan=Plan(phase, None, through_collective=True),
-                       received_from=feeders, recorded_input_bad=mine_bad)
+                       received_from=feeders, recorded_input_bad=mine_bad), None
     result = replace(result, plan=Plan(phase, rank))
     if finding is not None:
         result = replace(result, module_stats=call_stats(
             probe.read(), CallId(finding.module, finding.module_call)))
-    # NB: the reference is served the capture's collectives, non-finite ones included, so its
-    # step failing proves nothing here: only the op, re-run from the same inputs, does
-    return finish_rank(result, chain, loc, side, "served", partial, target, remedies=remedies)
+    return result, loc

@@ -88,44 +88,17 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
                 results: list[RankResult]) -> Report:
     plan = results[0].plan
     phase, culprit_rank = plan.phase, plan.rank
-    by_rank = {r.rank: r for r in results}
     notes = [f"replayed with world size {world_size} ({backend})"] + _reference_notes(
         facts.reference, results)
-    observed = facts.observed or {}
     common = dict(facts=facts, ranks=results)
-    if phase is None:
-        if not any(observed.values()):
-            return Report("clean", None, None, None, None, notes=notes, **common)
-        classification, why = classify_not_reproduced(facts.fidelity, facts.target)
-        return Report("not-reproduced", classification, None, None, None, notes=[
-            *notes, f"the manifest records a non-finite step on some rank, but {why}"], **common)
-    if phase == "input":
-        bad: list[BadValue] = [
-            BadValue(b.where, f"rank {r.rank}: {b.name}", b.nan, b.posinf, b.neginf)
-            for r in results if r.summary for b in r.summary.input_nonfinite]
-        holders = sorted({r.rank for r in results if r.summary and r.summary.input_nonfinite})
-        return Report("input-nonfinite", "data", "input", bad[0].kind if bad else None, None,
-                      input_nonfinite=bad, notes=notes + [
-                          f"{ranks_text(holders)} hold non-finite values before the step"],
-                      **common)
-    if phase == "grad-reduce":
-        buckets = [b for r in results if r.summary for b in r.summary.buckets if b.out_bad]
-        params = buckets[0].params if buckets else []
-        culprit = Culprit("grad-reduce", (params[0].rpartition(".")[0] if params else ""),
-                          None, [], [], None, rank=results[0].rank,
-                          parameter=params[0] if params else None)
-        notes.append("every rank's gradients were finite going into the reduction and "
-                     "non-finite coming out of it: the collective (or the comm hook around "
-                     f"it) is at fault; first bad bucket holds {params[:4]}")
-        return Report("culprit", "communication", "grad-reduce",
-                      "nan" if buckets and buckets[0].out_nan else "inf", culprit, notes=notes,
-                      **common)
+    if phase in (None, "input", "grad-reduce"):
+        return _no_rank_report(phase, facts, results, notes, common)
     if culprit_rank is None:   # the ranks part from the reference, and no op was isolated
         notes.append("no rank's op could be isolated as the first divergence from the reference "
                      "(every op checked passed alone, or could not be compared)")
         return Report("culprit", "unknown", phase, "mismatch",
                       Culprit(phase, "", None, [], [], None, rank=None), notes=notes, **common)
-    own = by_rank[culprit_rank]
+    own = {r.rank: r for r in results}[culprit_rank]
     kind = (own.summary.kind if own.summary else None) or (
         "mismatch" if own.reference is not None and own.reference.divergence else "nan")
     if plan.through_collective:
@@ -141,6 +114,47 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
                      "collective (or the code around it) is at fault")
         return Report("culprit", "communication", phase, kind, culprit, notes=notes, **common)
     culprit = own.culprit or Culprit(phase, "", None, [], [], None, rank=culprit_rank)
+    notes.append(_spread_note(culprit_rank, results))
+    notes += own.classification_notes
+    return Report("culprit", own.classification or "unknown", phase, kind, culprit, notes=notes,
+                  context=own.context, inf_origin=own.inf_origin, op_check=own.op_check,
+                  remedies=own.remedies, **common)
+
+
+def _no_rank_report(phase: str | None, facts: RunFacts, results: list[RankResult],
+                    notes: list[str], common: dict) -> Report:
+    """The job's report when no rank computed a failure: clean or not reproduced, non-finite
+    inputs, or a gradient reduction that made finite gradients non-finite."""
+    if phase is None:
+        if not any((facts.observed or {}).values()):
+            return Report("clean", None, None, None, None, notes=notes, **common)
+        classification, why = classify_not_reproduced(facts.fidelity, facts.target)
+        return Report("not-reproduced", classification, None, None, None, notes=[
+            *notes, f"the manifest records a non-finite step on some rank, but {why}"], **common)
+    if phase == "input":
+        bad: list[BadValue] = [
+            BadValue(b.where, f"rank {r.rank}: {b.name}", b.nan, b.posinf, b.neginf)
+            for r in results if r.summary for b in r.summary.input_nonfinite]
+        holders = sorted({r.rank for r in results if r.summary and r.summary.input_nonfinite})
+        return Report("input-nonfinite", "data", "input", bad[0].kind if bad else None, None,
+                      input_nonfinite=bad, notes=notes + [
+                          f"{ranks_text(holders)} hold non-finite values before the step"],
+                      **common)
+    buckets = [b for r in results if r.summary for b in r.summary.buckets if b.out_bad]
+    params = buckets[0].params if buckets else []
+    culprit = Culprit("grad-reduce", (params[0].rpartition(".")[0] if params else ""),
+                      None, [], [], None, rank=results[0].rank,
+                      parameter=params[0] if params else None)
+    notes.append("every rank's gradients were finite going into the reduction and "
+                 "non-finite coming out of it: the collective (or the comm hook around "
+                 f"it) is at fault; first bad bucket holds {params[:4]}")
+    return Report("culprit", "communication", "grad-reduce",
+                  "nan" if buckets and buckets[0].out_nan else "inf", culprit, notes=notes,
+                  **common)
+
+
+def _spread_note(culprit_rank: int, results: list[RankResult]) -> str:
+    """Which rank computed the failure and how the others received it."""
     others = [r for r in results if r.rank != culprit_rank and r.summary
               and r.summary.phase is not None]
     via_op = [r for r in others if r.root and r.root.collective]
@@ -155,11 +169,7 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
                                             "the gradient reduction")
     if not others:
         note += "the other ranks stayed finite"
-    notes.append(note)
-    notes += own.classification_notes
-    return Report("culprit", own.classification or "unknown", phase, kind, culprit, notes=notes,
-                  context=own.context, inf_origin=own.inf_origin, op_check=own.op_check,
-                  remedies=own.remedies, **common)
+    return note
 
 
 def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:
@@ -239,8 +249,7 @@ def _received(facts: RunFacts, received: list[RankResult], results: list[RankRes
     """`subset_report` when the replayed ranks only received the failure through a collective:
     the capture's record names who fed it (next to replay), contradicts the replay, or says
     that no rank did (communication, decided only with every rank replayed)."""
-    replayed, world_size, common = subset.replayed, subset.world_size, dict(facts=facts,
-                                                                             ranks=results)
+    replayed, common = subset.replayed, dict(facts=facts, ranks=results)
     first = received[0]
     how = (f"{first.root.op}{_where(first.root)}" if first.root is not None
            else "the gradient reduction")
@@ -284,6 +293,16 @@ def _received(facts: RunFacts, received: list[RankResult], results: list[RankRes
                                                        "into the collective and were not "
                                                        "replayed: their op is not known")),
                       **common)
+    return _nobody_computed(facts, received, results, subset, notes, how, kind)
+
+
+def _nobody_computed(facts: RunFacts, received: list[RankResult], results: list[RankResult],
+                     subset: Subset, notes: list[str], how: str, kind: str) -> Report:
+    """`_received` when the capture's record names no rank that fed the collective NaN/inf:
+    communication with every rank replayed, else undecided."""
+    replayed, world_size, common = subset.replayed, subset.world_size, dict(facts=facts,
+                                                                             ranks=results)
+    first = received[0]
     phase = ("grad-reduce" if first.root is None or first.plan.phase == "backward"
              else first.plan.phase)
     root = first.root

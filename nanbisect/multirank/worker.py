@@ -240,7 +240,7 @@ def _backend(specs: list[str]) -> str | None:
     return devices.collective_backend(specs)
 
 
-def main() -> None:
+def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")
     ap.add_argument("partial")
@@ -252,54 +252,73 @@ def main() -> None:
                     help="rank $RANK of $WORLD_SIZE without the others: collectives served")
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--remedies", type=int, default=0, help="the culprit rank's remedy budget")
-    a = ap.parse_args()
+    return ap.parse_args()
+
+
+def _diagnosable(partial: Path, rank: int, timeout: float) -> None:
+    """What the launcher needs to name this rank when it hangs or dies: its stacks on SIGUSR1
+    and on a fatal signal (faulthandler writes from C: they come out even when this rank is
+    blocked in native code), the last backstop, and the stage file."""
+    stacks = open(partial / f"rank{rank}.stacks", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(stacks, all_threads=True)                      # fatal signals: where
+    faulthandler.register(signal.SIGUSR1, stacks, all_threads=True)    # the launcher's deadline
+    faulthandler.dump_traceback_later(timeout + 60, exit=True, file=stacks)   # last backstop
+    global _stage
+    _stage = _stage_file(partial, rank)
+
+
+def _replay(a: argparse.Namespace, rank: int, partial: Path, out: Path) -> None:
+    """This rank's replay in lockstep with the others, or alone on the fake process group."""
+    if a.alone:
+        # torch's fake process group: rank r of the world, communicating nothing
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        from nanbisect.multirank.alone import replay_alone
+
+        dist.init_process_group("fake", rank=rank, store=FakeStore(),
+                                world_size=int(os.environ["WORLD_SIZE"]))
+        result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
+                              a.reference, stage=_stage, remedies=a.remedies)
+        out.write_text(dumps(result.to_json()))
+        return
+    # longer than the launcher's deadline: a hang is the launcher's to diagnose (it asks every
+    # rank where it is), not a gloo timeout on the rank that waited for it
+    backend = _backend([a.target] + ([a.reference] if a.reference else []))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=a.timeout + 30))
+    result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry, a.reference,
+                         remedies=a.remedies)
+    out.write_text(dumps(result.to_json()))
+    _stage("finished, waiting for the other ranks")
+    dist.barrier()
+
+
+def _failed(rank: int, out: Path, e: BaseException) -> None:
+    """Report ``e`` to the launcher (which names the rank) and end this rank."""
+    if isinstance(e, BadInput):  # already names the problem and the fix
+        msg = str(e)
+    else:
+        tb = traceback.extract_tb(e.__traceback__)
+        where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+        msg = (f"{type(e).__name__}: {str(e)[:300]}{where}; fix the entry's code for that "
+               "rank or re-capture the bundle")
+    try:
+        out.write_text(dumps(RankResult(rank, error=msg).to_json()))
+    finally:
+        os._exit(1)
+
+
+def main() -> None:
+    a = _arguments()
     rank = int(os.environ["RANK"])
     partial = Path(a.partial)
     _watch_launcher(partial)
     out = partial / f"rank{rank}.json"
-    # faulthandler writes from C: the stacks come out even when this rank is blocked in native code
-    stacks = open(partial / f"rank{rank}.stacks", "w")  # noqa: SIM115 - open until the process ends
-    faulthandler.enable(stacks, all_threads=True)                      # fatal signals: where
-    faulthandler.register(signal.SIGUSR1, stacks, all_threads=True)    # the launcher's deadline
-    faulthandler.dump_traceback_later(a.timeout + 60, exit=True, file=stacks)   # last backstop
-    global _stage
-    _stage = _stage_file(partial, rank)
+    _diagnosable(partial, rank, a.timeout)
     _stage("starting the process group")
-    backend = _backend([a.target] + ([a.reference] if a.reference else []))
     try:
-        # longer than the launcher's deadline: a hang is the launcher's to diagnose (it asks
-        # every rank where it is), not a gloo timeout on the rank that waited for it
-        if a.alone:
-            # torch's fake process group: rank r of the world, communicating nothing
-            from torch.testing._internal.distributed.fake_pg import FakeStore
-
-            from nanbisect.multirank.alone import replay_alone
-
-            dist.init_process_group("fake", rank=rank, store=FakeStore(),
-                                    world_size=int(os.environ["WORLD_SIZE"]))
-            result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
-                                  a.reference, stage=_stage, remedies=a.remedies)
-            out.write_text(dumps(result.to_json()))
-        else:
-            dist.init_process_group(backend=backend,
-                                    timeout=datetime.timedelta(seconds=a.timeout + 30))
-            result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry,
-                                 a.reference, remedies=a.remedies)
-            out.write_text(dumps(result.to_json()))
-            _stage("finished, waiting for the other ranks")
-            dist.barrier()
+        _replay(a, rank, partial, out)
     except BaseException as e:  # noqa: BLE001 - reported to the launcher, which names the rank
-        if isinstance(e, BadInput):  # already names the problem and the fix
-            msg = str(e)
-        else:
-            tb = traceback.extract_tb(e.__traceback__)
-            where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
-            msg = (f"{type(e).__name__}: {str(e)[:300]}{where}; fix the entry's code for that "
-                   "rank or re-capture the bundle")
-        try:
-            out.write_text(dumps(RankResult(rank, error=msg).to_json()))
-        finally:
-            os._exit(1)
+        _failed(rank, out, e)
     # The replayed model is garbage now; FSDP2 modules keep the process group in reference
     # cycles, and freeing them at interpreter shutdown can abort the process ("terminate called
     # without an active exception"). Free them while torch is alive; skip shutdown altogether:

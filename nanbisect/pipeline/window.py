@@ -50,24 +50,8 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     rows = {r.step: r for r in res.rows}
     before = rows.get(failing - 1)
     steps = res.record(before.max_rel_diff if before else None)
-    report = rep = None
-    analysed = failing
-    if res.step_view is not None:
-        s = res.first_divergent_step
-        progress("steps", f"bisecting step {s}, the first that parts from the reference")
-        report, rep = _analyse(res.step_view, opts, progress, target, t_dev, t_dtype, tmp)
-        if report.verdict == "clean":
-            notes.append(f"step {s} is the first whose state parts from the reference's over "
-                         "the window, but replayed alone from one state on both sides it stays "
-                         "within tolerance: the difference built up over the steps before it "
-                         "(rounding that compounds); the failing step is bisected instead")
-            for child in tmp.iterdir():
-                shutil.rmtree(child) if child.is_dir() else child.unlink()
-            report = None
-        else:
-            analysed = s
-    if report is None:
-        report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
+    report, rep, analysed = _bisect_step(bundle, res, failing, notes, opts, progress, target,
+                                         t_dev, t_dtype, tmp)
     if res.first_divergent_step is None:
         notes.append(f"the {len(res.rows)} replayed step(s) stay within tolerance of the "
                      "reference: nothing parts before the failing step")
@@ -82,8 +66,36 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     if culprit is not None:
         culprit = replace(culprit, step=analysed)
     facts = replace(report.facts, observed=bundle.manifest.get("observed"))
-    classification = report.classification
-    reached = res.reached
+    classification = _reached(bundle, res.reached, report, t_dev, t_dtype, notes)
+    return replace(report, culprit=culprit, facts=facts, steps=steps,
+                   classification=classification, notes=[*notes, *report.notes]), rep
+
+
+def _bisect_step(bundle: Bundle, res, failing: int, notes: list[str], opts: RunOptions,
+                 progress: Progress, target: str, t_dev: torch.device,
+                 t_dtype: torch.dtype | None, tmp: Path) -> tuple[Report, Replayer | None, int]:
+    """The first step that parts from the reference bisected alone; the failing step when none
+    does, or when that step alone stays within tolerance (rounding that compounds)."""
+    if res.step_view is not None:
+        s = res.first_divergent_step
+        progress("steps", f"bisecting step {s}, the first that parts from the reference")
+        report, rep = _analyse(res.step_view, opts, progress, target, t_dev, t_dtype, tmp)
+        if report.verdict != "clean":
+            return report, rep, s
+        notes.append(f"step {s} is the first whose state parts from the reference's over "
+                     "the window, but replayed alone from one state on both sides it stays "
+                     "within tolerance: the difference built up over the steps before it "
+                     "(rounding that compounds); the failing step is bisected instead")
+        for child in tmp.iterdir():
+            shutil.rmtree(child) if child.is_dir() else child.unlink()
+    report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
+    return report, rep, failing
+
+
+def _reached(bundle: Bundle, reached: dict | None, report: Report, t_dev: torch.device,
+             t_dtype: torch.dtype | None, notes: list[str]):
+    """The report's classification once the window's fidelity is known: a window that does not
+    reach the recorded pre-state on the capture device is a replay mismatch."""
     fid = report.facts.fidelity
     tier = None if reached is None else fidelity_tier(
         reached["bit_exact"] and reached["first_step_off_history"] is None,
@@ -93,11 +105,10 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
         # on the capture device the window must reach the recorded state (bit for bit on the
         # capture machine, within tolerance elsewhere): it did not, so the replayed steps are
         # not the run's and no verdict about the device follows from them
-        classification = "replay-mismatch"
-    elif tier == "within-tolerance":
+        return "replay-mismatch"
+    if tier == "within-tolerance":
         notes.append(f"the window reaches the recorded pre-state of the failing step within "
                      f"tolerance (max relative difference {reached.get('max_rel_diff')}), not "
                      "bit for bit, on another machine than the capture's (see the replay's "
                      "note): not a mismatch")
-    return replace(report, culprit=culprit, facts=facts, steps=steps,
-                   classification=classification, notes=[*notes, *report.notes]), rep
+    return report.classification
