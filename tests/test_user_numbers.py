@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from nanbisect.cli import main
 from nanbisect.errors import BadInput
-from nanbisect.util.numbers import NUMBERS, Number, env, table
+from nanbisect.util.numbers import NUMBERS, Number, env
 
 ROOT = Path(__file__).resolve().parents[1]
 BUNDLE = ROOT / "fixtures" / "bundles" / "nan_batch"
@@ -169,11 +169,6 @@ def test_property_library_keywords_checked_alike(name, value):
     else:
         with pytest.raises(BadInput, match=n.param):
             n.check(value)
-
-
-def test_the_readme_documents_every_number():
-    """The README's table is `table()`: a range changed in code and not in the docs fails."""
-    assert table() in (ROOT / "README.md").read_text()
 
 
 @pytest.mark.parametrize("name,value,words", [

@@ -43,8 +43,8 @@ def dropped_note(rep: Replayer) -> list[str]:
     shown = ", ".join(show(n, 60) for n in names[:5])
     more = f" and {len(names) - 5} more" if len(names) > 5 else ""
     return [f"the capture compiled with inductor options nanbisect does not replay ({shown}"
-            f"{more}): the compiled replay runs without them (README \"NaN only when "
-            "compiled\" lists those it replays)"]
+            f"{more}): the compiled replay runs without them (docs/guide/compiled.md lists "
+            "those it replays)"]
 
 
 def replay_compiled(rep: Replayer, wrap, notes: list[str]) -> StepOutcome | None:
