@@ -1,7 +1,7 @@
 """``python -m nanbisect``: the command line, with the working directory off ``sys.path``.
 
 ``python -m`` puts the working directory first on ``sys.path``, so ``nanbisect inspect .`` in a
-bundle directory would import an ``argparse.py``, ``json.py`` or ``torch.py`` shipped in the bundle
+bundle directory would import a ``typer.py``, ``json.py`` or ``torch.py`` shipped in the bundle
 instead of the real one: running code from a bundle that `inspect` promises never to run. It is
 taken off here, before any dependency is imported (the package's ``__init__`` imports only what
 ``python -m`` itself has loaded); a dotted ``--entry pkg.module:func`` is resolved against the

@@ -22,7 +22,7 @@ def imported_modules(*args: str) -> set[str]:
 @pytest.mark.parametrize("args", [["--help"], ["-h"], ["--version"], ["run", "--help"]])
 def test_help_and_version_do_not_import_torch(args):
     mods = imported_modules(*args)
-    assert "nanbisect" in mods and "argparse" in mods    # the probe sees imports at all
+    assert "nanbisect" in mods and "typer" in mods    # the probe sees imports at all
     assert "torch" not in mods
 
 
@@ -68,3 +68,43 @@ def test_help_says_what_runs_code_and_what_never_does():
     assert "never runs" in inspect_help and "untrusted" in inspect_help
     clean_help = " ".join(invoke("clean", "--help").stdout.split())
     assert "never a bundle" in clean_help
+
+
+def test_an_interrupt_exits_130(fixture_bundle, monkeypatch):
+    from nanbisect.cli import commands
+
+    def interrupted(a):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(commands, "_run", interrupted)
+    res = invoke("run", fixture_bundle("healthy"))
+    assert res.code == 130 and "Traceback" not in res.stderr, res.stderr
+
+
+def test_mistyped_flags_and_commands_are_answered_with_the_nearest():
+    """One line, exit 2, the nearest flag or command named (typer and click's suggestions)."""
+    for argv, words in [(["run", "b", "--refrence", "cpu"], "did you mean --reference?"),
+                        (["triage", "d", "--backnd", "dask"], "did you mean --backend?"),
+                        (["rnu", "b"], "did you mean 'run'?"),
+                        (["inpsect", "b"], "did you mean 'inspect'?")]:
+        res = invoke(*argv)
+        assert res.code == 2 and len(res.stderr.splitlines()) == 1, res.stderr
+        assert res.stderr.startswith("nanbisect: error: ") and words in res.stderr, res.stderr
+
+
+def test_help_groups_runs_flags_in_panels():
+    out = invoke("run", "--help").stdout
+    for panel in ("Bundle and report", "Devices", "What to replay", "Remedies"):
+        assert panel in out, out
+    assert "--install-completion" in invoke("--help").stdout
+
+
+def test_no_command_and_a_completion_request(monkeypatch):
+    """No arguments: the help on stderr, exit 2; but a shell's completion request (no arguments,
+    the words in the environment) is answered, exit 0."""
+    res = invoke()
+    assert res.code == 2 and "COMMAND" in res.stderr and "selftest" in res.stderr
+    monkeypatch.setenv("_NANBISECT_COMPLETE", "complete_bash")
+    monkeypatch.setenv("COMP_WORDS", "nanbisect ru")
+    monkeypatch.setenv("COMP_CWORD", "1")
+    res = invoke()
+    assert res.code == 0 and res.stdout.split() == ["run"], (res.stdout, res.stderr)

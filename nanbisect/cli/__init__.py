@@ -1,31 +1,70 @@
-"""The command line, in two stages: parse the flags (`parser`) and check the arguments and paths
-(`checks`) with the standard library only, then run the command (`commands`), which imports
-torch and the rest of nanbisect. A usage error, a missing bundle, a file where a directory
-belongs or a malformed device string is answered by the first stage, in a fraction of a second;
-``--help`` and ``--version`` never reach the second.
+"""The command line, in two stages: parse the flags (typer: `app` and the annotated functions in
+`commands`) and check the arguments and paths (`checks`) with typer and the standard library
+only, then run the command, which imports torch and the rest of nanbisect. A usage error, a
+missing bundle, a file where a directory belongs or a malformed device string is answered by the
+first stage, in a fraction of a second; ``--help`` and ``--version`` never reach the second.
 
-Exit codes: 0 replay clean, 1 culprit found (or non-finite input), 2 usage or bad input (one line
-on stderr, no traceback, nothing written), 3 the recorded failure did not reproduce, 4 (`run`) an
-internal error before any verdict (one line on stderr naming the log file with the traceback).
+A usage error (unknown command or flag, a value of the wrong type, a missing argument) and any
+bad input is one line on stderr, ``nanbisect: error: ...`` (a usage error adds ``; see
+'nanbisect CMD --help'``), exit code 2, never click's usage block or a traceback. The exit codes:
+`nanbisect.cli.app.EXIT_CODES`; the reference of every flag: docs/reference/cli.md
+(`nanbisect.cli.reference`).
 """
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import sys
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
 
-from nanbisect.cli import checks
-from nanbisect.cli.parser import build
+import typer
+
+from nanbisect.cli.app import app, click_errors
 from nanbisect.errors import BadInput
-from nanbisect.util.numbers import check_environment
 from nanbisect.util.text import clip
 
+COMPLETE_VAR = "_NANBISECT_COMPLETE"     # set by the shell completion `--install-completion` adds
 
-def _flags_given(ns) -> set[str]:
-    """The flags of ``ns`` that override a variable: given, the variable is not read."""
-    given = {f"--{k.replace('_', '-')}" for k, v in vars(ns).items() if v is not None}
-    if getattr(ns, "no_remedies", False):
-        given.add("--remedy-budget")
-    return given
+
+@functools.lru_cache(maxsize=1)
+def click_command():
+    """The click command tree of the typer app, its commands registered (built once a
+    process): what runs, and what docs/reference/cli.md is made from."""
+    from nanbisect.cli import commands  # noqa: F401 - registers the commands on `app`
+
+    return typer.main.get_command(app)
+
+
+def run_app(args: list[str]) -> Any:
+    """The app on ``args`` (not standalone: errors raise, the command's return value returns)."""
+    return click_command().main(args, prog_name="nanbisect", complete_var=COMPLETE_VAR,
+                                standalone_mode=False)
+
+
+def print_help(file=None) -> None:
+    """The top-level help, on ``file`` (default stdout)."""
+    with contextlib.redirect_stdout(file or sys.stdout):
+        run_app(["--help"])
+
+
+def _said(e: click_errors.UsageError) -> str:
+    """What went wrong, in argparse's words where they are the clearer ones."""
+    if isinstance(e, click_errors.NoSuchOption):
+        near = sorted(e.possibilities or ())
+        hint = f" (did you mean {' or '.join(near)}?)" if near else ""
+        return f"unrecognized arguments: {e.option_name}{hint}"
+    if isinstance(e, click_errors.MissingParameter) and e.param is not None and \
+            e.param.param_type_name == "argument":
+        return f"the following arguments are required: {e.param.metavar or e.param.name.upper()}"
+    text = e.format_message().strip().rstrip(".")
+    return text[:1].lower() + text[1:]
+
+
+def usage_line(e: click_errors.UsageError) -> str:
+    """The one line a usage error prints: the problem and which ``--help`` to read."""
+    prog = e.ctx.command_path if e.ctx is not None else "nanbisect"
+    return f"nanbisect: error: {clip(_said(e), 2000)}; see '{clip(prog, 200)} --help'"
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:
@@ -36,29 +75,20 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     ...
     SystemExit: 0
     """
-    parser = build()
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args:
-        parser.print_help(sys.stderr)
+    if not args and COMPLETE_VAR not in os.environ:    # (a completion request has no args)
+        print_help(sys.stderr)
         sys.exit(2)
-    ns, extra = parser.parse_known_args(args)
-    if ns.command is None:      # only global flags, e.g. `nanbisect --json`
-        parser.error(f"unrecognized arguments: {' '.join(extra)}" if extra else
-                     "no command given")
-    if extra:
-        parser.commands[ns.command].error(f"unrecognized arguments: {' '.join(extra)}")
-    name = ns.command
-    del ns.command
     try:
-        # a NANBISECT_* number the command reads, before it starts (not one a flag overrides)
-        check_environment(name, _flags_given(ns))
-        getattr(checks, name)(ns)
+        code = run_app(args)
+    except click_errors.UsageError as e:
+        print(usage_line(e), file=sys.stderr, flush=True)
+        sys.exit(2)
     except BadInput as e:
         print(f"nanbisect: error: {clip(e, 2000)}", file=sys.stderr, flush=True)
         sys.exit(2)
-    from nanbisect.cli import commands
-
-    try:
-        sys.exit(getattr(commands, name)(**vars(ns)))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:   # (click answers one inside a command with exit 130 itself)
         sys.exit(130)
+    except typer.Abort:         # end of input where a prompt read one
+        sys.exit(1)
+    sys.exit(0 if code is None else code)

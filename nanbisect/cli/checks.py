@@ -11,14 +11,13 @@ library checks those, still before it writes anything.
 """
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
+from types import SimpleNamespace
 
 from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.errors import BadInput
 from nanbisect.triage.backends import check_backend
 from nanbisect.util.spec import check_device, check_ranks, split_entry
-
 
 
 def _device(spec: str | None, none_ok: bool = False) -> None:
@@ -34,7 +33,7 @@ def _dirs(dirs: list[Path], what: str, fix: str) -> None:
             raise BadInput(f"{what}: '{d}' is a file, not a directory; {fix}")
 
 
-def run(a: argparse.Namespace) -> None:
+def run(a: SimpleNamespace) -> None:
     if a.bundle is not None and a.ckpt is not None and a.bundle != a.ckpt:
         raise BadInput(f"run: two bundles given ('{a.bundle}' and --ckpt '{a.ckpt}'); pass one")
     path = a.bundle if a.bundle is not None else a.ckpt
@@ -59,11 +58,11 @@ def run(a: argparse.Namespace) -> None:
         check_out(a.out, path)
 
 
-def inspect(a: argparse.Namespace) -> None:
+def inspect(a: SimpleNamespace) -> None:
     check_bundle_dir(a.bundle, manifest=False)   # a folder of bundles is listed
 
 
-def triage(a: argparse.Namespace) -> None:
+def triage(a: SimpleNamespace) -> None:
     _dirs(a.dirs, "triage", "pass directories holding bundles")
     if a.out.exists() and not a.out.is_dir():
         raise BadInput(f"triage: --out '{a.out}' is a file; pass a directory for triage.json, "
@@ -75,18 +74,18 @@ def triage(a: argparse.Namespace) -> None:
     _device(a.target)
 
 
-def clean(a: argparse.Namespace) -> None:
+def clean(a: SimpleNamespace) -> None:
     for d in a.dirs:
         if not d.is_dir():
             raise BadInput(f"clean: '{d}' is not a directory; pass directories that hold "
                            "bundles")
 
 
-def selftest(a: argparse.Namespace) -> None:
+def selftest(a: SimpleNamespace) -> None:
     _device(a.device)
 
 
-def pack(a: argparse.Namespace) -> None:
+def pack(a: SimpleNamespace) -> None:
     """pack and unpack check their own paths before importing torch (`nanbisect.bundle.pack`
     imports it only to describe the environment)."""
 

@@ -1,21 +1,22 @@
-"""The commands: each calls the library with the flags `nanbisect.cli.parser` parsed and
-`nanbisect.cli.checks` checked, prints, and returns its exit code. Holds no logic of its own;
-imports what a command needs only when it runs (torch among it).
-
-Exit codes: 0 replay clean, 1 culprit found (or non-finite input), 2 usage or bad input (one line
-on stderr, no traceback, nothing written), 3 the recorded failure did not reproduce, 4 (`run`)
-an internal error before any verdict (one line on stderr naming the log file that holds the
-traceback: `internal_error`).
+"""The commands, one annotated function each: its signature declares the command's flags, their
+defaults and help (typer reads them from it: `nanbisect.cli.app`), its docstring the command's
+help; its body checks the arguments (`nanbisect.cli.app.checked`, no heavy import), calls the
+library, prints, and returns the exit code (`nanbisect.cli.app.EXIT_CODES`). Holds no logic of its
+own; imports what a command needs only when it runs (torch among it).
 """
-from __future__ import annotations
 
 import contextlib
 import json
 import sys
 import threading
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Annotated, NoReturn, Optional
 
+import typer
+
+from nanbisect.cli.app import (BUNDLE_PANEL, CLUSTER_PANEL, DEVICE_PANEL, DONE_CODES,
+                               EXIT_CODES, REMEDY_PANEL, SCOPE_PANEL, checked, command, flag,
+                               number_flag, switch)
 from nanbisect.errors import BadInput
 
 
@@ -93,39 +94,79 @@ def internal_error(e: BaseException) -> NoReturn:
     raise SystemExit(INTERNAL_ERROR)
 
 
-def run(bundle: Optional[Path] = None, ckpt: Optional[Path] = None, target: Optional[str] = None,
-        reference: Optional[str] = None, inject: Optional[str] = None,
-        out: Optional[Path] = None, entry: Optional[str] = None, ranks: Optional[str] = None,
-        steps: Optional[int] = None, no_remedies: bool = False,
-        remedy_budget: Optional[int] = None, as_json: bool = False) -> int:
+@command("Replay a bundle, bisect the failure, write report.json, report.md and "
+         "report.html.", exits=EXIT_CODES)
+def run(
+    bundle: Annotated[Optional[Path], typer.Argument(
+        metavar="BUNDLE", help="bundle directory to replay", show_default=False)] = None,
+    ckpt: Annotated[Optional[Path], flag(
+        "--ckpt", metavar="PATH", help="the bundle, as a flag (same as BUNDLE)",
+        panel=BUNDLE_PANEL)] = None,
+    out: Annotated[Optional[Path], flag(
+        "--out", metavar="DIR", help="report directory: report.json, report.md, report.html, "
+        "repro/; new, empty, or a report nanbisect wrote (only that is replaced)",
+        show_default="BUNDLE/nanbisect-report", panel=BUNDLE_PANEL)] = None,
+    as_json: Annotated[bool, switch(
+        "--json", help="print report.json instead of a summary", panel=BUNDLE_PANEL)] = False,
+    target: Annotated[Optional[str], flag(
+        "--target", metavar="DEVICE", help="device to replay on",
+        show_default="the capture device when present, else cpu", panel=DEVICE_PANEL)] = None,
+    reference: Annotated[Optional[str], flag(
+        "--reference", metavar="DEVICE[:DTYPE]", help="DEVICE[:DTYPE] or none",
+        show_default="cpu when the target is not cpu, else none", panel=DEVICE_PANEL)] = None,
+    entry: Annotated[Optional[str], flag(
+        "--entry", metavar="ENTRY", help="override the bundle's entry string",
+        panel=SCOPE_PANEL)] = None,
+    ranks: Annotated[Optional[str], flag(
+        "--ranks", metavar="R,...", help="R,... (multi-rank bundles captured by Guard): replay "
+        "only these ranks, each alone, with the other ranks' collective results as recorded",
+        panel=SCOPE_PANEL)] = None,
+    steps: Annotated[Optional[int], number_flag(
+        "--steps", "K (bundles of Guard(lookback=...)): replay the last K recorded steps on "
+        "target and reference, find the first step where they part and bisect it", "K",
+        panel=SCOPE_PANEL)] = None,
+    inject: Annotated[Optional[str], flag(
+        "--inject", metavar="FILE.py:FUNC", help="FILE.py:FUNC whose context manager wraps "
+        "every target-side execution", panel=SCOPE_PANEL)] = None,
+    no_remedies: Annotated[bool, switch(
+        "--no-remedies", help="do not replay the step with remedies once the culprit is found "
+        "(report remedies: [])", panel=REMEDY_PANEL)] = False,
+    remedy_budget: Annotated[Optional[int], number_flag(
+        "--remedy-budget", "extra replays of the step the remedies may use", "N",
+        show_default="NANBISECT_REMEDY_BUDGET, else 4", panel=REMEDY_PANEL)] = None,
+) -> int:
     """Replay a bundle, bisect the failure, write report.json, report.md and report.html.
 
     Runs the entry's code (it rebuilds the model and replays the step), as running the training
     script would; `nanbisect inspect` never runs any. --out is replaced only when it is new,
     empty, or a report nanbisect wrote."""
-    path = bundle if bundle is not None else ckpt     # one of them (nanbisect.cli.checks.run)
-    out_dir = out or Path(path) / "nanbisect-report"
+    return _run(checked("run", locals()))
+
+
+def _run(a) -> int:
+    """`run` with its checked arguments ``a``."""
+    path = a.bundle if a.bundle is not None else a.ckpt   # one of them (cli.checks.run)
+    out_dir = a.out or Path(path) / "nanbisect-report"
     try:
         from nanbisect.report.rerun import prestart
-        prestart(path, target)    # a repro's interpreter imports torch while this one does
+        prestart(path, a.target)    # a repro's interpreter imports torch while this one does
         from nanbisect.pipeline import RunOptions, run_bundle
         from nanbisect.report.text import terminal
         from nanbisect.util.recordjson import dumps
         from nanbisect.util.text import failure_line
 
         with _progress() as progress:
-            report = run_bundle(path, RunOptions(target=target, reference=reference,
-                                                 inject=inject, entry=entry, ranks=ranks,
-                                                 steps=steps,
-                                                 remedies=0 if no_remedies else remedy_budget),
-                                out_dir, progress)
+            options = RunOptions(target=a.target, reference=a.reference, inject=a.inject,
+                                 entry=a.entry, ranks=a.ranks, steps=a.steps,
+                                 remedies=0 if a.no_remedies else a.remedy_budget)
+            report = run_bundle(path, options, out_dir, progress)
     except BadInput as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - no verdict: exit 4, the traceback in a log file
         internal_error(e)
     # the report is written: what follows only prints it (report.json's own encoding)
     try:
-        text = dumps(report.to_json(), indent=1) if as_json else terminal(report, out_dir)
+        text = dumps(report.to_json(), indent=1) if a.as_json else terminal(report, out_dir)
     except Exception as e:  # noqa: BLE001 - the verdict stands; its report is on disk
         text = (f"nanbisect: {report.verdict}; the summary could not be printed "
                 f"({failure_line(e)}): see {out_dir / 'report.md'}")
@@ -133,9 +174,16 @@ def run(bundle: Optional[Path] = None, ckpt: Optional[Path] = None, target: Opti
     return report.exit_code
 
 
-def inspect(bundle: Path, as_json: bool = False) -> int:
+@command("Summarise a bundle; never runs any of its code.", exits=DONE_CODES)
+def inspect(
+    bundle: Annotated[Path, typer.Argument(
+        metavar="BUNDLE", help="bundle directory (or a directory of bundles: lists them and any "
+        "leftovers of killed captures)", show_default=False)],
+    as_json: Annotated[bool, switch("--json", help="print the summary as JSON")] = False,
+) -> int:
     """Summarise a bundle; never runs any of its code (imports no user code, unpickles nothing,
     bounded time and memory): safe on untrusted bundles."""
+    checked("inspect", locals())
     from nanbisect.bundle.summary import (directory_summary, directory_text, summarize,
                                           summary_text)
 
@@ -151,45 +199,88 @@ def inspect(bundle: Path, as_json: bool = False) -> int:
     return 0
 
 
-def triage(dirs: list[Path], out: Path = Path("nanbisect-triage"), jobs: Optional[int] = None,
-           known: Optional[Path] = None, target: Optional[str] = None, timeout: float = 1800.0,
-           backend: str = "loky", scheduler: Optional[str] = None,
-           address: Optional[str] = None, as_json: bool = False) -> int:
+@command("Replay every bundle under DIRS in parallel and group failures by culprit "
+         "signature.", exits={0: "all clean", 1: "known signatures only", 2: "errors only (or "
+                              "bad input)", 3: "new signatures"})
+def triage(
+    dirs: Annotated[list[Path], typer.Argument(
+        metavar="DIRS", help="directories to search for bundles", show_default=False)],
+    out: Annotated[Path, flag(
+        "--out", metavar="DIR", help="where triage.json/.md and the cache go")
+    ] = Path("nanbisect-triage"),
+    jobs: Annotated[Optional[int], number_flag(
+        "--jobs", "parallel replays", "N",
+        show_default="by cores and free memory; on a cluster: all its slots")] = None,
+    known: Annotated[Optional[Path], flag(
+        "--known", metavar="FILE", help="a previous triage.json or a file of known "
+        "signatures, one a line")] = None,
+    target: Annotated[Optional[str], flag(
+        "--target", metavar="DEVICE", help="device to replay on")] = None,
+    timeout: Annotated[float, number_flag(
+        "--timeout", "seconds one bundle's replay may take before it is killed and becomes an "
+        "error row", "S")] = 1800.0,
+    as_json: Annotated[bool, switch("--json", help="print triage.json")] = False,
+    backend: Annotated[str, flag(
+        "--backend", metavar="NAME", help="loky (processes here), dask or ray (an existing "
+        "cluster, through joblib)", panel=CLUSTER_PANEL)] = "loky",
+    scheduler: Annotated[Optional[str], flag(
+        "--scheduler", metavar="ADDR", help="Dask scheduler address for --backend dask, e.g. "
+        "tcp://10.0.0.5:8786", panel=CLUSTER_PANEL)] = None,
+    address: Annotated[Optional[str], flag(
+        "--address", metavar="ADDR", help="Ray cluster address for --backend ray, e.g. "
+        "10.0.0.5:6379", panel=CLUSTER_PANEL)] = None,
+) -> int:
     """Replay every bundle under DIRS in parallel and group failures by culprit signature.
 
     One bundle that hangs, crashes or is malformed is its own error row; triage.json and
-    triage.md in --out are kept current while it runs and written on SIGTERM/SIGINT too.
-    Exit: 0 all clean, 1 known signatures only, 3 new signatures, 2 errors only."""
+    triage.md in --out are kept current while it runs and written on SIGTERM/SIGINT too."""
+    return _triage(checked("triage", locals()))
+
+
+def _triage(a) -> int:
+    """`triage` with its checked arguments ``a``."""
     from nanbisect.triage import load_known, to_markdown
     from nanbisect.triage import triage as run_triage
 
     try:
-        known_set = load_known(known) if known else set()
-        res = run_triage(dirs, out=out, jobs=jobs, known=known_set, timeout=timeout,
-                         backend=backend, scheduler=scheduler, address=address,
-                         options={"target": target} if target else None)
+        known_set = load_known(a.known) if a.known else set()
+        res = run_triage(a.dirs, out=a.out, jobs=a.jobs, known=known_set, timeout=a.timeout,
+                         backend=a.backend, scheduler=a.scheduler, address=a.address,
+                         options={"target": a.target} if a.target else None)
     except BadInput as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - a nightly job gets one line and exit 2, never 1
-        _fail(BadInput(f"triage failed: {type(e).__name__}: {str(e)[:200]}; {out}/triage.json "
-                       "holds the bundles finished so far"))
-    if as_json:
+        _fail(BadInput(f"triage failed: {type(e).__name__}: {str(e)[:200]}; "
+                       f"{a.out}/triage.json holds the bundles finished so far"))
+    if a.as_json:
         from nanbisect.util.recordjson import dumps
 
         echo(dumps(res.data, indent=1))
     else:
         echo(to_markdown(res.data).rstrip())
-        echo(f"\nIn a browser: {out / 'index.html'} (each bundle's report.html under "
-             f"{out / 'reports'})")
+        echo(f"\nIn a browser: {a.out / 'index.html'} (each bundle's report.html under "
+             f"{a.out / 'reports'})")
     return res.exit_code
 
 
-def pack(src: Path, output: Path = Path("nanbisect-ticket.tar.gz"), full: bool = False,
-         force: bool = False) -> int:
+@command("One archive for a ticket: report, repro, manifest(s), environment.",
+         exits=DONE_CODES)
+def pack(
+    src: Annotated[Path, typer.Argument(
+        metavar="SRC", help="a bundle (after `run`) or a report directory", show_default=False)],
+    output: Annotated[Path, flag(
+        "-o", "--output", metavar="FILE", help="the archive to write: a new path outside any "
+        "bundle")] = Path("nanbisect-ticket.tar.gz"),
+    full: Annotated[bool, switch(
+        "--full/--no-full", help="include the model and optimizer state")] = False,
+    force: Annotated[bool, switch(
+        "--force", help="replace -o when it is an earlier pack (never any other file)")] = False,
+) -> int:
     """One archive for a ticket: report, repro, manifest(s), environment (under 10 MB).
 
     Never replaces what it did not write: an existing -o is refused (with --force, unless it is
     an earlier pack), as is -o inside a bundle or inside the directory being packed."""
+    checked("pack", locals())
     from nanbisect.bundle.pack import pack as do_pack
 
     try:
@@ -200,9 +291,20 @@ def pack(src: Path, output: Path = Path("nanbisect-ticket.tar.gz"), full: bool =
     return 0
 
 
-def unpack(archive: Path, dest: Path, max_bytes: Optional[int] = None) -> int:
+@command("Extract a ticket archive safely.", exits=DONE_CODES)
+def unpack(
+    archive: Annotated[Path, typer.Argument(
+        metavar="ARCHIVE", help="an archive written by nanbisect pack", show_default=False)],
+    dest: Annotated[Path, typer.Argument(
+        metavar="DEST", help="new or empty directory to extract into", show_default=False)],
+    max_bytes: Annotated[Optional[int], number_flag(
+        "--max-bytes", "most uncompressed bytes to accept", "N",
+        show_default="NANBISECT_UNPACK_MAX_BYTES, else 50x the archive, at least 64 MiB, at "
+        "most 4 GiB")] = None,
+) -> int:
     """Extract a ticket archive safely (no absolute paths, no '..', no links, no compression
     bombs, nothing left behind on refusal)."""
+    checked("unpack", locals())
     from nanbisect.bundle.pack import unpack as do_unpack
 
     try:
@@ -213,7 +315,19 @@ def unpack(archive: Path, dest: Path, max_bytes: Optional[int] = None) -> int:
     return 0
 
 
-def clean(dirs: list[Path], min_age: float = 600.0, dry_run: bool = False) -> int:
+@command("Remove what killed captures and report writes left behind.", exits={
+    0: "done (every leftover removed or kept for the reason printed)",
+    1: "some leftover could not be removed (or only in part: each named on stderr)",
+    2: "bad input (nothing removed)"})
+def clean(
+    dirs: Annotated[list[Path], typer.Argument(
+        metavar="DIRS", help="directories to search for leftovers: Guard's out, a bundle, "
+        "the parent of a --out", show_default=False)],
+    min_age: Annotated[float, number_flag(
+        "--min-age", "remove only leftovers nothing has written to for this many seconds",
+        "S")] = 600.0,
+    dry_run: Annotated[bool, switch("--dry-run", help="list what would be removed")] = False,
+) -> int:
     """Remove what killed captures and report writes left behind (hidden .NAME.tmp-XXXXXXXX
     directories that carry nanbisect's marker); never a bundle, a report or anything else.
 
@@ -222,20 +336,23 @@ def clean(dirs: list[Path], min_age: float = 600.0, dry_run: bool = False) -> in
     as is one that is or holds a mount point (clean never enters another file system).
     A leftover that cannot be removed (a read-only file system, an immutable file) is one line
     on stderr naming it, the reason and what is left of it; the others are removed all the same.
+    """
+    return _clean(checked("clean", locals()))
 
-    Exit: 0 done (every leftover removed or kept for the reason printed), 1 some leftover could
-    not be removed (or only in part: each named on stderr), 2 bad input (nothing removed)."""
+
+def _clean(a) -> int:
+    """`clean` with its checked arguments ``a``."""
     from nanbisect.bundle.leftovers import find_leftovers, remove
 
     try:
-        removed, kept, failed = remove(find_leftovers(dirs), min_age, dry_run=dry_run)
+        removed, kept, failed = remove(find_leftovers(a.dirs), a.min_age, dry_run=a.dry_run)
     except BadInput as e:       # a min_age out of range (the flag's parser refuses it first)
         _fail(e)
-    verb = "would remove" if dry_run else "removed"
+    verb = "would remove" if a.dry_run else "removed"
     for x in removed:
         echo(f"{verb} {x.path} ({x.bytes} bytes, {x.age_s:.0f}s old)")
     for x, why in kept:
-        echo(f"{'would keep' if dry_run else 'kept'} {x.path}: {why}")
+        echo(f"{'would keep' if a.dry_run else 'kept'} {x.path}: {why}")
     for f in failed:
         echo(f"nanbisect: {f}", err=True)
     echo(f"nanbisect: {verb} {len(removed)} leftover(s), "
@@ -244,8 +361,15 @@ def clean(dirs: list[Path], min_age: float = 600.0, dry_run: bool = False) -> in
     return 1 if failed else 0
 
 
-def selftest(device: str = "cpu", as_json: bool = False) -> int:
-    """Plant built-in faults, catch them with Guard, bisect them; exit 1 if one is missed."""
+@command("Plant built-in faults, catch them with Guard, bisect them.", exits={
+    0: "every fault found", 1: "a fault missed", 2: EXIT_CODES[2]})
+def selftest(
+    device: Annotated[str, flag(
+        "--device", metavar="DEVICE", help="device to plant and find the faults on")] = "cpu",
+    as_json: Annotated[bool, switch("--json", help="print the results as JSON")] = False,
+) -> int:
+    """Plant built-in faults, catch them with Guard, bisect them."""
+    checked("selftest", locals())
     from nanbisect.replay.replayer import parse_device
     from nanbisect.selftest import run
 
@@ -261,4 +385,3 @@ def selftest(device: str = "cpu", as_json: bool = False) -> int:
             echo(f"{'ok  ' if r['ok'] else 'MISS'} {r['case']:<45} {r['seconds']:>6}s  "
                  + ("" if r["ok"] else f"expected {r['expected']}, found {r['found']}"))
     return 0 if all(r["ok"] for r in rows) else 1
-
