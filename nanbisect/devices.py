@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from nanbisect.errors import BadInput
-from nanbisect.util.spec import check_device
+from nanbisect.util.spec import DeviceSpec
 
 
 class DeviceType:
@@ -45,6 +45,12 @@ class DeviceType:
     # Off for accelerators until checked on one: a driver initialised before the fork (even by
     # an `is_available()` at import) is not usable in the child.
     fork_ranks = False
+    # the host reads this type's tensors in place, without a copy or a synchronisation (the
+    # CPU): its copies kept "off the device" are plain clones, its state is already on the host
+    host_reads_free = False
+    # host copies of its tensors may be page-locked (``pin_memory``) and filled asynchronously
+    # (``non_blocking``), complete at `synchronize`
+    pinned_host_memory = False
 
     # -- the runtime -----------------------------------------------------------------------
     def module(self) -> Any:
@@ -79,6 +85,12 @@ class DeviceType:
     def local(self, local_rank: int) -> torch.device:
         """The device a rank with this ``LOCAL_RANK`` replays on."""
         return torch.device(self.name, local_rank)
+
+    def synchronize(self) -> None:
+        """Wait for what this type's current device has queued (its asynchronous copies)."""
+        mod = self.module()
+        if hasattr(mod, "synchronize"):
+            mod.synchronize()
 
     # -- RNG ---------------------------------------------------------------------------------
     def get_rng(self) -> list[torch.Tensor]:
@@ -129,6 +141,10 @@ class DeviceType:
         self.streams().current_stream(device).wait_event(event)
 
     # -- fingerprint -------------------------------------------------------------------------
+    def environment(self) -> dict:
+        """Keys this type adds to a ticket pack's environment summary (`environment`)."""
+        return {}
+
     def fingerprint(self) -> dict:
         """What identifies this type's hardware and libraries here (JSON values only)."""
         mod = self.module()
@@ -144,6 +160,10 @@ class Cpu(DeviceType):
     name = "cpu"
     forkable = True
     fork_ranks = True
+    host_reads_free = True
+
+    def synchronize(self) -> None:
+        pass
 
     def module(self) -> Any:
         return torch.cpu
@@ -191,6 +211,23 @@ class Cpu(DeviceType):
 class Cuda(DeviceType):
     name = "cuda"
     backend = "nccl"
+    pinned_host_memory = True
+
+    def environment(self) -> dict:
+        """What a ticket pack has always said of CUDA: whether it is available, the CUDA torch
+        was built with and, when available, the GPUs' names, cuDNN and the driver."""
+        env: dict = {"cuda_available": torch.cuda.is_available(),
+                     "torch_cuda": torch.version.cuda}
+        if not env["cuda_available"]:
+            return env
+        env["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        env["cudnn"] = torch.backends.cudnn.version()
+        try:
+            env["driver"] = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") \
+                else None
+        except Exception:  # noqa: BLE001 - absent on some builds
+            env["driver"] = None
+        return env
 
     def fingerprint(self) -> dict:
         """Per GPU its name, compute capability and memory (lists in device order); the driver,
@@ -288,6 +325,7 @@ def _nvidia_driver() -> str | None:
 
 
 TYPES: dict[str, DeviceType] = {}
+HOST = torch.device("cpu")      # where host copies live (what Python and files read)
 
 
 def register(dt: DeviceType) -> DeviceType:
@@ -325,50 +363,88 @@ def entry(device: torch.device | str) -> DeviceType:
     return found
 
 
-def parse(spec: str, flag: str = "--target/--reference"
+def parse(spec: str | DeviceSpec, flag: str = "--target/--reference"
           ) -> tuple[torch.device, torch.dtype | None]:
-    """``"cuda:1"`` -> (device, None); ``"cpu:float64"`` -> (cpu, torch.float64); the device
-    validated by its entry (`BadInput` naming ``flag`` when this machine lacks it).
+    """``"cuda:1"`` -> (device, None); ``"cpu:float64"`` -> (cpu, torch.float64);
+    ``"cuda:1:float64"`` -> (cuda:1, torch.float64); the device validated by its entry
+    (`BadInput` naming ``flag`` when this machine lacks it). ``none`` is no device here: a
+    caller that accepts it asks `DeviceSpec.parse` first.
 
-    >>> parse("cpu:float64")
-    (device(type='cpu'), torch.float64)
+    >>> parse("cpu:float64"), parse(DeviceSpec("cpu"))
+    ((device(type='cpu'), torch.float64), (device(type='cpu'), None))
     """
-    check_device(spec)      # its form, without torch (what the command line checks first)
-    dev, _, dtype_name = spec.partition(":")
+    text = str(spec)
+    # its form, without torch (what the command line checks first)
+    ds = spec if isinstance(spec, DeviceSpec) else DeviceSpec.parse(text)
     dtype = None
-    if dtype_name and not dtype_name.isdigit():
-        dtype = getattr(torch, dtype_name, None)
+    if ds.dtype is not None:
+        dtype = getattr(torch, ds.dtype, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise BadInput(f"device '{spec}': '{dtype_name}' is not a floating dtype; use e.g. "
+            raise BadInput(f"device '{text}': '{ds.dtype}' is not a floating dtype; use e.g. "
                            "cpu:float64")
-    else:
-        dev = spec
     try:
-        device = torch.device(dev)
+        device = torch.device(text if ds.none else ds.device)
     except RuntimeError:
-        raise BadInput(f"device '{spec}' is not a torch device string; use e.g. cpu, cuda, "
+        raise BadInput(f"device '{text}' is not a torch device string; use e.g. cpu, cuda, "
                        "cuda:1") from None
-    entry(device).validate(device, spec, flag)
+    entry(device).validate(device, text, flag)
     return device, dtype
 
 
 def default_reference(target: torch.device) -> str:
     """The reference a run uses without ``--reference``: the CPU for an accelerator target,
     none for a CPU one (a CPU replayed against itself proves nothing)."""
-    return "cpu" if target.type != "cpu" else "none"
+    return HOST.type if not on_host(target) else "none"
+
+
+def on_host(device: torch.device | str) -> bool:
+    """Whether ``device``'s type is the host's (its tensors read in place: `host_reads_free`).
+
+    >>> on_host("cpu"), on_host(torch.device("meta"))
+    (True, False)
+    """
+    return entry(device).host_reads_free
 
 
 def local_device(spec: str) -> tuple[torch.device, torch.dtype | None]:
     """`parse`, with an accelerator's device taken from ``LOCAL_RANK`` (a rank worker)."""
     device, dtype = parse(spec)
-    if device.type != "cpu":
+    if not on_host(device):
         device = entry(device).local(int(os.environ.get("LOCAL_RANK", 0)))
     return device, dtype
 
 
 def accelerators() -> list[str]:
     """Registered types other than the CPU that are available here (their RNG is captured)."""
-    return [name for name, dt in TYPES.items() if name != "cpu" and dt.available()]
+    return [name for name, dt in TYPES.items() if not dt.host_reads_free and dt.available()]
+
+
+def collective_device(backend: str, device: torch.device | None = None) -> torch.device:
+    """Where the tensors of a collective on a process group of ``backend`` live: the host for
+    gloo; else ``device`` when given (the model's); else the device of the available type whose
+    backend ``backend`` names (``nccl``, ``cpu:gloo,cuda:nccl``: cuda); else the host.
+
+    >>> collective_device("gloo", torch.device("meta")), collective_device("mine")
+    (device(type='cpu'), device(type='cpu'))
+    """
+    if backend == "gloo":
+        return HOST
+    if device is not None:
+        return device
+    named = set(re.split(r"[,:]", backend))
+    for name, dt in TYPES.items():
+        if not dt.host_reads_free and dt.backend in named and dt.available():
+            return torch.device(name)
+    return HOST
+
+
+def environment() -> dict:
+    """Each registered type's keys for a ticket pack's environment summary (`DeviceType.
+    environment`: CUDA's, kept as packs have always said them)."""
+    out: dict = {}
+    for dt in TYPES.values():
+        out.update(dt.environment())
+    return out
 
 
 def collective_backend(specs: list[str]) -> str | None:
@@ -380,10 +456,10 @@ def collective_backend(specs: list[str]) -> str | None:
     >>> collective_backend(["cpu", "cpu:float64"])
     'gloo'
     """
-    types = sorted({parse(s)[0].type for s in specs}, key=lambda t: t != "cpu")
+    types = sorted({parse(s)[0].type for s in specs}, key=lambda t: not on_host(t))
     if len(types) == 1:
         return entry(types[0]).backend
-    if len(types) == 2 and types[0] == "cpu":
+    if len(types) == 2 and on_host(types[0]):
         return ",".join(f"{t}:{entry(t).backend}" for t in types)
     return None
 
@@ -391,7 +467,7 @@ def collective_backend(specs: list[str]) -> str | None:
 def fingerprint() -> dict:
     """The hardware and library fingerprint of this machine: the CPU's, and each available
     accelerator type's (`DeviceType.fingerprint`)."""
-    out = {"cpu": entry("cpu").fingerprint()}
+    out = {HOST.type: entry(HOST).fingerprint()}
     for name in accelerators():
         out[name] = TYPES[name].fingerprint()
     return out

@@ -22,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from nanbisect import devices
 from nanbisect.errors import BadInput
 from nanbisect.records import HistoryEntry
 from nanbisect.util.tensors import floating, parts
@@ -127,7 +128,7 @@ class HealthLog:
             at = {self._steps[i]: i for i in order if self._steps[i] is not None}
             rows = [at[s] for s in steps if s in at]
         if rows and len(rows) == len(steps):
-            tensors["history/norms"] = self._ring[rows].detach().to("cpu", copy=True)
+            tensors["history/norms"] = self._ring[rows].detach().to(devices.HOST, copy=True)
         entries = [{k: _plain(v) for k, v in e.items()} for e in self.entries]
         return {"schema": SCHEMA, "entries": entries,
                 "parameters": list(self.names) if "history/norms" in tensors else [],
@@ -278,6 +279,16 @@ def findings(h: History | None, model: torch.nn.Module | None = None,
     if int(finite_rows.sum()) < JUMP_MIN:
         return out
     pre = pre[finite_rows]
+    out += _param_extremes(h, pre, finite_rows)
+    if model is None or optimizer is None:
+        return out
+    return out + _moment_extremes(h, pre, model, optimizer)
+
+
+def _param_extremes(h: History, pre: torch.Tensor, finite_rows: torch.Tensor) -> list[dict]:
+    """Parameters that entered the failing step with a norm `PARAM_RATIO` times their norm
+    early in the history (``pre``: the finite rows before it), the largest 10."""
+    entries = h.entries
     first = max(4, pre.shape[0] // 4)
     base = pre[:first, 0].median(dim=0).values
     last = pre[-1, 0]
@@ -293,9 +304,13 @@ def findings(h: History | None, model: torch.nn.Module | None = None,
                                     f"{v:.4g}, x{v / b:.3g} its norm early in the history "
                                     f"({b:.4g})" + (f"; above x2 since step {since}"
                                                     if since is not None else "")})
-    out += sorted(extreme, key=lambda f: -f["ratio"])[:10]
-    if model is None or optimizer is None:
-        return out
+    return sorted(extreme, key=lambda f: -f["ratio"])[:10]
+
+
+def _moment_extremes(h: History, pre: torch.Tensor, model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Optimizer states that entered the failing step at `MOMENT_RATIO` times the largest
+    gradient norm of their parameter in the history, the largest 10."""
     gmax = pre[:, 1].max(dim=0).values
     index = {n: i for i, n in enumerate(h.parameters)}
     moments = []
@@ -318,4 +333,4 @@ def findings(h: History | None, model: torch.nn.Module | None = None,
                                         f"gradient norm in the history ({float(gmax[i]):.4g}): "
                                         "set before the history or by something else than "
                                         "these gradients"})
-    return out + sorted(moments, key=lambda f: -f["ratio"])[:10]
+    return sorted(moments, key=lambda f: -f["ratio"])[:10]

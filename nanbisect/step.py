@@ -19,6 +19,7 @@ from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 
+from nanbisect import devices
 from nanbisect.errors import BadInput
 from nanbisect.task import Task
 
@@ -74,7 +75,7 @@ def _autocast(task: Task) -> ContextManager:
     if task.autocast is None:
         return nullcontext()
     p = next(task.model.parameters(), None)
-    device = p.device.type if p is not None else "cpu"
+    device = p.device.type if p is not None else devices.HOST.type
     return torch.autocast(device, dtype=getattr(torch, task.autocast))
 
 

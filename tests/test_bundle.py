@@ -1,4 +1,4 @@
-"""Bundle format and state encoding: model/optimizer/batch/RNG round trips, files, atomicity, errors.
+"""Bundle format and state encoding: model/optimizer/batch/RNG round trips, files, atomicity, errors
 
 Everything runs on CPU with tiny models; bundles are written under pytest's ``tmp_path``.
 """
@@ -563,3 +563,28 @@ def test_bundle_tensor_file_listed_with_path_is_rejected(tmp_path, trained):
     (path / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(BadInput, match="'../evil.safetensors', which is not a plain file name"):
         read_bundle(path)
+
+
+def test_the_manifest_view_reads_captured_on_by_one_rule(tmp_path):
+    """`Manifest`: read once through the bounded reader; ``captured_on`` is the manifest's,
+    the host's type when it names none (a section or a field left out)."""
+    from nanbisect.bundle.manifest import Manifest, captured_on
+    from nanbisect.bundle.summary import summarize, summary_text
+
+    m = Manifest.read("fixtures/bundles/nan_batch")
+    assert m.captured_on == "cpu" and m.captured_type == "cpu" and m.captured_on_host
+    assert not m.multi_rank and m.observed is not None and m.entry == m.data["entry"]
+    assert Manifest.of(read_bundle("fixtures/bundles/nan_batch")).data == m.data
+    assert captured_on({"captured_on": "cuda:1"}) == "cuda:1"
+    assert captured_on(None) == captured_on({}) == captured_on({"captured_on": None}) == "cpu"
+    b = tmp_path / "b"
+    shutil.copytree("fixtures/bundles/nan_batch", b,
+                    ignore=shutil.ignore_patterns("nanbisect-report"))
+    data = json.loads((b / "manifest.json").read_text())
+    data["devices"] = None
+    (b / "manifest.json").write_text(json.dumps(data))
+    assert Manifest.read(b).captured_on == "cpu"
+    with pytest.raises(BadInput):
+        Manifest.read(tmp_path / "nowhere")
+    info = summarize("fixtures/bundles/nan_batch")
+    assert " on cpu with torch" in summary_text({**info, "devices": None})

@@ -142,3 +142,32 @@ def test_the_cpu_fingerprint_names_the_instruction_set_aten_uses():
     assert all(isinstance(v, str) for v in fp.values()), fp
     if "MKL-DNN v" in torch.__config__.show():        # a build with oneDNN names its version
         assert fp["onednn"][0].isdigit(), fp
+
+
+def test_a_device_spec_reads_and_writes_a_device_a_dtype_or_none():
+    """`DeviceSpec`: ``parse`` and ``str`` are inverse; an index and a dtype together
+    (``cpu:0:float64``) resolve; ``none`` is no device (no reference)."""
+    for text in ("cpu", "cuda:1", "cpu:float64", "cuda:1:float64", "npu:0:bfloat16", "none"):
+        assert str(devices.DeviceSpec.parse(text)) == text
+    assert devices.DeviceSpec.parse("none").none and not devices.DeviceSpec.parse("cpu").none
+    assert devices.parse("cpu:0:float64") == (torch.device("cpu", 0), torch.float64)
+    for bad, why in [("cuda:1:int8", "not a floating dtype"), ("cuda:x:float64", "not a torch"),
+                     ("none", "not a torch device string")]:
+        with pytest.raises(BadInput, match=why):
+            devices.parse(bad)
+
+
+def test_capabilities_not_names_decide_what_a_device_does():
+    """The host reads the CPU's tensors in place; CUDA's host copies are pinned; a backend's
+    collectives live where its type does (gloo: the host; a type not available: the host)."""
+    assert devices.entry("cpu").host_reads_free and not devices.entry("cuda").host_reads_free
+    assert devices.entry("cuda").pinned_host_memory and not devices.entry("cpu").pinned_host_memory
+    assert devices.on_host("cpu") and not devices.on_host("meta")
+    meta = torch.device("meta")
+    assert devices.collective_device("gloo", meta) == devices.HOST
+    assert devices.collective_device("nccl", meta) == meta
+    want = torch.device("cuda") if torch.cuda.is_available() else devices.HOST
+    assert devices.collective_device("nccl") == want
+    assert devices.collective_device("mpi") == devices.HOST
+    env = devices.environment()
+    assert env["cuda_available"] == torch.cuda.is_available() and "torch_cuda" in env

@@ -98,3 +98,15 @@ def test_reports_cached_before_the_new_signatures_are_misses(tmp_path):
     cache.put(key, report("aten.div.Tensor"))
     assert json.loads((tmp_path / f"{key}.json").read_text())["schema"] == CACHE_SCHEMA
     assert cache.get(key)["culprit"]["op"] == "aten.div.Tensor"
+
+
+def test_a_report_triage_cannot_read_is_that_bundles_error_not_the_nights():
+    """Triage reads each report.json as a `Report`; one it cannot (a word the contract does
+    not have) is that bundle's error row, and the night goes on."""
+    st = _State([], set(), None, {}, "loky", 60.0)
+    st.add({"bundle": "/b0", "report": {**report("aten.div.Tensor"),
+                                        "classification": "gremlins"}}, cached=False)
+    st.add({"bundle": "/b1", "report": report("aten.div.Tensor")}, cached=False)
+    assert "/b0" in st.errors and "report.json cannot be read" in st.errors["/b0"]["error"]
+    assert st.results["/b1"]["verdict"] == "culprit"
+    assert st.results["/b1"]["signature"] == signature(report("aten.div.Tensor"))

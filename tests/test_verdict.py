@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import same_run
 
 from nanbisect.locate.producers import backtrace, backward_producer, forward_producer, timeline
 from nanbisect.multirank.verdict import choose_rank, decide, job_report
@@ -19,6 +20,7 @@ from nanbisect.report.model import Report
 from nanbisect.report.page import to_html
 from nanbisect.report.text import headline, terminal, to_markdown
 from nanbisect.triage import signature
+from nanbisect.util.recordjson import dumps
 
 OK, NAN, NEGINF = Stats(0, 0, 0, 1.0), Stats(4, 0, 0, 2.0), Stats(0, 0, 6, 3.0)
 
@@ -76,9 +78,16 @@ def job(results, observed=None):
     return job_report(facts(observed), len(results), "gloo", results)
 
 
+def round_trip(x: dict) -> None:
+    """``Report.from_json`` inverts ``to_json`` on report.json as written and read back."""
+    x = json.loads(dumps(x))
+    assert json.loads(dumps(Report.from_json(x).to_json())) == x
+
+
 def render_all(r: Report) -> str:
     """Every renderer, as the CLI and the report directory use them; JSON must serialise."""
     json.dumps(r.to_json(), allow_nan=False)
+    round_trip(r.to_json())
     to_html(r)
     terminal(r, Path("out"))
     return headline(r) + "\n" + to_markdown(r)
@@ -271,3 +280,82 @@ def test_signature_normalises_layers_and_names_non_culprits():
     changed = {**REPORTS["not-reproduced"].to_json(), "classification": "code-changed"}
     assert signature(changed) == "not-reproduced · code-changed"   # a fixed bug, not a transient
     assert signature(REPORTS["clean"].to_json()) is None
+
+
+# ------------------------------------------------------------------------------------------
+# Report.from_json
+
+
+def test_from_json_inverts_to_json_with_every_field_filled():
+    from nanbisect.records import (CompilerFinding, Finding, HistoryEntry, ModuleRepro, Node,
+                                   OpRecording, ReplicaDiff, Remedy, StageError, StepRow,
+                                   StepsWindow, Subset, TimelineRow, TraceRow)
+    from nanbisect.records.ranks import RankReference
+    cmp = Comparison(False, 8, 2, float("inf"), (1, 0), float("nan"), 1.0, 0.5, 0.9, 0.25, 1,
+                     "why")
+    culprit = Culprit("backward", "act", 0, ["float32"], [[4]], "t.py:3", "aten.sqrt.default", 7,
+                      step=3, surfaced=OpRef("aten.mul.Tensor", 9, "backward", None, None),
+                      samples=[1], node=Node("SqrtBackward0", "aten.sqrt.default", "t.py:3"),
+                      likely_cause="a square root of a negative")
+    fid = Fidelity(["t.py"], ["torch 2.4 at capture"], False, False, ["x"],
+                   ["cpu: A at capture, B now"], True, 2e-4, 1e-3, "float32", True)
+    ranks = [rank_result(0, Plan("forward", 0), "forward", buckets=[bucket(1, 1)],
+                         root=root(), module_stats={"act": NAN, "fc": None},
+                         reference=RankReference(None, 1.0, "loss", "inf")),
+             RankResult(1)]
+    r = Report(
+        "culprit", "numerics", "backward", "nan", culprit,
+        RunFacts("b", "t.py:task", "cpu", "cpu:float64", {"first": "loss"},
+                 Losses(1.0, "nan", 1.0, False), fid),
+        input_nonfinite=[BadValue("batch", "x", 1, 0, 0)],
+        backtrace=[TraceRow(0, "act", 0, "culprit", OK, NEGINF)], notes=["n"], repro="repro.py",
+        repro_result=ReproResult(True, 1, "nan"), inf_origin=OpRef("aten.exp", 2, "forward", "",
+                                                                   0),
+        context=[ContextRow(1, "aten.exp", "fc", 0, "forward", False, True, None, False)],
+        divergence=Divergence("backward", "grad:fc.weight", cmp),
+        op_check=OpCheck("aten.sqrt.default", 7, "mismatch", "kernel", [cmp], "d"),
+        uncomparable=[OpCheck("npu::op", 3, "uncomparable")], ranks=ranks,
+        timeline=[TimelineRow("act", 0, 1, 0, float("inf"))],
+        module_repro=ModuleRepro("module_repro.py", None),
+        surfaced_repro=ModuleRepro("s.py", ReproResult(False, None, "", ran=False)),
+        op_recording=OpRecording(CallId("act", 0), "backward", 3, 40, ("forward", "backward")),
+        replicas_out_of_sync=[ReplicaDiff("model:w", [[0], [1]], "inf", [2])],
+        subset=Subset([1], 4, False, [0], "rank 0 sent it"),
+        history=[HistoryEntry(1, float("nan"), 2.0, 1e-3, True)],
+        history_findings=[Finding("lr-jump", "the lr jumped", 1, value=1.0, baseline=0.1,
+                                  ratio=10.0)],
+        steps=StepsWindow([StepRow(1, 1.0, "nan", 1.0, 0.5, True, "target failed")], 1, 2,
+                          {"bit_exact": True}, 0.25),
+        timings={"read": 0.5}, remedies=[Remedy("samples", "without rows [1]", "finite", 0.5,
+                                               {"rows": [1]})],
+        compiler=CompilerFinding("finite", "nan", "inductor", "lowerings", 3, None, "d"),
+        errors=[StageError("remedies", "RuntimeError: x")])
+    x = json.loads(dumps(r.to_json()))
+    back = Report.from_json(x)
+    assert json.loads(dumps(back.to_json())) == x
+    assert back.culprit == culprit and back.divergence.phase == "backward"
+    assert back.facts.fidelity.tier == fid.tier and back.facts.fidelity.faithful == fid.faithful
+
+
+@same_run("overflow_then_nan")
+def test_from_json_inverts_a_shipped_bundles_report(replayed):
+    _, rep = replayed("overflow_then_nan")
+    round_trip(rep)
+    assert Report.from_json(rep).culprit.op == rep["culprit"]["op"]
+
+
+def test_culprit_constructors_build_what_the_stages_built_by_hand():
+    from types import SimpleNamespace as NS
+
+    assert Culprit.phase_only("forward", rank=None) == Culprit("forward", "", None, [], [], None,
+                                                               rank=None)
+    assert Culprit.of_parameter("grad-reduce", "fc.weight", rank=2) == Culprit(
+        "grad-reduce", "fc", None, [], [], None, rank=2, parameter="fc.weight")
+    r = root()
+    assert Culprit.of_root("backward", r, 1) == Culprit(
+        "backward", "row", 0, ["float32"], [[4]], None, op=r.op, op_index=12, rank=1)
+    assert Culprit.of_root("backward", None, 1) == Culprit.phase_only("backward", rank=1)
+    t = NS(dtype="torch.float16", shape=(2, 3))
+    assert Culprit.of_tensors("forward", CallId("act", 1), [t], op="aten.exp", op_index=4) == \
+        Culprit("forward", "act", 1, ["float16"], [[2, 3]], None, "aten.exp", 4)
+    assert Culprit.phase_only("forward").in_phase("backward").phase == "backward"

@@ -45,7 +45,8 @@ def _limit(name: str, default: int) -> int:
 
 def _kind(value) -> str:
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
-            int: "an integer", float: "a number", type(None): "null"}.get(type(value), type(value).__name__)
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value),
+                                                                       type(value).__name__)
 
 
 def _unique_keys(pairs: list) -> dict:
@@ -153,21 +154,7 @@ def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
         return BadInput(f"{shown} is not a readable safetensors file: {why}; {_FIX}")
 
     st = _regular(path, shown)
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            if len(raw) != 8:
-                raise bad(f"{st.st_size} bytes, shorter than a header")
-            (n,) = struct.unpack("<Q", raw)
-            if n > st.st_size - 8:
-                raise bad(f"the header claims {n} bytes, the file has {st.st_size}")
-            if n > MAX_HEADER_BYTES:
-                raise bad(f"the header claims {n} bytes, more than safetensors reads")
-            head_raw = f.read(n)
-    except OSError as e:
-        raise BadInput(f"{shown} cannot be read ({e.strerror}); {_FIX}") from None
-    if len(head_raw) != n:
-        raise bad("the file shrank while being read")
+    n, head_raw = _header_bytes(path, shown, st.st_size, bad)
     if not head_raw.startswith(b"{"):
         raise bad("the header is not a JSON object")
     head = parse_json(head_raw, f"{shown}: the safetensors header", _FIX, unique_keys=True)
@@ -179,25 +166,7 @@ def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
         raise bad("'__metadata__' is not an object of strings")
     if len(head) > MAX_TENSORS:
         raise bad(f"{len(head)} tensors, more than the {MAX_TENSORS} nanbisect reads")
-    spans = []
-    for name, t in head.items():
-        if not isinstance(t, dict):
-            raise bad(f"tensor {show(name)} is {_kind(t)}, not an object")
-        dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
-        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
-            raise bad(f"tensor {show(name)} has unknown dtype {show(dtype, 30)}")
-        if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(_uint, shape))):
-            raise bad(f"tensor {show(name)} has shape {show(shape, 40)}, not a list of at most "
-                      f"{MAX_NDIM} sizes >= 0")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_uint, offsets))
-                and offsets[0] <= offsets[1]):
-            raise bad(f"tensor {show(name)} has data_offsets {show(offsets, 40)}, not "
-                      "[begin, end] with 0 <= begin <= end")
-        if math.prod(shape) * DTYPE_BITS[dtype] != (offsets[1] - offsets[0]) * 8:
-            raise bad(f"tensor {show(name)}: shape {shape} of {dtype} needs "
-                      f"{math.prod(shape) * DTYPE_BITS[dtype] // 8} bytes, its data_offsets span "
-                      f"{offsets[1] - offsets[0]}")
-        spans.append((offsets[0], offsets[1], name))
+    spans = [_span(name, t, bad) for name, t in head.items()]
     end = 0
     for begin, stop, name in sorted(spans):
         if begin != end:
@@ -207,6 +176,49 @@ def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
     if end != st.st_size - 8 - n:
         raise bad(f"the tensors cover {end} bytes of data, the file holds {st.st_size - 8 - n}")
     return head
+
+
+def _header_bytes(path: Path, shown: str, size: int, bad) -> tuple[int, bytes]:
+    """(the header's length, its bytes) from a file of ``size`` bytes: its 8-byte length read
+    first and checked against the file and `MAX_HEADER_BYTES`."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise bad(f"{size} bytes, shorter than a header")
+            (n,) = struct.unpack("<Q", raw)
+            if n > size - 8:
+                raise bad(f"the header claims {n} bytes, the file has {size}")
+            if n > MAX_HEADER_BYTES:
+                raise bad(f"the header claims {n} bytes, more than safetensors reads")
+            head_raw = f.read(n)
+    except OSError as e:
+        raise BadInput(f"{shown} cannot be read ({e.strerror}); {_FIX}") from None
+    if len(head_raw) != n:
+        raise bad("the file shrank while being read")
+    return n, head_raw
+
+
+def _span(name: str, t, bad) -> tuple[int, int, str]:
+    """(begin, end, name) of one tensor's entry in a header, its dtype, shape and data offsets
+    checked (`bad(why)`: the error to raise)."""
+    if not isinstance(t, dict):
+        raise bad(f"tensor {show(name)} is {_kind(t)}, not an object")
+    dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise bad(f"tensor {show(name)} has unknown dtype {show(dtype, 30)}")
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(_uint, shape))):
+        raise bad(f"tensor {show(name)} has shape {show(shape, 40)}, not a list of at most "
+                  f"{MAX_NDIM} sizes >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_uint, offsets))
+            and offsets[0] <= offsets[1]):
+        raise bad(f"tensor {show(name)} has data_offsets {show(offsets, 40)}, not "
+                  "[begin, end] with 0 <= begin <= end")
+    if math.prod(shape) * DTYPE_BITS[dtype] != (offsets[1] - offsets[0]) * 8:
+        raise bad(f"tensor {show(name)}: shape {shape} of {dtype} needs "
+                  f"{math.prod(shape) * DTYPE_BITS[dtype] // 8} bytes, its data_offsets span "
+                  f"{offsets[1] - offsets[0]}")
+    return offsets[0], offsets[1], name
 
 
 def _load(path: Path, shown: str, names: list[str] | None = None, checked: bool = False

@@ -368,59 +368,75 @@ def _borrowed(top: Bundle, rank: int, part: Bundle, verify: bool) -> dict:
     on ``top``; with ``verify`` the owner's manifest and FILE are checked against their sha256.
     """
     shown = f"bundle '{top.path}': the part of rank {rank}"
-    fix = "the manifest was altered or damaged: re-capture the bundle"
-    world, ranks = top.world_size, top.manifest["ranks"]
+    ranks = top.manifest["ranks"]
     out: dict[str, list] = {}
     for name, ref in part.manifest["shared"].items():
-        if not (_safe_name(name) and name.endswith(SUFFIX)) or name == MANIFEST:
-            raise BadInput(f"{shown} takes tensors of {show(name)} from another rank's part, "
-                           "which is not a tensor file name of a part (parts outside the bundle "
-                           f"are refused); {fix}")
-        if name[:-len(SUFFIX)] in PER_RANK:
-            raise BadInput(f"{shown} takes {name} from another rank's part, but every rank "
-                           f"writes its batch and RNG itself; {fix}")
-        frm = ref.get("from", {}) if isinstance(ref, dict) else None
-        if not (isinstance(ref, dict) and _int(ref.get("rank")) and _uint(ref.get("tensors"))
-                and isinstance(frm, dict) and all(_strs(v) for v in frm.values())
-                and all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 10
-                        for k in frm) and _strs(ref.get("skip", []))):
-            raise BadInput(f"{shown}: its 'shared' entry for {name} is not {{rank: integer, "
-                           "tensors: integer, from: {rank: [names]}, skip: [names]}; " + fix)
+        _check_shared_entry(name, ref, shown)
         own_head = (read_header(part.path / name, f"bundle '{part.path}': {name}")
                     if name in part.manifest["files"] else {})
         own = set(own_head) - {"__metadata__"}
         default = ref["rank"]
-        taken: list[tuple[int, list[str]]] = [(int(k), v) for k, v in frm.items()]
+        taken: list[tuple[int, list[str]]] = [(int(k), v) for k, v in ref.get("from", {}).items()]
         named: set = set()
         for n in (n for _, v in taken for n in v):
             if n in own or n in named:
                 raise BadInput(f"{shown} has tensor {show(n)} of {name} twice (in its own file "
-                               f"and another rank's, or in two ranks'); {fix}")
+                               f"and another rank's, or in two ranks'); {_PART_FIX}")
             named.add(n)
         for owner in [default, *(o for o, _ in taken)]:
-            if not 0 <= owner < world:
-                raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, which is not "
-                               f"a rank of this bundle (world size {world}); {fix}")
-            if str(owner) not in ranks:
-                raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, whose part "
-                               f"this partial bundle lacks; {fix}")
-            if owner >= rank:
-                raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, not a lower "
-                               f"rank (the lowest rank holding them writes them); {fix}")
+            _check_owner(top, owner, rank, name, shown)
         heads = {o: _owner_names(top, o, name, shown, verify) for o in {default, *dict(taken)}}
         for o, names in taken:
             missing = next((n for n in names if n not in heads[o]), None)
             if missing is not None:
                 raise BadInput(f"{shown} takes tensor {show(missing)} of {name} from rank {o}, "
-                               f"whose {name} does not hold it; {fix}")
+                               f"whose {name} does not hold it; {_PART_FIX}")
         skip = set(ref.get("skip", []))
         rest = [n for n in heads[default] if n not in own and n not in named and n not in skip]
         if len(rest) + len(named) != ref["tensors"]:
             raise BadInput(f"{shown} takes {ref['tensors']} tensors of {name} from lower ranks, "
-                           f"but their files provide {len(rest) + len(named)}; {fix}")
+                           f"but their files provide {len(rest) + len(named)}; {_PART_FIX}")
         dirs = {o: top.path / ranks[str(o)]["dir"] for o in heads}
         out[name] = [(dirs[default], rest)] * bool(rest) + [(dirs[o], v) for o, v in taken if v]
     return out
+
+
+_PART_FIX = "the manifest was altered or damaged: re-capture the bundle"
+
+
+def _check_shared_entry(name: str, ref, shown: str) -> None:
+    """`BadInput` unless a part's ``shared[name]`` names a tensor file other than batch or RNG
+    and has the entry's form."""
+    fix = _PART_FIX
+    if not (_safe_name(name) and name.endswith(SUFFIX)) or name == MANIFEST:
+        raise BadInput(f"{shown} takes tensors of {show(name)} from another rank's part, "
+                       "which is not a tensor file name of a part (parts outside the bundle "
+                       f"are refused); {fix}")
+    if name[:-len(SUFFIX)] in PER_RANK:
+        raise BadInput(f"{shown} takes {name} from another rank's part, but every rank "
+                       f"writes its batch and RNG itself; {fix}")
+    frm = ref.get("from", {}) if isinstance(ref, dict) else None
+    if not (isinstance(ref, dict) and _int(ref.get("rank")) and _uint(ref.get("tensors"))
+            and isinstance(frm, dict) and all(_strs(v) for v in frm.values())
+            and all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 10
+                    for k in frm) and _strs(ref.get("skip", []))):
+        raise BadInput(f"{shown}: its 'shared' entry for {name} is not {{rank: integer, "
+                       "tensors: integer, from: {rank: [names]}, skip: [names]}; " + fix)
+
+
+def _check_owner(top: Bundle, owner: int, rank: int, name: str, shown: str) -> None:
+    """`BadInput` unless ``owner``, whose ``name`` rank ``rank``'s part takes tensors of, is a
+    lower rank of the bundle whose part it has."""
+    world, ranks = top.world_size, top.manifest["ranks"]
+    if not 0 <= owner < world:
+        raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, which is not "
+                       f"a rank of this bundle (world size {world}); {_PART_FIX}")
+    if str(owner) not in ranks:
+        raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, whose part "
+                       f"this partial bundle lacks; {_PART_FIX}")
+    if owner >= rank:
+        raise BadInput(f"{shown} takes tensors of {name} from rank {owner}, not a lower "
+                       f"rank (the lowest rank holding them writes them); {_PART_FIX}")
 
 
 def _owner_names(top: Bundle, owner: int, name: str, shown: str, verify: bool) -> list[str]:

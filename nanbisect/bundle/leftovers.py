@@ -286,33 +286,89 @@ def _entries(fd: int) -> list[tuple[str, bool]]:
         return [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
 
 
+class _Removal:
+    """What one `_rmtree` has done: the first failures, how many failed and were removed, the
+    directories under which something failed; and each of its moves (leave a directory, remove
+    a file, enter a directory), each going on past its own failure."""
+
+    def __init__(self, root: Path, mounts: set[str]) -> None:
+        self.root, self.mounts = root, mounts
+        self.first: list[tuple[Path, str]] = []
+        self.count = self.removed = 0
+        self.failed_in: set[Path] = set()     # the directories under which something failed
+        self.real = os.path.realpath(root)
+        self.dev: int | None = None
+
+    def fail(self, p: Path, why: str) -> None:
+        self.count += 1
+        if len(self.first) < 10:
+            self.first.append((p, why))
+        q = p.parent
+        while q not in self.failed_in and (q == self.root or self.root in q.parents):
+            self.failed_in.add(q)
+            q = q.parent
+
+    def leave(self, stack: list) -> bool:
+        """Close the emptied directory on top of ``stack`` and remove it from its parent; False
+        when it was the root (removed last, by `_rmtree`)."""
+        fd, path, _ = stack.pop()
+        os.close(fd)
+        if not stack:
+            return False
+        try:
+            os.rmdir(path.name, dir_fd=stack[-1][0])
+            self.removed += 1
+        except OSError as e:
+            if path not in self.failed_in:       # else: what failed in it is the reason
+                self.fail(path, _reason(e))
+        return True
+
+    def file(self, fd: int, path: Path, name: str) -> None:
+        if path == self.root and name == MARKER and self.count:
+            return            # still marked: a later clean finishes what is left
+        try:
+            os.unlink(name, dir_fd=fd)
+            self.removed += 1
+        except OSError as e:
+            self.fail(path / name, _reason(e))
+
+    def enter(self, fd: int, path: Path, name: str) -> tuple | None:
+        """(its descriptor, its path, its entries) of the directory ``name`` in ``fd``; None
+        when it cannot be opened or is another file system or a mount point (a failure)."""
+        p = path / name
+        try:
+            sub = os.open(name, _DIR, dir_fd=fd)
+        except OSError as e:
+            self.fail(p, _reason(e))
+            return None
+        try:
+            mount = os.fstat(sub).st_dev != self.dev \
+                or os.path.join(self.real, os.path.relpath(p, self.root)) in self.mounts
+            listed = [] if mount else _entries(sub)
+        except OSError as e:
+            os.close(sub)
+            self.fail(p, _reason(e))
+            return None
+        if mount:
+            os.close(sub)
+            self.fail(p, MOUNT_NOT_ENTERED)
+            return None
+        return sub, p, listed
+
+
 def _rmtree(root: Path, mounts: set[str]) -> tuple[list[tuple[Path, str]], int, int]:
     """Remove ``root`` and everything in it, going on past each failure; never following a link
     and never entering another file system (st_dev) or a mount point in ``mounts``. Its marker
     goes last, and only when nothing before it failed. Iterative, with a directory descriptor
     per level (no recursion, no path a link could redirect). Returns (the first failures, up to
     10, as (path, strerror)), how many failed, how many entries were removed)."""
-    first: list[tuple[Path, str]] = []
-    count = removed = 0
-    failed_in: set[Path] = set()        # the directories under which something failed
-
-    def fail(p: Path, why: str) -> None:
-        nonlocal count
-        count += 1
-        if len(first) < 10:
-            first.append((p, why))
-        q = p.parent
-        while q not in failed_in and (q == root or root in q.parents):
-            failed_in.add(q)
-            q = q.parent
-
-    real = os.path.realpath(root)
+    r = _Removal(root, mounts)
     try:
         fd = os.open(root, _DIR)
     except OSError as e:
         return [(root, _reason(e))], 1, 0
     try:
-        dev = os.fstat(fd).st_dev
+        r.dev = os.fstat(fd).st_dev
         top = _entries(fd)
     except OSError as e:
         os.close(fd)
@@ -323,56 +379,26 @@ def _rmtree(root: Path, mounts: set[str]) -> tuple[list[tuple[Path, str]], int, 
         while stack:
             fd, path, entries = stack[-1]
             if not entries:
-                stack.pop()
-                os.close(fd)
-                if not stack:
+                if not r.leave(stack):
                     break
-                try:
-                    os.rmdir(path.name, dir_fd=stack[-1][0])
-                    removed += 1
-                except OSError as e:
-                    if path not in failed_in:       # else: what failed in it is the reason
-                        fail(path, _reason(e))
                 continue
             name, is_dir = entries.pop()
-            p = path / name
             if not is_dir:
-                if path == root and name == MARKER and count:
-                    continue            # still marked: a later clean finishes what is left
-                try:
-                    os.unlink(name, dir_fd=fd)
-                    removed += 1
-                except OSError as e:
-                    fail(p, _reason(e))
+                r.file(fd, path, name)
                 continue
-            try:
-                sub = os.open(name, _DIR, dir_fd=fd)
-            except OSError as e:
-                fail(p, _reason(e))
-                continue
-            try:
-                mount = os.fstat(sub).st_dev != dev \
-                    or os.path.join(real, os.path.relpath(p, root)) in mounts
-                listed = [] if mount else _entries(sub)
-            except OSError as e:
-                os.close(sub)
-                fail(p, _reason(e))
-                continue
-            if mount:
-                os.close(sub)
-                fail(p, MOUNT_NOT_ENTERED)
-                continue
-            stack.append((sub, p, listed))
+            entered = r.enter(fd, path, name)
+            if entered is not None:
+                stack.append(entered)
     finally:
         for fd, _, _ in stack:
             os.close(fd)
-    if not count:
+    if not r.count:
         try:
             os.rmdir(root)
-            removed += 1
+            r.removed += 1
         except OSError as e:
-            fail(root, _reason(e))
-    return first, count, removed
+            r.fail(root, _reason(e))
+    return r.first, r.count, r.removed
 
 
 def _left(path: Path) -> tuple[int, int]:

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.check import MAX_LOOKBACK_STEPS, lookback_steps
 from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.state import (RngState, Tensors, encode, encode_model, encode_optimizer,
@@ -41,9 +42,11 @@ def _keeper(kept_on: str):
 
     def host(t: torch.Tensor) -> torch.Tensor:
         t = local(t).detach()
-        if t.device.type == "cpu":
+        dt = devices.entry(t.device)
+        if dt.host_reads_free:
             return t.clone()
-        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=torch.cuda.is_available())
+        out = torch.empty(t.shape, dtype=t.dtype, device=devices.HOST,
+                          pin_memory=dt.pinned_host_memory)
         return out.copy_(t, non_blocking=True)   # complete by the step's host synchronisation
     return host
 
@@ -133,7 +136,7 @@ class Lookback:
         if not self._snaps or not self._steps:
             return None
         snap = self._snaps[0]
-        file = lambda t: t.detach().to("cpu").contiguous()  # noqa: E731
+        file = lambda t: t.detach().to(devices.HOST).contiguous()  # noqa: E731
         for k, v in snap.tensors.items():
             if not k.startswith("scaler/"):
                 tensors[f"snap/{k}"] = file(v)

@@ -47,7 +47,7 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 def _tensor_for_file(t: torch.Tensor) -> torch.Tensor:
     # NB: safetensors refuses tensors that share storage; a detached contiguous clone never does.
-    return local(t).detach().to("cpu").contiguous().clone()
+    return local(t).detach().to(devices.HOST).contiguous().clone()
 
 
 def encode(obj: Any, key: str, tensors: Tensors, copy: Callable = _tensor_for_file) -> Any:
@@ -391,12 +391,12 @@ class RngState:
         for name in accel_types:
             acc[name] = devices.entry(name).get_rng()
         return RngState(random.getstate(), np.random.get_state(),
-                        devices.entry("cpu").get_rng()[0], acc)
+                        devices.entry(devices.HOST).get_rng()[0], acc)
 
     def set(self) -> None:
         random.setstate(self.python)
         np.random.set_state(self.numpy)
-        devices.entry("cpu").set_rng([self.torch_cpu])
+        devices.entry(devices.HOST).set_rng([self.torch_cpu])
         for name, states in self.accel.items():
             dt = devices.entry(name)
             if not dt.available():

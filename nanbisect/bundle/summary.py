@@ -24,6 +24,7 @@ from pathlib import Path
 
 from nanbisect.bundle.format import MANIFEST, Bundle, read_bundle, read_header
 from nanbisect.bundle.leftovers import find_leftovers, walk
+from nanbisect.bundle.manifest import captured_on
 from nanbisect.util.text import MAX_LINE, clip, ranges, ranks_text, show
 
 
@@ -161,12 +162,11 @@ def _clean(line: str) -> str:
 
 def summary_text(info: dict) -> str:
     env = info.get("environment") or {}
-    devices = info.get("devices") or {}
     tied = info["model"]["tied"]
     lines = [f"bundle    {info['bundle']}  ({info['schema']}, checksums {info['checksums']})",
              f"entry     {clip(info['entry'], 300)}", f"step      {info['step']}   world size "
              f"{info['world_size']}   rank {info['rank']}",
-             f"captured  {clip(info['created'], 40)} on {devices.get('captured_on')} "
+             f"captured  {clip(info['created'], 40)} on {captured_on(info.get('devices'))} "
              f"with torch {clip(env.get('torch'), 40)}, python {clip(env.get('python'), 60)}",
              "machine   " + hardware_text(env.get("hardware") if isinstance(env, dict) else None),
              f"model     {info['model']['parameters']} parameters, {info['model']['buffers']} "

@@ -61,8 +61,9 @@ def environment() -> dict:
     import numpy
     import safetensors
 
-    return {"nanbisect": __version__, "torch": torch.__version__, "python": platform.python_version(),
-            "numpy": numpy.__version__, "safetensors": safetensors.__version__,
+    return {"nanbisect": __version__, "torch": torch.__version__,
+            "python": platform.python_version(), "numpy": numpy.__version__,
+            "safetensors": safetensors.__version__,
             "platform": platform.platform(), "torch_threads": torch.get_num_threads(),
             "hardware": devices.fingerprint()}
 

@@ -35,31 +35,31 @@ import warnings
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
+from nanbisect import devices
 from nanbisect import history as hist
 from nanbisect.bundle.code import user_sources
-from nanbisect.bundle.lookback import Lookback
-from nanbisect.bundle.state import (RngState, accelerator_types, decode, hyper_parameters,
+from nanbisect.bundle.state import (RngState, accelerator_types, hyper_parameters,
                                     local)
-from nanbisect.errors import BadInput, NonFiniteStep
+from nanbisect.errors import BadInput, NonFiniteStep  # noqa: F401 - (the doctest of Guard)
 from nanbisect.guard.agree import write_timeout
-from nanbisect.guard.coord import any_rank, broadcast_str, rank_info
-from nanbisect.guard.entry import _check_out, resolve_entry_file
-from nanbisect.guard.parts import held_ranks
-from nanbisect.guard.keep import RETRY_AFTER, Keeper, SnapshotFailed, reset_scaler_stage
-from nanbisect.guard.screen import (_any_nonfinite, _bad_names, _kind, _listed, _norms,
-                                    _step_norms)
-from nanbisect.guard.snapshot import _live_scale, _Snapshot, model_tensors
-from nanbisect.guard.tape import record_step
-from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
+from nanbisect.guard.coord import rank_info
+from nanbisect.guard.entry import (SNAPSHOT_MODES, _check_modes, _check_out,  # noqa: F401
+                                   resolve_entry_file)
+from nanbisect.guard.keep import RETRY_AFTER, Keeper, SnapshotFailed
+from nanbisect.guard.screen import _any_nonfinite, _kind, _norms
+from nanbisect.guard.snapshot import _Snapshot, model_tensors
+from nanbisect.guard.write import _scaler_state
+from nanbisect.guard.failing import _Failing, _unavailable  # noqa: F401
+from nanbisect.guard.reading import (_agree_max, _declared_scaler, _loss_slot,  # noqa: F401
+                                     _ranks_max, _Reading)
+from nanbisect.guard.spikes import Spike, _lookback_and_spike, _Spikes
 from nanbisect.step import found_inf, run_step
 from nanbisect.task import Task, refuse_training_at_import
-from nanbisect.util.text import clip, exception_line
 
 
 @dataclass
@@ -71,39 +71,6 @@ class StepWatch:
     loss: torch.Tensor | None = None
     value: float | None = None
     batch: Any = None
-
-
-@dataclass(frozen=True)
-class Spike:
-    """`Guard(spike=...)`: write a bundle (and go on training) when a step's loss lies
-    ``threshold`` robust standard deviations above the median of the ``window`` steps before it
-    (`nanbisect.history.jump_score`; at least 8 of them), at most ``max_bundles`` per run and
-    not again until the loss has come back below the threshold."""
-
-    threshold: float = 6.0
-    window: int = hist.JUMP_WINDOW
-    max_bundles: int = 3
-
-
-
-def _declared_scaler(task: Task) -> bool:
-    return task.grad_scaler is not None and task.grad_scaler.is_enabled()
-
-
-def _loss_slot(loss: torch.Tensor | None, dev: torch.device) -> torch.Tensor:
-    """[1]: the loss as the screen reads it (float32, summed when it is not one element), with
-    no kernel when it already is one float32 element on ``dev``."""
-    if loss is None:
-        return torch.zeros(1, device=dev)
-    t = local(loss)      # NB: called under no_grad: no detach needed
-    if t.numel() != 1:
-        t = t.float().sum()
-    t = t.reshape(1)
-    return t if t.dtype == torch.float32 and t.device == dev else \
-        t.to(device=dev, dtype=torch.float32)
-
-
-SNAPSHOT_MODES = ("rebuild", "every-step")
 
 
 def _pre_hook(guard: "Guard"):
@@ -121,12 +88,6 @@ def _pre_hook(guard: "Guard"):
     return hook
 
 
-def _unavailable(why: str) -> dict:
-    """``observed.rebuild`` of a step whose pre-state could not be rebuilt."""
-    return {"from_step": None, "steps": 0, "fidelity": "unavailable", "max_rel_diff": None,
-            "first_mismatch": None, "why": clip(why, 300)}
-
-
 def drop_grads(opt) -> None:
     """Leave an optimizer's next update out: without gradients a torch optimizer skips every
     parameter (state, step counts and weight decay untouched)."""
@@ -135,19 +96,7 @@ def drop_grads(opt) -> None:
             p.grad = None
 
 
-def _ranks_max(v: float) -> float:
-    """Under torch.distributed: the largest ``v`` of all ranks (one all-reduce, on the CPU for
-    gloo, else on the accelerator the backend runs on)."""
-    backend = rank_info().backend
-    dev = "cpu" if backend == "gloo" or not torch.cuda.is_available() else "cuda"
-    return any_rank(torch.tensor([float(v)], device=dev)).item()
-
-
-def _agree_max(k: int) -> int:
-    return int(_ranks_max(k))
-
-
-class Guard:
+class Guard(_Reading, _Failing, _Spikes):
     """Run training steps and freeze the first non-finite one into a bundle.
 
     >>> import tempfile
@@ -175,21 +124,11 @@ class Guard:
         self._entry_file = resolve_entry_file(entry)
         self.task, self.entry, self.out = task, entry, Path(out)
         _check_out(self.out)
-        if max_scaler_skips < 1:
-            raise BadInput(f"Guard(max_scaler_skips={max_scaler_skips}): give a count >= 1")
-        if snapshot not in SNAPSHOT_MODES:
-            raise BadInput(f"Guard(snapshot={snapshot!r}): give 'rebuild' (the default: no copy "
-                           "of the state) or 'every-step' (an exact copy before every step)")
-        if snapshot_every is not None and (type(snapshot_every) is not int or
-                                           snapshot_every < 1):
-            raise BadInput(f"Guard(snapshot_every={snapshot_every!r}): give a number of steps "
-                           ">= 1 (None: chosen from the snapshot's cost)")
+        _check_modes(max_scaler_skips, snapshot, snapshot_every, snapshot_stream)
         self.max_scaler_skips = max_scaler_skips
         self.step_index = start_step
         self.scaler_skips = 0               # steps in a row the scaler skipped
         self._accel = accelerator_types()
-        if not isinstance(snapshot_stream, bool):
-            raise BadInput(f"Guard(snapshot_stream={snapshot_stream!r}): give True or False")
         self._snapshot = _Snapshot(side_stream=snapshot_stream)
         self._rank = rank_info()
         # read now: a bad NANBISECT_WRITE_TIMEOUT fails here, not when the bundle is written
@@ -200,26 +139,10 @@ class Guard:
                            "no history)")
         names = [n for n, _ in task.model.named_parameters()]
         self._history = hist.HealthLog(history, names) if history else None
-        if self._rank.distributed and (lookback or spike):
-            raise BadInput(f"Guard({'lookback' if lookback else 'spike'}=...) is not supported "
-                           "under torch.distributed yet; drop it for a multi-rank job")
-        self._lookback = Lookback(lookback, lookback_on) if lookback else None
-        if spike is not None and not isinstance(spike, Spike):
-            if isinstance(spike, bool) or not isinstance(spike, (int, float)) or spike <= 0:
-                raise BadInput(f"Guard(spike={spike!r}): give a threshold > 0 (robust standard "
-                               "deviations above the recent median) or nanbisect.Spike(...)")
-            spike = Spike(threshold=float(spike))
-        if spike is not None and self._history is None:
-            raise BadInput("Guard(spike=...) needs the history it compares with; keep history "
-                           "on (history=N)")
-        self.spike = spike
-        self.spikes: list[Path] = []        # the spike bundles written, oldest first
-        self._in_spike = False
-        self._lr: Any = None
-        self._params: list[torch.nn.Parameter] = []   # the model's, read as each step begins
-        self._buffers: list[torch.Tensor] = []
-        self._warned_undeclared = False
-        self._warned_snapshot = False
+        self._lookback, self.spike = _lookback_and_spike(lookback, lookback_on, spike,
+                                                         self._rank.distributed,
+                                                         self._history is not None)
+        self._init_state()
         opt = task.optimizer
         if snapshot == "rebuild" and opt is not None and \
                 not isinstance(opt, torch.optim.Optimizer):
@@ -229,15 +152,30 @@ class Guard:
                           "(snapshot='every-step')", RuntimeWarning, stacklevel=2)
             snapshot = "every-step"
         self.snapshot = snapshot
-        self._keeper: Keeper | None = None
-        if snapshot == "rebuild":
-            p = next(task.model.parameters(), None)
-            on_host = p is None or local(p).device.type == "cpu"
-            self._keeper = Keeper(every=snapshot_every, on_host=on_host,
-                                  distributed=self._rank.distributed,
-                                  agree=_agree_max if self._rank.distributed else None,
-                                  agree_failed=(lambda bad: _ranks_max(float(bad)) > 0)
-                                  if self._rank.distributed else None)
+        self._keeper = self._make_keeper(snapshot_every) if snapshot == "rebuild" else None
+        self._hook = (opt.register_step_pre_hook(_pre_hook(self))
+                      if self._keeper is not None and opt is not None else None)
+
+    def _make_keeper(self, every: int | None) -> Keeper:
+        """The rebuild mode's keeper: its snapshot in a file when the model lives in host memory,
+        else in (pinned) host memory; under torch.distributed, K and failures agreed."""
+        p = next(self.task.model.parameters(), None)
+        on_host = p is None or devices.on_host(local(p).device)
+        distributed = self._rank.distributed
+        return Keeper(every=every, on_host=on_host, distributed=distributed,
+                      agree=_agree_max if distributed else None,
+                      agree_failed=(lambda bad: _ranks_max(float(bad)) > 0)
+                      if distributed else None)
+
+    def _init_state(self) -> None:
+        """What the Guard knows between steps and of the step in progress, as nothing ran yet."""
+        self.spikes: list[Path] = []        # the spike bundles written, oldest first
+        self._in_spike = False
+        self._lr: Any = None
+        self._params: list[torch.nn.Parameter] = []   # the model's, read as each step begins
+        self._buffers: list[torch.Tensor] = []
+        self._warned_undeclared = False
+        self._warned_snapshot = False
         # the step in progress (rebuild mode)
         self._open = False          # between a step's begin and its end
         self._watching: StepWatch | None = None
@@ -250,8 +188,6 @@ class Guard:
         self._hook_lost = False     # a watched loop stepped without the Task's optimizer (said)
         self._last_applied: int | None = None    # the last step whose update ran
         self._prev_row: tuple[int, torch.Tensor] | None = None   # (step, its history row)
-        self._hook = (opt.register_step_pre_hook(_pre_hook(self))
-                      if self._keeper is not None and opt is not None else None)
 
     def step(self, batch: Any) -> float:
         """Run the Task's step (micro-batches, scaler, clipping, optimizer); return its loss
@@ -315,7 +251,7 @@ class Guard:
             if keeper is not None and self._last_applied is not None and \
                     self._last_applied == self.step_index - 1:
                 params = list(self.task.model.parameters())
-                dev = local(params[0]).device if params else torch.device("cpu")
+                dev = local(params[0]).device if params else devices.HOST
                 screen = torch.linalg.vector_norm(_norms(params, dev)).item()
                 bad = float(_kind(screen) != "finite" and _any_nonfinite(params))
                 if (_ranks_max(bad) if self._rank.distributed else bad) > 0:
@@ -540,365 +476,4 @@ class Guard:
             "grad_norm": norm_v if norm_v is not None else read["grads"],
             "skipped": skip, "lr": float(lr) if isinstance(lr, (int, float)) else None})
 
-    def _fail_live(self, batch: Any, rng: RngState, observed: dict,
-                   scale: torch.Tensor | None, dev: torch.device) -> None:
-        """Bundle the step from the live state (its update never ran) and raise."""
-        self._restore(scale)
-        tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
-        path, error = self._write_failure(batch, rng, observed, tape)
-        raise NonFiniteStep(path, observed, error,
-                            ranks=held_ranks(path) if self._rank.distributed else None)
 
-    def _read_values(self, total: torch.Tensor | None) -> tuple[float | None, float]:
-        """(the loss, the gradients' global norm) as `_read_screen` reads them, for a rebuild
-        to compare with."""
-        params = list(self.task.model.parameters())
-        dev = local(params[0]).device if params else torch.device("cpu")
-        with torch.no_grad():
-            norms = _step_norms(params, [p.grad for p in params], dev)
-            v = torch.cat([_loss_slot(total, dev), torch.linalg.vector_norm(norms, dim=1)])
-            v = v.tolist()
-        return (v[0] if total is not None else None), v[2]
-
-    def _fail_after_update(self, step: int, batch: Any = None, rng: RngState | None = None
-                           ) -> None:
-        """A failure whose update ran (step ``step``'s: its parameters are not finite): rebuild
-        its pre-state from the snapshot and the steps since, bundle it, raise. When no snapshot
-        reaches it (or the model or optimizer changed since), the step in progress is bundled
-        as it began instead (``batch``, ``rng``; the non-finite parameters are then its input),
-        saying why."""
-        task, keeper = self.task, self._keeper
-        params = _bad_names([(n, p.data) for n, p in task.model.named_parameters()])
-        if keeper is None:
-            why = "the Guard keeps no snapshot"
-        elif not keeper.can_rebuild(step):
-            why = (f"no snapshot reaches step {step}" + (f" (the last could not be written: "
-                                                          f"{keeper.failed})" if keeper.failed
-                                                         else ""))
-        else:
-            why = keeper.unfit(task)
-        if self._rank.distributed:    # every rank rebuilds, or none
-            if _ranks_max(float(why is not None)) > 0 and why is None:
-                why = "another rank could not rebuild"
-        rec = None
-        if why is None:
-            self._busy = True
-            try:
-                rebuilt, rec = keeper.rebuild(task, step, self._read_values)
-                rebuild = rebuilt.to_json()
-                batch, rng = decode(rec.batch, rec.tensors), rec.rng
-                self.step_index = step
-                keeper.drop_from(step)
-            except Exception as e:  # noqa: BLE001 - the failure is bundled all the same
-                rec = None
-                rebuild = _unavailable(f"the rebuild raised {exception_line(e)}: the state is "
-                                       "where it stopped")
-            finally:
-                self._busy = False
-        else:
-            rebuild = _unavailable(why)
-            if self._open or batch is not None:
-                # the step in progress, as it began: buffers and scale back (its forward and
-                # backward ran), its parameters the non-finite ones it was given
-                self._restore(_live_scale(task.grad_scaler))
-            else:      # `close`: no step in progress; the last step's batch stands in
-                last = keeper.records[-1] if keeper is not None and keeper.records else None
-                if last is not None:
-                    batch, rng = decode(last.batch, last.tensors), last.rng
-            rng = rng if rng is not None else RngState.get(self._accel)
-        if self._history is not None:
-            self._history.drop_from(self.step_index + 1)
-        loss = rec.loss if rec is not None else None
-        grads = rec.grad_norm if rec is not None else None
-        loss_kind = _kind(loss) if loss is not None else "unknown"
-        grads_kind = _kind(grads) if grads is not None else "unknown"
-        params_kind = "nan" if params["nan"] else "inf" if params["inf"] else "finite"
-        first = ("loss" if loss_kind in ("nan", "inf") else
-                 "grad" if grads_kind in ("nan", "inf") else
-                 "param" if params_kind != "finite" else "other-rank")
-        observed = {"step": self.step_index, "first": first,
-                    "loss": loss if loss_kind not in ("nan", "inf") else loss_kind,
-                    "summary": {"loss": loss_kind, "grads": grads_kind, "params": params_kind},
-                    "nonfinite_grads": _listed({"nan": [], "inf": []}),
-                    "nonfinite_params": _listed(params), "rebuild": rebuild}
-        self._value = loss
-        dev = local(next(task.model.parameters())).device if self._params else \
-            torch.device("cpu")
-        tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
-        path, error = self._write_failure(batch, rng, observed, tape)
-        raise NonFiniteStep(path, observed, error,
-                            ranks=held_ranks(path) if self._rank.distributed else None)
-
-    def _check_spike_before(self, read: dict) -> None:
-        """`_check_spike` from just before the update: the live parameters and optimizer state
-        are the step's pre-state; its buffers are put as they began while the bundle is
-        written."""
-        if self.spike is None or not read.get("had_loss"):
-            return
-        batch = self._watching.batch if self._watching is not None else self._step_batch
-        if self._lookback is not None:
-            self._lookback.end(self.step_index, self._step_rng, batch)
-        self._check_spike(batch, self._step_rng, read["loss"], live=True)
-
-    def _nonfinite_grads(self, skipped: bool, watched: bool) -> tuple[bool, bool]:
-        """The exact check of gradients the screen saw non-finite while loss and parameters are
-        finite: (the step was skipped, a non-finite update was applied). With parameters that
-        moved, something applied part of a non-finite update: a failure at once. With
-        parameters that did not move, the step was skipped: a declared scaler says so itself
-        (``skipped``); without one, whatever skipped it (a GradScaler the loop keeps for itself:
-        warned about once). `step` without an optimizer skips nothing: a failure at once."""
-        if not _any_nonfinite(p.grad for p in self._params):
-            return skipped, False     # the sum of squares overflowed on finite gradients
-        moved = self._copying and self._snapshot.moved()
-        if moved or (not watched and self.task.optimizer is None):
-            return skipped, True
-        if _declared_scaler(self.task):
-            return skipped, False
-        if not self._warned_undeclared:
-            self._warned_undeclared = True
-            warnings.warn(
-                f"Guard: step {self.step_index} was skipped (its gradients are not finite "
-                "and the parameters did not move) but the Task declares no GradScaler; "
-                "if the loop scales its loss with one, declare it: Task(grad_scaler="
-                f"scaler). {self.max_scaler_skips} skipped steps in a row are a failure "
-                "(a stalled scaler)", RuntimeWarning, stacklevel=5 if watched else 4)
-        return True, False
-
-    def _read_screen(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
-                     skipped: torch.Tensor | None, before: bool = False
-                     ) -> tuple[torch.device, torch.Tensor | None, dict, list[float]]:
-        """The screen of the step, read back in its one host synchronisation: (the device, the
-        scaler's live scale, slot -> value, the ranks' failure flag (under torch.distributed)).
-        Slots: the loss, the sum of the parameters' norms (the screen), the gradients' global
-        norm (their finiteness flag), and what the step or the history adds. ``before``: read
-        just before the update (the parameters are the step's pre-state: they are the previous
-        step's "after" in the history); the flag is [a failure, a failure whose update ran].
-        """
-        self._snapshot.wait()     # a step without the Task's optimizer: its copies, before all
-        params = self._params
-        dev = local(params[0]).device if params else torch.device("cpu")
-        scaler, scale = self.task.grad_scaler, _live_scale(self.task.grad_scaler)
-        if skipped is None and scale is not None and not before:
-            # a loop of its own (watch): the scaler skipped when it backed its scale off
-            began = (self._snapshot.scale if self._snapshot.scale is not None else
-                     torch.full_like(scale, scaler._init_scale))
-            skipped = (scale < began).float()
-        with torch.no_grad():
-            # per parameter its norm after the update (the screen) and its gradient's, in one
-            # pass, written straight into the history's ring row when there is a history
-            row = self._history.row(self.step_index, len(params), dev, lambda: [
-                n for n, _ in self.task.model.named_parameters()]) \
-                if self._history is not None else None
-            norms = _step_norms(params, [p.grad for p in params], dev, out=row)
-            if row is not None:
-                prev = self._prev_row
-                if before and prev is not None and prev[0] == self.step_index - 1:
-                    prev[1][0].copy_(row[0])    # the previous step's parameters after its update
-                self._prev_row = (self.step_index, row) if before else None
-            # [the parameters' screen, the gradients' global norm] in one kernel: each is
-            # non-finite iff some norm is (or the sum of squares overflows: the exact check
-            # clears it); the global norm is the gradients' finiteness flag
-            parts = [_loss_slot(loss, dev), torch.linalg.vector_norm(norms, dim=1)]
-            keys = ["loss", "screen", "grads"]
-            for key, t in (("grad_norm", grad_norm), ("skipped", skipped)):
-                if t is not None:
-                    parts.append(t.detach().float().reshape(1).to(dev))
-                    keys.append(key)
-            if self._history is not None and isinstance(self._lr, torch.Tensor):
-                parts.append(self._lr.detach().float().reshape(1).to(dev))
-                keys.append("lr")
-            vals = torch.cat(parts)      # one kernel: every slot in one tensor, read at once
-        # NB: a non-finite gradient reaches the parameters through any update with lr > 0; one
-        # that does not (the step was skipped) is checked exactly on the host (`_end`).
-        # The one host synchronisation of a healthy step (under torch.distributed, after one
-        # all-reduce of a one-element flag, so that all ranks agree on a failure):
-        stall_next = self.scaler_skips + 1 >= self.max_scaler_skips
-        if self._rank.distributed:
-            flag = (~torch.isfinite(vals[:3])).any()
-            if skipped is not None and stall_next:
-                flag = flag | (skipped.reshape(()).to(dev) > 0)
-            # a failure whose update ran: parameters no longer finite after an update
-            ran = (~torch.isfinite(vals[1])) if before and self._last_applied is not None \
-                else torch.zeros((), dtype=torch.bool, device=dev)
-            # the kept steps past their share on some rank: a snapshot on every rank
-            over = torch.tensor(before and self._keeper is not None and
-                                self._keeper.over_share(), device=dev)
-            flag = torch.stack([flag, ran, over]).float()
-            flag = any_rank(flag.cpu() if self._rank.backend == "gloo" else flag)
-            vals = torch.cat([vals, flag.to(dev)])
-            got = vals.tolist()
-            out = dict(zip(keys, got[:-3]))
-            out["over"] = got[-1] > 0
-            return dev, scale, out, got[-3:-1]
-        got = vals.tolist()
-        return dev, scale, dict(zip(keys, got)), [0.0, 0.0]
-
-    def _confirm(self, loss: float | None, loss_v: float, grad_norm: float | None,
-                 stalled: bool, dev: torch.device, applied: bool = False,
-                 before: bool = False) -> dict | None:
-        """The exact check of a tripped screen: what was observed, or None when it clears (the
-        screen overflowed on finite values; under torch.distributed, no rank confirms it)."""
-        observed = self._observe(loss, grad_norm, stalled, applied)
-        if self._rank.distributed:  # does any rank confirm it with the exact check?
-            confirmed = any_rank(torch.tensor(
-                [float(observed is not None)],
-                device="cpu" if self._rank.backend == "gloo" else dev))
-            if confirmed.item() == 0:
-                return None
-            observed = observed or {"step": self.step_index, "first": "other-rank",
-                                    "loss": loss_v, "summary": {"local": "finite"}}
-        return observed     # None: the screen overflowed on finite values
-
-    def _record_tape(self, batch: Any, rng: RngState, dev: torch.device):
-        """Under torch.distributed: every rank runs the failing step once more, from the same
-        pre-step state and RNG, keeping what each collective gave it (a replay of a few ranks
-        serves it to them); the state is put back after it (from the whole-state copy, or from
-        a snapshot of it taken now, off the device). None, on every rank, when any rank could
-        not record it."""
-        keeper, task = self._keeper, self.task
-        copied = self._copying or keeper is None
-        ok = True
-        if not copied:     # the state to put back after the recording, off the device
-            try:
-                keeper.take(self.step_index, task.model, task.optimizer, _scaler_state(task), {})
-            except SnapshotFailed as e:
-                ok, why = False, f"its state could not be kept aside: {e}"
-        if _ranks_max(float(not ok)) > 0:    # every rank records, or none
-            warnings.warn("Guard: the failing step's collectives were not recorded ("
-                          f"{why if not ok else 'another rank could not keep its state aside'}"
-                          "); the bundle replays all ranks only (no --ranks)", RuntimeWarning,
-                          stacklevel=4)
-            return None
-        scale = _live_scale(task.grad_scaler)
-        pre_scale = None if scale is None else scale.clone()
-        rng.set()
-        self._busy = True
-        try:
-            tape, why = record_step(task, batch)
-        finally:
-            self._busy = False
-        if copied:
-            self._restore(scale)
-        else:
-            keeper.restore(task)
-            if pre_scale is not None and task.grad_scaler._scale is not None:
-                task.grad_scaler._scale.copy_(pre_scale)
-            reset_scaler_stage(task.grad_scaler)
-        lost = any_rank(torch.tensor([float(tape is None)], device=(
-            "cpu" if self._rank.backend == "gloo" else dev)))
-        if lost.item() > 0:   # every rank agrees: a bundle without a tape, never none
-            if why:
-                warnings.warn(f"Guard: the failing step's collectives could not be recorded "
-                              f"({why}); the bundle replays all ranks only (no --ranks)",
-                              RuntimeWarning, stacklevel=4)
-            tape = None
-        return tape
-
-    def _write_failure(self, batch: Any, rng: RngState, observed: dict, tape
-                       ) -> tuple[Path | None, str | None]:
-        """Write the failing step's bundle (rescued elsewhere if ``out`` fails): (where it went,
-        None), or (None, why) when it could not be written anywhere."""
-        path = self._free_path()
-        if self._rank.distributed:
-            path = Path(broadcast_str(str(path)))
-            observed["rank"] = self._rank.rank
-        # the hashes read when training started win: a file edited since is not what ran
-        sources = {**user_sources(self._entry_file), **self._sources}
-        write = partial(_write, self.task, batch, rng, entry=self.entry,
-                        entry_file=self._entry_file, step=self.step_index, observed=observed,
-                        sources=sources, scaler_state=_scaler_state(self.task), unique=True,
-                        tape=tape, history=self._history, lookback=self._lookback,
-                        write_timeout=self._write_timeout)
-        return write_or_rescue(write, path, self.out, distributed=self._rank.distributed)
-
-    def _check_spike(self, batch: Any, rng: RngState, loss: float | None,
-                     live: bool = False) -> None:
-        """A loss far above its recent history: write a bundle of the step, go on training
-        (``live``: read before the update, the live state is the pre-state but for the buffers;
-        else the whole-state copy is swapped in while it writes)."""
-        if self.spike is None or loss is None or self._history is None:
-            return
-        before = self._history.losses_before(self.spike.window)
-        score = hist.jump_score(loss, before)
-        if score is None or score[0] < self.spike.threshold:
-            self._in_spike = False
-            return
-        if self._in_spike or len(self.spikes) >= self.spike.max_bundles:
-            return
-        self._in_spike = True
-        z, med, scale = score
-        observed = {"step": self.step_index, "first": "spike", "loss": loss,
-                    "summary": {"loss": "finite", "grads": "finite", "params": "finite"},
-                    "spike": {"median": med, "scale": scale, "z": round(z, 2),
-                              "threshold": self.spike.threshold, "window": len(before)}}
-        sources = {**user_sources(self._entry_file), **self._sources}
-        opt = self.task.optimizer
-        swap = self._snapshot.swap_early if live else self._snapshot.swap
-        swap(opt)     # the live tensors hold the pre-step state while it writes
-        try:
-            path = _write(self.task, batch, rng, self._free_path("-spike"), entry=self.entry,
-                          entry_file=self._entry_file, step=self.step_index, observed=observed,
-                          sources=sources, scaler_state=_scaler_state(self.task), unique=True,
-                          history=self._history, lookback=self._lookback)
-        except Exception as e:  # noqa: BLE001 - a spike must never stop the training
-            warnings.warn(f"Guard: could not write the spike bundle of step {self.step_index} "
-                          f"into '{self.out}' ({exception_line(e)}); training goes on",
-                          RuntimeWarning, stacklevel=4)
-            return
-        finally:
-            swap(opt)
-        self.spikes.append(path)
-        warnings.warn(f"Guard: loss spike at step {self.step_index} ({loss:.4g} against a median "
-                      f"of {med:.4g}): wrote {path} (replay it with --reference); training goes "
-                      "on", RuntimeWarning, stacklevel=4)
-
-    def _restore(self, scale: torch.Tensor | None) -> None:
-        """Back to the pre-step state (the scaler's too, on its first step): from the whole-state
-        copy, or (the update never ran) the buffers' and the scaler's."""
-        if self._copying:
-            self._snapshot.restore(self.task.optimizer)
-        else:
-            self._snapshot.restore_early(self.task.optimizer)
-        scaler = self.task.grad_scaler
-        reset_scaler_stage(scaler)
-        if scale is not None and self._snapshot.scale is None:   # the scaler's first step
-            scale.fill_(scaler._init_scale)
-            scaler._growth_tracker.zero_()
-
-    def _observe(self, loss: float | None, grad_norm: float | None,
-                 stalled: bool = False, applied: bool = False) -> dict | None:
-        named = list(self.task.model.named_parameters())
-        grads = _bad_names([(n, p.grad) for n, p in named if p.grad is not None])
-        params = _bad_names([(n, p.data) for n, p in named])
-        loss_kind = _kind(loss) if loss is not None else "unknown"
-        if loss_kind not in ("nan", "inf") and not any(params.values()) and not stalled \
-                and not applied:
-            return None  # loss, parameters and skips decide; gradients say where it came from
-        grads_kind = "nan" if grads["nan"] else "inf" if grads["inf"] else "finite"
-        if grad_norm is not None and _kind(grad_norm) != "finite":
-            # clipping multiplied the gradients by max_norm / norm: an inf gradient became NaN.
-            # The norm before clipping has the kind the gradients had after backward.
-            grads_kind = _kind(grad_norm)
-        first = ("loss" if loss_kind in ("nan", "inf") else
-                 "grad" if grads_kind != "finite" else "scaler" if stalled else "param")
-        summary = {"loss": loss_kind, "grads": grads_kind,
-                   "params": "nan" if params["nan"] else "inf" if params["inf"] else "finite"}
-        out = {"step": self.step_index, "first": first,
-               "loss": loss if loss_kind not in ("nan", "inf") else loss_kind,
-               "summary": summary, "nonfinite_grads": _listed(grads),
-               "nonfinite_params": _listed(params)}
-        if grad_norm is not None:
-            out["grad_norm"] = grad_norm if _kind(grad_norm) == "finite" else _kind(grad_norm)
-        if stalled:
-            out["scaler_skips"] = self.scaler_skips
-            if not _declared_scaler(self.task):
-                # skipped by what the Task does not know of: the note names the fix
-                out["undeclared_scaler"] = True
-        return out
-
-    def _free_path(self, suffix: str = "") -> Path:
-        base = self.out / f"step{self.step_index:06d}{suffix}"
-        path, i = base, 1
-        while path.exists():
-            path, i = base.with_name(f"{base.name}-{i}"), i + 1
-        return path

@@ -77,3 +77,22 @@ def _check_out(out: Path) -> None:
     except OSError as e:
         raise BadInput(f"Guard(out='{out}'): bundles cannot be written there ({e.strerror}); "
                        "pass a directory you can write to") from None
+
+
+SNAPSHOT_MODES = ("rebuild", "every-step")
+
+
+def _check_modes(max_scaler_skips: int, snapshot: str, snapshot_every: int | None,
+                 snapshot_stream: bool) -> None:
+    """`BadInput` for a Guard option out of its range (what each may be: the message)."""
+    if max_scaler_skips < 1:
+        raise BadInput(f"Guard(max_scaler_skips={max_scaler_skips}): give a count >= 1")
+    if snapshot not in SNAPSHOT_MODES:
+        raise BadInput(f"Guard(snapshot={snapshot!r}): give 'rebuild' (the default: no copy "
+                       "of the state) or 'every-step' (an exact copy before every step)")
+    if snapshot_every is not None and (type(snapshot_every) is not int or
+                                       snapshot_every < 1):
+        raise BadInput(f"Guard(snapshot_every={snapshot_every!r}): give a number of steps "
+                       ">= 1 (None: chosen from the snapshot's cost)")
+    if not isinstance(snapshot_stream, bool):
+        raise BadInput(f"Guard(snapshot_stream={snapshot_stream!r}): give True or False")

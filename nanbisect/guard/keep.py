@@ -21,14 +21,8 @@ loader's); a rebuild needs every step since the snapshot to replay as it ran.
 """
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import re
-import shutil
-import tempfile
 import time
-import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -39,7 +33,7 @@ from nanbisect.bundle.lookback import Snap
 from nanbisect.bundle.state import (RngState, Tensors, decode, encode, encode_model,
                                     encode_optimizer, hyper_parameters, local, model_entries,
                                     restore_model, restore_modes, restore_optimizer)
-from nanbisect.util import lockdir
+from nanbisect.guard.stores import SCRATCH, _FileStore, _HostStore, _Lazy  # noqa: F401
 
 BUDGET = 0.005          # a snapshot's amortised share of a step's time
 MAX_EVERY = 1000        # steps between snapshots at most (a rebuild replays up to this many)
@@ -47,7 +41,6 @@ CHOOSE_AFTER = 4        # steps timed after a snapshot before K is chosen from t
 RETRY_AFTER = 16        # steps before a snapshot that could not be written is tried again
 RECORD_SHARE = 0.05     # the kept steps' bytes, as a share of the state's, before a new snapshot
 TOLERANCE = 1e-4        # relative difference of a replayed step's loss and gradient norm
-SCRATCH = "nanbisect-guard-"    # the snapshot file's directory, in the temporary directory
 _RNG_BYTES = 32 * 1024  # a step's RNG states: torch's (5 KB), NumPy's (2.5 KB), Python's (24 KB)
 
 
@@ -101,173 +94,6 @@ def _rel(a: float | None, b: float | None) -> float | None:
     if not (math.isfinite(a) and math.isfinite(b)):
         return math.inf
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
-
-
-class _FileStore:
-    """The snapshot's tensors in one safetensors file (read back one tensor at a time), in a
-    directory of the system's temporary directory (``TMPDIR``) that this process holds a lock
-    in (`nanbisect.util.lockdir`): removed when the Guard closes or is collected, or by the next
-    Guard anywhere on the machine once its owner is dead (a killed run)."""
-
-    def __init__(self) -> None:
-        self._dir: str | None = None
-        self._finalizer = None
-
-    def _path(self) -> str:
-        if self._dir is None:
-            _sweep()
-            path, fd = lockdir.make(f"{SCRATCH}{os.getpid()}-")
-            self._dir = str(path)
-            self._finalizer = weakref.finalize(self, _drop_dir, self._dir, fd)
-        return os.path.join(self._dir, "state.safetensors")
-
-    def prepare(self) -> None:
-        self._path()
-
-    def stage(self, tensors: Tensors) -> None:
-        """Write the new snapshot beside the current one (`commit` puts it in its place)."""
-        from safetensors.torch import save_file
-
-        seen: set = set()
-        out = {}
-        for k, t in tensors.items():
-            t = t.detach().to("cpu")
-            ptr = t.untyped_storage().data_ptr() if t.numel() else None
-            # NB: safetensors refuses tensors sharing storage: those are cloned, one by one
-            if not t.is_contiguous() or (ptr is not None and ptr in seen):
-                t = t.contiguous().clone()
-            elif ptr is not None:
-                seen.add(ptr)
-            out[k] = t
-        path = self._path()
-        try:
-            save_file(out, path + ".tmp")
-        except BaseException:
-            self.abort()           # a half-written file takes no room
-            raise
-
-    def commit(self) -> None:
-        path = self._path()
-        os.replace(path + ".tmp", path)
-
-    def abort(self) -> None:
-        if self._dir is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._path() + ".tmp")
-
-    def settle(self) -> None:
-        pass
-
-    def get(self) -> "_Lazy":
-        return _Lazy(self._path())
-
-    def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-        self._dir = self._finalizer = None
-
-
-def _drop_dir(path: str, fd: int) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        os.close(fd)
-
-
-def _sweep() -> None:
-    """Remove the snapshot directories of Guards whose process is gone (their lock is free)."""
-    tmp = tempfile.gettempdir()
-    try:
-        entries = list(os.scandir(tmp))
-    except OSError:
-        return
-    for e in entries:
-        if re.fullmatch(rf"{SCRATCH}\d+-[a-z0-9_]{{8}}", e.name) and \
-                e.is_dir(follow_symlinks=False) and lockdir.state(e.path) == "free":
-            shutil.rmtree(e.path, ignore_errors=True)
-
-
-class _Lazy(dict):
-    """A read-only mapping of a safetensors file's tensors, each read when asked for."""
-
-    def __init__(self, path: str) -> None:
-        from safetensors import safe_open
-
-        super().__init__()
-        self._f = safe_open(path, framework="pt")
-        self._keys = set(self._f.keys())
-
-    def __contains__(self, k) -> bool:
-        return k in self._keys
-
-    def __getitem__(self, k):
-        if k not in self._keys:
-            raise KeyError(k)
-        return self._f.get_tensor(k)
-
-    def get(self, k, default=None):
-        return self[k] if k in self._keys else default
-
-    def keys(self):
-        return set(self._keys)
-
-    def items(self):
-        return ((k, self[k]) for k in sorted(self._keys))
-
-    def __iter__(self):
-        return iter(sorted(self._keys))
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
-class _HostStore:
-    """The snapshot's tensors in (pinned) host memory, kept from one snapshot to the next while
-    they fit, copied without a host synchronisation (ordered before the optimizer on the
-    device's stream)."""
-
-    def __init__(self) -> None:
-        self._held: Tensors = {}
-        self._staged: dict = {}
-        self._pending = False
-
-    def prepare(self) -> None:
-        pass
-
-    def stage(self, tensors: Tensors) -> None:
-        """Allocate what the new snapshot needs (what can fail: pinned memory), copying
-        nothing: the current snapshot is whole until `commit`."""
-        staged = {}
-        for k, t in tensors.items():
-            t = t.detach()
-            h = self._held.get(k)
-            if h is None or h.shape != t.shape or h.dtype != t.dtype:
-                h = torch.empty(t.shape, dtype=t.dtype, device="cpu",
-                                pin_memory=t.device.type == "cuda")
-            staged[k] = (h, t)
-        self._staged = staged
-
-    def commit(self) -> None:
-        staged, self._staged = self._staged, {}
-        for h, t in staged.values():
-            h.copy_(t, non_blocking=t.device.type == "cuda")
-        self._held = {k: h for k, (h, _) in staged.items()}
-        self._pending = any(t.device.type == "cuda" for _, t in staged.values())
-
-    def abort(self) -> None:
-        self._staged = {}
-
-    def settle(self) -> None:
-        """Wait for the copies (timed: the transfer is what a snapshot costs)."""
-        if self._pending:
-            torch.cuda.synchronize()
-            self._pending = False
-
-    def get(self) -> Tensors:
-        self.settle()          # the asynchronous copies, complete
-        return dict(self._held)
-
-    def close(self) -> None:
-        self._held, self._staged = {}, {}
 
 
 @dataclass

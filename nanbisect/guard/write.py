@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import torch
 
+from nanbisect import devices
 from nanbisect import history as hist
 from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.format import write_bundle
@@ -39,7 +40,7 @@ from nanbisect.util.text import exception_line
 
 def _device_of(model: torch.nn.Module) -> str:
     t = next(model.parameters(), None)
-    return str(t.device) if t is not None else "cpu"
+    return str(t.device) if t is not None else str(devices.HOST)
 
 def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: int | None,
                   observed: dict | None, path: Path, entry_file: str | None,

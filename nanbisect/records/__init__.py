@@ -10,8 +10,11 @@ what the reference said (`Comparison`, `OpCheck`, `Divergence`), the facts every
 between the multi-rank launcher and its rank workers (`Bucket`, `RankSummary`, `RankRoot`,
 `Plan`, `RankResult`). Records that become JSON say how, in ``to_json`` (written with the one
 encoder, `nanbisect.util.recordjson`: non-finite floats as "nan", "inf", "-inf"); those that
-come back from JSON (the rank workers' results) have ``from_json``, which reads those strings
-back as floats where the field is a number.
+come back from JSON (the rank workers' results, and every part of a report.json:
+`nanbisect.report.model.Report.from_json`) have ``from_json``, which reads those strings back
+as floats where the field is a number. `Culprit` has a constructor per way a stage knows its
+culprit (`Culprit.phase_only`, `of_call`, `of_tensors`, `of_parameter`, `of_root`,
+`of_finding`).
 
 Guarantees: importing this module imports no torch; nothing here computes on tensors (records
 that hold tensors only carry them).

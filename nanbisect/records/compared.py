@@ -95,3 +95,11 @@ class Divergence:
 
     def to_json(self) -> dict:
         return {"what": self.what, **self.comparison.to_json()}
+
+    @staticmethod
+    def from_json(d: dict) -> "Divergence":
+        """The inverse of `to_json`: the phase, which it leaves out, is the one ``what`` names
+        (the loss: forward, a gradient: backward, a parameter: optimizer)."""
+        what = d["what"]
+        phase = {"grad": "backward", "param": "optimizer"}.get(what.split(":")[0], "forward")
+        return Divergence(phase, what, Comparison.from_json(d))

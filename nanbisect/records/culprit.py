@@ -4,13 +4,26 @@
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
 from nanbisect.records.seen import CallId, Stats
+from nanbisect.util.recordjson import number
+
+
+def known(cls: type, d: dict) -> dict:
+    """The items of ``d`` that are fields of the dataclass ``cls`` (a newer writer's extra keys
+    left out)."""
+    names = {f.name for f in fields(cls)}
+    return {k: v for k, v in d.items() if k in names}
+
+
+def opt(decode: Any, v: Any) -> Any:
+    """``decode(v)``, None for None."""
+    return None if v is None else decode(v)
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,83 @@ class Culprit:
     # a plain sentence for a recognised pattern (`nanbisect.locate.cause`), None otherwise
     likely_cause: str | None = None
 
+    # -- constructors: one per way a stage knows its culprit -------------------------------
+    @classmethod
+    def phase_only(cls, phase: str, *, rank: int | None = 0, source: str | None = None,
+                   micro_batch: int | None = None) -> "Culprit":
+        """Only the phase is known (no op, module call or parameter was isolated).
+
+        >>> Culprit.phase_only("backward", rank=None).module, Culprit.phase_only("x").input_dtypes
+        ('', [])
+        """
+        return cls(phase, "", None, [], [], source, rank=rank, micro_batch=micro_batch)
+
+    @classmethod
+    def of_call(cls, phase: str, call: CallId, input_dtypes: list[str] | None = None,
+                input_shapes: list[list[int]] | None = None, *, source: str | None = None,
+                op: str | None = None, op_index: int | None = None, rank: int | None = 0,
+                parameter: str | None = None, micro_batch: int | None = None) -> "Culprit":
+        """A module call (``CallId("", 0)``'s module: the root), with what its inputs were,
+        and the op in it when one is known.
+
+        >>> Culprit.of_call("forward", CallId("act", 0), ["float32"], [[2]], op="aten.exp").op
+        'aten.exp'
+        """
+        return cls(phase, call.module, call.call, list(input_dtypes or []),
+                   list(input_shapes or []), source, op=op, op_index=op_index, rank=rank,
+                   parameter=parameter, micro_batch=micro_batch)
+
+    @classmethod
+    def of_tensors(cls, phase: str, call: CallId, tensors: list, *, source: str | None = None,
+                   op: str | None = None, op_index: int | None = None,
+                   micro_batch: int | None = None) -> "Culprit":
+        """A module call (and op) whose inputs are ``tensors`` (what a narrow pass caught):
+        their dtypes (without ``torch.``) and shapes."""
+        return cls.of_call(phase, call, [str(t.dtype).removeprefix("torch.") for t in tensors],
+                           [list(t.shape) for t in tensors], source=source, op=op,
+                           op_index=op_index, micro_batch=micro_batch)
+
+    @classmethod
+    def of_parameter(cls, phase: str, parameter: str, *, dtype: str | None = None,
+                     shape: list[int] | None = None, source: str | None = None,
+                     rank: int | None = 0, micro_batch: int | None = None) -> "Culprit":
+        """A parameter whose gradient or update went bad (its module: the name's prefix).
+
+        >>> c = Culprit.of_parameter("optimizer", "fc.weight", dtype="float32", shape=[2, 2])
+        >>> c.module, c.input_dtypes, c.module_call
+        ('fc', ['float32'], None)
+        """
+        return cls(phase, parameter.rpartition(".")[0], None, [dtype] if dtype else [],
+                   [list(shape)] if shape is not None else [], source, rank=rank,
+                   parameter=parameter, micro_batch=micro_batch)
+
+    @classmethod
+    def of_root(cls, phase: str, root: Any, rank: int | None) -> "Culprit":
+        """What a rank's op recording traced (a `RankRoot`; None: nothing traced, the phase
+        only)."""
+        if root is None:
+            return cls.phase_only(phase, rank=rank)
+        return cls(phase, root.module or "", root.module_call, root.input_dtypes,
+                   root.input_shapes, None, op=root.op, op_index=root.op_index, rank=rank)
+
+    @classmethod
+    def of_finding(cls, finding: "OpFinding", *, source: str | None = None, rank: int | None = 0,
+                   parameter: str | None = None, in_optimizer: bool = False,
+                   node: Node | None = None) -> "Culprit":
+        """The root op the op-recording pass found (`OpFinding`): its module call, inputs,
+        where it surfaced; ``node`` (else the finding's) for a backward op; no micro-batch for
+        an optimizer step's."""
+        return cls(finding.phase, finding.module, finding.module_call, finding.input_dtypes,
+                   finding.input_shapes, source, op=finding.op, op_index=finding.op_index,
+                   rank=rank, parameter=finding.parameter or parameter,
+                   micro_batch=None if in_optimizer else finding.micro_batch,
+                   surfaced=finding.surfaced,
+                   node=(node or finding.node) if finding.phase == "backward" else None)
+
+    def in_phase(self, phase: str) -> "Culprit":
+        """This culprit, named in another phase (a compiled module call's forward repro)."""
+        return replace(self, phase=phase)
+
     def to_json(self) -> dict:
         out = asdict(self)
         if out["step"] is None:
@@ -59,9 +149,15 @@ class Culprit:
 
     @staticmethod
     def from_json(d: dict) -> "Culprit":
+        """The inverse of `to_json`; a field an older writer left out reads as not known."""
         s, n = d.get("surfaced"), d.get("node")
-        return Culprit(**{**d, "surfaced": OpRef(**s) if s is not None else None,
-                          "node": Node(**n) if isinstance(n, dict) else None})
+        return Culprit(**{"phase": d.get("phase"), "module": d.get("module"),
+                          "module_call": d.get("module_call"),
+                          "input_dtypes": d.get("input_dtypes"),
+                          "input_shapes": d.get("input_shapes"), "source": d.get("source"),
+                          **known(Culprit, d),
+                          "surfaced": OpRef.from_json(s) if isinstance(s, dict) else None,
+                          "node": Node(**known(Node, n)) if isinstance(n, dict) else None})
 
 @dataclass(frozen=True)
 class TraceRow:
@@ -74,6 +170,11 @@ class TraceRow:
     before: Stats        # inputs (forward) or gradient arriving from the outputs (backward)
     after: Stats | None  # output (forward) or gradient leaving towards the inputs (backward)
 
+    @staticmethod
+    def from_json(d: dict) -> "TraceRow":
+        return TraceRow(**{**d, "before": Stats.from_json(d["before"]),
+                           "after": opt(Stats.from_json, d.get("after"))})
+
 @dataclass(frozen=True)
 class TimelineRow:
     """One module call on the report's plot: its output (forward) or outgoing gradient."""
@@ -83,6 +184,10 @@ class TimelineRow:
     nan: int
     inf: int
     absmax: float
+
+    @staticmethod
+    def from_json(d: dict) -> "TimelineRow":
+        return TimelineRow(**{**d, "absmax": number(d.get("absmax"))})
 
 @dataclass(frozen=True)
 class OpSite:
@@ -106,6 +211,10 @@ class OpRef:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @staticmethod
+    def from_json(d: dict) -> "OpRef":
+        return OpRef(**known(OpRef, d))
+
 @dataclass(frozen=True)
 class ContextRow:
     """One recorded op up to and including the culprit, with what its outputs held."""
@@ -122,6 +231,10 @@ class ContextRow:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+    @staticmethod
+    def from_json(d: dict) -> "ContextRow":
+        return ContextRow(**{**d, "out_absmax": number(d.get("out_absmax"))})
 
 @dataclass(frozen=True)
 class OpFinding:
@@ -180,6 +293,12 @@ class OpRecording:
                 "step_ops": self.step_ops, **({"phases": list(self.phases)} if self.phases
                                               else {})}
 
+    @staticmethod
+    def from_json(d: dict) -> "OpRecording":
+        s = d.get("scope")
+        return OpRecording(CallId(s["module"], s["module_call"]) if s else None, d["phase"],
+                           d["recorded_ops"], d["step_ops"], tuple(d.get("phases") or ()))
+
 @dataclass(frozen=True)
 class Caught:
     """The culprit op's arguments (tensors cloned), the RNG state and the user source line at
@@ -220,6 +339,11 @@ class ReproResult:
         return {"ran": self.ran, "reproduced": self.reproduced, "exit_code": self.exit_code,
                 "output": self.output}
 
+    @staticmethod
+    def from_json(d: dict) -> "ReproResult":
+        return ReproResult(d["reproduced"], d.get("exit_code"), d.get("output", ""),
+                           d.get("ran", True))
+
 @dataclass(frozen=True)
 class ModuleRepro:
     """The fallback repro of the culprit's whole module call."""
@@ -230,3 +354,7 @@ class ModuleRepro:
     def to_json(self) -> dict:
         return {"script": self.script,
                 "result": self.result.to_json() if self.result is not None else None}
+
+    @staticmethod
+    def from_json(d: dict) -> "ModuleRepro":
+        return ModuleRepro(d["script"], opt(ReproResult.from_json, d.get("result")))

@@ -4,10 +4,11 @@ the parts of a report that say what came before the failing step (`HistoryEntry`
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Callable, TypeVar
 
 from nanbisect.records.words import json_number
+from nanbisect.util.recordjson import number
 from nanbisect.util.text import failure_line
 
 T = TypeVar("T")
@@ -28,6 +29,12 @@ class Losses:
         if self.bit_exact is not None:
             d["bit_exact"] = self.bit_exact
         return d
+
+    @staticmethod
+    def from_json(d: dict) -> "Losses":
+        """The losses of report.json's ``replay``, as written (numbers or "nan"/"inf")."""
+        return Losses(d.get("original_loss"), d.get("target_loss"), d.get("reference_loss"),
+                      d.get("bit_exact"))
 
 def fidelity_tier(bit_exact: bool | None, rel_diff: float | None, tolerance: float | None,
                   elsewhere: bool) -> str | None:
@@ -123,6 +130,31 @@ class Fidelity:
                 "code_missing": list(self.code_missing),
                 "environment_changed": list(self.environment_changed)}
 
+    @staticmethod
+    def from_json(d: dict) -> "Fidelity | None":
+        """The fidelity of report.json's ``replay`` (None when it has none). What `to_json`
+        leaves out is what its derived words imply: the loss's ``bit_exact`` when the losses
+        leave it out, from the tier; a ``within-tolerance`` tier with no change
+        named was replayed on another setup; a tier of ``mismatch`` that is not unfaithful ran at
+        a dtype changed by request. ``tolerance_dtype`` is not known."""
+        if "fidelity" not in d:
+            return None
+        tier = d.get("fidelity")
+        bit_exact = d["bit_exact"] if "bit_exact" in d else \
+            None if tier is None else tier == "bit-exact"
+        f = Fidelity(code_changed=list(d.get("code_changed") or []),
+                     environment_changed=list(d.get("environment_changed") or []),
+                     same_setup=True, bit_exact=bit_exact,
+                     code_missing=list(d.get("code_missing") or []),
+                     hardware_changed=list(d.get("hardware_changed") or []),
+                     hardware_known=d.get("hardware") != "unknown",
+                     loss_rel_diff=number(d.get("loss_rel_diff")), tolerance=d.get("tolerance"))
+        if f.tier != tier:
+            f = replace(f, same_setup=False)
+        if f.faithful != d.get("faithful"):
+            f = replace(f, dtype_changed=True)
+        return f
+
 @dataclass(frozen=True)
 class RunFacts:
     """What every report of one run states, whatever the verdict."""
@@ -149,6 +181,10 @@ class StageError:
 
     def to_json(self) -> dict:
         return {"stage": self.stage, "message": self.message}
+
+    @staticmethod
+    def from_json(d: dict) -> "StageError":
+        return StageError(str(d.get("stage")), str(d.get("message")))
 
 
 def after_verdict(errors: list[StageError], stage: str, fn: Callable[[], T], default: T) -> T:
@@ -196,6 +232,11 @@ class HistoryEntry:
             out["skipped"] = self.skipped
         return out
 
+    @staticmethod
+    def from_json(d: dict) -> "HistoryEntry":
+        return HistoryEntry(d["step"], number(d.get("loss")), number(d.get("grad_norm")),
+                            number(d.get("lr")), d.get("skipped"))
+
 @dataclass(frozen=True)
 class Finding:
     """What a bundle's history points out (report.json ``history_findings``): its ``kind``
@@ -226,6 +267,11 @@ class Finding:
                                             if getattr(self, f.name) is not None]
         return {k: getattr(self, k) for k in keys}
 
+    @staticmethod
+    def from_json(d: dict) -> "Finding":
+        names = {f.name for f in fields(Finding)}
+        return Finding(**{k: v for k, v in d.items() if k in names})
+
 @dataclass(frozen=True)
 class StepRow:
     """One step of a ``--steps`` window, replayed on both sides."""
@@ -243,6 +289,11 @@ class StepRow:
                 "reference_loss": self.reference_loss, "original_loss": self.original_loss,
                 "max_rel_diff": self.max_rel_diff, "parted": self.parted,
                 **({"why": self.why} if self.why else {})}
+
+    @staticmethod
+    def from_json(d: dict) -> "StepRow":
+        return StepRow(d["step"], d.get("target_loss"), d.get("reference_loss"),
+                       d.get("original_loss"), d.get("max_rel_diff"), d["parted"], d.get("why"))
 
 @dataclass(frozen=True)
 class StepsWindow:
@@ -267,3 +318,9 @@ class StepsWindow:
                 "first_divergent_step": self.first_divergent_step,
                 "advanced": self.advanced, "reached_recorded": self.reached_recorded,
                 "failing_prestate_max_rel_diff": self.failing_prestate_max_rel_diff}
+
+    @staticmethod
+    def from_json(d: dict) -> "StepsWindow":
+        return StepsWindow([StepRow.from_json(r) for r in d.get("replayed") or []],
+                           d.get("first_divergent_step"), d.get("advanced", 0),
+                           d.get("reached_recorded"), d.get("failing_prestate_max_rel_diff"))

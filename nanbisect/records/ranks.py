@@ -124,6 +124,11 @@ class Subset:
     def to_json(self) -> dict:
         return asdict(self)
 
+    @staticmethod
+    def from_json(d: dict) -> "Subset":
+        return Subset(list(d["replayed"]), d["world_size"], d.get("decided", True),
+                      list(d.get("next_ranks") or []), d.get("why"))
+
 @dataclass(frozen=True)
 class RankResult:
     """What one rank worker hands the launcher (as JSON in ``PARTIAL/rank{r}.json``)."""
@@ -206,3 +211,19 @@ class RankResult:
                                  if self.module_stats is not None else None),
                 "root": asdict(self.root) if self.root is not None else None,
                 **({"reference": asdict(self.reference)} if self.reference is not None else {})}
+
+    @staticmethod
+    def from_row(d: dict) -> "RankResult":
+        """The inverse of `row` (report.json's ``ranks``): what the row holds, the rest unknown
+        (a rank with no phase, loss or reduction flags had no summary)."""
+        summary = None
+        if any(d.get(k) is not None for k in ("phase", "loss", "reduction_in_bad")):
+            summary = RankSummary(d["rank"], d.get("phase"), d.get("loss"), None,
+                                  [Bucket(**b) for b in d.get("buckets") or []])
+        stats = d.get("module_stats")
+        return RankResult(
+            rank=d["rank"], summary=summary,
+            root=RankRoot(**d["root"]) if d.get("root") is not None else None,
+            module_stats=(None if stats is None else {
+                k: Stats.from_json(v) if v is not None else None for k, v in stats.items()}),
+            reference=RankReference(**d["reference"]) if d.get("reference") else None)

@@ -30,8 +30,8 @@ class Remedy:
     ('the step is finite without batch rows [5]', 'finite')
     >>> Remedy("samples", "without batch rows [2, 3]", "finite", 0.25, {
     ...     "rows": [2, 3], "complete": False,
-    ...     "note": "narrowed to 2 rows, budget ended; row 2 alone not tried"}).sentence()
-    'the step is finite without batch rows [2, 3] (narrowed to 2 rows, budget ended; row 2 alone not tried)'
+    ...     "note": "narrowed to 2 rows; row 2 alone not tried"}).sentence()
+    'the step is finite without batch rows [2, 3] (narrowed to 2 rows; row 2 alone not tried)'
     """
 
     kind: str
@@ -69,7 +69,7 @@ class Remedy:
 
     @staticmethod
     def from_json(d: dict) -> "Remedy":
-        return Remedy(d["kind"], d["change"], d["outcome"], number(d.get("loss")),
+        return Remedy(d["kind"], d.get("change", ""), d["outcome"], number(d.get("loss")),
                       dict(d.get("detail") or {}))
 
 

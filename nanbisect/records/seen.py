@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
+from nanbisect.util.recordjson import number
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,6 +31,11 @@ class Stats:
     neginf: int
     absmax: float           # largest finite magnitude
     abssum: float = 0.0     # sum of finite magnitudes
+
+    @staticmethod
+    def from_json(d: dict) -> "Stats":
+        """The inverse of ``asdict``, the number fields read back from "nan"/"inf"."""
+        return Stats(**{k: number(x) for k, x in d.items()})
 
     @property
     def inf(self) -> int:

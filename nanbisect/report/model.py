@@ -13,10 +13,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 
 from nanbisect.records import (BadValue, Classification, CompilerFinding, ContextRow, Culprit,
-                               Divergence, Finding, HistoryEntry, ModuleRepro, OpCheck,
-                               OpRecording, OpRef, RankResult, ReplicaDiff, Remedy, ReproResult,
-                               RunFacts, StageError, StepsWindow, Subset, TimelineRow, TraceRow,
-                               Verdict)
+                               Divergence, Fidelity, Finding, HistoryEntry, Losses, ModuleRepro,
+                               OpCheck, OpRecording, OpRef, RankResult, ReplicaDiff, Remedy,
+                               ReproResult, RunFacts, StageError, StepsWindow, Subset,
+                               TimelineRow, TraceRow, Verdict)
 
 SCHEMA = "nanbisect.report/1"
 EXIT = {"clean": 0, "culprit": 1, "input-nonfinite": 1, "not-reproduced": 3}
@@ -108,6 +108,22 @@ class Report:
                 + ", ".join(map(one, rows[:3])) + (f" and {count - 3} more" if count > 3 else ""))
         return replace(self, notes=[*self.notes, note], replicas_out_of_sync=rows)
 
+    @staticmethod
+    def from_json(d: dict) -> "Report":
+        """The report of a report.json (as `to_json` wrote it, read back with `json.load`):
+        ``to_json(from_json(d))`` equals ``d`` (its "nan"/"inf" strings too, through the one
+        record encoder). What the JSON leaves out is what `Fidelity.from_json` and
+        `RankResult.from_row` say; a key an older report lacks reads as its default.
+
+        >>> from nanbisect.records import Losses
+        >>> r = Report("clean", None, None, None, None,
+        ...            RunFacts("b", "t.py:task", "cpu", "none", None, Losses(1.5, 1.5)))
+        >>> Report.from_json(r.to_json()) == r
+        True
+        """
+        return Report(d["verdict"], d.get("classification"), d.get("phase"), d.get("kind"),
+                      _opt(Culprit.from_json, d.get("culprit")), _facts(d), **_parts(d))
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
         if self.classification is not None:
@@ -151,3 +167,47 @@ class Report:
             **({"compiler": self.compiler.to_json()} if self.compiler is not None else {}),
             "errors": [e.to_json() for e in self.errors],
         }
+
+
+def _opt(decode, v):
+    return None if v is None else decode(v)
+
+
+def _facts(d: dict) -> RunFacts:
+    replay = d.get("replay") or {}
+    return RunFacts(d.get("bundle"), d.get("entry"), d.get("target"), d.get("reference"),
+                    d.get("observed"), Losses.from_json(replay), Fidelity.from_json(replay))
+
+
+def _lists(d: dict) -> dict:
+    """`Report`'s list fields from their report.json keys."""
+    def each(key, decode):
+        return [decode(x) for x in d.get(key) or []]
+    return {"input_nonfinite": each("input_nonfinite", lambda b: BadValue(**b)),
+            "backtrace": each("backtrace", TraceRow.from_json),
+            "notes": list(d.get("notes") or []), "context": each("context", ContextRow.from_json),
+            "uncomparable": each("uncomparable", OpCheck.from_json),
+            "ranks": each("ranks", RankResult.from_row),
+            "timeline": each("timeline", TimelineRow.from_json),
+            "replicas_out_of_sync": each("replicas_out_of_sync", ReplicaDiff.from_json),
+            "history_findings": each("history_findings", Finding.from_json),
+            "remedies": each("remedies", Remedy.from_json),
+            "errors": each("errors", StageError.from_json)}
+
+
+def _parts(d: dict) -> dict:
+    """`Report`'s fields after ``facts`` from their report.json keys."""
+    history = d.get("history")
+    return {**_lists(d), "repro": d.get("repro"),
+            "repro_result": _opt(ReproResult.from_json, d.get("repro_result")),
+            "inf_origin": _opt(OpRef.from_json, d.get("inf_origin")),
+            "divergence": _opt(Divergence.from_json, d.get("divergence")),
+            "op_check": _opt(OpCheck.from_json, d.get("op_check")),
+            "module_repro": _opt(ModuleRepro.from_json, d.get("module_repro")),
+            "surfaced_repro": _opt(ModuleRepro.from_json, d.get("surfaced_repro")),
+            "op_recording": _opt(OpRecording.from_json, d.get("op_recording")),
+            "subset": _opt(Subset.from_json, d.get("subset")),
+            "history": None if history is None else [HistoryEntry.from_json(e) for e in history],
+            "steps": _opt(StepsWindow.from_json, d.get("steps")),
+            "timings": None if d.get("timings") is None else dict(d["timings"]),
+            "compiler": _opt(CompilerFinding.from_json, d.get("compiler"))}

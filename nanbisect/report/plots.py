@@ -72,6 +72,23 @@ def _y_labels(ticks, x: float, base: float, colour: str, side: str) -> list[str]
     return out
 
 
+@dataclass(frozen=True)
+class _Frame:
+    """A plot's box: its width and height, its left and top padding, the inner width and
+    height, and the y of its x axis."""
+
+    W: float
+    H: float
+    PL: float
+    PT: float
+    pw: float
+    ph: float
+
+    @property
+    def base(self) -> float:
+        return self.PT + self.ph
+
+
 def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None,
              phase: str, size: Size = SIZES[0]) -> str:
     """SVG of ``timeline`` rows in execution order (x: their position from 0, as the tables'
@@ -82,16 +99,27 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     H, PT, PB = (320, 30, 64) if size.name == "wide" else (300, 30, 80)
     W, PL, PR = size.w, size.pad_l, size.pad_r
     n = len(timeline)
-    pw, ph = W - PL - PR, H - PT - PB
-    bw = pw / n
-    base = PT + ph
-    counts, count_ticks = count_axis(max(max(r.nan, r.inf) for r in timeline), ph,
+    f = _Frame(W, H, PL, PT, W - PL - PR, H - PT - PB)
+    counts, count_ticks = count_axis(max(max(r.nan, r.inf) for r in timeline), f.ph,
                                      size.y_ticks, FONT + 2)
-    mags, mag_ticks = value_axis([r.absmax for r in timeline], ph, size.y_ticks, FONT + 2)
+    mags, mag_ticks = value_axis([r.absmax for r in timeline], f.ph, size.y_ticks, FONT + 2)
     out = _open(size, H, "timeline", "NaN and inf counts per module call")
-    out += [f'<line x1="{PL}" y1="{base}" x2="{PL + pw}" y2="{base}" stroke="#333"/>',
-            f'<line x1="{PL}" y1="{PT}" x2="{PL}" y2="{base}" stroke="#333"/>',
-            f'<line x1="{PL + pw}" y1="{PT}" x2="{PL + pw}" y2="{base}" stroke="#2ca02c"/>']
+    out += _timeline_axes(f, size, n, count_ticks, mag_ticks)
+    marker = _timeline_rows(out, f, timeline, counts, mags, culprit)
+    if marker is not None:
+        out += _culprit_mark(f, marker)
+    out += _timeline_titles(f, size, n, phase, mags)
+    return "\n".join(out)
+
+
+def _timeline_axes(f: _Frame, size: Size, n: int, count_ticks, mag_ticks) -> list[str]:
+    """The timeline's axes: the count axis (left), the magnitude axis (right), a tick per
+    call shown (every ``step``-th, and the last when its label has room)."""
+    PL, PT, pw, base = f.PL, f.PT, f.pw, f.base
+    bw = pw / n
+    out = [f'<line x1="{PL}" y1="{base}" x2="{PL + pw}" y2="{base}" stroke="#333"/>',
+           f'<line x1="{PL}" y1="{PT}" x2="{PL}" y2="{base}" stroke="#333"/>',
+           f'<line x1="{PL + pw}" y1="{PT}" x2="{PL + pw}" y2="{base}" stroke="#2ca02c"/>']
     out += _y_labels(count_ticks, PL, base, "#333", "left")
     out += _y_labels(mag_ticks, PL + pw, base, "#2ca02c", "right")
     step = _x_step(n, pw, size.x_gap)
@@ -103,6 +131,15 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
         out.append(f'<line class="tick" x1="{x:.1f}" y1="{base}" x2="{x:.1f}" y2="{base + 4}" '
                    f'stroke="#333"/><text class="xlabel" x="{x:.1f}" y="{base + 8 + FONT}" '
                    f'text-anchor="middle">{i}</text>')
+    return out
+
+
+def _timeline_rows(out: list[str], f: _Frame, timeline: list[TimelineRow], counts, mags,
+                   culprit: tuple[str, int | None] | None) -> tuple | None:
+    """Each call's NaN and inf bars (and its abs-max, off the axis when it has no place) onto
+    ``out``, then the abs-max line; returns (x, #, row) of the culprit's call, or None."""
+    PL, PT, base = f.PL, f.PT, f.base
+    bw = f.pw / len(timeline)
     points, marker = [], None
     width = max(min(0.8 * bw, 40.0), 1.0)      # one bar, or the pair, centred on the tick
     for i, r in enumerate(timeline):
@@ -125,19 +162,30 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
             marker = (cx, i, r)
     out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="#2ca02c" '
                'stroke-width="1.5"/>')
-    if marker is not None:
-        cx, i, r = marker
-        out.append(f'<line class="culprit-mark" x1="{cx:.1f}" y1="{PT - 8}" x2="{cx:.1f}" '
-                   f'y2="{base}" stroke="#1f77b4" stroke-width="2" stroke-dasharray="5,3"/>')
-        room = int((W - 12) / CHAR)
-        label = _shorten(f"culprit #{i}: {module_label(r.module)}, call {r.call}", room)
-        lw = CHAR * len(label) + 10
-        lx = min(max(cx - lw / 2, 2), W - lw - 2)
-        out.append(f'<rect x="{lx:.1f}" y="2" width="{lw:.1f}" height="{FONT + 6}" rx="3" '
-                   'fill="white" stroke="#1f77b4"/>'
-                   f'<text class="culprit-label" x="{lx + lw / 2:.1f}" y="{FONT + 2}" '
-                   f'text-anchor="middle" fill="#1f77b4" font-weight="bold">'
-                   f'{html.escape(label)}</text>')
+    return marker
+
+
+def _culprit_mark(f: _Frame, marker: tuple) -> list[str]:
+    """The culprit call's dashed line and its label, kept inside the plot."""
+    cx, i, r = marker
+    W, PT, base = f.W, f.PT, f.base
+    out = [f'<line class="culprit-mark" x1="{cx:.1f}" y1="{PT - 8}" x2="{cx:.1f}" '
+           f'y2="{base}" stroke="#1f77b4" stroke-width="2" stroke-dasharray="5,3"/>']
+    room = int((W - 12) / CHAR)
+    label = _shorten(f"culprit #{i}: {module_label(r.module)}, call {r.call}", room)
+    lw = CHAR * len(label) + 10
+    lx = min(max(cx - lw / 2, 2), W - lw - 2)
+    out.append(f'<rect x="{lx:.1f}" y="2" width="{lw:.1f}" height="{FONT + 6}" rx="3" '
+               'fill="white" stroke="#1f77b4"/>'
+               f'<text class="culprit-label" x="{lx + lw / 2:.1f}" y="{FONT + 2}" '
+               f'text-anchor="middle" fill="#1f77b4" font-weight="bold">'
+               f'{html.escape(label)}</text>')
+    return out
+
+
+def _timeline_titles(f: _Frame, size: Size, n: int, phase: str, mags) -> list[str]:
+    """The timeline's axis titles (shorter when narrow) and its legend; closes the SVG."""
+    W, H, PL, PT, pw, ph, base = f.W, f.H, f.PL, f.PT, f.pw, f.ph, f.base
     side = "output" if phase == "forward" else "outgoing gradient"
     wide = size.name == "wide"
     title = (f"module calls in {phase} execution order (# 0 .. {n - 1}, as in the tables)"
@@ -147,13 +195,13 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     right = f"largest finite |value| ({scale})" if wide else f"largest |value| ({scale})"
     mid = PT + ph / 2
     legend_y = H - 12
-    out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
-            f'text-anchor="middle">{html.escape(title)}</text>',
-            f'<text class="axis-title" x="{FONT}" y="{mid}" transform="rotate(-90 {FONT} {mid})" '
-            f'text-anchor="middle">{html.escape(left)}</text>',
-            f'<text class="axis-title" x="{W - FONT + 2}" y="{mid}" '
-            f'transform="rotate(90 {W - FONT + 2} {mid})" text-anchor="middle" '
-            f'fill="#2ca02c">{html.escape(right)}</text>']
+    out = [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
+           f'text-anchor="middle">{html.escape(title)}</text>',
+           f'<text class="axis-title" x="{FONT}" y="{mid}" transform="rotate(-90 {FONT} {mid})" '
+           f'text-anchor="middle">{html.escape(left)}</text>',
+           f'<text class="axis-title" x="{W - FONT + 2}" y="{mid}" '
+           f'transform="rotate(90 {W - FONT + 2} {mid})" text-anchor="middle" '
+           f'fill="#2ca02c">{html.escape(right)}</text>']
     lx = PL
     for name, colour in (("NaN", "#d62728"), ("inf", "#ff7f0e")):
         out.append(f'<rect x="{lx}" y="{legend_y - 10}" width="10" height="10" fill="{colour}"/>'
@@ -162,7 +210,7 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     out += [f'<line x1="{lx}" y1="{legend_y - 4}" x2="{lx + 20}" y2="{legend_y - 4}" '
             f'stroke="#2ca02c" stroke-width="2"/><text class="legend" x="{lx + 24}" '
             f'y="{legend_y}">abs-max</text>', "</svg>"]
-    return "\n".join(out)
+    return out
 
 
 def _off_axis(cx: float, base: float, top: float, colour: str, what: str, v: float,
@@ -206,26 +254,9 @@ def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
     for key, colour, side, ax_x, dy in (("loss", "#1f77b4", "left", PL, 0.0),
                                         ("grad_norm", "#555", "right", PL + pw, 12.0)):
         vals = [(e.step, getattr(e, key)) for e in history if getattr(e, key) is not None]
-        if not vals:
-            continue
-        axis, ticks = value_axis([v for _, v in vals], ph, size.y_ticks, FONT + 2)
-        scales.append("log" if axis.log else "linear")
-        out.append(f'<line x1="{ax_x}" y1="{PT}" x2="{ax_x}" y2="{base}" stroke="{colour}"/>')
-        out += _y_labels(ticks, ax_x, base, colour, side)
-        pts = [(x(s), base - axis.height(v), s, v) for s, v in vals if axis.placed(v)]
-        if len(pts) > 1:
-            out.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for a, b, _, _ in pts)}"'
-                       f' fill="none" stroke="{colour}" stroke-width="1.5"/>')
-        out += [f'<circle class="point" cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{colour}">'
-                f'<title>step {s}: {key} {v:.4g}</title></circle>' for a, b, s, v in pts]
-        labelled = -math.inf        # x of the last word written at the top: none closer
-        for s, v in vals:
-            if axis.placed(v):
-                continue
-            # the failing step's own words are in its label; others' when they have room
-            label = not finite(v) and s != last and x(s) - labelled >= CHAR * 5
-            labelled = x(s) if label else labelled
-            out.append(_off_axis(x(s), base, PT, colour, f"step {s}: {key}", v, label, dy))
+        if vals:
+            scales.append(_series(out, vals, key, (colour, side, ax_x, dy), x, last,
+                                  _Frame(W, H, PL, PT, pw, ph), size))
     step = _x_step(end - first + 1, pw, size.x_gap)
     ticks = list(range(first, end + 1, step))
     if end - ticks[-1] >= step * 0.6:
@@ -258,6 +289,32 @@ def history_svg(history: list[HistoryEntry], marks: list[tuple[int, str]],
     out += [f'<text class="axis-title" x="{PL + pw / 2}" y="{base + 12 + 2 * FONT}" '
             f'text-anchor="middle">{html.escape(title)}</text>', "</svg>"]
     return "\n".join(out)
+
+
+def _series(out: list[str], vals: list[tuple[int, float]], key: str, style: tuple, x, last: int,
+            f: _Frame, size: Size) -> str:
+    """One series of the history onto ``out`` (its axis, its line and dots, its values the axis
+    has no place for marked); returns its scale ("log" or "linear")."""
+    colour, side, ax_x, dy = style
+    PT, base = f.PT, f.base
+    axis, ticks = value_axis([v for _, v in vals], f.ph, size.y_ticks, FONT + 2)
+    out.append(f'<line x1="{ax_x}" y1="{PT}" x2="{ax_x}" y2="{base}" stroke="{colour}"/>')
+    out += _y_labels(ticks, ax_x, base, colour, side)
+    pts = [(x(s), base - axis.height(v), s, v) for s, v in vals if axis.placed(v)]
+    if len(pts) > 1:
+        out.append(f'<polyline points="{" ".join(f"{a:.1f},{b:.1f}" for a, b, _, _ in pts)}"'
+                   f' fill="none" stroke="{colour}" stroke-width="1.5"/>')
+    out += [f'<circle class="point" cx="{a:.1f}" cy="{b:.1f}" r="2.5" fill="{colour}">'
+            f'<title>step {s}: {key} {v:.4g}</title></circle>' for a, b, s, v in pts]
+    labelled = -math.inf        # x of the last word written at the top: none closer
+    for s, v in vals:
+        if axis.placed(v):
+            continue
+        # the failing step's own words are in its label; others' when they have room
+        label = not finite(v) and s != last and x(s) - labelled >= CHAR * 5
+        labelled = x(s) if label else labelled
+        out.append(_off_axis(x(s), base, PT, colour, f"step {s}: {key}", v, label, dy))
+    return "log" if axis.log else "linear"
 
 
 def _word(v: float) -> str:

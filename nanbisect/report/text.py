@@ -20,45 +20,8 @@ def _fmt_stats(s: Stats | None) -> str:
 
 def headline(r: Report) -> str:
     """One line a person reads first."""
-    if r.verdict == "culprit" and r.culprit and r.subset and not r.subset.decided:
-        c, nxt = r.culprit, r.subset.next_ranks
-        if nxt:
-            return (f"{r.kind or 'non-finite'} came from rank {c.rank} ({c.phase}), which was "
-                    f"not replayed: replay with --ranks {nxt[0]} to find the op")
-        return (f"{r.kind or 'non-finite'} came out of {c.op or 'the gradient reduction'} on rank "
-                f"{c.rank} from finite inputs: replay all ranks to tell whether the collective "
-                "is at fault")
-    if r.verdict == "culprit" and r.culprit and r.kind == "mismatch":
-        c = r.culprit
-        where = f"'{module_label(c.module)}'"
-        if c.module_call is not None:
-            where += f" (call {c.module_call})"
-        at = (f" at step {c.step}" if c.step is not None and r.steps else "")
-        return (f"target diverges from the reference first in {c.op or 'a module call'} in "
-                f"{c.phase} at module {where}{at}")
-    if r.verdict == "culprit" and r.culprit and r.compiler is not None:
-        c, k = r.culprit, r.compiler
-        at = (f" in {c.op}" if c.op else "") + (
-            f" at module '{module_label(c.module)}' (call {c.module_call})" if c.op and c.module
-            else "")
-        made = (f"made by {k.backend}; {k.config_change} fixes it" if k.config_change else
-                f"made by {k.backend}" + (f" ({k.subsystem})" if k.subsystem else ""))
-        return f"{r.kind or 'non-finite'} only when compiled: born{at} in {c.phase}, {made}"
     if r.verdict == "culprit" and r.culprit:
-        c = r.culprit
-        where = f"'{module_label(c.module)}'"
-        if c.module_call is not None:
-            where += f" (call {c.module_call})"
-        if c.parameter:
-            where += f", parameter {c.parameter}"
-        op = f" in {c.op}" if c.op else ""
-        if c.surfaced is not None:      # born in one phase, visible in a later one
-            born = _born_kind(r)
-            kind = r.kind or "non-finite"
-            return (f"{born} born{op} in {c.phase} at module {where}, surfaced"
-                    f"{f' as {kind}' if kind != born else ''} in {c.surfaced.phase} at "
-                    f"{c.surfaced.op}")
-        return f"{r.kind or 'non-finite'} born{op} in {c.phase} at module {where}"
+        return _culprit_headline(r)
     if r.verdict == "input-nonfinite":
         if not r.input_nonfinite:
             return "non-finite values before the step ran (see the ranks' notes)"
@@ -79,6 +42,49 @@ def headline(r: Report) -> str:
                     "(hardware, race)?")
         return "the recorded failure did not reproduce on replay"
     return "the step replays clean: no non-finite loss, gradient or parameter"
+
+
+def _culprit_headline(r: Report) -> str:
+    """`headline` of a culprit: undecided by a replay of some ranks, a divergence from the
+    reference, a compiled-only failure, or where it was born (and surfaced)."""
+    if r.subset and not r.subset.decided:
+        c, nxt = r.culprit, r.subset.next_ranks
+        if nxt:
+            return (f"{r.kind or 'non-finite'} came from rank {c.rank} ({c.phase}), which was "
+                    f"not replayed: replay with --ranks {nxt[0]} to find the op")
+        return (f"{r.kind or 'non-finite'} came out of {c.op or 'the gradient reduction'} on rank "
+                f"{c.rank} from finite inputs: replay all ranks to tell whether the collective "
+                "is at fault")
+    if r.kind == "mismatch":
+        c = r.culprit
+        where = f"'{module_label(c.module)}'"
+        if c.module_call is not None:
+            where += f" (call {c.module_call})"
+        at = (f" at step {c.step}" if c.step is not None and r.steps else "")
+        return (f"target diverges from the reference first in {c.op or 'a module call'} in "
+                f"{c.phase} at module {where}{at}")
+    if r.compiler is not None:
+        c, k = r.culprit, r.compiler
+        at = (f" in {c.op}" if c.op else "") + (
+            f" at module '{module_label(c.module)}' (call {c.module_call})" if c.op and c.module
+            else "")
+        made = (f"made by {k.backend}; {k.config_change} fixes it" if k.config_change else
+                f"made by {k.backend}" + (f" ({k.subsystem})" if k.subsystem else ""))
+        return f"{r.kind or 'non-finite'} only when compiled: born{at} in {c.phase}, {made}"
+    c = r.culprit
+    where = f"'{module_label(c.module)}'"
+    if c.module_call is not None:
+        where += f" (call {c.module_call})"
+    if c.parameter:
+        where += f", parameter {c.parameter}"
+    op = f" in {c.op}" if c.op else ""
+    if c.surfaced is not None:      # born in one phase, visible in a later one
+        born = _born_kind(r)
+        kind = r.kind or "non-finite"
+        return (f"{born} born{op} in {c.phase} at module {where}, surfaced"
+                f"{f' as {kind}' if kind != born else ''} in {c.surfaced.phase} at "
+                f"{c.surfaced.op}")
+    return f"{r.kind or 'non-finite'} born{op} in {c.phase} at module {where}"
 
 
 def fidelity_text(r: Report) -> str | None:
@@ -160,7 +166,8 @@ def to_markdown(r: Report) -> str:
         whose = ("The inputs of the op where it surfaced" if r.culprit and r.culprit.surfaced
                  else "The culprit's inputs")
         lines += ["", f"{whose} carried inf, born from finite values in `{o.op}` "
-                  f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` call {o.module_call})."]
+                  f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` "
+                  f"call {o.module_call})."]
     lines += _errors_md(r) + _compiler_md(r) + _remedies_md(r)
     lines += _ranks_md(r) + _checks_md(r) + _repro_md(r) + _backtrace_md(r)
     lines += _steps_md(r) + _history_md(r)
@@ -328,7 +335,8 @@ def _backtrace_md(r: Report) -> list[str]:
         out = "output" if r.phase == "forward" else "grad leaving"
         lines += ["", f"## Module calls around the culprit ({r.phase} order)", "",
                   f"| # | module | call | role | {side} nan | {side} inf | {side} absmax | "
-                  f"{out} nan | {out} inf | {out} absmax |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  f"{out} nan | {out} inf | {out} absmax |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for t in r.backtrace:
             mark = "**" if t.role == "culprit" else ""
             lines.append(f"| {t.order} | {mark}`{module_label(t.module)}`{mark} | {t.call} | "
@@ -396,8 +404,8 @@ def terminal(r: Report, out: Path) -> str:
     if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset.decided
                                                      and r.subset.next_ranks):
         c = r.culprit
-        lines.append(f"  phase={c.phase} module={module_label(c.module)} call={_num(c.module_call)} "
-                     f"dtypes={c.input_dtypes} shapes={c.input_shapes}")
+        lines.append(f"  phase={c.phase} module={module_label(c.module)} "
+                     f"call={_num(c.module_call)} dtypes={c.input_dtypes} shapes={c.input_shapes}")
         if c.op:
             lines.append(f"  op={c.op} op_index={c.op_index}")
         if c.source:
@@ -412,7 +420,8 @@ def terminal(r: Report, out: Path) -> str:
                          f"{module_label(sf.module or '')})")
         if r.inf_origin:
             o = r.inf_origin
-            lines.append(f"  inf born in: {o.op} (op #{o.op_index}, module {module_label(o.module)})")
+            lines.append(f"  inf born in: {o.op} (op #{o.op_index}, "
+                         f"module {module_label(o.module)})")
         if r.compiler is not None:
             k = r.compiler
             lines.append(f"  compiler: eager {k.eager}, compiled {k.compiled}; backend "

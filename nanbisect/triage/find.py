@@ -56,21 +56,13 @@ def discover(roots: list[Path], exclude: tuple[Path, ...] = ()
     bundles: list[Path] = []
     notes: dict[Path, str] = {}          # visited non-bundle dirs / links -> reason
     parent_of: dict[Path, Path | None] = {}
-    def ident(p: Path):
-        try:
-            st = os.stat(p)
-            return st.st_dev, st.st_ino         # O(1) per directory, unlike Path.resolve
-        except OSError:
-            return str(p)
-
-    excluded = {ident(e) for e in exclude if os.path.isdir(e)}
+    excluded = {_ident(e) for e in exclude if os.path.isdir(e)}
     seen: set = set()
     for root in roots:
-        root = Path(root)
-        stack: list[tuple[Path, Path | None]] = [(root, None)]
+        stack: list[tuple[Path, Path | None]] = [(Path(root), None)]
         while stack:
             d, parent = stack.pop()
-            real = ident(d)
+            real = _ident(d)
             if real in seen or real in excluded:
                 continue
             seen.add(real)
@@ -88,37 +80,61 @@ def discover(roots: list[Path], exclude: tuple[Path, ...] = ()
                     notes[d] = why
                 continue
             notes[d] = "no manifest.json in it or below it"
-            try:
-                with os.scandir(d) as it:
-                    entries = sorted(it, key=lambda e: e.name)
-            except OSError as e:
-                notes[d] = f"cannot list it ({e.strerror or e})"
+            stack += _below(d, notes, parent_of)
+    return bundles, _skipped(bundles, notes, parent_of)
+
+
+def _ident(p: Path):
+    """What identifies a directory however it is reached (device and inode; the path when it
+    cannot be stat'ed): O(1) per directory, unlike Path.resolve."""
+    try:
+        st = os.stat(p)
+        return st.st_dev, st.st_ino
+    except OSError:
+        return str(p)
+
+
+def _below(d: Path, notes: dict[Path, str], parent_of: dict[Path, Path | None]
+           ) -> list[tuple[Path, Path]]:
+    """The directories to search below ``d`` (last name first: popped in name order); hidden
+    ones, report directories and files left out, a link to a directory noted, not followed."""
+    try:
+        with os.scandir(d) as it:
+            entries = sorted(it, key=lambda e: e.name)
+    except OSError as e:
+        notes[d] = f"cannot list it ({e.strerror or e})"
+        return []
+    out = []
+    for e in reversed(entries):
+        if e.name.startswith(".") or e.name == "nanbisect-report":
+            continue
+        p = Path(e.path)
+        try:
+            if e.is_symlink():
+                if p.is_dir():
+                    parent_of[p] = d
+                    notes[p] = "a symbolic link to a directory, not followed"
                 continue
-            for e in reversed(entries):
-                if e.name.startswith(".") or e.name == "nanbisect-report":
-                    continue
-                p = Path(e.path)
-                try:
-                    if e.is_symlink():
-                        if p.is_dir():
-                            parent_of[p] = d
-                            notes[p] = "a symbolic link to a directory, not followed"
-                        continue
-                    if not e.is_dir(follow_symlinks=False) or _is_report(p):
-                        continue
-                except OSError:
-                    continue
-                stack.append((p, d))
+            if not e.is_dir(follow_symlinks=False) or _is_report(p):
+                continue
+        except OSError:
+            continue
+        out.append((p, d))
+    return out
+
+
+def _skipped(bundles: list[Path], notes: dict[Path, str],
+             parent_of: dict[Path, Path | None]) -> list[dict]:
+    """The topmost noted directories holding no bundle (and links), each as {path, reason}."""
     containers: set[Path] = set()
     for b in bundles:
         p = parent_of.get(b)
         while p is not None and p not in containers:
             containers.add(p)
             p = parent_of.get(p)
-    skipped = [{"path": str(d), "reason": why} for d, why in sorted(notes.items())
-               if d not in containers and (parent_of.get(d) is None
-                                           or parent_of[d] in containers)]
-    return bundles, skipped
+    return [{"path": str(d), "reason": why} for d, why in sorted(notes.items())
+            if d not in containers and (parent_of.get(d) is None
+                                        or parent_of[d] in containers)]
 
 
 def find_bundles(roots: list[Path]) -> list[Path]:

@@ -22,6 +22,12 @@ from __future__ import annotations
 import re
 
 from nanbisect.records import module_label
+from nanbisect.report.model import Report
+
+
+def as_report(report: Report | dict) -> Report:
+    """``report`` as a `Report` (a report.json's dict read through `Report.from_json`)."""
+    return report if isinstance(report, Report) else Report.from_json(report)
 
 
 def normalise_module(name: str) -> str:
@@ -56,17 +62,18 @@ def source_line(source: str | None) -> str | None:
     return f"{base}:{line}" if line else base
 
 
-def _non_culprit(report: dict) -> str | None:
-    if report.get("verdict") == "input-nonfinite":
+def _non_culprit(report: Report) -> str | None:
+    if report.verdict == "input-nonfinite":
         return "input-nonfinite · data"
-    if report.get("verdict") == "not-reproduced":
+    if report.verdict == "not-reproduced":
         # code-changed, replay-mismatch, unknown and transient are different nights
-        return f"not-reproduced · {report.get('classification') or 'unknown'}"
+        return f"not-reproduced · {report.classification or 'unknown'}"
     return None
 
 
-def signature(report: dict) -> str | None:
-    """The report's signature (None: a clean replay).
+def signature(report: Report | dict) -> str | None:
+    """The report's signature (None: a clean replay); a report.json's dict is read as its
+    `Report`.
 
     >>> c = {"op": "aten.div.Tensor", "module": "", "phase": "backward",
     ...      "input_dtypes": ["float32", "float32"], "source": "/srv/loss.py:42",
@@ -78,29 +85,31 @@ def signature(report: dict) -> str | None:
     >>> signature({"verdict": "culprit", "classification": "numerics", "culprit": c})
     'DivBackward0 @ loss.py:42 · <root> · backward · float32 · numerics'
     """
-    c = report.get("culprit")
-    if report.get("verdict") != "culprit" or not isinstance(c, dict):
+    report = as_report(report)
+    c = report.culprit
+    if report.verdict != "culprit" or c is None:
         return _non_culprit(report)
-    node = c.get("node") if isinstance(c.get("node"), dict) else None
-    if node is not None and isinstance(node.get("name"), str) and node["name"]:
-        origin = node["name"]
-        line = source_line(node.get("forward_source")) or source_line(c.get("source"))
+    node = c.node
+    if node is not None and isinstance(node.name, str) and node.name:
+        origin = node.name
+        line = source_line(node.forward_source) or source_line(c.source)
     else:
-        origin = op_packet(c.get("op")) or "-"
-        line = source_line(c.get("source"))
-    dtypes = sorted({str(d) for d in (c.get("input_dtypes") or []) if d})
+        origin = op_packet(c.op) or "-"
+        line = source_line(c.source)
+    dtypes = sorted({str(d) for d in (c.input_dtypes or []) if d})
     return " · ".join([origin + (f" @ {line}" if line else ""),
-                       normalise_module(module_label(c.get("module"))), c.get("phase") or "-",
-                       ",".join(dtypes) or "-", report.get("classification") or "-"])
+                       normalise_module(module_label(c.module)), c.phase or "-",
+                       ",".join(dtypes) or "-", report.classification or "-"])
 
 
-def legacy_signature(report: dict) -> str | None:
+def legacy_signature(report: Report | dict) -> str | None:
     """The signature as nanbisect wrote it before `signature`'s form (the exact aten overload
     of the culprit op, its input dtypes per argument): what older ``--known`` lists and
     triage.json files hold."""
-    c = report.get("culprit")
-    if report.get("verdict") != "culprit" or not isinstance(c, dict):
+    report = as_report(report)
+    c = report.culprit
+    if report.verdict != "culprit" or c is None:
         return _non_culprit(report)
-    return " · ".join([c.get("op") or "-", normalise_module(module_label(c.get("module"))),
-                       c.get("phase") or "-", ",".join(c.get("input_dtypes") or []) or "-",
-                       report.get("classification") or "-"])
+    return " · ".join([c.op or "-", normalise_module(module_label(c.module)),
+                       c.phase or "-", ",".join(c.input_dtypes or []) or "-",
+                       report.classification or "-"])

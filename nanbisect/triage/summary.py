@@ -21,7 +21,8 @@ from nanbisect.triage.index import to_html
 from nanbisect.triage.reports import REPORTS, drop, report_name
 from nanbisect.triage.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW,
                                            counts_text)
-from nanbisect.triage.signatures import legacy_signature, signature
+from nanbisect.report.model import Report
+from nanbisect.triage.signatures import as_report, legacy_signature, signature
 from nanbisect.util.files import write_atomic
 from nanbisect.util.recordjson import dumps
 from nanbisect.util.text import clip
@@ -146,9 +147,14 @@ class _State:
             if self.report_path(b) is not None:
                 drop(self.report_path(b))       # an earlier night's verdict is not tonight's
             return
-        rep = res["report"]
-        self.results[b] = {"bundle": b, "verdict": rep.get("verdict"),
-                           "classification": rep.get("classification"),
+        try:
+            rep = as_report(res["report"])
+        except (KeyError, TypeError, ValueError, AttributeError) as e:   # not what run writes
+            why = f"its report.json cannot be read ({type(e).__name__}: {str(e)[:200]})"
+            rest = {k: v for k, v in res.items() if k not in ("report", "report_dir")}
+            return self.add({**rest, "error": why, "kind": "crash"}, cached)
+        self.results[b] = {"bundle": b, "verdict": rep.verdict.value,
+                           "classification": rep.classification and rep.classification.value,
                            "signature": signature(rep), "legacy": legacy_signature(rep),
                            "cached": cached,
                            "remedies": remedy_kinds(rep),
@@ -179,18 +185,19 @@ def _index(data: dict) -> str:
                 "triage.md and triage.json hold the night.</p>\n")
 
 
-def remedy_kinds(report: dict, outcomes: tuple[str, ...] = ("finite",)) -> list[str]:
+def remedy_kinds(report: Report | dict, outcomes: tuple[str, ...] = ("finite",)) -> list[str]:
     """The kinds of the report's remedies whose replay made the step finite (or ended in one of
     ``outcomes``), in order tried.
 
-    >>> remedy_kinds({"remedies": [{"kind": "precision", "outcome": "still-failing"},
+    >>> remedy_kinds({"verdict": "culprit",
+    ...               "remedies": [{"kind": "precision", "outcome": "still-failing"},
     ...                            {"kind": "samples", "outcome": "finite"}]})
     ['samples']
     """
     kinds: list[str] = []
-    for r in report.get("remedies") or []:
-        if isinstance(r, dict) and r.get("outcome") in outcomes and r.get("kind") not in kinds:
-            kinds.append(str(r.get("kind")))
+    for r in as_report(report).remedies:
+        if r.outcome in outcomes and r.kind not in kinds:
+            kinds.append(str(r.kind))
     return kinds
 
 

@@ -150,6 +150,34 @@ def _start(args: list[str], r: int, err: int, tmp: Path, cwd: str | None):
                             start_new_session=True, env=env, cwd=cwd)
 
 
+def _run_args(bundle: str, out: Path, options: dict) -> list[str]:
+    """The `nanbisect run` arguments of one bundle's replay into ``out``."""
+    args = ["run", bundle, "--out", str(out),
+            "--reference", str(options.get("reference") or "none")]
+    if options.get("target"):
+        args += ["--target", str(options["target"])]
+    return args
+
+
+def _outcome(rc: int, tmp: Path, out: Path, keep: str | None) -> dict:
+    """What a replay that exited with ``rc`` gave: {report[, report_dir]} (its report directory
+    ``out`` placed at ``keep`` when given), or {error, kind[, stderr]}."""
+    stderr = _tail(tmp / "stderr")
+    report = _read_report(out) if rc in (0, 1, 3) else None
+    if report is not None:
+        kept = {"report_dir": keep} if keep and place(out, Path(keep)) else {}
+        return {"report": report, **kept}
+    extra = {"stderr": stderr[-_STDERR_TAIL:]} if stderr.strip() else {}
+    if rc < 0:
+        name = signal_name(-rc)
+        return {"error": f"replay killed by signal {name}{_SIGNAL_HINT.get(name, '')}",
+                "kind": "signal", **extra}
+    if rc == 2:
+        return {"error": _reason(stderr), "kind": "bad-input", **extra}
+    return {"error": f"replay exited with code {rc} without a report: {_reason(stderr)}",
+            "kind": "crash", **extra}
+
+
 def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                  cwd: str | None = None, scratch: str | None = None,
                  keep: str | None = None) -> dict:
@@ -176,10 +204,7 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
     r = w = -1
     try:
         out = tmp / "report"            # `run --out` refuses existing directories: a fresh path
-        args = ["run", bundle, "--out", str(out),
-                "--reference", str(options.get("reference") or "none")]
-        if options.get("target"):
-            args += ["--target", str(options["target"])]
+        args = _run_args(bundle, out, options)
         r, w = os.pipe()
         with open(tmp / "stderr", "wb") as err:
             proc = _start(args, r, err.fileno(), tmp, cwd if cwd and os.path.isdir(cwd) else None)
@@ -195,20 +220,7 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
             proc.wait()
             return done(error=f"replay exceeded --timeout {timeout:g}s and was killed",
                         kind="timeout")
-        stderr = _tail(tmp / "stderr")
-        report = _read_report(out) if rc in (0, 1, 3) else None
-        if report is not None:
-            kept = {"report_dir": keep} if keep and place(out, Path(keep)) else {}
-            return done(report=report, **kept)
-        extra = {"stderr": stderr[-_STDERR_TAIL:]} if stderr.strip() else {}
-        if rc < 0:
-            name = signal_name(-rc)
-            return done(error=f"replay killed by signal {name}{_SIGNAL_HINT.get(name, '')}",
-                        kind="signal", **extra)
-        if rc == 2:
-            return done(error=_reason(stderr), kind="bad-input", **extra)
-        return done(error=f"replay exited with code {rc} without a report: {_reason(stderr)}",
-                    kind="crash", **extra)
+        return done(**_outcome(rc, tmp, out, keep))
     except Exception as e:  # noqa: BLE001 - one bundle must never stop the night
         return done(error=f"replay could not run ({type(e).__name__}: {str(e)[:300]})",
                     kind="crash")

@@ -1,10 +1,11 @@
 """The forms of the strings a user passes: entries (``pkg.module:function``,
-``path/to/file.py:function``), device strings (``cuda:1``, ``cpu:float64``) and rank lists
-(``0,3``). Checked here without torch, so the command line answers a malformed one at once.
+``path/to/file.py:function``), device strings (``cuda:1``, ``cpu:float64``, ``cuda:1:float64``,
+``none``: `DeviceSpec`) and rank lists (``0,3``). Checked here without torch, so the command line
+answers a malformed one at once.
 
 Guarantees: each check accepts every string of its form that the full parse accepts (the device
-grammar is c10's own: a type of letters and ``_``, an optional index ``0`` or ``[1-9][0-9]*``,
-or instead an optional floating dtype name), and raises the `BadInput` the full parse would.
+grammar is c10's own: a type of letters and ``_``, an optional index ``0`` or ``[1-9][0-9]*``;
+then an optional floating dtype name), and raises the `BadInput` the full parse would.
 Not checked here: whether the device type exists or this machine has it, whether the dtype
 exists in this torch, whether an entry resolves (`nanbisect.devices.parse`,
 `nanbisect.task.load_task` do that, after torch is imported).
@@ -12,6 +13,7 @@ exists in this torch, whether an entry resolves (`nanbisect.devices.parse`,
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from nanbisect.errors import BadInput
 from nanbisect.util.text import show
@@ -36,16 +38,57 @@ def split_entry(entry: str) -> tuple[str, str]:
     return target, func
 
 
-def check_device(spec: str) -> tuple[str, str | None]:
-    """``"cuda:1"`` -> ``("cuda:1", None)``, ``"cpu:float64"`` -> ``("cpu", "float64")``: the
-    device part and the dtype name; `BadInput` (the message `nanbisect.devices.parse` gives)
-    when the string cannot be a device string.
+NONE = "none"      # the device string of no reference
 
-    >>> check_device("cpu:float64"), check_device("cuda:1")
-    (('cpu', 'float64'), ('cuda:1', None))
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A device string as a value: the device (``"cuda:1"``; None for ``none``, no reference)
+    and the floating dtype to replay at (``"float64"``; None: the bundle's). `parse` and `str`
+    are inverse; torch resolves it later (`nanbisect.devices.parse`).
+
+    >>> s = DeviceSpec.parse("cuda:1:float64")
+    >>> s, str(s), str(DeviceSpec.parse("none")), DeviceSpec.parse("none").none
+    (DeviceSpec(device='cuda:1', dtype='float64'), 'cuda:1:float64', 'none', True)
     """
-    dev, _, dtype_name = spec.partition(":")
-    if dtype_name and not dtype_name.isdigit():
+
+    device: str | None
+    dtype: str | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "DeviceSpec":
+        """The spec of ``text``; `BadInput` (what `check_device` says) for a malformed one."""
+        if text == NONE:
+            return cls(None)
+        return cls(*check_device(text))
+
+    @property
+    def none(self) -> bool:
+        """No device: no reference side."""
+        return self.device is None
+
+    @property
+    def type(self) -> str | None:
+        """The device type (``"cuda"`` of ``"cuda:1"``)."""
+        return None if self.device is None else self.device.split(":")[0]
+
+    def __str__(self) -> str:
+        if self.device is None:
+            return NONE
+        return self.device + (f":{self.dtype}" if self.dtype else "")
+
+
+def check_device(spec: str) -> tuple[str, str | None]:
+    """``"cuda:1"`` -> ``("cuda:1", None)``, ``"cpu:float64"`` -> ``("cpu", "float64")``,
+    ``"cuda:1:float64"`` -> ``("cuda:1", "float64")``: the device part and the dtype name;
+    `BadInput` (the message `nanbisect.devices.parse` gives) when the string cannot be a
+    device string.
+
+    >>> check_device("cpu:float64"), check_device("cuda:1"), check_device("cuda:1:float64")
+    (('cpu', 'float64'), ('cuda:1', None), ('cuda:1', 'float64'))
+    """
+    dev, _, dtype_name = spec.rpartition(":")
+    if dev and dtype_name and not dtype_name.isdigit():
         if not _FLOAT_DTYPE.fullmatch(dtype_name):
             raise BadInput(f"device {show(spec)}: {show(dtype_name)} is not a floating dtype; "
                            "use e.g. cpu:float64")

@@ -1,0 +1,232 @@
+"""The Guard's failures: a failing step bundled from the live state (`_Failing._fail_live`), or,
+for a failure born in an update that ran, from its pre-state rebuilt from the snapshot and the
+steps since (`_fail_after_update`); under torch.distributed, with what each collective of the
+failing step gave this rank (`_record_tape`). A part of `nanbisect.guard.core.Guard`.
+
+Guarantees: every path ends in `NonFiniteStep` with where the bundle went (or why it could not
+be written anywhere); under torch.distributed every rank takes the same path.
+"""
+from __future__ import annotations
+
+import warnings
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanbisect import devices
+from nanbisect.bundle.code import user_sources
+from nanbisect.bundle.state import RngState, decode, local
+from nanbisect.errors import NonFiniteStep
+from nanbisect.guard.coord import any_rank, broadcast_str
+from nanbisect.guard.keep import SnapshotFailed, reset_scaler_stage
+from nanbisect.guard.parts import held_ranks
+from nanbisect.guard.screen import _bad_names, _kind, _listed, _step_norms
+from nanbisect.guard.snapshot import _live_scale
+from nanbisect.guard.tape import record_step
+from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
+from nanbisect.util.text import clip, exception_line
+
+from nanbisect.guard.reading import _loss_slot, _ranks_max
+
+
+def _unavailable(why: str) -> dict:
+    """``observed.rebuild`` of a step whose pre-state could not be rebuilt."""
+    return {"from_step": None, "steps": 0, "fidelity": "unavailable", "max_rel_diff": None,
+            "first_mismatch": None, "why": clip(why, 300)}
+
+
+class _Failing:
+    """`Guard`'s failing steps, bundled and raised (the attributes are the Guard's)."""
+
+    def _fail_live(self, batch: Any, rng: RngState, observed: dict,
+                   scale: torch.Tensor | None, dev: torch.device) -> None:
+        """Bundle the step from the live state (its update never ran) and raise."""
+        self._restore(scale)
+        tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
+        path, error = self._write_failure(batch, rng, observed, tape)
+        raise NonFiniteStep(path, observed, error,
+                            ranks=held_ranks(path) if self._rank.distributed else None)
+
+    def _read_values(self, total: torch.Tensor | None) -> tuple[float | None, float]:
+        """(the loss, the gradients' global norm) as `_read_screen` reads them, for a rebuild
+        to compare with."""
+        params = list(self.task.model.parameters())
+        dev = local(params[0]).device if params else devices.HOST
+        with torch.no_grad():
+            norms = _step_norms(params, [p.grad for p in params], dev)
+            v = torch.cat([_loss_slot(total, dev), torch.linalg.vector_norm(norms, dim=1)])
+            v = v.tolist()
+        return (v[0] if total is not None else None), v[2]
+
+    def _fail_after_update(self, step: int, batch: Any = None, rng: RngState | None = None
+                           ) -> None:
+        """A failure whose update ran (step ``step``'s: its parameters are not finite): rebuild
+        its pre-state from the snapshot and the steps since, bundle it, raise. When no snapshot
+        reaches it (or the model or optimizer changed since), the step in progress is bundled
+        as it began instead (``batch``, ``rng``; the non-finite parameters are then its input),
+        saying why."""
+        task = self.task
+        params = _bad_names([(n, p.data) for n, p in task.model.named_parameters()])
+        why = self._unrebuildable(step)
+        if why is None:
+            rec, rebuild, batch, rng = self._rebuilt(step, batch, rng)
+        else:
+            rec, rebuild = None, _unavailable(why)
+            batch, rng = self._as_it_began(batch, rng)
+        if self._history is not None:
+            self._history.drop_from(self.step_index + 1)
+        loss = rec.loss if rec is not None else None
+        grads = rec.grad_norm if rec is not None else None
+        loss_kind = _kind(loss) if loss is not None else "unknown"
+        grads_kind = _kind(grads) if grads is not None else "unknown"
+        params_kind = "nan" if params["nan"] else "inf" if params["inf"] else "finite"
+        first = ("loss" if loss_kind in ("nan", "inf") else
+                 "grad" if grads_kind in ("nan", "inf") else
+                 "param" if params_kind != "finite" else "other-rank")
+        observed = {"step": self.step_index, "first": first,
+                    "loss": loss if loss_kind not in ("nan", "inf") else loss_kind,
+                    "summary": {"loss": loss_kind, "grads": grads_kind, "params": params_kind},
+                    "nonfinite_grads": _listed({"nan": [], "inf": []}),
+                    "nonfinite_params": _listed(params), "rebuild": rebuild}
+        self._value = loss
+        dev = local(next(task.model.parameters())).device if self._params else devices.HOST
+        tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
+        path, error = self._write_failure(batch, rng, observed, tape)
+        raise NonFiniteStep(path, observed, error,
+                            ranks=held_ranks(path) if self._rank.distributed else None)
+
+    def _unrebuildable(self, step: int) -> str | None:
+        """Why step ``step``'s pre-state cannot be rebuilt (None: it can; under torch.distributed,
+        on every rank, or on none)."""
+        keeper = self._keeper
+        if keeper is None:
+            why = "the Guard keeps no snapshot"
+        elif not keeper.can_rebuild(step):
+            why = (f"no snapshot reaches step {step}" + (f" (the last could not be written: "
+                                                          f"{keeper.failed})" if keeper.failed
+                                                         else ""))
+        else:
+            why = keeper.unfit(self.task)
+        if self._rank.distributed:    # every rank rebuilds, or none
+            if _ranks_max(float(why is not None)) > 0 and why is None:
+                why = "another rank could not rebuild"
+        return why
+
+    def _rebuilt(self, step: int, batch: Any, rng: RngState | None) -> tuple:
+        """(the record of step ``step``, ``observed.rebuild``, its batch, its RNG): its pre-state
+        rebuilt into the live model and optimizer; a rebuild that raises leaves the state where
+        it stopped (no record; ``batch`` and ``rng`` as given)."""
+        keeper = self._keeper
+        self._busy = True
+        try:
+            rebuilt, rec = keeper.rebuild(self.task, step, self._read_values)
+            rebuild = rebuilt.to_json()
+            batch, rng = decode(rec.batch, rec.tensors), rec.rng
+            self.step_index = step
+            keeper.drop_from(step)
+        except Exception as e:  # noqa: BLE001 - the failure is bundled all the same
+            rec = None
+            rebuild = _unavailable(f"the rebuild raised {exception_line(e)}: the state is "
+                                   "where it stopped")
+        finally:
+            self._busy = False
+        return rec, rebuild, batch, rng
+
+    def _as_it_began(self, batch: Any, rng: RngState | None) -> tuple[Any, RngState]:
+        """The step to bundle when no rebuild reaches it: the step in progress as it began
+        (buffers and scale put back; its parameters the non-finite ones it was given), or at
+        `close` the last kept step's batch and RNG."""
+        keeper = self._keeper
+        if self._open or batch is not None:
+            # the step in progress, as it began: buffers and scale back (its forward and
+            # backward ran), its parameters the non-finite ones it was given
+            self._restore(_live_scale(self.task.grad_scaler))
+        else:      # `close`: no step in progress; the last step's batch stands in
+            last = keeper.records[-1] if keeper is not None and keeper.records else None
+            if last is not None:
+                batch, rng = decode(last.batch, last.tensors), last.rng
+        return batch, (rng if rng is not None else RngState.get(self._accel))
+
+    def _record_tape(self, batch: Any, rng: RngState, dev: torch.device):
+        """Under torch.distributed: every rank runs the failing step once more, from the same
+        pre-step state and RNG, keeping what each collective gave it (a replay of a few ranks
+        serves it to them); the state is put back after it (from the whole-state copy, or from
+        a snapshot of it taken now, off the device). None, on every rank, when any rank could
+        not record it."""
+        keeper, task = self._keeper, self.task
+        copied = self._copying or keeper is None
+        ok = True
+        if not copied:     # the state to put back after the recording, off the device
+            try:
+                keeper.take(self.step_index, task.model, task.optimizer, _scaler_state(task), {})
+            except SnapshotFailed as e:
+                ok, why = False, f"its state could not be kept aside: {e}"
+        if _ranks_max(float(not ok)) > 0:    # every rank records, or none
+            warnings.warn("Guard: the failing step's collectives were not recorded ("
+                          f"{why if not ok else 'another rank could not keep its state aside'}"
+                          "); the bundle replays all ranks only (no --ranks)", RuntimeWarning,
+                          stacklevel=4)
+            return None
+        scale = _live_scale(task.grad_scaler)
+        pre_scale = None if scale is None else scale.clone()
+        rng.set()
+        self._busy = True
+        try:
+            tape, why = record_step(task, batch)
+        finally:
+            self._busy = False
+        if copied:
+            self._restore(scale)
+        else:
+            keeper.restore(task)
+            if pre_scale is not None and task.grad_scaler._scale is not None:
+                task.grad_scaler._scale.copy_(pre_scale)
+            reset_scaler_stage(task.grad_scaler)
+        lost = any_rank(torch.tensor([float(tape is None)],
+                                     device=devices.collective_device(self._rank.backend, dev)))
+        if lost.item() > 0:   # every rank agrees: a bundle without a tape, never none
+            if why:
+                warnings.warn(f"Guard: the failing step's collectives could not be recorded "
+                              f"({why}); the bundle replays all ranks only (no --ranks)",
+                              RuntimeWarning, stacklevel=4)
+            tape = None
+        return tape
+
+    def _write_failure(self, batch: Any, rng: RngState, observed: dict, tape
+                       ) -> tuple[Path | None, str | None]:
+        """Write the failing step's bundle (rescued elsewhere if ``out`` fails): (where it went,
+        None), or (None, why) when it could not be written anywhere."""
+        path = self._free_path()
+        if self._rank.distributed:
+            path = Path(broadcast_str(str(path)))
+            observed["rank"] = self._rank.rank
+        # the hashes read when training started win: a file edited since is not what ran
+        sources = {**user_sources(self._entry_file), **self._sources}
+        write = partial(_write, self.task, batch, rng, entry=self.entry,
+                        entry_file=self._entry_file, step=self.step_index, observed=observed,
+                        sources=sources, scaler_state=_scaler_state(self.task), unique=True,
+                        tape=tape, history=self._history, lookback=self._lookback,
+                        write_timeout=self._write_timeout)
+        return write_or_rescue(write, path, self.out, distributed=self._rank.distributed)
+
+    def _restore(self, scale: torch.Tensor | None) -> None:
+        """Back to the pre-step state (the scaler's too, on its first step): from the whole-state
+        copy, or (the update never ran) the buffers' and the scaler's."""
+        if self._copying:
+            self._snapshot.restore(self.task.optimizer)
+        else:
+            self._snapshot.restore_early(self.task.optimizer)
+        scaler = self.task.grad_scaler
+        reset_scaler_stage(scaler)
+        if scale is not None and self._snapshot.scale is None:   # the scaler's first step
+            scale.fill_(scaler._init_scale)
+            scaler._growth_tracker.zero_()
+
+    def _free_path(self, suffix: str = "") -> Path:
+        base = self.out / f"step{self.step_index:06d}{suffix}"
+        path, i = base, 1
+        while path.exists():
+            path, i = base.with_name(f"{base.name}-{i}"), i + 1
+        return path

@@ -1,0 +1,200 @@
+"""The Guard's reading of a step: the screen read back in the step's one host synchronisation
+(`_Reading._read_screen`), the exact check of a screen that tripped (`_observe`, agreed between
+ranks by `_confirm`), and a step whose gradients were not finite but whose parameters did not
+move (`_nonfinite_grads`). A part of `nanbisect.guard.core.Guard`.
+
+Guarantees: a healthy step costs one host synchronisation (under torch.distributed, after one
+all-reduce of a three-element flag); the exact checks run only when the screen trips.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from nanbisect import devices
+from nanbisect.bundle.state import local
+from nanbisect.guard.coord import any_rank, rank_info
+from nanbisect.guard.screen import _any_nonfinite, _bad_names, _kind, _listed, _step_norms
+from nanbisect.guard.snapshot import _live_scale
+from nanbisect.task import Task
+
+
+def _declared_scaler(task: Task) -> bool:
+    return task.grad_scaler is not None and task.grad_scaler.is_enabled()
+
+
+def _loss_slot(loss: torch.Tensor | None, dev: torch.device) -> torch.Tensor:
+    """[1]: the loss as the screen reads it (float32, summed when it is not one element), with
+    no kernel when it already is one float32 element on ``dev``."""
+    if loss is None:
+        return torch.zeros(1, device=dev)
+    t = local(loss)      # NB: called under no_grad: no detach needed
+    if t.numel() != 1:
+        t = t.float().sum()
+    t = t.reshape(1)
+    return t if t.dtype == torch.float32 and t.device == dev else \
+        t.to(device=dev, dtype=torch.float32)
+
+
+def _ranks_max(v: float) -> float:
+    """Under torch.distributed: the largest ``v`` of all ranks (one all-reduce, on the CPU for
+    gloo, else on the accelerator the backend runs on)."""
+    backend = rank_info().backend
+    return any_rank(torch.tensor([float(v)], device=devices.collective_device(backend))).item()
+
+
+def _agree_max(k: int) -> int:
+    return int(_ranks_max(k))
+
+
+class _Reading:
+    """`Guard`'s reading of the step and its exact checks (the attributes are the Guard's)."""
+
+    def _read_screen(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
+                     skipped: torch.Tensor | None, before: bool = False
+                     ) -> tuple[torch.device, torch.Tensor | None, dict, list[float]]:
+        """The screen of the step, read back in its one host synchronisation: (the device, the
+        scaler's live scale, slot -> value, the ranks' failure flag (under torch.distributed)).
+        Slots: the loss, the sum of the parameters' norms (the screen), the gradients' global
+        norm (their finiteness flag), and what the step or the history adds. ``before``: read
+        just before the update (the parameters are the step's pre-state: they are the previous
+        step's "after" in the history); the flag is [a failure, a failure whose update ran].
+        """
+        self._snapshot.wait()     # a step without the Task's optimizer: its copies, before all
+        params = self._params
+        dev = local(params[0]).device if params else devices.HOST
+        scaler, scale = self.task.grad_scaler, _live_scale(self.task.grad_scaler)
+        if skipped is None and scale is not None and not before:
+            # a loop of its own (watch): the scaler skipped when it backed its scale off
+            began = (self._snapshot.scale if self._snapshot.scale is not None else
+                     torch.full_like(scale, scaler._init_scale))
+            skipped = (scale < began).float()
+        with torch.no_grad():
+            # per parameter its norm after the update (the screen) and its gradient's, in one
+            # pass, written straight into the history's ring row when there is a history
+            row = self._history.row(self.step_index, len(params), dev, lambda: [
+                n for n, _ in self.task.model.named_parameters()]) \
+                if self._history is not None else None
+            norms = _step_norms(params, [p.grad for p in params], dev, out=row)
+            if row is not None:
+                prev = self._prev_row
+                if before and prev is not None and prev[0] == self.step_index - 1:
+                    prev[1][0].copy_(row[0])    # the previous step's parameters after its update
+                self._prev_row = (self.step_index, row) if before else None
+            # [the parameters' screen, the gradients' global norm] in one kernel: each is
+            # non-finite iff some norm is (or the sum of squares overflows: the exact check
+            # clears it); the global norm is the gradients' finiteness flag
+            parts = [_loss_slot(loss, dev), torch.linalg.vector_norm(norms, dim=1)]
+            keys = ["loss", "screen", "grads"]
+            for key, t in (("grad_norm", grad_norm), ("skipped", skipped)):
+                if t is not None:
+                    parts.append(t.detach().float().reshape(1).to(dev))
+                    keys.append(key)
+            if self._history is not None and isinstance(self._lr, torch.Tensor):
+                parts.append(self._lr.detach().float().reshape(1).to(dev))
+                keys.append("lr")
+            vals = torch.cat(parts)      # one kernel: every slot in one tensor, read at once
+        # NB: a non-finite gradient reaches the parameters through any update with lr > 0; one
+        # that does not (the step was skipped) is checked exactly on the host (`_end`).
+        # The one host synchronisation of a healthy step (under torch.distributed, after one
+        # all-reduce of a one-element flag, so that all ranks agree on a failure):
+        if self._rank.distributed:
+            out, flag = self._agree_read(vals, keys, skipped, dev, before)
+            return dev, scale, out, flag
+        got = vals.tolist()
+        return dev, scale, dict(zip(keys, got)), [0.0, 0.0]
+
+    def _agree_read(self, vals: torch.Tensor, keys: list[str], skipped: torch.Tensor | None,
+                    dev: torch.device, before: bool) -> tuple[dict, list[float]]:
+        """Under torch.distributed: the screen's slots read back after one all-reduce of the
+        ranks' three-element flag (a failure, a failure whose update ran, the kept steps past
+        their share), so that every rank takes the same path."""
+        stall_next = self.scaler_skips + 1 >= self.max_scaler_skips
+        flag = (~torch.isfinite(vals[:3])).any()
+        if skipped is not None and stall_next:
+            flag = flag | (skipped.reshape(()).to(dev) > 0)
+        # a failure whose update ran: parameters no longer finite after an update
+        ran = (~torch.isfinite(vals[1])) if before and self._last_applied is not None \
+            else torch.zeros((), dtype=torch.bool, device=dev)
+        # the kept steps past their share on some rank: a snapshot on every rank
+        over = torch.tensor(before and self._keeper is not None and
+                            self._keeper.over_share(), device=dev)
+        flag = torch.stack([flag, ran, over]).float()
+        flag = any_rank(flag.to(devices.collective_device(self._rank.backend, dev)))
+        vals = torch.cat([vals, flag.to(dev)])
+        got = vals.tolist()
+        out = dict(zip(keys, got[:-3]))
+        out["over"] = got[-1] > 0
+        return out, got[-3:-1]
+
+    def _nonfinite_grads(self, skipped: bool, watched: bool) -> tuple[bool, bool]:
+        """The exact check of gradients the screen saw non-finite while loss and parameters are
+        finite: (the step was skipped, a non-finite update was applied). With parameters that
+        moved, something applied part of a non-finite update: a failure at once. With
+        parameters that did not move, the step was skipped: a declared scaler says so itself
+        (``skipped``); without one, whatever skipped it (a GradScaler the loop keeps for itself:
+        warned about once). `step` without an optimizer skips nothing: a failure at once."""
+        if not _any_nonfinite(p.grad for p in self._params):
+            return skipped, False     # the sum of squares overflowed on finite gradients
+        moved = self._copying and self._snapshot.moved()
+        if moved or (not watched and self.task.optimizer is None):
+            return skipped, True
+        if _declared_scaler(self.task):
+            return skipped, False
+        if not self._warned_undeclared:
+            self._warned_undeclared = True
+            warnings.warn(
+                f"Guard: step {self.step_index} was skipped (its gradients are not finite "
+                "and the parameters did not move) but the Task declares no GradScaler; "
+                "if the loop scales its loss with one, declare it: Task(grad_scaler="
+                f"scaler). {self.max_scaler_skips} skipped steps in a row are a failure "
+                "(a stalled scaler)", RuntimeWarning, stacklevel=5 if watched else 4)
+        return True, False
+
+    def _observe(self, loss: float | None, grad_norm: float | None,
+                 stalled: bool = False, applied: bool = False) -> dict | None:
+        named = list(self.task.model.named_parameters())
+        grads = _bad_names([(n, p.grad) for n, p in named if p.grad is not None])
+        params = _bad_names([(n, p.data) for n, p in named])
+        loss_kind = _kind(loss) if loss is not None else "unknown"
+        if loss_kind not in ("nan", "inf") and not any(params.values()) and not stalled \
+                and not applied:
+            return None  # loss, parameters and skips decide; gradients say where it came from
+        grads_kind = "nan" if grads["nan"] else "inf" if grads["inf"] else "finite"
+        if grad_norm is not None and _kind(grad_norm) != "finite":
+            # clipping multiplied the gradients by max_norm / norm: an inf gradient became NaN.
+            # The norm before clipping has the kind the gradients had after backward.
+            grads_kind = _kind(grad_norm)
+        first = ("loss" if loss_kind in ("nan", "inf") else
+                 "grad" if grads_kind != "finite" else "scaler" if stalled else "param")
+        summary = {"loss": loss_kind, "grads": grads_kind,
+                   "params": "nan" if params["nan"] else "inf" if params["inf"] else "finite"}
+        out = {"step": self.step_index, "first": first,
+               "loss": loss if loss_kind not in ("nan", "inf") else loss_kind,
+               "summary": summary, "nonfinite_grads": _listed(grads),
+               "nonfinite_params": _listed(params)}
+        if grad_norm is not None:
+            out["grad_norm"] = grad_norm if _kind(grad_norm) == "finite" else _kind(grad_norm)
+        if stalled:
+            out["scaler_skips"] = self.scaler_skips
+            if not _declared_scaler(self.task):
+                # skipped by what the Task does not know of: the note names the fix
+                out["undeclared_scaler"] = True
+        return out
+
+    def _confirm(self, loss: float | None, loss_v: float, grad_norm: float | None,
+                 stalled: bool, dev: torch.device, applied: bool = False,
+                 before: bool = False) -> dict | None:
+        """The exact check of a tripped screen: what was observed, or None when it clears (the
+        screen overflowed on finite values; under torch.distributed, no rank confirms it)."""
+        observed = self._observe(loss, grad_norm, stalled, applied)
+        if self._rank.distributed:  # does any rank confirm it with the exact check?
+            confirmed = any_rank(torch.tensor(
+                [float(observed is not None)],
+                device=devices.collective_device(self._rank.backend, dev)))
+            if confirmed.item() == 0:
+                return None
+            observed = observed or {"step": self.step_index, "first": "other-rank",
+                                    "loss": loss_v, "summary": {"local": "finite"}}
+        return observed     # None: the screen overflowed on finite values

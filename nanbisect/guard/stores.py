@@ -1,0 +1,196 @@
+"""Where `nanbisect.guard.keep.Keeper` keeps a snapshot's tensors: a safetensors file in a
+locked scratch directory of the system's temporary directory when the state lives in host
+memory (`_FileStore`: a copy in memory would double it), else host memory, pinned and filled
+without a host synchronisation where the device allows (`_HostStore`). Both stage a new snapshot
+beside the current one and `commit` it, so the current one is whole until then.
+
+Guarantees: a file store's directory is removed when its Guard closes or is collected, or by the
+next Guard anywhere on the machine once its owner is dead (`_sweep`).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+import weakref
+
+import torch
+
+from nanbisect import devices
+from nanbisect.bundle.state import Tensors
+from nanbisect.util import lockdir
+
+SCRATCH = "nanbisect-guard-"    # the snapshot file's directory, in the temporary directory
+
+
+class _FileStore:
+    """The snapshot's tensors in one safetensors file (read back one tensor at a time), in a
+    directory of the system's temporary directory (``TMPDIR``) that this process holds a lock
+    in (`nanbisect.util.lockdir`): removed when the Guard closes or is collected, or by the next
+    Guard anywhere on the machine once its owner is dead (a killed run)."""
+
+    def __init__(self) -> None:
+        self._dir: str | None = None
+        self._finalizer = None
+
+    def _path(self) -> str:
+        if self._dir is None:
+            _sweep()
+            path, fd = lockdir.make(f"{SCRATCH}{os.getpid()}-")
+            self._dir = str(path)
+            self._finalizer = weakref.finalize(self, _drop_dir, self._dir, fd)
+        return os.path.join(self._dir, "state.safetensors")
+
+    def prepare(self) -> None:
+        self._path()
+
+    def stage(self, tensors: Tensors) -> None:
+        """Write the new snapshot beside the current one (`commit` puts it in its place)."""
+        from safetensors.torch import save_file
+
+        seen: set = set()
+        out = {}
+        for k, t in tensors.items():
+            t = t.detach().to(devices.HOST)
+            ptr = t.untyped_storage().data_ptr() if t.numel() else None
+            # NB: safetensors refuses tensors sharing storage: those are cloned, one by one
+            if not t.is_contiguous() or (ptr is not None and ptr in seen):
+                t = t.contiguous().clone()
+            elif ptr is not None:
+                seen.add(ptr)
+            out[k] = t
+        path = self._path()
+        try:
+            save_file(out, path + ".tmp")
+        except BaseException:
+            self.abort()           # a half-written file takes no room
+            raise
+
+    def commit(self) -> None:
+        path = self._path()
+        os.replace(path + ".tmp", path)
+
+    def abort(self) -> None:
+        if self._dir is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path() + ".tmp")
+
+    def settle(self) -> None:
+        pass
+
+    def get(self) -> "_Lazy":
+        return _Lazy(self._path())
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self._dir = self._finalizer = None
+
+
+def _drop_dir(path: str, fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+def _sweep() -> None:
+    """Remove the snapshot directories of Guards whose process is gone (their lock is free)."""
+    tmp = tempfile.gettempdir()
+    try:
+        entries = list(os.scandir(tmp))
+    except OSError:
+        return
+    for e in entries:
+        if re.fullmatch(rf"{SCRATCH}\d+-[a-z0-9_]{{8}}", e.name) and \
+                e.is_dir(follow_symlinks=False) and lockdir.state(e.path) == "free":
+            shutil.rmtree(e.path, ignore_errors=True)
+
+
+class _Lazy(dict):
+    """A read-only mapping of a safetensors file's tensors, each read when asked for."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        super().__init__()
+        self._f = safe_open(path, framework="pt")
+        self._keys = set(self._f.keys())
+
+    def __contains__(self, k) -> bool:
+        return k in self._keys
+
+    def __getitem__(self, k):
+        if k not in self._keys:
+            raise KeyError(k)
+        return self._f.get_tensor(k)
+
+    def get(self, k, default=None):
+        return self[k] if k in self._keys else default
+
+    def keys(self):
+        return set(self._keys)
+
+    def items(self):
+        return ((k, self[k]) for k in sorted(self._keys))
+
+    def __iter__(self):
+        return iter(sorted(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class _HostStore:
+    """The snapshot's tensors in (pinned) host memory, kept from one snapshot to the next while
+    they fit, copied without a host synchronisation (ordered before the optimizer on the
+    device's stream)."""
+
+    def __init__(self) -> None:
+        self._held: Tensors = {}
+        self._staged: dict = {}
+        self._pending: set = set()     # the types whose asynchronous copies are not waited for
+
+    def prepare(self) -> None:
+        pass
+
+    def stage(self, tensors: Tensors) -> None:
+        """Allocate what the new snapshot needs (what can fail: pinned memory), copying
+        nothing: the current snapshot is whole until `commit`."""
+        staged = {}
+        for k, t in tensors.items():
+            t = t.detach()
+            h = self._held.get(k)
+            if h is None or h.shape != t.shape or h.dtype != t.dtype:
+                h = torch.empty(t.shape, dtype=t.dtype, device=devices.HOST,
+                                pin_memory=devices.entry(t.device).pinned_host_memory)
+            staged[k] = (h, t)
+        self._staged = staged
+
+    def commit(self) -> None:
+        staged, self._staged = self._staged, {}
+        pending = set()
+        for h, t in staged.values():
+            dt = devices.entry(t.device)
+            h.copy_(t, non_blocking=dt.pinned_host_memory)
+            if dt.pinned_host_memory:
+                pending.add(dt)
+        self._held = {k: h for k, (h, _) in staged.items()}
+        self._pending = pending
+
+    def abort(self) -> None:
+        self._staged = {}
+
+    def settle(self) -> None:
+        """Wait for the copies (timed: the transfer is what a snapshot costs)."""
+        for dt in self._pending:
+            dt.synchronize()
+        self._pending = set()
+
+    def get(self) -> Tensors:
+        self.settle()          # the asynchronous copies, complete
+        return dict(self._held)
+
+    def close(self) -> None:
+        self._held, self._staged = {}, {}
