@@ -33,6 +33,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle import lookback
 from nanbisect.bundle.lookback import BundleView
 from nanbisect.finish import Finished, finish
@@ -129,7 +130,7 @@ class Chain:
         rep = self.rep
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if (phase != "forward" or self.serving is not Serving.NONE or distributed
-                or rep.device.type != "cpu"):
+                or not devices.entry(rep.device).host_reads_free):
             return None
         return AheadCatch(rep, RowTracer(None, kind) if rep.task.accumulate == 1 else None)
 

@@ -13,6 +13,7 @@ from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, Ra
                                RunFacts, module_label)
 from nanbisect.reference.classify import REPLAY_MISMATCH_NOTE, classify_not_reproduced
 from nanbisect.report.model import Report
+from nanbisect.util.spec import DeviceSpec
 from nanbisect.util.text import ranks_text
 
 
@@ -97,7 +98,7 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
         notes.append("no rank's op could be isolated as the first divergence from the reference "
                      "(every op checked passed alone, or could not be compared)")
         return Report("culprit", "unknown", phase, "mismatch",
-                      Culprit(phase, "", None, [], [], None, rank=None), notes=notes, **common)
+                      Culprit.phase_only(phase, rank=None), notes=notes, **common)
     own = {r.rank: r for r in results}[culprit_rank]
     kind = (own.summary.kind if own.summary else None) or (
         "mismatch" if own.reference is not None and own.reference.divergence else "nan")
@@ -105,15 +106,13 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
         root = own.root
         if phase == "backward":   # a collective in backward reduces gradients
             phase = "grad-reduce"
-        culprit = Culprit(phase, root.module or "", root.module_call, root.input_dtypes,
-                          root.input_shapes, None, op=root.op, op_index=root.op_index,
-                          rank=culprit_rank)
+        culprit = Culprit.of_root(phase, root, culprit_rank)
         notes.append(f"on every rank that failed ({[r.rank for r in results if r.root]}) "
                      f"the failure traces back to the output of {root.op}{_where(root)}, "
                      "whose inputs were finite on every rank: no rank computed it, the "
                      "collective (or the code around it) is at fault")
         return Report("culprit", "communication", phase, kind, culprit, notes=notes, **common)
-    culprit = own.culprit or Culprit(phase, "", None, [], [], None, rank=culprit_rank)
+    culprit = own.culprit or Culprit.phase_only(phase, rank=culprit_rank)
     notes.append(_spread_note(culprit_rank, results))
     notes += own.classification_notes
     return Report("culprit", own.classification or "unknown", phase, kind, culprit, notes=notes,
@@ -142,9 +141,8 @@ def _no_rank_report(phase: str | None, facts: RunFacts, results: list[RankResult
                       **common)
     buckets = [b for r in results if r.summary for b in r.summary.buckets if b.out_bad]
     params = buckets[0].params if buckets else []
-    culprit = Culprit("grad-reduce", (params[0].rpartition(".")[0] if params else ""),
-                      None, [], [], None, rank=results[0].rank,
-                      parameter=params[0] if params else None)
+    culprit = (Culprit.of_parameter("grad-reduce", params[0], rank=results[0].rank) if params
+               else Culprit.phase_only("grad-reduce", rank=results[0].rank))
     notes.append("every rank's gradients were finite going into the reduction and "
                  "non-finite coming out of it: the collective (or the comm hook around "
                  f"it) is at fault; first bad bucket holds {params[:4]}")
@@ -174,7 +172,7 @@ def _spread_note(culprit_rank: int, results: list[RankResult]) -> str:
 
 def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:
     """One line per rank on how its step went on the reference, when there was one."""
-    if reference in (None, "none"):
+    if reference is None or DeviceSpec.parse(reference).none:
         return []
     out = []
     for r in results:
@@ -286,8 +284,7 @@ def _received(facts: RunFacts, received: list[RankResult], results: list[RankRes
                      "input: "
                      "the failure came from there (computed there, or received there in "
                      f"turn); replay with --ranks {s} to find the op")
-        return Report("culprit", "unknown", phase, kind, Culprit(phase, "", None, [], [], None,
-                                                                 rank=s),
+        return Report("culprit", "unknown", phase, kind, Culprit.phase_only(phase, rank=s),
                       notes=notes, subset=replace(subset, decided=False, next_ranks=senders,
                                                   why=(f"{ranks_text(senders)} fed the failure "
                                                        "into the collective and were not "
@@ -306,11 +303,7 @@ def _nobody_computed(facts: RunFacts, received: list[RankResult], results: list[
     phase = ("grad-reduce" if first.root is None or first.plan.phase == "backward"
              else first.plan.phase)
     root = first.root
-    culprit = Culprit(phase, (root.module or "") if root else "",
-                      root.module_call if root else None,
-                      root.input_dtypes if root else [], root.input_shapes if root else [],
-                      None, op=root.op if root else None,
-                      op_index=root.op_index if root else None, rank=first.rank)
+    culprit = Culprit.of_root(phase, root, first.rank)
     if len(replayed) == world_size and not any(r.served_inputs_differ for r in results):
         notes.append(f"every rank's input to {how} was finite in the replay and its output "
                      "(as the capture recorded it) was not: the collective (or the code "

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
 
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
 from nanbisect.records import RunFacts, StageError, after_verdict  # noqa: F401 (re-exported)
 from nanbisect.replay.probe import ModuleProbe
@@ -40,7 +41,7 @@ def captured_type(manifest: dict) -> str:
     >>> captured_type({"devices": {"captured_on": "npu:3"}}), captured_type({})
     ('npu', 'cpu')
     """
-    return str((manifest.get("devices") or {}).get("captured_on") or "cpu").split(":")[0]
+    return Manifest.of(manifest).captured_type
 
 
 def recorded_failure(observed) -> bool:

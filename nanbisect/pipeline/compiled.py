@@ -85,8 +85,8 @@ def compiler_report(run: _Run, compiled: StepOutcome, tmp: Path) -> Report:
     notes = [f"the failure comes back with the model compiled ({backend}) and not eagerly, "
              "from the same state, batch and RNG: the compiler's transformation made it, "
              "not the hardware", *_finding_notes(f), *run.notes]
-    culprit = Culprit(compiled.phase or "forward", f.module or "", f.module_call, [], [], None,
-                      op=f.op, micro_batch=compiled.micro_batch)
+    culprit = Culprit.of_call(compiled.phase or "forward", CallId(f.module or "", f.module_call),
+                              op=f.op, micro_batch=compiled.micro_batch)
     module_repro = None
     if f.module is not None:
         culprit, module_repro = after_verdict(
@@ -109,12 +109,10 @@ def _compiled_repro(run: _Run, f: CompilerFinding, culprit: Culprit, kind: str, 
     if mc is None:
         return culprit, None
     tensors = [t for t in mc.args if hasattr(t, "dtype")]
-    culprit = Culprit(culprit.phase, culprit.module, culprit.module_call,
-                      [str(t.dtype).removeprefix("torch.") for t in tensors],
-                      [list(t.shape) for t in tensors], None, op=f.op,
-                      micro_batch=culprit.micro_batch)
+    culprit = Culprit.of_tensors(culprit.phase, CallId(culprit.module, culprit.module_call),
+                                 tensors, op=f.op, micro_batch=culprit.micro_batch)
     script = write_module_repro(
-        tmp / "repro", mc, culprit=Culprit(**{**culprit.__dict__, "phase": "forward"}),
+        tmp / "repro", mc, culprit=culprit.in_phase("forward"),
         kind=kind, target=run.facts.target, entry=rep.entry,
         compile=repro_compile_args(rep.compiled_spec, f.backend))
     result = None

@@ -13,7 +13,7 @@ from nanbisect.chain import Chain, Located, Serving
 from nanbisect.finish import Evidence, classify_culprit
 from nanbisect.locate.producers import backtrace, timeline
 from nanbisect.pipeline.common import _guarded, _Run, after_verdict
-from nanbisect.records import (Caught, Culprit, Divergence, ModuleRepro, OpCheck, OpFinding,
+from nanbisect.records import (CallId, Caught, Culprit, Divergence, ModuleRepro, OpCheck, OpFinding,
                                OpRecording, StepOutcome, module_label)
 from nanbisect.reference.side import ReferenceSide
 from nanbisect.remedies import budget as remedy_budget
@@ -196,9 +196,8 @@ def _surfaced_repro(run: _Run, chain: Chain, finding: OpFinding, kind: str, tmp:
         return None
     tensors = [t for t in torch.utils._pytree.tree_leaves((caught.args, caught.kwargs))
                if isinstance(t, torch.Tensor)]
-    culprit = Culprit(s.phase, s.module or "", s.module_call,
-                      [str(t.dtype).removeprefix("torch.") for t in tensors],
-                      [list(t.shape) for t in tensors], caught.source, s.op, s.op_index)
+    culprit = Culprit.of_tensors(s.phase, CallId(s.module or "", s.module_call), tensors,
+                                 source=caught.source, op=s.op, op_index=s.op_index)
     script = write_repro(tmp / "repro" / "surfaced", caught, culprit=culprit, kind=kind,
                          target=run.facts.target, imports=repro_imports(caught.op,
                                                                         run.rep.entry),

@@ -21,6 +21,7 @@ from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
 from nanbisect.records import Fidelity, Losses, RunFacts, StepOutcome, json_number
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.classify import classify_not_reproduced
+from nanbisect.util.spec import DeviceSpec
 from nanbisect.reference.compare import step_rtol
 from nanbisect.reference.differential import RandomTape, step_state
 from nanbisect.reference.side import ReferenceSide, model_dtype
@@ -39,7 +40,7 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
     """One step: replay, reference, verdict and the passes that find a culprit."""
     m = bundle.manifest
     reference = opts.reference or devices.default_reference(t_dev)
-    ref = None if reference == "none" else parse_device(reference)
+    ref = None if DeviceSpec.parse(reference).none else parse_device(reference)
     wrap = load_inject(opts.inject) if opts.inject else nullcontext
     notes = [n for n in [match_threads(bundle, t_dev)] if n]
     interp = None

@@ -24,6 +24,7 @@ from nanbisect.replay.fidelity import match_threads
 from nanbisect.replay.replayer import Replayer, parse_device
 from nanbisect.report.model import Report
 from nanbisect.task import load_inject
+from nanbisect.util.spec import DeviceSpec
 
 
 def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History | None",
@@ -32,7 +33,7 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     """--steps K: the window on both sides, then the first step that parts bisected alone."""
     k = opts.steps
     reference = opts.reference or devices.default_reference(t_dev)
-    if reference == "none":
+    if DeviceSpec.parse(reference).none:
         raise BadInput(f"--steps {k} compares the target's steps with a reference's; pass "
                        "--reference cpu (or cpu:float64)")
     ref = parse_device(reference)
