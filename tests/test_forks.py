@@ -1,5 +1,5 @@
-"""The fork server (`nanbisect.util.forks`) that triage's workers and the tests' CLI runs start
-their children from: real processes, real signals, real exit statuses."""
+"""The fork server (`nanbisect.proc.forkserver`) that triage's workers and the tests' CLI runs
+start their children from: real processes, real signals, real exit statuses."""
 from __future__ import annotations
 
 import json
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 
 from conftest import FIXTURES
-from nanbisect.util import forks
+from nanbisect import proc
 
 
 @pytest.fixture(scope="module")
 def server():
-    return forks.ForkServer.get()       # this process's, as triage's worker uses it
+    return proc.ForkServer.get()       # this process's, as triage's worker uses it
 
 
-def _start(server, tmp_path: Path, code: str, *args: str, **kw) -> tuple[forks.Child, Path]:
+def _start(server, tmp_path: Path, code: str, *args: str, **kw) -> tuple[proc.Child, Path]:
     script = tmp_path / "child.py"
     script.write_text(code)
     err = tmp_path / "err"
@@ -78,7 +78,7 @@ def test_a_kept_descriptor_arrives_under_the_number_its_variable_says(server, tm
 @pytest.mark.slow
 def test_the_server_goes_when_its_client_does(tmp_path):
     """A client killed -9 closes its end: the server ends (no orphan waiting for requests)."""
-    code = ("import sys, time\nfrom nanbisect.util.forks import ForkServer\n"
+    code = ("import sys, time\nfrom nanbisect.proc import ForkServer\n"
             "print(ForkServer.get().proc.pid, flush=True)\ntime.sleep(600)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
@@ -112,7 +112,7 @@ def test_triage_replays_bundles_in_forks_of_one_server(server, tmp_path, monkeyp
     shutil.copytree(FIXTURES / "fully_masked_row", bundle,
                     ignore=shutil.ignore_patterns("nanbisect-report"))
     rows = [worker._analyse_one(str(bundle), {}, 300, os.getppid())]
-    assert forks.ForkServer.get() is server and server.proc.poll() is None
+    assert proc.ForkServer.get() is server and server.proc.poll() is None
     monkeypatch.setenv("NANBISECT_TRIAGE_FORK", "0")
     rows.append(worker._analyse_one(str(bundle), {}, 300, os.getppid()))
     culprits = [r.get("report", r)["culprit"] for r in rows]
@@ -160,9 +160,9 @@ def test_a_shared_child_forks_its_own_children_from_the_server(server, tmp_path)
 
 
 def test_a_warmed_server_forks_children_with_the_replay_path_loaded(tmp_path):
-    """`REPLAY_WARM` (the suite's servers and triage's use it): a child finds `nanbisect run`'s
-    modules imported and the report page's template compiled, and its environment is its own
-    (nothing the warm-up read was frozen in the server)."""
+    """`warm_fork_server` (the suite's servers and triage's use it): a child finds `nanbisect
+    run`'s modules imported and the report page's template compiled, and its environment is its
+    own (nothing the warm-up read was frozen in the server)."""
     from conftest import run_python
 
     script = tmp_path / "probe.py"
@@ -173,5 +173,6 @@ def test_a_warmed_server_forks_children_with_the_replay_path_loaded(tmp_path):
         "      page_template.cache_info().currsize, os.environ.get('PROBE'))\n")
     res = run_python([str(script)], cwd=tmp_path, env={**os.environ, "PROBE": "mine"})
     assert (res.code, res.stdout.split()) == (0, ["True", "1", "mine"]), res.stderr
-    module, _, func = forks.REPLAY_WARM.partition(":")
-    assert callable(getattr(__import__(module, fromlist=[func]), func))
+    from nanbisect.pipeline.run import warm_fork_server
+
+    assert proc.warm_name(warm_fork_server) == "nanbisect.pipeline.run:warm_fork_server"

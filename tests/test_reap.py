@@ -175,7 +175,7 @@ DRIVER = CHILDREN + textwrap.dedent("""
     for kind, exc in (("kbd", lambda: KeyboardInterrupt("timer")), ("exit", lambda: SystemExit(7))):
         signal.signal(signal.SIGALRM, handler(exc))
         delays = [0.1, 0.2, 0.3, 0.45] if kind == "kbd" else [0.3]
-        offsets = after if kind == "kbd" else after[::2]
+        offsets = after        # each kind at every offset: one must land in the child's window
         for d, late in [(d, False) for d in delays] + [(d, True) for d in offsets]:
             attempt(f"timer-{kind}@{'submit+' if late else ''}{d:.4f}",
                     arm=lambda d=d: signal.setitimer(signal.ITIMER_REAL, d),
@@ -266,7 +266,7 @@ RUNNERS = CHILDREN + textwrap.dedent("""
     from pathlib import Path
 
     from nanbisect.report import rerun
-    from nanbisect.util.forks import ForkServer
+    from nanbisect.proc import ForkServer
 
     def raising(signum, frame):
         raise KeyboardInterrupt("timer")

@@ -1,7 +1,7 @@
 """Start the compiler bisection in a process of its own, show its progress, bound its time.
 
-`bisect_compiled` forks `nanbisect.compiler.child` from the fork server (`nanbisect.util.forks`:
-torch already imported), reads the lines it prints as progress, and kills its process group at
+`bisect_compiled` forks `nanbisect.compiler.child` from the fork server (`nanbisect.proc`: torch
+already imported), reads the lines it prints as progress, and kills its process group at
 ``NANBISECT_COMPILER_TIMEOUT`` seconds (default `DEFAULT_TIMEOUT`). The bisector's on-disk state
 lives in that child's own temporary directory (``TMPDIR`` of its own, removed here), so a later
 ``torch.compile`` of this process or any other never sees it.
@@ -15,17 +15,16 @@ import json
 import os
 import select
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Callable
 
+from nanbisect import proc
 from nanbisect.records import CompilerFinding, ReproResult
 from nanbisect.util.text import clip
 from nanbisect.util.numbers import env
-from nanbisect.util.forks import ForkServer, reaped, stop
 
 TIMEOUT_ENV = "NANBISECT_COMPILER_TIMEOUT"
 DEFAULT_TIMEOUT = 600.0
@@ -43,17 +42,8 @@ def _start(target: list[str], env: dict[str, str], **kw):
     # when it first compiles; the server did not have it at import: the child is told it in
     # its arguments instead
     bare = {k: v for k, v in env.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    for e in (env, bare):
-        server = ForkServer.inherited(e)
-        if server is None:
-            continue
-        try:
-            return server.start(target, env=e, **kw)
-        except OSError:
-            pass
-        finally:
-            server.close()
-    return ForkServer.get().start(target, env=env, **kw)
+    return (proc.from_server(target, env, **kw) or proc.from_server(target, bare, **kw)
+            or proc.ForkServer.get().start(target, env=env, **kw))
 
 
 def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str, compiled: str,
@@ -75,7 +65,6 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
     env = {**os.environ, "TMPDIR": str(scratch)}
     base = dict(eager=eager, compiled=compiled, phase=phase, backend=backend)
     t0 = time.perf_counter()
-    last = ""
     read, write = os.pipe()
     err = os.open(scratch / "stderr.txt", os.O_WRONLY | os.O_CREAT, 0o600)
     child = None
@@ -85,35 +74,15 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
         finally:
             os.close(write)
             os.close(err)
-        buf = b""
         deadline = time.monotonic() + limit
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                child.kill_group()
-                child.wait()
-                return CompilerFinding(**base, seconds=time.perf_counter() - t0, detail=(
-                    f"the bisection ran out of its {limit:g} s ({TIMEOUT_ENV}); its last "
-                    f"step: {last or 'none'}"))
-            ready, _, _ = select.select([read], [], [], min(left, 1.0))
-            if not ready:
-                continue
-            chunk = os.read(read, 65536)
-            if not chunk:
-                break
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            buf = buf[-65536:]      # a line that never ends: its tail only
-            for line in lines:
-                text = clip(line.decode(errors="replace").strip(), 300)
-                if text:
-                    last = text
-                    progress("compiler-bisect", f"compiler bisection: {text}")
-        try:
-            code = child.wait(max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            child.kill_group()
-            code = child.wait()
+        last, in_time = _follow(read, deadline, progress)
+        if not in_time:
+            proc.stop(child)                # its group killed, and reaped
+            return CompilerFinding(**base, seconds=time.perf_counter() - t0, detail=(
+                f"the bisection ran out of its {limit:g} s ({TIMEOUT_ENV}); its last "
+                f"step: {last or 'none'}"))
+        code = proc.finish(child, max(1.0, deadline - time.monotonic()))
+        code = child.returncode if code is None else code     # killed at the deadline
         if code == 0 and out.is_file():
             return CompilerFinding.from_json(json.loads(out.read_text()))
         tail = (scratch / "stderr.txt").read_text(errors="replace").strip().splitlines()[-1:]
@@ -125,10 +94,35 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
     finally:
         # waited for already, else (an interrupt, an OSError) ended and reaped; an interrupt
         # while it waits goes on only when nothing else is already raised (the first wins)
-        stop(child, reraise=sys.exc_info()[0] is None)
+        proc.stop(child, reraise=sys.exc_info()[0] is None)
         os.close(read)
         shutil.rmtree(scratch, ignore_errors=True)
         sys.stdout.flush()
+
+
+def _follow(read: int, deadline: float, progress: Callable[[str, str], None]
+            ) -> tuple[str, bool]:
+    """Show each line the child prints (on ``read``) as progress until it closes its end or
+    ``deadline`` passes: (its last line, whether it closed in time)."""
+    buf, last = b"", ""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return last, False
+        ready, _, _ = select.select([read], [], [], min(left, 1.0))
+        if not ready:
+            continue
+        chunk = os.read(read, 65536)
+        if not chunk:
+            return last, True
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        buf = buf[-65536:]      # a line that never ends: its tail only
+        for line in lines:
+            text = clip(line.decode(errors="replace").strip(), 300)
+            if text:
+                last = text
+                progress("compiler-bisect", f"compiler bisection: {text}")
 
 
 def run_repro_forked(script: Path, device: str, timeout: float = 300.0) -> ReproResult:
@@ -139,7 +133,7 @@ def run_repro_forked(script: Path, device: str, timeout: float = 300.0) -> Repro
     from nanbisect.report.rerun import ServerFork
 
     runner = ServerFork(start=_start)
-    with reaped(runner):    # an interrupt between the start and the result: ended, reaped
+    with proc.reaped(runner):    # an interrupt between the start and the result: ended, reaped
         runner.submit(script, device, timeout)
         if runner.child is None:
             return ReproResult(False, None, f"could not start: {runner.error}", ran=False)

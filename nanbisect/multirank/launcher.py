@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from nanbisect import devices
+from nanbisect import devices, proc
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
 from nanbisect.multirank.diagnose import (_PEER_GONE, _died, _hang, _stacks, _stage, exit_statuses,
@@ -59,7 +59,6 @@ from nanbisect.report.text import rebuild_note
 from nanbisect.report.rerun import runner
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
-from nanbisect.util import forks
 from nanbisect.util.numbers import env
 from nanbisect.util.spec import check_ranks
 from nanbisect.util.text import ranks_text, show
@@ -112,18 +111,11 @@ def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, tim
 def _start_spawner(cmd: list[str], log: int):
     """The spawner, in a session of its own: forked from the fork server this process came
     from when there is one (a triage replay, a test's CLI run: torch is imported there already,
-    `nanbisect.util.forks`), else a fresh interpreter. Has ``pid``, ``wait``, ``poll``."""
-    server = forks.ForkServer.inherited(dict(os.environ))
-    if server is not None:
-        try:
-            return server.start(cmd[1:], cwd=os.getcwd(), env=dict(os.environ), stdout=log,
-                                stderr=log)
-        except OSError:
-            pass                        # gone: a fresh interpreter, as without it
-        finally:
-            server.close()
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    `nanbisect.proc.from_server`), else a fresh interpreter. Has ``pid``, ``wait``, ``poll``."""
+    return (proc.from_server(cmd[1:], env=dict(os.environ), cwd=os.getcwd(), stdout=log,
+                             stderr=log)
+            or proc.start_exec(cmd, stdout=log, stderr=subprocess.STDOUT,
+                               start_new_session=True))
 
 
 def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
@@ -310,20 +302,7 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
         report = replace(report, errors=[*report.errors, *(
             StageError(e.stage, f"rank {r.rank}: {e.message}") for r in results
             for e in r.errors)])
-        notes = tier_notes(fidelity, target)
-        rebuilt = next((n for n in (rebuild_note((info or {}).get("observed"))
-                                    for _, info in sorted(m["ranks"].items())) if n), None)
-        if rebuilt:     # the Guard rebuilt the failing step's pre-state (every rank did)
-            notes.insert(0, rebuilt)
-        if fidelity.code_changed:
-            notes.insert(0, "the code differs from the capture's: "
-                         + ", ".join(fidelity.code_changed) + "; every rank ran today's code")
-            if report.verdict == "not-reproduced" and report.classification != "code-changed":
-                report = replace(report, classification="code-changed", notes=[
-                    *report.notes, "the replay ran different code from the capture's: the "
-                    "edit, not the hardware, is the first suspect; replay with the captured "
-                    "code to tell"])     # --ranks: its own reasons came first
-        report = replace(report, notes=[*report.notes, *notes])
+        report = _noted(report, fidelity, m, target)
         with staged(out) as tmp:
             own = next((r for r in results if report.culprit is not None
                         and r.rank == report.culprit.rank and r.repro), None)
@@ -337,6 +316,26 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
         return report
 
 
+def _noted(report: Report, fidelity, m: dict, target: str) -> Report:
+    """``report`` with the run's notes: the fidelity tier's, a rebuilt pre-state's, and code
+    that changed since the capture (which makes a failure that did not come back
+    ``code-changed``)."""
+    notes = tier_notes(fidelity, target)
+    rebuilt = next((n for n in (rebuild_note((info or {}).get("observed"))
+                                for _, info in sorted(m["ranks"].items())) if n), None)
+    if rebuilt:     # the Guard rebuilt the failing step's pre-state (every rank did)
+        notes.insert(0, rebuilt)
+    if fidelity.code_changed:
+        notes.insert(0, "the code differs from the capture's: "
+                     + ", ".join(fidelity.code_changed) + "; every rank ran today's code")
+        if report.verdict == "not-reproduced" and report.classification != "code-changed":
+            report = replace(report, classification="code-changed", notes=[
+                *report.notes, "the replay ran different code from the capture's: the "
+                "edit, not the hardware, is the first suspect; replay with the captured "
+                "code to tell"])     # --ranks: its own reasons came first
+    return replace(report, notes=[*report.notes, *notes])
+
+
 def _with_repro(report: Report, own: RankResult, tmp: Path, target: str, inject: str | None,
                 run_repro_once: bool) -> Report:
     """``report`` with the culprit rank's repro copied into the report and run once."""
@@ -346,7 +345,7 @@ def _with_repro(report: Report, own: RankResult, tmp: Path, target: str, inject:
         result = None
     else:     # a fork of this process (torch loaded) or of its fork server
         started = runner(target.split(":")[0], report.culprit.op)
-        with forks.reaped(started):     # an interrupt ends the run (`_Pending.close`)
+        with proc.reaped(started):     # an interrupt ends the run (`_Pending.close`)
             result = started.submit(script, device_of(target)).result()
     report = replace(report, repro="repro/repro.py", repro_result=result)
     if result is not None and not result.reproduced and inject:

@@ -36,11 +36,12 @@ import argparse
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-from nanbisect.util.forks import end_child, held, run_main, stop, unheld
+from nanbisect import proc
 
 _STOP_GRACE = 30.0     # seconds between SIGTERM and SIGKILL for the ranks of a failed group
 
@@ -80,89 +81,70 @@ def _rank_env(a: argparse.Namespace, rank: int, local: int, count: int) -> dict[
 
 def _fork_rank(env: dict[str, str], target: list[str], log: Path | None,
                port_pipe: int | None, close: list[int], rank: int, ranks: list[_Rank]) -> None:
-    """Fork rank ``rank``, noted in ``ranks`` before any signal handler can run (`held`); the
-    child never returns."""
-    with held() as mask:
-        pid = os.fork()
-        if pid:
-            ranks.append(_Rank(rank, pid=pid))
-            return
-        _rank_main(env, target, log, port_pipe, close, mask)
+    """Fork rank ``rank``, noted in ``ranks`` before any signal handler can run."""
+    proc.fork(lambda: _rank_main(env, target, log, port_pipe, close),
+              lambda child: ranks.append(_Rank(rank, child)))
 
 
 def _rank_main(env: dict[str, str], target: list[str], log: Path | None,
-               port_pipe: int | None, close: list[int], mask: set | None) -> None:
-    """A forked rank: its environment, then its target; it ends with ``os._exit``."""
-    code = 1
-    try:
-        unheld(mask)
-        import random
+               port_pipe: int | None, close: list[int]) -> int:
+    """A forked rank: its environment, then its target; its exit status."""
+    import random
 
-        for fd in close:                  # the other ranks' pipe ends and the parent's write ends:
-            os.close(fd)                  # EOF when the parent is gone before it wrote the port
+    for fd in close:                  # the other ranks' pipe ends and the parent's write ends:
+        os.close(fd)                  # EOF when the parent is gone before it wrote the port
 
-        random.seed()                     # a fresh interpreter's would differ from its peers'
-        if log is not None:
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            os.close(fd)
-        os.environ.update(env)
-        if port_pipe is not None:
-            with os.fdopen(port_pipe, "r") as f:
-                port = f.readline().strip()
-            if not port:                  # the store never came up: the parent said why
-                os._exit(1)
-            os.environ["MASTER_PORT"] = port
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        if threads.isdigit() and int(threads) > 0:
-            # what OpenMP would have read had it loaded after the variable was set: this
-            # spawner may itself be a fork of a server that imported torch before it was
-            import torch
+    random.seed()                     # a fresh interpreter's would differ from its peers'
+    if log is not None:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    os.environ.update(env)
+    if port_pipe is not None:
+        with os.fdopen(port_pipe, "r") as f:
+            port = f.readline().strip()
+        if not port:                  # the store never came up: the parent said why
+            os._exit(1)
+        os.environ["MASTER_PORT"] = port
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:
+        # what OpenMP would have read had it loaded after the variable was set: this
+        # spawner may itself be a fork of a server that imported torch before it was
+        import torch
 
-            torch.set_num_threads(int(threads))
-        code = run_main(target)
-    except BaseException:  # noqa: BLE001 - never return into the parent's code
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        end_child(code)
+        torch.set_num_threads(int(threads))
+    return proc.run_main(target)
 
 
 def _exec_rank(env: dict[str, str], target: list[str], log: Path | None, port: int | None):
-    import subprocess
-
     out = open(log, "w") if log is not None else None  # noqa: SIM115 - the child's own copy
     try:
         full = {**os.environ, **env, **({"MASTER_PORT": str(port)} if port is not None else {})}
-        return subprocess.Popen([sys.executable, *target], env=full, stdout=out,
-                                stderr=subprocess.STDOUT if out else None,
-                                stdin=subprocess.DEVNULL)
+        return proc.start_exec([sys.executable, *target], env=full, stdout=out,
+                               stderr=subprocess.STDOUT if out else None)
     finally:
         if out is not None:
             out.close()
 
 
 class _Rank:
-    def __init__(self, rank: int, pid: int | None = None, proc=None):
-        self.rank, self.pid, self.proc, self.code = rank, pid, proc, None
+    """One rank's child (a `proc.Forked` or a `subprocess.Popen`) and its exit status."""
+
+    def __init__(self, rank: int, child) -> None:
+        self.rank, self.child, self.code = rank, child, None
 
     def poll(self) -> int | None:
         if self.code is None:
-            if self.proc is not None:
-                self.code = self.proc.poll()
-            else:
-                got, status = os.waitpid(self.pid, os.WNOHANG)
-                if got:
-                    self.code = os.waitstatus_to_exitcode(status)
+            self.code = self.child.poll()
         return self.code
 
     def signal(self, sig: int) -> None:
-        try:
-            os.kill(self.proc.pid if self.proc is not None else self.pid, sig)
-        except ProcessLookupError:
-            pass
+        if self.child.returncode is None:
+            try:
+                self.child.send_signal(sig)
+            except ProcessLookupError:
+                pass
 
 
 def _supervise(ranks: list[_Rank], group: bool) -> int | None:
@@ -214,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
                 port = store.port
             for r in started:
                 p = _exec_rank(envs[r], target, logs / f"rank{r}.log" if logs else None, port)
-                ranks.append(_Rank(r, proc=p))
+                ranks.append(_Rank(r, p))
         else:
             ends = {r: os.pipe() for r in started} if a.group else {}
             for r in started:
@@ -238,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:   # KeyboardInterrupt, SystemExit too: no rank outlives this process
         for rank in ranks:
             if rank.code is None:
-                stop(rank.proc if rank.proc is not None else rank.pid, reraise=False)
+                proc.stop(rank.child, reraise=False)
         raise
     if a.statuses:
         path = Path(a.statuses)

@@ -33,14 +33,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import faulthandler
-import fcntl
 import gc
 import json
 import os
 import shutil
 import signal
 import sys
-import threading
 import traceback
 from contextlib import nullcontext
 from dataclasses import replace
@@ -48,7 +46,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from nanbisect import devices
+from nanbisect import devices, proc
 from nanbisect.bundle.format import read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.chain import Chain, Serving
@@ -221,17 +219,7 @@ def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, resu
 def _watch_launcher(partial: Path) -> None:
     """Exit, removing PARTIAL, once the launcher let go of its exclusive lock on PARTIAL/.lock:
     it ended, or it was killed (the kernel releases a dead process's locks)."""
-    try:
-        fd = os.open(partial / ".lock", os.O_RDONLY)
-    except OSError:   # no lock: the launcher is gone already
-        os._exit(1)
-
-    def wait() -> None:
-        fcntl.flock(fd, fcntl.LOCK_SH)    # blocks (without the GIL) while the launcher lives
-        shutil.rmtree(partial, ignore_errors=True)
-        os._exit(1)
-
-    threading.Thread(target=wait, name="nanbisect-launcher-watch", daemon=True).start()
+    proc.exit_when_free(partial, lambda: shutil.rmtree(partial, ignore_errors=True))
 
 
 def _backend(specs: list[str]) -> str | None:

@@ -188,7 +188,7 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, t
 
 
 def warm_fork_server() -> None:
-    """A fork server's warm-up (`nanbisect.util.forks.REPLAY_WARM`) for the `nanbisect run`
+    """A fork server's warm-up (``warm=`` of `nanbisect.proc.ForkServer`) for the `nanbisect run`
     processes it will fork: this module (`nanbisect run`'s path) is imported, and the report
     page's template compiled: 0.5 s of CPU each forked replay would otherwise pay. Runs no
     torch op and starts no thread."""

@@ -13,16 +13,14 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
+from nanbisect import proc
 from nanbisect.records import ReproResult
-from nanbisect.util.forks import held, reaped, stop, unheld
 
 
 def _said(code: int, stdout: str, stderr: str) -> ReproResult:
@@ -36,20 +34,26 @@ def _said(code: int, stdout: str, stderr: str) -> ReproResult:
 def run_repro(script: Path, device: str, timeout: int = 300) -> ReproResult:
     """Run the repro once in a fresh interpreter, from another directory; report what it said.
     (Not `subprocess.run`: interrupted, it kills the child without waiting for it.)"""
-    p = subprocess.Popen([sys.executable, str(script.resolve()), "--device", device],
-                         cwd=str(script.parent.parent), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    with reaped(p):
-        try:
-            out, err = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            stop(p)
-            return _timed_out(timeout)
-    return _said(p.returncode, out, err)
+    said = proc.Output()
+    with proc.reaped(said):
+        p = proc.start_exec([sys.executable, str(script.resolve()), "--device", device],
+                            cwd=str(script.parent.parent), stdin=None, stdout=said.out,
+                            stderr=said.err)
+        return _collected(p, said, timeout, timeout)
 
 
 def _timed_out(timeout: float) -> ReproResult:
     return ReproResult(False, None, f"timed out after {timeout:g}s")
+
+
+def _collected(child, said: proc.Output, left: float, timeout: float) -> ReproResult:
+    """What ``child`` said once it ended (``left`` seconds at most: then it is killed, its
+    group too, and reaped, and the run timed out after ``timeout``)."""
+    code = proc.finish(child, left)
+    if code is None:
+        said.close()
+        return _timed_out(timeout)
+    return _said(code, *said.said())
 
 
 class _Pending:
@@ -65,6 +69,9 @@ class _Pending:
 
     def _fallback(self) -> ReproResult:
         return run_repro(self.script, self.device, self.timeout)
+
+    def _left(self) -> float:
+        return max(1.0, self.deadline - time.monotonic())
 
 
 # The finder both kinds of runs install: an ``import nanbisect`` by the script itself fails as it
@@ -121,13 +128,14 @@ class Interpreter(_Pending):
 
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
+        self.output: proc.Output | None = None
 
     def start(self) -> "Interpreter":
         """Launch it (where it starts does not matter: it moves to the script's directory)."""
         try:
-            self.proc = subprocess.Popen([sys.executable, "-c", _WAITING],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True)
+            self.output = proc.Output()
+            self.proc = proc.start_exec([sys.executable, "-c", _WAITING], stdin=subprocess.PIPE,
+                                        stdout=self.output.out, stderr=self.output.err)
         except OSError:
             self.proc = None
         return self
@@ -136,82 +144,79 @@ class Interpreter(_Pending):
         """Hand the script over; it runs while the caller goes on (`result` collects it)."""
         self._submitted(script, device, timeout)
         self.handed = False
-        proc = self.proc
-        if proc is None or proc.poll() is not None:
+        p = self.proc
+        if p is None or p.poll() is not None:
             return self
         line = json.dumps([str(script.resolve()), str(script.parent.parent), "--device",
                            device]) + "\n"
         try:
-            proc.stdin.write(line)
-            proc.stdin.close()
+            p.stdin.write(line.encode())
+            p.stdin.close()
             self.handed = True
         except (BrokenPipeError, OSError):   # it died while the script was handed over
             try:
-                proc.stdin.close()
+                p.stdin.close()
             except OSError:
                 pass
-        proc.stdin = None      # closed (communicate() would flush it again)
+        p.stdin = None      # closed (a later close must not flush it again)
         return self
 
     def result(self) -> ReproResult:
         """What the submitted script said (exit 1: reproduced), as `run_repro` reports it."""
-        proc, self.proc = self.proc, None
-        if proc is None:
+        p, self.proc = self.proc, None
+        said, self.output = self.output, None
+        if p is None:
+            if said is not None:
+                said.close()
             return self._fallback()
-        with reaped(proc):
-            try:
-                out, err = proc.communicate(timeout=max(1.0, self.deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                stop(proc)
-                return _timed_out(self.timeout)
-        if proc.returncode == 75 or not self.handed:
+        with proc.reaped(p, said):
+            got = _collected(p, said, self._left(), self.timeout)
+        if p.returncode == 75 or not getattr(self, "handed", False):
             return self._fallback()     # it was not set up, or never got the script
-        return _said(proc.returncode, out, err)
+        return got
 
     def run(self, script: Path, device: str, timeout: int = 300) -> ReproResult:
         return self.submit(script, device, timeout).result()
 
     def close(self) -> None:
-        proc, self.proc = self.proc, None
-        stop(proc)
+        p, self.proc = self.proc, None
+        said, self.output = self.output, None
+        proc.stop(p)
+        if said is not None:
+            said.close()
 
 
 def _from_inherited(target: list[str], **kw):
     """Fork ``target`` from the fork server this process was forked from (`ServerFork`'s
-    default start); OSError when there is none."""
-    from nanbisect.util.forks import ForkServer
-
-    server = ForkServer.inherited(kw["env"])
-    if server is None:
+    default start); OSError when there is none (or it could not)."""
+    child = proc.from_server(target, **kw)
+    if child is None:
         raise OSError("this process was not forked from a fork server")
-    try:
-        return server.start(target, **kw)
-    finally:
-        server.close()
+    return child
 
 
 class ServerFork(_Pending):
     """One repro run forked from a fork server: by default the one this process was itself
-    forked from (a triage replay's, a test's run; `nanbisect.util.forks`), or what ``start``
-    (``start(target, cwd=, env=, stdout=, stderr=, prelude=)`` -> a started `Child`, OSError
-    when it cannot) gives. Torch is loaded there and no user code ever ran there, so the script
-    registers a custom op or imports the entry itself, as in a fresh interpreter, without paying
-    an interpreter's start and ``import torch``. The child drops nanbisect's modules the server
-    preloaded and cannot import nanbisect (`isolate`). For a device whose ranks may be forked
-    (the CPU): `usable` says when. Same ``submit``/``result`` as `Interpreter`; when it could
-    not start the child, ``error`` says why and ``result`` falls back to `run_repro`."""
+    forked from (a triage replay's, a test's run; `nanbisect.proc.forkserver`), or what
+    ``start`` (``start(target, cwd=, env=, stdout=, stderr=, prelude=)`` -> a started `Child`,
+    OSError when it cannot) gives. Torch is loaded there and no user code ever ran there, so the
+    script registers a custom op or imports the entry itself, as in a fresh interpreter, without
+    paying an interpreter's start and ``import torch``. The child drops nanbisect's modules the
+    server preloaded and cannot import nanbisect (`isolate`). For a device whose ranks may be
+    forked (the CPU): `usable` says when. Same ``submit``/``result`` as `Interpreter`; when it
+    could not start the child, ``error`` says why and ``result`` falls back to `run_repro`."""
 
     def __init__(self, start=None) -> None:
         self._start = start or _from_inherited
         self.child = None
+        self.output: proc.Output | None = None
         self.error: OSError | None = None
 
     @staticmethod
     def usable(device_type: str) -> bool:
         from nanbisect import devices
-        from nanbisect.util.forks import ForkServer
 
-        server = ForkServer.inherited(dict(os.environ))
+        server = proc.ForkServer.inherited(dict(os.environ))
         if server is None:
             return False
         server.close()
@@ -219,42 +224,29 @@ class ServerFork(_Pending):
 
     def submit(self, script: Path, device: str, timeout: float = 300) -> "ServerFork":
         self._submitted(script, device, timeout)
-        self.scratch = Path(tempfile.mkdtemp(prefix="nanbisect-repro-"))
-        out = os.open(self.scratch / "out", os.O_WRONLY | os.O_CREAT, 0o600)
-        err = os.open(self.scratch / "err", os.O_WRONLY | os.O_CREAT, 0o600)
+        self.output = proc.Output()
         try:
             self.child = self._start([str(script.resolve()), "--device", device],
                                      cwd=str(script.parent.parent), env=dict(os.environ),
-                                     stdout=out, stderr=err,
+                                     stdout=self.output.out.fileno(),
+                                     stderr=self.output.err.fileno(),
                                      prelude="nanbisect.report.rerun:isolate")
         except OSError as e:
             self.error = e
-        finally:
-            os.close(out)
-            os.close(err)
-            if self.child is None:
-                shutil.rmtree(self.scratch, ignore_errors=True)
+        if self.child is None:
+            self.output.close()
         return self
 
     def result(self) -> ReproResult:
         if self.child is None:
             return self._fallback()
-        try:
-            with reaped(self.child):
-                try:
-                    code = self.child.wait(max(1.0, self.deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    stop(self.child)
-                    return _timed_out(self.timeout)
-            said = [(self.scratch / n).read_text(errors="replace") for n in ("out", "err")]
-            return _said(code, *said)
-        finally:
-            shutil.rmtree(self.scratch, ignore_errors=True)
+        with proc.reaped(self.output):
+            return _collected(self.child, self.output, self._left(), self.timeout)
 
     def close(self) -> None:
         if self.child is not None:
-            stop(self.child)
-            shutil.rmtree(self.scratch, ignore_errors=True)
+            proc.stop(self.child)
+            self.output.close()
 
 
 def isolate() -> None:
@@ -295,6 +287,9 @@ class Fork(_Pending):
     directory. Same ``submit``/``result`` as `Interpreter`.
     """
 
+    child: proc.Forked | None = None
+    output: proc.Output | None = None
+
     @staticmethod
     def usable(device_type: str, op: str) -> bool:
         """A CPU run of a built-in op (``op`` as ``str()`` of its overload)."""
@@ -303,71 +298,37 @@ class Fork(_Pending):
         return (hasattr(os, "fork") and devices.entry(device_type).forkable
                 and op.split(".", 1)[0] in BUILTIN_NAMESPACES)
 
+    @property
+    def pid(self) -> int | None:
+        return None if self.child is None else self.child.pid
+
     def submit(self, script: Path, device: str, timeout: int = 300) -> "Fork":
         self._submitted(script, device, timeout)
-        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        self.live = False
-        try:
-            with held() as mask:   # no handler runs before the pid is stored (`close` needs it)
-                self.pid = os.fork()
-                self.live = self.pid != 0
-                if self.pid == 0:  # the child: never returns
-                    code = 1
-                    try:
-                        code = _forked(script, device, self.out.fileno(), self.err.fileno(),
-                                       mask)
-                    finally:
-                        os._exit(code)
+        self.output = said = proc.Output()
+        try:   # the child is stored before any handler runs (`close` needs it)
+            proc.fork(lambda: _forked(script, device, said.out.fileno(), said.err.fileno()),
+                      lambda child: setattr(self, "child", child),
+                      defaults=(signal.SIGTERM, signal.SIGINT, signal.SIGHUP))
         except OSError:        # e.g. no memory to account a copy of a large process for
-            self.pid = None
+            self.child = None
         return self
 
     def result(self) -> ReproResult:
-        if self.pid is None:   # it could not fork: a fresh interpreter instead
-            for f in (self.out, self.err):
-                f.close()
+        if self.child is None:   # it could not fork: a fresh interpreter instead
+            self.output.close()
             return self._fallback()
-        code = None
-        with reaped(self):
-            while code is None:
-                with held():    # reaped and marked so as one step: `close` never kills a
-                    pid, status = os.waitpid(self.pid, os.WNOHANG)     # pid it reaped
-                    if pid:
-                        self.live = False
-                if pid:
-                    code = os.waitstatus_to_exitcode(status)
-                elif time.monotonic() > self.deadline:
-                    self.close()
-                    return _timed_out(self.timeout)
-                else:
-                    time.sleep(0.005)
-        said = []
-        for f in (self.out, self.err):
-            f.seek(0)
-            said.append(f.read().decode(errors="replace"))
-            f.close()
-        return _said(code, *said)
+        with proc.reaped(self):
+            return _collected(self.child, self.output, self.deadline - time.monotonic(),
+                              self.timeout)
 
     def close(self) -> None:
-        if getattr(self, "live", False):
-            self.live = False
-            stop(self.pid)
-        for f in (getattr(self, "out", None), getattr(self, "err", None)):
-            if f is not None:
-                f.close()
+        proc.stop(self.child)
+        if self.output is not None:
+            self.output.close()
 
 
-def _forked(script: Path, device: str, out: int, err: int, mask: set | None = None) -> int:
-    """In the forked child: run ``script`` as a fresh ``python script --device D`` would
-    (``mask``: the signal mask to restore, `held`'s)."""
-    import runpy
-    import traceback
-
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_DFL)
-    unheld(mask)
+def _forked(script: Path, device: str, out: int, err: int) -> int:
+    """In the forked child: run ``script`` as a fresh ``python script --device D`` would."""
     os.dup2(out, 1)
     os.dup2(err, 2)
     sys.stdout = open(1, "w", closefd=False)     # objects of its own: no lock a thread of the
@@ -378,20 +339,7 @@ def _forked(script: Path, device: str, out: int, err: int, mask: set | None = No
         del sys.modules[name]
     exec(_BLOCK, {})
     os.chdir(script.parent.parent)
-    sys.argv = [str(script.resolve()), "--device", device]
-    sys.path[0] = str(script.resolve().parent)
-    try:
-        runpy.run_path(str(script.resolve()), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        if e.code is None or isinstance(e.code, int):
-            code = e.code or 0
-        else:
-            print(e.code, file=sys.stderr)
-            code = 1
-    except BaseException:
-        traceback.print_exc()
-        code = 1
+    code = proc.run_target([str(script.resolve()), "--device", device])
     sys.stdout.flush()
     sys.stderr.flush()
     return code

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import shutil
 import signal
-import tempfile
 import threading
 import time
 import warnings
 from pathlib import Path
 
+from nanbisect import proc
 from nanbisect.errors import BadInput, signal_name
 from nanbisect.triage.backends import _backend, _jobs
 from nanbisect.triage.cache import _Cache, cache_key
@@ -21,7 +19,6 @@ from nanbisect.triage.find import _check_roots, discover
 from nanbisect.triage.reports import copy_in, drop
 from nanbisect.triage.summary import TriageResult, _State
 from nanbisect.triage.worker import _analyse_one
-from nanbisect.util import lockdir
 from nanbisect.util.numbers import NUMBERS, check_environment
 
 DEFAULT_TIMEOUT = 1800.0            # seconds per bundle
@@ -87,30 +84,14 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
                            "triage.md and the cache")
         cache = cache if cache is not None else out / "cache"
     options = {"reference": "none", **(options or {})}
-    from nanbisect.bundle.leftovers import find_leftovers
-
     previous = _last_night(out)
     state = _State(roots, set(known), out, options, backend, timeout,
                    previous=previous if previous is not None or not known else set(known))
     store = _Cache(cache)
     with _interruptible():
         try:
-            bundles, state.skipped = discover(roots, exclude=tuple(p for p in (out, cache) if p))
-            state.pending = {str(b) for b in bundles}
-            try:
-                state.leftovers = [x.to_json() for x in find_leftovers(roots, beside=bundles)]
-            except Exception as e:  # noqa: BLE001 - a listing problem must not stop the night
-                state.leftovers = [{"path": "", "bytes": 0, "age_s": 0.0, "kind": "error",
-                                    "error": f"{type(e).__name__}: {str(e)[:200]}"}]
-            with _backend(backend, scheduler, address, jobs) as (config, n_jobs, wave):
-                _first_write(out, state)
-                todo = _lookup(bundles, options, store, state)
-                state.write()
-                todo, copies = _copies(todo)
-                if todo:
-                    if backend == "loky":
-                        n_jobs = _jobs([Path(b) for b, _ in todo], n_jobs)
-                    _replay(todo, copies, options, timeout, config, n_jobs, wave, store, state)
+            _night(roots, state, store, out, cache, options, timeout,
+                   (backend, scheduler, address, jobs))
         except _Interrupted as e:
             state.interrupted = signal_name(e.signum)
         except KeyboardInterrupt:
@@ -125,6 +106,31 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
         state.finished = True
         data = state.write(final=True)
     return TriageResult(data, data["exit_code"])
+
+
+def _night(roots: list[Path], state: _State, store: _Cache, out: Path | None,
+           cache: Path | None, options: dict, timeout: float, how: tuple) -> None:
+    """Discover the bundles, answer what the cache knows and replay the rest (``how``:
+    backend, scheduler, address, jobs), writing the summary as it goes."""
+    from nanbisect.bundle.leftovers import find_leftovers
+
+    backend, scheduler, address, jobs = how
+    bundles, state.skipped = discover(roots, exclude=tuple(p for p in (out, cache) if p))
+    state.pending = {str(b) for b in bundles}
+    try:
+        state.leftovers = [x.to_json() for x in find_leftovers(roots, beside=bundles)]
+    except Exception as e:  # noqa: BLE001 - a listing problem must not stop the night
+        state.leftovers = [{"path": "", "bytes": 0, "age_s": 0.0, "kind": "error",
+                            "error": f"{type(e).__name__}: {str(e)[:200]}"}]
+    with _backend(backend, scheduler, address, jobs) as (config, n_jobs, wave):
+        _first_write(out, state)
+        todo = _lookup(bundles, options, store, state)
+        state.write()
+        todo, copies = _copies(todo)
+        if todo:
+            if backend == "loky":
+                n_jobs = _jobs([Path(b) for b, _ in todo], n_jobs)
+            _replay(todo, copies, options, timeout, config, n_jobs, wave, store, state)
 
 
 def _last_night(out: Path | None) -> set[str] | None:
@@ -214,13 +220,9 @@ def _replay(todo: list[tuple[str, str]], copies: dict[str, list[str]], options: 
     keys = dict(todo)
     _sweep_scratch(timeout)
     # NB: the pid in the name is for people; whether the run is alive is its lock's to say
-    scratch, lock = lockdir.make(f"nanbisect-triage-{os.getpid()}-")
-    try:
+    with proc.locked(f"nanbisect-triage-{os.getpid()}-") as scratch:
         _replay_all(keys, copies, options, timeout, config, n_jobs, wave, store, state,
                     str(scratch))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
-        os.close(lock)
 
 
 def _keep(state: _State, bundle: str) -> str | None:
@@ -231,29 +233,14 @@ def _keep(state: _State, bundle: str) -> str | None:
 
 def _sweep_scratch(timeout: float) -> None:
     """Remove what killed runs left in the temporary directory: a scratch directory
-    (``nanbisect-triage-[PID-]*``) whose lock (`nanbisect.util.lockdir`) no live process holds
+    (``nanbisect-triage-[PID-]*``) whose lock (`nanbisect.proc.locked`) no live process holds
     (kill -9 of triage while a replay was still starting, before its guardian existed),
     whatever pid its name holds: a triage in another PID namespace sharing ``$TMPDIR`` holds
     its lock as well as one here, and a dead run's pid may have gone to an unrelated process.
     One without a lock (an older nanbisect's, or killed before its lock existed) goes only
     when older than a day and than twice ``timeout``."""
-    tmp = Path(tempfile.gettempdir())
-    try:
-        entries = list(os.scandir(tmp))
-    except OSError:
-        return
-    for e in entries:
-        m = re.fullmatch(r"nanbisect-triage-(?:(\d+)-)?[a-z0-9_]{8}", e.name)
-        if not m or not e.is_dir(follow_symlinks=False):
-            continue
-        owner = lockdir.state(e.path)
-        if owner == "held":
-            continue                    # its run is alive, here or in another PID namespace
-        if owner == "none":
-            with contextlib.suppress(OSError):
-                if time.time() - e.stat(follow_symlinks=False).st_mtime < max(86400, 2 * timeout):
-                    continue
-        shutil.rmtree(e.path, ignore_errors=True)
+    proc.sweep(r"nanbisect-triage-(?:(\d+)-)?[a-z0-9_]{8}",
+               unlocked_after=max(86400, 2 * timeout))
 
 
 def _replay_all(keys: dict[str, str], copies: dict[str, list[str]], options: dict,

@@ -1,5 +1,5 @@
 """One bundle, in a worker: its replay in a process of its own (``nanbisect run`` in a new
-session, forked from the worker's fork server, `nanbisect.util.forks`: torch is imported once per
+session, forked from the worker's fork server, `nanbisect.proc`: torch is imported once per
 worker, not once per bundle), guarded so that nothing outlives the process that started it.
 
 Guarantees: `_analyse_one` never raises; a hang, a crash or a missing report is a row of its own.
@@ -20,7 +20,8 @@ from pathlib import Path
 from nanbisect.errors import signal_name
 from nanbisect.triage.cache import _MAX_REPORT
 from nanbisect.triage.reports import place
-from nanbisect.util import forks, lockdir
+from nanbisect import proc
+from nanbisect.util import lockdir
 from nanbisect.util.files import read_json
 
 _STDERR_TAIL = 2000
@@ -29,47 +30,30 @@ _STDERR_TAIL = 2000
 
 def _guard_replay() -> None:
     """Called first in the replay process (in a session of its own: a fork of this worker's
-    fork server, or ``python -c _CHILD run BUNDLE ...``), which then runs the CLI. It dies with
-    its parent (Linux ``PR_SET_PDEATHSIG``: the thread that started it, or the fork server's
-    reaper, which lives as long as it does) and forks a guardian holding the read end of a
-    pipe whose write end only the starter has: when the starter is done with it or dies
-    (SIGKILL too), the read returns EOF and the guardian kills the replay's whole process
-    group and removes the replay's scratch directory (which a starter killed by SIGKILL
-    cannot)."""
+    fork server, or ``python -c _CHILD run BUNDLE ...``), which then runs the CLI: it dies with
+    its starter and a guardian kills its whole process group when the starter is done with it
+    or dies (`nanbisect.proc.guard_group`), then removes the replay's scratch directory (which a
+    starter killed by SIGKILL cannot)."""
     fd = int(os.environ.pop("NANBISECT_TRIAGE_FD"))
     starter = int(os.environ.pop("NANBISECT_TRIAGE_PARENT") or os.getppid())
     scratch = os.environ.pop("NANBISECT_TRIAGE_TMP", "")
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL))     # PR_SET_PDEATHSIG
-    if os.getppid() != starter:         # it died before the line above
-        os._exit(125)
-    group = os.getpgrp()
-    if os.fork() == 0:
-        said = b""                      # the starter writes "done" before it closes its end
-        try:
-            os.setpgid(0, 0)            # out of the group it is about to kill
-            os.closerange(0, fd)
-            while chunk := os.read(fd, 4096):
-                said += chunk[:16]
-        except BaseException:  # noqa: BLE001 - whatever happens, the group goes
-            pass
-        with contextlib.suppress(OSError):
-            os.killpg(group, signal.SIGKILL)
-        if os.path.basename(scratch).startswith("nanbisect-triage-"):
-            shutil.rmtree(scratch, ignore_errors=True)   # what a killed starter could not
-            up = os.path.dirname(scratch)
-            if not said.startswith(b"done") and os.path.basename(up).startswith(
-                    "nanbisect-triage-") and lockdir.freed(up, 2.0):
-                # the starter died and so did the run (its lock is free): the run's directory
-                shutil.rmtree(up, ignore_errors=True)
-        os._exit(0)
-    os.close(fd)
+    proc.guard_group(fd, starter, lambda said: _clear(scratch, said))
     sys.argv[0] = "nanbisect"
 
 
+def _clear(scratch: str, said: bytes) -> None:
+    """In the guardian, once the replay's group is gone: its scratch directory, and the run's
+    when the starter died (it wrote no ``done``) and so did the run (its lock is free)."""
+    if os.path.basename(scratch).startswith("nanbisect-triage-"):
+        shutil.rmtree(scratch, ignore_errors=True)
+        up = os.path.dirname(scratch)
+        if not said.startswith(b"done") and os.path.basename(up).startswith(
+                "nanbisect-triage-") and lockdir.freed(up, 2.0):
+            shutil.rmtree(up, ignore_errors=True)
+
+
+# the fork server's warm-up for `nanbisect run` (named: importing it would import torch here)
+REPLAY_WARM = "nanbisect.pipeline.run:warm_fork_server"
 _CHILD = ("from nanbisect.triage.worker import _guard_replay; _guard_replay(); "
           "from nanbisect.cli import main; main()")
 _active: set[int] = set()              # process groups of replays this process is running
@@ -138,16 +122,15 @@ def _start(args: list[str], r: int, err: int, tmp: Path, cwd: str | None):
     env = {**os.environ, "NANBISECT_TRIAGE_TMP": str(tmp)}
     if _forks():
         try:
-            return forks.ForkServer.get(warm=forks.REPLAY_WARM).start(
+            return proc.ForkServer.get(warm=REPLAY_WARM).start(
                 ["-m", "nanbisect", *args], cwd=cwd or os.getcwd(), stderr=err,
                 env={**env, "NANBISECT_TRIAGE_PARENT": ""}, keep={"NANBISECT_TRIAGE_FD": r},
                 prelude="nanbisect.triage.worker:_guard_replay", share=True)
         except OSError:
             pass                        # a fresh interpreter, as without the server
     env.update(NANBISECT_TRIAGE_FD=str(r), NANBISECT_TRIAGE_PARENT=str(os.getpid()))
-    return subprocess.Popen([sys.executable, "-c", _CHILD, *args], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=err, pass_fds=(r,),
-                            start_new_session=True, env=env, cwd=cwd)
+    return proc.start_exec([sys.executable, "-c", _CHILD, *args], stdout=subprocess.DEVNULL,
+                           stderr=err, pass_fds=(r,), start_new_session=True, env=env, cwd=cwd)
 
 
 def _run_args(bundle: str, out: Path, options: dict) -> list[str]:
@@ -200,24 +183,21 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                                  os.path.isdir(scratch) else None)
     except Exception as e:  # noqa: BLE001
         return done(error=f"could not start the replay ({type(e).__name__}: {e})", kind="crash")
-    proc = None
+    child = None
     r = w = -1
     try:
         out = tmp / "report"            # `run --out` refuses existing directories: a fresh path
         args = _run_args(bundle, out, options)
         r, w = os.pipe()
         with open(tmp / "stderr", "wb") as err:
-            proc = _start(args, r, err.fileno(), tmp, cwd if cwd and os.path.isdir(cwd) else None)
+            child = _start(args, r, err.fileno(), tmp,
+                           cwd if cwd and os.path.isdir(cwd) else None)
         os.close(r)
         r = -1
         with _active_lock:
-            _active.add(proc.pid)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(OSError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            _active.add(child.pid)
+        rc = proc.finish(child, timeout)      # past it: its group killed, and reaped
+        if rc is None:
             return done(error=f"replay exceeded --timeout {timeout:g}s and was killed",
                         kind="timeout")
         return done(**_outcome(rc, tmp, out, keep))
@@ -225,11 +205,11 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
         return done(error=f"replay could not run ({type(e).__name__}: {str(e)[:300]})",
                     kind="crash")
     finally:
-        if proc is not None:
+        if child is not None:
             # interrupted while waiting: the replay goes too, reaped (the first error wins)
-            forks.stop(proc, reraise=sys.exc_info()[0] is None)
+            proc.stop(child, reraise=sys.exc_info()[0] is None)
             with _active_lock:
-                _active.discard(proc.pid)
+                _active.discard(child.pid)
         if w >= 0:
             with contextlib.suppress(OSError):
                 os.write(w, b"done")    # a finish, not a death: the run's directory stays

@@ -9,6 +9,9 @@ nothing across namespaces, and a dead owner's pid may name an unrelated live pro
 Guarantees: the lock file gets its name only once it is held, so ``.lock`` is never seen free
 while its owner lives; links are not followed. Not guaranteed: file systems without ``flock``
 (some network file systems) read as "held" (nothing is removed by mistake).
+
+What is built on it (a directory for the length of a block, the sweep of dead owners' ones, a
+janitor that kills an owner's processes when it dies): `nanbisect.proc.scratch`.
 """
 from __future__ import annotations
 

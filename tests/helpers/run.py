@@ -30,7 +30,7 @@ class CliResult:
 def cli(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: int = 300,
         fresh: bool = False) -> CliResult:
     """Run ``python -m nanbisect ARGS`` in a process of its own: forked from this worker's fork
-    server (`nanbisect.util.forks`: torch imported once), or, with ``fresh`` (or an environment that
+    server (`nanbisect.proc`: torch imported once), or, with ``fresh`` (or an environment that
     differs in what torch reads at import, or ``NANBISECT_FRESH_CLI=1``), a fresh interpreter."""
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("NANBISECT_TEST")}
     full_env.update({k: str(v) for k, v in (env or {}).items()})
@@ -54,7 +54,7 @@ def run_python(target: list[str], *, cwd: Path = ROOT, env: dict | None = None,
 
 
 class _Zygote:
-    """This worker's fork server (the product's, `nanbisect.util.forks`: torch imported once),
+    """This worker's fork server (the product's, `nanbisect.proc`: torch imported once),
     started on first use; None from `start` when it cannot serve a request (then the caller starts
     a fresh interpreter)."""
 
@@ -64,16 +64,16 @@ class _Zygote:
         self.lock = threading.Lock()
 
     def _same_import_env(self, env: dict[str, str]) -> bool:
-        from nanbisect.util.forks import import_env
+        from nanbisect.proc import import_env
 
         return import_env(env) == import_env(self.env)
 
     def start(self, target: list[str], cwd: Path, env: dict[str, str], stdout: int,
               stderr: int):
         """Fork ``python TARGET`` from the server (started, or restarted for another import
-        environment, here): its `nanbisect.util.forks.Child`, or None when the server is busy
+        environment, here): its `nanbisect.proc.Child`, or None when the server is busy
         with another thread's request or cannot serve."""
-        from nanbisect.util.forks import REPLAY_WARM, ForkServer
+        from nanbisect.proc import ForkServer
 
         if not self.lock.acquire(blocking=False):      # a test running CLIs side by side
             return None
@@ -83,7 +83,7 @@ class _Zygote:
                 self.close()
             if self.server is None:
                 self.env = dict(env)
-                self.server = ForkServer(env, warm=REPLAY_WARM)
+                self.server = ForkServer(env, warm="nanbisect.pipeline.run:warm_fork_server")
             return self.server.start(target, cwd=str(cwd), env=env, stdout=stdout,
                                      stderr=stderr, share=True)
         except OSError:
