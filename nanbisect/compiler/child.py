@@ -17,19 +17,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import re
 import sys
 import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.bundle.format import read_bundle
 from nanbisect.locate.catch import catch_module_call
 from nanbisect.records import CallId, CompilerFinding
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.compiled import compile_model, point_debug_output
 from nanbisect.util.recordjson import dumps
 from nanbisect.util.tensors import nonfinite
@@ -45,16 +44,14 @@ def op_of(debug_info: str | None) -> str | None:
     >>> op_of("add_2") is None
     True
     """
-    m = re.search(r"op='([\w.:]+)', overload='(\w+)'", debug_info or "")
-    return f"{m.group(1)}.{m.group(2)}" if m else None
+    return ti.op_of(debug_info)
 
 
 def bisect(rep: Replayer, phase: str | None) -> tuple[object, float]:
     """torch's bisection of the compiled step; (its `BisectionResult` or None, seconds). A
     failure of the forward is bisected on the forward alone, without autograd (a graph without
     its backward compiles in about half the time)."""
-    from torch._inductor.compiler_bisector import CompilerBisector
-
+    CompilerBisector = ti.compiler_bisector()
     captured = (rep.compiled_spec or {}).get("backend") or "inductor"
     forward = phase == "forward" and rep.task.accumulate == 1
 
@@ -71,23 +68,26 @@ def bisect(rep: Replayer, phase: str | None) -> tuple[object, float]:
     return result, time.perf_counter() - t0
 
 
-class _OpCalls(TorchDispatchMode):
+class _OpCalls(ti.ObserverMode):
     """The module calls (innermost) in which ``op`` runs, in order."""
 
     def __init__(self, op: str, tracker: ModuleTracker) -> None:
         super().__init__()
         self.op, self.tracker, self.calls = op, tracker, []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if str(func) == self.op and self.tracker.stack:
-            call = self.tracker.stack[-1][0]
-            if call not in self.calls:
-                self.calls.append(call)
-        return func(*args, **(kwargs or {}))
+    def wants(self, func) -> bool:
+        return True
+
+    def before(self, call: ti.OpCall) -> bool:
+        if call.name == self.op and self.tracker.stack:
+            mcall = self.tracker.stack[-1][0]
+            if mcall not in self.calls:
+                self.calls.append(mcall)
+        return False
 
 
 def _bad(tree) -> int:
-    return sum(sum(nonfinite(t.detach())[:2]) for t in torch.utils._pytree.tree_leaves(tree)
+    return sum(sum(nonfinite(t.detach())[:2]) for t in ti.tree_leaves(tree)
                if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()))
 
 
@@ -104,7 +104,7 @@ def attribute(rep: Replayer, op: str, backend: str) -> CallId | None:
         if mc is None or _bad([mc.args, mc.kwargs]):
             continue
         module = rep.task.model.get_submodule(call.module)
-        torch._dynamo.reset()
+        ti.dynamo_reset()
         compiled = compile_model(module, rep.compiled_spec or {}, backend)
         with torch.no_grad():
             if _bad(compiled(*mc.args, **mc.kwargs)):
@@ -131,11 +131,9 @@ def main(argv: list[str] | None = None) -> int:
         # removes
         point_debug_output(os.path.join(os.environ["TMPDIR"], "torch_compile_debug"))
     if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:
-        import torch._inductor.config as inductor_config
-
         # small graphs, compiled one after another: a pool of compile workers costs more than
         # it saves
-        inductor_config.compile_threads = 1
+        ti.set_compile_threads(1)
     device, dtype = parse_device(a.device)
     print("bisect: building the task", flush=True)
     rep = Replayer(read_bundle(a.bundle), device, dtype, entry=a.entry)
@@ -147,13 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             "every backend the bisector tries computed a finite step: the failure does not "
             "come back compiled on every run (a race, a non-deterministic kernel)"))
     else:
-        config = None
-        from torch._inductor.compiler_bisector import BACKENDS, ConfigChange
-
-        sub = next((s for s in BACKENDS.get(result.backend, [])
-                    if s.name == result.subsystem), None)
-        if isinstance(sub, ConfigChange):
-            config = f"{sub.config_name}.{sub.config_field}={sub.config_value}"
+        config = ti.bisector_config_change(result.backend, result.subsystem)
         op = op_of(result.debug_info)
         call = None
         if op is not None:

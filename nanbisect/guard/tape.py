@@ -2,7 +2,7 @@
 replay of a few ranks, ``nanbisect run --ranks R,...``, is served by `nanbisect.multirank.tape`).
 
 `record_step`, called by Guard on every rank when the failure flag trips: the failing
-step runs once more from its pre-step snapshot under `TapeRecorder`, a TorchDispatchMode that
+step runs once more from its pre-step snapshot under `TapeRecorder`, a dispatch mode that
 sees every dispatched collective (``c10d::*``: a tensor-parallel all-reduce, FSDP2's all-gather
 and reduce-scatter, a DTensor reduction in ``clip_grad_norm_``; ``_c10d_functional::*``), waits for
 it and keeps what it wrote, in order, with NaN/inf counts and a sha256 of what it read. DDP's
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.bundle.state import local
 from nanbisect.bundle.tape import SCHEMA, Entry, input_digest
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
                                           group_size, leaf_tensors, taped, wait_collective)
 from nanbisect.replay.recorder import read_args
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import nan_inf_counts as _counts
 
 
@@ -49,7 +49,7 @@ class Tape:
                 "rerun_failed": self.rerun_failed}
 
 
-class TapeRecorder(TorchDispatchMode):
+class TapeRecorder(ti.ObserverMode):
     """Capture: keep what every collective of the step wrote, in order (see the module doc)."""
 
     def __init__(self, tape: Tape, ddp: bool = False) -> None:
@@ -58,23 +58,31 @@ class TapeRecorder(TorchDispatchMode):
         self.ddp = ddp
         self.error: str | None = None     # the first thing that went wrong while recording
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not taped(func) or self.error is not None:
-            return func(*args, **kwargs)
-        # NB: never raise out of here: the step must go on, with its collectives matched on
-        # every rank; a failure to record makes the tape unusable, not the step
+    # NB: no hook raises: the step must go on, with its collectives matched on every rank; a
+    # failure to record makes the tape unusable, not the step
+    def wants(self, func) -> bool:
+        return taped(func) and self.error is None
+
+    def before(self, call: ti.OpCall) -> bool:
+        """What the collective reads (NaN/inf counts, digest); DDP's bucket rebuilds are not
+        followed."""
         try:
             internal = ddp_internal(caller(), self.ddp)
             if internal == "rebuild":
-                return func(*args, **kwargs)
-            reads = leaf_tensors(read_args(func, args, kwargs))
+                return False
+            reads = leaf_tensors(read_args(call.func, call.args, call.kwargs))
             in_nan, in_inf = _counts(reads)
             digest = input_digest(reads) if internal is None else ""
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {str(e)[:200]}"
-            return func(*args, **kwargs)
-        out = func(*args, **kwargs)
+            return False
+        call.read = (internal, in_nan, in_inf, digest)
+        return True
+
+    def after(self, call: ti.OpCall, out: Any) -> None:
+        """What it wrote: an entry of the tape, and its tensors unless DDP's own."""
+        func, args, kwargs = call.func, call.args, call.kwargs
+        internal, in_nan, in_inf, digest = call.read
         try:
             wait_collective(func, out)
             wrote = collective_outputs(func, args, kwargs, out)
@@ -90,7 +98,6 @@ class TapeRecorder(TorchDispatchMode):
                     self.tape.tensors[f"c{i}.{j}"] = t.detach().to("cpu", copy=True).contiguous()
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {str(e)[:200]}"
-        return out
 
 
 def record_step(task, batch: Any) -> tuple[Tape | None, str | None]:

@@ -19,8 +19,6 @@ from contextlib import nullcontext
 from typing import Callable, ContextManager
 
 import torch
-from torch.autograd.function import BackwardCFunction
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect import devices
 from nanbisect.bundle.state import local
@@ -30,12 +28,15 @@ from nanbisect.replay.recorder import SKIP, made_node
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.util import frames
+from nanbisect.util import torch_internals as ti
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nanbisect/
 _FRAME = re.compile(r'File "(.+)", line (\d+)')
-# a dispatch mode that rides along the catch (`RowTracer`) is not on the op's way from the user
-_RIDERS = {os.path.join(_OWN_DIR, "locate", "rows.py")}
+# a dispatch mode that rides along the catch (`RowTracer`) is not on the op's way from the user,
+# nor is the observer mode's own dispatch (`torch_internals`) that runs the catcher's hooks
+_RIDERS = {os.path.join(_OWN_DIR, "locate", "rows.py"),
+           os.path.join(_OWN_DIR, "util", "torch_internals.py")}
 
 
 def _where(path: str) -> str:
@@ -117,7 +118,7 @@ class _Caught(BaseException):
     does not swallow it."""
 
 
-class InputCatcher(TorchDispatchMode):
+class InputCatcher(ti.ObserverMode):
     """Clone the arguments of the op at ``site``; set ``.phase`` as the step moves on.
 
     NB: matched by op and occurrence within the phase, not by the step-wide op index: a wrapper
@@ -138,28 +139,33 @@ class InputCatcher(TorchDispatchMode):
         # the op (autograd sets ``grad_fn`` after the op returns: read at the next op)
         self._made: list = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def wants(self, func) -> bool:
         if self._made:
             _tag_nodes(self._made)
-        if self.site.phase == "backward" and self.phase == "forward" and func not in SKIP:
-            out = func(*args, **kwargs)
-            self._made = [(str(func), [weakref.ref(t) for t in torch.utils._pytree.tree_leaves(out)
-                                       if isinstance(t, torch.Tensor)])]
-            return out
-        if (self.caught is None and self.phase == self.site.phase and func not in SKIP
-                and str(func) == self.site.op):
+        return func not in SKIP
+
+    def before(self, call: ti.OpCall) -> bool:
+        """A forward op before a backward site: follow it (`after` keeps its outputs). At the
+        site: catch (and, with ``stop``, end the replay)."""
+        if self.site.phase == "backward" and self.phase == "forward":
+            return True
+        if self.caught is None and self.phase == self.site.phase and call.name == self.site.op:
             if self.seen == self.site.occurrence:
-                self.caught = self._catch(func, args, kwargs, self.phase, self.optimizer_files)
+                self.caught = self._catch(call.func, call.args, call.kwargs, self.phase,
+                                          self.optimizer_files)
                 if self.stop:
                     raise _Caught()
             self.seen += 1
-        return func(*args, **kwargs)
+        return False
+
+    def after(self, call: ti.OpCall, out) -> None:
+        self._made = [(call.name, [weakref.ref(t) for t in call.out_leaves()
+                                   if isinstance(t, torch.Tensor)])]
 
     @staticmethod
     def _catch(func, args, kwargs, phase: str, optimizer_files: tuple[str, ...]) -> Caught:
         rng = {"rng/cpu": torch.get_rng_state()}
-        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+        for t in ti.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
                 state = devices.entry(t.device).get_device_rng(t.device)
                 if state is not None:
@@ -170,18 +176,17 @@ class InputCatcher(TorchDispatchMode):
         source = calling_frame(stack)
         if source is None and phase == "optimizer":    # the optimizer's own code
             source = optimizer_frame(stack, optimizer_files)
-        node = torch._C._current_autograd_node()
+        node = ti.current_autograd_node()
         made = None
         if node is not None:
-            tb = (node.metadata or {}).get("traceback_") or []
+            tb = ti.anomaly_traceback(node)
             made = user_frame([(m.group(1), int(m.group(2))) for line in tb
                                for m in [_FRAME.search(line)] if m])
             if source is None:      # a backward formula: where forward made it
                 source = made
-        return Caught(op=str(func), args=torch.utils._pytree.tree_map(_clone, list(args)),
-                      kwargs=torch.utils._pytree.tree_map(_clone, dict(kwargs)),
-                      mutated=[i for i, a in enumerate(func._schema.arguments[:len(args)])
-                               if a.alias_info is not None and a.alias_info.is_write],
+        return Caught(op=str(func), args=ti.tree_map(_clone, list(args)),
+                      kwargs=ti.tree_map(_clone, dict(kwargs)),
+                      mutated=ti.written_positions(func, len(args)),
                       rng=rng, source=source,
                       node=Node(node.name(), (node.metadata or {}).get(_OP_KEY), made)
                       if node is not None else None)
@@ -195,7 +200,7 @@ def _tag_nodes(made: list) -> None:
     for op, refs in made:
         fn = made_node(refs)
         # NB: a custom Function's node is made by its apply, not by the last op of its forward
-        if fn is not None and not isinstance(fn, BackwardCFunction) and \
+        if fn is not None and not ti.is_custom_function_node(fn) and \
                 _OP_KEY not in fn.metadata:
             fn.metadata[_OP_KEY] = op
     made.clear()
@@ -243,7 +248,7 @@ class AheadCatch:
 
     def on_born(self, index: int, func, args: tuple, kwargs: dict) -> None:
         size = sum(t.numel() * t.element_size() for t in
-                   torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
+                   ti.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor))
         if self.bytes + size > self.max_bytes:
             return
         self.bytes += size
@@ -311,8 +316,8 @@ def catch_module_call(rep: Replayer, target: CallId,
     def enter(call, mod, args, kwargs):
         if call == target:
             clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa
-            out.append(dict(call=call, args=torch.utils._pytree.tree_map(clone, list(args)),
-                            kwargs=torch.utils._pytree.tree_map(clone, dict(kwargs)),
+            out.append(dict(call=call, args=ti.tree_map(clone, list(args)),
+                            kwargs=ti.tree_map(clone, dict(kwargs)),
                             state={k: v.detach().clone()
                                    for k, v in mod.state_dict(keep_vars=True).items()},
                             rng={"rng/cpu": torch.get_rng_state()}))
@@ -320,7 +325,7 @@ def catch_module_call(rep: Replayer, target: CallId,
     def leave(call, mod, args, kwargs, output):
         if call != target or not backward:
             return
-        leaves = [t for t in torch.utils._pytree.tree_leaves(output) if isinstance(t, torch.Tensor)]
+        leaves = [t for t in ti.tree_leaves(output) if isinstance(t, torch.Tensor)]
         grads.extend([None] * len(leaves))
         for i, t in enumerate(leaves):
             if (t.is_floating_point() or t.is_complex()) and t.requires_grad:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from nanbisect.records import Caught, Culprit, OpFinding
+from nanbisect.util import torch_internals as ti
 
 # backward formulas that divide by their forward result or input: infinite slope at 0
 _AT_ZERO = {"SqrtBackward0": "sqrt", "RsqrtBackward0": "rsqrt", "PowBackward0": "pow",
@@ -43,7 +44,7 @@ _HALF_MAX = 65504.0
 def _tensors(caught: Caught | None) -> list[torch.Tensor]:
     if caught is None:
         return []
-    return [t for t in torch.utils._pytree.tree_leaves((caught.args, caught.kwargs))
+    return [t for t in ti.tree_leaves((caught.args, caught.kwargs))
             if isinstance(t, torch.Tensor)]
 
 

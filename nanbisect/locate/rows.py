@@ -1,7 +1,7 @@
 """Which batch rows the culprit's first bad value depends on, traced through the ops.
 
-A row is an index along dim 0 of the batch's tensors (B rows). `RowTracer` is a
-`TorchDispatchMode` that rides along the input-catch pass (no replay of its own) and keeps, for
+A row is an index along dim 0 of the batch's tensors (B rows). `RowTracer` is a dispatch mode
+(an `ObserverMode`) that rides along the input-catch pass (no replay of its own) and keeps, for
 every value the step makes, one of three states:
 
 - free: made from no batch tensor (parameters, constants, what the model makes from them);
@@ -29,11 +29,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from nanbisect.bundle.state import iter_tensors, local
 from nanbisect.records import OpSite, RowTrace
 from nanbisect.replay.recorder import SKIP, written_tensors
+from nanbisect.util import torch_internals as ti
 
 # a state: None (free), an int g >= 1 (row-aligned, g rows per batch row), or a str (mixed: the
 # op that mixed the rows)
@@ -71,11 +71,11 @@ VIEWS = {"view", "_unsafe_view", "reshape", "_reshape_alias", "view_as"}
 
 
 def _name(func) -> str:
-    return func._schema.name.split("::", 1)[-1]
+    return ti.schema_name(func).split("::", 1)[-1]
 
 
 def _arg(func, args: tuple, kwargs: dict, name: str, default: Any = None) -> Any:
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(ti.schema_arguments(func)):
         if a.name == name:
             if i < len(args):
                 return args[i]
@@ -98,7 +98,7 @@ def _tensors(values) -> list[torch.Tensor]:
     return out
 
 
-class RowTracer(TorchDispatchMode):
+class RowTracer(ti.ObserverMode):
     """Trace the batch's rows to the culprit op at ``site``; set ``.phase`` as the step moves
     on (`nanbisect.locate.catch.catch_inputs` does, with ``rows=``). Hand `start` to the
     replayer's ``batch_edits`` so that the tracer knows the batch; read `result` afterwards.
@@ -169,20 +169,26 @@ class RowTracer(TorchDispatchMode):
             self.states[key] = state
 
     # -- the ops ------------------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in SKIP or self.done or self.rows is None:
-            return func(*args, **kwargs)
-        if self.site is not None and self.phase == self.site.phase and str(func) == self.site.op:
-            if self.seen == self.site.occurrence:
+    def wants(self, func) -> bool:
+        return func not in SKIP and not self.done and self.rows is not None
+
+    def before(self, call: ti.OpCall) -> bool:
+        """At the culprit (the site's occurrence of its op): decide, and follow no more ops."""
+        site = self.site
+        if site is not None and self.phase == site.phase and call.name == site.op:
+            if self.seen == site.occurrence:
                 self.done = True
                 try:
-                    self._decide(func, args, kwargs)
+                    self._decide(call.func, call.args, call.kwargs)
                 except Exception as e:  # noqa: BLE001 - the pass it rides on must go on
-                    self.samples, self.why = None, f"the row trace failed at {func}: {e}"
-                return func(*args, **kwargs)
+                    self.samples, self.why = None, f"the row trace failed at {call.func}: {e}"
+                return False
             self.seen += 1
-        out = func(*args, **kwargs)
+        return True
+
+    def after(self, call: ti.OpCall, out: Any) -> None:
+        """The states of what the op returned and wrote, from its inputs'."""
+        func, args, kwargs = call.func, call.args, call.kwargs
         try:
             returned, mutated = written_tensors(func, out, args, kwargs)
             outs = _tensors(returned + mutated)
@@ -193,7 +199,6 @@ class RowTracer(TorchDispatchMode):
         except Exception as e:  # noqa: BLE001 - the pass it rides on must go on
             self.done, self.samples = True, None
             self.why = f"the row trace failed at {func}: {type(e).__name__}: {e}"
-        return out
 
     def _decide(self, func, args: tuple, kwargs: dict) -> None:
         """At the culprit: run it once more on copies of its inputs (modes off), find the rows of
@@ -215,10 +220,10 @@ class RowTracer(TorchDispatchMode):
         return RowTrace(samples, self.rows, None if samples is not None else why)
 
     def _rows_at(self, func, args: tuple, kwargs: dict) -> tuple[list[int] | None, str | None]:
-        with _disable_current_modes():
+        with ti.disable_current_modes():
             copy = lambda x: x.clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
-            cargs = torch.utils._pytree.tree_map(copy, list(args))
-            ckwargs = torch.utils._pytree.tree_map(copy, dict(kwargs))
+            cargs = ti.tree_map(copy, list(args))
+            ckwargs = ti.tree_map(copy, dict(kwargs))
             out = func(*cargs, **ckwargs)
             returned, mutated = written_tensors(func, out, tuple(cargs), ckwargs)
             outs = _tensors(returned + mutated)
@@ -264,20 +269,9 @@ class RowTracer(TorchDispatchMode):
         if len(n) != 1:
             return [why] * len(outs)
         (N,), g = n, deps[0][1]
-        if name in VIEWS or name == "expand":
-            o = outs[0] if outs else None
-            if o is None or o.dim() == 0 or o.shape[0] % self.rows or (
-                    name == "expand" and (o.dim() != deps[0][0].dim() or o.shape[0] != N)):
-                return [why] * len(outs)
-            return [o.shape[0] // self.rows] * len(outs)
-        if name in ("permute",):
-            dims = list(_arg(func, args, kwargs, "dims") or [])
-            return [g if dims and dims[0] % deps[0][0].dim() == 0 else why] * len(outs)
-        if name == "t":
-            return [g if deps[0][0].dim() < 2 else why] * len(outs)
-        if name == "unsqueeze":
-            d = _arg(func, args, kwargs, "dim", 0)
-            return [why if d % (deps[0][0].dim() + 1) == 0 else g] * len(outs)
+        reshaped = self._reshaped(func, name, args, kwargs, outs, deps[0][0], g, why)
+        if reshaped is not None:
+            return reshaped
         if name in ("mm", "addmm", "mv", "addmv"):
             right = args[2] if name in ("addmm", "addmv") else args[1]
             lhs = args[1] if name in ("addmm", "addmv") else args[0]
@@ -303,6 +297,27 @@ class RowTracer(TorchDispatchMode):
             return [why] * len(outs)
         return [g if o.dim() >= 1 and o.shape[0] == N else why for o in outs]
 
+    def _reshaped(self, func, name: str, args: tuple, kwargs: dict, outs: list[torch.Tensor],
+                  first: torch.Tensor, g: int, why: str) -> list[State] | None:
+        """The states of a view, expand, permute, transpose or unsqueeze's outputs (``first``:
+        its first batch-dependent input, of ``g`` rows per batch row); None for another op."""
+        if name in VIEWS or name == "expand":
+            o = outs[0] if outs else None
+            if o is None or o.dim() == 0 or o.shape[0] % self.rows or (
+                    name == "expand" and (o.dim() != first.dim() or
+                                          o.shape[0] != first.shape[0])):
+                return [why] * len(outs)
+            return [o.shape[0] // self.rows] * len(outs)
+        if name in ("permute",):
+            dims = list(_arg(func, args, kwargs, "dims") or [])
+            return [g if dims and dims[0] % first.dim() == 0 else why] * len(outs)
+        if name == "t":
+            return [g if first.dim() < 2 else why] * len(outs)
+        if name == "unsqueeze":
+            d = _arg(func, args, kwargs, "dim", 0)
+            return [why if d % (first.dim() + 1) == 0 else g] * len(outs)
+        return None
+
     @staticmethod
     def _touches_rows(func, name: str, args: tuple, kwargs: dict, t: torch.Tensor) -> bool:
         """Does the op work along dim 0 (a reduction over the batch, a cat along it, ...)?"""
@@ -325,7 +340,7 @@ class RowTracer(TorchDispatchMode):
         dims: list[int] = []
         found = False
         for arg in ("dim", "dims", "dim0", "dim1"):
-            present = any(a.name == arg for a in func._schema.arguments)
+            present = any(a.name == arg for a in ti.schema_arguments(func))
             if not present:
                 continue
             found = True

@@ -18,16 +18,16 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.bundle.tape import FIX, ROLE, TapeMismatch, input_digest, parse
 from nanbisect.errors import BadInput
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_size,
                                           leaf_tensors, taped, wait_collective)
 from nanbisect.replay.recorder import read_args
+from nanbisect.util import torch_internals as ti
 
 
-class TapeServer(TorchDispatchMode):
+class TapeServer(ti.ObserverMode):
     """Replay of some ranks: serve each collective of the step what the capture recorded.
 
     ``rewind()`` before each replay of the step (`Replayer.restored`); outside a step the fake
@@ -67,14 +67,20 @@ class TapeServer(TorchDispatchMode):
         finally:
             self.check_inputs = True
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not taped(func):
-            return func(*args, **kwargs)
+    def wants(self, func) -> bool:
+        return taped(func)
+
+    def before(self, call: ti.OpCall) -> bool:
+        """DDP's bucket rebuilds run as they are; any other collective is served."""
         if ddp_internal(caller(), self.ddp) == "rebuild":
-            return func(*args, **kwargs)
-        reads = leaf_tensors(read_args(func, args, kwargs))
-        out = func(*args, **kwargs)
+            return False
+        call.reads = leaf_tensors(read_args(call.func, call.args, call.kwargs))
+        return True
+
+    def after(self, call: ti.OpCall, out) -> None:
+        """Check the collective against the capture's and overwrite what it wrote with what
+        the capture recorded (a mismatch raises `TapeMismatch`)."""
+        func, args, kwargs, reads = call.func, call.args, call.kwargs, call.reads
         wait_collective(func, out)
         wrote = collective_outputs(func, args, kwargs, out)
         if self.i >= len(self.entries):
@@ -95,7 +101,6 @@ class TapeServer(TorchDispatchMode):
             for j, t in enumerate(wrote):
                 t.copy_(self.tensors[f"c{self.i}.{j}"].to(device=t.device, dtype=t.dtype))
         self.i += 1
-        return out
 
     def ddp_bucket(self, names: list[str], like: torch.Tensor,
                    sizes: list[int] | None = None) -> torch.Tensor:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Callable, ContextManager
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.reference import kernels as registry
 from nanbisect.records import CallId, Divergence, OpCheck, OpFinding, OpSite, Stats, StepOutcome
@@ -27,6 +26,7 @@ from nanbisect.replay.recorder import OpRecorder, tensor_args, written_tensors
 from nanbisect.replay.probe import CallStats, ProbeTable
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.util import torch_internals as ti
 
 
 @dataclass(frozen=True)
@@ -121,18 +121,20 @@ def _no_kernel(e: Exception) -> bool:
     return isinstance(e, NotImplementedError) or "Could not run" in str(e)
 
 
-class ReferenceKernels(TorchDispatchMode):
+class ReferenceKernels(ti.ObserverMode):
     """On the reference: an op without a kernel there runs its registered reference_impl."""
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    def wants(self, func) -> bool:
+        return True
+
+    def run(self, call: ti.OpCall):
         try:
-            return func(*args, **kwargs)
+            return call()
         except (NotImplementedError, RuntimeError) as e:
-            impl = registry.lookup(str(func)) if _no_kernel(e) else None
+            impl = registry.lookup(call.name) if _no_kernel(e) else None
             if impl is None:
                 raise
-            return impl(*args, **kwargs)
+            return impl(*call.args, **call.kwargs)
 
 
 def _random(func) -> bool:
@@ -140,24 +142,23 @@ def _random(func) -> bool:
     return name in RANDOM_OR_UNINITIALISED and not name.startswith(("empty", "new_empty"))
 
 
-class RandomTape(TorchDispatchMode):
+class RandomTape(ti.ObserverMode):
     """On the target: keep (on the CPU) what every random op produced, in order."""
 
     def __init__(self) -> None:
         super().__init__()
         self.values: list[list[torch.Tensor]] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if _random(func):
-            returned, mutated = written_tensors(func, out, args, kwargs)
-            self.values.append([t.detach().to("cpu", copy=True)
-                                for t, _ in tensor_args(returned + mutated)])
-        return out
+    def wants(self, func) -> bool:
+        return _random(func)
+
+    def after(self, call: ti.OpCall, out) -> None:
+        returned, mutated = written_tensors(call.func, out, call.args, call.kwargs)
+        self.values.append([t.detach().to("cpu", copy=True)
+                            for t, _ in tensor_args(returned + mutated)])
 
 
-class RandomReplay(TorchDispatchMode):
+class RandomReplay(ti.ObserverMode):
     """On the reference: every random op gives what the target's drew (moved, cast), so dropout
     masks and noise match across devices and dtypes and never look like divergence."""
 
@@ -166,16 +167,15 @@ class RandomReplay(TorchDispatchMode):
         self.tape = tape
         self.i = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if _random(func) and self.i < len(self.tape.values):
-            returned, mutated = written_tensors(func, out, args, kwargs)
-            mine = [t for t, _ in tensor_args(returned + mutated)]
-            theirs = self.tape.values[self.i]
-            self.i += 1
-            if [t.shape for t in mine] == [t.shape for t in theirs]:
-                with torch.no_grad():
-                    for m, t in zip(mine, theirs):
-                        m.copy_(t)
-        return out
+    def wants(self, func) -> bool:
+        return _random(func) and self.i < len(self.tape.values)
+
+    def after(self, call: ti.OpCall, out) -> None:
+        returned, mutated = written_tensors(call.func, out, call.args, call.kwargs)
+        mine = [t for t, _ in tensor_args(returned + mutated)]
+        theirs = self.tape.values[self.i]
+        self.i += 1
+        if [t.shape for t in mine] == [t.shape for t in theirs]:
+            with torch.no_grad():
+                for m, t in zip(mine, theirs):
+                    m.copy_(t)

@@ -18,6 +18,7 @@ from nanbisect.reference import kernels as registry
 from nanbisect.records import OpCheck
 from nanbisect.reference.compare import compare_op
 from nanbisect.replay.recorder import is_collective, tensor_args, written_tensors
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import cast_floating, floating, parts
 
 RANDOM_OR_UNINITIALISED = {
@@ -41,7 +42,7 @@ def move(obj: Any, device: torch.device, dtype: torch.dtype | None = None) -> An
         if isinstance(x, torch.device):
             return device
         return x
-    return torch.utils._pytree.tree_map(one, obj)
+    return ti.tree_map(one, obj)
 
 
 def _call(op: str, args: list, kwargs: dict) -> tuple[Any, str]:

@@ -43,6 +43,7 @@ from nanbisect.remedies.narrow import narrow, untried_text
 from nanbisect.remedies.trials import DEFAULT_BUDGET, Progress, Trials, budget, rows_text
 from nanbisect.remedies.upcast import UpcastOp, upcast_module, wider
 from nanbisect.replay.replayer import Replayer
+from nanbisect.util import torch_internals as ti
 
 __all__ = ["DEFAULT_BUDGET", "budget", "try_remedies", "not_tried"]
 
@@ -210,6 +211,13 @@ def _rows(trials: Trials, batch: Any, rows: int, traced: list[int] | None,
                       losses.get(tuple(found.rows)),
                       {"rows": found.rows, "identify": identify(batch, found.rows, rows),
                        **detail})
+    return _unnarrowed(trials, traced, tried, found, detail)
+
+
+def _unnarrowed(trials: Trials, traced: list[int] | None, tried: list[dict], found,
+                detail: dict) -> Remedy:
+    """The samples remedy when no removal of rows made the step finite (``found``: the
+    narrowing's end), with the note that says why."""
     change = (f"without {rows_text(traced)}" if traced is not None and len(tried) == 1
               else "without batch rows found by bisecting the batch")
     if not tried:
@@ -251,7 +259,7 @@ def _state(trials: Trials, window: Window) -> Remedy | None:
     def other(batch: Any) -> Any:
         b = decode(prev["batch"], tensors, rep.device)
         if rep.dtype is not None:
-            b = torch.utils._pytree.tree_map(
+            b = ti.tree_map(
                 lambda t: t.to(rep.dtype) if isinstance(t, torch.Tensor)
                 and t.is_floating_point() else t, b)
         return b

@@ -23,10 +23,10 @@ from typing import Any, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from nanbisect.records import OpSite
 from nanbisect.replay.recorder import SKIP
+from nanbisect.util import torch_internals as ti
 
 # the dtype one step wider than the widest floating input
 WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
@@ -59,7 +59,7 @@ def _up(wide: torch.dtype):
 
 
 def _leaves(x: Any) -> list:
-    return torch.utils._pytree.tree_leaves(x)
+    return ti.tree_leaves(x)
 
 
 def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
@@ -71,10 +71,10 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
     torch.float16
     """
     cast = _up(wide)
-    wargs = torch.utils._pytree.tree_map(cast, list(args))
-    wkwargs = torch.utils._pytree.tree_map(cast, dict(kwargs))
+    wargs = ti.tree_map(cast, list(args))
+    wkwargs = ti.tree_map(cast, dict(kwargs))
     result = func(*wargs, **wkwargs)
-    schema = func._schema.arguments
+    schema = ti.schema_arguments(func)
     for i, a in enumerate(schema):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
@@ -86,8 +86,8 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
     same = {id(w): o for o, w in zip(_leaves((list(args), dict(kwargs))),
                                      _leaves((wargs, wkwargs))) if isinstance(o, torch.Tensor)}
     try:
-        with _disable_current_modes():
-            meta = torch.utils._pytree.tree_map(
+        with ti.disable_current_modes():
+            meta = ti.tree_map(
                 lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (list(args),
                                                                                 dict(kwargs)))
             dtypes = [t.dtype if isinstance(t, torch.Tensor) else None
@@ -96,7 +96,7 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
         narrow = next((t.dtype for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)
                        and t.is_floating_point()), None)
         dtypes = [narrow] * len(_leaves(result))
-    flat, spec = torch.utils._pytree.tree_flatten(result)
+    flat, spec = ti.tree_flatten(result)
     out = []
     for v, dt in zip(flat, dtypes + [None] * (len(flat) - len(dtypes))):
         if isinstance(v, torch.Tensor) and id(v) in same:
@@ -105,10 +105,10 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
             out.append(v.to(dt))
         else:
             out.append(v)
-    return torch.utils._pytree.tree_unflatten(out, spec)
+    return ti.tree_unflatten(out, spec)
 
 
-class UpcastOp(TorchDispatchMode):
+class UpcastOp(ti.ObserverMode):
     """Compute the op at ``site`` in ``wide`` (`widened`); set ``.phase`` as the step moves on.
 
     >>> mode = UpcastOp(OpSite("aten.exp.default", "forward", 1), torch.float32)
@@ -126,16 +126,21 @@ class UpcastOp(TorchDispatchMode):
         self.seen = 0
         self.hit = False
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if (self.hit or func in SKIP or self.phase != self.site.phase
-                or str(func) != self.site.op):
-            return func(*args, **kwargs)
+    def wants(self, func) -> bool:
+        return not self.hit and func not in SKIP and self.phase == self.site.phase
+
+    def before(self, call: ti.OpCall) -> bool:
+        """The site's occurrence of its op (once): `run` computes it wide."""
+        if call.name != self.site.op:
+            return False
         if self.seen != self.site.occurrence:
             self.seen += 1
-            return func(*args, **kwargs)
+            return False
         self.hit = True
-        return widened(func, args, kwargs, self.wide)
+        return True
+
+    def run(self, call: ti.OpCall):
+        return widened(call.func, call.args, call.kwargs, self.wide)
 
 
 _NARROWING = {torch.Tensor.half: torch.float16, torch.Tensor.bfloat16: torch.bfloat16}
@@ -189,8 +194,6 @@ def upcast_module(model: torch.nn.Module, name: str, call: int | None,
     >>> done, y.dtype, m[0].weight.dtype
     ([0], torch.float16, torch.float16)
     """
-    from torch.nn.utils.stateless import _reparametrize_module  # NB: private, stable since 2.0
-
     module = model.get_submodule(name) if name else model
     count, frames, done = [0], [], []    # frames: one per running call (None: not widened)
     cast = _up(wide)
@@ -205,14 +208,13 @@ def upcast_module(model: torch.nn.Module, name: str, call: int | None,
                   if isinstance(t, torch.Tensor) and t.is_floating_point()]
         narrow = min(floats, key=lambda d: d.itemsize) if floats else wide
         state = {n: cast(t) for n, t in [*mod.named_parameters(), *mod.named_buffers()]}
-        ctx = _reparametrize_module(mod, state)
+        ctx = ti.reparametrize_module(mod, state)
         ctx.__enter__()
         keep = KeepWide(wide)
         keep.__enter__()
         frames.append((ctx, narrow, keep))
         done.append(k)
-        return (torch.utils._pytree.tree_map(cast, tuple(args)),
-                torch.utils._pytree.tree_map(cast, dict(kwargs)))
+        return (ti.tree_map(cast, tuple(args)), ti.tree_map(cast, dict(kwargs)))
 
     def post(mod, args, kwargs, output):
         frame = frames.pop() if frames else None
@@ -221,7 +223,7 @@ def upcast_module(model: torch.nn.Module, name: str, call: int | None,
         ctx, narrow, keep = frame
         keep.__exit__(None, None, None)
         ctx.__exit__(None, None, None)
-        return torch.utils._pytree.tree_map(
+        return ti.tree_map(
             lambda t: t.to(narrow) if isinstance(t, torch.Tensor) and t.dtype == wide
             and narrow != wide else t, output)
 

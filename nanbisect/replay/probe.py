@@ -25,6 +25,7 @@ import torch
 from nanbisect.bundle.state import iter_tensors, local
 from nanbisect.records import CallId, Stats
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import floating, nonfinite_masks, parts
 
 
@@ -140,7 +141,7 @@ class ModuleProbe:
                 return swap[id(t)]
             return t
 
-        return torch.utils._pytree.tree_map(view, (args, kwargs))
+        return ti.tree_map(view, (args, kwargs))
 
     def _post(self, call: CallId, module, args, kwargs, output):
         c = self.calls[call]

@@ -1,15 +1,15 @@
 """Op recorder: every aten op of the recorded phases, with dataflow and NaN/inf flags on device.
 
-`OpRecorder` is a `TorchDispatchMode`, so it sees ops below autograd, including the bodies of
-custom `autograd.Function.backward`, backward formulas, optimizer kernels (for-loop, foreach,
-fused) and opaque `torch.library` custom ops. For each op it records its inputs and outputs as
-*values*: a value is a storage at a write count kept by the recorder (NB: not torch's version
-counter, which foreach ops do not bump and which ADInplaceOrView bumps only after the mode
-returns), so a view is the same value as its base, and an in-place op (``masked_fill_``) makes a
-new value whose inputs include the old one. Each floating or complex value gets
-one ``aminmax`` on the device (NaN propagates into both, +inf into the max, -inf into the min;
-a complex value's over its real and imaginary parts);
-all of them are read back once, by `OpRecorder.read`. Ops are counted over the whole step
+`OpRecorder` is a dispatch mode (an `nanbisect.util.torch_internals.ObserverMode`), so it sees
+ops below autograd, including the bodies of custom `autograd.Function.backward`, backward
+formulas, optimizer kernels (for-loop, foreach, fused) and opaque `torch.library` custom ops.
+For each op it records its inputs and outputs as *values*: a value is a storage at a write
+count kept by the recorder (NB: not torch's version counter, which foreach ops do not bump and
+which ADInplaceOrView bumps only after the mode returns), so a view is the same value as its
+base, and an in-place op (``masked_fill_``) makes a new value whose inputs include the old one.
+Each floating or complex value gets one ``aminmax`` on the device (NaN propagates into both,
++inf into the max, -inf into the min; a complex value's over its real and imaginary parts); all
+of them are read back once, by `OpRecorder.read`. Ops are counted over the whole step
 (``op_index``) but recorded only in ``phases``. Not recorded: Python-side values that never pass
 through an aten op.
 
@@ -33,23 +33,20 @@ from __future__ import annotations
 import math
 import weakref
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch.autograd.function import BackwardCFunction
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from nanbisect.bundle.state import local
+from nanbisect.replay.table import (CLEAN, Flags, InputRef, OpRecord,  # noqa: F401 - re-exported
+                                    OpTable, OutputRef)
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import floating, parts
 
 aten = torch.ops.aten
 # Pure metadata ops: counting them would make op_index depend on Python-side shape queries.
-SKIP = {aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
-        aten.sym_storage_offset.default, aten.is_contiguous.default, aten.size.default,
-        aten.stride.default}
+SKIP = ti.METADATA_OPS
 
 Sid = tuple[str, int, int]            # (device, storage address, generation at that address)
 Key = tuple[str, int, int, int]       # a Sid + the writes the recorder saw to that storage
@@ -74,11 +71,11 @@ def is_collective(op: str) -> bool:
 
 def collective_writes(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors a ``c10d`` collective writes into (nested lists flattened)."""
-    if func.namespace != "c10d" or func._schema.name.endswith("::send"):
+    if func.namespace != "c10d" or ti.schema_name(func).endswith("::send"):
         return []
-    vals = [v for a, v in zip(func._schema.arguments, args) if a.name in _C10D_WRITES]
+    vals = [v for a, v in zip(ti.schema_arguments(func), args) if a.name in _C10D_WRITES]
     vals += [kwargs[n] for n in _C10D_WRITES if n in kwargs]
-    return [local(t) for t in torch.utils._pytree.tree_leaves(vals) if isinstance(t, torch.Tensor)]
+    return [local(t) for t in ti.tree_leaves(vals) if isinstance(t, torch.Tensor)]
 
 
 def _clone(x: Any) -> Any:
@@ -88,9 +85,10 @@ def _clone(x: Any) -> Any:
 def written_tensors(func, out: Any, args: tuple, kwargs: dict) -> tuple[list, list]:
     """(returned values, arguments the op writes to), from the op's schema."""
     returned = list(out) if isinstance(out, tuple) else [out]
-    mutated = [v for a, v in zip(func._schema.arguments, args)
+    schema = ti.schema_arguments(func)
+    mutated = [v for a, v in zip(schema, args)
                if a.alias_info is not None and a.alias_info.is_write]
-    mutated += [kwargs[a.name] for a in func._schema.arguments[len(args):]
+    mutated += [kwargs[a.name] for a in schema[len(args):]
                 if a.alias_info is not None and a.alias_info.is_write and a.name in kwargs]
     return returned, mutated
 
@@ -98,7 +96,7 @@ def written_tensors(func, out: Any, args: tuple, kwargs: dict) -> tuple[list, li
 def _wait(out: Any) -> None:
     """Wait for the Work objects a c10d op returned: until then its output is not written (gloo
     even finishes some collectives with a copy at wait time)."""
-    for x in torch.utils._pytree.tree_leaves(out):
+    for x in ti.tree_leaves(out):
         if isinstance(x, torch.ScriptObject) and hasattr(x, "wait"):
             x.wait()
 
@@ -122,7 +120,7 @@ def read_args(func, args: tuple, kwargs: dict) -> list[Any]:
     if func in OVERWRITE and isinstance(args[0], torch.Tensor) and _whole(local(args[0])):
         return [*args[1:], *kwargs.values()]
     if func.namespace == "c10d":
-        names = [a.name for a in func._schema.arguments]
+        names = [a.name for a in ti.schema_arguments(func)]
         return [v for n, v in zip(names, args) if n not in _C10D_WRITE_ONLY] + [
             v for n, v in kwargs.items() if n not in _C10D_WRITE_ONLY]
     return [*args, *kwargs.values()]
@@ -143,81 +141,6 @@ def tensor_args(values: list[Any]):
                     yield local(t), i
 
 
-@dataclass(frozen=True)
-class Flags:
-    """What one value held."""
-
-    nan: bool
-    posinf: bool
-    neginf: bool
-    absmax: float
-
-    @property
-    def inf(self) -> bool:
-        return self.posinf or self.neginf
-
-    def bad(self, kind: str) -> bool:
-        return self.nan if kind == "nan" else (self.nan or self.inf)
-
-
-CLEAN = Flags(False, False, False, 0.0)
-
-
-@dataclass(frozen=True)
-class InputRef:
-    producer: int | None   # position in OpTable.ops of the op that made this value, None = outside
-    output: int            # which output of that op
-    flags: Flags
-    elem: int | None       # list position (foreach ops)
-    dtype: str
-    shape: tuple[int, ...]
-
-
-@dataclass(frozen=True)
-class OutputRef:
-    flags: Flags
-    elem: int | None
-
-
-@dataclass(frozen=True)
-class OpRecord:
-    pos: int                         # position among recorded ops
-    index: int                       # position in the step's op sequence (all phases)
-    op: str                          # str() of the overload, e.g. "aten.sqrt.default"
-    phase: str
-    module: str | None               # dotted module name; None when unknown
-    module_call: int | None
-    inputs: tuple[InputRef, ...]
-    outputs: tuple[OutputRef, ...]
-    occurrence: int = 0              # calls of the same op before it in its phase (all of them,
-                                     # recorded or outside the scope)
-    micro: int = 0                   # the micro-batch it ran in (Task.accumulate)
-    # the autograd node (its sequence number): for a backward op the node whose backward ran it;
-    # for a forward op (recorded with nodes=True) the node it created; None: none or unknown
-    node: int | None = None
-    formula: bool = False            # a backward op of a built-in formula (not a custom Function)
-    node_name: str | None = None     # a backward op's node, as detect_anomaly names it
-
-    def inputs_for(self, out: OutputRef) -> list[InputRef]:
-        """The inputs that fed one output (the matching list element for foreach ops)."""
-        if out.elem is None:
-            return list(self.inputs)
-        return [i for i in self.inputs if i.elem is None or i.elem == out.elem]
-
-
-@dataclass(frozen=True)
-class OpTable:
-    ops: list[OpRecord]
-    total_ops: int
-
-    def leaves(self) -> list[tuple[int, int]]:
-        """Values no recorded op consumed: what left the recorded window (or was dropped)."""
-        used = {(i.producer, i.output) for op in self.ops for i in op.inputs
-                if i.producer is not None}
-        return [(op.pos, j) for op in self.ops for j in range(len(op.outputs))
-                if (op.pos, j) not in used]
-
-
 def made_node(refs: list) -> Any:
     """The autograd node an op made, from weak references to its outputs (autograd sets their
     ``grad_fn`` after the op returns: read when the next op starts): the first output's that
@@ -230,7 +153,7 @@ def made_node(refs: list) -> Any:
     return None
 
 
-class OpRecorder(TorchDispatchMode):
+class OpRecorder(ti.ObserverMode):
     """Record ops of ``phases``; set ``.phase`` as the step moves on.
 
     >>> model = torch.nn.Linear(2, 1)
@@ -274,7 +197,7 @@ class OpRecorder(TorchDispatchMode):
         self._marks: dict[str, tuple[int, int] | int] = {}
         self._writes: dict[Sid, int] = {}
         self._gen: dict[tuple[str, int], int] = {}
-        self._alive: dict[tuple[str, int], StorageWeakRef] = {}
+        self._alive: dict[tuple[str, int], Any] = {}     # address -> weak ref to its storage
 
     def _sid(self, t: torch.Tensor) -> Sid:
         """(device, address, generation): the generation moves on when the storage at that
@@ -287,10 +210,10 @@ class OpRecorder(TorchDispatchMode):
         st = t.untyped_storage()
         addr = (str(t.device), st.data_ptr())
         ref = self._alive.get(addr)
-        if ref is None or ref.expired() or ref.cdata != st._cdata:
+        if ref is None or ref.expired() or not ti.same_storage(ref, st):
             if ref is not None:
                 self._gen[addr] = self._gen.get(addr, 0) + 1
-            self._alive[addr] = StorageWeakRef(st)
+            self._alive[addr] = ti.storage_ref(st)
         return addr + (self._gen.get(addr, 0),)
 
     def value_key(self, t: torch.Tensor, sid: Sid | None = None) -> Key:
@@ -366,31 +289,39 @@ class OpRecorder(TorchDispatchMode):
         for pos, refs in self._pending:
             fn = made_node(refs)
             if fn is not None:
-                self._ops[pos]["node"] = fn._sequence_nr()
+                self._ops[pos]["node"] = ti.node_sequence_nr(fn)
         self._pending.clear()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+    # -- the hooks of the observer mode ------------------------------------------------------
+    def wants(self, func) -> bool:
         if self._pending:
             self._resolve()
-        if func in SKIP:
-            return func(*args, **kwargs)
-        index = self.count
+        return func not in SKIP
+
+    def before(self, call: ti.OpCall) -> bool:
+        """Count the op; for a recorded one, note (on ``call``) its index, occurrence, the
+        clones ``keep()`` asks for and the values it reads (flagged before it runs)."""
+        call.index = self.count
         self.count += 1
         if self.phase not in self.phases:
-            return func(*args, **kwargs)
-        occ_key = (self.phase, str(func))
-        occurrence = self._occ.get(occ_key, 0)
-        self._occ[occ_key] = occurrence + 1
+            return False
+        occ_key = (self.phase, call.name)
+        call.occurrence = self._occ.get(occ_key, 0)
+        self._occ[occ_key] = call.occurrence + 1
         if self.scope is not None and not self.scope():
-            return func(*args, **kwargs)
-        keeping = self.keep is not None and self.keep()
-        if keeping:
-            kept_args = torch.utils._pytree.tree_map(_clone, list(args))
-            kept_kwargs = torch.utils._pytree.tree_map(_clone, dict(kwargs))
-        ins = []
-        in_keys = set()
-        for t, elem in tensor_args(read_args(func, args, kwargs)):
+            return False
+        call.kept = None
+        if self.keep is not None and self.keep():
+            call.kept = (ti.tree_map(_clone, list(call.args)),
+                         ti.tree_map(_clone, dict(call.kwargs)))
+        call.ins, call.in_keys = self._inputs(call)
+        return True
+
+    def _inputs(self, call: ti.OpCall) -> tuple[list, set]:
+        """(inputs as (source, list position, tensor), their value keys); a value made outside
+        the recorded ops is flagged here, all of its storage."""
+        ins, in_keys = [], set()
+        for t, elem in tensor_args(read_args(call.func, call.args, call.kwargs)):
             key = self.value_key(t)
             in_keys.add(key)
             if key in self._producer:
@@ -399,21 +330,25 @@ class OpRecorder(TorchDispatchMode):
                 if key not in self._ext:
                     self._ext[key] = self._row(_storage_view(t))   # the value: all of it
                 ins.append((("ext", self._ext[key]), elem, t))
-        out = func(*args, **kwargs)
+        return ins, in_keys
+
+    def _written(self, func, args: tuple, kwargs: dict, out: Any) -> tuple[list, list]:
+        """(returned values, written arguments), once the op's output is written: a
+        collective is waited for, and what a ``c10d`` one writes counts as written."""
         returned, mutated_args = written_tensors(func, out, args, kwargs)
         if func.namespace == "c10d":
             _wait(out)
             mutated_args = mutated_args + [collective_writes(func, args, kwargs)]
-        elif func.namespace in COLLECTIVE_NAMESPACES and func._schema.name.split("::")[-1] != \
-                "wait_tensor":
+        elif func.namespace in COLLECTIVE_NAMESPACES and \
+                ti.schema_name(func).split("::")[-1] != "wait_tensor":
             for t, _ in tensor_args(returned):
-                torch.ops._c10d_functional.wait_tensor(t)
-        written = returned + mutated_args
-        mutated = {self._sid(t) for t, _ in tensor_args(mutated_args)}
-        for sid in mutated:
-            self._writes[sid] = self._writes.get(sid, 0) + 1
+                ti.wait_tensor(t)
+        return returned, mutated_args
+
+    def _outputs(self, func, written: list, mutated: set, in_keys: set, pos: int) -> list:
+        """The op's new values (a view of an input is that input's value), flagged; each
+        becomes a value this op (at ``pos``) produced."""
         in_storages = {k[:3] for k in in_keys}
-        pos = len(self._ops)
         outs, seen = [], set()
         for t, elem in tensor_args(written):
             sid = self._sid(t)
@@ -427,30 +362,42 @@ class OpRecorder(TorchDispatchMode):
             # a write through a view makes a new value of the whole storage: flag all of it
             outs.append((None if func in UNINITIALISED else
                          self._row(_storage_view(t) if sid in mutated else t), elem))
-        if keeping:
-            self.kept[pos] = (kept_args, kept_kwargs, [t.detach().clone()
-                                                       for t, _ in tensor_args(written)])
+        return outs
+
+    def after(self, call: ti.OpCall, out: Any) -> None:
+        func, args, kwargs = call.func, call.args, call.kwargs
+        returned, mutated_args = self._written(func, args, kwargs, out)
+        written = returned + mutated_args
+        mutated = {self._sid(t) for t, _ in tensor_args(mutated_args)}
+        for sid in mutated:
+            self._writes[sid] = self._writes.get(sid, 0) + 1
+        pos = len(self._ops)
+        outs = self._outputs(func, written, mutated, call.in_keys, pos)
+        if call.kept is not None:
+            self.kept[pos] = (*call.kept, [t.detach().clone() for t, _ in tensor_args(written)])
         if self.born is not None and self.phase == "forward" and \
-                self._is_born(func, ins, outs, mutated):
-            self.born(index, func, args, kwargs)
+                self._is_born(func, call.ins, outs, mutated):
+            self.born(call.index, func, args, kwargs)
+        self._ops.append(self._entry(call, returned, outs, pos))
+
+    def _entry(self, call: ti.OpCall, returned: list, outs: list, pos: int) -> dict:
+        """The op's row of the table, with its module call and autograd node."""
         node, formula, node_name = None, False, None
         if self.phase == "backward":
-            fn = torch._C._current_autograd_node()
+            fn = ti.current_autograd_node()
             if fn is not None:
-                node, formula = fn._sequence_nr(), not isinstance(fn, BackwardCFunction)
+                node, formula = ti.node_sequence_nr(fn), not ti.is_custom_function_node(fn)
                 node_name = fn.name()
-            module, call = self._where(fn)
+            module, mcall = self._where(fn)
         else:
-            module, call = self._where(None)
+            module, mcall = self._where(None)
             if self.nodes and self.phase == "forward":
                 self._pending.append((pos, [weakref.ref(t) for t, _ in tensor_args(returned)]))
-        self._ops.append({"index": index, "op": str(func), "phase": self.phase, "module": module,
-                          "occurrence": occurrence, "micro": max(self.micro, 0),
-                          "call": call, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),
-                                                 tuple(t.shape)) for src, elem, t in ins],
-                          "outs": outs, "node": node, "formula": formula,
-                          "node_name": node_name})
-        return out
+        return {"index": call.index, "op": call.name, "phase": self.phase, "module": module,
+                "occurrence": call.occurrence, "micro": max(self.micro, 0),
+                "call": mcall, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),
+                                        tuple(t.shape)) for src, elem, t in call.ins],
+                "outs": outs, "node": node, "formula": formula, "node_name": node_name}
 
     def follow(self, phase: str) -> nullcontext:
         """For `Replayer.run`'s ``phase``: label the ops that follow with ``phase`` (each

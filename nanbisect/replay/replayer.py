@@ -24,6 +24,7 @@ from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, resto
                                     restore_modes, restore_optimizer)
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.compiled import compile_model
 from nanbisect.util.tensors import cast_floating, floating, nonfinite, surely_finite
 
@@ -115,9 +116,7 @@ class Replayer:
         """Make the following runs compiled as captured (``backend`` replaces the captured one),
         from a clean slate: dynamo's caches reset, the model compiled afresh (so that a
         `CompilerBisector` in this process chooses the backend of each compile)."""
-        import torch._dynamo
-
-        torch._dynamo.reset()
+        ti.dynamo_reset()
         self.task.runner = compile_model(self.task.model, self.compiled_spec or {}, backend)
 
     def eager(self) -> None:
@@ -161,7 +160,7 @@ class Replayer:
             self.task.optimizer.zero_grad(set_to_none=True)
         batch = decode(m["batch"], self.tensors, self.device)
         if self.dtype is not None:
-            batch = torch.utils._pytree.tree_map(
+            batch = ti.tree_map(
                 lambda t: cast_floating(t, self.dtype) if isinstance(t, torch.Tensor) else t,
                 batch)
         for edit in self.batch_edits:
@@ -188,6 +187,16 @@ class Replayer:
                          True)
         return bad
 
+    def _prepare(self, keep_state: bool) -> tuple[Any, int, list]:
+        """(the step's batch, its last micro-batch's index, the batch's faults): the state
+        restored first unless ``keep_state``."""
+        batch = self.inputs() if keep_state else self.restore()
+        try:
+            mbs = micro_batches(self.task, batch)
+        except BadInput as e:
+            raise BadInput(f"bundle '{self.bundle.path}': {e}") from None
+        return batch, len(mbs) - 1, self.input_faults(batch)
+
     def run(self, *, phase: Callable[[str], ContextManager] = lambda name: nullcontext(),
             wrap: Callable[[], ContextManager] = nullcontext, stop_after: str = "optimizer",
             micro: int | None = None, keep_state: bool = False) -> StepOutcome:
@@ -201,16 +210,10 @@ class Replayer:
         the step's loss is complete; a failure in forward ends the run there. ``keep_state``
         runs from the state the last run left (a window's next step, `next_step`).
         """
-        batch = self.inputs() if keep_state else self.restore()
-        task = self.task
-        try:
-            mbs = micro_batches(task, batch)
-        except BadInput as e:
-            raise BadInput(f"bundle '{self.bundle.path}': {e}") from None
-        bad = self.input_faults(batch)
+        batch, last, bad = self._prepare(keep_state)
         if bad:
             return StepOutcome(None, "input", bad)
-        last = len(mbs) - 1
+        task = self.task
         stop_micro = last if micro is None else micro
         failed: StepOutcome | None = None   # the first failure
         total = kept = None

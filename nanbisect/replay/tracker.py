@@ -9,8 +9,8 @@ call index within the step). For backward it does not trust a stack (NB:
 are never popped in backward). Instead, when a module call returns, every autograd node created
 inside it, and not inside one of its children, is mapped to that call: the walk starts at the
 call's outputs and stops at the nodes of its inputs and at nodes already mapped. During backward,
-`torch._C._current_autograd_node()` then names the node whose backward is running, and the map
-names its module call. Hooks are always removed on exit.
+`nanbisect.util.torch_internals.current_autograd_node` then names the node whose backward is
+running, and the map names its module call. Hooks are always removed on exit.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import torch
 
 from nanbisect.bundle.state import iter_tensors
 from nanbisect.records import CallId
+from nanbisect.util import torch_internals as ti
 
 # enter(call, module, args, kwargs) -> None, or (args, kwargs) to hand the module instead
 Enter = Callable[[CallId, torch.nn.Module, tuple, dict], "tuple[tuple, dict] | None"]
@@ -82,7 +83,7 @@ class ModuleTracker:
         """Is the running op part of module call ``target`` (itself or a call nested in it)?"""
         if phase == "forward":
             return any(call == target for call, _ in self.stack)
-        call = self.node_call(torch._C._current_autograd_node()) if phase == "backward" else None
+        call = self.node_call(ti.current_autograd_node()) if phase == "backward" else None
         while call is not None:
             if call == target:
                 return True

@@ -26,6 +26,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from nanbisect.util import torch_internals as ti
+
 _MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # inductor options a bundle records and a replay applies: name -> the values it may take (bool:
@@ -117,15 +119,10 @@ def point_debug_output(root: str) -> Callable[[], None]:
     ``torch._dynamo.config.debug_dir_root``, and the structured trace that
     ``TORCH_COMPILE_DEBUG=1`` turns on, whose directory torch fixed at import); a function that
     points it back. The trace is left where ``TORCH_TRACE`` named it."""
-    import torch._dynamo.config as dynamo_config
-
-    before = dynamo_config.debug_dir_root
-    dynamo_config.debug_dir_root = root
+    before = ti.dynamo_debug_dir(root)
     handler = None
     try:
-        from torch._logging import _internal as logging_internal
-
-        handler = getattr(logging_internal, "LOG_TRACE_HANDLER", None)
+        handler = ti.trace_log_handler()
         if os.environ.get("TORCH_TRACE") or getattr(handler, "root_dir", None) != \
                 os.path.join(before, "tlparse") or getattr(handler, "stream", None) is not None:
             handler = None      # named by the user, off, or already writing: left as it is
@@ -135,7 +132,7 @@ def point_debug_output(root: str) -> Callable[[], None]:
         handler = None
 
     def restore() -> None:
-        dynamo_config.debug_dir_root = before
+        ti.dynamo_debug_dir(before)
         if handler is not None:
             handler.acquire()
             try:
@@ -176,17 +173,14 @@ def is_compiled(model: Any) -> bool:
     >>> is_compiled(torch.nn.Linear(1, 1))
     False
     """
-    return type(model).__name__ == "OptimizedModule" and isinstance(
-        getattr(model, "_orig_mod", None), torch.nn.Module)
+    return ti.compiled_original(model) is not None
 
 
 def captured_args(model: torch.nn.Module) -> dict:
     """``{backend, mode, options}`` of an ``OptimizedModule``: all the options it was compiled
     with (see `compile_args` for those a bundle records)."""
-    from torch._dynamo.eval_frame import innermost_backend
-
     try:
-        backend = innermost_backend(model.dynamo_ctx.callback)
+        backend = ti.compiled_backend(model)
     except Exception:  # noqa: BLE001 - a torch whose internals moved: the default backend
         backend = None
     name = (getattr(backend, "compiler_name", None) or getattr(backend, "__name__", None)
@@ -194,9 +188,7 @@ def captured_args(model: torch.nn.Module) -> dict:
     config = dict(getattr(backend, "config", None) or {})
     mode = None
     if name == "inductor" and config:
-        from torch._inductor import list_mode_options
-
-        mode = next((m for m in _MODES if list_mode_options(m) == config), None)
+        mode = next((m for m in _MODES if ti.inductor_mode_options(m) == config), None)
     return {"backend": str(name), "mode": mode, "options": None if mode else (config or None)}
 
 

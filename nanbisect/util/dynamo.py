@@ -38,7 +38,9 @@ from typing import Iterator
 
 import torch
 
-_ATTR = "__dynamo_disable"
+from nanbisect.util import torch_internals as ti
+
+_ATTR = ti.DISABLE_CACHE_ATTR
 _MODULE = "torch._dynamo"
 _off: list[str] = []    # why the speed-up was switched off (empty: it is on)
 
@@ -46,7 +48,7 @@ _off: list[str] = []    # why the speed-up was switched off (empty: it is on)
 def _wrapper_code():
     """The code object shared by every ``torch._disable_dynamo`` wrapper, when it follows the
     protocol described above; else None."""
-    decorate = getattr(getattr(torch, "_compile", None), "_disable_dynamo", None)
+    decorate = ti.disable_dynamo_decorator()
     if decorate is None:
         return None
     code = getattr(decorate(lambda: None), "__code__", None)
@@ -107,9 +109,7 @@ def _under(value, code, seen: set) -> Iterator:
 def _under_wrappers(code) -> list:
     """Every function under a wrapper of ``code`` on the optimizers' and the dispatch modes'
     classes defined so far and in torch's reference modules imported so far, cached or not."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    values = [v for base in (torch.optim.Optimizer, TorchDispatchMode)
+    values = [v for base in (torch.optim.Optimizer, ti.TorchDispatchMode)
               for cls in _subclasses(base) for v in vars(cls).values()]
     values += [v for name, module in list(sys.modules.items())
                if name.startswith(_REFERENCE_MODULES) and module is not None

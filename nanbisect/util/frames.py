@@ -15,10 +15,10 @@ import site
 import sysconfig
 from pathlib import Path
 
-import torch
+from nanbisect.util.torch_internals import TORCH_DIR
 
 OWN = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep     # nanbisect/
-TORCH = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+TORCH = TORCH_DIR
 _STDLIB = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("stdlib", "platstdlib")})
 _SITE = tuple({str(Path(sysconfig.get_paths()[k])) + os.sep for k in ("purelib", "platlib")}
               | {str(Path(p)) + os.sep for p in getattr(site, "getsitepackages", lambda: [])()})

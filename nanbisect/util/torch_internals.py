@@ -1,0 +1,494 @@
+"""The one room for torch's internals: every private torch API and version-dependent behaviour
+nanbisect relies on, behind a function (or a class) here.
+
+Guarantees: the rest of nanbisect names no ``torch._*`` module, no ``torch.utils._*`` module and
+no underscored attribute of a torch object (``_schema``, ``_sequence_nr``, ``_cdata``); it calls
+this module. Every entry's docstring says on which torch versions it was checked, so a new torch
+release is checked here, once. `check_torch_version` says in one line what needs a newer torch.
+Not guaranteed: that a torch older than `CHECKED_ON` works (nothing older has been checked).
+
+The dispatch-mode side is `ObserverMode`: one `TorchDispatchMode` that runs every op once and
+calls hook methods around it (`wants`, `before`, `run`, `after`) with an `OpCall` that flattens
+the op's arguments and results at most once, as torch's own ``torch.utils._debug_mode``'s
+``DebugMode`` does; nanbisect's modes (the op recorder, the input catch, the row tracer, the
+upcast, the tapes, ...) are its subclasses and override only the hooks they need.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from typing import Any, Callable
+
+import torch
+from torch.utils import _pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+# the torch versions every entry below was checked on (the test suite ran on each)
+CHECKED_ON = ("2.13.0",)
+FLOOR = (2, 13)          # the oldest torch checked: pyproject's floor
+
+
+# -- versions -------------------------------------------------------------------------------------
+def torch_version(version: str | None = None) -> tuple[int, int]:
+    """(major, minor) of ``version`` (default: the installed torch's).
+
+    >>> torch_version("2.13.0+cpu"), torch_version("2.4.1")
+    ((2, 13), (2, 4))
+    """
+    parts = re.findall(r"\d+", (version or torch.__version__).split("+")[0])[:2]
+    return (int(parts[0]), int(parts[1])) if len(parts) == 2 else (0, 0)
+
+
+# feature -> (the module it needs, what it is for)
+FEATURES = {
+    "compiler": ("torch._inductor.compiler_bisector", "compiler bisection (CompilerBisector)"),
+    "fake-process-group": ("torch.testing._internal.distributed.fake_pg",
+                           "replaying some ranks alone (--ranks) on the fake process group"),
+}
+
+
+def check_torch_version(feature: str | None = None, version: str | None = None) -> str | None:
+    """None when the installed torch (or ``version``) is not older than `FLOOR` and has
+    ``feature`` (a `FEATURES` key; asking imports the packages above its module); else one
+    line saying what needs a newer torch. Checked on 2.13.0.
+
+    >>> check_torch_version(version="2.13.0") is None
+    True
+    >>> check_torch_version(version="2.4.0")
+    'nanbisect is checked on torch 2.13.0; torch 2.4.0 is older: upgrade torch to 2.13 or later'
+    """
+    v = version or torch.__version__
+    if torch_version(v) < FLOOR:
+        return (f"nanbisect is checked on torch {CHECKED_ON[0]}; torch {v} is older: upgrade "
+                f"torch to {FLOOR[0]}.{FLOOR[1]} or later")
+    if feature is not None:
+        module, what = FEATURES[feature]
+        try:
+            import importlib.util
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"{what} needs {module}, which torch {v} does not have: upgrade torch"
+    return None
+
+
+# -- pytrees (``torch.utils._pytree``: torch 2.13 has no public pytree module) -----------------
+def tree_leaves(tree: Any) -> list:
+    """The leaves of a pytree (tuples, lists, dicts, torch's registered containers), in order.
+    Checked on 2.13.0.
+
+    >>> tree_leaves(([1, 2], {"a": 3}))
+    [1, 2, 3]
+    """
+    return _pytree.tree_leaves(tree)
+
+
+def tree_map(fn: Callable, tree: Any) -> Any:
+    """``tree`` with ``fn`` applied to every leaf. Checked on 2.13.0.
+
+    >>> tree_map(lambda x: x * 2, [1, (2, 3)])
+    [2, (4, 6)]
+    """
+    return _pytree.tree_map(fn, tree)
+
+
+def tree_flatten(tree: Any) -> tuple[list, Any]:
+    """(leaves, spec) of a pytree; `tree_unflatten` makes it again. Checked on 2.13.0."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list, spec: Any) -> Any:
+    """The pytree ``spec`` describes, with ``leaves``. Checked on 2.13.0."""
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+# -- ops and their schemas ----------------------------------------------------------------------
+def schema_arguments(func) -> list:
+    """An ``OpOverload``'s schema arguments (``.name``, ``.alias_info``: ``is_write``).
+    ``OpOverload._schema``: checked on 2.13.0."""
+    return func._schema.arguments
+
+
+def schema_name(func) -> str:
+    """An ``OpOverload``'s qualified schema name, e.g. ``"c10d::allreduce_"``. Checked on 2.13.0."""
+    return func._schema.name
+
+
+def written_positions(func, nargs: int) -> list[int]:
+    """The positions among the first ``nargs`` arguments that the op writes (alias annotation
+    with a write). Checked on 2.13.0."""
+    return [i for i, a in enumerate(schema_arguments(func)[:nargs])
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def disable_current_modes():
+    """A context manager within which no dispatch mode is active (an op runs plainly).
+    ``torch.utils._python_dispatch._disable_current_modes``: checked on 2.13.0."""
+    return _disable_current_modes()
+
+
+# -- the observer dispatch mode -----------------------------------------------------------------
+aten = torch.ops.aten
+# Pure metadata ops: an observer that counted them would depend on Python-side shape queries.
+METADATA_OPS = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel.default,
+                          aten.sym_storage_offset.default, aten.is_contiguous.default,
+                          aten.size.default, aten.stride.default})
+
+
+class OpCall:
+    """One dispatched op as the hooks of an `ObserverMode` see it: ``func``, ``args``,
+    ``kwargs``; `leaves` flattens the arguments once, however many hooks ask. Hooks may keep
+    their own per-op notes as attributes of it (tests/test_torch_internals.py shows one).
+    """
+
+    def __init__(self, func, args: tuple, kwargs: dict) -> None:
+        self.func, self.args, self.kwargs = func, args, kwargs
+        self._name: str | None = None
+        self._leaves: list | None = None
+        self.out: Any = None             # what the op returned (set before `after`)
+        self._out_leaves: list | None = None
+
+    @property
+    def name(self) -> str:
+        """``str()`` of the overload, e.g. "aten.sqrt.default"."""
+        if self._name is None:
+            self._name = str(self.func)
+        return self._name
+
+    def leaves(self) -> list:
+        """The leaves of ``(args, kwargs)``, flattened once."""
+        if self._leaves is None:
+            self._leaves = tree_leaves((self.args, self.kwargs))
+        return self._leaves
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors among `leaves`."""
+        return [t for t in self.leaves() if isinstance(t, torch.Tensor)]
+
+    def out_leaves(self) -> list:
+        """The leaves of what the op returned, flattened once (in `after`)."""
+        if self._out_leaves is None:
+            self._out_leaves = tree_leaves(self.out)
+        return self._out_leaves
+
+    def __call__(self) -> Any:
+        """Run the op as dispatched."""
+        return self.func(*self.args, **self.kwargs)
+
+
+class ObserverMode(TorchDispatchMode):
+    """A dispatch mode that runs every op once and calls hooks around it; subclasses override
+    the hooks they need and never ``__torch_dispatch__`` itself.
+
+    - ``wants(func) -> bool``: asked first, for every op (metadata ops too); False: the op
+      runs plainly and no other hook sees it. Default: every op but `METADATA_OPS`.
+    - ``before(call) -> bool``: before the op runs; False: the op runs plainly, no `after`.
+    - ``run(call)``: runs the op (default: as dispatched); override to run something else.
+    - ``after(call, out)``: after it ran, with what it returned (``call.out`` too).
+
+    A hook may raise: the exception leaves the mode as it would leave ``__torch_dispatch__``.
+    ``torch.utils._python_dispatch.TorchDispatchMode``: checked on 2.13.0 (its subclasses'
+    ``__torch_dispatch__`` is wrapped in ``torch._disable_dynamo``: only this one's is).
+
+    >>> class Names(ObserverMode):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.seen = []
+    ...     def after(self, call, out):
+    ...         self.seen.append(call.name)
+    >>> with Names() as m:
+    ...     _ = torch.ones(2).exp()
+    >>> m.seen
+    ['aten.ones.default', 'aten.exp.default']
+    """
+
+    def wants(self, func) -> bool:
+        return func not in METADATA_OPS
+
+    def before(self, call: OpCall) -> bool:
+        return True
+
+    def run(self, call: OpCall) -> Any:
+        return call.func(*call.args, **call.kwargs)
+
+    def after(self, call: OpCall, out: Any) -> None:
+        return None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.wants(func):
+            return func(*args, **kwargs)
+        call = OpCall(func, args, kwargs)
+        if self.before(call) is False:
+            return func(*args, **kwargs)
+        out = call.out = self.run(call)
+        self.after(call, out)
+        return out
+
+
+# -- autograd -----------------------------------------------------------------------------------
+def current_autograd_node():
+    """The autograd node whose backward is running on this thread (None outside backward).
+    ``torch._C._current_autograd_node``: checked on 2.13.0."""
+    return torch._C._current_autograd_node()
+
+
+def node_sequence_nr(node) -> int:
+    """An autograd node's sequence number (the order forward made the nodes in).
+    ``Node._sequence_nr()``: checked on 2.13.0."""
+    return node._sequence_nr()
+
+
+def is_custom_function_node(node) -> bool:
+    """Is ``node`` a custom ``autograd.Function``'s (not a built-in formula's)?
+    ``torch.autograd.function.BackwardCFunction``: checked on 2.13.0."""
+    from torch.autograd.function import BackwardCFunction
+    return isinstance(node, BackwardCFunction)
+
+
+def anomaly_traceback(node) -> list[str]:
+    """The forward stack (lines of text) anomaly mode kept on ``node``; [] without one.
+    The ``"traceback_"`` metadata key: checked on 2.13.0."""
+    return (node.metadata or {}).get("traceback_") or []
+
+
+# -- storages -----------------------------------------------------------------------------------
+def storage_ref(storage):
+    """A weak reference to an untyped storage (``.expired()``; `same_storage` compares it).
+    ``torch.multiprocessing.reductions.StorageWeakRef``: checked on 2.13.0."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return StorageWeakRef(storage)
+
+
+def same_storage(ref, storage) -> bool:
+    """Does the live weak reference ``ref`` (`storage_ref`) name ``storage``? The reference
+    pins the storage object, so its ``cdata`` names no other one. ``_cdata``: checked on
+    2.13.0."""
+    return ref.cdata == storage._cdata
+
+
+# -- collectives --------------------------------------------------------------------------------
+def wait_tensor(t: torch.Tensor) -> Any:
+    """Wait for a functional collective's output. ``torch.ops._c10d_functional.wait_tensor``:
+    checked on 2.13.0."""
+    return torch.ops._c10d_functional.wait_tensor(t)
+
+
+def resolve_process_group(name: str):
+    """The process group a functional collective names by string.
+    ``torch.distributed.distributed_c10d._resolve_process_group``: checked on 2.13.0."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    return _resolve_process_group(name)
+
+
+def fake_store():
+    """A store for torch's fake process group (``init_process_group("fake", store=...)``), which
+    communicates nothing. ``torch.testing._internal.distributed.fake_pg.FakeStore``: checked on
+    2.13.0."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    return FakeStore()
+
+
+# -- frames: who issued a dispatched op ---------------------------------------------------------
+TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_DDP_FILE = TORCH_DIR + "nn/parallel/distributed.py"
+_ENGINE = TORCH_DIR + "autograd/graph.py"
+_PLUMBING = tuple(TORCH_DIR + p for p in (
+    "_ops.py", "utils/_python_dispatch.py", "_dynamo/", "_compile.py",
+    "distributed/c10d_logger", "distributed/distributed_c10d.py"))
+_HERE = os.path.abspath(__file__)
+
+
+def dispatch_caller():
+    """The frame that called the running mode's ``__torch_dispatch__`` (from a hook of an
+    `ObserverMode`, or from ``__torch_dispatch__`` itself); None on a thread with no Python
+    frame below it (CUDA's autograd device threads). ``sys._getframe``: checked on 2.13.0."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_name != "__torch_dispatch__":
+        f = f.f_back
+    return f.f_back if f is not None else None
+
+
+_HOOKS = ("wants", "before", "run", "after")
+
+
+def _plumbing(frame) -> bool:
+    """Frames between a collective's caller and the mode: other modes (their
+    ``__torch_dispatch__``, this module's, an `ObserverMode`'s hooks), torch's op plumbing."""
+    code = frame.f_code
+    if code.co_name == "__torch_dispatch__" or code.co_filename == _HERE or \
+            code.co_filename.startswith(_PLUMBING):
+        return True
+    return code.co_name in _HOOKS and isinstance(frame.f_locals.get("self"), ObserverMode)
+
+
+def ddp_origin(frame) -> str | None:
+    """Where a collective dispatched under a DDP model comes from, from the frame that issued
+    it (`dispatch_caller`): ``"bucket"`` (DDP's reducer: no Python frame but the autograd
+    engine's, or none at all; or a comm hook: a frame below the engine holds a ``GradBucket``),
+    ``"rebuild"`` (DDP's ``_pre_forward`` rebuilding its buckets) or None (anything else).
+    Recognised by torch's file paths (``nn/parallel/distributed.py``, ``autograd/graph.py``):
+    checked on 2.13.0."""
+    import torch.distributed as dist
+
+    f = frame
+    while f is not None and _plumbing(f):
+        f = f.f_back
+    if f is None or f.f_code.co_filename == _ENGINE:
+        return "bucket"
+    if f.f_code.co_filename == _DDP_FILE and f.f_code.co_name == "_pre_forward":
+        return "rebuild"
+    g = f
+    while g is not None and g.f_code.co_filename != _ENGINE:
+        if any(isinstance(v, dist.GradBucket) for v in g.f_locals.values()):
+            return "bucket"
+        g = g.f_back
+    return None
+
+
+# -- modules ------------------------------------------------------------------------------------
+def reparametrize_module(module: torch.nn.Module, state: dict):
+    """A context manager within which ``module``'s parameters and buffers are ``state``'s.
+    ``torch.nn.utils.stateless._reparametrize_module`` (in torch since 2.0): checked on
+    2.13.0."""
+    from torch.nn.utils.stateless import _reparametrize_module
+    return _reparametrize_module(module, state)
+
+
+# -- foreach kernels ----------------------------------------------------------------------------
+def foreach_norm(tensors: list[torch.Tensor], ord: float = 2, dtype=None) -> list[torch.Tensor]:
+    """Each tensor's norm, in one kernel launch per device and dtype. ``torch._foreach_norm``
+    (its ``dtype`` argument): checked on 2.13.0."""
+    if dtype is None:
+        return torch._foreach_norm(tensors, ord)
+    return torch._foreach_norm(tensors, ord, dtype=dtype)
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[i].copy_(src[i])`` for every i, in few kernel launches. ``torch._foreach_copy_``:
+    checked on 2.13.0."""
+    torch._foreach_copy_(dst, src)
+
+
+# -- the compiler -------------------------------------------------------------------------------
+def preload_dynamo() -> None:
+    """Import ``torch._dynamo`` now (building an optimizer imports it; a process that forks
+    replays imports it once, before forking). Checked on 2.13.0."""
+    import torch._dynamo  # noqa: F401
+
+
+def dynamo_reset() -> None:
+    """Forget everything dynamo compiled. ``torch._dynamo.reset``: checked on 2.13.0."""
+    import torch._dynamo
+    torch._dynamo.reset()
+
+
+def compiler_bisector():
+    """torch's ``CompilerBisector`` (``do_bisect``, ``get_backend``, ``get_subsystem``).
+    ``torch._inductor.compiler_bisector``: checked on 2.13.0."""
+    from torch._inductor.compiler_bisector import CompilerBisector
+    return CompilerBisector
+
+
+def bisector_config_change(backend: str, subsystem: str | None) -> str | None:
+    """"section.field=value" when the bisector's ``subsystem`` of ``backend`` is a config
+    change, else None. ``compiler_bisector.BACKENDS`` and ``ConfigChange``: checked on 2.13.0."""
+    from torch._inductor.compiler_bisector import BACKENDS, ConfigChange
+
+    sub = next((s for s in BACKENDS.get(backend, []) if s.name == subsystem), None)
+    if isinstance(sub, ConfigChange):
+        return f"{sub.config_name}.{sub.config_field}={sub.config_value}"
+    return None
+
+
+_OVERLOAD_REPR = re.compile(r"op='([\w.:]+)', overload='(\w+)'")
+
+
+def op_of(debug_info: str | None) -> str | None:
+    """The op a bisector debug info names (a decomposition's), as ``str()`` of the overload;
+    read from the ``repr`` of an ``OpOverload`` (``<OpOverload(op='aten.x', overload='y')>``):
+    checked on 2.13.0.
+
+    >>> op_of("<OpOverload(op='aten._softmax', overload='default')>")
+    'aten._softmax.default'
+    >>> op_of("add_2") is None
+    True
+    """
+    m = _OVERLOAD_REPR.search(debug_info or "")
+    return f"{m.group(1)}.{m.group(2)}" if m else None
+
+
+def set_compile_threads(n: int) -> None:
+    """inductor's compile worker count. ``torch._inductor.config.compile_threads``: checked on
+    2.13.0."""
+    import torch._inductor.config as inductor_config
+    inductor_config.compile_threads = n
+
+
+def inductor_cache_dir() -> str:
+    """inductor's kernel cache directory. ``torch._inductor.runtime.cache_dir_utils.cache_dir``:
+    checked on 2.13.0."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return cache_dir()
+
+
+def dynamo_debug_dir(root: str | None = None) -> str:
+    """dynamo's debug directory root (``torch._dynamo.config.debug_dir_root``); with ``root``,
+    set it first. Returns the value before. Checked on 2.13.0."""
+    import torch._dynamo.config as dynamo_config
+    before = dynamo_config.debug_dir_root
+    if root is not None:
+        dynamo_config.debug_dir_root = root
+    return before
+
+
+def trace_log_handler():
+    """The handler of ``TORCH_COMPILE_DEBUG=1``'s structured trace (``root_dir``, ``stream``,
+    ``acquire``/``release``), None when torch has none. ``torch._logging._internal.
+    LOG_TRACE_HANDLER``: checked on 2.13.0."""
+    try:
+        from torch._logging import _internal as logging_internal
+    except ImportError:
+        return None
+    return getattr(logging_internal, "LOG_TRACE_HANDLER", None)
+
+
+def compiled_original(model: Any) -> torch.nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped, when ``model`` is such an
+    ``OptimizedModule``; else None. ``OptimizedModule._orig_mod``: checked on 2.13.0.
+
+    >>> compiled_original(torch.nn.Linear(1, 1)) is None
+    True
+    """
+    if type(model).__name__ != "OptimizedModule":
+        return None
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else None
+
+
+def compiled_backend(model: Any):
+    """The backend an ``OptimizedModule`` compiles with (may raise on a torch whose internals
+    moved). ``dynamo_ctx.callback`` and ``torch._dynamo.eval_frame.innermost_backend``:
+    checked on 2.13.0."""
+    from torch._dynamo.eval_frame import innermost_backend
+    return innermost_backend(model.dynamo_ctx.callback)
+
+
+def inductor_mode_options(mode: str) -> dict:
+    """The inductor options a ``torch.compile`` ``mode`` stands for.
+    ``torch._inductor.list_mode_options``: checked on 2.13.0."""
+    from torch._inductor import list_mode_options
+    return list_mode_options(mode)
+
+
+# where ``torch._disable_dynamo``'s wrapper caches the disabled version of its function
+DISABLE_CACHE_ATTR = "__dynamo_disable"
+
+
+def disable_dynamo_decorator():
+    """``torch._disable_dynamo`` (via ``torch._compile``), which wraps a function so that dynamo
+    never traces it, caching the disabled version as ``fn.__dynamo_disable``; None when torch
+    has none. Checked on 2.13.0."""
+    return getattr(getattr(torch, "_compile", None), "_disable_dynamo", None)
