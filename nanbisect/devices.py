@@ -30,6 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from nanbisect.errors import BadInput
+from nanbisect.util import torch_internals
 from nanbisect.util.spec import DeviceSpec
 
 
@@ -131,7 +132,7 @@ class DeviceType:
         mod = self.streams()
         stream.wait_stream(mod.current_stream(stream.device))  # what the last step wrote, first
         with mod.stream(stream):
-            torch._foreach_copy_(dst, src)
+            torch_internals.foreach_copy_(dst, src)
         for t in src:     # memory freed meanwhile (by code other than the optimizer) is not
             t.record_stream(stream)     # reused before the copy has read it
         return stream.record_event()

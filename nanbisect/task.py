@@ -30,6 +30,7 @@ from nanbisect.errors import BadInput
 from nanbisect.util import frames
 from nanbisect.util.compiled import captured_args, compile_model, is_compiled, recorded
 from nanbisect.util.spec import split_entry
+from nanbisect.util.torch_internals import compiled_original
 
 
 @dataclass
@@ -83,7 +84,7 @@ class Task:
                      "mode": self.compiled.get("mode"), "options": self.compiled.get("options")}
         if is_compiled(self.model):
             given = captured_args(self.model) if given is None else given
-            self.runner, self.model = self.model, self.model._orig_mod
+            self.runner, self.model = self.model, compiled_original(self.model)
         elif given is not None:
             # the training compiles with every option given (the user's to choose)
             self.runner = compile_model(self.model, given)

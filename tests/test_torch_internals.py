@@ -19,19 +19,9 @@ PKG = Path(__file__).resolve().parent.parent / "nanbisect"
 # or CPython's frame access
 PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._(?!_)\w+|\.(?:_schema|_sequence_nr|_cdata|"
                      r"_orig_mod)\b|\bsys\._getframe\b|\bdynamo_ctx\b")
-# files that still name private torch APIs directly, each with the shim to call instead; the
-# list only shrinks
-NOT_YET_ROUTED = {
-    "compiler/launch.py": "inductor_cache_dir",
-    "devices.py": "foreach_copy_",
-    "guard/screen.py": "foreach_norm",
-    "guard/snapshot.py": "foreach_copy_",
-    "multirank/worker.py": "fake_store",
-    "pipeline/culprit.py": "tree_leaves",
-    "proc/child.py": "preload_dynamo",
-    "task.py": "compiled_original",
-    "util/forks.py": "preload_dynamo",
-}
+# files that still name private torch APIs directly, each with the shim to call instead (none:
+# add one only with a reason)
+NOT_YET_ROUTED: dict[str, str] = {}
 
 
 def _code(path: Path) -> str:
@@ -65,6 +55,30 @@ def test_the_version_check_says_what_needs_a_newer_torch_in_one_line():
     assert ti.torch_version("2.13.0+cpu") == (2, 13) >= ti.FLOOR
     for feature in ti.FEATURES:
         assert ti.check_torch_version(feature) is None
+
+
+def test_an_older_torch_is_said_where_it_is_used(monkeypatch, tmp_path):
+    """The Guard warns in one line; replaying ranks alone (the fake process group) and the
+    compiler bisection refuse in one line, before starting anything."""
+    import pytest
+
+    from nanbisect import Guard, Task
+    from nanbisect.compiler.launch import bisect_compiled
+    from nanbisect.errors import BadInput
+    from nanbisect.multirank.launcher import launch_alone
+
+    monkeypatch.setattr(torch, "__version__", "2.4.1")
+    model = torch.nn.Linear(2, 1)
+    task = Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                loss_fn=lambda m, b: m(b).sum())
+    with pytest.warns(UserWarning, match=r"Guard: nanbisect is checked on torch .*2\.4\.1"):
+        Guard(task, entry=f"{__file__}:_Log", out=tmp_path / "g")
+    with pytest.raises(BadInput, match="2.4.1 is older.*without --ranks"):
+        launch_alone(None, [0], "cpu", None, tmp_path / "p", 5.0)
+    found = bisect_compiled(tmp_path, None, "cpu", eager="finite", compiled="nan",
+                            phase="forward", backend="inductor")
+    assert "could not start" in found.detail and "2.4.1" in found.detail
+    assert not (tmp_path / "p").exists()
 
 
 class _Log(ti.ObserverMode):

@@ -154,7 +154,10 @@ def _run(a) -> int:
         from nanbisect.report.text import terminal
         from nanbisect.util.recordjson import dumps
         from nanbisect.util.text import failure_line
+        from nanbisect.util.torch_internals import check_torch_version
 
+        if (too_old := check_torch_version()) is not None:
+            print(f"nanbisect: warning: {too_old}", file=sys.stderr)
         with _progress() as progress:
             options = RunOptions(target=a.target, reference=a.reference, inject=a.inject,
                                  entry=a.entry, ranks=a.ranks, steps=a.steps,

@@ -52,9 +52,14 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
                     timeout: float | None = None) -> CompilerFinding:
     """Run torch's compiler bisection of ``bundle``'s step in a child; its finding (one that
     says why when the child failed or ran out of time)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from nanbisect.util.torch_internals import check_torch_version
+    from nanbisect.util.torch_internals import inductor_cache_dir as cache_dir
 
     limit = bisect_timeout() if timeout is None else timeout
+    base = dict(eager=eager, compiled=compiled, phase=phase, backend=backend)
+    too_old = check_torch_version("compiler")
+    if too_old is not None:
+        return CompilerFinding(**base, detail=f"the bisection could not start: {too_old}")
     # NB: the pid in its name tells a live run's scratch from one left behind
     scratch = Path(tempfile.mkdtemp(prefix=f"nanbisect-compiler-{os.getpid()}-"))
     out = scratch / "finding.json"
@@ -63,7 +68,6 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
             "--compiled", compiled,
             *(["--phase", phase] if phase else []), *(["--entry", entry] if entry else [])]
     env = {**os.environ, "TMPDIR": str(scratch)}
-    base = dict(eager=eager, compiled=compiled, phase=phase, backend=backend)
     t0 = time.perf_counter()
     read, write = os.pipe()
     err = os.open(scratch / "stderr.txt", os.O_WRONLY | os.O_CREAT, 0o600)

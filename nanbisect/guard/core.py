@@ -60,6 +60,7 @@ from nanbisect.guard.reading import (_agree_max, _declared_scaler, _loss_slot,  
 from nanbisect.guard.spikes import Spike, _lookback_and_spike, _Spikes
 from nanbisect.step import found_inf, run_step
 from nanbisect.task import Task, refuse_training_at_import
+from nanbisect.util.torch_internals import check_torch_version
 
 
 @dataclass
@@ -118,6 +119,8 @@ class Guard(_Reading, _Failing, _Spikes):
                  spike: "float | Spike | None" = None, snapshot: str = "rebuild",
                  snapshot_every: int | None = None, snapshot_stream: bool = True) -> None:
         refuse_training_at_import("Guard(...)")   # before `out` is made: nothing written
+        if (too_old := check_torch_version()) is not None:
+            warnings.warn(f"Guard: {too_old}", stacklevel=2)
         if not isinstance(task, Task):
             raise BadInput(f"Guard: got a {type(task).__name__}, not a nanbisect.Task; pass "
                            "Task(model=..., optimizer=..., loss_fn=...)")

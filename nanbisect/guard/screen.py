@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from nanbisect.bundle.state import local
+from nanbisect.util.torch_internals import foreach_norm
 
 LISTED = 20     # names listed per kind in `observed`; the counts say how many there were
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -29,7 +30,7 @@ def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Te
     ts = [local(t) for t in tensors if t is not None]
     if len(ts) == len(tensors) and all(t.device == device for t in ts):
         try:
-            return torch.stack(torch._foreach_norm(ts, 2, dtype=torch.float32))
+            return torch.stack(foreach_norm(ts, 2, dtype=torch.float32))
         except (RuntimeError, TypeError):   # a dtype foreach has no kernel for: one at a time
             pass
     zero = torch.zeros((), device=device)
@@ -55,8 +56,8 @@ def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
     try:
         # all on one device, each dtype with a kernel: one call (else an error, below); float32
         # tensors without the dtype argument (it costs them a fifth more: docs/BENCHMARKS.md)
-        norms = torch._foreach_norm(both, 2) if all(t.dtype == torch.float32 for t in both) \
-            else torch._foreach_norm(both, 2, dtype=torch.float32)
+        norms = foreach_norm(both, 2) if all(t.dtype == torch.float32 for t in both) \
+            else foreach_norm(both, 2, dtype=torch.float32)
     except (RuntimeError, TypeError):   # another device, a dtype foreach has no kernel for
         both = torch.stack([_norms(ps, device), _norms(gs, device)])
         return both if out is None else out.copy_(both)

@@ -19,6 +19,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.state import hyper_parameters
 from nanbisect.guard.screen import _PLAIN, _locals
+from nanbisect.util.torch_internals import foreach_copy_
 
 
 def _live_scale(scaler) -> torch.Tensor | None:
@@ -124,7 +125,7 @@ class _Copies:
         if idx is not None:
             src, dst = [src[i] for i in idx], [dst[i] for i in idx]
         if src:
-            torch._foreach_copy_(dst, src)
+            foreach_copy_(dst, src)
 
     @torch.no_grad()
     def put_back(self) -> None:
@@ -200,7 +201,7 @@ class _Snapshot:
             dst = self._early.copies + self._late.copies
             if dst:
                 with torch.no_grad():
-                    torch._foreach_copy_(dst, self._early.live + self._late.live)
+                    foreach_copy_(dst, self._early.live + self._late.live)
             return
         late = self._late.live
         side = [i for i, t in enumerate(late) if t.device == dev]
@@ -228,7 +229,7 @@ class _Snapshot:
         if self._late.copies:
             self.release()
         if self._bind_early(opt, scaler, buffers):
-            torch._foreach_copy_(self._early.copies, self._early.live)
+            foreach_copy_(self._early.copies, self._early.live)
 
     def _bind_early(self, opt, scaler, buffers: list) -> list:
         """Point the early copies at the buffers and the scaler's scale and growth tracker (two

@@ -62,6 +62,7 @@ from nanbisect.task import split_entry
 from nanbisect.util.numbers import env
 from nanbisect.util.spec import check_ranks
 from nanbisect.util.text import ranks_text, show
+from nanbisect.util.torch_internals import check_torch_version
 
 __all__ = ["PREFIX", "launch", "launch_alone", "parse_ranks", "rank_timeout", "run_multirank",
            "sweep", "where"]
@@ -190,6 +191,9 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
     (`multirank.alone`): no process group between them, every collective served what the
     capture recorded. Bounded by ``timeout`` as a lockstep replay is; nothing is left behind
     (the same run directory, janitor and kill as `launch`)."""
+    too_old = check_torch_version("fake-process-group")
+    if too_old is not None:
+        raise BadInput(f"{too_old}; or replay every rank (without --ranks)")
     per_host = devices.entry(devices.parse(target)[0]).count()   # the CPU's: 1
     _, stacks = _run_ranks(bundle, ranks, target, partial, timeout, alone=True,
                            per_host=per_host or 1, inject=inject, entry=entry,

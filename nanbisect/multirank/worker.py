@@ -259,11 +259,10 @@ def _replay(a: argparse.Namespace, rank: int, partial: Path, out: Path) -> None:
     """This rank's replay in lockstep with the others, or alone on the fake process group."""
     if a.alone:
         # torch's fake process group: rank r of the world, communicating nothing
-        from torch.testing._internal.distributed.fake_pg import FakeStore
-
         from nanbisect.multirank.alone import replay_alone
+        from nanbisect.util.torch_internals import fake_store
 
-        dist.init_process_group("fake", rank=rank, store=FakeStore(),
+        dist.init_process_group("fake", rank=rank, store=fake_store(),
                                 world_size=int(os.environ["WORLD_SIZE"]))
         result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
                               a.reference, stage=_stage, remedies=a.remedies)

@@ -20,6 +20,7 @@ from nanbisect.remedies import budget as remedy_budget
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of, repro_imports, write_module_repro, write_repro
 from nanbisect.report.rerun import ServerFork, runner
+from nanbisect.util.torch_internals import tree_leaves
 
 
 def _evidence(run: _Run, side: "ReferenceSide | None", op_check: OpCheck | None) -> Evidence:
@@ -194,7 +195,7 @@ def _surfaced_repro(run: _Run, chain: Chain, finding: OpFinding, kind: str, tmp:
     caught = chain.catch_surfaced(finding)
     if caught is None:
         return None
-    tensors = [t for t in torch.utils._pytree.tree_leaves((caught.args, caught.kwargs))
+    tensors = [t for t in tree_leaves((caught.args, caught.kwargs))
                if isinstance(t, torch.Tensor)]
     culprit = Culprit.of_tensors(s.phase, CallId(s.module or "", s.module_call), tensors,
                                  source=caught.source, op=s.op, op_index=s.op_index)

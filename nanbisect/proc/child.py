@@ -86,7 +86,9 @@ def preload() -> None:
     import numpy  # noqa: F401
     import safetensors.torch  # noqa: F401
     import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401
+
+    from nanbisect.util.torch_internals import preload_dynamo
+    preload_dynamo()
     with contextlib.suppress(ImportError):
         import setproctitle  # noqa: F401
 
