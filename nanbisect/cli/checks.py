@@ -17,11 +17,11 @@ from types import SimpleNamespace
 from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.errors import BadInput
 from nanbisect.triage.backends import check_backend
-from nanbisect.util.spec import check_device, check_ranks, split_entry
+from nanbisect.util.spec import NONE, check_device, check_ranks, split_entry
 
 
 def _device(spec: str | None, none_ok: bool = False) -> None:
-    if spec is not None and not (none_ok and spec == "none"):
+    if spec is not None and not (none_ok and spec == NONE):
         check_device(spec)
 
 

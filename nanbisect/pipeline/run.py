@@ -30,6 +30,7 @@ from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import load_inject
 from nanbisect.util.dynamo import defer_dynamo
+from nanbisect.util.spec import DeviceSpec
 from nanbisect.util.text import ranks_arg, ranks_text, show
 
 
@@ -107,16 +108,16 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
         _check_partial(bundle, subset)
         if subset is not None:
             check_tape(bundle, subset)     # verifies each replayed part, and what it references
-        reference = opts.reference or devices.default_reference(t_dev)
-        if reference != "none":
-            parse_device(reference)   # a bad --reference fails here, before any rank starts
+        reference = DeviceSpec.parse(opts.reference or devices.default_reference(t_dev))
+        if not reference.none:
+            parse_device(str(reference))   # a bad --reference fails here, before any rank starts
         if opts.inject:
             load_inject(opts.inject)  # a bad --inject fails here, before any rank starts
         progress("ranks", (f"replaying {bundle.world_size} ranks" if subset is None else
                            f"replaying rank(s) {subset} of {bundle.world_size} alone")
-                 + f" on {target}" + (f" and on {reference}" if reference != "none" else ""))
+                 + f" on {target}" + (f" and on {reference}" if not reference.none else ""))
         return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry,
-                             reference=None if reference == "none" else reference,
+                             reference=None if reference.none else str(reference),
                              ranks=subset, remedies=opts.remedies)
     threads = torch.get_num_threads()
     try:

@@ -19,6 +19,7 @@ from nanbisect.report.plots import both, history_svg, plot_svg
 from nanbisect.report.text import (fidelity_text, headline, remedy_detail, rows_text, to_markdown,
                                    verified)
 from nanbisect.util.recordjson import dumps
+from nanbisect.util.spec import NONE
 
 
 def history_marks(r: Report) -> list[tuple[int, str]]:
@@ -100,7 +101,7 @@ def to_html(r: Report, failed: list[StageError] | None = None,
     forward = r.phase == "forward"
     return template.render(
         r=r, c=c, headline=headline(r), meaning=MEANING.get(r.classification or ""),
-        multi=bool(r.ranks), has_reference=r.facts.reference not in (None, "none"),
+        multi=bool(r.ranks), has_reference=r.facts.reference not in (None, NONE),
         losses=r.facts.losses, repro_said=f"{said} on {r.facts.target}",
         fidelity=fidelity_text(r),
         side_in="inputs" if forward else "grad arriving",
