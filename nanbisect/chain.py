@@ -20,7 +20,7 @@ How collectives are served (`Serving`) is the one thing that decides which passe
   and pass 3.
 
 Guarantees: the passes of every path are the functions below, so a pass added here reaches every
-path (`tests/test_chain.py` fails when a caller imports a pass itself). What runs after the
+path (`tests/chain/test_chain.py` fails when a caller imports a pass itself). What runs after the
 verdict (repro, op check, remedies) is listed in ``errors`` when it fails, never raised.
 """
 from __future__ import annotations

@@ -93,7 +93,7 @@ import tinygpt  # noqa: E402  (the tests' GPT, built bigger; its plain_step is t
 from tinygpt import plain_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from held import _storage, guard_tensors, state_storages  # noqa: E402  (what a Guard holds)
+from helpers.held import _storage, guard_tensors, state_storages  # noqa: E402  (a Guard holds)
 
 CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-4,
               weight_decay=0.1, seed=0)

@@ -60,7 +60,7 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 els
 else
   echo "gpu_check: one GPU: the two-rank lockstep replay on CUDA is not checked"
 fi
-"$PY" -m pytest -q tests/test_differential.py -k cuda || fail=1
+"$PY" -m pytest -q tests/reference/test_differential.py -k cuda || fail=1
 # Guard on the GPU: the snapshot on a side stream is the pre-step state (bit for bit against a
 # synchronous copy), and what the Guard costs with and without it, at batch 2 and 8
 "$PY" scripts/check_snapshot_stream.py --device cuda || fail=1

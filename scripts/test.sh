@@ -13,7 +13,7 @@ if [ "${1:-}" = --fast ]; then
 fi
 bash scripts/setup.sh test
 source scripts/env.sh
-# Headless Chromium for the browser test of report.html (tests/test_html.py): installed with
+# Headless Chromium for the browser test of report.html (tests/report/test_html.py): installed with
 # apt-get when missing, as root or through password-less sudo (Debian's `chromium`; Ubuntu's
 # `chromium-browser` where that is a real package). Without one the test is skipped, except
 # under CI=1 or NANBISECT_REQUIRE_BROWSER=1, where it fails: CI must run it.
@@ -35,10 +35,10 @@ if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/
 fi
 # three workers on two cores: much of the suite waits (subprocesses, time-outs, killed ranks),
 # and its multi-rank and triage tests are made to hold under that load. --dist loadgroup: tests
-# of one xdist_group mark (those reading one shared expensive run, e.g. tests/test_cli_fixtures.py)
+# of one xdist_group mark (those reading one shared expensive run, e.g. tests/cli/test_cli_fixtures.py)
 # go to one worker, so that run is done once; those groups go out first, then the tests marked
 # slow (tests/conftest.py orders them first), then the rest. A line per test file as it ends
-# (tests/progress.py), the 15 slowest tests at the end. (Not in pyproject's addopts: pytest
+# (tests/helpers/progress.py), the 15 slowest tests at the end. (Not in pyproject's addopts: pytest
 # without pytest-xdist would refuse --dist.) pytest-benchmark, when some other package brought it,
 # has nothing to measure here: off.
 echo "test: $PY -m pytest -q -n 3 --dist loadgroup --durations=15 ${tier[*]:+-m 'not slow'} $*" >&2

@@ -13,15 +13,13 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))   # the helpers package
-from helpers import *  # noqa: E402,F403 - `from conftest import cli` keeps working
 from helpers.paths import FIXTURES, TASKS, TEST_TASKS  # noqa: E402
-from helpers.marks import same_run  # noqa: E402,F401 - `from conftest import same_run`
 from helpers.run import _ZYGOTE, cli, invoke, run_json  # noqa: E402
 sys.path.insert(0, str(TASKS))   # the fixture tasks' modules (tinygpt: the GPT and plain_step)
 sys.path.insert(0, str(TEST_TASKS))   # the tests' own task modules (loops, traps, ...)
 # Remedies (issue 27) replay a culprit's step up to 4 more times by default; the suite's other
 # tests are not about them: one remedy each keeps the machinery exercised on every culprit at a
-# quarter of the cost (the CLI children inherit it). tests/test_remedies.py and the remedies
+# quarter of the cost (the CLI children inherit it). tests/remedies/test_remedies.py and the remedies
 # assertions elsewhere ask for their budgets explicitly.
 os.environ.setdefault("NANBISECT_REMEDY_BUDGET", "1")
 # torch's inductor reuses kernels and its precompiled header from its cache directory whatever
@@ -95,8 +93,8 @@ def travel_bundle(tmp_path_factory):
 
 
 def pytest_configure(config):
-    """One progress line per test file as it finishes (tests/progress.py)."""
-    from progress import FileProgress
+    """One progress line per test file as it finishes (tests/helpers/progress.py)."""
+    from helpers.progress import FileProgress
 
     config.pluginmanager.register(FileProgress(config), "nanbisect-file-progress")
 
@@ -110,8 +108,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def _captured_bundle_cache(tmp_path_factory):
-    """Multi-rank captures shared by the session's tests and workers (tests/bundles.py)."""
-    import bundles
+    """Multi-rank captures shared by the session's tests and workers (tests/helpers/bundles.py)."""
+    from helpers import bundles
 
     bundles.CACHE = bundles.session_cache(tmp_path_factory.getbasetemp())
     yield

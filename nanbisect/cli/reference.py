@@ -1,6 +1,6 @@
 """The command-line reference (docs/reference/cli.md), made from the typer app itself: every
 command, argument and flag with its value, default and help, and the exit codes, so that the
-reference cannot drift from the code (tests/test_cli_reference.py fails when the committed file
+reference cannot drift from the code (tests/cli/test_cli_reference.py fails when the committed file
 is not what this makes now).
 
     python -m nanbisect.cli.reference            # print it
@@ -22,7 +22,7 @@ from nanbisect.cli.app import EXIT_CODES
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reference" / "cli.md"
 HEADER = """\
 <!-- Generated from the typer app in nanbisect/cli/ by `python -m nanbisect.cli.reference
---write`: do not edit by hand (tests/test_cli_reference.py fails when it is stale). -->
+--write`: do not edit by hand (tests/cli/test_cli_reference.py fails when it is stale). -->
 # Command-line reference
 
 Every command of `nanbisect`, with its arguments and flags, their defaults and help, as

@@ -1,6 +1,6 @@
 """Replay a multi-rank bundle with its recorded world size and gather one report.
 
-Guarantees (each one tested with real processes in tests/test_multirank_faults.py):
+Guarantees (each one tested with real processes in tests/multirank/test_multirank_faults.py):
 - the ranks are started by `nanbisect.multirank.spawn`: torchrun's environment and TCPStore, one
   process group (gloo on CPU, the device seam's backend elsewhere), each rank forked from one
   interpreter that imported torch once (a fresh interpreter per rank where the device seam says

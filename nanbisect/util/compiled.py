@@ -32,7 +32,7 @@ _MODES = ("reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 # inductor options a bundle records and a replay applies: name -> the values it may take (bool:
 # true or false; a range or tuple: those integers, None where listed). Each exists in torch 2.13's
-# torch/_inductor/config.py with that type (tests/test_compiled_options.py checks it).
+# torch/_inductor/config.py with that type (tests/compiler/test_compiled_options.py checks it).
 REPLAYED: dict[str, Any] = {
     **dict.fromkeys((
         "emulate_precision_casts", "fallback_random", "max_autotune", "max_autotune_gemm",

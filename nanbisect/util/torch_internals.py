@@ -140,7 +140,7 @@ METADATA_OPS = frozenset({aten.sym_size.int, aten.sym_stride.int, aten.sym_numel
 class OpCall:
     """One dispatched op as the hooks of an `ObserverMode` see it: ``func``, ``args``,
     ``kwargs``; `leaves` flattens the arguments once, however many hooks ask. Hooks may keep
-    their own per-op notes as attributes of it (tests/test_torch_internals.py shows one).
+    their own per-op notes as attributes of it (tests/base/test_torch_internals.py shows one).
     """
 
     def __init__(self, func, args: tuple, kwargs: dict) -> None:

@@ -1,4 +1,4 @@
-"""A capture that stops half-way, so a test can kill -9 it mid-write (tests/test_leftovers.py).
+"""A capture that stops half-way, so a test can kill -9 it mid-write (tests/bundle/test_leftovers.py).
 
 Usage: python capture_killed.py OUT READY_FILE. The capture writes its first tensor file, then
 touches READY_FILE and waits (the wait replaces the file's checksum, which comes next); the

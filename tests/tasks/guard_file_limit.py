@@ -1,4 +1,4 @@
-"""A Guard whose every write fails: ``RLIMIT_FSIZE`` (tests/test_atomic.py).
+"""A Guard whose every write fails: ``RLIMIT_FSIZE`` (tests/bundle/test_atomic.py).
 
 Usage: python guard_file_limit.py OUT BYTES. Limits every file this process writes to BYTES (a
 write past it fails with EFBIG; SIGXFSZ, which would kill the process, is ignored), then runs the

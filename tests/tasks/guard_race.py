@@ -1,4 +1,4 @@
-"""Several of these at once guard the same failing step into one ``out`` (tests/test_atomic.py).
+"""Several of these at once guard the same failing step into one ``out`` (tests/bundle/test_atomic.py).
 
 Usage: python guard_race.py OUT GO_FILE. Waits for GO_FILE to exist, then runs the NaN batch of
 fixtures/tasks/nan_batch.py as step 3 and prints the bundle the Guard wrote."""

@@ -1,4 +1,4 @@
-"""A LightningModule trained with Adam at eps=0 (tests/test_integrations.py; the sqrt module of
+"""A LightningModule trained with Adam at eps=0 (tests/integrations/test_integrations.py; the sqrt module of
 the Lightning example is examples/lightning_train.py)."""
 import lightning as L
 import torch

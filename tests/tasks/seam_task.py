@@ -1,5 +1,5 @@
 """A tiny regressor whose forward takes the square root of a negative number when the batch's
-``poison`` is set: a forward NaN born in ``act`` (tests/test_devices.py)."""
+``poison`` is set: a forward NaN born in ``act`` (tests/base/test_devices.py)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F

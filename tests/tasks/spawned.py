@@ -1,4 +1,4 @@
-"""A rank started by `nanbisect.multirank.spawn` (tests/test_spawn.py): ``spawned.py MODE OUT``.
+"""A rank started by `nanbisect.multirank.spawn` (tests/multirank/test_spawn.py): ``spawned.py MODE OUT``.
 
 MODE ``group``: join the process group (``env://``, gloo), all-reduce the rank number, write what
 it saw (environment, sum, pid) to OUT/rank<r>.json. ``crash``: rank 1 kills itself with SIGSEGV

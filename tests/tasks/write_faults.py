@@ -1,4 +1,4 @@
-"""A 2-rank DDP training script whose bundle write fails on one rank (tests/test_parts.py):
+"""A 2-rank DDP training script whose bundle write fails on one rank (tests/guard/test_parts.py):
 
     python -m nanbisect.multirank.spawn --world=2 --group -- tests/tasks/write_faults.py OUT_DIR
 
