@@ -108,17 +108,17 @@ class Chain:
 
     # -- pass 2 and 3 ------------------------------------------------------------------------
 
-    def producer(self, table: ProbeTable, first: StepOutcome, phase: str
+    def producer(self, table: ProbeTable, first: StepOutcome, phase: str, kind: str
                  ) -> tuple[CallStats | None, str | None]:
-        """The module call that produced ``phase``'s failure from clean inputs (forward,
-        backward) and the parameter it concerns (backward, optimizer), from the first pass's
-        probe table."""
-        kind = first.kind or "nan"
+        """The module call that produced ``phase``'s failure of ``kind`` from clean inputs
+        (forward, backward) and the parameter it concerns (backward, optimizer), from the first
+        pass's probe table and outcome. In lockstep ``phase`` is the culprit rank's: this rank's
+        own step may have stayed finite (nothing to name then)."""
         if phase == "forward":
             return forward_producer(table, kind), None
         if phase == "backward":
             return backward_producer(table, kind)
-        if phase == "optimizer":
+        if phase == "optimizer" and first.bad:
             return None, first_bad_parameter(self.rep.task.model, [b.name for b in first.bad])
         return None, None
 
@@ -172,7 +172,7 @@ class Chain:
         processes of the job settled on (lockstep: the culprit rank's op, caught on every rank;
         a rank alone: None when its root is a collective it was served)."""
         phase, kind = failed or (first.phase, first.kind or "nan")
-        call, parameter = self.producer(table, first, phase)
+        call, parameter = self.producer(table, first, phase, kind)
         ahead = self.ahead(phase, kind)
         finding = self.record(phase, kind, call, ahead)
         if finding is not None and finding.module_call is not None:
@@ -202,12 +202,14 @@ class Chain:
                              samples=loc.traced.samples if loc.traced is not None else None)
 
     def remedies(self, culprit: Culprit, finding: OpFinding | None, traced: RowTrace | None,
-                 budget: int) -> list[Remedy]:
+                 budget: int, failed: str | None = None) -> list[Remedy]:
         """The remedies tried on the culprit's step within ``budget`` replays. In lockstep none
         is tried (the other ranks' collectives would wait): each is listed as skipped. A rank
         alone is judged on its forward (the collectives after it are served with the capture's
-        failure), so only a forward culprit's remedies are tried. One process: the bundle's
-        lookback gives the state remedy its earlier batch (a step of ``--steps`` has none)."""
+        failure), so only the remedies of a step that failed in forward (``failed``: the
+        failing phase; a culprit born in forward may have failed in backward) are tried. One
+        process: the bundle's lookback gives the state remedy its earlier batch (a step of
+        ``--steps`` has none)."""
         if budget <= 0:
             return []
         if self.serving is Serving.LOCKSTEP:
@@ -215,7 +217,7 @@ class Chain:
                                       "without every other rank; replay this rank alone "
                                       f"(--ranks {culprit.rank}) to try them")
         if self.serving is Serving.SERVED:
-            if culprit.phase != "forward":
+            if (failed or culprit.phase) != "forward" or culprit.surfaced is not None:
                 return not_tried(culprit, "on a rank replayed alone the collectives after its "
                                           "forward are served as the capture recorded them (the "
                                           "failure included), so only a forward culprit's step "

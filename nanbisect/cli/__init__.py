@@ -61,9 +61,14 @@ def _said(e: click_errors.UsageError) -> str:
     return text[:1].lower() + text[1:]
 
 
-def usage_line(e: click_errors.UsageError) -> str:
-    """The one line a usage error prints: the problem and which ``--help`` to read."""
-    prog = e.ctx.command_path if e.ctx is not None else "nanbisect"
+def usage_line(e: click_errors.UsageError, args: Sequence[str] = ()) -> str:
+    """The one line a usage error prints: the problem and which ``--help`` to read (the
+    command's, also where click gives no context: an option without its value)."""
+    if e.ctx is not None:
+        prog = e.ctx.command_path
+    else:
+        named = args[0] if args and args[0] in click_command().commands else None
+        prog = f"nanbisect {named}" if named else "nanbisect"
     return f"nanbisect: error: {clip(_said(e), 2000)}; see '{clip(prog, 200)} --help'"
 
 
@@ -82,13 +87,15 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     try:
         code = run_app(args)
     except click_errors.UsageError as e:
-        print(usage_line(e), file=sys.stderr, flush=True)
+        print(usage_line(e, args), file=sys.stderr, flush=True)
         sys.exit(2)
     except BadInput as e:
         print(f"nanbisect: error: {clip(e, 2000)}", file=sys.stderr, flush=True)
         sys.exit(2)
     except KeyboardInterrupt:   # (click answers one inside a command with exit 130 itself)
         sys.exit(130)
-    except typer.Abort:         # end of input where a prompt read one
-        sys.exit(1)
+    except typer.Abort as e:    # end of input where a prompt read one; or a Ctrl-C that an
+        # older click turned into Abort: 130, as for any interrupt
+        interrupted = isinstance(e.__context__ or e.__cause__, KeyboardInterrupt)
+        sys.exit(130 if interrupted else 1)
     sys.exit(0 if code is None else code)

@@ -21,7 +21,7 @@ __all__ = ["PREFIX", "_kill_run", "run_dir", "run_processes", "sweep"]
 def _kill_run(spawner, partial: Path) -> None:
     """SIGKILL the spawner's session (its ranks are in it) and reap it, then every process of
     the run (one that left the session too), until none is left (5 s at most)."""
-    proc.stop(spawner)
+    proc.stop(spawner, within=5)
     proc.kill_named(partial, within=5)
 
 

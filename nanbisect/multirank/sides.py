@@ -90,8 +90,9 @@ def finish_rank(result: RankResult, chain: Chain, loc: Located,
                                  rank=result.rank,
                                  check_on=side.device if side is not None else None)
     finding = loc.finding
-    result = replace(result, culprit=culprit, errors=errors, remedies=after_verdict(
-        errors, "remedies", lambda: chain.remedies(culprit, finding, loc.traced, remedies), []))
+    tried = after_verdict(errors, "remedies", lambda: chain.remedies(
+        culprit, finding, loc.traced, remedies, loc.phase), [])
+    result = replace(result, culprit=culprit, errors=errors, remedies=tried)
     if finding is None:
         return result
     result = replace(result, context=finding.context, inf_origin=finding.inf_origin)

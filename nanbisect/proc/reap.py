@@ -61,12 +61,14 @@ def _kill_popen(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
-def stop(proc, reraise: bool = True) -> None:
+def stop(proc, reraise: bool = True, within: float | None = None) -> None:
     """End ``proc`` now (SIGKILL, to its whole process group where it leads one) and wait for
-    it. ``proc``: a `Handle`, a `subprocess.Popen`, the pid of a fork of this process (an int),
-    or what ends and reaps its own with ``close()``; None: nothing. Raises nothing of its own;
-    an interrupt that came while it waited is raised once the child is reaped (with
-    ``reraise``; `reaped`, which is already raising the first error, drops it)."""
+    it (a `Handle` or a `subprocess.Popen`: ``within`` seconds at most, for a child stuck in
+    the kernel; None: until it is reaped). ``proc``: a `Handle`, a `subprocess.Popen`, the pid
+    of a fork of this process (an int), or what ends and reaps its own with ``close()``; None:
+    nothing. Raises nothing of its own; an interrupt that came while it waited is raised once
+    the child is reaped (with ``reraise``; `reaped`, which is already raising the first error,
+    drops it)."""
     if proc is None:
         return
     caught: list = []
@@ -76,10 +78,10 @@ def stop(proc, reraise: bool = True) -> None:
     elif isinstance(proc, Handle):
         if proc.returncode is None:
             _settled(proc.kill_group, caught)
-            _settled(proc.wait, caught)
+            _settled(lambda: proc.wait(within), caught)
     elif isinstance(proc, subprocess.Popen):
         _settled(lambda: _kill_popen(proc), caught)
-        _settled(proc.wait, caught)
+        _settled(lambda: proc.wait(within), caught)
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f is not None:
                 _settled(f.close, caught)

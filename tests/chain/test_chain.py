@@ -101,3 +101,36 @@ def test_remedies_follow_how_collectives_are_served(forward_nan):
         assert remedies and all(r.outcome == "skipped" for r in remedies)
         assert all(why in r.detail["reason"] for r in remedies)
     assert Chain(rep, Serving.NONE).remedies(backward, None, None, budget=0) == []
+
+
+def test_a_finite_rank_in_lockstep_follows_an_optimizer_failure_elsewhere(fixture_bundle):
+    """In lockstep the phase is the culprit rank's: a rank whose own step stayed finite runs
+    the same passes (nothing of its own to name) instead of failing before pass 2."""
+    rep = Replayer(read_bundle(fixture_bundle("healthy")), torch.device("cpu"))
+    probe = ModuleProbe(rep.task.model)
+    first = rep.run(phase=probing(probe))
+    assert first.phase is None and not first.bad
+    loc = Chain(rep, Serving.LOCKSTEP).locate(first, probe.read(), lambda f: (None, False),
+                                              failed=("optimizer", "nan"))
+    assert (loc.phase, loc.parameter, loc.caught) == ("optimizer", None, None)
+
+
+def test_a_rank_alone_does_not_judge_a_backward_failure_on_its_forward(tmp_path):
+    """A failure born in forward that surfaced in backward: its culprit is in forward, but the
+    step failed in backward, which a rank alone cannot judge (its collectives after forward are
+    served with the capture's failure): no remedy may claim to fix it there."""
+    import nanbisect
+    import surfaced
+    from helpers import TEST_TASKS
+
+    nanbisect.capture(surfaced.where_sqrt(), surfaced.batch(), tmp_path / "b",
+                      entry=f"{TEST_TASKS / 'surfaced.py'}:where_sqrt")
+    rep = Replayer(read_bundle(tmp_path / "b"), torch.device("cpu"))
+    probe = ModuleProbe(rep.task.model)
+    first = rep.run(phase=probing(probe))
+    chain = Chain(rep, Serving.SERVED)
+    loc = chain.locate(first, probe.read())
+    _, culprit = chain.finish(loc, tmp_path / "repro", "cpu")
+    assert (loc.phase, culprit.phase) == ("backward", "forward")
+    remedies = chain.remedies(culprit, loc.finding, loc.traced, 4, loc.phase)
+    assert remedies and all(r.outcome == "skipped" for r in remedies)

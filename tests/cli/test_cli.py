@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import ROOT, invoke
+from helpers import ROOT, invoke, one_line_exit_2
 
 
 def imported_modules(*args: str) -> set[str]:
@@ -108,3 +108,12 @@ def test_no_command_and_a_completion_request(monkeypatch):
     monkeypatch.setenv("COMP_CWORD", "1")
     res = invoke()
     assert res.code == 0 and res.stdout.split() == ["run"], (res.stdout, res.stderr)
+
+
+def test_an_option_without_its_value_points_to_its_commands_help():
+    """click gives such an error no context: the line still names the command's --help."""
+    for args, command in ((["run", "--target"], "run"), (["triage", "d", "--timeout"], "triage"),
+                          (["pack", "x", "-o"], "pack")):
+        res = invoke(*args)
+        line = one_line_exit_2(res, "requires an argument")
+        assert line.endswith(f"see 'nanbisect {command} --help'"), line
