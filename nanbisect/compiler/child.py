@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             op=op, module=call.module if call else None,
             module_call=call.call if call else None, seconds=seconds, finished=True)
     tmp = Path(a.out + ".part")
-    tmp.write_text(dumps(finding.__dict__))
+    tmp.write_text(dumps(finding.to_json()))
     os.replace(tmp, a.out)
     print("bisect: done", flush=True)
     return 0
