@@ -55,15 +55,16 @@ class Task:
     grad_scaler: Any = None              # torch.amp.GradScaler (or torch.cuda.amp's)
     clip_grad_norm: float | None = None  # max norm for torch.nn.utils.clip_grad_norm_
     accumulate: int = 1                  # micro-batches per optimizer step
-    # extensions (README): loss_fn already averages over the whole accumulated batch, so each
-    # micro-batch's loss is not divided by `accumulate` (HF Trainer with num_items_in_batch)
+    # extensions (docs/guide/tasks.md): loss_fn already averages over the whole accumulated
+    # batch, so each micro-batch's loss is not divided by `accumulate` (HF Trainer with
+    # num_items_in_batch)
     loss_normalized: bool = False
     # forward under torch.autocast at this dtype ("bfloat16", "float16"), as a precision plugin
     # does around loss_fn; None: loss_fn handles precision itself
     autocast: str | None = None
     # the step runs the model under torch.compile with these ({"backend", "mode", "options"});
-    # filled from the model when it is what torch.compile returned (README "NaN only when
-    # compiled"); declare it when the loop compiles the model some other way
+    # filled from the model when it is what torch.compile returned (docs/guide/compiled.md);
+    # declare it when the loop compiles the model some other way
     compiled: dict | None = None
 
     def __post_init__(self) -> None:

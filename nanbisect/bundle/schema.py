@@ -141,8 +141,8 @@ def check_compiled_options(p: Path, field: str, compiled) -> None:
         problem = option_problem(name, value)
         if problem is not None:
             raise BadInput(f"bundle '{p}': manifest.json field '{field}.options' holds the "
-                           f"inductor option {show(name, 60)}, which {problem} (README \"NaN "
-                           "only when compiled\" lists those it replays); the manifest was "
+                           f"inductor option {show(name, 60)}, which {problem} (docs/guide/"
+                           "compiled.md lists those it replays); the manifest was "
                            "altered or written by an older nanbisect: re-capture the bundle")
 
 

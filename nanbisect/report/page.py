@@ -31,7 +31,7 @@ def history_marks(r: Report) -> list[tuple[int, str]]:
     return marks
 
 
-# what each classification means, in one line (the README's table says it at length)
+# what each classification means, in one line (docs/explanations/classifications.md at length)
 MEANING = {
     "device": "the culprit op, given the same inputs at the same dtype, is wrong on the target "
               "and right on the reference",

@@ -14,7 +14,7 @@ anything naming a program or a path) are dropped at capture and named in the man
 `debug_output` keeps torch's compile debug output of a replay out of the working directory.
 
 Not covered: a model compiled in place (``model.compile()``) or a ``loss_fn`` compiled by the user;
-the Task declares those (``Task(compiled={...})``, README "NaN only when compiled").
+the Task declares those (``Task(compiled={...})``, docs/guide/compiled.md).
 """
 from __future__ import annotations
 

@@ -2,17 +2,16 @@
 parser they all go through.
 
 Guarantees: a value is accepted only when it is finite, of its kind (an integer where one is
-counted), and within the range `NUMBERS` documents for it (the README's table is made from it);
+counted), and within the range `NUMBERS` documents for it (docs/reference/environment.md's table
+is made from it);
 anything else (``nan``, ``inf``, ``1e300``, ``-1``, ``''``, ``1e``, a 5,000-digit integer) is one
 line naming the flag or the variable the user set, the value, the unit and the range: a
-`BadInput` (exit 2) from `Number.parse`, `Number.check` and `env`, an
-``argparse.ArgumentTypeError`` from `Number.arg` (which the command line turns into exit 2).
+`BadInput` (exit 2) from `Number.parse`, `Number.check` and `env`.
 Nothing is cached: a variable is read as it is at the call. Standard library only (the command
 line's first stage imports it).
 """
 from __future__ import annotations
 
-import argparse
 import math
 import numbers
 import os
@@ -49,7 +48,7 @@ class Number:
     low_open: bool = False
     default: float | None = None
     commands: tuple[str, ...] = ()      # the commands that read it (a variable: checked first)
-    about: str = ""                     # what it sets, for the README's table
+    about: str = ""                     # what it sets (docs/reference/environment.md's table)
     param: str = ""                     # the library's keyword for it, where one exists
     flag: str = ""                      # a variable's flag: given, the variable is not read
 
@@ -138,14 +137,6 @@ of seconds more than 0, at most 604800 (7 days), or unset it (default 600)
             return f"{self.name}={_text(raw)} {why}: give {self.wanted()}, {unset}"
         return f"{self.name} {_text(raw)} {why}: give {self.wanted()}"
 
-    def arg(self, raw: str):
-        """The argparse ``type=`` of the flag: its message (argparse puts "argument --flag: "
-        in front) names the value, the unit and the range."""
-        why = self._why(raw)
-        if why is not None:
-            raise argparse.ArgumentTypeError(f"{_text(raw)} {why}: give {self.wanted()}")
-        return self._value(raw)
-
     def check(self, value, who: str = ""):
         """``value`` given in Python (a library call's keyword): returned when good, else
         `BadInput` naming ``who`` (default: the keyword, ``param=``).
@@ -231,7 +222,7 @@ def check_environment(command: str, given: frozenset[str] | set[str] = frozenset
 
 
 def table() -> str:
-    """The README's table of every number (markdown, one row each)."""
+    """The table of every number (markdown, one row each): docs/reference/environment.md's."""
     rows = ["| flag or variable | read by | what it sets | unit | range | default |",
             "|---|---|---|---|---|---|"]
     for n in _ALL:
