@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from helpers import cli
 from nanbisect.util.text import MAX_RANGES, clip, ranges, ranks_arg, ranks_text, runs
-from test_hostile import edit, partial
+from helpers.hostile import edit, partial
 
 LINE = 1000                      # the longest line any message below may have
 MAX_NOTE = 2000                  # a note of report.md (report.text.MAX_NOTE)

@@ -110,31 +110,8 @@ def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
     # every bundle counted once: 5 replayed (the copy too) and the corrupted one
     assert "6 bundle(s): 5 replayed, 1 error(s); 3 signature(s)" in md, md
 
-    # each bundle's report is kept under out/reports, never in the bundle; the index links it
-    assert not list(root.rglob("nanbisect-report"))
-    dirs = {b["bundle"][len(str(root)) + 1:]: b["report_dir"] for b in data["bundles"]}
-    assert dirs["night2/same_fault"] == dirs["forward_nan_behind_mask"]   # one replay, one report
-    for name, rel in dirs.items():
-        assert rel.startswith("reports/"), (name, rel)
-        kept = json.loads((out / rel / "report.json").read_text())
-        assert kept["verdict"] == {b["bundle"]: b["verdict"] for b in data["bundles"]}[
-            str(root / name)] and (out / rel / "report.html").is_file()
-    assert (out / dirs["forward_nan_behind_mask"] / "repro" / "repro.py").is_file()
-    index = (out / "index.html").read_text()
-    assert "6 bundle(s): 5 replayed, 1 error(s)" in index and "first night" in index
-    assert all(f'href="{rel}/report.html"' in index for rel in dirs.values())
-    assert "corrupted" in index.split("Errors (no report)")[1]
-
-    # skipped: the topmost directories without a bundle, with the reason; leftovers listed
-    skipped = {s["path"][len(str(root)) + 1:]: s["reason"] for s in data["skipped"]}
-    assert set(skipped) == {"logs", "night2/job_without_bundle", "other_tool"}, skipped
-    assert "other.tool/2" in skipped["other_tool"] and "no manifest" in skipped["logs"]
-    left = root / "night2" / ".step000001.tmp-0123abcd"
-    written = sum(f.stat().st_size for f in left.iterdir())
-    assert [(x["path"].endswith("night2/.step000001.tmp-0123abcd"), x["bytes"], x["kind"])
-            for x in data["leftovers"]] == [(True, written, "tmp")]
-    assert not any(".tmp-" in b["bundle"] for b in data["bundles"] + data["errors"])
-    assert "job_without_bundle" in md and ".step000001.tmp-0123abcd" in md
+    _reports_kept_and_linked(root, out, data)
+    _skipped_and_leftovers_listed(root, data, md)
 
     # one cache entry per distinct bundle content (same_fault is a copy: it shares its entry,
     # and its replay: copies in one night are replayed once)
@@ -159,6 +136,36 @@ def test_triage_groups_counts_errors_skips_and_cache(tmp_path):
     assert "seen before" in index and "first night" not in index and ">new<" not in index
     shutil.rmtree(root / "corrupted")
     assert cli("triage", root, "--out", out, "--known", tmp_path / "known.json").code == 1
+
+
+def _reports_kept_and_linked(root: Path, out: Path, data: dict) -> None:
+    """Each bundle's report is kept under out/reports, never in the bundle; the index links it."""
+    assert not list(root.rglob("nanbisect-report"))
+    dirs = {b["bundle"][len(str(root)) + 1:]: b["report_dir"] for b in data["bundles"]}
+    assert dirs["night2/same_fault"] == dirs["forward_nan_behind_mask"]   # one replay, one report
+    for name, rel in dirs.items():
+        assert rel.startswith("reports/"), (name, rel)
+        kept = json.loads((out / rel / "report.json").read_text())
+        assert kept["verdict"] == {b["bundle"]: b["verdict"] for b in data["bundles"]}[
+            str(root / name)] and (out / rel / "report.html").is_file()
+    assert (out / dirs["forward_nan_behind_mask"] / "repro" / "repro.py").is_file()
+    index = (out / "index.html").read_text()
+    assert "6 bundle(s): 5 replayed, 1 error(s)" in index and "first night" in index
+    assert all(f'href="{rel}/report.html"' in index for rel in dirs.values())
+    assert "corrupted" in index.split("Errors (no report)")[1]
+
+
+def _skipped_and_leftovers_listed(root: Path, data: dict, md: str) -> None:
+    """The topmost directories without a bundle are skipped with the reason; leftovers listed."""
+    skipped = {s["path"][len(str(root)) + 1:]: s["reason"] for s in data["skipped"]}
+    assert set(skipped) == {"logs", "night2/job_without_bundle", "other_tool"}, skipped
+    assert "other.tool/2" in skipped["other_tool"] and "no manifest" in skipped["logs"]
+    left = root / "night2" / ".step000001.tmp-0123abcd"
+    written = sum(f.stat().st_size for f in left.iterdir())
+    assert [(x["path"].endswith("night2/.step000001.tmp-0123abcd"), x["bytes"], x["kind"])
+            for x in data["leftovers"]] == [(True, written, "tmp")]
+    assert not any(".tmp-" in b["bundle"] for b in data["bundles"] + data["errors"])
+    assert "job_without_bundle" in md and ".step000001.tmp-0123abcd" in md
 
 
 @pytest.mark.slow
