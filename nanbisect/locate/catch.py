@@ -166,7 +166,8 @@ class InputCatcher(ti.ObserverMode):
     def _catch(func, args, kwargs, phase: str, optimizer_files: tuple[str, ...]) -> Caught:
         rng = {"rng/cpu": torch.get_rng_state()}
         for t in ti.tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor) and t.device.type not in ("cpu", "meta"):
+            if isinstance(t, torch.Tensor) and not devices.on_host(t.device) \
+                    and t.device.type != "meta":
                 state = devices.entry(t.device).get_device_rng(t.device)
                 if state is not None:
                     rng[f"rng/{t.device.type}"] = state

@@ -140,25 +140,17 @@ def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | Non
     [[2, 2]]
     """
     if finding is not None:
-        module, module_call = finding.module, finding.module_call
         if source is None and finding.module and phase != "optimizer":
             source = source_of(model, finding.module)
-        return Culprit(phase=finding.phase, module=module, module_call=module_call,
-                       input_dtypes=finding.input_dtypes, input_shapes=finding.input_shapes,
-                       source=source, op=finding.op, op_index=finding.op_index, rank=rank,
-                       parameter=finding.parameter or parameter,
-                       micro_batch=None if phase == "optimizer" else finding.micro_batch,
-                       surfaced=finding.surfaced,
-                       node=(node or finding.node) if finding.phase == "backward" else None)
+        return Culprit.of_finding(finding, source=source, rank=rank, parameter=parameter,
+                                  in_optimizer=phase == "optimizer", node=node)
     if call is not None:
-        return Culprit(phase=phase, module=call.call.module, module_call=call.call.call,
-                       input_dtypes=call.input_dtypes, input_shapes=call.input_shapes,
-                       source=source or source_of(model, call.call.module), rank=rank,
-                       parameter=parameter, micro_batch=micro_batch)
+        return Culprit.of_call(phase, call.call, call.input_dtypes, call.input_shapes,
+                               source=source or source_of(model, call.call.module), rank=rank,
+                               parameter=parameter, micro_batch=micro_batch)
     if parameter is not None:
         p = model.get_parameter(parameter)
-        return Culprit(phase=phase, module=parameter.rpartition(".")[0], module_call=None,
-                       input_dtypes=[str(p.dtype).removeprefix("torch.")],
-                       input_shapes=[list(p.shape)], source=source, rank=rank,
-                       parameter=parameter, micro_batch=micro_batch)
-    return Culprit(phase, "", None, [], [], source, rank=rank, micro_batch=micro_batch)
+        return Culprit.of_parameter(phase, parameter, dtype=str(p.dtype).removeprefix("torch."),
+                                    shape=list(p.shape), source=source, rank=rank,
+                                    micro_batch=micro_batch)
+    return Culprit.phase_only(phase, rank=rank, source=source, micro_batch=micro_batch)

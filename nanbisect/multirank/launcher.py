@@ -43,6 +43,7 @@ import torch
 
 from nanbisect import devices, proc
 from nanbisect.bundle.format import Bundle
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
 from nanbisect.multirank.diagnose import (_PEER_GONE, _died, _hang, _stacks, _stage, exit_statuses,
                                           where)
@@ -51,7 +52,7 @@ from nanbisect.multirank.verdict import job_report, subset_report
 from nanbisect.records import Losses, RankResult, RunFacts, StageError, after_verdict
 from nanbisect.reference.compare import step_rtol
 from nanbisect.replay.fidelity import check as fidelity_check
-from nanbisect.replay.fidelity import captured_on, tier_notes
+from nanbisect.replay.fidelity import tier_notes
 from nanbisect.replay.replayer import parse_device, resolve_entry
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of
@@ -287,7 +288,7 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
         original, replayed = _worst_loss(m, results)
         t_dev, t_dtype = parse_device(target)
         fidelity = fidelity_check(part, used, original, replayed, same_setup=t_dtype is None
-                                  and captured_on(part.manifest).split(":")[0] == t_dev.type,
+                                  and Manifest.of(part.manifest).captured_type == t_dev.type,
                                   override=entry is not None, device=t_dev,
                                   rtol=_step_tolerance(part.manifest),
                                   dtype_changed=t_dtype is not None)

@@ -19,6 +19,7 @@ from nanbisect import devices
 from nanbisect import history as hist
 from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle, read_bundle
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
 from nanbisect.pipeline.common import Progress, RunOptions, after_verdict
 from nanbisect.pipeline.step import _analyse
@@ -41,12 +42,12 @@ STAGES = ("steps", "build", "module-pass", "compiled", "reference", "op-recordin
 
 
 def _default_target(manifest: dict) -> str:
-    dev = (manifest.get("devices") or {}).get("captured_on", "cpu")
+    dev = Manifest.of(manifest).captured_on
     try:
         parse_device(dev)
         return dev
     except BadInput:
-        return "cpu"
+        return devices.HOST.type
 
 
 class _Clock:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from nanbisect import devices
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.bundle.code import changed_sources, relocation
 from nanbisect.bundle.format import Bundle, environment
 from nanbisect.records import Fidelity
@@ -40,7 +41,7 @@ def match_threads(bundle: Bundle, device: torch.device) -> str | None:
     """On the CPU, use the capture's intra-op thread count; say so when it changes anything."""
     want = (bundle.manifest.get("environment") or {}).get("torch_threads")
     have = torch.get_num_threads()
-    if device.type != "cpu" or not isinstance(want, int) or want < 1 or want == have:
+    if not devices.on_host(device) or not isinstance(want, int) or want < 1 or want == have:
         return None
     torch.set_num_threads(want)
     return f"replayed with {want} intra-op threads as captured (this machine's default: {have})"
@@ -142,9 +143,9 @@ def _describe(fp, index: int) -> str:
 
 
 def captured_on(manifest: dict) -> str:
-    """The device a bundle (or a part) was captured on, as the manifest says it ("cpu" when it
-    does not)."""
-    return str((manifest.get("devices") or {}).get("captured_on") or "cpu")
+    """The device a bundle (or a part) was captured on, as the manifest says it (the host's
+    type when it does not): the `Manifest` view's one rule."""
+    return Manifest.of(manifest).captured_on
 
 
 def _other_entry(m: dict, entry: str, captured_file: str | None, sources: dict[str, str]

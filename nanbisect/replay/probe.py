@@ -22,6 +22,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.state import iter_tensors, local
 from nanbisect.records import CallId, Stats
 from nanbisect.replay.tracker import ModuleTracker
@@ -45,7 +46,7 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     if not t.numel():
         return torch.zeros(5, device=t.device)
     mags = parts(t).abs()
-    if t.device.type == "cpu":
+    if devices.on_host(t.device):
         total = mags.sum(dtype=torch.float32)
         if bool(torch.isfinite(total)):
             zero = total.new_zeros(())

@@ -37,6 +37,7 @@ from typing import Any, Callable
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.replay.table import (CLEAN, Flags, InputRef, OpRecord,  # noqa: F401 - re-exported
                                     OpTable, OutputRef)
@@ -234,7 +235,7 @@ class OpRecorder(ti.ObserverMode):
         t = parts(t.detach())
         lo, hi = torch.aminmax(t)
         host = None
-        if t.device.type == "cpu":
+        if devices.on_host(t.device):
             lv, hv = lo.item(), hi.item()
             nan = math.isnan(lv) or math.isnan(hv)
             host = (nan, not nan and hv == math.inf, not nan and lv == -math.inf)

@@ -354,20 +354,19 @@ def prestart(bundle: Path, target: str | None) -> None:
     (its manifest, read within the bounds of an untrusted file; a bundle it refuses is left to
     the pipeline, which says why) and the target is not the CPU (there the repro runs in a
     `Fork`). One not taken is ended when this process exits."""
-    if target is not None and str(target).split(":")[0] == "cpu":
+    from nanbisect import devices
+    if target is not None and devices.entry(str(target)).forkable:
         return
-    from nanbisect.bundle.format import read_manifest
+    from nanbisect.bundle.manifest import Manifest
     from nanbisect.errors import BadInput
     try:
-        m = read_manifest(bundle)
-        wanted = m.get("kind") != "multi-rank" and isinstance(m.get("observed"), dict)
+        m = Manifest.read(bundle)
+        wanted = not m.multi_rank and m.observed is not None
         if wanted and target is None:
-            devices = m.get("devices")
-            target = str((devices.get("captured_on") if isinstance(devices, dict) else None)
-                         or "cpu")
+            target = m.captured_on
     except BadInput:
         wanted = False
-    wanted = wanted and str(target).split(":")[0] != "cpu"
+    wanted = wanted and not devices.entry(str(target)).forkable
     if wanted and not _SPARE:
         _SPARE.append(Interpreter().start())
         atexit.register(_end_spares)
