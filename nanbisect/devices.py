@@ -1,12 +1,13 @@
 """The device seam: everything nanbisect does differently per device type, in one registry.
 
-Each device type (``cpu``, ``cuda``, ``npu`` through ``torch_npu``, ``xpu``, ``mps``) is one
-`DeviceType` entry: how a device string of that type is parsed and validated, the extension to
-import first, its RNG's get/set, its streams and events (the Guard's side-stream snapshot), the
-collective backend a multi-rank replay uses on it, the device a local rank takes, whether a
-repro of a built-in op may run in a fork of this process, and a fingerprint of the hardware
-and libraries for the manifest. The rest of nanbisect asks the entry of a device's type
-(`entry`) and never names a device type itself, so adding a backend is one `register` call:
+Each device type (``cpu``, ``cuda``, ``npu`` through ``torch_npu``, ``xpu``, ``mps``; torch's
+shape-only ``meta``) is one `DeviceType` entry: how a device string of that type is parsed
+and validated, the extension to import first, its RNG's get/set, its streams and events (the
+Guard's side-stream snapshot), the collective backend a multi-rank replay uses on it, the
+device a local rank takes, whether a repro of a built-in op may run in a fork of this process,
+whether its tensors hold values, and a fingerprint of the hardware and libraries for the
+manifest. The rest of nanbisect asks the entry of a device's type (`entry`) and never names a
+device type itself, so adding a backend is one `register` call:
 
 >>> class Mine(DeviceType):
 ...     name, backend = "mine", "gloo"
@@ -52,6 +53,9 @@ class DeviceType:
     # host copies of its tensors may be page-locked (``pin_memory``) and filled asynchronously
     # (``non_blocking``), complete at `synchronize`
     pinned_host_memory = False
+    # its tensors hold values (not torch's ``meta``: a shape and a dtype only, nothing to read,
+    # no generator, no storage to alias)
+    holds_values = True
 
     # -- the runtime -----------------------------------------------------------------------
     def module(self) -> Any:
@@ -254,6 +258,7 @@ class Npu(DeviceType):
     name = "npu"
     extension = "torch_npu"
     backend = "hccl"
+    pinned_host_memory = True
 
     def fingerprint(self) -> dict:
         """Per NPU its name; the torch_npu and CANN versions where the extension says them."""
@@ -283,6 +288,13 @@ class Mps(DeviceType):
 
     def local(self, local_rank: int) -> torch.device:
         return torch.device("mps")
+
+
+class Meta(DeviceType):
+    """torch's ``meta`` device: tensors of a shape and a dtype without values (shape checks).
+    Never available as a target: nothing on it can be replayed."""
+    name = "meta"
+    holds_values = False
 
 
 def _cpuinfo(field: str) -> str | None:
@@ -327,6 +339,7 @@ def _nvidia_driver() -> str | None:
 
 TYPES: dict[str, DeviceType] = {}
 HOST = torch.device("cpu")      # where host copies live (what Python and files read)
+SHAPES = torch.device("meta")   # where a tensor of a shape and a dtype without values lives
 
 
 def register(dt: DeviceType) -> DeviceType:
@@ -350,7 +363,7 @@ def registered(dt: DeviceType) -> Iterator[DeviceType]:
             TYPES[dt.name] = old
 
 
-for _dt in (Cpu(), Cuda(), Npu(), Xpu(), Mps()):
+for _dt in (Cpu(), Cuda(), Npu(), Xpu(), Mps(), Meta()):
     register(_dt)
 
 
@@ -383,6 +396,8 @@ def parse(spec: str | DeviceSpec, flag: str = "--target/--reference"
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise BadInput(f"device '{text}': '{ds.dtype}' is not a floating dtype; use e.g. "
                            "cpu:float64")
+    if not ds.none:      # an extension's type ("npu") exists only once the extension is imported
+        entry(ds.device.split(":")[0]).module()
     try:
         device = torch.device(text if ds.none else ds.device)
     except RuntimeError:
@@ -405,6 +420,16 @@ def on_host(device: torch.device | str) -> bool:
     (True, False)
     """
     return entry(device).host_reads_free
+
+
+def holds_values(device: torch.device | str) -> bool:
+    """Whether ``device``'s tensors hold values to read (`DeviceType.holds_values`; not the
+    ``meta`` device's, `SHAPES`).
+
+    >>> holds_values("cpu"), holds_values(SHAPES)
+    (True, False)
+    """
+    return entry(device).holds_values
 
 
 def local_device(spec: str) -> tuple[torch.device, torch.dtype | None]:

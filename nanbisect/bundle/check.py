@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from nanbisect import devices
 from nanbisect import history as hist
 from nanbisect.bundle import tape
 from nanbisect.bundle.schema import ROLES, SUFFIX, field_problem
@@ -58,7 +59,7 @@ class HeaderTensors(Mapping):
         e = self.heads[name]
         self.used.add(name)
         try:
-            return torch.empty(e["shape"], dtype=TORCH_DTYPES[e["dtype"]], device="meta")
+            return torch.empty(e["shape"], dtype=TORCH_DTYPES[e["dtype"]], device=devices.SHAPES)
         except (RuntimeError, ValueError, OverflowError, TypeError):
             raise BadInput(f"tensor {show(name)} has shape {show(e['shape'], 40)}, which torch "
                            "cannot hold; re-capture the bundle") from None

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from nanbisect.devices import HOST
+from nanbisect.devices import HOST, on_host
 
 HOST_TYPE = HOST.type      # the device a manifest that names none was captured on
 
@@ -76,8 +76,8 @@ class Manifest:
 
     @property
     def captured_on_host(self) -> bool:
-        """Whether it was captured on the host (the CPU)."""
-        return self.captured_type == HOST_TYPE
+        """Whether it was captured on the host (the CPU: its type's entry `on_host`)."""
+        return on_host(self.captured_type)
 
     @property
     def environment(self) -> dict:

@@ -411,7 +411,7 @@ class RngState:
         tensors["rng/python_words"] = torch.tensor(words, dtype=torch.int64)
         for name, states in self.accel.items():
             for i, s in enumerate(states):
-                tensors[f"rng/{name}/{i}"] = s.detach().cpu().clone()
+                tensors[f"rng/{name}/{i}"] = s.detach().to(devices.HOST).clone()
         return {"python": [version, gauss],
                 "numpy": [kind, int(pos), int(has_gauss), float(cached)],
                 "accel": {name: len(states) for name, states in self.accel.items()}}

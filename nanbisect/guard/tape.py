@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.bundle.tape import SCHEMA, Entry, input_digest
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
@@ -95,7 +96,8 @@ class TapeRecorder(ti.ObserverMode):
             self.tape.entries.append(e)
             if internal is None:
                 for j, t in enumerate(wrote):
-                    self.tape.tensors[f"c{i}.{j}"] = t.detach().to("cpu", copy=True).contiguous()
+                    self.tape.tensors[f"c{i}.{j}"] = (
+                        t.detach().to(devices.HOST, copy=True).contiguous())
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {str(e)[:200]}"
 
@@ -134,7 +136,7 @@ def record_step(task, batch: Any) -> tuple[Tape | None, str | None]:
                             if m == 0:
                                 tape.ddp_params.append(name)
                             tape.tensors[f"ddp{m}.{name}"] = (
-                                local(p.grad).detach().to("cpu", copy=True).contiguous())
+                                local(p.grad).detach().to(devices.HOST, copy=True).contiguous())
                     tape.micro_batches += 1
     except Exception as e:  # noqa: BLE001 - the bundle matters more than the tape
         return None, f"re-running the step raised {type(e).__name__}: {str(e)[:200]}"

@@ -167,7 +167,7 @@ class InputCatcher(ti.ObserverMode):
         rng = {"rng/cpu": torch.get_rng_state()}
         for t in ti.tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and not devices.on_host(t.device) \
-                    and t.device.type != "meta":
+                    and devices.holds_values(t.device):
                 state = devices.entry(t.device).get_device_rng(t.device)
                 if state is not None:
                     rng[f"rng/{t.device.type}"] = state

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.state import iter_tensors, local
 from nanbisect.records import OpSite, RowTrace
 from nanbisect.replay.recorder import SKIP, written_tensors
@@ -143,7 +144,7 @@ class RowTracer(ti.ObserverMode):
         return batch
 
     def _key(self, t: torch.Tensor) -> Key | None:
-        if t.numel() == 0 or t.device.type == "meta":
+        if t.numel() == 0 or not devices.holds_values(t.device):
             return None
         st = t.untyped_storage()
         return (str(t.device), st.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(),

@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from nanbisect import devices
 from nanbisect.records import Comparison
 from nanbisect.util.tensors import parts
 
@@ -125,8 +126,8 @@ def compare_step(target: torch.Tensor, reference: torch.Tensor, dtype: torch.dty
     >>> compare_step(z, z, torch.float32).ok, compare_step(z, z.conj(), torch.float32).ok
     (True, False)
     """
-    t = parts(target.detach()).to("cpu", torch.float64)
-    e = parts(reference.detach()).to("cpu", torch.float64)
+    t = parts(target.detach()).to(devices.HOST, torch.float64)
+    e = parts(reference.detach()).to(devices.HOST, torch.float64)
     if t.shape != e.shape:
         return Comparison(False, t.numel(), t.numel(), math.inf, None, None, None, math.inf, 0.0,
                           1.0, reason=f"shape {tuple(t.shape)} vs {tuple(e.shape)}")

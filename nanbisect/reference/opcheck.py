@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from nanbisect import devices
 from nanbisect.reference import kernels as registry
 from nanbisect.records import OpCheck
 from nanbisect.reference.compare import compare_op
@@ -125,7 +126,7 @@ def check_caught(caught, index: int, device: torch.device, ref_device: torch.dev
     with (wrap or nullcontext)():
         out = resolve(caught.op)(*args, **kwargs)
     returned, mutated = written_tensors(resolve(caught.op), out, tuple(args), kwargs)
-    target_out = [t.detach().cpu() for t, _ in tensor_args(returned + mutated)]
+    target_out = [t.detach().to(devices.HOST) for t, _ in tensor_args(returned + mutated)]
     return check_op(caught.op, index, caught.args, caught.kwargs, target_out, ref_device)
 
 

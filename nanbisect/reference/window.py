@@ -23,6 +23,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.lookback import BundleView, Window
 from nanbisect.bundle.state import encode_model, encode_optimizer, local
@@ -51,7 +52,7 @@ class WindowResult:
 
 
 def _params(rep: Replayer) -> dict[str, torch.Tensor]:
-    return {n: cast_floating(local(p).detach().to("cpu", copy=True), torch.float64)
+    return {n: cast_floating(local(p).detach().to(devices.HOST, copy=True), torch.float64)
             for n, p in rep.task.model.named_parameters()}
 
 
@@ -102,7 +103,7 @@ def _recorded_gap(rep: Replayer, bundle: Bundle) -> dict:
         saved = rec.get(f"model/{bundle.manifest['model']['aliases'].get(name, name)}")
         if saved is None or saved.shape != local(p).shape:
             continue
-        a = local(p).detach().to("cpu")
+        a = local(p).detach().to(devices.HOST)
         compared += 1
         if a.dtype != saved.dtype or not torch.equal(a, saved):
             exact = False

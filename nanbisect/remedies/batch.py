@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from nanbisect import devices
+
 from nanbisect.bundle.state import iter_tensors
 
 PLAIN = (str, int, float, bool, type(None))
@@ -84,7 +86,7 @@ def identify(batch: Any, which: list[int], rows: int, limit: int = 32) -> list[d
     for r in which[:limit]:
         h = hashlib.sha256()
         for p, t in tensors:
-            row = t[r].detach().to("cpu").contiguous()
+            row = t[r].detach().to(devices.HOST).contiguous()
             h.update(f"{p}:{row.dtype}:{tuple(row.shape)}:".encode())
             h.update(row.reshape(-1).view(torch.uint8).numpy().tobytes())
         out.append({"row": r, "sha256": h.hexdigest()[:16],

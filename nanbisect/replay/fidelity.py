@@ -70,7 +70,7 @@ def check(bundle: Bundle, entry: str, original, replayed: float | None, same_set
     then, now = m.get("environment") or {}, environment()
     env = [f"{k} {then[k]} at capture, {now[k]} now" for k in _COMPARED
            if k in then and str(then[k]) != str(now[k])
-           and not (k == "torch_threads" and same_setup and _cpu(m))]
+           and not (k == "torch_threads" and same_setup and Manifest.of(m).captured_on_host)]
     bit_exact = (replayed == original if isinstance(original, float) and replayed is not None
                  else None)
     rel = None
@@ -162,10 +162,6 @@ def _other_entry(m: dict, entry: str, captured_file: str | None, sources: dict[s
             then is not None or target == str(m.get("entry", "")).rpartition(":")[0]):
         return None
     return f"--entry {entry} (captured: {m.get('entry')})"
-
-
-def _cpu(manifest: dict) -> bool:
-    return str((manifest.get("devices") or {}).get("captured_on", "cpu")).startswith("cpu")
 
 
 def tier_notes(f: Fidelity, target: str) -> list[str]:

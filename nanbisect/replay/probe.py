@@ -169,7 +169,7 @@ class ModuleProbe:
     # -- reading ---------------------------------------------------------------------------
     def read(self) -> "ProbeTable":
         """Bring every recorded statistic to the host with one transfer."""
-        rows = (torch.stack([s.to(self._device) for s in self._stats]).cpu().tolist()
+        rows = (torch.stack([s.to(self._device) for s in self._stats]).to(devices.HOST).tolist()
                 if self._stats else [])
 
         def stat(i: int) -> Stats:

@@ -420,7 +420,7 @@ class OpRecorder(ti.ObserverMode):
         """One transfer of all flags; returns the table and the marked values' producers."""
         if self._pending:
             self._resolve()
-        raw = torch.stack([r.cpu() for r in self._rows]).tolist() if self._rows else []
+        raw = torch.stack([r.to(devices.HOST) for r in self._rows]).tolist() if self._rows else []
 
         def flags(row: int | None) -> Flags:
             if row is None:

@@ -163,6 +163,12 @@ def test_capabilities_not_names_decide_what_a_device_does():
     assert devices.entry("cpu").host_reads_free and not devices.entry("cuda").host_reads_free
     assert devices.entry("cuda").pinned_host_memory and not devices.entry("cpu").pinned_host_memory
     assert devices.on_host("cpu") and not devices.on_host("meta")
+    # a meta tensor has no values to read and is nobody's accelerator (nor a target)
+    shapes = torch.empty(0).to("meta").device
+    assert devices.holds_values("cuda") and not devices.holds_values(shapes)
+    assert "meta" not in devices.accelerators()
+    with pytest.raises(BadInput, match="not available"):
+        devices.parse("meta")
     meta = torch.device("meta")
     assert devices.collective_device("gloo", meta) == devices.HOST
     assert devices.collective_device("nccl", meta) == meta
