@@ -18,6 +18,7 @@ from typing import Callable, ContextManager
 
 import torch
 
+from nanbisect import devices
 from nanbisect.reference import kernels as registry
 from nanbisect.records import CallId, Divergence, OpCheck, OpFinding, OpSite, Stats, StepOutcome
 from nanbisect.reference.compare import compare_step, step_rtol
@@ -40,7 +41,7 @@ class StepState:
 
 def step_state(rep: Replayer, outcome: StepOutcome) -> StepState:
     model = rep.task.model
-    cpu = lambda t: t.detach().to("cpu", copy=True)  # noqa: E731
+    cpu = lambda t: t.detach().to(devices.HOST, copy=True)  # noqa: E731
     return StepState(cpu(outcome.loss_tensor) if outcome.loss_tensor is not None else None,
                      {n: cpu(p.grad) for n, p in model.named_parameters() if p.grad is not None},
                      {n: cpu(p) for n, p in model.named_parameters()})
@@ -75,13 +76,26 @@ def _differs(a: Stats | None, b: Stats | None, rtol: float) -> bool:
 
 def diverging_call(target: ProbeTable, reference: ProbeTable, phase: str,
                    dtype: torch.dtype) -> CallStats | None:
-    """First call (execution order; innermost first) whose result differs between the sides."""
+    """The call to isolate: the first call (execution order; innermost first) whose result
+    differs between the sides. When what came into that call differs already (its inputs in
+    forward, its outputs' gradient in backward), it only passed the divergence on, which was born
+    before it began, in the code of a call enclosing it (between its children: an op a parent's
+    ``forward`` runs itself): then the innermost enclosing call whose incoming values agree; None
+    (the whole phase) when there is none."""
     rtol = step_rtol(dtype)
-    side = (lambda c: c.output) if phase == "forward" else (lambda c: c.grad_in)
+    result = (lambda c: c.output) if phase == "forward" else (lambda c: c.grad_in)
+    incoming = (lambda c: c.inputs) if phase == "forward" else (lambda c: c.grad_out)
     for c in target.in_order(phase):
         r = reference.get(c.call)
-        if r is not None and _differs(side(c), side(r), rtol):
+        if r is None or not _differs(result(c), result(r), rtol):
+            continue
+        if not _differs(incoming(c), incoming(r), rtol):
             return c
+        for a in target.ancestors(c):
+            ra = reference.get(a.call)
+            if ra is not None and not _differs(incoming(a), incoming(ra), rtol):
+                return a
+        return None
     return None
 
 
@@ -122,7 +136,12 @@ def _no_kernel(e: Exception) -> bool:
 
 
 class ReferenceKernels(ti.ObserverMode):
-    """On the reference: an op without a kernel there runs its registered reference_impl."""
+    """On the reference (or a target of another device type than the capture's): an op without
+    a kernel there runs its registered reference_impl; ``used`` collects the ops that did."""
+
+    def __init__(self, used: set[str] | None = None) -> None:
+        super().__init__()
+        self.used = used if used is not None else set()
 
     def wants(self, func) -> bool:
         return True
@@ -134,6 +153,7 @@ class ReferenceKernels(ti.ObserverMode):
             impl = registry.lookup(call.name) if _no_kernel(e) else None
             if impl is None:
                 raise
+            self.used.add(call.name)
             return impl(*call.args, **call.kwargs)
 
 
@@ -154,7 +174,7 @@ class RandomTape(ti.ObserverMode):
 
     def after(self, call: ti.OpCall, out) -> None:
         returned, mutated = written_tensors(call.func, out, call.args, call.kwargs)
-        self.values.append([t.detach().to("cpu", copy=True)
+        self.values.append([t.detach().to(devices.HOST, copy=True)
                             for t, _ in tensor_args(returned + mutated)])
 
 

@@ -140,3 +140,31 @@ def test_cuda_target_cpu_reference(fixture_bundle):
                    "--reference", "cpu")
     assert rep["culprit"]["op"] == "aten.sqrt.default"
     assert rep["classification"] == "numerics"
+
+
+def _table(fc2_in: float, fc2_out: float):
+    """A forward of root -> fc1, then an op of root's own, then fc2: fc2's incoming and outgoing
+    magnitudes as given, the rest the same on both sides."""
+    from nanbisect.records import CallId, Stats
+    from nanbisect.replay.probe import CallStats, ProbeTable
+
+    def call(name, parent, end, inp, out):
+        return CallStats(CallId(name, 0), parent, ["float32"], [[8, 4]], end, None,
+                         Stats(0, 0, 0, inp, inp * 8), Stats(0, 0, 0, out, out * 8), None, None)
+    root = CallId("", 0)
+    return ProbeTable([call("", None, 3, 1.0, fc2_out), call("fc1", root, 1, 1.0, 2.0),
+                       call("fc2", root, 2, fc2_in, fc2_out)], [])
+
+
+def test_a_call_whose_inputs_already_differ_is_not_the_divergence():
+    """Producer vs propagator, without NaN: fc2's output differs, but so does its input (an op
+    root runs itself between fc1 and fc2 made it): the call to isolate is root, whose inputs
+    agree, never fc2; fc2 is isolated when its inputs agree and its output does not."""
+    from nanbisect.reference.differential import diverging_call
+
+    reference = _table(3.0, 5.0)
+    found = diverging_call(_table(3.1, 5.2), reference, "forward", torch.float32)
+    assert found is not None and found.call.module == ""
+    found = diverging_call(_table(3.0, 5.2), reference, "forward", torch.float32)
+    assert found is not None and found.call.module == "fc2"
+    assert diverging_call(_table(3.0, 5.0), reference, "forward", torch.float32) is None
