@@ -202,14 +202,16 @@ class Chain:
                              samples=loc.traced.samples if loc.traced is not None else None)
 
     def remedies(self, culprit: Culprit, finding: OpFinding | None, traced: RowTrace | None,
-                 budget: int, failed: str | None = None) -> list[Remedy]:
+                 budget: int, failed: str | None = None, kernel_on: tuple | None = None
+                 ) -> list[Remedy]:
         """The remedies tried on the culprit's step within ``budget`` replays. In lockstep none
         is tried (the other ranks' collectives would wait): each is listed as skipped. A rank
         alone is judged on its forward (the collectives after it are served with the capture's
         failure), so only the remedies of a step that failed in forward (``failed``: the
         failing phase; a culprit born in forward may have failed in backward) are tried. One
         process: the bundle's lookback gives the state remedy its earlier batch (a step of
-        ``--steps`` has none)."""
+        ``--steps`` has none). ``kernel_on``: the reference (device, dtype) when the culprit op
+        is wrong on the target given the same inputs (`try_remedies`)."""
         if budget <= 0:
             return []
         if self.serving is Serving.LOCKSTEP:
@@ -226,12 +228,13 @@ class Chain:
             return [replace(r, detail={**r.detail, **judged}) if r.outcome != "skipped" else r
                     for r in try_remedies(self.rep, culprit, finding, budget=budget,
                                           trace=traced, wrap=self.wrap, judge="forward",
-                                          progress=self.progress)]
+                                          progress=self.progress, kernel_on=kernel_on)]
         bundle, window = self.rep.bundle, None
         if bundle.manifest.get("lookback") is not None and not isinstance(bundle, BundleView):
             window = lookback.parse(bundle, f"bundle '{bundle.path}'")
         return try_remedies(self.rep, culprit, finding, budget=budget, trace=traced,
-                            window=window, wrap=self.wrap, progress=self.progress)
+                            window=window, wrap=self.wrap, progress=self.progress,
+                            kernel_on=kernel_on)
 
     def catch_module_call(self, culprit: Culprit):
         """The culprit's whole module call caught with the module's state (the module repro,

@@ -106,8 +106,10 @@ def _culprit_report(run: _Run, first: StepOutcome, side: ReferenceSide | None, r
         backtrace(table, call, phase, kind) if call is not None and phase != "optimizer"
         else [], timeline(table, phase)), ([], []))
     op_check = done.op_check
+    wrong_here = op_check is not None and op_check.status == "mismatch" and ref is not None
     remedies = stage("remedies", lambda: chain.remedies(
-        culprit, finding, loc.traced, remedy_budget(run.opts.remedies)), [])
+        culprit, finding, loc.traced, remedy_budget(run.opts.remedies),
+        kernel_on=ref if wrong_here else None), [])
     repro_result = stage("repro", done.pending, None) if done.pending else None
     module_repro = None
     if done.repro is not None and repro_result and not repro_result.reproduced:

@@ -4,6 +4,11 @@ each did (`try_remedies`). Every entry is a replay's outcome (``finite``, ``stil
 
 What is tried, in this order (an optimizer culprit's optimizer changes first):
 
+- ``kernel`` (a culprit wrong on the target given the same inputs, with a reference): the step
+  with that one op run on the reference's kernel (`kernel.OnReference`: its inputs copied there,
+  its results back); finite says the target's kernel is what fails, and that the step passes
+  without it;
+
 - ``optimizer`` (optimizer culprits): the step with the optimizer's eps raised (to 1e-8, or
   100x), then with the gradients clipped to norm 1 (a tenth of the Task's ``clip_grad_norm``);
 - ``precision``: along the chain the report shows, one dtype wider (float16/bfloat16 ->
@@ -35,10 +40,12 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.lookback import Window
 from nanbisect.bundle.state import decode
 from nanbisect.records import Culprit, OpFinding, Remedy, RowTrace, module_label
 from nanbisect.remedies.batch import drop_rows, identify, row_count
+from nanbisect.remedies.kernel import OnReference
 from nanbisect.remedies.narrow import narrow, untried_text
 from nanbisect.remedies.trials import DEFAULT_BUDGET, Progress, Trials, budget, rows_text
 from nanbisect.remedies.upcast import UpcastOp, upcast_module, wider
@@ -134,7 +141,7 @@ def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
 
 
 def _batch(rep: Replayer) -> Any:
-    return decode(rep.bundle.manifest["batch"], rep.tensors, "cpu")
+    return decode(rep.bundle.manifest["batch"], rep.tensors, devices.HOST)
 
 
 def _samples(trials: Trials, trace: RowTrace | None) -> Remedy:
@@ -295,14 +302,28 @@ def _optimizer(trials: Trials) -> list[Remedy]:
     return out + [Remedy("optimizer", change, outcome, loss, {"clip_grad_norm": norm, **detail})]
 
 
+def _kernel(trials: Trials, c: Culprit, f: OpFinding, on: tuple) -> Remedy:
+    """The step with the culprit op on the reference's kernel (`kernel.OnReference`)."""
+    device, dtype = on
+    where = str(device) + (f" in {str(dtype).removeprefix('torch.')}" if dtype else "")
+    change = f"when {c.op} {_at(c)} runs on the reference's kernel ({where})"
+    if trials.left <= 0:
+        return trials.spent("kernel", change)
+    outcome, loss, detail = trials.replay(change, modes=lambda: [OnReference(f.site, device,
+                                                                             dtype)])
+    return Remedy("kernel", change, outcome, loss, {"device": where, **detail})
+
+
 def try_remedies(rep: Replayer, culprit: Culprit, finding: OpFinding | None, *,
                  budget: int = DEFAULT_BUDGET, trace: RowTrace | None = None,
                  window: Window | None = None, wrap: Callable[[], ContextManager] = nullcontext,
-                 judge: str = "optimizer", progress: Progress = lambda key, text: None
-                 ) -> list[Remedy]:
+                 judge: str = "optimizer", progress: Progress = lambda key, text: None,
+                 kernel_on: tuple | None = None) -> list[Remedy]:
     """Replay the step with each remedy that applies to ``culprit`` (at most ``budget`` extra
     replays, each under ``wrap``, each run to the end of phase ``judge``: the whole step by
-    default); what came of each, in the order tried.
+    default); what came of each, in the order tried. ``kernel_on``: the reference (device,
+    dtype) when the culprit op is wrong on the target given the same inputs (its op check's
+    ``mismatch``): the ``kernel`` remedy runs it there.
 
     >>> from nanbisect.bundle.format import read_bundle
     >>> from nanbisect.locate.ops import record_ops
@@ -317,6 +338,8 @@ def try_remedies(rep: Replayer, culprit: Culprit, finding: OpFinding | None, *,
     out: list[Remedy] = []
     if culprit.phase == "optimizer":
         out += _optimizer(trials)
+    if kernel_on is not None and finding is not None:
+        out.append(_kernel(trials, culprit, finding, kernel_on))
     out += _precision(trials, culprit, finding)
     out.append(_samples(trials, trace))
     if window is not None:

@@ -19,11 +19,12 @@ buffers (running statistics) go to the wide copies and are dropped.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from nanbisect import devices
 from nanbisect.records import OpSite
 from nanbisect.replay.recorder import SKIP
 from nanbisect.util import torch_internals as ti
@@ -49,12 +50,17 @@ def wider(dtype_names: list[str]) -> tuple[torch.dtype, torch.dtype] | None:
     return (narrow, WIDER[narrow]) if narrow in WIDER else None
 
 
-def _up(wide: torch.dtype):
+def _up(wide: torch.dtype | None, device: torch.device | None = None):
+    """A tensor's copy in ``wide`` (floating ones narrower than it) and on ``device``; other
+    values, and tensors neither changes, as they are."""
     def cast(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.is_floating_point() and \
-                x.dtype.itemsize < wide.itemsize:
-            return x.to(wide)
-        return x
+        if not isinstance(x, torch.Tensor):
+            return x
+        dtype = wide if wide is not None and x.is_floating_point() and \
+            x.dtype.itemsize < wide.itemsize else None
+        if dtype is None and (device is None or x.device == device):
+            return x
+        return x.to(device=device if device is not None else x.device, dtype=dtype)
     return cast
 
 
@@ -62,18 +68,23 @@ def _leaves(x: Any) -> list:
     return ti.tree_leaves(x)
 
 
-def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
-    """``func(*args, **kwargs)`` computed with its floating inputs in ``wide``, its results in
-    the dtypes it gives at the original ones; arguments it writes get the wide result.
+def widened(func, args: tuple, kwargs: dict, wide: torch.dtype | None,
+            device: torch.device | None = None, kernel: Callable | None = None) -> Any:
+    """``func(*args, **kwargs)`` computed with its floating inputs in ``wide`` (None: as they
+    are) and, with ``device``, on that device (``kernel``: what runs instead of ``func`` there),
+    its results in the dtypes it gives at the original ones, on the inputs' device; arguments it
+    writes get the result.
 
     >>> x = torch.tensor([300.0], dtype=torch.float16)
     >>> widened(torch.ops.aten.linalg_vector_norm.default, (x,), {}, torch.float32).dtype
     torch.float16
     """
-    cast = _up(wide)
+    cast = _up(wide, device)
+    home = next((t.device for t in _leaves((list(args), dict(kwargs)))
+                 if isinstance(t, torch.Tensor)), None)
     wargs = ti.tree_map(cast, list(args))
     wkwargs = ti.tree_map(cast, dict(kwargs))
-    result = func(*wargs, **wkwargs)
+    result = (kernel or func)(*wargs, **wkwargs)
     schema = ti.schema_arguments(func)
     for i, a in enumerate(schema):
         if a.alias_info is None or not a.alias_info.is_write:
@@ -88,7 +99,7 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
     try:
         with ti.disable_current_modes():
             meta = ti.tree_map(
-                lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, (list(args),
+                lambda x: x.to(devices.SHAPES) if isinstance(x, torch.Tensor) else x, (list(args),
                                                                                 dict(kwargs)))
             dtypes = [t.dtype if isinstance(t, torch.Tensor) else None
                       for t in _leaves(func(*meta[0], **meta[1]))]
@@ -101,8 +112,9 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype) -> Any:
     for v, dt in zip(flat, dtypes + [None] * (len(flat) - len(dtypes))):
         if isinstance(v, torch.Tensor) and id(v) in same:
             out.append(same[id(v)])
-        elif isinstance(v, torch.Tensor) and dt is not None and v.dtype != dt:
-            out.append(v.to(dt))
+        elif isinstance(v, torch.Tensor) and ((dt is not None and v.dtype != dt) or (
+                home is not None and v.device != home)):
+            out.append(v.to(device=home, dtype=dt))
         else:
             out.append(v)
     return ti.tree_unflatten(out, spec)

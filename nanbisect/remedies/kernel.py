@@ -1,0 +1,66 @@
+"""One op run on the reference's kernel (`OnReference`): the ``kernel`` remedy of a culprit that
+is wrong on the target given the same inputs (classification ``device``).
+
+The op at one site (op, phase, occurrence, as `nanbisect.locate` names it) gets copies of its
+inputs on the reference device (in the reference's dtype when the reference is upcast,
+``cpu:float64``), runs there (its kernel, or its registered reference implementation when the
+reference has no kernel for it: a device-only fused op), and its results come back to the
+target's device in the dtypes the op gives at the original ones; an argument it writes gets the
+result. Everything else stays on the target. A step that is finite then says the device's kernel
+is what fails, and that the step passes with that one kernel replaced.
+"""
+from __future__ import annotations
+
+import torch
+
+from nanbisect.records import OpSite
+from nanbisect.reference import kernels as registry
+from nanbisect.remedies.upcast import widened
+from nanbisect.replay.recorder import SKIP
+from nanbisect.util import torch_internals as ti
+
+
+class OnReference(ti.ObserverMode):
+    """Run the op at ``site`` on ``device`` (in ``dtype``, when given); set ``.phase`` as the
+    step moves on.
+
+    >>> mode = OnReference(OpSite("aten.exp.default", "forward", 1), torch.device("cpu"),
+    ...                    torch.float64)
+    >>> x = torch.tensor([100.0])
+    >>> with mode:
+    ...     a, b = x.exp(), (x - 11).exp()    # the second on the CPU in float64, back in float32
+    >>> mode.hit, b.dtype, bool(torch.isinf(a)), bool(torch.isinf(b))
+    (True, torch.float32, True, True)
+    """
+
+    def __init__(self, site: OpSite, device: torch.device, dtype: torch.dtype | None = None
+                 ) -> None:
+        super().__init__()
+        self.site, self.device, self.dtype = site, device, dtype
+        self.phase = "forward"
+        self.seen = 0
+        self.hit = False
+
+    def wants(self, func) -> bool:
+        return not self.hit and func not in SKIP and self.phase == self.site.phase
+
+    def before(self, call: ti.OpCall) -> bool:
+        """The site's occurrence of its op (once): `run` runs it on the reference."""
+        if call.name != self.site.op:
+            return False
+        if self.seen != self.site.occurrence:
+            self.seen += 1
+            return False
+        self.hit = True
+        return True
+
+    def run(self, call: ti.OpCall):
+        def kernel(*args, **kwargs):
+            try:
+                return call.func(*args, **kwargs)
+            except NotImplementedError:       # no kernel on the reference: its registered one
+                impl = registry.lookup(call.name)
+                if impl is None:
+                    raise
+                return impl(*args, **kwargs)
+        return widened(call.func, call.args, call.kwargs, self.dtype, self.device, kernel)
