@@ -9,12 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
 
+from contextlib import nullcontext
+
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
+from nanbisect.reference import kernels as registry
+from nanbisect.reference.differential import ReferenceKernels
 from nanbisect.records import RunFacts, StageError, after_verdict  # noqa: F401 (re-exported)
 from nanbisect.replay.probe import ModuleProbe
 from nanbisect.replay.replayer import Replayer
 from nanbisect.report.rerun import Interpreter
+from nanbisect.task import load_inject
 
 Progress = Callable[[str, str], None]
 
@@ -60,6 +65,36 @@ def _guarded(fn, what: str):
         where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
         raise BadInput(f"{what} raised {type(e).__name__}: {str(e)[:200]}{where}; the entry's "
                        "code fails on this bundle, fix it or pass --entry") from None
+
+
+def target_wrap(opts: RunOptions, manifest: dict, t_dev
+                ) -> tuple[Callable[[], ContextManager], set[str]]:
+    """The context of every run on the target: ``--inject``'s and, on a device type other than
+    the one the bundle was captured on (an ``npu`` capture replayed on the CPU), `ReferenceKernels`:
+    an op only the capture's device has a kernel for runs its registered reference
+    implementation (``nanbisect.reference_impl``). The set collects the ops that did
+    (`reference_kernels_note`)."""
+    inject = load_inject(opts.inject) if opts.inject else nullcontext
+    used: set[str] = set()
+    if Manifest.of(manifest).captured_type == t_dev.type:
+        return inject, used
+    registry.load_plugins()
+
+    def wrap():
+        from nanbisect.replay.replayer import stacked
+
+        return stacked(inject(), ReferenceKernels(used))
+    return wrap, used
+
+
+def reference_kernels_note(used: set[str], target: str) -> str | None:
+    """The note of a target run on which device-only ops ran their reference implementations."""
+    if not used:
+        return None
+    ops = sorted(used)
+    return (f"{', '.join(ops)} {'has' if len(ops) == 1 else 'have'} no kernel on {target}: the "
+            "target ran the registered reference implementation (nanbisect.reference_impl), not "
+            "the capture device's kernel, so a fault in that kernel cannot reproduce here")
 
 
 @dataclass

@@ -3,7 +3,6 @@ clean, input-nonfinite, not-reproduced (and why), or a culprit (`culprit`).
 """
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,6 +13,7 @@ from nanbisect.bundle.format import Bundle
 from nanbisect.errors import UNDECLARED_SCALER, BadInput
 from nanbisect.report.text import rebuild_note
 from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, captured_type,
+                                       reference_kernels_note, target_wrap,
                                        recorded_failure)
 from nanbisect.pipeline.compiled import (backend_of, compiler_report, opposite_note,
                                          replay_compiled)
@@ -31,7 +31,6 @@ from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer, parse_device, stacked
 from nanbisect.report.model import Report
 from nanbisect.report.rerun import Interpreter, take
-from nanbisect.task import load_inject
 
 
 def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
@@ -41,7 +40,7 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
     m = bundle.manifest
     reference = opts.reference or devices.default_reference(t_dev)
     ref = None if DeviceSpec.parse(reference).none else parse_device(reference)
-    wrap = load_inject(opts.inject) if opts.inject else nullcontext
+    wrap, used = target_wrap(opts, m, t_dev)
     notes = [n for n in [match_threads(bundle, t_dev)] if n]
     interp = None
     if opts.run_repro and not devices.entry(t_dev).forkable and (
@@ -52,7 +51,7 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
         interp = take()
     try:
         return _analyse_step(bundle, opts, progress, target, t_dev, t_dtype, tmp, reference,
-                             ref, wrap, notes, interp)
+                             ref, wrap, notes, interp, used)
     finally:
         if interp is not None:
             interp.close()
@@ -60,8 +59,8 @@ def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
 
 def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
                   t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path, reference: str,
-                  ref, wrap, notes: list[str], interp: Interpreter | None
-                  ) -> tuple[Report, Replayer]:
+                  ref, wrap, notes: list[str], interp: Interpreter | None,
+                  used: set[str] = frozenset()) -> tuple[Report, Replayer]:
     """`_analyse`'s passes, with the repro's interpreter (if any) already starting."""
     m = bundle.manifest
     progress("build", "building the task")
@@ -75,6 +74,7 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     first = _guarded(lambda: rep.run(phase=probing(probe), wrap=lambda: stacked(
         wrap(), *([tape] if ref is not None else []))),
                      "replaying the step on the target")
+    notes += [n for n in [reference_kernels_note(used, target)] if n]
     observed = m.get("observed")
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
     compiled = None

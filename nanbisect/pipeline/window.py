@@ -4,7 +4,6 @@ that parts found, and that step bisected alone (else the failing step).
 from __future__ import annotations
 
 import shutil
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,7 +14,8 @@ from nanbisect import history as hist
 from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import BadInput
-from nanbisect.pipeline.common import Progress, RunOptions, _guarded, captured_type
+from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, captured_type,
+                                       reference_kernels_note, target_wrap)
 from nanbisect.pipeline.step import _analyse
 from nanbisect.records import fidelity_tier
 from nanbisect.reference import kernels as registry
@@ -23,7 +23,6 @@ from nanbisect.reference.window import replay_window
 from nanbisect.replay.fidelity import match_threads
 from nanbisect.replay.replayer import Replayer, parse_device
 from nanbisect.report.model import Report
-from nanbisect.task import load_inject
 from nanbisect.util.spec import DeviceSpec
 
 
@@ -37,7 +36,7 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
         raise BadInput(f"--steps {k} compares the target's steps with a reference's; pass "
                        "--reference cpu (or cpu:float64)")
     ref = parse_device(reference)
-    wrap = load_inject(opts.inject) if opts.inject else nullcontext
+    wrap, used = target_wrap(opts, bundle.manifest, t_dev)
     note = match_threads(bundle, t_dev)
     losses = {e["step"]: e.get("loss") for e in (history.entries if history else [])}
     progress("steps", f"replaying the last {k} recorded steps on {target} and {reference}")
@@ -47,7 +46,7 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
                                          lambda text: progress("steps", text)),
                    "replaying the recorded steps")
     failing = window.steps[-1]["step"]
-    notes = ([note] if note else []) + res.notes
+    notes = [n for n in [note, reference_kernels_note(used, target)] if n] + res.notes
     rows = {r.step: r for r in res.rows}
     before = rows.get(failing - 1)
     steps = res.record(before.max_rel_diff if before else None)
