@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from nanbisect import __version__
+from nanbisect import __version__, devices
 from nanbisect.bundle.format import umask_mode
 from nanbisect.bundle.state import encode
 from nanbisect.records import Caught, Culprit, ModuleCaught, module_label
@@ -69,6 +69,18 @@ def device_of(target: str) -> str:
     return check_device(target)[0]
 
 
+def extensions(target: str) -> dict[str, str]:
+    """The plug-in a repro imports before using ``target``'s device type (``{"npu":
+    "torch_npu"}``; none for built-in types).
+
+    >>> extensions("npu:0:float32"), extensions("cpu")
+    ({'npu': 'torch_npu'}, {})
+    """
+    kind = device_of(target).split(":")[0]
+    ext = devices.entry(kind).extension
+    return {kind: ext} if ext else {}
+
+
 def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, target: str,
                 imports: list[str], role: str = "Culprit") -> Path:
     """Write ``out/repro.py`` and ``out/inputs.safetensors``; return the script's path.
@@ -86,7 +98,8 @@ def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, targe
         version=__version__, role=role, op=caught.op, phase=culprit.phase,
         module=module_label(culprit.module),
         module_call=culprit.module_call, op_index=culprit.op_index, source=culprit.source,
-        kind=kind, target=device_of(target), imports=repr(imports))
+        kind=kind, target=device_of(target), imports=repr(imports),
+        extensions=repr(extensions(target)))
     (out / "repro.py").write_text(text)
     return out / "repro.py"
 
@@ -114,6 +127,6 @@ def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: s
         module=module_label(mc.call.module),
         module_call=mc.call.call, kind=kind, target=device_of(target), entry=entry,
         entry_file=repr(str(Path(target_file).resolve())), entry_func=repr(func),
-        compile=repr(compile))
+        compile=repr(compile), extensions=repr(extensions(target)))
     (out / "module_repro.py").write_text(text)
     return out / "module_repro.py"
