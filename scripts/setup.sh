@@ -37,18 +37,21 @@ else
   pip_install -e "$what"
 fi
 # A C++ compiler: torch.compile's CPU backend (inductor) builds C++ kernels, and nanbisect
-# replays a compiled capture compiled (README "NaN only when compiled"). Best effort: with apt
-# and root, install g++ when no C++ compiler is present; otherwise say what is missing.
+# replays a compiled capture compiled (docs/guide/compiled.md); the test suite's emulated npu
+# device (tests/npu) is a C++ extension built once with it. Best effort: with apt and root,
+# install g++ when no C++ compiler is present; otherwise say what is missing. Silent when one is.
 if ! command -v "${CXX:-g++}" >/dev/null 2>&1 && ! command -v c++ >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: no C++ compiler: installing g++ with apt-get (torch.compile's CPU backend" \
-         "needs one)" >&2
+         "and the test suite's emulated npu device need one)" >&2
     { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++; } >&2 \
       || echo "setup: apt-get could not install g++; compiled replays on the CPU will fail" \
-              "until a C++ compiler is installed (tests that compile skip)" >&2
+              "until a C++ compiler is installed (tests that compile or use the emulated npu" \
+              "device skip)" >&2
   else
     echo "setup: no C++ compiler (g++) and no root with apt-get to install one: compiled" \
-         "replays on the CPU need it (tests that compile skip)" >&2
+         "replays on the CPU and the test suite's emulated npu device need it (tests that" \
+         "compile or use the npu device skip)" >&2
   fi
 fi
 if [ "$PY" = "$PWD/.venv/bin/python" ]; then

@@ -54,6 +54,15 @@ def fixture_bundle(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def npu_env():
+    """The environment of a process that uses the emulated ``npu`` device (helpers.npu): the
+    device built once; skipped, in one line, where no C++ compiler can build it."""
+    from helpers import npu
+
+    return npu.environment()
+
+
+@pytest.fixture(scope="session")
 def replayed(tmp_path_factory):
     """``replayed(name)``: (a copy of the shipped bundle ``name``, the report that `nanbisect run
     --json` printed for it, exit code 1 checked); ``replayed(name, json_=False)``: (another copy,
