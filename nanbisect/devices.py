@@ -63,8 +63,8 @@ class DeviceType:
         if self.extension:
             try:
                 __import__(self.extension)
-            except ImportError:
-                return None
+            except Exception:  # noqa: BLE001 - missing or broken (a vendor library absent):
+                return None    # the type is not available here
         return getattr(torch, self.name, None)
 
     def available(self) -> bool:

@@ -5,11 +5,10 @@ guard that turns a failure of the user's code into a one-line `BadInput`.
 from __future__ import annotations
 
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, ContextManager
-
-from contextlib import nullcontext
 
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
@@ -83,7 +82,7 @@ def target_wrap(opts: RunOptions, manifest: dict, t_dev
     def wrap():
         from nanbisect.replay.replayer import stacked
 
-        return stacked(inject(), ReferenceKernels(used))
+        return stacked(inject(), ReferenceKernels(used, custom_only=True))
     return wrap, used
 
 

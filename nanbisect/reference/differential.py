@@ -93,8 +93,9 @@ def diverging_call(target: ProbeTable, reference: ProbeTable, phase: str,
             return c
         for a in target.ancestors(c):
             ra = reference.get(a.call)
-            if ra is not None and not _differs(incoming(a), incoming(ra), rtol):
-                return a
+            if ra is not None and incoming(a) is not None and incoming(ra) is not None \
+                    and not _differs(incoming(a), incoming(ra), rtol):
+                return a        # (a call whose incoming values were not seen says nothing)
         return None
     return None
 
@@ -139,12 +140,13 @@ class ReferenceKernels(ti.ObserverMode):
     """On the reference (or a target of another device type than the capture's): an op without
     a kernel there runs its registered reference_impl; ``used`` collects the ops that did."""
 
-    def __init__(self, used: set[str] | None = None) -> None:
+    def __init__(self, used: set[str] | None = None, custom_only: bool = False) -> None:
         super().__init__()
         self.used = used if used is not None else set()
+        self.custom_only = custom_only     # torch's own ops pass by (a target: they have kernels)
 
     def wants(self, func) -> bool:
-        return True
+        return not self.custom_only or func.namespace not in ti.BUILTIN_NAMESPACES
 
     def run(self, call: ti.OpCall):
         try:

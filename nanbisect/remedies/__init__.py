@@ -45,7 +45,7 @@ from nanbisect.bundle.lookback import Window
 from nanbisect.bundle.state import decode
 from nanbisect.records import Culprit, OpFinding, Remedy, RowTrace, module_label
 from nanbisect.remedies.batch import drop_rows, identify, row_count
-from nanbisect.remedies.kernel import OnReference
+from nanbisect.remedies.kernel import OnReference, movable
 from nanbisect.remedies.narrow import narrow, untried_text
 from nanbisect.remedies.trials import DEFAULT_BUDGET, Progress, Trials, budget, rows_text
 from nanbisect.remedies.upcast import UpcastOp, upcast_module, wider
@@ -307,6 +307,9 @@ def _kernel(trials: Trials, c: Culprit, f: OpFinding, on: tuple) -> Remedy:
     device, dtype = on
     where = str(device) + (f" in {str(dtype).removeprefix('torch.')}" if dtype else "")
     change = f"when {c.op} {_at(c)} runs on the reference's kernel ({where})"
+    why = movable(c.op)
+    if why is not None:
+        return Remedy("kernel", change, "skipped", detail={"device": where, "reason": why})
     if trials.left <= 0:
         return trials.spent("kernel", change)
     outcome, loss, detail = trials.replay(change, modes=lambda: [OnReference(f.site, device,

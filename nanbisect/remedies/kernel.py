@@ -15,9 +15,29 @@ import torch
 
 from nanbisect.records import OpSite
 from nanbisect.reference import kernels as registry
+from nanbisect.reference.opcheck import RANDOM_OR_UNINITIALISED, resolve
 from nanbisect.remedies.upcast import widened
 from nanbisect.replay.recorder import SKIP
 from nanbisect.util import torch_internals as ti
+
+
+def movable(op: str) -> str | None:
+    """None when op ``op`` (``ns.name.overload``) can run on another device and come back; else
+    why not: a view of its inputs would come back a copy (writes through it lost), a random op
+    would draw from the other device's generator.
+
+    >>> movable("aten.mm.default"), movable("aten.t.default")
+    (None, 'it returns a view of its inputs, which would come back a copy')
+    """
+    try:
+        func = resolve(op)
+    except (AttributeError, ValueError, RuntimeError):
+        return "it cannot be found by its name"
+    if any(r.alias_info is not None for r in ti.schema_returns(func)):
+        return "it returns a view of its inputs, which would come back a copy"
+    if op.split(".")[1] in RANDOM_OR_UNINITIALISED:
+        return "it is a random op: elsewhere it would draw from another generator"
+    return None
 
 
 class OnReference(ti.ObserverMode):

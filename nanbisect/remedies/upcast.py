@@ -80,8 +80,10 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype | None,
     torch.float16
     """
     cast = _up(wide, device)
-    home = next((t.device for t in _leaves((list(args), dict(kwargs)))
-                 if isinstance(t, torch.Tensor)), None)
+    # where the results go back to: the op's device (an accelerator's, where a host scalar
+    # tensor comes along), else the host
+    placed = [t.device for t in _leaves((list(args), dict(kwargs))) if isinstance(t, torch.Tensor)]
+    home = next((d for d in placed if not devices.on_host(d)), placed[0] if placed else None)
     wargs = ti.tree_map(cast, list(args))
     wkwargs = ti.tree_map(cast, dict(kwargs))
     result = (kernel or func)(*wargs, **wkwargs)
@@ -93,6 +95,8 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype | None,
         new = wargs[i] if i < len(args) else wkwargs.get(a.name)
         for o, w in zip(_leaves(orig), _leaves(new)):
             if isinstance(o, torch.Tensor) and o is not w:
+                if o.shape != w.shape:        # an out= argument the op resized
+                    o.resize_(w.shape)
                 o.copy_(w)
     same = {id(w): o for o, w in zip(_leaves((list(args), dict(kwargs))),
                                      _leaves((wargs, wkwargs))) if isinstance(o, torch.Tensor)}

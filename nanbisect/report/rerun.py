@@ -21,6 +21,7 @@ from pathlib import Path
 
 from nanbisect import proc
 from nanbisect.records import ReproResult
+from nanbisect.util import torch_internals as ti
 
 
 def _said(code: int, stdout: str, stderr: str) -> ReproResult:
@@ -271,7 +272,7 @@ def runner(device_type: str, op: str | None, spare: Interpreter | None = None) -
     return spare or Interpreter()
 
 
-BUILTIN_NAMESPACES = ("aten", "prims", "quantized")   # ops torch has without any user code
+BUILTIN_NAMESPACES = ti.BUILTIN_NAMESPACES
 
 
 class Fork(_Pending):

@@ -105,10 +105,19 @@ def tree_unflatten(leaves: list, spec: Any) -> Any:
 
 
 # -- ops and their schemas ----------------------------------------------------------------------
+BUILTIN_NAMESPACES = ("aten", "prims", "quantized")   # ops torch has without any user code
+
+
 def schema_arguments(func) -> list:
     """An ``OpOverload``'s schema arguments (``.name``, ``.alias_info``: ``is_write``).
     ``OpOverload._schema``: checked on 2.13.0."""
     return func._schema.arguments
+
+
+def schema_returns(func) -> list:
+    """An ``OpOverload``'s schema returns (``.alias_info``: a view of an input when set).
+    ``OpOverload._schema``: checked on 2.13.0."""
+    return func._schema.returns
 
 
 def schema_name(func) -> str:

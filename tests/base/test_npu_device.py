@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -194,19 +193,16 @@ def _mtimes(directory: Path) -> dict[str, int]:
 
 
 def test_built_device_is_reused(facts, npu_env):
-    """A fresh interpreter's `import torch_npu` loads the cached build: no compile (quick, and
-    the cache's files untouched)."""
+    """A fresh interpreter's `import torch_npu` loads the cached build: no compile (the loader
+    says "cached", and the cache's files are untouched)."""
     cache = Path(facts["cache_dir"])
     assert (cache / "done").is_file()
     before = _mtimes(cache)
-    t = time.perf_counter()
     p = subprocess.run([sys.executable, "-c", "import torch_npu; print(torch_npu._build"
-                        ".directory())"], env=npu_env, cwd=ROOT, capture_output=True,
-                       text=True, timeout=120)
-    wall = time.perf_counter() - t
+                        ".directory(), torch_npu._build.LOADED[0])"], env=npu_env, cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.strip() == str(cache)
-    assert wall < 5, f"import torch_npu took {wall:.1f} s"
+    assert p.stdout.split() == [str(cache), "cached"]
     assert _mtimes(cache) == before
 
 

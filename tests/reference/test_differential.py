@@ -142,17 +142,20 @@ def test_cuda_target_cpu_reference(fixture_bundle):
     assert rep["classification"] == "numerics"
 
 
-def _table(fc2_in: float, fc2_out: float):
+def _table(fc2_in: float, fc2_out: float, root_in: float | None = 1.0):
     """A forward of root -> fc1, then an op of root's own, then fc2: fc2's incoming and outgoing
     magnitudes as given, the rest the same on both sides."""
     from nanbisect.records import CallId, Stats
     from nanbisect.replay.probe import CallStats, ProbeTable
 
+    def stats(x):
+        return None if x is None else Stats(0, 0, 0, x, x * 8)
+
     def call(name, parent, end, inp, out):
         return CallStats(CallId(name, 0), parent, ["float32"], [[8, 4]], end, None,
-                         Stats(0, 0, 0, inp, inp * 8), Stats(0, 0, 0, out, out * 8), None, None)
+                         stats(inp), stats(out), None, None)
     root = CallId("", 0)
-    return ProbeTable([call("", None, 3, 1.0, fc2_out), call("fc1", root, 1, 1.0, 2.0),
+    return ProbeTable([call("", None, 3, root_in, fc2_out), call("fc1", root, 1, 1.0, 2.0),
                        call("fc2", root, 2, fc2_in, fc2_out)], [])
 
 
@@ -168,3 +171,7 @@ def test_a_call_whose_inputs_already_differ_is_not_the_divergence():
     found = diverging_call(_table(3.0, 5.2), reference, "forward", torch.float32)
     assert found is not None and found.call.module == "fc2"
     assert diverging_call(_table(3.0, 5.0), reference, "forward", torch.float32) is None
+    # a parent whose incoming values were not seen is no evidence: the whole phase, not it
+    unseen = _table(3.0, 5.0, root_in=None)
+    assert diverging_call(_table(3.1, 5.2, root_in=None), unseen, "forward",
+                          torch.float32) is None

@@ -16,6 +16,8 @@ Never on the path of a real installation: tests put ``tests/npu`` on ``sys.path`
 """
 from __future__ import annotations
 
+import atexit
+import time
 import warnings
 
 import torch
@@ -41,4 +43,15 @@ warnings.filterwarnings("ignore", message="An output with one or more elements w
                         category=UserWarning)
 
 from torch_npu import ops  # noqa: E402,F401  (the device-only kernels: torch.ops.npu.*)
+
+
+@atexit.register
+def _let_device_threads_finish() -> None:
+    """Give the autograd engine's device threads the GIL once before the interpreter ends.
+
+    Each releases its finished backward's last reference on its own thread, which drops a
+    Python object and so waits for the GIL; one still waiting when finalisation starts is ended
+    by the interpreter inside a C++ destructor: std::terminate, exit code 134 (torch's own race;
+    a real device's threads have it too). A short sleep hands them the GIL first."""
+    time.sleep(0.05)
 from torch_npu.ops import npu_fast_gelu, npu_moe_unpermute  # noqa: E402,F401

@@ -136,22 +136,36 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::native::cpu_fallback(op, stack);
 }
 
-// A random op: the CPU kernel runs through the fallback with the CPU's default generator, whose
-// engine is the device generator's for the duration (a device generator passed explicitly
-// takes its place), so the device's draws advance the device's generator, never the CPU's.
+// A random op: the CPU kernel runs through the fallback, drawing from the device's generator,
+// never the CPU's. An op with a generator argument gets a private CPU generator holding the
+// device generator's state (written back after); one without (native_dropout) runs with the
+// CPU's default generator holding that state for the duration, all such ops one at a time.
+std::mutex g_swap;
+
+void draw_from(Generator* from, at::CPUGeneratorImpl* into) {
+  into->set_engine(from->engine());
+  into->set_next_float_normal_sample(from->next_float_normal_sample());
+  into->set_next_double_normal_sample(from->next_double_normal_sample());
+}
+
+void keep_in(at::CPUGeneratorImpl* from, Generator* into) {
+  into->set_engine(from->engine());
+  into->set_next_float_normal_sample(from->next_float_normal_sample());
+  into->set_next_double_normal_sample(from->next_double_normal_sample());
+}
+
 void random_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   const auto n = op.schema().arguments().size();
   const auto base = stack->size() - n;
   at::Generator device_gen;
   c10::DeviceIndex idx = -1;
+  std::optional<size_t> slot;
   for (size_t i = 0; i < n; ++i) {
     auto& v = (*stack)[base + i];
-    if (v.isGenerator()) {
-      auto g = v.toGenerator();
-      if (g.device().is_privateuseone()) {
-        device_gen = g;
-        v = c10::IValue();
-      }
+    if (op.schema().arguments()[i].type()->str().find("Generator") != std::string::npos) {
+      slot = base + i;
+      if (v.isGenerator() && v.toGenerator().device().is_privateuseone())
+        device_gen = v.toGenerator();
     } else if (idx < 0 && v.isTensor() && v.toTensor().defined() &&
                v.toTensor().device().is_privateuseone()) {
       idx = v.toTensor().device().index();
@@ -159,35 +173,40 @@ void random_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   }
   if (!device_gen.defined()) device_gen = default_generator(idx);
   auto* mine = at::check_generator<Generator>(device_gen);
+  std::lock_guard<std::mutex> hold(device_gen.mutex());
+  InFallback inside;
+  if (slot) {
+    at::Generator own = at::make_generator<at::CPUGeneratorImpl>();
+    auto* cpu = at::check_generator<at::CPUGeneratorImpl>(own);
+    draw_from(mine, cpu);
+    (*stack)[*slot] = c10::IValue(own);
+    at::native::cpu_fallback(op, stack);
+    keep_in(cpu, mine);
+    return;
+  }
+  std::lock_guard<std::mutex> one_at_a_time(g_swap);
   at::Generator host_gen = at::detail::getDefaultCPUGenerator();
   auto* cpu = at::check_generator<at::CPUGeneratorImpl>(host_gen);
-  std::lock_guard<std::mutex> hold(device_gen.mutex());
-  const auto saved = cpu->engine();
-  const auto saved_f = cpu->next_float_normal_sample();
-  const auto saved_d = cpu->next_double_normal_sample();
+  at::Generator saved = host_gen.clone();
   {
     std::lock_guard<std::mutex> g(host_gen.mutex());
-    cpu->set_engine(mine->engine());
-    cpu->set_next_float_normal_sample(mine->next_float_normal_sample());
-    cpu->set_next_double_normal_sample(mine->next_double_normal_sample());
+    draw_from(mine, cpu);
   }
-  auto restore = [&] {
+  auto put_back = [&] {
     std::lock_guard<std::mutex> g(host_gen.mutex());
-    mine->set_engine(cpu->engine());
-    mine->set_next_float_normal_sample(cpu->next_float_normal_sample());
-    mine->set_next_double_normal_sample(cpu->next_double_normal_sample());
-    cpu->set_engine(saved);
-    cpu->set_next_float_normal_sample(saved_f);
-    cpu->set_next_double_normal_sample(saved_d);
+    keep_in(cpu, mine);
+    auto* was = at::check_generator<at::CPUGeneratorImpl>(saved);
+    cpu->set_engine(was->engine());
+    cpu->set_next_float_normal_sample(was->next_float_normal_sample());
+    cpu->set_next_double_normal_sample(was->next_double_normal_sample());
   };
   try {
-    InFallback inside;
     at::native::cpu_fallback(op, stack);
   } catch (...) {
-    restore();
+    put_back();
     throw;
   }
-  restore();
+  put_back();
 }
 
 }  // namespace

@@ -20,7 +20,9 @@ namespace nbnpu {
 
 namespace {
 
-std::atomic<int> g_current{0};
+// The current device, per thread as on CUDA (the autograd engine's device threads set theirs
+// without changing the caller's).
+thread_local int g_current = 0;
 std::atomic<int64_t> g_syncs{0};
 
 // Device memory: host memory, each block remembering the card it was allocated on.
@@ -33,7 +35,7 @@ struct DeviceMemory final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     void* p = n ? std::aligned_alloc(64, (n + 63) / 64 * 64) : nullptr;
     TORCH_CHECK(!n || p, "npu: out of memory allocating ", n, " bytes");
-    const auto idx = static_cast<c10::DeviceIndex>(g_current.load());
+    const auto idx = static_cast<c10::DeviceIndex>(g_current);
     if (p) {
       std::lock_guard<std::mutex> g(lock);
       owner[p] = idx;
@@ -102,7 +104,7 @@ void PinnedMemory::release(void* ptr) {
 }
 
 c10::DeviceIndex checked(c10::DeviceIndex idx) {
-  if (idx < 0) return static_cast<c10::DeviceIndex>(g_current.load());
+  if (idx < 0) return static_cast<c10::DeviceIndex>(g_current);
   TORCH_CHECK(idx < kDevices, "npu: device index ", int(idx), " out of range (", kDevices,
               " devices)");
   return idx;
@@ -119,14 +121,14 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
     return old;
   }
   c10::Device getDevice() const override {
-    return c10::Device(T, static_cast<c10::DeviceIndex>(g_current.load()));
+    return c10::Device(T, static_cast<c10::DeviceIndex>(g_current));
   }
   void setDevice(c10::Device d) const override {
     TORCH_CHECK(d.type() == T, "npu: not an npu device: ", d);
-    g_current.store(checked(d.index()));
+    g_current = checked(d.index());
   }
   void uncheckedSetDevice(c10::Device d) const noexcept override {
-    if (d.index() >= 0 && d.index() < kDevices) g_current.store(d.index());
+    if (d.index() >= 0 && d.index() < kDevices) g_current = d.index();
   }
   c10::Stream getStream(c10::Device d) const override {
     return c10::Stream(c10::Stream::DEFAULT, c10::Device(T, checked(d.index())));
@@ -134,7 +136,9 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   c10::Stream getDefaultStream(c10::Device d) const override { return getStream(d); }
   c10::Stream getStreamFromGlobalPool(c10::Device d, bool) const override { return getStream(d); }
   c10::Stream getNewStream(c10::Device d, int) const override { return getStream(d); }
-  c10::Stream exchangeStream(c10::Stream s) const override { return s; }
+  c10::Stream exchangeStream(c10::Stream s) const override {   // the one stream: it was
+    return getStream(s.device());                                 // current already
+  }
   c10::DeviceIndex deviceCount() const noexcept override { return kDevices; }
   void record(void** event, const c10::Stream&, const c10::DeviceIndex,
               const c10::EventFlag) const override {
@@ -171,9 +175,9 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   c10::Allocator* getPinnedMemoryAllocator() const override { return &g_pinned_memory; }
   bool hasPrimaryContext(c10::DeviceIndex) const override { return true; }
   c10::DeviceIndex deviceCount() const override { return kDevices; }
-  void setCurrentDevice(c10::DeviceIndex idx) const override { g_current.store(checked(idx)); }
+  void setCurrentDevice(c10::DeviceIndex idx) const override { g_current = checked(idx); }
   c10::DeviceIndex getCurrentDevice() const override {
-    return static_cast<c10::DeviceIndex>(g_current.load());
+    return static_cast<c10::DeviceIndex>(g_current);
   }
   c10::DeviceIndex exchangeDevice(c10::DeviceIndex idx) const override {
     auto old = getCurrentDevice();
@@ -227,9 +231,9 @@ at::Generator gen(int64_t idx) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("DEVICES") = nbnpu::kDevices;
-  m.def("current_device", [] { return nbnpu::g_current.load(); });
+  m.def("current_device", [] { return nbnpu::g_current; });
   m.def("set_device", [](int idx) {
-    nbnpu::g_current.store(nbnpu::checked(static_cast<c10::DeviceIndex>(idx)));
+    nbnpu::g_current = nbnpu::checked(static_cast<c10::DeviceIndex>(idx));
   });
   m.def("synchronize", [] { nbnpu::g_syncs++; });
   m.def("synchronizations", [] { return nbnpu::g_syncs.load(); });
