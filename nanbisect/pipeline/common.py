@@ -35,6 +35,13 @@ class RunOptions:
     # extra replays of the step the remedies may use (None: NANBISECT_REMEDY_BUDGET, else
     # nanbisect.remedies.DEFAULT_BUDGET; 0: --no-remedies)
     remedies: int | None = None
+    # which copy of the user's code a replay imports: "local" (the files on disk), "bundle" (the
+    # copies the bundle carries), None: the local ones when present and unchanged, else the
+    # bundle's (`--code`)
+    code: str | None = None
+    # the entry file's module-level statements may run on import (`--run-top-level`; else an
+    # entry whose top level does more than define is refused before it is imported)
+    run_top_level: bool = False
 
 
 def captured_type(manifest: dict) -> str:
