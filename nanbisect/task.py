@@ -1,12 +1,20 @@
 """`Task` and entry strings: how nanbisect reaches the user's model, optimizer and loss.
 
-An entry is ``pkg.module:function`` or ``path/to/file.py:function``; calling ``function()`` returns a
-`Task`. A file is imported once per resolved path, under a module name derived from that path, so
-two entries naming the same file share one module. Importing an entry runs user code: only
-`load_task` does that, never `nanbisect inspect`. An entry that starts training while it is
-imported (a loop at module level, outside ``if __name__ == "__main__":``) is stopped before its
-first step with a one-line `BadInput` naming the line (`_no_training`); not caught: a loop that
-trains without ``backward``, ``Optimizer.step``, `Guard` or `capture` (a forward-only loop).
+An entry is ``pkg.module:function`` or ``path/to/file.py:function``; calling ``function()``
+returns a `Task`. A file is imported once per resolved path, under a module name derived from
+that path, so two entries naming the same file share one module. Importing an entry runs user
+code: only `load_task` does that, never `nanbisect inspect`. An entry that starts training while
+it is imported (a loop at module level, outside ``if __name__ == "__main__":``, let run with
+``run_top_level``) is stopped before its first step with a one-line `BadInput` naming the line
+(`_no_training`); not caught: a loop that trains without ``backward``, ``Optimizer.step``,
+`Guard` or `capture` (a forward-only loop).
+
+Before `load_task` imports an entry file (or the file of a dotted entry), its top level is read
+as an AST (`nanbisect.util.toplevel`, never executed): an entry whose module-level statements do
+more than define (a call such as ``parser.parse_args()``, a loop, a ``with``) is refused with one
+line naming the statement and the fix, unless the run opts in (``run_top_level``: the
+``--run-top-level`` flag, or ``Task(run_top_level=True)`` recorded in the bundle). While an entry
+file is imported, ``sys.argv`` is ``[that file]`` alone (restored after).
 """
 from __future__ import annotations
 
@@ -18,7 +26,7 @@ import os
 import sys
 import threading
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, ContextManager, Iterator
@@ -30,6 +38,7 @@ from nanbisect.errors import BadInput
 from nanbisect.util import frames
 from nanbisect.util.compiled import captured_args, compile_model, is_compiled, recorded
 from nanbisect.util.spec import split_entry
+from nanbisect.util.toplevel import check_file
 from nanbisect.util.torch_internals import compiled_original
 
 
@@ -66,6 +75,10 @@ class Task:
     # filled from the model when it is what torch.compile returned (docs/guide/compiled.md);
     # declare it when the loop compiles the model some other way
     compiled: dict | None = None
+    # a replay may run the entry file's module-level statements when it imports it (else an
+    # entry whose top level does more than define is refused: docs/guide/tasks.md); recorded
+    # in the bundle, so every replay of it honours it
+    run_top_level: bool = False
 
     def __post_init__(self) -> None:
         # what the step calls: the compiled model; `model` is always the eager module, so every
@@ -109,15 +122,19 @@ class Task:
                                                         torch.dtype):
             raise ValueError(f"Task(autocast={self.autocast!r}): give a dtype name such as "
                              "'bfloat16' or 'float16', or None")
+        if not isinstance(self.run_top_level, bool):
+            raise ValueError(f"Task(run_top_level={self.run_top_level!r}): give True or False")
 
     def describe(self) -> dict:
         """The step's shape as the bundle records it (JSON); a replay applies it to the entry's
         Task (an integration fills it from the trainer's settings, which the entry cannot know).
+        ``run_top_level`` only when true (a replay then lets the entry's top level run).
         """
         return {"accumulate": self.accumulate, "clip_grad_norm": self.clip_grad_norm,
                 "grad_scaler": self.grad_scaler is not None and self.grad_scaler.is_enabled(),
                 "loss_normalized": self.loss_normalized, "autocast": self.autocast,
                 "compiled": self.compiled,
+                **({"run_top_level": True} if self.run_top_level else {}),
                 **({"compiled_dropped": self.compiled_dropped} if self.compiled_dropped else {})}
 
     def step_model(self) -> torch.nn.Module:
@@ -234,14 +251,56 @@ def _trained(e: _TrainedAtImport, shown: str) -> BadInput:
                     "entry function")
 
 
-def _import_file(path: Path, shown: str) -> Any:
-    """Import ``path`` once per process, under its own stem when that name is free (so a task
-    file and an inject file that both ``import moe`` share one ``moe``), else a derived name."""
+def _shown_path(path: Path) -> str:
+    rel = os.path.relpath(path)
+    return str(path) if rel.startswith("..") else rel
+
+
+def gate(path: Path, shown: str | None = None) -> None:
+    """`BadInput` (one line: the file, the line, the statement and the fix) when the top level
+    of the entry file ``path`` does more than define (`nanbisect.util.toplevel`); reads the
+    file as an AST, runs none of it."""
+    found = check_file(path)
+    if found is None:
+        return
+    said = "" if found.what.split(" ")[-1].rstrip(")") in found.text else f" ({found.what})"
+    raise BadInput(f"entry '{shown or _shown_path(path)}' line {found.line} runs "
+                   f"`{found.text}`{said} at import, which a replay must not do; move it under "
+                   "`if __name__ == \"__main__\":` (or into the task function), or pass "
+                   "--run-top-level (or build Task(run_top_level=True)) to let it run")
+
+
+@contextmanager
+def _argv(path: Path) -> Iterator[None]:
+    """``sys.argv`` is ``[path]`` alone while an entry file is imported (a module-level
+    ``parse_args()`` must not read nanbisect's own arguments); restored after."""
+    saved = sys.argv
+    sys.argv = [str(path)]
+    try:
+        yield
+    finally:
+        sys.argv = saved
+
+
+def _imported(path: Path) -> Any:
+    """The module already imported from ``path`` (resolved), or None."""
     for mod in list(sys.modules.values()):
         f = getattr(mod, "__file__", None)
         # (the name first: resolving the path of each of torch's 2,000 modules took 0.3 s)
         if f and os.path.basename(f) == path.name and Path(f).resolve() == path:
             return mod
+    return None
+
+
+def _import_file(path: Path, shown: str, check: bool = False) -> Any:
+    """Import ``path`` once per process, under its own stem when that name is free (so a task
+    file and an inject file that both ``import moe`` share one ``moe``), else a derived name.
+    ``check``: `gate` it first (a module already imported runs nothing again: not checked)."""
+    mod = _imported(path)
+    if mod is not None:
+        return mod
+    if check:
+        gate(path, shown)
     name = path.stem
     if name in sys.modules or not name.isidentifier():
         name = "nanbisect_entry_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
@@ -251,7 +310,7 @@ def _import_file(path: Path, shown: str) -> Any:
     if str(path.parent) not in sys.path:
         sys.path.insert(0, str(path.parent))  # let the file import its neighbours
     try:
-        with _no_training():
+        with _no_training(), _argv(path):
             spec.loader.exec_module(module)
     except _TrainedAtImport as e:
         del sys.modules[name]
@@ -286,8 +345,45 @@ def _from_working_directory(target: str) -> None:
         importlib.invalidate_caches()
 
 
-def import_target(target: str, search: list[Path] = ()) -> Any:
-    """Import a module by dotted name or by file path (tried as given, then under ``search``)."""
+def _module_file(target: str) -> Path | None:
+    """The ``.py`` file the dotted ``target`` would be imported from, found on ``sys.path`` and
+    the ``__path__`` of parent packages already imported, running no code; else (a package
+    that only an import hook finds) `importlib.util.find_spec`, which imports the parent
+    packages, under `_no_training`. None: already imported, not found, or not Python source."""
+    if target in sys.modules:
+        return None
+    spec, path = None, None
+    parts = target.split(".")
+    try:
+        for i in range(len(parts)):
+            name = ".".join(parts[:i + 1])
+            parent = sys.modules.get(name)
+            if parent is not None and i < len(parts) - 1:
+                path = getattr(parent, "__path__", None)
+                spec = None
+                if path is None:
+                    break
+                continue
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or i == len(parts) - 1:
+                break
+            path = spec.submodule_search_locations
+            if not path:
+                spec = None
+                break
+        if spec is None:
+            with _no_training():
+                spec = importlib.util.find_spec(target)
+    except (ImportError, ValueError, OSError):
+        return None
+    origin = getattr(spec, "origin", None) if spec is not None else None
+    return Path(origin).resolve() if origin and origin.endswith(".py") else None
+
+
+def import_target(target: str, search: list[Path] = (), *, check: bool = False) -> Any:
+    """Import a module by dotted name or by file path (tried as given, then under ``search``).
+    ``check``: an entry's import, refused by `gate` when the file's top level does more than
+    define (before any of it runs); ``sys.argv`` is the file alone while it is imported."""
     if target.endswith(".py"):
         candidates = [Path(target)] + [Path(d) / target for d in search]
         path = next((c.resolve() for c in candidates if c.is_file()), None)
@@ -295,11 +391,16 @@ def import_target(target: str, search: list[Path] = ()) -> Any:
             raise BadInput(f"entry file '{target}' not found (looked in the working directory"
                            f"{' and ' + ', '.join(map(str, search)) if search else ''}); run from "
                            "the directory the entry is relative to, or pass --entry with its path")
-        return _import_file(path, target)
+        return _import_file(path, target, check)
     _from_working_directory(target)
     try:
-        with _no_training():
+        file = _module_file(target)
+        if check and file is not None:
+            gate(file, f"{target} ({_shown_path(file)})")
+        with _no_training(), _argv(file) if file is not None else nullcontext():
             return importlib.import_module(target)
+    except BadInput:
+        raise
     except _TrainedAtImport as e:
         raise _trained(e, f"entry module {target}") from None
     except ModuleNotFoundError as e:
@@ -312,14 +413,39 @@ def import_target(target: str, search: list[Path] = ()) -> Any:
                        f"{_user_frame(e)}; fix that module or pass --entry") from None
 
 
-def load_task(entry: str, search: list[Path] = ()) -> Task:
-    """Import the entry and call it; check that it returned a usable `Task`.
+def check_entry(entry: str, search: list[Path] = ()) -> None:
+    """`gate` the file ``entry`` names (as `load_task` would find it), importing nothing of it:
+    a run calls it before it replays or writes anything. An entry whose file is not found, or
+    a module already imported, is left to `load_task`.
+
+    >>> check_entry("fixtures/tasks/healthy.py:task")    # defines only
+    """
+    target, _ = split_entry(entry)
+    if target.endswith(".py"):
+        found = next((c.resolve() for c in [Path(target)] + [Path(d) / target for d in search]
+                      if c.is_file()), None)
+        if found is not None and _imported(found) is None:
+            gate(found, target)
+        return
+    _from_working_directory(target)
+    try:
+        file = _module_file(target)
+    except _TrainedAtImport as e:       # a parent package that trains, found by an import hook
+        raise _trained(e, f"entry module {target}") from None
+    if file is not None:
+        gate(file, f"{target} ({_shown_path(file)})")
+
+
+def load_task(entry: str, search: list[Path] = (), *, run_top_level: bool = False) -> Task:
+    """Import the entry and call it; check that it returned a usable `Task`. Unless
+    ``run_top_level``, an entry file whose top level does more than define is refused before it
+    is imported (`gate`).
 
     >>> type(load_task("fixtures/tasks/healthy.py:task").model).__name__
     'TinyGPT'
     """
     target, func = split_entry(entry)
-    module = import_target(target, list(search))
+    module = import_target(target, list(search), check=not run_top_level)
     fn = getattr(module, func, None)
     if not callable(fn):
         raise BadInput(f"entry '{entry}': '{func}' is not a function in {target}; pass --entry "

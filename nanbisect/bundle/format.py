@@ -38,6 +38,7 @@ from nanbisect.bundle.bounded import (DTYPE_BITS, MAX_HEADER_BYTES, MAX_JSON_DEP
                                      MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_TENSORS,
                                      MAX_WORLD_SIZE, _FIX, _kind, _limit, _load, _regular, _uint,
                                      parse_json, read_header)
+from nanbisect.bundle import codestore
 from nanbisect.bundle.check import check_state
 from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.bundle.schema import (MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
@@ -89,7 +90,7 @@ class Bundle:
             n = ref.get("tensors") if isinstance(ref, dict) else None
             raise BadInput(f"bundle '{self.path}' is one rank's part of a multi-rank bundle and "
                            f"takes {n if _uint(n) else 'some'} tensors of {name} from a lower "
-                           f"rank's part; open the whole bundle (nanbisect run --ckpt "
+                           f"rank's part; open the whole bundle (nanbisect run "
                            f"'{self.path.parent}'), not one part")
         for owner, names in self.borrowed.get(name, []):
             out.update(_load(owner / name, f"bundle '{owner.parent}': {owner.name}/{name}",
@@ -221,6 +222,7 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
             raise BadInput(f"bundle '{p}': the manifest's entry for {show(name)} is "
                            f"{_kind(info)}, not {{sha256: string, bytes: integer}}; re-capture "
                            "the bundle")
+    codestore.check(p, manifest, verify=False)   # stored code: paths inside code/ only
     if verify:
         # NB: the cheap checks of every file first (sizes, headers, what the manifest names in
         # them), the hashing last: a wrong size or a hostile header is refused in milliseconds,
@@ -228,8 +230,7 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
         for name, info in manifest["files"].items():
             f = p / name
             if not os.path.lexists(f):
-                raise BadInput(f"bundle '{p}': file '{name}' listed in the manifest is missing; "
-                               "copy the whole bundle directory or re-capture it")
+                raise _missing(p, name)
             st = _regular(f, f"bundle '{p}': {name}")
             if st.st_size != info["bytes"]:
                 raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
@@ -245,11 +246,33 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
             _check_hashes(p, manifest, RECHECK_BYTES)
             raise
         _check_hashes(p, manifest)
+        codestore.check(p, manifest, verify=True)
     # the headers just checked are kept: `Bundle.tensors` and `inspect` do not read them again
     return Bundle(p, manifest, _cache=cache)
 
 
 RECHECK_BYTES = 1 << 28
+PACK_HEAD = "pack.json"
+
+
+def _missing(p: Path, name: str) -> BadInput:
+    """A listed file that is not there: in a ticket unpacked from ``nanbisect pack`` without
+    ``--full`` (its ``pack.json`` says so), what the ticket holds instead; else copy it whole."""
+    ticket = p.parent if p.name == "bundle" else p.parent.parent
+    head = ticket / PACK_HEAD
+    full = None
+    try:
+        if head.is_file() and head.stat().st_size <= 32 << 20:
+            full = parse_json(head.read_bytes(), f"'{head}'", "").get("full")
+    except (OSError, BadInput, AttributeError):
+        full = None
+    if full is False:
+        repro = ticket / "report" / "repro" / "repro.py"
+        return BadInput(f"bundle '{p}' was packed without --full: its model and optimizer state "
+                        f"are not in it; run its repro ({repro}) or ask for `nanbisect pack "
+                        "--full`")
+    return BadInput(f"bundle '{p}': file '{name}' listed in the manifest is missing; copy the "
+                    "whole bundle directory or re-capture it")
 
 
 def _check_hashes(p: Path, manifest: dict, limit: int | None = None) -> None:

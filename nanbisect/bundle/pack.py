@@ -2,8 +2,10 @@
 
 A pack holds report.md and report.json, the standalone repro, the bundle's manifest(s) and an
 environment summary (Python, torch, devices and driver versions, the environment variables that
-change numerics or communication). By default it leaves out the model and optimizer state and
-stays under `LIMIT` bytes; ``full=True`` adds the whole bundle. `pack` writes a hidden temporary
+change numerics or communication), and the stored copies of the user's code (the bundle's
+``code/``, `nanbisect.bundle.codestore`). By default it leaves out the model and optimizer state
+and stays under `LIMIT` bytes; ``full=True`` adds the whole bundle; `pack` says what it left
+out and why. `pack` writes a hidden temporary
 file beside the archive and renames it into place (removed on any error, with any directory it
 created for it). Its first member, pack.json, lists every other member with its size and
 sha256.
@@ -47,8 +49,10 @@ import platform
 import re
 import shutil
 import tarfile
+import sys
 import zlib
 from pathlib import Path
+from typing import Callable
 
 from nanbisect import __version__
 from nanbisect.bundle.atomic import rename_noreplace
@@ -69,6 +73,8 @@ from nanbisect.util.staging import make_staging_dir, staging_name, staging_path,
 from nanbisect.util.text import show
 
 LIMIT = 10 * 1024 * 1024
+CODE_DIR = "code"     # the stored code (`nanbisect.bundle.codestore.CODE_DIR`; not imported
+                      # here: it imports torch, and pack's checks answer without it)
 OPTIONAL = ("rng.safetensors", "batch.safetensors")   # kept while the pack stays under LIMIT
 ENV_PATTERN = re.compile(r"^(TORCH|CUDA|NCCL|HCCL|ASCEND|OMP|MKL|ATEN|CUBLAS|CUDNN|PYTORCH|NVIDIA|"
                          r"NANBISECT|XLA|HIP|ROCM)_|^(WORLD_SIZE|RANK|LOCAL_RANK|MASTER_ADDR|"
@@ -96,7 +102,7 @@ def _members(src: Path, full: bool) -> list[tuple[Path, str]]:
     elif (src / MANIFEST).is_file():
         report, bundle = src / "nanbisect-report", src
         if not (report / "report.json").is_file():
-            raise BadInput(f"pack: '{src}' has no report yet; run `nanbisect run --ckpt {src}` "
+            raise BadInput(f"pack: '{src}' has no report yet; run `nanbisect run {src}` "
                            "first")
     else:
         raise BadInput(f"pack: '{src}' is neither a bundle nor a report directory; pass the "
@@ -108,16 +114,56 @@ def _members(src: Path, full: bool) -> list[tuple[Path, str]]:
             rel = f.relative_to(bundle)
             if not f.is_file() or f.is_symlink() or rel.parts[0] == "nanbisect-report":
                 continue
-            if full or f.name == MANIFEST or f.name in OPTIONAL:
+            if full or f.name == MANIFEST or f.name in OPTIONAL or _stored_code(bundle, rel):
                 out.append((f, f"bundle/{rel.as_posix()}"))
     return out
 
 
-def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = False) -> Path:
+def _stored_code(bundle: Path, rel: Path) -> bool:
+    """Is ``rel`` (a path in ``bundle``) a stored copy of the user's code (``code/`` of the
+    bundle or of a rank's part, `nanbisect.bundle.codestore`)? Always packed: a ticket
+    replays where the repository is not."""
+    parts = rel.parts
+    return rel.suffix == ".py" and (parts[0] == CODE_DIR or (
+        len(parts) > 2 and parts[1] == CODE_DIR and (bundle / parts[0] / MANIFEST).is_file()))
+
+
+def _code_left_out(src: Path) -> list[str]:
+    """What a pack of ``src`` leaves out of the user's code, and why, from the bundle's (or its
+    first part's) manifest: files over the caps or changed since the capture, or all of it
+    when the bundle carries no copy (captured by an older nanbisect)."""
+    # NB: here: they import torch
+    from nanbisect.bundle.codestore import carries_code, left_out_text
+    from nanbisect.bundle.format import read_manifest
+
+    bundle = src.resolve()
+    bundle = bundle if (bundle / MANIFEST).is_file() else bundle.parent
+    if not (bundle / MANIFEST).is_file():
+        return []
+    try:
+        manifest = read_manifest(bundle)
+        if manifest.get("kind") == "multi-rank":
+            first = min(manifest.get("ranks") or {"0": {}}, key=lambda r: int(r))
+            manifest = read_manifest(bundle / f"rank{first}")
+    except (BadInput, ValueError):
+        return []
+    if not carries_code(manifest):
+        return ["the user's code: the bundle carries no copy of it (captured by an older "
+                "nanbisect); the ticket replays only where the same code sits at the same path"]
+    text = left_out_text(manifest, limit=5)
+    return [f"the user's code: {text}"] if text else []
+
+
+def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = False,
+         say: Callable[[str], None] | None = None) -> Path:
     """Write ``dest`` (.tar.gz) for a ticket; refuse to exceed `LIMIT` unless ``full``.
 
     ``dest`` must be new; ``force`` replaces a file there only when it is a pack (`is_pack`).
-    pack.json, the first member, lists every other member with its size and sha256.
+    pack.json, the first member, lists every other member with its size and sha256. The
+    stored copies of the user's code (``code/``) are packed also without ``full``. Once the
+    archive is written, ``say`` (default: a line on stderr each) is told what was left out and
+    why: the model and optimizer state without ``full``, the batch or RNG over `LIMIT`, code
+    the bundle did not store.
 
     >>> import tempfile; from nanbisect.pipeline import RunOptions, run_bundle
     >>> d = Path(tempfile.mkdtemp())
@@ -136,7 +182,8 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
     for f, name in members:    # NB: before writing: pack.json comes first and lists them all
         size, digest = _file_digest(f)
         listed.append({"name": name, "size": size, "sha256": digest})
-    head = {"schema": PACK_SCHEMA, "full": full, "left_out": left_out,
+    code = _code_left_out(src)
+    head = {"schema": PACK_SCHEMA, "full": full, "left_out": [*left_out, *code],
             "left_out_always": [] if full else ["model and optimizer state (use --full)"],
             "members": listed}
     made = [d for d in (dest.parent, *dest.parent.parents) if not d.exists()]  # innermost first
@@ -146,6 +193,8 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
         _write_tar(tmp, head, env, members)
         _place(tmp, dest, given, src, force)
         done = True
+        for line in _left_out_lines(full, left_out, code):
+            (say or (lambda text: print(text, file=sys.stderr)))(line)
     except OSError as e:
         raise BadInput(f"pack: cannot write '{given}' ({e.strerror or e}); nothing was "
                        "written: pass -o with a path you can write to, on a file system with "
@@ -158,11 +207,24 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
     return dest
 
 
+def _left_out_lines(full: bool, left_out: list[str], code: list[str]) -> list[str]:
+    """What `pack` says it left out, one line each."""
+    out = [] if full else ["nanbisect: pack: left out the model and optimizer state (without "
+                           "--full): the ticket holds the repro (report/repro/repro.py); pass "
+                           "--full for a ticket that replays with nanbisect run"]
+    out += [f"nanbisect: pack: left out {name}: the ticket would exceed {LIMIT} bytes"
+            for name in left_out]
+    return out + [f"nanbisect: pack: left out {line}" for line in code]
+
+
 def _within_limit(members: list[tuple[Path, str]], full: bool
                   ) -> tuple[list[tuple[Path, str]], list[str]]:
     """(the members a pack holds, the names left out): without ``full``, the `OPTIONAL` files
-    left out, largest first, until the pack fits `LIMIT`; `BadInput` when it still does not."""
-    size = sum(f.stat().st_size for f, _ in members)
+    left out, largest first, until the pack fits `LIMIT` (the stored code not counted: it has
+    caps of its own); `BadInput` when it still does not."""
+    # NB: the stored code does not count: `codestore` caps it on its own
+    size = sum(f.stat().st_size for f, name in members
+               if CODE_DIR not in name.split("/")[1:3] or not name.endswith(".py"))
     left_out = []
     if not full:
         for f, name in sorted((m for m in members if m[0].name in OPTIONAL),

@@ -199,7 +199,8 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "autocast": (lambda v: v is None or _dtype_name(v), "null or a torch dtype name"),
         "compiled": (_compiled, "null or {backend: a backend name, mode: null or a "
                      "torch.compile mode, options: null or {option: value}}"),
-        "compiled_dropped": (_dropped, f"a list of at most {MAX_DROPPED} option names")},
+        "compiled_dropped": (_dropped, f"a list of at most {MAX_DROPPED} option names"),
+        "run_top_level": (lambda v: isinstance(v, bool), "true or false")},
     "grad_scaler": {   # torch's GradScaler.state_dict(): all five, or {} (a disabled scaler)
         "scale": (lambda v: _num(v) and v >= 0, "a number >= 0"),
         "growth_factor": (_num, "a number"), "backoff_factor": (_num, "a number"),
@@ -208,7 +209,17 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
     "code": {
         "entry_file": (lambda v: v is None or _path(v), "null or a path"),
         "sources": (lambda v: isinstance(v, dict) and all(map(_path, v))
-                    and _str_map(v), "an object of path -> sha256")},
+                    and _str_map(v), "an object of path -> sha256"),
+        # the stored copies (`nanbisect.bundle.codestore`; each file's path checked there)
+        "root": (lambda v: v is None or _path(v), "null or a path"),
+        "files": (lambda v: isinstance(v, dict) and all(map(_path, v)) and all(
+            isinstance(x, dict) for x in v.values()),
+            "an object of path -> {path: 'code/...', sha256, bytes}"),
+        "left_out": (lambda v: isinstance(v, dict) and all(map(_path, v)) and _str_map(v),
+                     "an object of path -> reason"),
+        "import_roots": (_strs, "a list of directories under code/"),
+        "caps": (lambda v: isinstance(v, dict) and all(map(_count, v.values())),
+                 "an object of integers")},
     "environment": {
         **{k: (lambda v: isinstance(v, str), "a string")
            for k in ("nanbisect", "torch", "python", "numpy", "safetensors", "platform")},

@@ -45,9 +45,20 @@ def check_bundle_dir(path: str | Path, manifest: bool = True) -> Path:
         raise BadInput(f"bundle '{p}' does not exist; pass the directory written by "
                        "nanbisect.capture or Guard (it holds manifest.json)")
     if not p.is_dir():
+        if p.name.endswith((".tar.gz", ".tgz", ".tar")):
+            raise BadInput(f"'{p}' is a ticket archive, not a bundle; unpack it first: "
+                           f"nanbisect unpack '{p}' DIR, then nanbisect run DIR/bundle")
         raise BadInput(f"bundle '{p}' is a file, not a directory; pass the bundle directory "
                        "that holds manifest.json")
     if manifest and not os.path.lexists(p / MANIFEST):
+        if os.path.isfile(p / "report.json"):
+            parent = p.parent if os.path.isfile(p.parent / MANIFEST) else None
+            raise BadInput(f"'{p}' is a report directory, not a bundle; "
+                           + (f"run its bundle: nanbisect run '{parent}'" if parent is not None
+                              else "run the bundle it was written for"))
+        if os.path.isfile(p / "pack.json") and os.path.isfile(p / "bundle" / MANIFEST):
+            raise BadInput(f"'{p}' is an unpacked ticket; run its bundle: nanbisect run "
+                           f"'{p / 'bundle'}'")
         inside = bundles_inside(p)
         if inside:
             shown = ", ".join(inside[:5]) + (f" and {len(inside) - 5} more"

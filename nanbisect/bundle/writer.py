@@ -3,7 +3,8 @@ the final path, renamed into place only when all of it is on disk.
 
 Guarantees: a crash never leaves a directory that looks like a bundle; files get the user's umask
 (0644 under 022), the tensor files too, which safetensors itself writes 0600; every file's
-sha256 and size are in the manifest.
+sha256 and size are in the manifest (the stored copies of the user's code under ``code/`` in
+its ``code.files``).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanbisect import __version__, devices
+from nanbisect.bundle import codestore
 from nanbisect.bundle.atomic import place
 from nanbisect.bundle.schema import MANIFEST, ROLES, SCHEMA, SUFFIX, _safe_name
 from nanbisect.bundle.state import Tensors
@@ -91,9 +93,11 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
     Every role with tensors gets ``ROLE.safetensors`` (the `ROLES` first, then any other role,
     e.g. a part's ``collectives``, by name); a role with none gets no file. ``staging`` (a new
     directory's path, default ``.NAME.tmp-XXXXXXXX`` beside ``path``) is where it is written
-    first; ``claim()`` runs when everything is on disk, just before the rename into place, and
-    may refuse it by raising (the staging directory is then removed): a rank of a multi-rank
-    bundle claims its place there (`nanbisect.guard.parts`).
+    first; the files the manifest's ``code`` section plans to store (`codestore.plan`) are
+    copied under ``code/`` and the section gets their sha256 and sizes; ``claim()`` runs when
+    everything is on disk, just before the rename into place, and may refuse it by raising (the
+    staging directory is then removed): a rank of a multi-rank bundle claims its place there
+    (`nanbisect.guard.parts`).
 
     >>> import tempfile
     >>> path = write_bundle(Path(tempfile.mkdtemp()) / "b", {"entry": "m:f"},
@@ -123,6 +127,9 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
             files[name] = {"sha256": _sha256(tmp / name), "bytes": (tmp / name).stat().st_size}
         full = {"schema": SCHEMA, "created": _dt.datetime.now(_dt.timezone.utc).isoformat(),
                 "environment": environment(), **manifest, "files": files}
+        code = manifest.get("code")
+        if isinstance(code, dict) and code.get("files"):   # the user's code (`codestore`)
+            full["code"] = codestore.store(tmp, code, code.get("sources") or {})
         _fsync_write(tmp / MANIFEST, json.dumps(full, indent=1, allow_nan=False).encode())
         if claim is not None:
             claim()

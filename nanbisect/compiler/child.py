@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", default="finite")      # what the parent's replays gave
     ap.add_argument("--compiled", default="nan")
     ap.add_argument("--phase", default=None)
+    ap.add_argument("--run-top-level", action="store_true")   # the entry's top level may run
     a = ap.parse_args(argv)
     if a.cache_dir:       # its kernels compiled already, not this process's TMPDIR's (empty)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.cache_dir
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         ti.set_compile_threads(1)
     device, dtype = parse_device(a.device)
     print("bisect: building the task", flush=True)
-    rep = Replayer(read_bundle(a.bundle), device, dtype, entry=a.entry)
+    rep = Replayer(read_bundle(a.bundle), device, dtype, entry=a.entry,
+                   run_top_level=a.run_top_level)
     base = dict(eager=a.eager, compiled=a.compiled, phase=a.phase,
                 backend=(rep.compiled_spec or {}).get("backend") or "inductor")
     result, seconds = bisect(rep, a.phase)

@@ -49,9 +49,11 @@ def _start(target: list[str], env: dict[str, str], **kw):
 def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str, compiled: str,
                     phase: str | None, backend: str,
                     progress: Callable[[str, str], None] = lambda key, text: None,
-                    timeout: float | None = None) -> CompilerFinding:
+                    timeout: float | None = None, run_top_level: bool = False
+                    ) -> CompilerFinding:
     """Run torch's compiler bisection of ``bundle``'s step in a child; its finding (one that
-    says why when the child failed or ran out of time)."""
+    says why when the child failed or ran out of time). ``run_top_level``: the child's
+    `Replayer`'s (``--run-top-level``)."""
     from nanbisect.util.torch_internals import check_torch_version
     from nanbisect.util.torch_internals import inductor_cache_dir as cache_dir
 
@@ -66,7 +68,8 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
     argv = ["-m", "nanbisect.compiler.child", str(Path(bundle).resolve()), str(out),
             "--device", target, "--cache-dir", cache_dir(), "--eager", eager,
             "--compiled", compiled,
-            *(["--phase", phase] if phase else []), *(["--entry", entry] if entry else [])]
+            *(["--phase", phase] if phase else []), *(["--entry", entry] if entry else []),
+            *(["--run-top-level"] if run_top_level else [])]
     env = {**os.environ, "TMPDIR": str(scratch)}
     t0 = time.perf_counter()
     read, write = os.pipe()

@@ -4,7 +4,9 @@ Guarantees: a bundle holds the state *before* its step (parameters, buffers, opt
 the GradScaler's scale and growth tracker, every module's train/eval mode, every parameter's
 ``requires_grad``, RNG of Python/NumPy/torch CPU/accelerators), the batch, what the step looks
 like (`Task.describe`) and the sha256 of the entry file and every user source file the process
-imported; with them, what a Guard adds (the recorded collectives, the history, the lookback).
+imported, and those files themselves under ``code/`` (within the caps of
+`nanbisect.bundle.codestore`; what is left out is listed with the reason); with them,
+what a Guard adds (the recorded collectives, the history, the lookback).
 Under torch.distributed every rank writes its part of one bundle
 (`nanbisect.guard.parts.write_all_ranks`). A Guard's failing step is never lost to a write that
 fails (`write_or_rescue`), whatever the writer raises (an `OSError`, safetensors' own
@@ -24,6 +26,7 @@ import torch
 
 from nanbisect import devices
 from nanbisect import history as hist
+from nanbisect.bundle import codestore
 from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.format import write_bundle
 from nanbisect.bundle.lookback import ROLE as LOOKBACK_ROLE
@@ -60,7 +63,9 @@ def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: in
         "observed": observed,
         "task": task.describe(),
         "grad_scaler": scaler_state,
-        "code": {"entry_file": entry_file, "sources": sources},
+        # the sources' hashes, and the files themselves under code/ (within caps; copied by
+        # `write_bundle`, `nanbisect.bundle.codestore`)
+        "code": _code_section(entry_file, sources),
         "model": meta,
         "optimizer": (encode_optimizer(task.optimizer, tensors["optimizer"])
                       if task.optimizer is not None else None),
@@ -68,6 +73,18 @@ def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: in
         "rng": rng.encode(tensors["rng"]),
     }
     return manifest, tensors
+
+
+def _code_section(entry_file: str | None, sources: dict[str, str]) -> dict:
+    """The manifest's ``code``: the sources' hashes and the plan of the copies `write_bundle`
+    stores (`codestore.plan`). Under torch.distributed only rank 0's part stores the copies
+    (the ranks run one program; a replay of the ranks imports rank 0's, `code_choice`); the
+    other parts keep the hashes and the layout."""
+    section = {"entry_file": entry_file, "sources": sources,
+               **codestore.plan(entry_file, sources)}
+    if rank_info().distributed and rank_info().rank != 0:
+        section.update(files={}, left_out={})
+    return section
 
 
 def _scaler_state(task: Task) -> dict | None:

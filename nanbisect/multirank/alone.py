@@ -98,7 +98,8 @@ def _through(server: TapeServer, root) -> tuple[Entry | None, int]:
 
 def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, inject: str | None,
                  entry: str | None = None, reference: str | None = None,
-                 stage=lambda s: None, remedies: int = 0) -> RankResult:
+                 stage=lambda s: None, remedies: int = 0,
+                 run_top_level: bool = False) -> RankResult:
     top = read_bundle(bundle_path, verify=False)   # the launcher verified this rank's part
     part = top.part(rank)
     recorded = part.manifest.get("collectives")
@@ -106,7 +107,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
         raise BadInput(f"bundle '{top.path}': rank {rank}'s part {NO_TAPE}")
     server = TapeServer(recorded, part.tensors(ROLE), where=f"bundle '{part.path}'")
     stage("building the task")
-    rep, observer = rank_replayer(part, target, entry, server)
+    rep, observer = rank_replayer(part, target, entry, server, run_top_level)
     model = rep.task.model
     side = None
     if reference is not None:

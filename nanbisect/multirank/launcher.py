@@ -76,7 +76,8 @@ def rank_timeout() -> float:
 
 def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, timeout: float,
                *, alone: bool, per_host: int, inject: str | None, entry: str | None,
-               reference: str | None, remedies: int = 0) -> tuple[int | None, dict | None]:
+               reference: str | None, remedies: int = 0, run_top_level: bool = False
+               ) -> tuple[int | None, dict | None]:
     """Start ``ranks`` of the run through `nanbisect.multirank.spawn` (forked from one interpreter
     that imported torch, or fresh interpreters where the device seam says its ranks cannot be
     forked), wait at most ``timeout`` and kill whatever is left of the run. Returns the spawner's
@@ -88,6 +89,7 @@ def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, tim
     worker += ["--entry", entry] if entry else []
     worker += ["--reference", reference] if reference else []
     worker += ["--remedies", str(remedies)] if remedies else []
+    worker += ["--run-top-level"] if run_top_level else []
     cmd = [sys.executable, "-m", "nanbisect.multirank.spawn", f"--world={bundle.world_size}",
            f"--ranks={','.join(map(str, ranks))}", f"--per-host={per_host}",
            f"--statuses={partial / 'statuses.json'}"]
@@ -122,14 +124,16 @@ def _start_spawner(cmd: list[str], log: int):
 
 def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
            timeout: float | None = None, entry: str | None = None,
-           reference: str | None = None, remedies: int = 0) -> list[RankResult]:
+           reference: str | None = None, remedies: int = 0, run_top_level: bool = False
+           ) -> list[RankResult]:
     """Run every rank; return their results, or raise BadInput naming the rank that failed.
-    ``partial`` is the run's directory (`run_dir`); ``entry`` overrides every rank's."""
+    ``partial`` is the run's directory (`run_dir`); ``entry`` overrides every rank's;
+    ``run_top_level``: every rank's `Replayer`'s."""
     timeout = rank_timeout() if timeout is None else timeout
     world = bundle.world_size
     code, stacks = _run_ranks(bundle, list(range(world)), target, partial, timeout, alone=False,
                               per_host=world, inject=inject, entry=entry, reference=reference,
-                              remedies=remedies)
+                              remedies=remedies, run_top_level=run_top_level)
     log = (partial / "ranks.log").read_text(errors="replace")
     results, missing, errors = [], [], {}
     for r in range(world):
@@ -187,7 +191,8 @@ def parse_ranks(spec: str, world: int) -> list[int]:
 
 def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | None,
                  partial: Path, timeout: float, entry: str | None = None,
-                 reference: str | None = None, remedies: int = 0) -> list[RankResult]:
+                 reference: str | None = None, remedies: int = 0,
+                 run_top_level: bool = False) -> list[RankResult]:
     """Run each rank of ``ranks`` in a process of its own, without the other ranks
     (`multirank.alone`): no process group between them, every collective served what the
     capture recorded. Bounded by ``timeout`` as a lockstep replay is; nothing is left behind
@@ -198,7 +203,8 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
     per_host = devices.entry(devices.parse(target)[0]).count()   # the CPU's: 1
     _, stacks = _run_ranks(bundle, ranks, target, partial, timeout, alone=True,
                            per_host=per_host or 1, inject=inject, entry=entry,
-                           reference=reference, remedies=remedies)
+                           reference=reference, remedies=remedies,
+                           run_top_level=run_top_level)
     hung = list(stacks or {})                # the ranks without a result at the deadline
     statuses, _ = exit_statuses(partial)
     results, errors = [], {}
@@ -268,7 +274,7 @@ def _step_tolerance(manifest: dict) -> tuple[str, float]:
 def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
                   run_repro_once: bool = True, entry: str | None = None,
                   reference: str | None = None, ranks: list[int] | None = None,
-                  remedies: int = 0) -> Report:
+                  remedies: int = 0, run_top_level: bool = False) -> Report:
     """Replay all ranks (with ``entry``'s Task when given), on the target and, with
     ``reference``, on the reference too, then write one report for the job. With ``ranks``,
     only those, each alone (`launch_alone`). ``remedies``: the culprit rank's budget of extra
@@ -278,10 +284,10 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
     with run_dir() as partial:
         if ranks is None:
             results = launch(bundle, target, inject, partial, timeout, entry, reference,
-                             remedies=remedies)
+                             remedies=remedies, run_top_level=run_top_level)
         else:
             results = launch_alone(bundle, ranks, target, inject, partial, timeout, entry,
-                                   reference, remedies=remedies)
+                                   reference, remedies=remedies, run_top_level=run_top_level)
         m = bundle.manifest
         part = bundle.part(min(map(int, m["ranks"])))   # rank 0's, unless the bundle is partial
         used = entry or resolve_entry(part)

@@ -30,15 +30,15 @@ def call_stats(table: ProbeTable, call: CallId) -> dict[str, Stats | None] | Non
             "grad_leaving": c.grad_in}
 
 
-def rank_replayer(part, spec: str, entry: str | None, server=None
+def rank_replayer(part, spec: str, entry: str | None, server=None, run_top_level: bool = False
                   ) -> tuple[Replayer, ReductionObserver]:
     """This rank's part built on ``spec`` (an accelerator's device taken from LOCAL_RANK), with
     DDP's gradient reductions observed; in lockstep without ``server``, else alone with the
-    collectives ``server`` gives (rewound at every restore)."""
+    collectives ``server`` gives (rewound at every restore). ``run_top_level``: `Replayer`'s."""
     device, dtype = devices.local_device(spec)
     observer = ReductionObserver({}, server=server)
     with observing_comm_hooks(observer):
-        rep = Replayer(part, device, dtype, entry=entry)
+        rep = Replayer(part, device, dtype, entry=entry, run_top_level=run_top_level)
     model = rep.task.model
     observer.names.update({p: n for n, p in model.named_parameters()})
     observe_default_hook(model, observer)

@@ -92,12 +92,12 @@ def _stage_file(partial: Path, rank: int):
 
 def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None,
                 entry: str | None = None, reference: str | None = None,
-                remedies: int = 0) -> RankResult:
+                remedies: int = 0, run_top_level: bool = False) -> RankResult:
     rank = dist.get_rank()
     top = read_bundle(bundle_path)
     part = top.part(rank)
     _stage("building the task")
-    rep, observer = rank_replayer(part, target, entry)
+    rep, observer = rank_replayer(part, target, entry, run_top_level=run_top_level)
     model = rep.task.model
     side = None
     if reference is not None:
@@ -235,6 +235,7 @@ def _arguments() -> argparse.Namespace:
     ap.add_argument("--target", default="cpu")
     ap.add_argument("--inject", default=None)
     ap.add_argument("--entry", default=None)
+    ap.add_argument("--run-top-level", action="store_true")   # the entry's top level may run
     ap.add_argument("--reference", default=None)
     ap.add_argument("--alone", action="store_true",
                     help="rank $RANK of $WORLD_SIZE without the others: collectives served")
@@ -265,7 +266,8 @@ def _replay(a: argparse.Namespace, rank: int, partial: Path, out: Path) -> None:
         dist.init_process_group("fake", rank=rank, store=fake_store(),
                                 world_size=int(os.environ["WORLD_SIZE"]))
         result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
-                              a.reference, stage=_stage, remedies=a.remedies)
+                              a.reference, stage=_stage, remedies=a.remedies,
+                              run_top_level=a.run_top_level)
         out.write_text(dumps(result.to_json()))
         return
     # longer than the launcher's deadline: a hang is the launcher's to diagnose (it asks every
@@ -273,7 +275,7 @@ def _replay(a: argparse.Namespace, rank: int, partial: Path, out: Path) -> None:
     backend = _backend([a.target] + ([a.reference] if a.reference else []))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=a.timeout + 30))
     result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry, a.reference,
-                         remedies=a.remedies)
+                         remedies=a.remedies, run_top_level=a.run_top_level)
     out.write_text(dumps(result.to_json()))
     _stage("finished, waiting for the other ranks")
     dist.barrier()

@@ -81,7 +81,7 @@ def compiler_report(run: _Run, compiled: StepOutcome, tmp: Path) -> Report:
     run.progress("compiler-bisect", "bisecting the compiled step with torch's CompilerBisector")
     f = bisect_compiled(rep.bundle.path, run.opts.entry, run.facts.target, eager="finite",
                         compiled=kind, phase=compiled.phase, backend=backend,
-                        progress=run.progress)
+                        progress=run.progress, run_top_level=rep.run_top_level)
     notes = [f"the failure comes back with the model compiled ({backend}) and not eagerly, "
              "from the same state, batch and RNG: the compiler's transformation made it, "
              "not the hardware", *_finding_notes(f), *run.notes]

@@ -26,10 +26,11 @@ from nanbisect.pipeline.step import _analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
 from nanbisect.util.numbers import NUMBERS, check_environment
-from nanbisect.replay.replayer import parse_device
+from nanbisect.replay.replayer import (code_choice, parse_device, resolve_entry,
+                                      top_level_recorded)
 from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
-from nanbisect.task import load_inject
+from nanbisect.task import check_entry, load_inject
 from nanbisect.util.dynamo import defer_dynamo
 from nanbisect.util.spec import DeviceSpec
 from nanbisect.util.text import ranks_arg, ranks_text, show
@@ -95,6 +96,8 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     out = check_out(out if out is not None else bundle.path / DEFAULT_NAME, bundle.path)
     target = opts.target or _default_target(m)
     t_dev, t_dtype = parse_device(target)
+    opts, code_note = _which_code(bundle, opts)
+    _check_top_level(bundle, opts)     # before anything is replayed or written
     if opts.ranks is not None and not bundle.multi_rank:
         raise BadInput(f"--ranks {opts.ranks}: bundle '{bundle.path}' has one rank; drop --ranks")
     if opts.steps is not None and bundle.multi_rank:
@@ -119,13 +122,14 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
                  + f" on {target}" + (f" and on {reference}" if not reference.none else ""))
         return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry,
                              reference=None if reference.none else str(reference),
-                             ranks=subset, remedies=opts.remedies)
+                             ranks=subset, remedies=opts.remedies,
+                             run_top_level=opts.run_top_level)
     threads = torch.get_num_threads()
     try:
         # an eager replay does not import torch._dynamo for torch's own disable-wrappers (the
         # task's optimizer, the passes' dispatch modes): `nanbisect.util.dynamo`
         with defer_dynamo():
-            return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype)
+            return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype, code_note)
     finally:
         torch.set_num_threads(threads)     # the capture's count was this run's only
 
@@ -152,8 +156,39 @@ def _check_partial(bundle: Bundle, subset: list[int] | None) -> None:
                    f"it holds (--ranks {present})")
 
 
+def _check_top_level(bundle: Bundle, opts: RunOptions) -> None:
+    """`BadInput` (`nanbisect.task.gate`) when the entry the replays import does more than
+    define at its top level and neither ``--run-top-level`` nor the captured Task allows it."""
+    source = bundle
+    if bundle.multi_rank:
+        source = bundle.part(min(int(r) for r in bundle.manifest["ranks"]), verify=False)
+    if opts.run_top_level or top_level_recorded(source.manifest):
+        return
+    check_entry(opts.entry or resolve_entry(source), [source.path])
+
+
+def _which_code(bundle: Bundle, opts: RunOptions) -> tuple[RunOptions, str | None]:
+    """``opts`` with the entry every replay of this run imports (`code_choice`: the local files
+    or the bundle's stored copies, ``--code``), and the note saying which and why; ``opts``
+    as given for ``--entry`` and for a bundle that carries no copy of its code (unless
+    ``--code`` asks). A multi-rank bundle's choice is made on its first part's code."""
+    if opts.entry is not None:
+        if opts.code == "bundle":
+            raise BadInput(f"--code bundle replays the bundle's own entry from its stored copy; "
+                           f"drop --entry {opts.entry}, or drop --code bundle")
+        return opts, None
+    source = bundle
+    if bundle.multi_rank:
+        source = bundle.part(min(int(r) for r in bundle.manifest["ranks"]), verify=False)
+    entry, note = code_choice(source, opts.code)
+    if note is None:
+        return opts, None
+    return replace(opts, entry=entry), note
+
+
 def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, target: str,
-                t_dev: torch.device, t_dtype: torch.dtype | None) -> Report:
+                t_dev: torch.device, t_dtype: torch.dtype | None,
+                code_note: str | None = None) -> Report:
     where = f"bundle '{bundle.path}'"
     history = hist.parse(bundle.manifest, bundle.tensors(hist.ROLE), where)
     window = None
@@ -183,6 +218,8 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, t
             found = after_verdict(errors, "history", findings, []) if records is not None \
                 else []
             report = replace(report, history=records, history_findings=found, errors=errors)
+        if code_note is not None:
+            report = replace(report, notes=[*report.notes, code_note])
         report = replace(report, timings=progress.seconds())
         progress("report", "writing the report")
         report = write_report(report, tmp)    # with the renderings that failed in `errors`

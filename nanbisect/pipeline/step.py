@@ -64,7 +64,8 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     """`_analyse`'s passes, with the repro's interpreter (if any) already starting."""
     m = bundle.manifest
     progress("build", "building the task")
-    rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry), "building the task")
+    rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry,
+                                    run_top_level=opts.run_top_level), "building the task")
     notes += rep.notes
     probe = ModuleProbe(rep.task.model)
     tape = RandomTape()
@@ -192,7 +193,8 @@ def _reference_side(bundle: Bundle, rep: Replayer, first: StepOutcome, ref, tape
                     ) -> tuple["ReferenceSide | None", str | None]:
     """Replay on the reference; (None, why) when the reference cannot run the step."""
     target_state = step_state(rep, first)
-    ref_rep = _guarded(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry),
+    ref_rep = _guarded(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry,
+                                        run_top_level=rep.run_top_level),
                        "building the task on the reference")
     side = ReferenceSide(ref_rep, ref[1], target_state, model_dtype(rep))
     try:

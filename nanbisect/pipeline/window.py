@@ -43,7 +43,8 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     registry.load_plugins()
     res = _guarded(lambda: replay_window(bundle, window, k, (t_dev, t_dtype), ref, wrap,
                                          opts.entry, losses,
-                                         lambda text: progress("steps", text)),
+                                         lambda text: progress("steps", text),
+                                         run_top_level=opts.run_top_level),
                    "replaying the recorded steps")
     failing = window.steps[-1]["step"]
     notes = [n for n in [note, reference_kernels_note(used, target)] if n] + res.notes

@@ -122,9 +122,10 @@ def _loss(outcome) -> float | str | None:
 def replay_window(bundle: Bundle, window: Window, k: int, target: tuple, reference: tuple,
                   wrap: Callable[[], ContextManager], entry: str | None,
                   history: dict[int, float] | None = None,
-                  progress: Callable[[str], None] = lambda text: None) -> WindowResult:
+                  progress: Callable[[str], None] = lambda text: None, *,
+                  run_top_level: bool = False) -> WindowResult:
     """Replay the last ``k`` of ``window``'s steps on ``target`` and ``reference`` ((device,
-    dtype) pairs); see the module's guarantees."""
+    dtype) pairs); see the module's guarantees. ``run_top_level``: `Replayer`'s."""
     n = len(window.steps)
     if not 1 <= k <= n:
         raise BadInput(f"--steps {k}: bundle '{bundle.path}' recorded {n} step(s) "
@@ -132,8 +133,9 @@ def replay_window(bundle: Bundle, window: Window, k: int, target: tuple, referen
                        f"--steps between 1 and {n}")
     views = [window.state_view(bundle)]
     views += [views[0].with_step(window, i) for i in range(1, n)]
-    t_rep = Replayer(views[0], target[0], target[1], entry=entry)
-    r_rep = Replayer(views[0], reference[0], reference[1], entry=t_rep.entry)
+    t_rep = Replayer(views[0], target[0], target[1], entry=entry, run_top_level=run_top_level)
+    r_rep = Replayer(views[0], reference[0], reference[1], entry=t_rep.entry,
+                     run_top_level=t_rep.run_top_level)
     t_dtype = model_dtype(t_rep)
     first = n - k
     notes: list[str] = []

@@ -1,7 +1,9 @@
 """Is the replay the captured step? What a verdict of "transient" or "device" must first rule out.
 
 A replay is faithful when it runs the captured code (the entry file and every user source file,
-by sha256: `bundle.code`), and, where the captured loss was finite and the replay runs on the
+by sha256: `bundle.code`; a replay of the bundle's stored copies, `bundle.codestore`, is
+compared with those copies, so it runs the captured code unless a copy was left out),
+and, where the captured loss was finite and the replay runs on the
 capture device at the capture dtype, gives that loss bit for bit. An ``--entry`` other than the
 captured one (another function, or a file whose sha256 is not the captured entry file's) is
 changed code. `check` gathers the evidence;
@@ -29,6 +31,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.bundle.code import changed_sources, relocation
+from nanbisect.bundle.codestore import CODE_DIR, stored_copy
 from nanbisect.bundle.format import Bundle, environment
 from nanbisect.records import Fidelity
 from nanbisect.util.files import file_sha256
@@ -62,9 +65,13 @@ def check(bundle: Bundle, entry: str, original, replayed: float | None, same_set
     code = m.get("code") or {}
     captured_entry = code.get("entry_file") or m.get("entry_file")
     now_entry = entry.rpartition(":")[0]
-    moved = relocation(captured_entry, now_entry if now_entry.endswith(".py") else None)
+    # a replay of the bundle's stored copy (`nanbisect.bundle.codestore`) is compared with the
+    # stored files: the captured code, not "changed"
+    moved = _stored_root(bundle, now_entry) or relocation(
+        captured_entry, now_entry if now_entry.endswith(".py") else None)
     changed, missing = changed_sources(code.get("sources") or {}, moved)
-    other = override and _other_entry(m, entry, captured_entry, code.get("sources") or {})
+    other = override and _other_entry(m, entry, captured_entry, code.get("sources") or {},
+                                      _own_files(bundle))
     if other:
         changed = [other, *changed]
     then, now = m.get("environment") or {}, environment()
@@ -148,14 +155,45 @@ def captured_on(manifest: dict) -> str:
     return Manifest.of(manifest).captured_on
 
 
-def _other_entry(m: dict, entry: str, captured_file: str | None, sources: dict[str, str]
-                 ) -> str | None:
+def _stored_root(bundle: Bundle, entry_file: str) -> tuple[Path, Path] | None:
+    """(the captured root, the ``code/`` holding its copy) when ``entry_file`` is a stored copy
+    of ``bundle``'s code (or of another rank's part of its multi-rank bundle); else None."""
+    code = bundle.manifest.get("code") or {}
+    if not entry_file.endswith(".py") or not isinstance(code.get("root"), str):
+        return None
+    f = Path(entry_file).resolve()
+    for d in f.parents:
+        if d.name == CODE_DIR:
+            return (Path(code["root"]), d) if (d.parent / "manifest.json").is_file() else None
+    return None
+
+
+def _own_files(bundle: Bundle) -> set[Path]:
+    """The files a replay of ``bundle``'s own entry may import: the local entry file as
+    `nanbisect.replay.replayer.code_choice` finds it and the stored copy."""
+    m = bundle.manifest
+    target = str(m.get("entry", "")).rpartition(":")[0]
+    out = set()
+    rel = m.get("entry_file_from_bundle")
+    for cand in ([bundle.path / rel] if rel else []) + [Path(target)] + (
+            [Path(m["entry_file"])] if m.get("entry_file") else []):
+        if cand.is_file():
+            out.add(cand.resolve())
+    stored = stored_copy(bundle.path, m, (m.get("code") or {}).get("entry_file"))
+    return out | ({stored.resolve()} if stored is not None else set())
+
+
+def _other_entry(m: dict, entry: str, captured_file: str | None, sources: dict[str, str],
+                 own: set[Path] = frozenset()) -> str | None:
     """How the entry the replay runs differs from the captured one (``--entry``), or None when
-    it is the captured entry, also as a moved copy of the same file."""
+    it is the captured entry, also as a moved copy of the same file, or the bundle's own entry
+    file (``own``: here or stored; a change in it is the code's, `changed_sources`)."""
     if entry == m.get("entry"):
         return None
     target, _, func = entry.rpartition(":")
     captured_func = str(m.get("entry", "")).rpartition(":")[2]
+    if func == captured_func and target.endswith(".py") and Path(target).resolve() in own:
+        return None
     then = sources.get(captured_file) if captured_file else None
     now = file_sha256(Path(target), missing_ok=True) if target.endswith(".py") else None
     if func == captured_func and (then is None or now == then) and (

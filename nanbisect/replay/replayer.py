@@ -8,7 +8,9 @@ thread counts or library versions (that is what the reference comparison is for)
 """
 from __future__ import annotations
 
+import importlib
 import math
+import sys
 from contextlib import ExitStack, nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -17,7 +19,9 @@ from typing import Any, Callable, ContextManager
 import torch
 
 from nanbisect import devices
-from nanbisect.bundle.format import Bundle
+from nanbisect.bundle import codestore
+from nanbisect.bundle.code import changed_sources, relocation
+from nanbisect.bundle.format import MANIFEST, Bundle, read_manifest
 from nanbisect.errors import BadInput
 from nanbisect.records import BadValue, StepOutcome
 from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, restore_model,
@@ -74,11 +78,16 @@ class Replayer:
     """
 
     def __init__(self, bundle: Bundle, device: torch.device, dtype: torch.dtype | None = None,
-                 task: Task | None = None, entry: str | None = None) -> None:
+                 task: Task | None = None, entry: str | None = None,
+                 run_top_level: bool = False) -> None:
         self.bundle, self.device, self.dtype = bundle, device, dtype
         m = bundle.manifest
         self.entry = entry or resolve_entry(bundle)
-        self.task = task or load_task(self.entry, [bundle.path])
+        # the entry file's top level may run on import: asked for (--run-top-level) or
+        # recorded (Task(run_top_level=True)); else a top level that does more than define is
+        # refused before the import (`nanbisect.task.gate`)
+        self.run_top_level = run_top_level or top_level_recorded(m)
+        self.task = task or load_entry(self.entry, bundle, self.run_top_level)
         self.tensors = bundle.all_tensors()
         # NB: under torch.distributed every rank must run every collective of the step, so a
         # lockstep replay never stops early; it runs the whole step and reports its first failure
@@ -300,15 +309,132 @@ def stacked(*cms: ContextManager) -> ExitStack:
     return es
 
 
-def resolve_entry(bundle: Bundle) -> str:
-    """The bundle's entry with its file found next to the bundle, here, or where it was."""
+def _local_entry(bundle: Bundle) -> Path | None:
+    """The entry file found next to the bundle, here, or where it was (None: nowhere)."""
     m = bundle.manifest
-    target, _, func = m["entry"].rpartition(":")
-    if not target.endswith(".py"):
-        return m["entry"]
+    target = m["entry"].rpartition(":")[0]
     rel = m.get("entry_file_from_bundle")
     for cand in ([bundle.path / rel] if rel else []) + [Path(target)] + (
             [Path(m["entry_file"])] if m.get("entry_file") else []):
         if cand.is_file():
-            return f"{cand.resolve()}:{func}"
-    return m["entry"]
+            return cand.resolve()
+    return None
+
+
+CODE_MODES = ("local", "bundle")
+
+
+def code_choice(bundle: Bundle, code: str | None = None) -> tuple[str, str | None]:
+    """(the entry a replay imports, a note saying which copy of the code that is and why, or
+    None for a bundle that carries no copy of its code and was not asked for one).
+
+    ``code``: "local" (the files here, found as they always were: next to the bundle, from the
+    working directory, or where they were captured), "bundle" (the copies the bundle stores
+    under ``code/``, `nanbisect.bundle.codestore`; `BadInput` when it has none), or None: the
+    local files when the entry file is here and every recorded source is unchanged, else the
+    bundle's copies when it has them all (when it left some out, the local files, if the entry
+    file is here), else the local files (a bundle of an older nanbisect).
+    A stored copy is offered for file entries (``path/to/file.py:func``) only.
+
+    >>> from nanbisect.bundle.format import read_bundle
+    >>> code_choice(read_bundle("fixtures/bundles/healthy"))[0].endswith("tasks/healthy.py:task")
+    True
+    """
+    if code not in (None, *CODE_MODES):
+        raise BadInput(f"--code {code}: give 'local' or 'bundle'")
+    m = bundle.manifest
+    target, _, func = m["entry"].rpartition(":")
+    local = _local_entry(bundle) if target.endswith(".py") else None
+    code_m = m.get("code") or {}
+    stored = (codestore.stored_copy(bundle.path, m, code_m.get("entry_file"))
+              if target.endswith(".py") else None)
+    here = f"{local}:{func}" if local is not None else m["entry"]
+    if code == "local":
+        return here, ("the code ran from the files here (--code local)"
+                      if codestore.carries_code(m) else None)
+    if code == "bundle":
+        if stored is None:
+            if not target.endswith(".py"):
+                why = "its entry is a module, and stored copies replay file entries only"
+            elif code_m.get("left_out") or codestore.carries_code(m):
+                why = codestore.left_out_text(m) or "its entry file was not stored"
+            else:
+                why = "it was captured by an older nanbisect"
+            raise BadInput(f"--code bundle: bundle '{bundle.path}' holds no copy of its entry "
+                           f"file ({why}); replay with --code local")
+        return f"{stored}:{func}", "the bundle's copy of the code ran (--code bundle)"
+    if stored is None:
+        return here, None
+    why = _local_differs(bundle, local)
+    if why is None:
+        return here, ("the code ran from the files here: they are the captured ones (same "
+                      "sha256); --code bundle runs the bundle's copies")
+    left = codestore.left_out_text(m)
+    if left is not None and local is not None:     # an incomplete copy: not on its own
+        return here, (f"the code ran from the files here although {why}: the bundle's copy is "
+                      f"incomplete ({left}); --code bundle runs it anyway")
+    return f"{stored}:{func}", f"the bundle's copy of the code ran: {why}"
+
+
+def _local_differs(bundle: Bundle, local: Path | None) -> str | None:
+    """Why the local files are not the captured code (None: they are)."""
+    code = bundle.manifest.get("code") or {}
+    if local is None:
+        return "the entry file is not here"
+    captured = code.get("entry_file") or bundle.manifest.get("entry_file")
+    changed, missing = changed_sources(code.get("sources") or {}, relocation(captured, str(local)))
+    if changed:
+        return (f"{len(changed)} file(s) here differ from the captured ones (e.g. "
+                f"{changed[0]}); --code local runs them")
+    if missing:
+        return f"{len(missing)} captured source file(s) are not here (e.g. {missing[0]})"
+    return None
+
+
+def resolve_entry(bundle: Bundle, code: str | None = None) -> str:
+    """The entry a replay of ``bundle`` imports (`code_choice`)."""
+    return code_choice(bundle, code)[0]
+
+
+def _stored_roots(entry: str) -> list[Path]:
+    """When ``entry``'s file is a stored copy (under the ``code/`` of a bundle or rank's part),
+    that bundle's import roots (`codestore.import_roots`); else []."""
+    target = entry.rpartition(":")[0]
+    if not target.endswith(".py"):
+        return []
+    f = Path(target).resolve()
+    for d in f.parents:
+        if d.name == codestore.CODE_DIR and (d.parent / MANIFEST).is_file():
+            try:
+                m = read_manifest(d.parent)
+            except BadInput:
+                return []
+            files = (m.get("code") or {}).get("files") or {}
+            own = {d.parent.joinpath(*i["path"].split("/")).resolve() for i in files.values()
+                   if isinstance(i, dict) and codestore.stored_path_ok(i.get("path"))}
+            return codestore.import_roots(d.parent, m) if f in own else []
+    return []
+
+
+def top_level_recorded(manifest: dict) -> bool:
+    """Did the capture's Task say its entry's top level may run (``run_top_level=True``)?"""
+    return (manifest.get("task") or {}).get("run_top_level") is True
+
+
+def load_entry(entry: str, bundle: Bundle, run_top_level: bool = False) -> Task:
+    """`load_task` of ``entry``; a stored copy (`code_choice`) with its bundle's import roots
+    first on sys.path, so its siblings are the stored ones, and no bytecode written into the
+    bundle. ``run_top_level``: `load_task`'s (else the entry's top level is checked first)."""
+    roots = _stored_roots(entry)
+    if not roots:
+        return load_task(entry, [bundle.path], run_top_level=run_top_level)
+    for r in reversed(roots):
+        if str(r) in sys.path:
+            sys.path.remove(str(r))
+        sys.path.insert(0, str(r))
+    importlib.invalidate_caches()
+    saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True
+    try:
+        return load_task(entry, [bundle.path], run_top_level=run_top_level)
+    finally:
+        sys.dont_write_bytecode = saved

@@ -139,6 +139,9 @@ def _run_args(bundle: str, out: Path, options: dict) -> list[str]:
             "--reference", str(options.get("reference") or "none")]
     if options.get("target"):
         args += ["--target", str(options["target"])]
+    # the code on disk by default: a night's triage says which failures today's code still has
+    # (a fixed bug does not keep its old culprit); "bundle" replays each bundle's own copy
+    args += ["--code", str(options.get("code") or "local")]
     return args
 
 

@@ -88,7 +88,7 @@ def test_an_entry_that_trains_at_import_is_stopped_before_its_first_step(tmp_pat
     line = body.splitlines().index(next(x for x in body.splitlines() if "# <- here" in x)) + 1
     before = _torch_as_torch_made_it()
     with pytest.raises(BadInput) as e:
-        load_task(f"{f}:make_task")
+        load_task(f"{f}:make_task", run_top_level=True)
     msg = str(e.value)
     assert "\n" not in msg and f"{what} at " in msg and f"{f.name}:{line}" in msg, msg
     assert 'under `if __name__ == "__main__":`' in msg, msg
@@ -121,7 +121,7 @@ def test_a_guarded_loop_and_imports_that_do_not_train_pass(tmp_path, events):
     f.write_text(HEAD.replace("import torch\n", "import torch\nOUT = 'unused'\n", 1)
                  + "events.append(float(task.loss_fn(task.model, torch.ones(4, 2))))\n"
                  + 'if __name__ == "__main__":\n' + "    task.loss_fn(task.model, 1).backward()\n")
-    task = load_task(f"{f}:make_task")
+    task = load_task(f"{f}:make_task", run_top_level=True)
     assert isinstance(task.model, torch.nn.Linear) and len(events) == 1
 
 
@@ -130,8 +130,8 @@ def test_cli_run_of_an_entry_that_trains_at_import(fixture_bundle, tmp_path):
     report, no stray bundle directory (the loop's `out`) in the working directory."""
     b = fixture_bundle("healthy")
     before = sorted(p.name for p in tmp_path.iterdir())
-    res = cli("run", "--ckpt", b, "--entry", f"{TEST_TASKS / 'trains_at_import.py'}:make_task",
-              cwd=tmp_path)
+    res = cli("run", b, "--entry", f"{TEST_TASKS / 'trains_at_import.py'}:make_task",
+              "--run-top-level", cwd=tmp_path)
     one_line_exit_2(res, "trains_at_import.py", "starts training when imported",
                     "Guard(...) at", "trains_at_import.py:17", 'if __name__ == "__main__":')
     assert sorted(p.name for p in tmp_path.iterdir()) == before

@@ -28,10 +28,11 @@ def trained():
 
 def test_bundle_files_and_manifest(tmp_path, trained):
     path = capture(trained, make_batch(3), tmp_path / "b", entry=ENTRY, step=41)
-    names = sorted(p.name for p in path.iterdir())
+    names = sorted(p.name for p in path.iterdir() if p.name != "code")
     assert names == ["batch.safetensors", "manifest.json", "model.safetensors",
                      "optimizer.safetensors", "rng.safetensors"]
-    assert all(p.is_file() for p in path.iterdir())
+    assert all(p.is_file() for p in path.iterdir() if p.name != "code")
+    assert (path / "code").is_dir()             # the entry's source travels with the bundle
 
     m = json.loads((path / "manifest.json").read_text())
     assert sorted(m["files"]) == [n for n in names if n != "manifest.json"]
@@ -56,8 +57,8 @@ def test_roles_without_tensors_get_no_file(tmp_path):
     model = nn.Linear(2, 1).to(torch.float64)
     task = Task(model, None, lambda m, b: m(b).sum())
     path = capture(task, {"n": 3, "s": "no tensors"}, tmp_path / "b", entry=ENTRY)
-    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "model.safetensors",
-                                                      "rng.safetensors"]
+    assert sorted(p.name for p in path.iterdir() if p.name != "code") == [
+        "manifest.json", "model.safetensors", "rng.safetensors"]
     m = read_bundle(path).manifest
     assert m["optimizer"] is None and m["dtypes"] == ["float64"]
     assert decode(m["batch"], {}) == {"n": 3, "s": "no tensors"}

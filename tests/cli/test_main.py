@@ -77,7 +77,8 @@ def test_a_dotted_entry_is_found_in_the_working_directory(tmp_path):
     (work / "mytask.py").write_text(source + "\nopen(__file__ + '.imported', 'a').write('x')\n")
     script = _console_script(tmp_path / "bin")
     runs = {how: subprocess.Popen([sys.executable, *argv, "run", str(bundle), "--entry",
-                                   "mytask:task", "--out", str(tmp_path / how), "--json"],
+                                   "mytask:task", "--out", str(tmp_path / how), "--json",
+                                   "--run-top-level"],
                                   cwd=work, env=_env(), stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
             for how, argv in (("module", ["-m", "nanbisect"]), ("command", [str(script)]))}

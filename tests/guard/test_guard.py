@@ -149,7 +149,8 @@ def snapshot_opt(opt: torch.optim.Optimizer) -> dict:
 
 
 def dir_digest(path: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -79,7 +79,10 @@ def test_an_edit_that_fixes_the_bug_is_code_changed_not_transient(tmp_path, edit
     bundle, src = guard_failure(tmp_path, edited, monkeypatch)
     m = json.loads((bundle / "manifest.json").read_text())
     assert str(src / "helper.py") in m["code"]["sources"]     # imported user module, hashed
-    rep = run_json(bundle, code=3)
+    # by default the bundle's own copy of the code runs (the failure comes back); --code local
+    # runs the edited files, as a user checking a fix does
+    assert run_json(bundle, "--no-remedies", "--out", tmp_path / "stored")["verdict"] == "culprit"
+    rep = run_json(bundle, "--code", "local", code=3)
     name = "job.py" if edited == "entry" else "helper.py"
     assert (rep["verdict"], rep["classification"]) == ("not-reproduced", "code-changed")
     assert [f.rsplit("/", 1)[1] for f in rep["replay"]["code_changed"]] == [name]
