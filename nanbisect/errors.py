@@ -24,7 +24,8 @@ class BadInput(Exception):
     """A bundle, path, entry or flag the user gave is unusable.
 
     The message must say what is wrong and what to do, e.g.
-    ``BadInput("bundle 'x': manifest.json is missing; pass a directory written by nanbisect.capture")``.
+    ``BadInput("bundle 'x': manifest.json is missing; pass a directory written by
+    nanbisect.capture")``.
     """
 
 
@@ -55,7 +56,7 @@ class NonFiniteStep(RuntimeError):
         what = ", ".join(f"{k}={v}" for k, v in observed.get("summary", {}).items())
         held = (f" --ranks {ranks_arg(ranks)} (a partial bundle: the other ranks could "
                 "not write their parts)" if ranks else "")
-        then = (f"replay it with: nanbisect run --ckpt {self.bundle}{held}"
+        then = (f"replay it with: nanbisect run {self.bundle}{held}"
                 if self.bundle is not None
                 else f"no bundle could be written: {error or 'see the warnings above'}")
         fix = (f"; {UNDECLARED_SCALER}" if observed.get("undeclared_scaler") else "")

@@ -100,6 +100,11 @@ def drop_grads(opt) -> None:
 class Guard(_Reading, _Failing, _Spikes):
     """Run training steps and freeze the first non-finite one into a bundle.
 
+    ``entry`` names the function that returns the Task, as a replay imports it (a file or a
+    module; never ``__main__``: refused, with the fix, docs/guide/guard.md). ``start_step`` is
+    the index of the first step run (a resumed run's global step): steps are counted from it
+    and bundles are named by it (``out/step{N:06d}``).
+
     >>> import tempfile
     >>> from nanbisect.task import import_target
     >>> adam_eps0 = import_target("fixtures/tasks/optimizer_adam_eps0.py")

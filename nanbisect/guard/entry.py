@@ -2,7 +2,9 @@
 
 Guarantees: `resolve_entry_file` runs no code (it parses the entry file, or finds the module's
 spec; a module already imported is asked directly) and refuses only a name bound nowhere in the
-file; `_check_out` creates ``out`` and writes (then removes) one probe file there. Both raise
+file, and an entry that a replay could not import (`refuse_main`: the module ``__main__``, a
+notebook's or a script's own namespace; a factory defined in an interactive session);
+`_check_out` creates ``out`` and writes (then removes) one probe file there. Both raise
 `BadInput` naming the fix. Not guaranteed: that the entry function returns a Task (only
 running it tells), nor that ``out`` still takes bundles when a step fails (the Guard then writes
 to a rescue directory: `nanbisect.guard.write.write_or_rescue`).
@@ -24,6 +26,7 @@ def resolve_entry_file(entry: str) -> str | None:
     """Check that ``entry`` names a function that exists, without running any code; return the
     absolute path of a file entry. Raises `BadInput` naming the fix."""
     target, func = split_entry(entry)
+    refuse_main(entry, target, func)
     if target.endswith(".py"):
         path = Path(target)
         if not path.is_file():
@@ -66,6 +69,41 @@ def resolve_entry_file(entry: str) -> str | None:
         raise BadInput(f"entry '{entry}': {source} defines no '{func}'; name the function that "
                        "returns nanbisect.Task")
     return str(source.resolve()) if target.endswith(".py") else None
+
+
+def refuse_main(entry: str, target: str, func: str) -> None:
+    """`BadInput` for an entry a replay cannot import: one whose module is ``__main__`` (a
+    notebook, or a script run as ``python train.py`` whose factory is in the script itself), an
+    alias of it, or a module whose ``func`` was defined in ``__main__`` of an interactive session
+    (no file). A replay imports the entry in a fresh process, where ``__main__`` is nanbisect.
+    An entry naming a script by its path (``train.py:make_task``) is not refused: the replay
+    imports that file.
+
+    >>> refuse_main("__main__:make_task", "__main__", "make_task")
+    Traceback (most recent call last):
+    ...
+    nanbisect.errors.BadInput: entry '__main__:make_task' names __main__ ...
+    """
+    main = sys.modules.get("__main__")
+    mod = sys.modules.get(target)
+    if target != "__main__" and (mod is None or mod is not main):
+        fn = getattr(mod, func, None) if mod is not None else None
+        if getattr(fn, "__module__", None) != "__main__" or getattr(main, "__file__", None):
+            return
+    script = getattr(main, "__file__", None)
+    if script and str(script).endswith(".py") and Path(script).is_file():
+        try:
+            shown = os.path.relpath(script)
+        except ValueError:      # another drive (Windows)
+            shown = str(script)
+        fix = f"give the script by its path: entry='{shown}:{func}'"
+    else:
+        fix = (f"put the task factory in a file (in a notebook: a cell starting with "
+               f"`%%writefile task.py` holding the model class and {func}, then "
+               f"`from task import {func}` and entry='task.py:{func}')")
+    raise BadInput(f"entry '{entry}' names __main__ (a notebook, or a script run as `python "
+                   "train.py` whose factory is in the script itself); a replay imports the entry "
+                   f"in a fresh process, where __main__ is nanbisect: {fix}")
 
 
 def _check_out(out: Path) -> None:

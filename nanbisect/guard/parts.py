@@ -188,7 +188,7 @@ class _Job:
         path = Path(said["path"])
         if me == present[0] and missing_of:
             warnings.warn(f"Guard: the bundle {path} is partial: {self.reasons(missing_of)}; "
-                          f"replay the ranks it holds with: nanbisect run --ckpt {path} --ranks "
+                          f"replay the ranks it holds with: nanbisect run {path} --ranks "
                           f"{','.join(map(str, present))}", RuntimeWarning, stacklevel=2)
         if self.clock.term() is not None:
             warnings.warn(f"Guard: SIGTERM came while the bundle {path} was written; it was held "

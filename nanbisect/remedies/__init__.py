@@ -50,6 +50,7 @@ from nanbisect.remedies.narrow import narrow, untried_text
 from nanbisect.remedies.trials import DEFAULT_BUDGET, Progress, Trials, budget, rows_text
 from nanbisect.remedies.upcast import UpcastOp, upcast_module, wider
 from nanbisect.replay.replayer import Replayer
+from nanbisect.report.text import module_cell
 from nanbisect.util import torch_internals as ti
 
 __all__ = ["DEFAULT_BUDGET", "budget", "try_remedies", "not_tried"]
@@ -62,7 +63,7 @@ def _at(c) -> str:
         return "in the optimizer step" + (f" (parameter {parameter})" if parameter else "")
     call = f" (call {c.module_call})" if c.module_call is not None else ""
     back = "backward of " if c.phase == "backward" else ""
-    return f"in {back}{module_label(c.module or '')}{call}"
+    return f"in {back}{module_cell(c.module, c.module_call, c.phase)}{call}"
 
 
 def _common(a: str, b: str) -> str:

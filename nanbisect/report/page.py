@@ -16,8 +16,8 @@ from importlib.resources import files
 from nanbisect.records import StageError, after_verdict, module_label
 from nanbisect.report.model import Report
 from nanbisect.report.plots import both, history_svg, plot_svg
-from nanbisect.report.text import (fidelity_text, headline, remedy_detail, rows_text, to_markdown,
-                                   verified)
+from nanbisect.report.text import (LOSS_FN_WHAT, fidelity_text, headline, in_loss_fn, module_cell,
+                                   remedy_detail, rows_text, to_markdown, verified)
 from nanbisect.util.recordjson import dumps
 from nanbisect.util.spec import NONE
 
@@ -68,7 +68,8 @@ def page_template():
     env = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True,
                       lstrip_blocks=True, keep_trailing_newline=True)
     env.globals.update(num=_num, dash=lambda v: "-" if v is None else v,
-                       label=module_label, remedy_detail=remedy_detail)
+                       label=module_label, remedy_detail=remedy_detail, cell=module_cell,
+                       in_loss_fn=in_loss_fn, loss_fn_what=LOSS_FN_WHAT)
     return env.from_string(
         (files("nanbisect.report") / "templates" / "report.html.j2").read_text())
 
@@ -99,6 +100,7 @@ def to_html(r: Report, failed: list[StageError] | None = None,
     said = ("not run" if res is None or not res.ran else
             "reproduced" if res.reproduced else "did not reproduce")
     forward = r.phase == "forward"
+    roles = {(t.module, t.call): t.role for t in r.backtrace}   # what the plot marks passed
     return template.render(
         r=r, c=c, headline=headline(r), meaning=MEANING.get(r.classification or ""),
         multi=bool(r.ranks), has_reference=r.facts.reference not in (None, NONE),
@@ -106,7 +108,8 @@ def to_html(r: Report, failed: list[StageError] | None = None,
         fidelity=fidelity_text(r),
         side_in="inputs" if forward else "grad arriving",
         side_out="output" if forward else "grad leaving",
-        timeline_svg=_plot(failed, plot_svg, r.timeline, culprit, r.phase or ""),
+        timeline_svg=_plot(failed, functools.partial(plot_svg, roles=roles), r.timeline,
+                           culprit, r.phase or ""),
         # NaN/inf counts along the step: only where some call had any (not for a divergence)
         show_timeline=any(t.nan or t.inf for t in r.timeline),
         history_svg=_plot(failed, history_svg, list(r.history or []), history_marks(r)),

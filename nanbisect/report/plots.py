@@ -10,7 +10,12 @@ shows the one that fits the window. Any number draws (`nanbisect.report.axes`): 
 axis has no place for is marked, never dropped silently and never an error: 0 as a hollow
 circle at the axis bottom, a value that is not finite as a triangle at the top (labelled
 ``nan``, ``inf``, ``-inf``); a series that goes below 0 gets a linear axis;
-no coordinate in the SVG is ever ``nan`` or ``inf``. Not guaranteed: that very long module
+no coordinate in the SVG is ever ``nan`` or ``inf``. A call whose bad values were passed through
+(its inputs, or its incoming gradient, already held them: a propagator; or a call that holds the
+culprit's call) is drawn hatched and pale, its tooltip says so, and a legend entry explains it;
+only the culprit's call is drawn as where they were born. Which calls passed them through is
+known from the roles of the report's backtrace (the calls around the culprit); a call outside it
+is drawn as before. Not guaranteed: that very long module
 names fit the culprit label at phone width (the label is shortened from the left).
 """
 from __future__ import annotations
@@ -89,11 +94,20 @@ class _Frame:
         return self.PT + self.ph
 
 
+# a role of the backtrace (`nanbisect.records.TraceRow.role`) whose bad values were not born in
+# the call -> how a bar's tooltip says it
+PASSED = {"propagator": "passed through: its {side} already held them",
+          "encloses culprit": "passed up from the culprit's call, which it holds"}
+
+
 def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None,
-             phase: str, size: Size = SIZES[0]) -> str:
+             phase: str, size: Size = SIZES[0],
+             roles: dict[tuple[str, int], str] | None = None) -> str:
     """SVG of ``timeline`` rows in execution order (x: their position from 0, as the tables'
     ``#``), NaN (red) and inf (orange) bars centred on each call's tick on a log count axis,
-    the largest finite magnitude (green line) on its own log axis, the ``culprit`` call marked."""
+    the largest finite magnitude (green line) on its own log axis, the ``culprit`` call marked.
+    ``roles``: (module, call) -> its backtrace role; a call whose role is in `PASSED` is drawn
+    hatched (passed through, not born there), with a legend entry when one is."""
     if not timeline:
         return "<p>(no module calls recorded)</p>"
     H, PT, PB = (320, 30, 64) if size.name == "wide" else (300, 30, 80)
@@ -105,10 +119,18 @@ def plot_svg(timeline: list[TimelineRow], culprit: tuple[str, int | None] | None
     mags, mag_ticks = value_axis([r.absmax for r in timeline], f.ph, size.y_ticks, FONT + 2)
     out = _open(size, H, "timeline", "NaN and inf counts per module call")
     out += _timeline_axes(f, size, n, count_ticks, mag_ticks)
-    marker = _timeline_rows(out, f, timeline, counts, mags, culprit)
+    hatch = f"passed-{size.name}"           # the pattern's id: unique among the page's drawings
+    out.append(f'<defs><pattern id="{hatch}" patternUnits="userSpaceOnUse" width="6" height="6" '
+               'patternTransform="rotate(45)"><rect width="6" height="6" fill="white"/>'
+               '<line x1="0" y1="0" x2="0" y2="6" stroke="#777" stroke-width="3"/></pattern>'
+               '</defs>')
+    passed = {k: v for k, v in (roles or {}).items() if v in PASSED}
+    side = "inputs" if phase == "forward" else "incoming gradient"
+    marker = _timeline_rows(out, f, timeline, counts, mags, culprit, (passed, hatch, side))
     if marker is not None:
         out += _culprit_mark(f, marker)
-    out += _timeline_titles(f, size, n, phase, mags)
+    shown = any((r.module, r.call) in passed and (r.nan or r.inf) for r in timeline)
+    out += _timeline_titles(f, size, n, phase, mags, hatch if shown else None)
     return "\n".join(out)
 
 
@@ -135,9 +157,12 @@ def _timeline_axes(f: _Frame, size: Size, n: int, count_ticks, mag_ticks) -> lis
 
 
 def _timeline_rows(out: list[str], f: _Frame, timeline: list[TimelineRow], counts, mags,
-                   culprit: tuple[str, int | None] | None) -> tuple | None:
+                   culprit: tuple[str, int | None] | None, passing: tuple) -> tuple | None:
     """Each call's NaN and inf bars (and its abs-max, off the axis when it has no place) onto
-    ``out``, then the abs-max line; returns (x, #, row) of the culprit's call, or None."""
+    ``out``, then the abs-max line; returns (x, #, row) of the culprit's call, or None.
+    ``passing``: (the calls that passed their bad values through -> their role, the hatch
+    pattern's id, what their bad values came in: "inputs" or "incoming gradient")."""
+    passed, hatch, side = passing
     PL, PT, base = f.PL, f.PT, f.base
     bw = f.pw / len(timeline)
     points, marker = [], None
@@ -145,13 +170,23 @@ def _timeline_rows(out: list[str], f: _Frame, timeline: list[TimelineRow], count
     for i, r in enumerate(timeline):
         cx = PL + (i + 0.5) * bw
         bars = [(k, c) for k, c in (("nan", "#d62728"), ("inf", "#ff7f0e")) if getattr(r, k)]
+        role = passed.get((r.module, r.call))
+        how = ("" if role is None else f", {PASSED[role].format(side=side)} (not born here)")
+        if culprit is not None and (r.module, r.call) == culprit:
+            role, how = None, ", born here (the culprit's call)"
         for j, (key, colour) in enumerate(bars):
             h = counts.height(getattr(r, key))
             bx = cx - width / 2 + j * width / len(bars)
-            out.append(f'<rect class="bar" x="{bx:.2f}" y="{base - h:.1f}" '
-                       f'width="{width / len(bars):.2f}" height="{h:.1f}" fill="{colour}">'
-                       f'<title>#{i} {html.escape(module_label(r.module))} call {r.call}: '
-                       f'{key} {getattr(r, key)}</title></rect>')
+            bw_ = width / len(bars)
+            title = (f'<title>#{i} {html.escape(module_label(r.module))} call {r.call}: '
+                     f'{key} {getattr(r, key)}{html.escape(how)}</title>')
+            if role is None:
+                out.append(f'<rect class="bar" x="{bx:.2f}" y="{base - h:.1f}" '
+                           f'width="{bw_:.2f}" height="{h:.1f}" fill="{colour}">{title}</rect>')
+            else:       # hatched over a pale fill, outlined in the colour of its kind
+                out.append(f'<rect class="bar bar-passed" x="{bx:.2f}" y="{base - h:.1f}" '
+                           f'width="{bw_:.2f}" height="{h:.1f}" fill="url(#{hatch})" '
+                           f'stroke="{colour}" stroke-width="1.5">{title}</rect>')
         if r.absmax is not None and mags.placed(r.absmax):
             points.append(f"{cx:.1f},{base - mags.height(r.absmax):.1f}")
         elif r.absmax is not None:      # 0 on the log axis, or not finite: marked
@@ -183,8 +218,10 @@ def _culprit_mark(f: _Frame, marker: tuple) -> list[str]:
     return out
 
 
-def _timeline_titles(f: _Frame, size: Size, n: int, phase: str, mags) -> list[str]:
-    """The timeline's axis titles (shorter when narrow) and its legend; closes the SVG."""
+def _timeline_titles(f: _Frame, size: Size, n: int, phase: str, mags,
+                     hatch: str | None = None) -> list[str]:
+    """The timeline's axis titles (shorter when narrow) and its legend (with ``hatch``, the
+    pattern of calls that passed bad values through: an entry saying so); closes the SVG."""
     W, H, PL, PT, pw, ph, base = f.W, f.H, f.PL, f.PT, f.pw, f.ph, f.base
     side = "output" if phase == "forward" else "outgoing gradient"
     wide = size.name == "wide"
@@ -209,7 +246,16 @@ def _timeline_titles(f: _Frame, size: Size, n: int, phase: str, mags) -> list[st
         lx += 14 + int(CHAR * len(name)) + 16
     out += [f'<line x1="{lx}" y1="{legend_y - 4}" x2="{lx + 20}" y2="{legend_y - 4}" '
             f'stroke="#2ca02c" stroke-width="2"/><text class="legend" x="{lx + 24}" '
-            f'y="{legend_y}">abs-max</text>', "</svg>"]
+            f'y="{legend_y}">abs-max</text>']
+    if hatch is not None:      # wide: on the legend's line; narrow: on a line of its own above
+        lx, y = (lx + 24 + int(CHAR * len("abs-max")) + 16, legend_y) if wide else \
+            (PL, legend_y - FONT - 4)
+        words = ("passed through (already bad coming in: not born there)" if wide
+                 else "passed through: not born there")
+        out.append(f'<rect x="{lx}" y="{y - 10}" width="10" height="10" '
+                   f'fill="url(#{hatch})" stroke="#d62728"/><text class="legend legend-passed" '
+                   f'x="{lx + 14}" y="{y}">{html.escape(words)}</text>')
+    out.append("</svg>")
     return out
 
 

@@ -1,4 +1,11 @@
-"""The report as text people read: the headline, report.md and the CLI's terminal summary."""
+"""The report as text people read: the headline, report.md and the CLI's terminal summary.
+
+Guarantees: an op that ran outside any module call in forward or backward (the Task's
+``loss_fn``: JSON ``module`` "" or null and ``module_call`` null) is named ``loss_fn`` wherever a
+module is printed (`module_cell`, `at_module`), never an empty cell or "call None"; a
+classification of ``unknown`` from a run without a reference says so and gives the flag that
+would decide it (`classification_text`).
+"""
 from __future__ import annotations
 
 from dataclasses import asdict
@@ -6,10 +13,57 @@ from pathlib import Path
 
 from nanbisect.records import Remedy, Stats, module_label
 from nanbisect.report.model import Report
+from nanbisect.util.spec import NONE
 from nanbisect.util.text import clip
 
 MAX_NOTE = 2000    # characters of a note, an error or a line of the terminal summary: they
                    # may quote the bundle (its entry, paths, tensor names)
+
+
+LOSS_FN = "loss_fn"      # how the reports name where an op outside any module call ran
+LOSS_FN_WHAT = "the loss function, outside any module call"
+# why ``unknown`` when nothing was replayed on a reference, and the flag that would decide it
+NO_REFERENCE = ("no reference: give --reference cpu to tell a device fault from a numerics "
+                "one")
+
+
+def in_loss_fn(module: str | None, call: int | None, phase: str | None) -> bool:
+    """Did an op run in the Task's ``loss_fn``: outside any module call (no module, no call) in
+    forward or backward (an optimizer step's ops run outside module calls too: not these)."""
+    return not module and call is None and phase in ("forward", "backward")
+
+
+def module_cell(module: str | None, call: int | None, phase: str | None) -> str:
+    """The module an op ran in, as a table cell or label prints it: ``loss_fn`` outside any
+    module call, else the module's label (`module_label`).
+
+    >>> [module_cell(*w) for w in (("", None, "backward"), ("", 0, "forward"), ("fc", 2, "x"))]
+    ['loss_fn', '<root>', 'fc']
+    """
+    return LOSS_FN if in_loss_fn(module, call, phase) else module_label(module)
+
+
+def at_module(module: str | None, call: int | None, phase: str | None, quote: str = "'",
+              explain: bool = True) -> str:
+    """Where an op ran, in a sentence: "module 'fc' (call 2)", or "loss_fn (the loss function,
+    outside any module call)" (without ``explain``: "loss_fn"); never "call None".
+
+    >>> at_module("blocks.0", 1, "forward"), at_module(None, None, "backward", "`")
+    ("module 'blocks.0' (call 1)", 'loss_fn (the loss function, outside any module call)')
+    """
+    if in_loss_fn(module, call, phase):
+        return f"{LOSS_FN} ({LOSS_FN_WHAT})" if explain else LOSS_FN
+    return (f"module {quote}{module_label(module)}{quote}"
+            + (f" (call {call})" if call is not None else ""))
+
+
+def classification_text(r: Report) -> str:
+    """The classification as report.md and the summary print it: ``unknown`` from a run with
+    no reference says why and what decides it."""
+    c = r.classification or "-"
+    if c == "unknown" and r.facts.reference in (None, NONE):
+        return f"{c} ({NO_REFERENCE})"
+    return c
 
 
 def _fmt_stats(s: Stats | None) -> str:
@@ -57,34 +111,33 @@ def _culprit_headline(r: Report) -> str:
                 "is at fault")
     if r.kind == "mismatch":
         c = r.culprit
-        where = f"'{module_label(c.module)}'"
-        if c.module_call is not None:
-            where += f" (call {c.module_call})"
         at = (f" at step {c.step}" if c.step is not None and r.steps else "")
         return (f"target diverges from the reference first in {c.op or 'a module call'} in "
-                f"{c.phase} at module {where}{at}")
+                f"{c.phase} {_at(c)}{at}")
     if r.compiler is not None:
         c, k = r.culprit, r.compiler
         at = (f" in {c.op}" if c.op else "") + (
-            f" at module '{module_label(c.module)}' (call {c.module_call})" if c.op and c.module
+            f" {_at(c)}" if c.op and (c.module or in_loss_fn(c.module, c.module_call, c.phase))
             else "")
         made = (f"made by {k.backend}; {k.config_change} fixes it" if k.config_change else
                 f"made by {k.backend}" + (f" ({k.subsystem})" if k.subsystem else ""))
         return f"{r.kind or 'non-finite'} only when compiled: born{at} in {c.phase}, {made}"
     c = r.culprit
-    where = f"'{module_label(c.module)}'"
-    if c.module_call is not None:
-        where += f" (call {c.module_call})"
-    if c.parameter:
-        where += f", parameter {c.parameter}"
+    where = _at(c) + (f", parameter {c.parameter}" if c.parameter else "")
     op = f" in {c.op}" if c.op else ""
     if c.surfaced is not None:      # born in one phase, visible in a later one
         born = _born_kind(r)
         kind = r.kind or "non-finite"
-        return (f"{born} born{op} in {c.phase} at module {where}, surfaced"
+        return (f"{born} born{op} in {c.phase} {where}, surfaced"
                 f"{f' as {kind}' if kind != born else ''} in {c.surfaced.phase} at "
                 f"{c.surfaced.op}")
-    return f"{r.kind or 'non-finite'} born{op} in {c.phase} at module {where}"
+    return f"{r.kind or 'non-finite'} born{op} in {c.phase} {where}"
+
+
+def _at(c) -> str:
+    """Where a culprit ran, after its phase: "at module 'fc' (call 2)", "in loss_fn (...)"."""
+    where = at_module(c.module, c.module_call, c.phase)
+    return ("in " if in_loss_fn(c.module, c.module_call, c.phase) else "at ") + where
 
 
 def fidelity_text(r: Report) -> str | None:
@@ -126,9 +179,9 @@ def _surfaced_line(r: Report) -> str | None:
     if c is None or c.surfaced is None:
         return None
     s = c.surfaced
-    call = f" call {s.module_call}" if s.module_call is not None else ""
-    return (f"Surfaced in {s.phase} at `{s.op}` (op #{s.op_index}, module "
-            f"`{module_label(s.module or '')}`{call}); the culprit above is where it was born.")
+    return (f"Surfaced in {s.phase} at `{s.op}` (op #{s.op_index}, "
+            f"{at_module(s.module, s.module_call, s.phase, '`', False)}); the culprit above is "
+            "where it was born.")
 
 
 def to_markdown(r: Report) -> str:
@@ -139,7 +192,8 @@ def to_markdown(r: Report) -> str:
         lines += [f"**Verified:** {v}." for v in first] + [""]
     lines += [f"- bundle: `{r.facts.bundle}`", f"- entry: `{clip(r.facts.entry, 300)}`",
              f"- target: `{r.facts.target}`, reference: `{r.facts.reference}`",
-             f"- classification: {r.classification or '-'}", f"- first bad phase: {r.phase or '-'}"]
+             f"- classification: {classification_text(r)}",
+             f"- first bad phase: {r.phase or '-'}"]
     rp = r.facts.losses
     lines.append(f"- loss: original {_num(rp.original)}, target {_num(rp.target)}, reference "
                  f"{_num(rp.reference)}")
@@ -153,6 +207,9 @@ def to_markdown(r: Report) -> str:
         for k, v in asdict(c).items():
             if k in ("surfaced", "node", "likely_cause"):
                 continue            # sentences of their own, below the table
+            if k == "module" and in_loss_fn(c.module, c.module_call, c.phase):
+                lines.append(f"| module | `{LOSS_FN}` ({LOSS_FN_WHAT}) |")
+                continue
             lines.append(f"| {k} | `{v}` |" if v is not None else f"| {k} | - |")
         if c.node is not None:
             lines.append(f"| node | `{c.node.name}`" + node_made(c.node, "`") + " |")
@@ -166,8 +223,8 @@ def to_markdown(r: Report) -> str:
         whose = ("The inputs of the op where it surfaced" if r.culprit and r.culprit.surfaced
                  else "The culprit's inputs")
         lines += ["", f"{whose} carried inf, born from finite values in `{o.op}` "
-                  f"(op #{o.op_index}, {o.phase}, module `{module_label(o.module)}` "
-                  f"call {o.module_call})."]
+                  f"(op #{o.op_index}, {o.phase}, "
+                  f"{at_module(o.module, o.module_call, o.phase, '`', False)})."]
     lines += _errors_md(r) + _compiler_md(r) + _remedies_md(r)
     lines += _ranks_md(r) + _checks_md(r) + _repro_md(r) + _backtrace_md(r)
     lines += _steps_md(r) + _history_md(r)
@@ -269,7 +326,8 @@ def _ranks_md(r: Report) -> list[str]:
             if ms:
                 io = (ms.get("inputs"), ms.get("output"))
                 cell = " / ".join(str(x.nan) if x else "-" for x in io)
-            traced = (f"`{root.op}` in `{module_label(root.module)}` call {root.module_call}"
+            traced = (f"`{root.op}` in "
+                      f"{at_module(root.module, root.module_call, s.phase if s else None, '`')}"
                       + (" (a collective: received)" if root.collective else " (computed here)")
                       if root else "-")
             lines.append(f"| {k.rank} | {(s.phase if s else None) or '-'} | "
@@ -298,7 +356,8 @@ def _checks_md(r: Report) -> list[str]:
                   "has nan | output has inf | output absmax |", "|---|---|---|---|---|---|---|"]
         for c in r.context:
             mark = "**" if c.culprit else ""
-            lines.append(f"| {c.op_index} | {mark}`{c.op}`{mark} | `{module_label(c.module)}` | "
+            lines.append(f"| {c.op_index} | {mark}`{c.op}`{mark} | "
+                         f"`{module_cell(c.module, c.module_call, c.phase)}` | "
                          f"{_num(c.module_call)} | {'yes' if c.out_nan else '-'} | "
                          f"{'yes' if c.out_inf else '-'} | "
                          f"{_num(c.out_absmax, '.3g')} |")
@@ -404,7 +463,7 @@ def terminal(r: Report, out: Path) -> str:
     if r.culprit and r.verdict == "culprit" and not (r.subset and not r.subset.decided
                                                      and r.subset.next_ranks):
         c = r.culprit
-        lines.append(f"  phase={c.phase} module={module_label(c.module)} "
+        lines.append(f"  phase={c.phase} module={module_cell(c.module, c.module_call, c.phase)} "
                      f"call={_num(c.module_call)} dtypes={c.input_dtypes} shapes={c.input_shapes}")
         if c.op:
             lines.append(f"  op={c.op} op_index={c.op_index}")
@@ -416,12 +475,12 @@ def terminal(r: Report, out: Path) -> str:
             lines.append(f"  likely cause: {c.likely_cause}")
         if c.surfaced is not None:
             sf = c.surfaced
-            lines.append(f"  surfaced: {sf.op} in {sf.phase} (op #{sf.op_index}, module "
-                         f"{module_label(sf.module or '')})")
+            lines.append(f"  surfaced: {sf.op} in {sf.phase} (op #{sf.op_index}, "
+                         f"{at_module(sf.module, sf.module_call, sf.phase, '', False)})")
         if r.inf_origin:
             o = r.inf_origin
             lines.append(f"  inf born in: {o.op} (op #{o.op_index}, "
-                         f"module {module_label(o.module)})")
+                         f"{at_module(o.module, o.module_call, o.phase, '', False)})")
         if r.compiler is not None:
             k = r.compiler
             lines.append(f"  compiler: eager {k.eager}, compiled {k.compiled}; backend "
@@ -447,7 +506,7 @@ def terminal(r: Report, out: Path) -> str:
     if f is not None and (f.tier not in (None, "bit-exact") or f.hardware_changed):
         lines.append(f"  replay: {fidelity_text(r)}")
     lines += [f"  error in {e.stage}: {e.message} (the report is without it)" for e in r.errors]
-    lines.append(f"  classification: {r.classification or '-'}; report: {out / 'report.md'}")
+    lines.append(f"  classification: {classification_text(r)}; report: {out / 'report.md'}")
     lines.append(f"  in a browser: {out / 'report.html'}")
     return "\n".join(clip(line, MAX_NOTE) for line in lines)
 

@@ -58,7 +58,7 @@ def test_rank_0_out_of_space_leaves_a_partial_bundle_that_replays(tmp_path):
         said, statuses, _ = train(tmp_path, out, "enospc", 0)
         assert statuses == {0: 0, 1: 0}
         assert said[0] == said[1] == str(out / "step000001"), said
-        assert MESSAGES[0].endswith(f"replay it with: nanbisect run --ckpt {said[0]} --ranks 1 (a "
+        assert MESSAGES[0].endswith(f"replay it with: nanbisect run {said[0]} --ranks 1 (a "
                                     "partial bundle: the other ranks could not write their parts)")
         b = read_bundle(said[0])                                  # verified: every listed part
         partial = b.manifest["partial"]
