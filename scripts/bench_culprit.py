@@ -10,7 +10,7 @@ model), which:
   bundle;
 * times plain training steps (zero_grad, forward, backward, AdamW step) from the bundle's
   pre-step state, interleaved with the runs below, so a busy machine slows both alike;
-* times the CLI (``python -m nanbisect run --ckpt B --json``, a fresh interpreter) and, in the
+* times the CLI (``python -m nanbisect run B --json``, a fresh interpreter) and, in the
   same rounds, its start-up: A, ``python -c "import nanbisect.cli, nanbisect.pipeline"`` (python,
   torch, nanbisect); B, A plus building one optimizer (torch imports ``torch._dynamo`` lazily
   the first time a process builds one, ~1.5 s here: any training script pays it before its

@@ -5,8 +5,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 source scripts/env.sh
-echo "demo: nanbisect run --ckpt fixtures/bundles/forward_nan_behind_mask" >&2
-"$PY" -m nanbisect run --ckpt fixtures/bundles/forward_nan_behind_mask
+echo "demo: nanbisect run fixtures/bundles/forward_nan_behind_mask" >&2
+"$PY" -m nanbisect run fixtures/bundles/forward_nan_behind_mask
 code=$?
 if [ "$code" -ne 1 ]; then
   echo "demo: expected a culprit (exit 1), nanbisect exited $code" >&2

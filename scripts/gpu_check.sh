@@ -16,7 +16,7 @@ while read -r name want flags; do
   [ -z "$name" ] && continue
   mkdir -p "$out/$name"
   # shellcheck disable=SC2086
-  "$PY" -m nanbisect run --ckpt "fixtures/bundles/$name" --target cuda --reference cpu \
+  "$PY" -m nanbisect run "fixtures/bundles/$name" --target cuda --reference cpu \
       --out "$out/$name" $flags > "$out/$name.txt" 2>&1
   code=$?
   printf '%-30s exit %s (want %s)  %s\n' "$name" "$code" "$want" "$(head -1 "$out/$name.txt")"
@@ -39,7 +39,7 @@ LIST
 # two ranks with a CPU reference (cpu:gloo,cuda:nccl in one process group) needs two.
 mr() {  # name, expected exit, bundle, flags...
   local name=$1 want=$2 bundle=$3; shift 3
-  "$PY" -m nanbisect run --ckpt "$bundle" --target cuda --reference cpu --out "$out/$name" "$@" \
+  "$PY" -m nanbisect run "$bundle" --target cuda --reference cpu --out "$out/$name" "$@" \
       > "$out/$name.txt" 2>&1
   local code=$?
   printf '%-30s exit %s (want %s)  %s\n' "$name" "$code" "$want" "$(head -1 "$out/$name.txt")"

@@ -66,7 +66,7 @@ def npu_env():
 def replayed(tmp_path_factory):
     """``replayed(name)``: (a copy of the shipped bundle ``name``, the report that `nanbisect run
     --json` printed for it, exit code 1 checked); ``replayed(name, json_=False)``: (another copy,
-    the `CliResult` of a plain `nanbisect run --ckpt` of it). Each is run once per worker, however
+    the `CliResult` of a plain `nanbisect run` of it). Each is run once per worker, however
     many tests read it (mark those with `same_run`); they only read the copy and its report."""
     done: dict = {}
 

@@ -5,10 +5,8 @@ library, prints, and returns the exit code (`nanbisect.cli.app.EXIT_CODES`). Hol
 own; imports what a command needs only when it runs (torch among it).
 """
 
-import contextlib
 import json
 import sys
-import threading
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
@@ -23,42 +21,6 @@ from nanbisect.errors import BadInput
 def echo(text: str, err: bool = False) -> None:
     """One line (or block) of output, to stdout or stderr."""
     print(text, file=sys.stderr if err else sys.stdout, flush=True)
-
-
-@contextlib.contextmanager
-def _progress(delay: float = 2.0):
-    """A spinner with the current pass on stderr, shown only on a terminal and only once the run
-    has taken ``delay`` seconds; yields the callback the pipeline reports its passes to."""
-    if not sys.stderr.isatty():
-        yield lambda key, msg: None
-        return
-    from rich.console import Console
-
-    state = {"msg": "starting", "status": None}
-    lock = threading.Lock()
-
-    def show():
-        with lock:
-            if state["status"] is None:
-                state["status"] = Console(stderr=True).status(state["msg"])
-                state["status"].start()
-
-    timer = threading.Timer(delay, show)
-    timer.daemon = True
-    timer.start()
-
-    def update(key: str, msg: str) -> None:
-        with lock:
-            state["msg"] = msg
-            if state["status"] is not None:
-                state["status"].update(msg)
-    try:
-        yield update
-    finally:
-        timer.cancel()
-        with lock:
-            if state["status"] is not None:
-                state["status"].stop()
 
 
 def _fail(e: BadInput) -> NoReturn:
@@ -128,18 +90,32 @@ def run(
     inject: Annotated[Optional[str], flag(
         "--inject", metavar="FILE.py:FUNC", help="FILE.py:FUNC whose context manager wraps "
         "every target-side execution", panel=SCOPE_PANEL)] = None,
+    code: Annotated[Optional[str], flag(
+        "--code", metavar="local|bundle", help="which copy of the user's code the replay "
+        "imports: local (the files on disk) or bundle (the copies the bundle carries)",
+        show_default="the local files when present and unchanged, else the bundle's copies",
+        panel=SCOPE_PANEL)] = None,
+    run_top_level: Annotated[bool, switch(
+        "--run-top-level", help="let the entry file's module-level statements run when it is "
+        "imported, as Task(run_top_level=True) does (else an entry whose top level does more "
+        "than define is refused)",
+        panel=SCOPE_PANEL)] = False,
     no_remedies: Annotated[bool, switch(
         "--no-remedies", help="do not replay the step with remedies once the culprit is found "
         "(report remedies: [])", panel=REMEDY_PANEL)] = False,
     remedy_budget: Annotated[Optional[int], number_flag(
         "--remedy-budget", "extra replays of the step the remedies may use", "N",
         show_default="NANBISECT_REMEDY_BUDGET, else 4", panel=REMEDY_PANEL)] = None,
+    quiet: Annotated[bool, switch(
+        "-q", "--quiet", help="no progress on stderr (drawn only when stderr is a terminal; "
+        "errors and warnings still print)", panel=BUNDLE_PANEL)] = False,
 ) -> int:
     """Replay a bundle, bisect the failure, write report.json, report.md and report.html.
 
     Runs the entry's code (it rebuilds the model and replays the step), as running the training
     script would; `nanbisect inspect` never runs any. --out is replaced only when it is new,
-    empty, or a report nanbisect wrote."""
+    empty, or a report nanbisect wrote. On a terminal, stderr shows the stage, the replays done
+    and the time (--quiet: none); piped, it shows no progress."""
     return _run(checked("run", locals()))
 
 
@@ -150,7 +126,10 @@ def _run(a) -> int:
     try:
         from nanbisect.report.rerun import prestart
         prestart(path, a.target)    # a repro's interpreter imports torch while this one does
-        from nanbisect.pipeline import RunOptions, run_bundle
+        import warnings
+
+        from nanbisect import api
+        from nanbisect.cli.progress import run_progress
         from nanbisect.report.text import terminal
         from nanbisect.util.recordjson import dumps
         from nanbisect.util.text import failure_line
@@ -158,11 +137,12 @@ def _run(a) -> int:
 
         if (too_old := check_torch_version()) is not None:
             print(f"nanbisect: warning: {too_old}", file=sys.stderr)
-        with _progress() as progress:
-            options = RunOptions(target=a.target, reference=a.reference, inject=a.inject,
-                                 entry=a.entry, ranks=a.ranks, steps=a.steps,
-                                 remedies=0 if a.no_remedies else a.remedy_budget)
-            report = run_bundle(path, options, out_dir, progress)
+        with run_progress(a.quiet) as progress, warnings.catch_warnings():
+            warnings.simplefilter("ignore", api.TorchTooOld)    # said above, in one line
+            report = api.run(path, target=a.target, reference=a.reference, inject=a.inject,
+                             entry=a.entry, out=out_dir, steps=a.steps, ranks=a.ranks,
+                             remedies=False if a.no_remedies else a.remedy_budget,
+                             code=a.code, run_top_level=a.run_top_level, progress=progress)
     except BadInput as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - no verdict: exit 4, the traceback in a log file
@@ -232,24 +212,30 @@ def triage(
     address: Annotated[Optional[str], flag(
         "--address", metavar="ADDR", help="Ray cluster address for --backend ray, e.g. "
         "10.0.0.5:6379", panel=CLUSTER_PANEL)] = None,
+    quiet: Annotated[bool, switch(
+        "-q", "--quiet", help="no progress on stderr (drawn only when stderr is a terminal; "
+        "errors still print)")] = False,
 ) -> int:
     """Replay every bundle under DIRS in parallel and group failures by culprit signature.
 
     One bundle that hangs, crashes or is malformed is its own error row; triage.json and
-    triage.md in --out are kept current while it runs and written on SIGTERM/SIGINT too."""
+    triage.md in --out are kept current while it runs and written on SIGTERM/SIGINT too. On a
+    terminal, stderr shows the bundles done of the total, the time and an estimate of the time
+    left (--quiet: none); piped, it shows no progress."""
     return _triage(checked("triage", locals()))
 
 
 def _triage(a) -> int:
     """`triage` with its checked arguments ``a``."""
-    from nanbisect.triage import load_known, to_markdown
-    from nanbisect.triage import triage as run_triage
+    from nanbisect import api
+    from nanbisect.cli.progress import triage_progress
+    from nanbisect.triage import to_markdown
 
     try:
-        known_set = load_known(a.known) if a.known else set()
-        res = run_triage(a.dirs, out=a.out, jobs=a.jobs, known=known_set, timeout=a.timeout,
-                         backend=a.backend, scheduler=a.scheduler, address=a.address,
-                         options={"target": a.target} if a.target else None)
+        with triage_progress(a.quiet) as progress:
+            res = api.triage(a.dirs, out=a.out, jobs=a.jobs, known=a.known, target=a.target,
+                             timeout=a.timeout, backend=a.backend, scheduler=a.scheduler,
+                             address=a.address, progress=progress)
     except BadInput as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - a nightly job gets one line and exit 2, never 1

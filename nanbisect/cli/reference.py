@@ -43,7 +43,8 @@ def _names(p) -> str:
 def _value(p) -> str:
     if p.param_type_name == "argument":
         return f"`{p.metavar or p.name.upper()}`" + ("..." if p.nargs == -1 else "")
-    return "" if p.is_flag else f"`{p.metavar}`" if p.metavar else ""
+    # (a `|` in a metavar, as in `local|bundle`, escaped: it would end the table's cell)
+    return "" if p.is_flag else f"`{_cell(p.metavar)}`" if p.metavar else ""
 
 
 def _default(p) -> str:

@@ -10,6 +10,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 from nanbisect import proc
 from nanbisect.errors import BadInput, signal_name
@@ -56,9 +57,14 @@ def _interruptible():
 def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = frozenset(),
            cache: Path | None = None, options: dict | None = None, out: Path | None = None,
            timeout: float = DEFAULT_TIMEOUT, backend: str = "loky",
-           scheduler: str | None = None, address: str | None = None) -> TriageResult:
+           scheduler: str | None = None, address: str | None = None,
+           progress: Callable[[int, int], None] | None = None) -> TriageResult:
     """Triage every bundle under ``roots``; with ``out``, keep ``out/triage.json`` and
     ``out/triage.md`` current and cache in ``out/cache`` (or ``cache``).
+
+    ``progress(done, total)``, when given, is called in this thread once the bundles are found
+    (``done`` 0) and after each bundle finishes (answered from the cache, an error row, or
+    replayed), ``total`` the bundles found; an exception it raises is ignored.
 
     >>> import shutil, tempfile
     >>> night = Path(tempfile.mkdtemp())
@@ -86,7 +92,8 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     options = {"reference": "none", **(options or {})}
     previous = _last_night(out)
     state = _State(roots, set(known), out, options, backend, timeout,
-                   previous=previous if previous is not None or not known else set(known))
+                   previous=previous if previous is not None or not known else set(known),
+                   progress=progress)
     store = _Cache(cache)
     with _interruptible():
         try:
@@ -117,6 +124,7 @@ def _night(roots: list[Path], state: _State, store: _Cache, out: Path | None,
     backend, scheduler, address, jobs = how
     bundles, state.skipped = discover(roots, exclude=tuple(p for p in (out, cache) if p))
     state.pending = {str(b) for b in bundles}
+    state.tell()
     try:
         state.leftovers = [x.to_json() for x in find_leftovers(roots, beside=bundles)]
     except Exception as e:  # noqa: BLE001 - a listing problem must not stop the night

@@ -13,6 +13,7 @@ import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from nanbisect import __version__
 from nanbisect.errors import BadInput
@@ -55,6 +56,7 @@ class _State:
     started: float = field(default_factory=time.monotonic)
     written: float = 0.0
     previous: set | None = None                     # the last night's signatures, if any
+    progress: Callable[[int, int], None] | None = None   # (done, total): `tell`
 
     def report_path(self, bundle: str) -> Path | None:
         """Where ``bundle``'s report is kept: ``out/reports/NAME`` (None without ``out``)."""
@@ -139,7 +141,23 @@ class _State:
                                    f"({e.strerror or e}); pass a writable directory") from None
         return data
 
+    def tell(self) -> None:
+        """Call ``progress(done, total)`` (bundles finished, bundles found), if any; what it
+        raises is ignored (a display must never stop the night)."""
+        if self.progress is None:
+            return
+        done = len(self.results) + len(self.errors)
+        try:
+            self.progress(done, done + len(self.pending))
+        except Exception:  # noqa: BLE001
+            pass
+
     def add(self, res: dict, cached: bool) -> None:
+        """Record ``res``, the row of a finished bundle, and `tell`."""
+        self._add(res, cached)
+        self.tell()
+
+    def _add(self, res: dict, cached: bool) -> None:
         b = res["bundle"]
         self.pending.discard(b)
         if "error" in res:    # a message may quote the bundle: one bounded line in every file
@@ -152,7 +170,7 @@ class _State:
         except (KeyError, TypeError, ValueError, AttributeError) as e:   # not what run writes
             why = f"its report.json cannot be read ({type(e).__name__}: {str(e)[:200]})"
             rest = {k: v for k, v in res.items() if k not in ("report", "report_dir")}
-            return self.add({**rest, "error": why, "kind": "crash"}, cached)
+            return self._add({**rest, "error": why, "kind": "crash"}, cached)
         self.results[b] = {"bundle": b, "verdict": rep.verdict.value,
                            "classification": rep.classification and rep.classification.value,
                            "signature": signature(rep), "legacy": legacy_signature(rep),

@@ -160,7 +160,7 @@ def invoke(*args: str) -> CliResult:
 
 
 def run_json(bundle, *flags, env: dict | None = None, code: int = 1) -> dict:
-    """``nanbisect run --ckpt BUNDLE --json FLAGS``: assert the exit code, return report.json."""
+    """``nanbisect run BUNDLE --json FLAGS``: assert the exit code, return report.json."""
     res = cli("run", "--ckpt", bundle, "--json", *flags, env=env)
     assert res.code == code, res.stdout[-2000:] + res.stderr
     return json.loads(res.stdout)

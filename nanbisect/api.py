@@ -1,0 +1,366 @@
+"""The Python API: `run` and `triage`, what ``nanbisect run`` and ``nanbisect triage`` do up to
+the point where they print, for notebooks and scripts (docs/guide/python-api.md), exported as
+``nanbisect.run`` and ``nanbisect.triage``:
+
+    import nanbisect
+    report = nanbisect.run("step000123", reference="cpu")   # a Report
+    report.culprit.op, [r.sentence() for r in report.remedies], report.to_json()
+
+Guarantees:
+- The commands' own code path: the same checks of every option, made by the same functions
+  (`check_run`, `check_triage`: the command line's first stage calls them too), so a bad value is
+  refused with the one-line message the command prints after ``nanbisect: error:``; the same
+  defaults (the report in ``BUNDLE/nanbisect-report``, triage's files in ``nanbisect-triage``
+  under the current directory); the same pipeline (`nanbisect.pipeline.run_bundle`,
+  `nanbisect.triage.triage`), so the report directory and ``report.json`` are the command's.
+  Numbers are the one exception in wording: a keyword is named as given (``steps=0``, not
+  ``--steps '0'``), with the same range (`nanbisect.util.numbers`).
+- What the caller gives that cannot be used raises `nanbisect.BadInput` (or a subclass), one
+  line naming the problem and the fix; never `SystemExit` (a ``sys.exit`` or an argparse exit in
+  the entry's code becomes a `BadInput` too) and never an exception of the command line's.
+  nanbisect prints nothing (the task's own code may): progress goes to ``progress`` only, and a
+  torch older than the one nanbisect is checked on is a `TorchTooOld` warning.
+- Importing this module, and so ``nanbisect.run`` and ``nanbisect.triage``, imports no torch;
+  a call does.
+
+Not guaranteed: an exception of `run` that is not a `BadInput` is a bug of nanbisect's (the
+command's exit 4) and is raised as it is; `triage` turns one into a `BadInput`, as the command
+does, with the original as its ``__cause__``.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence, Union
+
+from nanbisect.bundle.where import check_bundle_dir
+from nanbisect.errors import BadInput
+from nanbisect.triage.backends import check_backend
+from nanbisect.util.numbers import NUMBERS, check_environment
+from nanbisect.util.spec import NONE, check_device, check_ranks, split_entry
+
+if TYPE_CHECKING:       # the types only: importing them loads torch
+    from nanbisect.report.model import Report
+
+PathLike = Union[str, "os.PathLike[str]"]
+Progress = Callable[[str, str], None]       # run: (a key of `nanbisect.pipeline.STAGES`, text)
+TriageProgress = Callable[[int, int], None]  # triage: (bundles done, bundles found)
+
+CODE_CHOICES = ("local", "bundle")   # `run`'s ``code`` (`nanbisect.pipeline.RunOptions.code`)
+TRIAGE_OUT = Path("nanbisect-triage")   # `triage`'s ``out`` when none is given
+TRIAGE_TIMEOUT = 1800.0                 # `triage`'s ``timeout`` when none is given
+
+
+class TorchTooOld(UserWarning):
+    """The installed torch is older than the one nanbisect is checked on (`run` warns)."""
+
+
+# -- the checks: the command line's first stage calls these --------------------------------------
+
+def _device(spec: str | None, none_ok: bool = False) -> None:
+    if spec is not None and not (none_ok and spec == NONE):
+        check_device(spec)
+
+
+def check_run(bundle: PathLike, *, target: str | None = None, reference: str | None = None,
+              entry: str | None = None, inject: str | None = None, code: str | None = None,
+              ranks: str | None = None, out: PathLike | None = None) -> None:
+    """`BadInput` for the first option of a run that cannot be used, checked without importing
+    torch or reading more of the bundle than its directory: the bundle's path, the devices, the
+    entry and ``--inject`` strings, ``--code``, ``--ranks``, ``--out`` (what needs the bundle's
+    contents, as a device this machine lacks, is checked by `run`, before it writes anything).
+
+    >>> check_run("fixtures/bundles/forward_nan_behind_mask", reference="gpu9")
+    Traceback (most recent call last):
+    ...
+    nanbisect.errors.BadInput: device 'gpu9' is not a torch device string; use e.g. cpu, cuda, ...
+    """
+    check_bundle_dir(bundle)
+    _device(target)
+    _device(reference, none_ok=True)
+    if entry is not None:
+        split_entry(entry)
+    if inject is not None:
+        where, sep, func = inject.rpartition(":")
+        if not sep or not where or not func.isidentifier():
+            raise BadInput(f"--inject '{inject}' is not of the form FILE.py:FUNC; name a "
+                           "function that returns a context manager")
+    if code is not None and code not in CODE_CHOICES:
+        raise BadInput(f"--code '{code}' is neither {' nor '.join(CODE_CHOICES)}; pass "
+                       "local (the files on disk) or bundle (the bundle's copies), or leave it "
+                       "out")
+    if ranks is not None:
+        check_ranks(ranks)
+    if out is not None:     # the default, BUNDLE/nanbisect-report, is checked by the pipeline
+        from nanbisect.report.out import check_out    # (hashlib, json: only when needed)
+
+        check_out(Path(out), Path(bundle))
+
+
+def check_triage(dirs: Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
+                 known: PathLike | Iterable[str] | None = None, target: str | None = None,
+                 backend: str = "loky", scheduler: str | None = None,
+                 address: str | None = None) -> None:
+    """`BadInput` for the first option of a triage that cannot be used, checked without
+    importing torch: the directories, ``out``, a ``known`` file, the backend and its address,
+    the target device."""
+    for d in map(Path, dirs):
+        if not d.exists():
+            raise BadInput(f"triage: '{d}' does not exist; pass directories holding bundles")
+        if not d.is_dir():
+            raise BadInput(f"triage: '{d}' is a file, not a directory; pass directories "
+                           "holding bundles")
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise BadInput(f"triage: --out '{out}' is a file; pass a directory for triage.json, "
+                       "triage.md and the cache")
+    if _is_path(known) and not Path(known).is_file():    # the words of triage.load_known's
+        why = "Is a directory" if Path(known).is_dir() else "No such file or directory"
+        raise BadInput(f"--known '{known}': {why}; pass a triage.json or a text file")
+    check_backend(backend, scheduler, address)
+    _device(target)
+
+
+# -- run ---------------------------------------------------------------------------------------
+
+def run(bundle: PathLike, *, target: str | None = None, reference: str | None = None,
+        inject: str | None = None, entry: str | None = None, out: PathLike | None = None,
+        steps: int | None = None, ranks: str | Iterable[int] | None = None,
+        remedies: int | bool | None = None, repro: bool = True, code: str | None = None,
+        run_top_level: bool = False, progress: Progress | None = None) -> "Report":
+    """Replay ``bundle``, bisect its failure, write the report directory and return its
+    `Report`: ``nanbisect run BUNDLE`` without the printing (each keyword is the flag of the same
+    name; docs/reference/cli.md).
+
+    ``out``: the report directory (default ``BUNDLE/nanbisect-report``; replaced only when it is
+    new, empty or a report nanbisect wrote). ``ranks``: ``"0,2"`` or ``[0, 2]``. ``remedies``:
+    None (or True) for the default budget of extra replays (``NANBISECT_REMEDY_BUDGET``, else
+    4), a number for that budget, False or 0 for none (``--no-remedies``). ``repro``: run the
+    standalone repro once (False: written, not run; quicker). ``code``: ``"local"`` or
+    ``"bundle"`` (``--code``), ``run_top_level``: ``--run-top-level``. ``progress(key, text)``
+    is told each pass as it starts (``key`` one of `nanbisect.pipeline.STAGES`).
+
+    >>> import tempfile
+    >>> report = run("fixtures/bundles/forward_nan_behind_mask", repro=False, remedies=False,
+    ...              out=Path(tempfile.mkdtemp()) / "report")
+    >>> report.culprit.op, report.culprit.phase, report.remedies
+    ('aten.sqrt.default', 'forward', [])
+    >>> report.to_json()["culprit"]["op"]
+    'aten.sqrt.default'
+    >>> run("fixtures/bundles/forward_nan_behind_mask", steps=0)
+    Traceback (most recent call last):
+    ...
+    nanbisect.errors.BadInput: run: steps=0 is out of range: give an integer number of steps ...
+    """
+    path = _path(bundle, "bundle")
+    out_dir = _path(out, "out") if out is not None else None
+    if steps is not None:
+        steps = NUMBERS["--steps"].check(steps, "run")
+    budget = _budget(remedies)
+    ranks = _ranks(ranks)
+    if progress is not None and not callable(progress):
+        raise BadInput(f"run: progress={progress!r} is not callable; pass a function of (key, "
+                       "text), or None")
+    # a bad NANBISECT_* number first (not one a given keyword overrides), as the command does
+    check_environment("run", {"--remedy-budget"} if budget is not None else set())
+    check_run(path, target=target, reference=reference, entry=entry, inject=inject, code=code,
+              ranks=ranks, out=out_dir)
+    if repro:
+        from nanbisect.report.rerun import prestart
+
+        prestart(path, target)      # a repro's interpreter imports torch while this one does
+    from nanbisect.pipeline import RunOptions, run_bundle
+    from nanbisect.util.torch_internals import check_torch_version
+
+    if (too_old := check_torch_version()) is not None:
+        warnings.warn(f"nanbisect.run: {too_old}", TorchTooOld, stacklevel=2)
+    options = RunOptions(target=target, reference=reference, inject=inject, entry=entry,
+                         run_repro=bool(repro), ranks=ranks, steps=steps, remedies=budget,
+                         code=code, run_top_level=bool(run_top_level))
+    pid = os.getpid()
+    try:
+        return run_bundle(path, options, out_dir, progress or _silent)
+    except SystemExit as e:
+        if os.getpid() != pid:      # a forked child unwinding: it is not this call's to answer
+            raise
+        raise BadInput(f"run: the entry's code exited (SystemExit({e.code!r})) during the "
+                       "replay, as sys.exit() or a failed argparse parse_args() does; the "
+                       "task's code (make_task, the model, loss_fn) must return, not exit"
+                       ) from None
+
+
+def _silent(key: str, text: str) -> None:
+    """The ``progress`` of a call that gave none."""
+
+
+def _path(value: object, what: str) -> Path:
+    try:
+        return Path(os.fspath(value))
+    except TypeError:
+        raise BadInput(f"{what}={value!r} is not a path; pass a str or a pathlib.Path") from None
+
+
+def _budget(remedies: int | bool | None) -> int | None:
+    """``remedies`` as `RunOptions.remedies`: None for the default budget, else a checked count
+    (False: 0, as ``--no-remedies``)."""
+    if remedies is None or remedies is True:
+        return None
+    if remedies is False:
+        return 0
+    return NUMBERS["--remedy-budget"].check(remedies, "run")
+
+
+def _ranks(ranks: str | Iterable[int] | None) -> str | None:
+    """``ranks`` as ``--ranks`` spells it (``"0,2"``), checked by `check_run`."""
+    if ranks is None or isinstance(ranks, str):
+        return ranks
+    try:
+        return ",".join(str(r) for r in ranks)
+    except TypeError:
+        raise BadInput(f"run: ranks={ranks!r} is not a list of ranks; pass e.g. [0, 2] or "
+                       "\"0,2\"") from None
+
+
+def _is_path(value: object) -> bool:
+    return isinstance(value, (str, os.PathLike))
+
+
+# -- triage ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Group:
+    """The bundles of one culprit signature (a row of triage.md's table): ``remedies`` made a
+    step of this kind finite, ``tried`` did not; ``example`` is the first bundle seen."""
+
+    signature: str
+    count: int
+    known: bool
+    classification: str | None
+    bundles: tuple[str, ...]
+    example: str
+    first_seen: str | None
+    new_since_last: bool | None
+    remedies: tuple[str, ...]
+    tried: tuple[str, ...]
+
+    @staticmethod
+    def from_json(g: dict) -> "Group":
+        """A group of triage.json's ``signatures``."""
+        return Group(g["signature"], g["count"], bool(g.get("known")), g.get("classification"),
+                     tuple(g.get("bundles") or ()), g.get("example") or "",
+                     g.get("first_seen"), g.get("new_since_last"),
+                     tuple(g.get("remedies") or ()), tuple(g.get("tried") or ()))
+
+
+@dataclass(frozen=True)
+class TriageReport:
+    """What `triage` found: the groups by signature (most bundles first), each bundle's
+    `Report` (keyed by the bundle's path as ``data["bundles"]`` names it, read from the report
+    directory triage kept under ``out/reports`` when first asked for; a bundle that became an
+    error row has none), the error rows, the exit code ``nanbisect triage`` exits with, the
+    ``out`` directory, and ``data``, triage.json's content (`to_json`)."""
+
+    groups: tuple[Group, ...]
+    reports: Mapping[str, "Report"] = field(repr=False)
+    errors: tuple[dict, ...]
+    exit_code: int
+    out: Path
+    data: dict = field(repr=False)
+
+    def to_json(self) -> dict:
+        """triage.json's content (``nanbisect triage --json`` prints it)."""
+        return self.data
+
+
+def triage(dirs: PathLike | Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
+           jobs: int | None = None, known: PathLike | Iterable[str] | None = None,
+           target: str | None = None, timeout: float = TRIAGE_TIMEOUT, backend: str = "loky",
+           scheduler: str | None = None, address: str | None = None,
+           progress: TriageProgress | None = None) -> TriageReport:
+    """Replay every bundle under ``dirs`` (one directory or several) in parallel, group the
+    failures by culprit signature, write triage.json, triage.md, index.html and each bundle's
+    report under ``out``: ``nanbisect triage DIRS`` without the printing (each keyword is the
+    flag of the same name). ``known``: a previous triage.json or a file of signatures, one a
+    line (as ``--known``), or the signatures themselves (a list or set of strings).
+    ``progress(done, total)`` is told the bundles finished of those found, after each.
+
+    >>> import shutil, tempfile
+    >>> night = Path(tempfile.mkdtemp())
+    >>> _ = shutil.copytree("fixtures/bundles/forward_nan_behind_mask", night / "job1" / "step3",
+    ...                     ignore=shutil.ignore_patterns("nanbisect-report"))
+    >>> found = triage(night, out=night / "triage", jobs=1)
+    >>> [(g.count, g.known) for g in found.groups], found.exit_code
+    ([(1, False)], 3)
+    >>> [r.culprit.op for r in found.reports.values()]
+    ['aten.sqrt.default']
+    """
+    roots = [_path(dirs, "dirs")] if _is_path(dirs) else [_path(d, "dirs") for d in dirs]
+    out = _path(out, "out")
+    timeout = NUMBERS["--timeout"].check(timeout, "triage")
+    if jobs is not None:
+        jobs = NUMBERS["--jobs"].check(jobs, "triage")
+    if progress is not None and not callable(progress):
+        raise BadInput(f"triage: progress={progress!r} is not callable; pass a function of "
+                       "(done, total), or None")
+    check_environment("triage")
+    check_triage(roots, out=out, known=known, target=target, backend=backend,
+                 scheduler=scheduler, address=address)
+    from nanbisect.triage import load_known
+    from nanbisect.triage import triage as run_triage
+
+    kw = {"progress": progress} if progress is not None else {}
+    try:
+        known_set = load_known(Path(known)) if _is_path(known) else set(known or ())
+        res = run_triage(roots, out=out, jobs=jobs, known=known_set, timeout=timeout,
+                         backend=backend, scheduler=scheduler, address=address,
+                         options={"target": target} if target else None, **kw)
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - as the command: one line (the cause kept here)
+        raise BadInput(f"triage failed: {type(e).__name__}: {str(e)[:200]}; "
+                       f"{out}/triage.json holds the bundles finished so far") from e
+    return _triage_report(res.data, res.exit_code, out)
+
+
+def _triage_report(data: dict, exit_code: int, out: Path) -> TriageReport:
+    """The `TriageReport` of a night's summary (its reports read when first asked for)."""
+    kept = {row["bundle"]: out / row["report_dir"] / "report.json"
+            for row in data.get("bundles") or [] if row.get("report_dir")}
+    return TriageReport(tuple(Group.from_json(g) for g in data.get("signatures") or []),
+                        _Reports(kept), tuple(data.get("errors") or ()), exit_code, out, data)
+
+
+class _Reports(Mapping):
+    """Each bundle's `Report`, read from its kept report.json when first asked for (a night of
+    thousands of bundles pays nothing for the reports nobody reads); one that can no longer be
+    read is a `BadInput` naming it."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self._files, self._read = files, {}
+
+    def __getitem__(self, bundle: str) -> "Report":
+        if bundle not in self._read:
+            import json
+
+            from nanbisect.report.model import Report
+
+            path = self._files[bundle]
+            try:
+                self._read[bundle] = Report.from_json(json.loads(path.read_text()))
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise BadInput(f"triage: the report of '{bundle}' cannot be read from {path} "
+                               f"({type(e).__name__}: {str(e)[:200]}); run triage again"
+                               ) from None
+        return self._read[bundle]
+
+    def __iter__(self):
+        return iter(self._files)
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __repr__(self) -> str:
+        return f"<reports of {len(self)} bundle(s)>"
