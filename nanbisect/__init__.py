@@ -7,18 +7,17 @@ import torch.
 >>> nanbisect.Task.__name__, nanbisect.__version__ == __import__("nanbisect").__version__
 ('Task', True)
 
-``nanbisect.run`` and ``nanbisect.triage`` are the Python API's functions (`nanbisect.api`),
-whatever was imported before: the subpackage ``nanbisect.triage`` is imported as usual (``from
-nanbisect.triage import ...``), but importing it never replaces the function on the package.
+``nanbisect.run`` and ``nanbisect.triage`` are the Python API (`nanbisect.api`). Once the
+subpackage ``nanbisect.triage`` is imported the name is that package, which is callable: calling
+it is the API's function, and its modules import as usual.
 
->>> import nanbisect.triage.summary, nanbisect.pipeline.run
->>> nanbisect.run.__module__, nanbisect.triage.__module__, callable(nanbisect.triage)
-('nanbisect.api', 'nanbisect.api', True)
+>>> import nanbisect.triage.summary as summary, nanbisect.pipeline.run
+>>> nanbisect.run.__module__, callable(nanbisect.triage), summary.__name__
+('nanbisect.api', True, 'nanbisect.triage.summary')
 """
 # NB: nothing but importlib, which `python -m` loaded to get here: this runs before
-# `nanbisect.__main__` takes the working directory off sys.path (sys is built in)
+# `nanbisect.__main__` takes the working directory off sys.path
 import importlib
-import sys
 
 __version__ = "0.1.0"
 
@@ -43,18 +42,3 @@ def __getattr__(name: str) -> object:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(type(importlib)):
-    """This package's module type: the import system binds a subpackage to its parent by
-    ``setattr`` (``nanbisect.triage`` once ``nanbisect.triage.find`` is imported); a subpackage
-    named as a public function of `_LAZY` is not bound, so the name stays the function."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in _LAZY and getattr(value, "__name__", None) == f"{__name__}.{name}" \
-                and isinstance(value, type(importlib)):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package

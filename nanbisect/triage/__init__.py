@@ -62,6 +62,7 @@ Exit protocol (for CI):
 from __future__ import annotations
 
 import importlib
+import sys
 
 # name -> the module of this package that defines it; imported on first use (PEP 562), so that
 # `nanbisect.triage.backends` alone (the CLI's usage checks) stays a light import
@@ -82,3 +83,16 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f"nanbisect.triage.{_WHERE[name]}"), name)
     globals()[name] = value
     return value
+
+
+class _Callable(type(importlib)):
+    """This package's module type: calling it is `nanbisect.triage(dirs, ...)`, the Python API
+    (`nanbisect.api.triage`), so the name means the function whether or not the subpackage
+    was imported (``import nanbisect.triage.worker`` binds the package to the name)."""
+
+    def __call__(self, *args, **kwargs):
+        # looked up when called, never at import: the API sits above this package
+        return importlib.import_module("nanbisect.api").triage(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _Callable
