@@ -7,13 +7,15 @@ import torch.
 >>> nanbisect.Task.__name__, nanbisect.__version__ == __import__("nanbisect").__version__
 ('Task', True)
 
-``nanbisect.run`` and ``nanbisect.triage`` are the Python API (`nanbisect.api`). Once the
-subpackage ``nanbisect.triage`` is imported the name is that package, which is callable: calling
-it is the API's function, and its modules import as usual.
+``nanbisect.run`` and ``nanbisect.triage`` are the Python API (`nanbisect.api`).
+``nanbisect.triage`` is the subpackage of that name, which is callable: calling it is the API's
+function (its signature too), and its modules import as usual.
 
 >>> import nanbisect.triage.summary as summary, nanbisect.pipeline.run
 >>> nanbisect.run.__module__, callable(nanbisect.triage), summary.__name__
 ('nanbisect.api', True, 'nanbisect.triage.summary')
+>>> nanbisect.triage is __import__("sys").modules["nanbisect.triage"]
+True
 """
 # NB: nothing but importlib, which `python -m` loaded to get here: this runs before
 # `nanbisect.__main__` takes the working directory off sys.path
@@ -33,6 +35,10 @@ __all__ = ["Task", "capture", "Guard", "StepWatch", "Spike", "NonFiniteStep", "B
 
 
 def __getattr__(name: str) -> object:
+    if name == "triage":    # the subpackage, which is callable: one object whatever came first
+        value = importlib.import_module("nanbisect.triage")
+        globals()[name] = value
+        return value
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value     # later lookups do not come back here

@@ -94,5 +94,14 @@ class _Callable(type(importlib)):
         # looked up when called, never at import: the API sits above this package
         return importlib.import_module("nanbisect.api").triage(*args, **kwargs)
 
+    @property
+    def __signature__(self):
+        import inspect
+
+        return inspect.signature(importlib.import_module("nanbisect.api").triage)
+
+    def __reduce__(self):          # pickled (joblib, cloudpickle) by name, as a module is
+        return importlib.import_module, (self.__name__,)
+
 
 sys.modules[__name__].__class__ = _Callable
