@@ -119,10 +119,13 @@ def backtrace(table: ProbeTable, culprit: CallStats, phase: str, kind: str,
 
 def timeline(table: ProbeTable, phase: str) -> list[TimelineRow]:
     """Every module call in execution order with the NaN/inf counts and abs-max of its output
-    (forward) or outgoing gradient (backward), for the report's plot."""
+    (forward) or outgoing gradient (backward), and whether what came into it was bad already,
+    for the report's plot."""
     side = (lambda c: c.output) if phase == "forward" else (lambda c: c.grad_in)
-    return [TimelineRow(c.call.module, c.call.call, s.nan, s.inf, s.absmax)
-            for c in table.in_order(phase) for s in [side(c)] if s is not None]
+    incoming = (lambda c: c.inputs) if phase == "forward" else (lambda c: c.grad_out)
+    return [TimelineRow(c.call.module, c.call.call, s.nan, s.inf, s.absmax,
+                        came_in_bad=bool(i is not None and (i.nan or i.inf)))
+            for c in table.in_order(phase) for s, i in [(side(c), incoming(c))] if s is not None]
 
 
 def make_culprit(model: torch.nn.Module, phase: str, *, finding: OpFinding | None = None,

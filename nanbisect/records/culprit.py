@@ -184,6 +184,9 @@ class TimelineRow:
     nan: int
     inf: int
     absmax: float
+    # what came into the call (its inputs in forward, its outputs' gradient in backward) held
+    # NaN/inf already: whatever it shows was passed through, not born in it
+    came_in_bad: bool = False
 
     @staticmethod
     def from_json(d: dict) -> "TimelineRow":

@@ -100,7 +100,8 @@ def to_html(r: Report, failed: list[StageError] | None = None,
     said = ("not run" if res is None or not res.ran else
             "reproduced" if res.reproduced else "did not reproduce")
     forward = r.phase == "forward"
-    roles = {(t.module, t.call): t.role for t in r.backtrace}   # what the plot marks passed
+    roles = {(t.module, t.call): "propagator" for t in r.timeline if t.came_in_bad}
+    roles.update({(t.module, t.call): t.role for t in r.backtrace})   # what the plot marks passed
     return template.render(
         r=r, c=c, headline=headline(r), meaning=MEANING.get(r.classification or ""),
         multi=bool(r.ranks), has_reference=r.facts.reference not in (None, NONE),

@@ -14,8 +14,9 @@ no coordinate in the SVG is ever ``nan`` or ``inf``. A call whose bad values wer
 (its inputs, or its incoming gradient, already held them: a propagator; or a call that holds the
 culprit's call) is drawn hatched and pale, its tooltip says so, and a legend entry explains it;
 only the culprit's call is drawn as where they were born. Which calls passed them through is
-known from the roles of the report's backtrace (the calls around the culprit); a call outside it
-is drawn as before. Not guaranteed: that very long module
+known from the roles of the report's backtrace (the calls around the culprit) and, for every
+other call, from whether what came into it already held NaN/inf (`TimelineRow.came_in_bad`).
+Not guaranteed: that very long module
 names fit the culprit label at phone width (the label is shortened from the left).
 """
 from __future__ import annotations

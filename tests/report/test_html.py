@@ -114,7 +114,10 @@ def test_html_is_self_contained_and_leads_with_the_culprit(replayed):
     assert re.search(r'<tr class="hit"><td>44</td><td><code>blocks.1.mlp.act</code></td>'
                      r'<td>2</td><td>culprit</td>', page)
     assert "culprit #44: blocks.1.mlp.act, call 2" in page
-    assert page.count('fill="#d62728"><title>') >= 10      # NaN bars, in both drawings
+    # NaN bars, in both drawings: the culprit's call solid, the calls after it that only
+    # passed the NaN on hatched
+    assert page.count('fill="#d62728"><title>') == 2
+    assert page.count('stroke="#d62728" stroke-width="1.5"><title>') >= 8
     assert page.count('class="tick"') >= 16                # both y axes and the x axis
     assert "None" not in re.sub(r"<details>.*</details>", "", page, flags=re.S)
     # the ops before the culprit and the module calls are tables, not text in a <pre>
