@@ -14,7 +14,16 @@ as an AST (`nanbisect.util.toplevel`, never executed): an entry whose module-lev
 more than define (a call such as ``parser.parse_args()``, a loop, a ``with``) is refused with one
 line naming the statement and the fix, unless the run opts in (``run_top_level``: the
 ``--run-top-level`` flag, or ``Task(run_top_level=True)`` recorded in the bundle). While an entry
-file is imported, ``sys.argv`` is ``[that file]`` alone (restored after).
+file is imported and while its task function runs, ``sys.argv`` is ``[that file]`` alone
+(restored after).
+
+Fresh code (`_evict_stale`): before `load_task` imports an entry, the user modules (not the
+standard library's, installed packages', torch's or nanbisect's) whose file changed on disk since
+nanbisect first saw them imported, and those that a module of the entry's directory (or of an
+``import_roots`` directory) of the same name shadows, leave ``sys.modules`` with their packages,
+so that a fix on disk, or a second tree with a same-named sibling, is what the next run of one
+process imports. A module whose file is unchanged is kept (its registrations, e.g. a
+``torch.library`` op, run once). `kept_path` restores ``sys.path`` around a whole run.
 """
 from __future__ import annotations
 
@@ -267,19 +276,136 @@ def gate(path: Path, shown: str | None = None) -> None:
     raise BadInput(f"entry '{shown or _shown_path(path)}' line {found.line} runs "
                    f"`{found.text}`{said} at import, which a replay must not do; move it under "
                    "`if __name__ == \"__main__\":` (or into the task function), or pass "
-                   "--run-top-level (or build Task(run_top_level=True)) to let it run")
+                   "--run-top-level (nanbisect.run: run_top_level=True; or build "
+                   "Task(run_top_level=True)) to let it run")
 
 
 @contextmanager
 def _argv(path: Path) -> Iterator[None]:
-    """``sys.argv`` is ``[path]`` alone while an entry file is imported (a module-level
-    ``parse_args()`` must not read nanbisect's own arguments); restored after."""
+    """``sys.argv`` is ``[path]`` alone while an entry file is imported and while its task
+    function runs (a ``parse_args()`` there must not read nanbisect's own arguments); restored
+    after."""
     saved = sys.argv
     sys.argv = [str(path)]
     try:
         yield
     finally:
         sys.argv = saved
+
+
+@contextmanager
+def kept_path() -> Iterator[None]:
+    """``sys.path`` as it was on entry, restored on exit, also on error (a run puts the entry's
+    directory and a stored copy's roots first while it replays: the task's code may import
+    lazily at step time).
+
+    >>> with kept_path():
+    ...     sys.path.insert(0, "/nowhere")
+    >>> "/nowhere" in sys.path
+    False
+    """
+    saved = list(sys.path)
+    try:
+        yield
+    finally:
+        if sys.path != saved:
+            sys.path[:] = saved
+            importlib.invalidate_caches()
+
+
+# the user modules' files as nanbisect first saw them (resolved path -> (mtime_ns, size)): a
+# module whose file no longer matches was imported from an older version of it
+_seen: dict[str, tuple[int, int]] = {}
+
+
+def _stamp(f: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(f)
+    except OSError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
+def _user_modules() -> list[tuple[str, str]]:
+    """(name, resolved file) of every imported module whose ``.py`` file is the user's
+    (`nanbisect.util.frames.kind`)."""
+    out = []
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if isinstance(f, str) and f.endswith(".py") and frames.kind(f) == "user":
+            out.append((name, os.path.realpath(f)))
+    return out
+
+
+def _remember() -> None:
+    """Note the file of each user module not seen yet, as it is now."""
+    for _, f in _user_modules():
+        if f not in _seen and (st := _stamp(f)) is not None:
+            _seen[f] = st
+
+
+def _names_in(d: Path) -> dict[str, str]:
+    """{module name: resolved file} of the modules and packages directly in ``d``."""
+    out = {}
+    try:
+        entries = list(os.scandir(d))
+    except OSError:
+        return out
+    for e in entries:
+        if e.name.endswith(".py") and e.is_file() and e.name[:-3].isidentifier():
+            out.setdefault(e.name[:-3], os.path.realpath(e.path))
+        elif e.is_dir() and e.name.isidentifier() and os.path.isfile(
+                os.path.join(e.path, "__init__.py")):
+            out[e.name] = os.path.realpath(os.path.join(e.path, "__init__.py"))
+    return out
+
+
+def _top(name: str) -> str:
+    """The package ``name`` leaves ``sys.modules`` with: its top-level one when that is the
+    user's too (not torch's when a user file registered a ``torch.*`` name), else itself."""
+    top = name.split(".")[0]
+    f = getattr(sys.modules.get(top), "__file__", None)
+    return top if isinstance(f, str) and frames.kind(f) == "user" else name
+
+
+def _evict_stale(dirs: list[Path]) -> list[str]:
+    """Take out of ``sys.modules`` (each with its top-level package and that package's
+    submodules, when the package is the user's) every user module whose file changed since first
+    seen, or that a module of the same top-level name in one of ``dirs`` (the entry's directory,
+    a stored copy's roots) shadows; and when it takes any, also every user module under ``dirs``,
+    as those may hold what the stale ones defined (``from layers import Act``). Returns the
+    names taken out. User modules only: never the standard library, installed packages, torch
+    or nanbisect.
+
+    >>> import types, tempfile
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "nb_doc_sib.py").write_text("X = 1")
+    >>> sys.modules["nb_doc_sib"] = m = types.ModuleType("nb_doc_sib")
+    >>> m.__file__ = "/elsewhere/nb_doc_sib.py"
+    >>> _evict_stale([d]), "nb_doc_sib" in sys.modules
+    (['nb_doc_sib'], False)
+    """
+    shadows: dict[str, str] = {}
+    for d in reversed(dirs):            # the first directory wins, as on sys.path
+        shadows.update(_names_in(d))
+    keys = set()
+    for name, f in _user_modules():
+        seen = _seen.get(f)
+        if (seen is not None and _stamp(f) != seen) or (
+                "." not in name and name in shadows and shadows[name] != f):
+            keys.add(_top(name))
+    if keys:
+        under = tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+        keys.update(_top(name) for name, f in _user_modules() if f.startswith(under))
+    gone = sorted(n for n in list(sys.modules)
+                  if n in keys or any(n.startswith(k + ".") for k in keys))
+    for n in gone:
+        mod = sys.modules.pop(n)
+        f = getattr(mod, "__file__", None)
+        if isinstance(f, str):
+            _seen.pop(os.path.realpath(f), None)
+    if gone:
+        importlib.invalidate_caches()
+    return gone
 
 
 def _imported(path: Path) -> Any:
@@ -307,8 +433,10 @@ def _import_file(path: Path, shown: str, check: bool = False) -> Any:
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    if str(path.parent) not in sys.path:
-        sys.path.insert(0, str(path.parent))  # let the file import its neighbours
+    if sys.path[:1] != [str(path.parent)]:   # let the file import its neighbours first
+        if str(path.parent) in sys.path:
+            sys.path.remove(str(path.parent))
+        sys.path.insert(0, str(path.parent))
     try:
         with _no_training(), _argv(path):
             spec.loader.exec_module(module)
@@ -322,6 +450,7 @@ def _import_file(path: Path, shown: str, check: bool = False) -> Any:
         del sys.modules[name]
         raise BadInput(f"entry file '{shown}' failed to import: {type(e).__name__}: {e}"
                        f"{_user_frame(e)}; fix that file or pass another --entry") from None
+    _remember()
     return module
 
 
@@ -436,27 +565,49 @@ def check_entry(entry: str, search: list[Path] = ()) -> None:
         gate(file, f"{target} ({_shown_path(file)})")
 
 
-def load_task(entry: str, search: list[Path] = (), *, run_top_level: bool = False) -> Task:
+def load_task(entry: str, search: list[Path] = (), *, run_top_level: bool = False,
+              roots: list[Path] = ()) -> Task:
     """Import the entry and call it; check that it returned a usable `Task`. Unless
     ``run_top_level``, an entry file whose top level does more than define is refused before it
-    is imported (`gate`).
+    is imported (`gate`). Stale user modules leave ``sys.modules`` first (`_evict_stale`: those
+    changed on disk, those shadowed by a module of the entry file's directory or of ``roots``,
+    the import roots a caller put first on sys.path; with them the user modules under those
+    directories). ``sys.argv`` is the entry's file alone
+    while it is imported and while the task function runs. When it fails, ``sys.path`` is as it
+    was; when it succeeds, the entry's directory stays first (the task may import at step time:
+    `kept_path` around a run restores it).
 
     >>> type(load_task("fixtures/tasks/healthy.py:task").model).__name__
     'TinyGPT'
     """
     target, func = split_entry(entry)
-    module = import_target(target, list(search), check=not run_top_level)
-    fn = getattr(module, func, None)
-    if not callable(fn):
-        raise BadInput(f"entry '{entry}': '{func}' is not a function in {target}; pass --entry "
-                       "naming the function that returns nanbisect.Task")
+    dirs = list(roots)
+    if target.endswith(".py"):
+        found = next((c.resolve() for c in [Path(target)] + [Path(d) / target for d in search]
+                      if c.is_file()), None)
+        dirs = ([found.parent] if found is not None else []) + dirs
+    saved = list(sys.path)
     try:
-        task = fn()
-    except KeyboardInterrupt:
+        _evict_stale(dirs)
+        module = import_target(target, list(search), check=not run_top_level)
+        fn = getattr(module, func, None)
+        if not callable(fn):
+            raise BadInput(f"entry '{entry}': '{func}' is not a function in {target}; pass "
+                           "--entry naming the function that returns nanbisect.Task")
+        file = getattr(module, "__file__", None)
+        try:
+            with _argv(Path(file)) if isinstance(file, str) else nullcontext():
+                task = fn()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            raise BadInput(f"entry '{entry}' raised {type(e).__name__}: {e}{_user_frame(e)}; "
+                           "fix the entry function or pass --entry") from None
+    except BaseException:
+        sys.path[:] = saved
         raise
-    except BaseException as e:
-        raise BadInput(f"entry '{entry}' raised {type(e).__name__}: {e}{_user_frame(e)}; fix the "
-                       "entry function or pass --entry") from None
+    finally:
+        _remember()
     if not isinstance(task, Task):
         raise BadInput(f"entry '{entry}' returned {type(task).__name__}, not nanbisect.Task; "
                        "return Task(model=..., optimizer=..., loss_fn=...) or pass --entry")

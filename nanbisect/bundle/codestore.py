@@ -22,7 +22,8 @@ Guarantees: `plan` and `store` never raise for a user file (an unreadable one is
 `check` refuses a manifest whose stored path is not ``code/`` followed by plain names ending in
 ``.py`` (no ``..``, no absolute path, no link anywhere on the way: nothing outside the bundle is
 read), and with ``verify`` a stored file that is missing, not a plain file, or whose size or
-sha256 differs from the manifest's. Not guaranteed: that the stored code imports only stored
+sha256 differs from the manifest's, or a file under ``code/`` the manifest does not list
+(``__pycache__`` aside). Not guaranteed: that the stored code imports only stored
 files (a module left out, or one that was never a file, is looked for where Python finds it
 now), nor, in one process that already imported a module of the same name from elsewhere, that
 the stored sibling is the one imported.
@@ -206,7 +207,8 @@ def store(into: Path, section: dict | None, sources: dict[str, str]) -> dict | N
 def check(p: Path, manifest: dict, verify: bool) -> None:
     """`BadInput` unless every stored file the manifest's ``code.files`` names is a path inside
     ``p``'s ``code/`` (`stored_path_ok`) with sha256 and size; with ``verify``, also a plain file
-    there, reached through no symbolic link, of that size and sha256."""
+    there, reached through no symbolic link, of that size and sha256, and no other file under
+    ``code/`` (``__pycache__`` directories aside)."""
     code = manifest.get("code")
     files = code.get("files") if isinstance(code, dict) else None
     if files is None:
@@ -236,6 +238,24 @@ def check(p: Path, manifest: dict, verify: bool) -> None:
             raise BadInput(f"bundle '{p}': {info['path']} does not match its sha256 in the "
                            "manifest (truncated or altered); copy the bundle again or "
                            "re-capture it")
+    _unlisted(p, {info["path"] for info in files.values()})
+
+
+def _unlisted(p: Path, listed: set[str]) -> None:
+    """`BadInput` naming the first file under ``p``'s ``code/`` that the manifest does not list
+    (``__pycache__`` directories, which an import of the stored copy may write, are skipped):
+    a replay of the stored copy could import it, unchecked."""
+    top = p / CODE_DIR
+    if not top.is_dir() or os.path.islink(top):
+        return
+    for d, dirs, names in os.walk(top):
+        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        for name in sorted(names) + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
+            rel = Path(d, name).relative_to(p).as_posix()
+            if rel not in listed:
+                raise BadInput(f"bundle '{p}': {rel} is not a stored copy the manifest lists "
+                               "(a replay could import it unchecked); remove it, or copy the "
+                               "bundle again or re-capture it")
 
 
 def _sha256_bounded(f: Path, size: int) -> str:

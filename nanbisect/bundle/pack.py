@@ -110,22 +110,34 @@ def _members(src: Path, full: bool) -> list[tuple[Path, str]]:
     out = [(f, f"report/{f.relative_to(report).as_posix()}") for f in sorted(report.rglob("*"))
            if f.is_file() and not f.is_symlink()]
     if bundle is not None:
+        code = _stored_code(bundle)
         for f in sorted(bundle.rglob("*")):
             rel = f.relative_to(bundle)
             if not f.is_file() or f.is_symlink() or rel.parts[0] == "nanbisect-report":
                 continue
-            if full or f.name == MANIFEST or f.name in OPTIONAL or _stored_code(bundle, rel):
+            if full or f.name == MANIFEST or f.name in OPTIONAL or rel.as_posix() in code:
                 out.append((f, f"bundle/{rel.as_posix()}"))
     return out
 
 
-def _stored_code(bundle: Path, rel: Path) -> bool:
-    """Is ``rel`` (a path in ``bundle``) a stored copy of the user's code (``code/`` of the
-    bundle or of a rank's part, `nanbisect.bundle.codestore`)? Always packed: a ticket
-    replays where the repository is not."""
-    parts = rel.parts
-    return rel.suffix == ".py" and (parts[0] == CODE_DIR or (
-        len(parts) > 2 and parts[1] == CODE_DIR and (bundle / parts[0] / MANIFEST).is_file()))
+def _stored_code(bundle: Path) -> set[str]:
+    """The stored copies of the user's code in ``bundle`` (`nanbisect.bundle.codestore`): the
+    paths, relative to ``bundle``, that its manifest's ``code.files`` (or a rank part's, in
+    ``rankN/code/``) lists under ``code/``. Always packed: a ticket replays where the repository
+    is not. A file under ``code/`` that no manifest lists is not packed (without ``--full``)."""
+    out: set[str] = set()
+    for m in [bundle / MANIFEST, *sorted(bundle.glob(f"*/{MANIFEST}"))]:
+        try:
+            files = json.loads(m.read_text(encoding="utf-8"))["code"]["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        prefix = "" if m.parent == bundle else f"{m.parent.name}/"
+        for info in files.values() if isinstance(files, dict) else ():
+            rel = info.get("path") if isinstance(info, dict) else None
+            if isinstance(rel, str) and rel.startswith(f"{CODE_DIR}/") and rel.endswith(".py") \
+                    and ".." not in rel.split("/"):
+                out.add(prefix + rel)
+    return out
 
 
 def _code_left_out(src: Path) -> list[str]:

@@ -30,7 +30,7 @@ from nanbisect.replay.replayer import (code_choice, parse_device, resolve_entry,
                                       top_level_recorded)
 from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
-from nanbisect.task import check_entry, load_inject
+from nanbisect.task import check_entry, kept_path, load_inject
 from nanbisect.util.dynamo import defer_dynamo
 from nanbisect.util.spec import DeviceSpec
 from nanbisect.util.text import ranks_arg, ranks_text, show
@@ -84,6 +84,15 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     >>> report.culprit.op, report.culprit.module, report.culprit.module_call
     ('aten.sqrt.default', 'blocks.1.mlp.act', 2)
     """
+    # the entry's directory and a stored copy's roots stay first on sys.path while the replays
+    # run (the task may import at step time), and go when the run ends, also on error
+    with kept_path():
+        return _run_bundle_at(path, opts, out, progress)
+
+
+def _run_bundle_at(path: str | Path, opts: RunOptions, out: Path | None,
+                   progress: Progress) -> Report:
+    """`run_bundle` inside its `kept_path`."""
     clock = _Clock(progress)
     # a bad NANBISECT_* number, before anything (not one a given option overrides)
     check_environment("run", {"--remedy-budget"} if opts.remedies is not None else set())
@@ -183,6 +192,12 @@ def _which_code(bundle: Bundle, opts: RunOptions) -> tuple[RunOptions, str | Non
     entry, note = code_choice(source, opts.code)
     if note is None:
         return opts, None
+    from nanbisect.bundle import codestore    # NB: here, to leave this file's imports alone
+    stored = source.path.resolve() / codestore.CODE_DIR
+    if stored in Path(entry.rpartition(":")[0]).resolve().parents:
+        # the stored copy is imported: verified, also where the bundle (``--ranks``) or the
+        # part was read without verifying
+        codestore.check(source.path, source.manifest, verify=True)
     return replace(opts, entry=entry), note
 
 

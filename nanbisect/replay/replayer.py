@@ -423,11 +423,16 @@ def top_level_recorded(manifest: dict) -> bool:
 
 def load_entry(entry: str, bundle: Bundle, run_top_level: bool = False) -> Task:
     """`load_task` of ``entry``; a stored copy (`code_choice`) with its bundle's import roots
-    first on sys.path, so its siblings are the stored ones, and no bytecode written into the
-    bundle. ``run_top_level``: `load_task`'s (else the entry's top level is checked first)."""
+    first on sys.path, so its siblings are the stored ones (a module of the same name imported
+    before, from the local files or another tree, is taken out of ``sys.modules`` first:
+    `nanbisect.task.load_task`), and no bytecode written into the bundle. ``run_top_level``:
+    `load_task`'s (else the entry's top level is checked first). ``sys.path`` keeps the roots
+    (the task may import at step time) until the `nanbisect.task.kept_path` around the run
+    restores it; it is restored at once when the load fails."""
     roots = _stored_roots(entry)
     if not roots:
         return load_task(entry, [bundle.path], run_top_level=run_top_level)
+    saved_path = list(sys.path)
     for r in reversed(roots):
         if str(r) in sys.path:
             sys.path.remove(str(r))
@@ -435,6 +440,9 @@ def load_entry(entry: str, bundle: Bundle, run_top_level: bool = False) -> Task:
     importlib.invalidate_caches()
     saved, sys.dont_write_bytecode = sys.dont_write_bytecode, True
     try:
-        return load_task(entry, [bundle.path], run_top_level=run_top_level)
+        return load_task(entry, [bundle.path], run_top_level=run_top_level, roots=roots)
+    except BaseException:
+        sys.path[:] = saved_path
+        raise
     finally:
         sys.dont_write_bytecode = saved

@@ -449,9 +449,18 @@ def _history_md(r: Report) -> list[str]:
     return lines
 
 
+# how the note of a replay that imported the bundle's stored copy of the code begins
+# (`nanbisect.replay.replayer.code_choice`)
+STORED_CODE_RAN = "the bundle's copy of the code ran"
+
+
 def terminal(r: Report, out: Path) -> str:
-    """The short summary the CLI prints."""
+    """The short summary the CLI prints. When the replay ran the bundle's stored copy of the
+    code (chosen by default because the files here differ, or by ``--code bundle``), its second
+    line says so and why (``code: the bundle's copy of the code ran: ... --code local runs
+    them``): a fix made here is not what ran."""
     lines = [f"nanbisect: {r.verdict} - {headline(r)}"]
+    lines += [f"  code: {n}" for n in r.notes if n.startswith(STORED_CODE_RAN)][:1]
     lines += [f"  verified: {v}" for v in verified(r)]
     tried = [rem for rem in r.remedies if rem.outcome in ("still-failing", "error")]
     lines += [f"  tried: {rem.sentence()}" for rem in tried]

@@ -9,18 +9,28 @@ Allowed at the top level (docs/guide/tasks.md):
 
 - the docstring and other constant expressions; ``pass``; imports, also in a ``try`` whose
   handlers catch only ``ImportError``/``ModuleNotFoundError`` (their bodies checked alike, where a
-  ``raise`` is allowed too);
-- ``def`` and ``class`` with any decorators;
+  ``raise`` is allowed too), or catch anything (``except Exception:``, a bare ``except:``) when
+  the ``try`` body holds only imports and assignments (``try: import apex``);
+- ``def`` and ``class`` with any decorators: decorators and default arguments are evaluated at
+  import and are not judged (nor is a class body);
 - ``if __name__ == "__main__":`` and ``if TYPE_CHECKING:`` (bodies not checked: they do not run at
   import; an ``else`` is checked); any other ``if`` whose test and branches pass these rules;
-- assignments and expression statements whose calls are all definitional: a call of a function
-  or class defined in this file, of a name imported from a sibling module (a ``.py`` file or
-  package in the entry file's directory, or a relative import: the user's own code), of an
-  attribute of either (not of what calling them returned: ``parser = make_parser()`` then
-  ``parser.parse_args()`` is refused), or of a name bound at the top level to a value the file
-  built (a literal or a builtin's: ``CONFIG.update(...)``); a call on the
-  `ALLOWED` list (or under `ALLOWED_PREFIXES`); a builtin in `BUILTINS`; ``pathlib.Path(...)``
-  with only `PATH_PURE` methods chained; a call of what an allowed call returned (a decorator
+- assignments and expression statements whose calls are all definitional: a call of a class
+  defined in this file (``cfg = Config()``); a call of a function defined in this file whose own
+  body's calls are all definitional by these rules, read one level deep (there a call of another
+  function of this file is not, and ``torch.library.*`` and a ``.register_*(...)`` method are:
+  ``FUSED_GELU = _define()`` registering a custom op passes, ``args = get_args()`` wrapping
+  argparse is refused; the bodies of functions and lambdas defined inside are not read); a call
+  of a name imported from a sibling module (a ``.py`` file or package in the entry file's
+  directory, or a relative import: the user's own code), of an attribute of either or of a
+  function of this file (``op.register_autograd(...)``; not of what calling them returned:
+  ``parser = make_parser()`` then ``parser.parse_args()`` is refused), or of a name bound at the
+  top level to a value the file built (a literal or a builtin's: ``CONFIG.update(...)``); a call
+  on the `ALLOWED` list (or under `ALLOWED_PREFIXES`, or ``torch.backends.*.is_available()``:
+  the settings, seeds and device checks of an ordinary script, ``logger.setLevel`` of a name
+  bound from ``logging.getLogger``); a builtin in `BUILTINS`;
+  ``getattr(torch.ops.<namespace>, name)``; ``pathlib.Path(...)`` with only `PATH_PURE` methods
+  chained; a call of what an allowed call returned (a decorator
   factory: ``nanbisect.reference_impl("lib::op")(fn)``); except a bare top-level call of a
   function of this file or a sibling named in `ENTRY_POINTS` (``main()``: it runs the script);
 - ``assert`` without calls.
@@ -30,7 +40,8 @@ Everything else is refused: another call (``argparse.ArgumentParser()``, ``open(
 ``global``, ``del``, a ``raise`` outside an import's handler, ``match``. Calls inside a
 ``lambda`` body do not run at import and are not checked; a class body's statements are not
 checked (a class is a definition). Not guaranteed: that user code deemed definitional (a
-function of the file, a sibling module's) does nothing else; those are the user's own.
+class of the file, what a function of the file calls beyond its own body, a sibling module's
+functions) does nothing else; those are the user's own.
 """
 from __future__ import annotations
 
@@ -40,7 +51,8 @@ from pathlib import Path
 
 # builtins that construct values (or print): allowed unless the file rebinds the name
 BUILTINS = frozenset({"int", "float", "str", "bool", "tuple", "list", "dict", "set", "frozenset",
-                      "range", "len", "min", "max", "abs", "sorted", "print"})
+                      "range", "len", "min", "max", "abs", "sorted", "print", "hasattr",
+                      "isinstance"})
 # pure or definitional callables, by their imported dotted name
 ALLOWED = frozenset({
     "torch.device", "torch.ops.load_library", "torch.manual_seed", "contextvars.ContextVar",
@@ -50,9 +62,28 @@ ALLOWED = frozenset({
     "nanbisect.reference_impl",
     "os.path.join", "os.path.dirname", "os.path.abspath", "os.path.basename", "os.path.realpath",
     "os.path.expanduser", "os.path.normpath", "os.path.split", "os.path.splitext",
-    "os.path.relpath", "tempfile.gettempdir"})
+    "os.path.relpath", "tempfile.gettempdir",
+    # the settings and seeds of an ordinary training script
+    "logging.basicConfig", "logging.getLogger().setLevel", "os.environ.setdefault",
+    "os.environ.update", "torch.set_float32_matmul_precision", "torch.set_default_dtype",
+    "torch.use_deterministic_algorithms", "random.seed", "numpy.random.seed",
+    "transformers.set_seed", "lightning.seed_everything", "pytorch_lightning.seed_everything",
+    "lightning.pytorch.seed_everything", "lightning.fabric.seed_everything",
+    "lightning_fabric.seed_everything",
+    # what the machine has (``device = "cuda" if torch.cuda.is_available() else "cpu"``)
+    "torch.cuda.is_available", "torch.cuda.device_count",
+    # constant tensors
+    "torch.tensor", "torch.zeros", "torch.ones", "torch.arange", "torch.full",
+    # pure conversions in memory (nothing read or written)
+    "json.loads", "json.dumps", "struct.pack", "struct.unpack", "struct.calcsize",
+    "safetensors.torch.save",
+    # Hugging Face example scripts' version checks
+    "transformers.utils.check_min_version", "transformers.utils.versions.require_version",
+    "diffusers.utils.check_min_version"})
 # every callable under these (torch.library.Library, torch.library.custom_op, typing.TypeVar)
 ALLOWED_PREFIXES = ("torch.library.", "typing.", "typing_extensions.")
+# ``torch.backends.<name>.is_available()`` (``torch.backends.mps.is_available()``)
+_BACKEND_AVAILABLE = ("torch.backends.", ".is_available")
 # the methods and attributes of a Path that compute another path (nothing read or written)
 PATH_PURE = frozenset({"resolve", "parent", "parents", "joinpath", "absolute", "expanduser",
                        "with_suffix", "with_name", "name", "stem", "suffix"})
@@ -61,6 +92,8 @@ ENTRY_POINTS = frozenset({"main", "train", "run", "fit"})
 
 _PATH = "pathlib.Path"
 _IMPORT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError"})
+# what a broad handler catches: allowed around a ``try`` body of imports (and assignments) only
+_BROAD = frozenset({"Exception", "BaseException"})
 
 
 @dataclass(frozen=True)
@@ -93,6 +126,9 @@ class _Reader:
     def __init__(self, tree: ast.Module, source: str, here: Path | None) -> None:
         self.source, self.here = source, here
         self.defined: set[str] = set()       # def/class at the top level (any depth of if/try)
+        self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}   # the defs
+        self._read: dict[str, ast.Call | None] = {}     # a def's name -> its body's first bad call
+        self._depth = 0                      # 1 while a called def's body is read
         self.names: dict[str, str] = {}      # imported name -> dotted origin
         self.siblings: set[str] = set()      # names bound to the user's own code
         self.bound: dict[str, str] = {}      # name bound from an allowed call -> its origin
@@ -104,6 +140,10 @@ class _Reader:
         for node in body:
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
                 self.defined.add(node.name)
+                if isinstance(node, ast.ClassDef):
+                    self.functions.pop(node.name, None)
+                else:
+                    self.functions[node.name] = node
             elif isinstance(node, ast.Import):
                 for a in node.names:
                     if a.asname:
@@ -185,14 +225,67 @@ class _Reader:
         if isinstance(f, ast.Name) and f.id in BUILTINS and f.id not in self.names \
                 and f.id not in self.defined and f.id not in self.bound:
             return True
+        if isinstance(f, ast.Name) and f.id == "getattr" and f.id not in self.names \
+                and f.id not in self.defined and f.id not in self.bound and call.args \
+                and (self.dotted(call.args[0]) or "").startswith("torch.ops."):
+            return True     # an op looked up by name: ``getattr(torch.ops.mylib, name)``
+        if isinstance(f, ast.Name) and f.id in self.functions and f.id not in self.bound:
+            # a function of this file: its own body is read with these rules, one level deep
+            return self._depth == 0 and self.def_bad_call(f.id) is None
         if self._user_code(self._root(f)):
             return True
         if self._is_path(call):
             return True
         if isinstance(f, ast.Call) and self.call_ok(f):
             return True     # what an allowed factory made: ``torch.library.register_fake(n)(f)``
+        if self._depth and isinstance(f, ast.Attribute) and f.attr.startswith("register_"):
+            return True     # in a called def: ``fused_gelu.register_autograd(backward)``
         name = self.dotted(f)
-        return name is not None and (name in ALLOWED or name.startswith(ALLOWED_PREFIXES))
+        return name is not None and (
+            name in ALLOWED or name.startswith(ALLOWED_PREFIXES)
+            or (name.startswith(_BACKEND_AVAILABLE[0]) and name.endswith(_BACKEND_AVAILABLE[1])))
+
+    def def_bad_call(self, name: str) -> ast.Call | None:
+        """The first call in the body of this file's function ``name`` that is not definitional
+        by the same rules, None when there is none. One level deep: in that body, a call of
+        another function of this file is not definitional; ``torch.library.*`` and a
+        ``.register_*(...)`` method are. The bodies of functions and lambdas defined inside it
+        are not read (they do not run when it does); their decorators and defaults are."""
+        if name in self._read:
+            return self._read[name]
+        node = self.functions[name]
+        saved = self.bound
+        self.bound = dict(saved)
+        self._depth += 1
+        found = None
+        try:
+            todo: list[ast.AST] = list(node.body)
+            while todo and found is None:
+                n = todo.pop(0)
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    todo[:0] = [*n.decorator_list, *n.args.defaults,
+                                *(d for d in n.args.kw_defaults if d is not None)]
+                    self.bound.pop(n.name, None)
+                    continue
+                if isinstance(n, ast.Assign):      # a local bound from an allowed call: ``lib``
+                    found = self.bad_call(n.value)
+                    for t in n.targets:
+                        if isinstance(t, ast.Name):
+                            kind = self.origin(n.value)
+                            if kind is None:
+                                self.bound.pop(t.id, None)
+                            else:
+                                self.bound[t.id] = kind
+                    continue
+                if not isinstance(n, ast.expr):   # a statement, handler, argument list...
+                    todo[:0] = list(ast.iter_child_nodes(n))
+                    continue
+                found = self.bad_call(n)
+        finally:
+            self._depth -= 1
+            self.bound = saved
+        self._read[name] = found
+        return found
 
     def origin(self, value: ast.expr) -> str | None:
         """What a top-level name bound to ``value`` is, for calls on it later."""
@@ -208,7 +301,9 @@ class _Reader:
                 and f.id not in self.defined:
             return "<value>"
         name = self.dotted(value.func)
-        return f"{name}()" if name and name.startswith("torch.library.") else None
+        if name and (name.startswith("torch.library.") or name == "logging.getLogger"):
+            return f"{name}()"
+        return None
 
     def bad_call(self, node: ast.AST) -> ast.Call | None:
         """The first call in ``node`` that is not definitional (lambda bodies skipped)."""
@@ -286,12 +381,24 @@ class _Reader:
         call = self.bad_call(where)
         if call is None:
             return None
-        return self.refuse(node, f"calls {shorten(ast.unparse(call.func), 40)}")
+        what = f"calls {shorten(ast.unparse(call.func), 40)}"
+        f = call.func
+        if isinstance(f, ast.Name) and f.id in self.functions and f.id not in self.bound:
+            inner = self.def_bad_call(f.id)
+            if inner is not None:
+                what += (f", a function of this file that calls "
+                         f"{shorten(ast.unparse(inner.func), 40)} (line {inner.lineno})")
+        return self.refuse(node, what)
 
     def _try(self, node: ast.Try) -> Refusal | None:
         imports = any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body)
+        # a broad handler only around imports (and assignments): ``except Exception:`` of
+        # ``try: import apex``
+        only_imports = all(isinstance(n, (ast.Import, ast.ImportFrom, ast.Assign, ast.Pass))
+                           for n in node.body)
         handlers_ok = bool(node.handlers) and all(
-            _catches_import_error(h.type) for h in node.handlers)
+            _catches_import_error(h.type) or (only_imports and _broad(h.type))
+            for h in node.handlers)
         if not (imports and handlers_ok):
             return self.refuse(node, "runs a `try` that is not around imports")
         return (self.body(node.body) or self.body(node.orelse) or self.body(node.finalbody)
@@ -310,6 +417,13 @@ def _never_at_import(test: ast.expr) -> bool:
         return (any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
                 and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
     return False
+
+
+def _broad(t: ast.expr | None) -> bool:
+    """A bare ``except:`` or one of ``Exception``/``BaseException`` (alone or in a tuple)."""
+    names = t.elts if isinstance(t, ast.Tuple) else [t]
+    return t is None or all(isinstance(n, ast.Name) and n.id in _BROAD | _IMPORT_ERRORS
+                            for n in names)
 
 
 def _catches_import_error(t: ast.expr | None) -> bool:

@@ -153,3 +153,33 @@ def test_a_library_that_wraps_backward_at_import_keeps_its_wrapper(tmp_path, mon
     x = torch.ones(2, requires_grad=True)
     x.sum().backward()
     assert mod.seen == [1] and x.grad.tolist() == [1.0, 1.0]
+
+
+ARGV_IN_TASK = """\
+import argparse
+import torch
+import nanbisect
+
+def task():
+    args = argparse.ArgumentParser().parse_args()    # defaults: no arguments of its own
+    model = torch.nn.Linear(2, 1)
+    return nanbisect.Task(model=model, optimizer=None, loss_fn=lambda m, b: m(b).sum())
+"""
+
+
+def test_the_task_function_sees_argv_as_the_entry_file_alone(tmp_path, monkeypatch):
+    """A task function that parses argv with defaults must not read nanbisect's own arguments;
+    argv and sys.path are restored after (also after an entry that fails)."""
+    f = tmp_path / "argv_in_task_43.py"
+    f.write_text(ARGV_IN_TASK)
+    monkeypatch.setattr(sys, "argv", ["nanbisect", "run", "BUNDLE", "--quiet"])
+    path = list(sys.path)
+    assert isinstance(load_task(f"{f}:task").model, torch.nn.Linear)
+    assert sys.argv == ["nanbisect", "run", "BUNDLE", "--quiet"]
+    bad = tmp_path / "argv_in_task_43_bad.py"
+    bad.write_text(ARGV_IN_TASK.replace("parse_args()", "parse_args(['--no-such-flag'])"))
+    with pytest.raises(BadInput, match="raised SystemExit"):
+        load_task(f"{bad}:task")
+    assert sys.argv == ["nanbisect", "run", "BUNDLE", "--quiet"]
+    assert str(tmp_path) in sys.path[:1]        # a loaded task keeps its directory first ...
+    sys.path[:] = path                          # (a run's `kept_path` restores it)

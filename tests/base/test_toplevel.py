@@ -77,6 +77,66 @@ ALLOWED = {
         def register():
             pass
         """,
+    "registration functions of this file, read one level deep": """\
+        import torch
+        def _define():
+            try:
+                return torch.ops.nbdev.fused_gelu
+            except (AttributeError, RuntimeError):
+                pass
+            @torch.library.custom_op("nbdev::fused_gelu", mutates_args=())
+            def fused_gelu(x: torch.Tensor) -> torch.Tensor:
+                open("never at import")
+            fused_gelu.register_autograd(lambda ctx, g: g, setup_context=None)
+            return torch.ops.nbdev.fused_gelu
+        FUSED_GELU = _define()
+        def _define_lib() -> None:
+            if hasattr(torch.ops.nbtest, "softmax"):
+                return
+            lib = torch.library.Library("nbtest", "DEF")
+            lib.define("softmax(Tensor x) -> Tensor")
+            torch.library.register_fake("nbtest::softmax", lambda x: x, lib=lib)
+            _define_lib.lib = lib
+        _define_lib()
+        """,
+    "an ordinary script's settings and seeds": """\
+        import logging, os, random
+        import numpy as np
+        import torch
+        import transformers
+        import lightning as L
+        import pytorch_lightning as pl
+        from lightning import seed_everything
+        from transformers.utils import check_min_version
+        from transformers.utils.versions import require_version
+        try:
+            import apex
+            HAVE_APEX = True
+        except Exception:
+            apex = None
+        try:
+            import flash_attn
+        except:
+            pass
+        check_min_version("4.40.0")
+        require_version("datasets>=2.0", "pip install datasets")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        DEVICE = torch.device(device)
+        N_GPUS = torch.cuda.device_count()
+        MPS = torch.backends.mps.is_available() and torch.backends.cudnn.is_available()
+        logging.basicConfig(level=logging.INFO)
+        logger = logging.getLogger(__name__)
+        logger.setLevel(logging.INFO)
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+        os.environ.update({"OMP_NUM_THREADS": "1"})
+        torch.set_float32_matmul_precision("high")
+        torch.set_default_dtype(torch.float32)
+        torch.use_deterministic_algorithms(True)
+        random.seed(0); np.random.seed(0); transformers.set_seed(0)
+        L.seed_everything(0); pl.seed_everything(0); seed_everything(0)
+        MASK = torch.tensor([1.0, 0.0]) + torch.zeros(2) + torch.ones(2)
+        STEPS = torch.arange(4); FILL = torch.full((2,), 3.0)
+        """,
     "the allow-list": """\
         import contextvars, logging, os, re, sys, torch, warnings
         from collections import namedtuple
@@ -118,8 +178,30 @@ REFUSED = {
     "argparse": ("import argparse\nparser = argparse.ArgumentParser()\n", 2,
                  "argparse.ArgumentParser"),
     "a method of what a function here returned": (
-        "import argparse\ndef make():\n    return argparse.ArgumentParser()\n"
+        "import argparse\ndef make():\n    return PARSER\n"
         "parser = make()\nargs = parser.parse_args()\n", 5, "parser.parse_args"),
+    # a function of this file is read one level deep: its body's calls are judged alike
+    "a local argparse wrapper (get_args)": (
+        "import argparse\ndef get_args():\n    p = argparse.ArgumentParser()\n"
+        "    p.add_argument('--lr', type=float)\n    return p.parse_args()\n"
+        "args = get_args()\n", 6, "get_args, a function of this file that calls "
+        "argparse.ArgumentParser (line 3)"),
+    "a setup function that writes a marker (setup_run)": (
+        "from pathlib import Path\ndef setup_run():\n    Path('marker').write_text('x')\n"
+        "setup_run()\n", 4, "setup_run, a function of this file that calls "
+        "Path('marker').write_text"),
+    "a function of this file calling another (not read transitively)": (
+        "def _inner():\n    pass\ndef outer():\n    _inner()\nX = outer()\n", 5,
+        "calls outer, a function of this file that calls _inner"),
+    "a registration function that also opens a file": (
+        "import torch\ndef _define():\n    lib = torch.library.Library('x', 'DEF')\n"
+        "    open('log', 'w')\n    return lib\nLIB = _define()\n", 6, "open (line 4)"),
+    "broad except around more than imports": (
+        "try:\n    import apex\n    apex.setup()\nexcept Exception:\n    pass\n", 1, "try"),
+    "a method of a logger not bound from logging.getLogger": (
+        "import logging\nLOG = logging.Logger('x')\n", 2, "logging.Logger"),
+    "a seed function off the list": ("import numpy as np\nnp.random.rand(3)\n", 2,
+                                     "np.random.rand"),
     "open": ('"""Doc."""\nimport json\nCFG = json.load(open("cfg.json"))\n', 3, "json.load"),
     "wandb.init": ("import wandb\nwandb.init(project='x')\n", 2, "wandb.init"),
     "Path.write_text": ("from pathlib import Path\nPath('m.txt').write_text('x')\n", 2,
@@ -131,8 +213,8 @@ REFUSED = {
     "while loop": ("x = 0\nwhile x < 3:\n    x += 1\n", 2, "loops"),
     "with": ("with open('f') as f:\n    pass\n", 1, "with"),
     "try not around imports": ("try:\n    x = 1\nexcept Exception:\n    pass\n", 1, "try"),
-    "try catching everything": ("try:\n    import a\nexcept Exception:\n    pass\n", 1,
-                                "try"),
+    "try catching another error": ("try:\n    import a\nexcept OSError:\n    pass\n", 1,
+                                   "try"),
     "a call in an import's handler": ("try:\n    import a\nexcept ImportError:\n"
                                       "    os.system('pip install a')\n", 4, "os.system"),
     "global": ("global X\n", 1, "statement"),
@@ -197,6 +279,7 @@ def test_every_entry_the_suite_uses_passes():
                *(p for p in sorted(TEST_TASKS.glob("*.py")) if p.name not in scripts),
                ROOT / "tests" / "npu" / "tasks" / "npu_train.py",
                ROOT / "tests" / "guard" / "test_rebuild.py",
+               ROOT / "tests" / "helpers" / "hostile.py",       # the hostile bundles' entry
                ROOT / "scripts" / "bench_bisect.py", ROOT / "scripts" / "bench_guard.py",
                *sorted((ROOT / "examples").glob("*.py"))]
     for m in sorted((ROOT / "fixtures" / "bundles").rglob("manifest.json")):

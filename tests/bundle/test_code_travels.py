@@ -127,3 +127,70 @@ def test_local_and_bundle_code_and_hostile_paths(tmp_path):
     stored.symlink_to(outside)
     with pytest.raises(BadInput, match="symbolic link"):
         read_bundle(bundle)
+
+
+def _captured(tmp_path):
+    """A bundle of forward_nan_behind_mask captured in process, its stored code under code/."""
+    from nanbisect.guard.write import capture
+    from nanbisect.task import import_target
+
+    tasks = import_target(str(TASKS / "forward_nan_behind_mask.py"))
+    return capture(tasks.task(), next(tasks.batches()), tmp_path / "b",
+                   entry=f"{TASKS / 'forward_nan_behind_mask.py'}:task", step=1)
+
+
+def test_a_file_under_code_the_manifest_does_not_list_is_refused_and_not_packed(tmp_path):
+    """A planted code/evil.py (beside the stored sibling a replay imports) is refused when the
+    bundle is read, and a pack without --full leaves it out; an import's __pycache__ is not."""
+    from nanbisect.bundle.format import read_bundle
+    from nanbisect.bundle.pack import _members
+    from nanbisect.errors import BadInput
+
+    bundle = _captured(tmp_path)
+    m = json.loads((bundle / "manifest.json").read_text())
+    listed = {v["path"] for v in m["code"]["files"].values()}
+    home = (bundle / sorted(listed)[0]).parent
+    cache = home / "__pycache__"
+    cache.mkdir()
+    (cache / "tinygpt.cpython-311.pyc").write_bytes(b"\0")
+    read_bundle(bundle)                                        # __pycache__ is tolerated
+    evil = home / "evil.py"
+    evil.write_text("import os\nos.system('touch pwned')\n")
+    rel = evil.relative_to(bundle).as_posix()
+    with pytest.raises(BadInput, match=f"{rel} is not a stored copy the manifest lists"):
+        read_bundle(bundle)
+    (bundle / "nanbisect-report").mkdir()
+    (bundle / "nanbisect-report" / "report.json").write_text("{}")
+    packed = {name for _, name in _members(bundle, full=False)}
+    assert {f"bundle/{p}" for p in listed} <= packed, packed
+    assert f"bundle/{rel}" not in packed and not any("__pycache__" in n for n in packed), packed
+    assert f"bundle/{rel}" in {name for _, name in _members(bundle, full=True)}
+
+
+def test_ranks_leaving_out_the_lowest_rank_still_verifies_the_stored_code(tmp_path):
+    """The code of a multi-rank run is chosen on its lowest rank's part, which ``--ranks 1``
+    reads without verifying: an altered stored copy there is refused before it is imported."""
+    from nanbisect.bundle.format import read_bundle
+    from nanbisect.errors import BadInput
+    from nanbisect.pipeline.common import RunOptions
+    from nanbisect.pipeline.run import _which_code
+
+    bundle = _captured(tmp_path)
+    m = json.loads((bundle / "manifest.json").read_text())
+    stored = bundle / m["code"]["files"][m["code"]["entry_file"]]["path"]
+
+    class TwoRanks:            # rank 0's part is this bundle, read unverified (as --ranks 1 does)
+        multi_rank = True
+        manifest = {"ranks": {"1": {}, "0": {}}}
+
+        def part(self, rank, verify=True):
+            assert rank == 0 and not verify
+            return read_bundle(bundle, verify=False)
+
+    opts, note = _which_code(TwoRanks(), RunOptions(code="bundle"))
+    assert opts.entry.startswith(str(bundle / "code")) and "--code bundle" in note
+    stored.write_text(stored.read_text() + "\nimport os  # altered\n")
+    with pytest.raises(BadInput, match="does not match its sha256"):
+        _which_code(TwoRanks(), RunOptions(code="bundle"))
+    # the local files chosen: the stored copy is not imported, not read
+    assert _which_code(TwoRanks(), RunOptions(code="local"))[0].entry.startswith(str(TASKS))

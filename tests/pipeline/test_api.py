@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 
 import pytest
 
@@ -226,3 +225,91 @@ def test_the_package_names_are_the_api_whatever_was_imported_first():
     assert (res.code, res.stdout.strip()) == (0, "False"), res.stderr     # loading them is light
     assert "run" in nanbisect.__all__ and "triage" in nanbisect.__all__
     assert callable(nanbisect.triage)
+
+
+# issue 43's finding: two trees whose entries import a same-named sibling, run in one process
+TREE_TRAIN = """\
+import torch
+import nanbisect
+from layers_43 import Act
+
+def loss(m, b):
+    return m(b).sum()
+
+def task():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), Act())
+    return nanbisect.Task(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                          loss_fn=loss)
+"""
+TREE_LAYERS = """\
+import torch
+class Act(torch.nn.Module):
+    def forward(self, x):
+        return torch.{op}(x - 100.0)
+"""
+TREE_CAPTURE = """\
+import sys, torch
+tree = sys.argv[1]
+sys.path.insert(0, tree + "/tasks")
+import nanbisect, train_43
+nanbisect.capture(train_43.task(), torch.randn(2, 4), tree + "/bundle",
+                  entry=tree + "/tasks/train_43.py:task", step=1)
+"""
+TREE_RUNS = """\
+import sys, tempfile
+from pathlib import Path
+import nanbisect
+
+def culprit(tree, **kw):
+    r = nanbisect.run(tree + "/bundle", repro=False, remedies=False,
+                      out=Path(tempfile.mkdtemp()) / "r", **kw)
+    return r.culprit.op if r.culprit else r.verdict
+
+if sys.argv[1] == "two":
+    a, b = sys.argv[2:4]
+    print(culprit(a), culprit(b), culprit(a), culprit(b, code="bundle"))
+    print(any(p.startswith((a, b)) for p in sys.path))
+else:                                   # the fix loop: fix the sibling on disk, run again
+    tree = sys.argv[2]
+    first = culprit(tree, code="local")
+    layers = Path(tree, "tasks", "layers_43.py")
+    layers.write_text(layers.read_text().replace("(x - 100.0)", "((x - 100.0).abs() + 1.0)"))
+    print(first, culprit(tree, code="local"))
+"""
+
+
+def _runs(tmp_path, *args: str):
+    (tmp_path / "runs_43.py").write_text(TREE_RUNS)
+    return run_python([str(tmp_path / "runs_43.py"), *args])
+
+
+def _tree(root, op: str) -> str:
+    """A tree whose entry tasks/train_43.py imports its sibling layers_43 (torch.OP of x - 100,
+    so NaN for small x), captured in a process of its own."""
+    (root / "tasks").mkdir(parents=True)
+    (root / "tasks" / "train_43.py").write_text(TREE_TRAIN)
+    (root / "tasks" / "layers_43.py").write_text(TREE_LAYERS.format(op=op))
+    (root / "capture_43.py").write_text(TREE_CAPTURE)
+    res = run_python([str(root / "capture_43.py"), str(root)])
+    assert res.code == 0, res.stderr
+    return str(root)
+
+
+def test_two_trees_with_a_same_named_sibling_in_one_process(tmp_path):
+    """Each run imports its own tree's sibling, not the module of that name a run before
+    imported; sys.path is as it was after each run."""
+    a, b = _tree(tmp_path / "A", "sqrt"), _tree(tmp_path / "B", "log")
+    res = _runs(tmp_path, "two", a, b)
+    assert res.code == 0, res.stderr
+    assert res.stdout.split() == ["aten.sqrt.default", "aten.log.default", "aten.sqrt.default",
+                                  "aten.log.default", "False"]
+
+
+def test_a_fix_on_disk_is_what_the_next_run_in_the_process_replays(tmp_path):
+    """The "did my fix work" loop: code="local", the sibling fixed, run again: the fixed module
+    runs (the step is finite), not the one the first run imported."""
+    a = _tree(tmp_path / "A", "sqrt")
+    res = _runs(tmp_path, "fix", a)
+    assert res.code == 0, res.stderr
+    assert res.stdout.split() == ["aten.sqrt.default", "clean"]
