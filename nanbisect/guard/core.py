@@ -49,7 +49,7 @@ from nanbisect.errors import BadInput, NonFiniteStep  # noqa: F401 - (the doctes
 from nanbisect.guard.agree import write_timeout
 from nanbisect.guard.coord import rank_info
 from nanbisect.guard.entry import (SNAPSHOT_MODES, _check_modes, _check_out,  # noqa: F401
-                                   resolve_entry_file)
+                                   resolve_entry_file, warn_top_level)
 from nanbisect.guard.keep import RETRY_AFTER, Keeper, SnapshotFailed
 from nanbisect.guard.screen import _any_nonfinite, _kind, _norms
 from nanbisect.guard.snapshot import _Snapshot, model_tensors
@@ -130,6 +130,7 @@ class Guard(_Reading, _Failing, _Spikes):
             raise BadInput(f"Guard: got a {type(task).__name__}, not a nanbisect.Task; pass "
                            "Task(model=..., optimizer=..., loss_fn=...)")
         self._entry_file = resolve_entry_file(entry)
+        warn_top_level(self._entry_file, task, "Guard")
         self.task, self.entry, self.out = task, entry, Path(out)
         _check_out(self.out)
         _check_modes(max_scaler_skips, snapshot, snapshot_every, snapshot_stream)

@@ -16,10 +16,11 @@ import importlib.util
 import os
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 from nanbisect.errors import BadInput
-from nanbisect.task import split_entry
+from nanbisect.task import gate, split_entry
 
 
 def resolve_entry_file(entry: str) -> str | None:
@@ -134,3 +135,15 @@ def _check_modes(max_scaler_skips: int, snapshot: str, snapshot_every: int | Non
                        ">= 1 (None: chosen from the snapshot's cost)")
     if not isinstance(snapshot_stream, bool):
         raise BadInput(f"Guard(snapshot_stream={snapshot_stream!r}): give True or False")
+
+
+def warn_top_level(entry_file: str | None, task: object, who: str) -> None:
+    """Warn, at capture, when the entry file's top level does more than define: a replay will
+    refuse to import it (`nanbisect.task.gate`) unless the run opts in. Nothing when the task
+    already opts in (``Task(run_top_level=True)``) or the entry is a module."""
+    if entry_file is None or getattr(task, "run_top_level", False):
+        return
+    try:
+        gate(Path(entry_file))
+    except BadInput as e:
+        warnings.warn(f"{who}: {e}; a replay will refuse this entry until then", stacklevel=3)

@@ -36,7 +36,7 @@ from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_
 from nanbisect.bundle.tape import ROLE as TAPE_ROLE
 from nanbisect.guard.coord import rank_info, tensor_labels
 from nanbisect.guard.parts import rescue_dir, write_all_ranks
-from nanbisect.guard.entry import resolve_entry_file
+from nanbisect.guard.entry import resolve_entry_file, warn_top_level
 from nanbisect.task import Task, refuse_training_at_import
 from nanbisect.util.text import exception_line
 
@@ -153,6 +153,7 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
     """
     refuse_training_at_import("nanbisect.capture(...)")
     entry_file = resolve_entry_file(entry)
+    warn_top_level(entry_file, task, "nanbisect.capture")
     return _write(task, batch, RngState.get(accelerator_types()), Path(path), entry=entry,
                   entry_file=entry_file, step=step, observed=None,
                   sources=user_sources(entry_file), scaler_state=_scaler_state(task))

@@ -418,3 +418,37 @@ def test_every_rank_of_a_multirank_replay_honours_the_flag(tmp_path):
               "--json", env=env)
     assert res.code == 3, res.stdout[-2000:] + res.stderr          # the fixed copy: no NaN
     assert sorted(p.name for p in marks.iterdir()) == ["rank0", "rank1"]
+
+
+def test_the_guard_warns_at_capture_of_an_entry_a_replay_will_refuse(tmp_path):
+    """Told when the bundle is written, not at the replay: an entry file whose top level does
+    more than define makes `Guard(...)` and `capture(...)` warn (the statement and the fix);
+    with Task(run_top_level=True), or an entry that only defines, they say nothing."""
+    import warnings
+
+    import torch
+
+    import nanbisect
+
+    f = tmp_path / "noisy_task.py"
+    f.write_text("import torch\nimport nanbisect\n"
+                 "open(__file__ + '.log', 'a').write('x')\n"
+                 "def task(run_top_level=False):\n"
+                 "    m = torch.nn.Linear(2, 1)\n"
+                 "    return nanbisect.Task(m, torch.optim.SGD(m.parameters(), lr=0.1),\n"
+                 "                          lambda m, b: m(b).sum(), run_top_level=run_top_level)\n")
+    quiet = tmp_path / "quiet_task.py"
+    quiet.write_text(f.read_text().replace("open(__file__ + '.log', 'a').write('x')\n", ""))
+    ns: dict = {}
+    exec(compile(quiet.read_text(), str(quiet), "exec"), ns)
+    for i, (entry, opt_in, warned) in enumerate(((f, False, True), (f, True, False),
+                                                 (quiet, False, False))):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            nanbisect.Guard(ns["task"](opt_in), entry=f"{entry}:task", out=tmp_path / "g")
+            nanbisect.capture(ns["task"](opt_in), torch.ones(3, 2), tmp_path / f"c{i}",
+                              entry=f"{entry}:task")
+        lines = [str(w.message) for w in seen if "replay will refuse" in str(w.message)]
+        assert len(lines) == (2 if warned else 0), (entry.name, opt_in, lines)
+        if warned:
+            assert all("line 3" in x and "open(" in x and "--run-top-level" in x for x in lines)
