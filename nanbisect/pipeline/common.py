@@ -16,7 +16,7 @@ from nanbisect.reference import kernels as registry
 from nanbisect.reference.differential import ReferenceKernels
 from nanbisect.records import RunFacts, StageError, after_verdict  # noqa: F401 (re-exported)
 from nanbisect.replay.probe import ModuleProbe
-from nanbisect.replay.replayer import Replayer
+from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.report.rerun import Interpreter
 from nanbisect.task import load_inject
 
@@ -87,8 +87,6 @@ def target_wrap(opts: RunOptions, manifest: dict, t_dev
     registry.load_plugins()
 
     def wrap():
-        from nanbisect.replay.replayer import stacked
-
         return stacked(inject(), ReferenceKernels(used, custom_only=True))
     return wrap, used
 

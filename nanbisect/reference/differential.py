@@ -132,10 +132,6 @@ def isolate_window(rep: Replayer, phase: str, call: CallId | None, ref_device: t
     return None, None, checked, uncomparable
 
 
-def _no_kernel(e: Exception) -> bool:
-    return isinstance(e, NotImplementedError) or "Could not run" in str(e)
-
-
 class ReferenceKernels(ti.ObserverMode):
     """On the reference (or a target of another device type than the capture's): an op without
     a kernel there runs its registered reference_impl; ``used`` collects the ops that did."""
@@ -149,14 +145,11 @@ class ReferenceKernels(ti.ObserverMode):
         return not self.custom_only or func.namespace not in ti.BUILTIN_NAMESPACES
 
     def run(self, call: ti.OpCall):
-        try:
-            return call()
-        except (NotImplementedError, RuntimeError) as e:
-            impl = registry.lookup(call.name) if _no_kernel(e) else None
-            if impl is None:
-                raise
+        out, registered = registry.kernel_or_registered(call.func, call.name, call.args,
+                                                        call.kwargs)
+        if registered:
             self.used.add(call.name)
-            return impl(*call.args, **call.kwargs)
+        return out
 
 
 def _random(func) -> bool:

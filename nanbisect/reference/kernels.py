@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 _IMPLS: dict[str, Callable] = {}
 _loaded_entry_points = False
@@ -48,6 +48,24 @@ def lookup(op: str) -> Callable | None:
     """The registered implementation for an op name such as 'npu.fused.default', if any."""
     load_plugins()
     return _IMPLS.get(_canonical(op))
+
+
+def kernel_or_registered(func, name: str, args: tuple, kwargs: dict) -> tuple[Any, bool]:
+    """``(func(*args, **kwargs), False)``; where this device has no kernel for the op
+    (``NotImplementedError``, "Could not run"), ``(its registered implementation's result,
+    True)``; the error again when none is registered.
+
+    >>> kernel_or_registered(lambda x: x + 1, "aten.add.Tensor", (1,), {})
+    (2, False)
+    """
+    try:
+        return func(*args, **kwargs), False
+    except (NotImplementedError, RuntimeError) as e:
+        no_kernel = isinstance(e, NotImplementedError) or "Could not run" in str(e)
+        impl = lookup(name) if no_kernel else None
+        if impl is None:
+            raise
+        return impl(*args, **kwargs), True
 
 
 def load_plugins() -> None:

@@ -16,8 +16,7 @@ import torch
 from nanbisect.records import OpSite
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.opcheck import RANDOM_OR_UNINITIALISED, resolve
-from nanbisect.remedies.upcast import widened
-from nanbisect.replay.recorder import SKIP
+from nanbisect.remedies.upcast import AtSite, widened
 from nanbisect.util import torch_internals as ti
 
 
@@ -40,7 +39,7 @@ def movable(op: str) -> str | None:
     return None
 
 
-class OnReference(ti.ObserverMode):
+class OnReference(AtSite):
     """Run the op at ``site`` on ``device`` (in ``dtype``, when given); set ``.phase`` as the
     step moves on.
 
@@ -55,32 +54,10 @@ class OnReference(ti.ObserverMode):
 
     def __init__(self, site: OpSite, device: torch.device, dtype: torch.dtype | None = None
                  ) -> None:
-        super().__init__()
-        self.site, self.device, self.dtype = site, device, dtype
-        self.phase = "forward"
-        self.seen = 0
-        self.hit = False
-
-    def wants(self, func) -> bool:
-        return not self.hit and func not in SKIP and self.phase == self.site.phase
-
-    def before(self, call: ti.OpCall) -> bool:
-        """The site's occurrence of its op (once): `run` runs it on the reference."""
-        if call.name != self.site.op:
-            return False
-        if self.seen != self.site.occurrence:
-            self.seen += 1
-            return False
-        self.hit = True
-        return True
+        super().__init__(site)
+        self.device, self.dtype = device, dtype
 
     def run(self, call: ti.OpCall):
-        def kernel(*args, **kwargs):
-            try:
-                return call.func(*args, **kwargs)
-            except NotImplementedError:       # no kernel on the reference: its registered one
-                impl = registry.lookup(call.name)
-                if impl is None:
-                    raise
-                return impl(*args, **kwargs)
+        def kernel(*args, **kwargs):     # no kernel on the reference: its registered one
+            return registry.kernel_or_registered(call.func, call.name, args, kwargs)[0]
         return widened(call.func, call.args, call.kwargs, self.dtype, self.device, kernel)

@@ -124,7 +124,33 @@ def widened(func, args: tuple, kwargs: dict, wide: torch.dtype | None,
     return ti.tree_unflatten(out, spec)
 
 
-class UpcastOp(ti.ObserverMode):
+class AtSite(ti.ObserverMode):
+    """A mode that changes how one op runs: the ``site.occurrence``-th call of ``site.op`` in
+    ``site.phase`` (once; ``hit`` then), its `run` given by the subclass; set ``.phase`` as the
+    step moves on."""
+
+    def __init__(self, site: OpSite) -> None:
+        super().__init__()
+        self.site = site
+        self.phase = "forward"
+        self.seen = 0
+        self.hit = False
+
+    def wants(self, func) -> bool:
+        return not self.hit and func not in SKIP and self.phase == self.site.phase
+
+    def before(self, call: ti.OpCall) -> bool:
+        """The site's occurrence of its op (once): `run` runs it the subclass's way."""
+        if call.name != self.site.op:
+            return False
+        if self.seen != self.site.occurrence:
+            self.seen += 1
+            return False
+        self.hit = True
+        return True
+
+
+class UpcastOp(AtSite):
     """Compute the op at ``site`` in ``wide`` (`widened`); set ``.phase`` as the step moves on.
 
     >>> mode = UpcastOp(OpSite("aten.exp.default", "forward", 1), torch.float32)
@@ -136,24 +162,8 @@ class UpcastOp(ti.ObserverMode):
     """
 
     def __init__(self, site: OpSite, wide: torch.dtype) -> None:
-        super().__init__()
-        self.site, self.wide = site, wide
-        self.phase = "forward"
-        self.seen = 0
-        self.hit = False
-
-    def wants(self, func) -> bool:
-        return not self.hit and func not in SKIP and self.phase == self.site.phase
-
-    def before(self, call: ti.OpCall) -> bool:
-        """The site's occurrence of its op (once): `run` computes it wide."""
-        if call.name != self.site.op:
-            return False
-        if self.seen != self.site.occurrence:
-            self.seen += 1
-            return False
-        self.hit = True
-        return True
+        super().__init__(site)
+        self.wide = wide
 
     def run(self, call: ti.OpCall):
         return widened(call.func, call.args, call.kwargs, self.wide)

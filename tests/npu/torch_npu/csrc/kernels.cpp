@@ -142,13 +142,8 @@ void fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // CPU's default generator holding that state for the duration, all such ops one at a time.
 std::mutex g_swap;
 
-void draw_from(Generator* from, at::CPUGeneratorImpl* into) {
-  into->set_engine(from->engine());
-  into->set_next_float_normal_sample(from->next_float_normal_sample());
-  into->set_next_double_normal_sample(from->next_double_normal_sample());
-}
-
-void keep_in(at::CPUGeneratorImpl* from, Generator* into) {
+// a generator's whole state (the engine and the cached normal samples) into another
+void copy_state(at::CPUGeneratorImpl* from, at::CPUGeneratorImpl* into) {
   into->set_engine(from->engine());
   into->set_next_float_normal_sample(from->next_float_normal_sample());
   into->set_next_double_normal_sample(from->next_double_normal_sample());
@@ -178,10 +173,10 @@ void random_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   if (slot) {
     at::Generator own = at::make_generator<at::CPUGeneratorImpl>();
     auto* cpu = at::check_generator<at::CPUGeneratorImpl>(own);
-    draw_from(mine, cpu);
+    copy_state(mine, cpu);
     (*stack)[*slot] = c10::IValue(own);
     at::native::cpu_fallback(op, stack);
-    keep_in(cpu, mine);
+    copy_state(cpu, mine);
     return;
   }
   std::lock_guard<std::mutex> one_at_a_time(g_swap);
@@ -190,15 +185,12 @@ void random_fallback(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   at::Generator saved = host_gen.clone();
   {
     std::lock_guard<std::mutex> g(host_gen.mutex());
-    draw_from(mine, cpu);
+    copy_state(mine, cpu);
   }
   auto put_back = [&] {
     std::lock_guard<std::mutex> g(host_gen.mutex());
-    keep_in(cpu, mine);
-    auto* was = at::check_generator<at::CPUGeneratorImpl>(saved);
-    cpu->set_engine(was->engine());
-    cpu->set_next_float_normal_sample(was->next_float_normal_sample());
-    cpu->set_next_double_normal_sample(was->next_double_normal_sample());
+    copy_state(cpu, mine);
+    copy_state(at::check_generator<at::CPUGeneratorImpl>(saved), cpu);
   };
   try {
     at::native::cpu_fallback(op, stack);
