@@ -49,7 +49,6 @@ import platform
 import re
 import shutil
 import tarfile
-import sys
 import zlib
 from pathlib import Path
 from typing import Callable
@@ -173,8 +172,9 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
     ``dest`` must be new; ``force`` replaces a file there only when it is a pack (`is_pack`).
     pack.json, the first member, lists every other member with its size and sha256. The
     stored copies of the user's code (``code/``) are packed also without ``full``. Once the
-    archive is written, ``say`` (default: a line on stderr each) is told what was left out and
-    why: the model and optimizer state without ``full``, the batch or RNG over `LIMIT`, code
+    archive is written, ``say`` (the command's stderr; default: nobody, pack.json's
+    ``left_out`` holds the same) is told what was left out and why: the model and optimizer
+    state without ``full``, the batch or RNG over `LIMIT`, code
     the bundle did not store.
 
     >>> import tempfile; from nanbisect.pipeline import RunOptions, run_bundle
@@ -205,8 +205,8 @@ def pack(src: str | Path, dest: str | Path, full: bool = False, force: bool = Fa
         _write_tar(tmp, head, env, members)
         _place(tmp, dest, given, src, force)
         done = True
-        for line in _left_out_lines(full, left_out, code):
-            (say or (lambda text: print(text, file=sys.stderr)))(line)
+        for line in _left_out_lines(full, left_out, code) if say is not None else []:
+            say(line)
     except OSError as e:
         raise BadInput(f"pack: cannot write '{given}' ({e.strerror or e}); nothing was "
                        "written: pass -o with a path you can write to, on a file system with "

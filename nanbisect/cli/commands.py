@@ -273,7 +273,8 @@ def pack(
     from nanbisect.bundle.pack import pack as do_pack
 
     try:
-        dest = do_pack(src, output, full=full, force=force)
+        dest = do_pack(src, output, full=full, force=force,
+                       say=lambda text: echo(text, err=True))
     except BadInput as e:
         _fail(e)
     echo(f"nanbisect: wrote {dest} ({dest.stat().st_size} bytes)")
