@@ -55,7 +55,8 @@ _OPTIMIZER_CODE = tuple(os.path.join(_TORCH_DIR, d) for d in ("optim", "amp",
                                                               os.path.join("nn", "utils")))
 
 
-def _short(path: str, line: int) -> str:
+def short_path(path: str, line: int) -> str:
+    """"path:line", the path relative to the working directory when it lies under it."""
     rel = os.path.relpath(path)
     return f"{rel if not rel.startswith('..') else path}:{line}"
 
@@ -68,7 +69,7 @@ def user_frame(frames: list[tuple[str, int]]) -> str | None:
     """
     for path, line in reversed(frames):
         if _is_user(path):
-            return _short(path, line)
+            return short_path(path, line)
     return None
 
 
@@ -89,7 +90,7 @@ def calling_frame(frames: list[tuple[str, int]]) -> str | None:
     for path, line in reversed(frames):
         where = _where(path)
         if where == "user":
-            return _short(path, line)
+            return short_path(path, line)
         if where == "own" and left_own:
             return None
         left_own = left_own or where != "own"
@@ -102,7 +103,7 @@ def optimizer_frame(frames: list[tuple[str, int]], extra: tuple[str, ...] = ()) 
     for path, line in reversed(frames):
         p = os.path.abspath(path)
         if p.startswith(_OPTIMIZER_CODE) or p in extra:
-            return _short(p, line)
+            return short_path(p, line)
     return None
 
 

@@ -35,6 +35,7 @@ class ReductionObserver:
         # a replay without the other ranks (`multirank.tape.TapeServer`): every bucket gets
         # what the capture's reduction gave, the hook (the user's too) never runs
         self.server = server
+        self.ledger = None      # records the hook's ops while set (`multirank.ledger.Ledger`)
 
     def wrap(self, hook: Callable) -> Callable:
         def observed(state, bucket):  # NB: no annotations: DDP checks them against its own
@@ -44,23 +45,36 @@ class ReductionObserver:
                                                 [p.numel() for p in bucket.parameters()])
                 if self.active:
                     self.records.append(BucketRecord(bucket.index(), names,
-                                                     _counts(bucket.buffer()), _counts(served)))
+                                                     self._count(bucket.buffer()),
+                                                     self._count(served)))
                 fut: torch.futures.Future = torch.futures.Future()
                 fut.set_result(served)
                 return fut
             if not self.active:
                 return hook(state, bucket)
-            rec = BucketRecord(bucket.index(), names, _counts(bucket.buffer()), None)
+            rec = BucketRecord(bucket.index(), names, self._count(bucket.buffer()), None)
             self.records.append(rec)
 
             def after(fut):
                 value = fut.value()
                 out = value[0] if isinstance(value, list) else value
-                rec.after = _counts(out)
+                rec.after = self._count(out)
                 return out
-            return hook(state, bucket).then(after)
+            ledger = self.ledger
+            if ledger is None:
+                return hook(state, bucket).then(after)
+            with ledger.hook(bucket.index(), names, [p.numel() for p in bucket.parameters()]):
+                return hook(state, bucket).then(after)
         observed.__qualname__ = getattr(hook, "__qualname__", "hook")
         return observed
+
+    def _count(self, t: torch.Tensor) -> torch.Tensor:
+        """``t``'s NaN/inf counts, unseen by the ledger (they are not the hook's ops)."""
+        ledger = self.ledger
+        if ledger is None:
+            return _counts(t)
+        with ledger.quiet():
+            return _counts(t)
 
     def read(self) -> list[Bucket]:
         out = []

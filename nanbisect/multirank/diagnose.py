@@ -22,6 +22,11 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
               "remote worker crashing", "NCCL communicator was aborted")
 
 
+_WAIT = frames.OWN + os.path.join("replay", "collectives.py")
+# torch's frames between an op's caller and the dispatch modes
+_PLUMBING = tuple(frames.TORCH + p for p in (
+    "_ops.py", "utils/_python_dispatch.py", "_dynamo/", "_compile.py", "distributed/c10d_logger",
+    "distributed/distributed_c10d.py"))
 _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
 
 
@@ -32,6 +37,8 @@ def _category(path: str) -> str | None:
     ('collective', 'user')
     """
     k = frames.kind(path)
+    if k == "nanbisect" and os.path.abspath(path) == _WAIT:
+        return "collective"     # nanbisect waiting for a collective's output to be written
     if k == "torch":
         return "collective" if os.path.abspath(path).startswith(
             frames.TORCH + "distributed" + os.sep) else "torch"
@@ -69,10 +76,16 @@ def where(dump: str) -> Where | None:
     # the main thread is the one not started by `threading` (frames are innermost first)
     main = [t for t in threads if t and not any(
         f[2] in ("_bootstrap", "_bootstrap_inner") and f[0].endswith("threading.py") for f in t)]
+    waiting = False    # inside nanbisect's wait for a collective: say where it was issued
     for path, line, func in (main[0] if main else []):
         cat = _category(path)
+        if cat == "collective" and frames.kind(path) == "nanbisect":
+            waiting = True
+            continue
+        if waiting and (cat in (None, "nanbisect") or path.startswith(_PLUMBING)):
+            continue
         if cat is not None:
-            return Where(cat, f"{Path(path).name}:{line} in {func}")
+            return Where("collective" if waiting else cat, f"{Path(path).name}:{line} in {func}")
     return None
 
 

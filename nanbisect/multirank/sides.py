@@ -107,8 +107,13 @@ def finish_rank(result: RankResult, chain: Chain, loc: Located,
 
 
 def root_of(finding: OpFinding | None) -> RankRoot | None:
-    """What one rank's op recording traced its failure to, for the other ranks."""
+    """What one rank's op recording traced its failure to, for the other ranks: the root op,
+    or the collective whose inf output a NaN was made of (the inf was born there or came
+    through it: the ranks' crossings tell which)."""
     if finding is None:
         return None
+    o = finding.inf_origin
+    if o is not None and is_collective(o.op):   # a NaN made of an inf a collective gave
+        return RankRoot(o.op, o.op_index, o.module or "", o.module_call, [], [], True)
     return RankRoot(finding.op, finding.op_index, finding.module, finding.module_call,
                     finding.input_dtypes, finding.input_shapes, is_collective(finding.op))

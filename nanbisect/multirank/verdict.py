@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from nanbisect.records import (BadValue, Culprit, Plan, RankResult, RankRoot, RankSummary, Subset,
-                               RunFacts, module_label)
+from nanbisect.multirank.paths import birth, overflow_words, rank_paths, received_words
+from nanbisect.records import (BadValue, Crossing, Culprit, OpRef, Plan, RankResult, RankRoot,
+                               RankSummary, Subset, RunFacts, module_label)
 from nanbisect.reference.classify import REPLAY_MISMATCH_NOTE, classify_not_reproduced
 from nanbisect.report.model import Report
 from nanbisect.util.spec import DeviceSpec
@@ -30,6 +31,9 @@ def decide(summaries: list[RankSummary]) -> Plan:
     fwd = [s.rank for s in summaries if s.phase == "forward"]
     if fwd:
         return Plan("forward", min(fwd))
+    how, ranks, c = birth(rank_paths(summaries))
+    if how == "computed" and c is not None and c.phase == "grad-reduce" and not c.collective:
+        return Plan("grad-reduce", min(ranks))    # a comm hook's or FSDP reduction's op made it
     local_bwd = [s.rank for s in summaries if s.reduce_in_bad or (
         s.phase == "backward" and not s.buckets)]
     if local_bwd:
@@ -81,8 +85,28 @@ def faithful_or_mismatch(report: Report) -> Report:
 def job_report(facts: RunFacts, world_size: int, backend: str | None,
                results: list[RankResult]) -> Report:
     """One report for the job from every rank's result (sorted by rank); the repro, which only
-    the culprit rank wrote, is the launcher's to add."""
-    return faithful_or_mismatch(_job_report(facts, world_size, backend, results))
+    the culprit rank wrote, is the launcher's to add. Every rank's result gets its path (how it
+    came to hold the failure, `multirank.paths`) and, where a value was born on it or reached
+    it through a collective, a root."""
+    return faithful_or_mismatch(_job_report(facts, world_size, backend, with_paths(results)))
+
+
+def with_paths(results: list[RankResult]) -> list[RankResult]:
+    """``results`` with each rank's `RankPath`, and a root from its crossing where the op
+    recording left none (a comm hook's op, a collective the recorded phase did not reach)."""
+    paths = rank_paths([r.summary for r in results])
+    out = []
+    for r in results:
+        p = paths.get(r.rank)
+        root, v = r.root, (p.via if p is not None else None)
+        if root is None and v is not None:
+            root = RankRoot(v.op, None, v.module or (v.unit or ""), v.module_call, v.in_dtypes,
+                            v.in_shapes, v.collective and p.how != "computed")
+        elif root is not None and v is not None and root.op == v.op and not root.input_dtypes:
+            # a root traced through an inf to its collective: what went into it, from the ledger
+            root = replace(root, input_dtypes=v.in_dtypes, input_shapes=v.in_shapes)
+        out.append(replace(r, path=p, root=root))
+    return out
 
 
 def _job_report(facts: RunFacts, world_size: int, backend: str | None,
@@ -106,6 +130,11 @@ def _job_report(facts: RunFacts, world_size: int, backend: str | None,
         root = own.root
         if phase == "backward":   # a collective in backward reduces gradients
             phase = "grad-reduce"
+        how, ranks, born = birth({r.rank: r.path for r in results if r.path is not None})
+        if how == "collective" and born is not None:
+            return _born_in_collective(born, ranks, results, notes, born.kind, common,
+                                       op_index=root.op_index if root is not None
+                                       and root.op == born.op else None)
         culprit = Culprit.of_root(phase, root, culprit_rank)
         notes.append(f"on every rank that failed ({[r.rank for r in results if r.root]}) "
                      f"the failure traces back to the output of {root.op}{_where(root)}, "
@@ -139,6 +168,11 @@ def _no_rank_report(phase: str | None, facts: RunFacts, results: list[RankResult
                       input_nonfinite=bad, notes=notes + [
                           f"{ranks_text(holders)} hold non-finite values before the step"],
                       **common)
+    how, ranks, born = birth({r.rank: r.path for r in results if r.path is not None})
+    if born is not None and how == "collective":
+        return _born_in_collective(born, ranks, results, notes, born.kind, common)
+    if born is not None and how == "computed":
+        return _computed_in_hook(born, ranks, results, notes, common)
     buckets = [b for r in results if r.summary for b in r.summary.buckets if b.out_bad]
     params = buckets[0].params if buckets else []
     culprit = (Culprit.of_parameter("grad-reduce", params[0], rank=results[0].rank) if params
@@ -152,22 +186,88 @@ def _no_rank_report(phase: str | None, facts: RunFacts, results: list[RankResult
 
 
 def _spread_note(culprit_rank: int, results: list[RankResult]) -> str:
-    """Which rank computed the failure and how the others received it."""
+    """Which rank computed the failure and how each other rank that failed received it: the
+    collective, its phase and module, and who fed it (from every rank's crossings), else the
+    root its op recording traced."""
     others = [r for r in results if r.rank != culprit_rank and r.summary
               and r.summary.phase is not None]
-    via_op = [r for r in others if r.root and r.root.collective]
-    via_reduce = [r.rank for r in others if r not in via_op]
+    said = []
+    for r in others:
+        if r.path is not None and r.path.how == "received":
+            said.append(received_words(r.rank, r.path))
+        elif r.root is not None and r.root.collective:
+            said.append(f"rank {r.rank} received it through {r.root.op}{_where(r.root)}")
+        elif r.path is not None and r.path.how == "computed":
+            said.append(f"rank {r.rank} computed a non-finite value of its own too")
+        else:
+            said.append(f"rank {r.rank} failed without a collective or comm hook handing it "
+                        "a non-finite value (its failure was not traced)")
     note = f"rank {culprit_rank} computed the failure locally; "
-    if via_op:
-        root = via_op[0].root
-        note += (f"{ranks_text([r.rank for r in via_op])} received it through "
-                 f"{root.op}{_where(root)} (finite inputs, non-finite output there)")
-    if via_reduce:
-        note += ("; " if via_op else "") + (f"{ranks_text(via_reduce)} received it through "
-                                            "the gradient reduction")
-    if not others:
-        note += "the other ranks stayed finite"
-    return note
+    return note + ("; ".join(said) if said else "the other ranks stayed finite")
+
+
+def _born_in_collective(c: Crossing, ranks: list[int], results: list[RankResult],
+                        notes: list[str], kind: str, common: dict,
+                        op_index: int | None = None) -> Report:
+    """A collective whose output held NaN/inf though every rank of its group fed it finite
+    values: ``communication``, with the dtype and the reduction when a low-precision sum
+    overflowed, and the parameters (and FSDP unit) whose slice went bad. ``op_index``: its
+    place in the op recording, when that traced the failure to it."""
+    culprit = Culprit(c.phase, c.module or (c.unit or ""), c.module_call, c.in_dtypes,
+                      c.in_shapes, c.source, op=c.op, op_index=op_index, rank=min(ranks),
+                      parameter=c.params[0] if c.params else None)
+    group = c.group if c.group is not None else sorted(r.rank for r in results)
+    words = (f"{c.where()} gave {ranks_text(ranks)} {'NaN' if c.out_nan else 'inf'} though "
+             f"every rank of its group ({', '.join(map(str, group))}) fed it finite values: "
+             "the value was born in the collective, no rank computed it")
+    if c.overflow:
+        words += "; " + overflow_words(c, [r.summary for r in results]) + (
+            ": reduce in a wider dtype (float32, bfloat16), or divide before the sum")
+    notes.append(words)
+    if c.params:
+        notes.append(f"the parameters whose slice of its output went bad: "
+                     f"{', '.join(c.params[:6])}" + (f" (FSDP unit {c.unit or '(the root)'})"
+                                                     if c.unit is not None else ""))
+    _receivers(results, ranks, notes)
+    origin = (OpRef(c.op, op_index, c.phase, c.module, c.module_call)
+              if op_index is not None and not c.out_nan else None)   # where the inf was born
+    return Report("culprit", "communication", c.phase, kind, culprit, notes=notes,
+                  inf_origin=origin, **common)
+
+
+def _computed_in_hook(c: Crossing, ranks: list[int], results: list[RankResult],
+                      notes: list[str], common: dict) -> Report:
+    """An op of a DDP comm hook or of an FSDP2 unit's gradient reduction made NaN/inf from
+    finite gradients on some ranks (a cast into float16 that overflows, a division): the lowest
+    such rank's op is the culprit, ``communication`` (it is the gradient reduction's code)."""
+    own = min(ranks)
+    mine = next(p.via for r in results if r.rank == own and (p := r.path) is not None)
+    culprit = Culprit("grad-reduce", mine.unit or "", None, mine.in_dtypes, mine.in_shapes,
+                      mine.source, op=mine.op, rank=own,
+                      parameter=mine.params[0] if mine.params else None)
+    by = (f"DDP bucket {mine.bucket}'s comm hook" if mine.bucket is not None else
+          f"FSDP unit {mine.unit or '(the root)'}'s gradient reduction")
+    words = (f"{ranks_text(ranks)}: {mine.op}, run by {by} "
+             f"({mine.source or 'source unknown'}), made {'NaN' if mine.out_nan else 'inf'} "
+             "from finite gradients")
+    if mine.born and not mine.out_nan and mine.dtype:
+        words += (f" (its {mine.dtype} result overflowed; the largest magnitude fed in: "
+                  f"{mine.in_absmax:.6g})" if mine.in_absmax is not None else
+                  f" (its {mine.dtype} result overflowed)")
+    if mine.params:
+        words += f"; the parameters whose slice went bad: {', '.join(mine.params[:6])}"
+    notes.append(words)
+    _receivers(results, ranks, notes)
+    return Report("culprit", "communication", "grad-reduce", mine.kind, culprit, notes=notes,
+                  **common)
+
+
+def _receivers(results: list[RankResult], born_on: list[int], notes: list[str]) -> None:
+    """A note naming how the ranks that did not make the value received it."""
+    said = [received_words(r.rank, r.path) for r in results
+            if r.rank not in born_on and r.path is not None and r.path.how == "received"]
+    if said:
+        notes.append("; ".join(said))
 
 
 def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:

@@ -45,11 +45,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nanbisect import devices, proc
 from nanbisect.bundle.format import read_bundle
 from nanbisect.errors import BadInput
 from nanbisect.chain import Chain, Serving
+from nanbisect.multirank.ledger import Ledger
 from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
                                        root_of)
 from nanbisect.multirank.verdict import choose_rank, decide
@@ -111,18 +113,21 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     wrap = load_inject(inject) if inject else nullcontext
     probe = ModuleProbe(model)
     tape = RandomTape()
+    # every collective and comm-hook op with what this rank fed it and got (`ledger`)
+    ledger = observer.ledger = Ledger(model, probe.tracker, ddp=isinstance(model, DDP))
+    probed = probing(probe)
     _stage("replay pass 1/3: module statistics")
-    # the injected context first: the tape, inside it, sees what it returns
-    first = rep.run(phase=probing(probe), wrap=lambda: stacked(
-        wrap(), *([tape] if side is not None else [])))
-    observer.active = False
+    # the injected context first: the tape and the ledger, inside it, see what it returns
+    first = rep.run(phase=lambda name: stacked(probed(name), ledger.phase(name)),
+                    wrap=lambda: stacked(wrap(), *([tape] if side is not None else []), ledger))
+    observer.active, observer.ledger, ledger.active = False, None, False
     theirs = div = None
     if side is not None:
         target_state = step_state(rep, first)   # before any other pass moves the parameters
         _stage("replay pass 1/3 on the reference")
         theirs, div = side.run_rank(tape, rep, first, target_state)
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
-                          buckets=observer.read())
+                          buckets=observer.read(), crossings=ledger.read())
     _stage("after replay pass 1/3: exchanging what each rank saw")
     everyone = _gather(summary)
     plan = decide(everyone)

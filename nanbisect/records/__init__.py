@@ -30,8 +30,8 @@ from nanbisect.records.facts import (Fidelity, Finding, HistoryEntry, Losses, Ru
                                      StageError, StepRow, StepsWindow, after_verdict,
                                      fidelity_tier)
 from nanbisect.records.remedies import Remedy, RowTrace
-from nanbisect.records.ranks import (Bucket, Plan, RankReference, RankResult, RankRoot, RankSummary,
-                                     ReplicaDiff, Subset)
+from nanbisect.records.ranks import (Bucket, Crossing, Plan, RankPath, RankReference, RankResult,
+                                     RankRoot, RankSummary, ReplicaDiff, Subset)
 from nanbisect.records.seen import BadValue, CallId, Stats, StepOutcome
 from nanbisect.records.words import ROOT, Classification, Verdict, Word, json_number, module_label
 
@@ -40,6 +40,7 @@ __all__ = ["json_number", "Word", "Verdict", "Classification", "ROOT", "module_l
            "OpRef", "ContextRow", "OpFinding", "OpRecording", "Caught", "ModuleCaught",
            "ReproResult", "ModuleRepro", "Comparison", "OpCheck", "Divergence", "Losses",
            "Fidelity", "RunFacts", "HistoryEntry", "Finding", "StepRow", "StepsWindow", "Bucket",
-           "RankSummary", "RankRoot", "Plan", "RankReference", "ReplicaDiff", "Subset",
+           "RankSummary", "RankRoot", "Plan", "RankReference", "ReplicaDiff", "Subset", "Crossing",
+           "RankPath",
            "RankResult", "fidelity_tier", "Remedy", "RowTrace", "CompilerFinding", "StageError",
            "after_verdict", "Node"]

@@ -1,6 +1,6 @@
-"""The protocol between the multi-rank launcher and its rank workers (`Bucket`, `RankSummary`,
-`RankRoot`, `Plan`, `RankReference`, `RankResult`: JSON both ways), and what a multi-rank
-report adds (`ReplicaDiff`, `Subset`).
+"""The protocol between the multi-rank launcher and its rank workers (`Bucket`, `Crossing`,
+`RankSummary`, `RankRoot`, `Plan`, `RankReference`, `RankResult`: JSON both ways), and what a
+multi-rank report adds (`ReplicaDiff`, `Subset`, `RankPath`).
 """
 from __future__ import annotations
 
@@ -34,6 +34,109 @@ class Bucket:
         return bool(self.out_nan or self.out_inf)
 
 @dataclass(frozen=True)
+class Crossing:
+    """One op on the way between ranks as one rank saw it in its first pass (`multirank.ledger`):
+    a collective (any phase), or an op a DDP comm hook ran. Kept only when what it read or
+    wrote held NaN/inf.
+
+    >>> c = Crossing(3, "c10d.allreduce_.default", "forward", "mlp.fc2", 0, [0, 1], "float16",
+    ...              "sum", 0, 0, 0, 4, 47264.0)
+    >>> c.born, c.overflow
+    (True, True)
+    """
+
+    nth: int | None               # its place among the step's collectives (None: a hook's op)
+    op: str
+    phase: str                    # forward | backward | grad-reduce | optimizer
+    module: str                   # "" = outside any submodule (or not known in backward)
+    module_call: int | None
+    group: list[int] | None       # the global ranks of its process group (None: unknown)
+    dtype: str                    # of what it wrote
+    reduce: str | None            # sum, avg, max, ... (None: no reduction)
+    in_nan: int                   # NaN/inf in what this rank fed it
+    in_inf: int
+    out_nan: int                  # NaN/inf in what it wrote on this rank
+    out_inf: int
+    in_absmax: float | None = None   # the largest finite magnitude fed in (low-precision only)
+    params: list[str] = field(default_factory=list)   # the parameters whose slice went bad
+    bucket: int | None = None     # the DDP bucket whose comm hook ran it
+    unit: str | None = None       # the FSDP unit whose reduction it is
+    source: str | None = None     # "file.py:12 in func" of the code that issued it
+    in_dtypes: list[str] = field(default_factory=list)         # of what it read (first 4)
+    in_shapes: list[list[int]] = field(default_factory=list)
+
+    @property
+    def in_bad(self) -> bool:
+        return bool(self.in_nan or self.in_inf)
+
+    @property
+    def out_bad(self) -> bool:
+        return bool(self.out_nan or self.out_inf)
+
+    @property
+    def born(self) -> bool:
+        """Finite in, non-finite out: the value was born here (on this rank)."""
+        return self.out_bad and not self.in_bad
+
+    @property
+    def collective(self) -> bool:
+        return self.nth is not None
+
+    @property
+    def kind(self) -> str:
+        return "nan" if self.out_nan else "inf"
+
+    @property
+    def overflow(self) -> bool:
+        """An inf out of finite inputs in a dtype narrow enough for a sum to overflow it."""
+        return self.born and not self.out_nan and self.dtype in LOW_RANGE
+
+    def where(self) -> str:
+        """"c10d.allreduce_.default in mlp.fc2 call 0, in forward" (op, module, phase)."""
+        at = (f" in {self.module or 'the root module'} call {self.module_call}"
+              if self.module_call is not None else
+              f" in DDP bucket {self.bucket}'s comm hook" if self.bucket is not None else
+              f" in FSDP unit {self.unit or '(the root)'}" if self.unit is not None else "")
+        return f"{self.op}{at}, in {self.phase}"
+
+
+# dtypes whose largest finite value a sum of ordinary values can pass (float16: 65504)
+LOW_RANGE = ("float16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
+
+
+@dataclass(frozen=True)
+class RankPath:
+    """How one rank came to hold the failure (report.json ``ranks[i].how``): ``computed`` (an op
+    of its own made it), ``received`` (a collective or hook handed it over: ``via``, fed by
+    ``from_ranks``), ``born-in-collective`` (a collective made it from finite inputs on every
+    rank of its group) or None (it stayed finite)."""
+
+    how: str | None
+    via: Crossing | None = None
+    from_ranks: list[int] = field(default_factory=list)
+    phase: str | None = None      # where it surfaced on this rank (its first pass's failing phase)
+
+    def to_json(self) -> dict:
+        """report.json ``ranks[i]``'s ``how``, ``via`` and ``from_ranks``."""
+        v = self.via
+        return {"how": self.how, "via": None if v is None else {
+            "op": v.op, "phase": v.phase, "module": v.module, "module_call": v.module_call,
+            "collective": v.collective, "dtype": v.dtype, "reduce": v.reduce,
+            "params": v.params[:8], "bucket": v.bucket, "unit": v.unit, "source": v.source},
+            "from_ranks": self.from_ranks}
+
+    @staticmethod
+    def from_json(d: dict) -> "RankPath":
+        v = d.get("via")
+        via = None if not isinstance(v, dict) else Crossing(
+            0 if v.get("collective") else None, v.get("op", "?"), v.get("phase", "?"),
+            v.get("module") or "", v.get("module_call"), None, v.get("dtype") or "",
+            v.get("reduce"), 0, 0, 0, 0, params=list(v.get("params") or []),
+            bucket=v.get("bucket"), unit=v.get("unit"), source=v.get("source"))
+        return RankPath(d.get("how"), via, list(d.get("from_ranks") or []))
+
+
+@dataclass(frozen=True)
 class RankSummary:
     """What one rank's first pass saw; every rank gets every rank's, to decide the same plan."""
 
@@ -43,6 +146,7 @@ class RankSummary:
     kind: str | None
     buckets: list[Bucket] = field(default_factory=list)
     input_nonfinite: list[BadValue] = field(default_factory=list)
+    crossings: list[Crossing] = field(default_factory=list)   # the first ones that held NaN/inf
 
     @property
     def reduce_in_bad(self) -> bool:
@@ -57,7 +161,7 @@ class RankRoot:
     """What one rank's op recording traced its failure to."""
 
     op: str
-    op_index: int
+    op_index: int | None          # None: found by the ledger of crossings, not the recording
     module: str
     module_call: int | None
     input_dtypes: list[str]
@@ -156,6 +260,8 @@ class RankResult:
     remedies: list[Remedy] = field(default_factory=list)   # the culprit rank's (or why not)
     # the culprit rank's stages after its verdict that failed (repro, op check, remedies, ...)
     errors: list[StageError] = field(default_factory=list)
+    path: RankPath | None = None     # how it came to hold the failure (the launcher's, from
+                                     # every rank's crossings: `multirank.paths`)
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -175,7 +281,9 @@ class RankResult:
         s = d.get("summary")
         summary = None if s is None else RankSummary(
             **{**s, "buckets": [Bucket(**b) for b in s.get("buckets", [])],
-               "input_nonfinite": [BadValue(**b) for b in s.get("input_nonfinite", [])]})
+               "input_nonfinite": [BadValue(**b) for b in s.get("input_nonfinite", [])],
+               "crossings": [Crossing(**{**c, "in_absmax": number(c.get("in_absmax"))})
+                             for c in s.get("crossings", [])]})
         module_stats = d.get("module_stats")
         return RankResult(
             rank=d["rank"], plan=opt(Plan, d.get("plan")), summary=summary,
@@ -210,6 +318,7 @@ class RankResult:
                                   for k, v in self.module_stats.items()}
                                  if self.module_stats is not None else None),
                 "root": asdict(self.root) if self.root is not None else None,
+                **(self.path.to_json() if self.path is not None else {}),
                 **({"reference": asdict(self.reference)} if self.reference is not None else {})}
 
     @staticmethod
@@ -226,4 +335,5 @@ class RankResult:
             root=RankRoot(**d["root"]) if d.get("root") is not None else None,
             module_stats=(None if stats is None else {
                 k: Stats.from_json(v) if v is not None else None for k, v in stats.items()}),
-            reference=RankReference(**d["reference"]) if d.get("reference") else None)
+            reference=RankReference(**d["reference"]) if d.get("reference") else None,
+            path=RankPath.from_json(d) if "how" in d else None)

@@ -136,6 +136,8 @@ def _culprit_headline(r: Report) -> str:
 
 def _at(c) -> str:
     """Where a culprit ran, after its phase: "at module 'fc' (call 2)", "in loss_fn (...)"."""
+    if c.phase == "grad-reduce" and not c.module and c.module_call is None:
+        return "in the gradient reduction's code"    # a comm hook's op, DDP's collective
     where = at_module(c.module, c.module_call, c.phase)
     return ("in " if in_loss_fn(c.module, c.module_call, c.phase) else "at ") + where
 
@@ -318,23 +320,44 @@ def _ranks_md(r: Report) -> list[str]:
     if r.ranks:
         lines += ["", "## Ranks", "", "| rank | first bad phase | loss | into reduction bad | "
                   "out of reduction bad | culprit module call on this rank (in nan / out nan) | "
-                  "failure traced to (op, module call) |",
-                  "|---|---|---|---|---|---|---|"]
+                  "failure traced to (op, module call) | how it came to hold it |",
+                  "|---|---|---|---|---|---|---|---|"]
         for k in r.ranks:
             ms, s, root = k.module_stats or {}, k.summary, k.root
             cell = "-"
             if ms:
                 io = (ms.get("inputs"), ms.get("output"))
                 cell = " / ".join(str(x.nan) if x else "-" for x in io)
-            traced = (f"`{root.op}` in "
-                      f"{at_module(root.module, root.module_call, s.phase if s else None, '`')}"
+            via = k.path.via if k.path is not None else None
+            phase = via.phase if via is not None and via.op == (root and root.op) else (
+                s.phase if s else None)
+            at = ("the gradient reduction" if phase == "grad-reduce" and root and not root.module
+                  else at_module(root.module, root.module_call, phase, '`') if root else "")
+            traced = (f"`{root.op}` in {at}"
                       + (" (a collective: received)" if root.collective else " (computed here)")
                       if root else "-")
             lines.append(f"| {k.rank} | {(s.phase if s else None) or '-'} | "
                          f"{_num(s.loss if s else None)} | "
                          f"{_num(s.reduce_in_bad if s else None)} | "
-                         f"{_num(s.reduce_out_bad if s else None)} | {cell} | {traced} |")
+                         f"{_num(s.reduce_out_bad if s else None)} | {cell} | {traced} | "
+                         f"{_path_cell(k.path)} |")
     return lines
+
+
+def _path_cell(p) -> str:
+    """How a rank came to hold the failure (`nanbisect.records.RankPath`), in a table cell."""
+    if p is None or p.how is None:
+        return "-"
+    v = p.via
+    if v is None:
+        return {"received": "received", "computed": "computed here"}.get(p.how, p.how)
+    at = f"`{v.op}` ({v.where().removeprefix(v.op).lstrip()})"
+    if p.how == "received":
+        src = f" from rank {', '.join(map(str, p.from_ranks))}" if p.from_ranks else ""
+        return f"received through {at}{src}"
+    if p.how == "born-in-collective":
+        return f"born in {at} from finite inputs on every rank"
+    return f"computed here by {at}"
 
 
 def _checks_md(r: Report) -> list[str]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -354,6 +355,72 @@ def ddp_origin(frame) -> str | None:
         if any(isinstance(v, dist.GradBucket) for v in g.f_locals.values()):
             return "bucket"
         g = g.f_back
+    return None
+
+
+@contextmanager
+def observing_fsdp_reductions(around: Callable[[list[str], list[int], list], Any]):
+    """While active, every FSDP2 gradient reduction of this process (``foreach_reduce``: the
+    cast into the reduce dtype, the divisions, the reduce-scatter, the all-reduce) runs inside
+    ``around(names, sizes, modules)``: the reduced parameters' names from the root
+    (``FSDPParam._param_fqn``), their padded shard sizes (``padded_sharded_param_size``, the
+    layout of the reduce-scatter's output and of each rank's chunk of its input) and the
+    modules of the FSDP unit (the calling ``FSDPParamGroup.modules``). Replaces the name
+    ``_fsdp_param_group.foreach_reduce`` (what ``post_backward`` calls) while active: checked on
+    2.13.0; nothing happens where FSDP2 is absent."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group_module
+    except ImportError:
+        yield
+        return
+    original = group_module.foreach_reduce
+
+    def foreach_reduce(fsdp_params, *args, **kwargs):
+        group = sys._getframe(1).f_locals.get("self")
+        try:
+            names = [str(p._param_fqn) for p in fsdp_params]
+            sizes = [int(p.padded_sharded_param_size.numel()) for p in fsdp_params]
+        except (AttributeError, TypeError):
+            names, sizes = [], []
+        with around(names, sizes, list(getattr(group, "modules", ()) or ())):
+            return original(fsdp_params, *args, **kwargs)
+
+    group_module.foreach_reduce = foreach_reduce
+    try:
+        yield
+    finally:
+        group_module.foreach_reduce = original
+
+
+def issuing_frame(frame):
+    """The first frame below ``frame`` that is not torch's op plumbing, a mode or nanbisect's
+    (the code that issued the op: the user's, a comm hook's, FSDP's)."""
+    f = frame
+    while f is not None and (_plumbing(f) or f.f_code.co_filename.startswith(_OWN)):
+        f = f.f_back
+    return f
+
+
+_OWN = os.path.dirname(os.path.dirname(_HERE)) + os.sep
+
+
+def reduce_op_name(func, args: tuple, kwargs: dict) -> str | None:
+    """The reduction a collective applies ("sum", "avg", "max", ...; None: none or unknown):
+    a c10d op's ``ReduceOp`` script object (its ``op()`` is torch's ``RedOpType`` value), a
+    functional collective's string. Checked on 2.13.0."""
+    import torch.distributed as dist
+
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.ScriptObject) and "ReduceOp" in str(v._type()):
+            try:
+                return dist.ReduceOp.RedOpType(v.op()).name.lower()
+            except (RuntimeError, ValueError, TypeError, AttributeError):
+                return None
+    if func.namespace.endswith("c10d_functional"):
+        for v in list(args[1:]) + list(kwargs.values()):
+            if isinstance(v, str) and v.lower() in ("sum", "avg", "product", "min", "max",
+                                                     "premul_sum"):
+                return v.lower()
     return None
 
 

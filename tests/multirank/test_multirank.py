@@ -89,7 +89,12 @@ def test_rank_that_computes_nan_locally_is_named(rank1_nan):
     assert r1["reduction_in_bad"] is True                                    # sent it
     # the same module call on the other rank: clean in, clean out -> computed on rank 1
     assert r0["module_stats"]["output"]["nan"] == 0 and r1["module_stats"]["output"]["nan"] > 0
-    assert any("received it through the gradient reduction" in n for n in rep["notes"])
+    # the path rank 0 received it by: DDP's all-reduce, from rank 1 (not a generic "reduction")
+    assert (r0["how"], r0["via"]["op"], r0["via"]["phase"], r0["from_ranks"]) == (
+        "received", "c10d.allreduce_.default", "grad-reduce", [1])
+    assert r1["how"] == "computed"
+    assert any("rank 0 received it through c10d.allreduce_.default in DDP bucket 0's comm hook, "
+               "in grad-reduce, from rank 1" in n for n in rep["notes"])
     assert rep["repro_result"]["reproduced"] is True
 
 

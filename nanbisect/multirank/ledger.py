@@ -1,0 +1,252 @@
+"""What crossed between ranks in a replayed step, as one rank saw it: every collective (in every
+phase: a forward tensor-parallel all-reduce, an all-to-all, an all-gather, the gradient
+reduction) and every op a DDP comm hook runs (its casts, divisions, compression), each with the
+NaN/inf this rank fed it and the NaN/inf it wrote (`nanbisect.records.Crossing`).
+
+`Ledger` rides along a rank's first lockstep pass (`multirank.worker`); every rank's entries are
+exchanged with the first-pass summaries, so the rule of birth holds across ranks without a
+reference device (`multirank.paths`): finite in on every rank of the group and non-finite out
+makes the collective the place a value was born; one rank's input already bad names that rank.
+
+Guarantees: only what a rank fed or got non-finite is kept (at most `KEEP` entries, the first
+ones: what the decision needs), so the exchange stays small at any world size; a collective's
+output is waited for before it is counted; a comm hook's op names the parameters whose slice of
+the bucket went bad, an FSDP2 reduction the parameters whose shard went bad and its unit.
+Costs: a NaN/inf count of what each collective (and hook op) reads and writes, read back at
+once (one host wait per collective), and a magnitude of the finite low-precision inputs.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from nanbisect.records import Crossing
+from nanbisect.records.ranks import LOW_RANGE
+from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
+                                          leaf_tensors, taped, wait_collective)
+from nanbisect.replay.recorder import read_args, written_tensors
+from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.locate.catch import short_path
+from nanbisect.util import frames
+from nanbisect.util import torch_internals as ti
+
+KEEP = 16     # entries a rank keeps (and sends every other rank)
+
+
+def _dtype(ts: list[torch.Tensor]) -> str:
+    return str(ts[0].dtype).removeprefix("torch.") if ts else ""
+
+
+def _floating(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for t in ts if t.is_floating_point() or t.is_complex()]
+
+
+def _bad(ts: list[torch.Tensor]) -> tuple[int, int]:
+    """(NaN count, inf count) over ``ts``."""
+    nan = inf = 0
+    for t in _floating(ts):
+        if t.is_complex():
+            t = torch.view_as_real(t)
+        nan += int(torch.isnan(t).sum())
+        inf += int(torch.isinf(t).sum())
+    return nan, inf
+
+
+def _absmax(ts: list[torch.Tensor]) -> float | None:
+    """The largest finite magnitude in ``ts`` (None: no finite floating value)."""
+    best = None
+    for t in _floating(ts):
+        if t.is_complex() or t.numel() == 0:
+            continue
+        a = torch.where(torch.isfinite(t), t.abs(), torch.zeros((), dtype=t.dtype,
+                                                                 device=t.device))
+        m = float(a.max())
+        best = m if best is None else max(best, m)
+    return best
+
+
+def _aliases(func) -> bool:
+    """Does ``func`` return a view of an input (``view``, ``split``, ``as_strided``; not an
+    in-place op, which writes it)?"""
+    return any(r.alias_info is not None and not r.alias_info.is_write
+               for r in ti.schema_returns(func))
+
+
+def _bad_slices(flat: torch.Tensor, names: list[str], sizes: list[int]) -> list[str]:
+    """The names whose slice holds NaN/inf: ``flat`` is the slices (``sizes``, in order) once,
+    or repeated (an FSDP reduce-scatter's input: one such run per rank)."""
+    flat, total = flat.reshape(-1), sum(sizes)
+    if not total or flat.numel() % total:
+        return []
+    runs = flat.reshape(flat.numel() // total, total)
+    out, at = [], 0
+    for name, n in zip(names, sizes):
+        if n and not bool(torch.isfinite(runs[:, at:at + n]).all()):
+            out.append(name)
+        at += n
+    return out
+
+
+def _source(frame) -> str | None:
+    """"path:line" of the user's code that issued the op (the innermost frame of the user's
+    before the stack goes back into nanbisect's), else of the code that did (a comm hook of
+    torch's, FSDP's reduction)."""
+    first = f = ti.issuing_frame(frame)
+    while f is not None and frames.kind(f.f_code.co_filename) != "nanbisect":
+        if frames.kind(f.f_code.co_filename) in ("user", "installed"):
+            return short_path(f.f_code.co_filename, f.f_lineno)
+        f = f.f_back
+    return short_path(first.f_code.co_filename, first.f_lineno) if first is not None else None
+
+
+class Ledger(ti.ObserverMode):
+    """Records this rank's crossings in one replay of the step. ``phase(name)`` is given to
+    `Replayer.run` (it labels what follows), ``hook(...)`` wraps a DDP comm hook's call
+    (`multirank.ddp.ReductionObserver`), `read` gives the entries kept."""
+
+    def __init__(self, model: torch.nn.Module, tracker: ModuleTracker | None = None,
+                 ddp: bool = False) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.ddp = ddp
+        self.module_names = {m: n for n, m in model.named_modules()}
+        self.now = "forward"
+        self.reducing: _Reduction | None = None     # a comm hook or FSDP reduction running
+        self.nth = 0
+        self.kept: list[Crossing] = []
+        self.active = True
+
+    # -- what the replay tells it ------------------------------------------------------------
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self.now = name
+        yield
+
+    @contextmanager
+    def hook(self, index: int, names: list[str], sizes: list[int]) -> Iterator[None]:
+        """A DDP comm hook runs for bucket ``index`` (its parameters' names and sizes, in the
+        bucket's order): every op it runs is recorded."""
+        with self._reducing(_Reduction(index, None, names, sizes)):
+            yield
+
+    @contextmanager
+    def fsdp(self, names: list[str], sizes: list[int], modules: list) -> Iterator[None]:
+        """An FSDP2 unit reduces its gradients (`ti.observing_fsdp_reductions`): every op of
+        the reduction is recorded."""
+        unit = next((self.module_names[m] for m in modules if m in self.module_names), "")
+        with self._reducing(_Reduction(None, unit, names, sizes)):
+            yield
+
+    @contextmanager
+    def _reducing(self, r: "_Reduction") -> Iterator[None]:
+        self.reducing = r
+        try:
+            yield
+        finally:
+            self.reducing = None
+
+    def __enter__(self):
+        self._fsdp = ti.observing_fsdp_reductions(self.fsdp)
+        self._fsdp.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._fsdp.__exit__(*exc)
+
+    @contextmanager
+    def quiet(self) -> Iterator[None]:
+        """nanbisect's own ops (the reduction observer's counts) go unrecorded."""
+        was, self.active = self.active, False
+        try:
+            yield
+        finally:
+            self.active = was
+
+    # -- the mode ---------------------------------------------------------------------------
+    def wants(self, func) -> bool:
+        if not self.active or func in ti.METADATA_OPS:
+            return False
+        return self.reducing is not None or taped(func)
+
+    def before(self, call: ti.OpCall) -> bool:
+        func, args, kwargs = call.func, call.args, call.kwargs
+        collective = taped(func)
+        if collective and ddp_internal(caller(), self.ddp) == "rebuild":
+            return False
+        if collective:
+            reads = leaf_tensors(read_args(func, args, kwargs))
+        else:
+            if _aliases(func):
+                return False     # a view: the values of its input, not new ones
+            outs = {a.name for a in ti.schema_arguments(func) if a.is_out}
+            reads = leaf_tensors([v for v in read_args(func, args, {})] + [
+                v for k, v in kwargs.items() if k not in outs])
+            if not _floating(reads):
+                return False     # made from no values (an empty buffer, a constant): no birth
+        call.ledger_reads = _bad(reads)
+        call.ledger_absmax = (_absmax(reads) if self.reducing is not None or any(
+            t.dtype in _LOW for t in _floating(reads)) else None)
+        call.ledger_collective = collective
+        call.ledger_inputs = ([str(t.dtype).removeprefix("torch.") for t in reads[:4]],
+                              [list(t.shape) for t in reads[:4]])
+        return True
+
+    def after(self, call: ti.OpCall, out) -> None:
+        func, args, kwargs = call.func, call.args, call.kwargs
+        collective = call.ledger_collective
+        if collective:
+            wait_collective(func, out)
+            wrote = collective_outputs(func, args, kwargs, out)
+            nth = self.nth
+            self.nth += 1
+        else:
+            returned, mutated = written_tensors(func, out, args, kwargs)
+            wrote = list({id(t): t for t in leaf_tensors(returned + mutated)}.values())
+            nth = None
+        out_nan, out_inf = _bad(wrote)
+        in_nan, in_inf = call.ledger_reads
+        if len(self.kept) >= KEEP or not (out_nan or out_inf or in_nan or in_inf):
+            return
+        frame = caller()
+        phase, module, module_call, params, bucket, unit = self.now, "", None, [], None, None
+        r = self.reducing
+        if r is not None:
+            phase, bucket, unit = "grad-reduce", r.bucket, r.unit
+            if out_nan or out_inf:
+                params = next((p for t in _floating(wrote)
+                               if (p := _bad_slices(t, r.names, r.sizes))), [])
+        elif collective and self.now == "backward" and \
+                ddp_internal(frame, self.ddp) == "bucket":
+            phase = "grad-reduce"
+        if phase == "forward" and self.tracker is not None:
+            cur = self.tracker.current()
+            if cur is not None:
+                module, module_call = cur.module, cur.call
+        self.kept.append(Crossing(
+            nth, str(func), phase, module, module_call,
+            group_ranks(func, args, kwargs) if collective else None,
+            _dtype(_floating(wrote)), ti.reduce_op_name(func, args, kwargs) if collective
+            else None, in_nan, in_inf, out_nan, out_inf, call.ledger_absmax, params, bucket,
+            unit, _source(frame), *call.ledger_inputs))
+
+    def read(self) -> list[Crossing]:
+        return list(self.kept)
+
+
+_LOW = tuple(getattr(torch, n) for n in LOW_RANGE if hasattr(torch, n))
+
+
+@dataclass(frozen=True)
+class _Reduction:
+    """A gradient reduction running: a DDP bucket's comm hook, or an FSDP2 unit's."""
+
+    bucket: int | None
+    unit: str | None
+    names: list[str]
+    sizes: list[int]
