@@ -26,7 +26,7 @@ import torch
 from nanbisect.records import Crossing
 from nanbisect.records.ranks import LOW_RANGE
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
-                                          leaf_tensors, taped, wait_collective)
+                                          leaf_tensors, process_group, taped, wait_collective)
 from nanbisect.replay.recorder import read_args, written_tensors
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.locate.catch import short_path
@@ -45,14 +45,28 @@ def _floating(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _bad(ts: list[torch.Tensor]) -> tuple[int, int]:
-    """(NaN count, inf count) over ``ts``."""
+    """(NaN count, inf count) over ``ts`` (a dtype the counting kernels lack, float8 on the
+    CPU, counted through float16, which holds its every value)."""
     nan = inf = 0
     for t in _floating(ts):
         if t.is_complex():
             t = torch.view_as_real(t)
+        if t.element_size() == 1:
+            t = t.to(torch.float16)
         nan += int(torch.isnan(t).sum())
         inf += int(torch.isinf(t).sum())
     return nan, inf
+
+
+def _receives(func, args: tuple, kwargs: dict) -> bool:
+    """A broadcast on a rank that is not its root: what its buffer held is overwritten, not
+    fed in."""
+    if ti.schema_name(func) != "c10d::broadcast_":
+        return False
+    named = dict(zip((a.name for a in ti.schema_arguments(func)), args)) | kwargs
+    pg = process_group(func, args, kwargs)
+    return pg is not None and named.get("root_rank") is not None and \
+        pg.rank() != named["root_rank"]
 
 
 def _absmax(ts: list[torch.Tensor]) -> float | None:
@@ -61,6 +75,8 @@ def _absmax(ts: list[torch.Tensor]) -> float | None:
     for t in _floating(ts):
         if t.is_complex() or t.numel() == 0:
             continue
+        if t.element_size() == 1:
+            t = t.to(torch.float16)
         a = torch.where(torch.isfinite(t), t.abs(), torch.zeros((), dtype=t.dtype,
                                                                  device=t.device))
         m = float(a.max())
@@ -115,9 +131,11 @@ class Ledger(ti.ObserverMode):
         self.module_names = {m: n for n, m in model.named_modules()}
         self.now = "forward"
         self.reducing: _Reduction | None = None     # a comm hook or FSDP reduction running
-        self.nth = 0
+        self.nth = 0                  # collectives seen in this step
+        self.seq: dict[tuple | None, int] = {}    # ... on each process group
         self.kept: list[Crossing] = []
         self.active = True
+        self.errors = 0               # ops it could not count (their step ran untouched)
 
     # -- what the replay tells it ------------------------------------------------------------
     @contextmanager
@@ -170,17 +188,38 @@ class Ledger(ti.ObserverMode):
 
     # -- the mode ---------------------------------------------------------------------------
     def wants(self, func) -> bool:
-        if not self.active or func in ti.METADATA_OPS:
+        if not self.active or func in ti.METADATA_OPS or len(self.kept) >= KEEP:
             return False
         return self.reducing is not None or taped(func)
 
     def before(self, call: ti.OpCall) -> bool:
+        try:
+            return self._before(call)
+        except Exception:  # noqa: BLE001 - a count that fails must not fail the user's step
+            self.errors += 1
+            return False
+
+    def after(self, call: ti.OpCall, out) -> None:
+        try:
+            self._after(call, out)
+        except Exception:  # noqa: BLE001 - as in `before`
+            self.errors += 1
+
+    def _before(self, call: ti.OpCall) -> bool:
         func, args, kwargs = call.func, call.args, call.kwargs
         collective = taped(func)
         if collective and ddp_internal(caller(), self.ddp) == "rebuild":
             return False
+        call.ledger_key = None
         if collective:
-            reads = leaf_tensors(read_args(func, args, kwargs))
+            group = group_ranks(func, args, kwargs)
+            key = tuple(group) if group is not None else None
+            seq = self.seq.get(key, 0)
+            self.seq[key] = seq + 1
+            call.ledger_key = (self.nth, group, seq)
+            self.nth += 1
+            reads = ([] if _receives(func, args, kwargs)
+                     else leaf_tensors(read_args(func, args, kwargs)))
         else:
             if _aliases(func):
                 return False     # a view: the values of its input, not new ones
@@ -190,29 +229,35 @@ class Ledger(ti.ObserverMode):
             if not _floating(reads):
                 return False     # made from no values (an empty buffer, a constant): no birth
         call.ledger_reads = _bad(reads)
-        call.ledger_absmax = (_absmax(reads) if self.reducing is not None or any(
-            t.dtype in _LOW for t in _floating(reads)) else None)
-        call.ledger_collective = collective
+        call.ledger_tensors = reads
+        # the largest finite magnitude fed in, for an overflow's words: read now where the op
+        # may overwrite its input (an in-place collective), later where it may be needed
+        call.ledger_absmax = (_absmax(reads) if any(t.dtype in _LOW for t in _floating(reads))
+                              else None)
         call.ledger_inputs = ([str(t.dtype).removeprefix("torch.") for t in reads[:4]],
                               [list(t.shape) for t in reads[:4]])
         return True
 
-    def after(self, call: ti.OpCall, out) -> None:
+    def _after(self, call: ti.OpCall, out) -> None:
         func, args, kwargs = call.func, call.args, call.kwargs
-        collective = call.ledger_collective
-        if collective:
+        key = call.ledger_key
+        if key is not None:
             wait_collective(func, out)
             wrote = collective_outputs(func, args, kwargs, out)
-            nth = self.nth
-            self.nth += 1
+            nth, group, seq = key
         else:
             returned, mutated = written_tensors(func, out, args, kwargs)
             wrote = list({id(t): t for t in leaf_tensors(returned + mutated)}.values())
-            nth = None
+            nth, group, seq = None, None, None
         out_nan, out_inf = _bad(wrote)
         in_nan, in_inf = call.ledger_reads
-        if len(self.kept) >= KEEP or not (out_nan or out_inf or in_nan or in_inf):
+        if not (out_nan or out_inf or in_nan or in_inf):
             return
+        absmax = call.ledger_absmax
+        if (absmax is None and key is None and out_inf and not (in_nan or in_inf)
+                and any(t.dtype in _LOW for t in _floating(wrote))
+                and not written_tensors(func, out, args, kwargs)[1]):
+            absmax = _absmax(call.ledger_tensors)   # a cast into a narrow dtype, its input kept
         frame = caller()
         phase, module, module_call, params, bucket, unit = self.now, "", None, [], None, None
         r = self.reducing
@@ -221,7 +266,7 @@ class Ledger(ti.ObserverMode):
             if out_nan or out_inf:
                 params = next((p for t in _floating(wrote)
                                if (p := _bad_slices(t, r.names, r.sizes))), [])
-        elif collective and self.now == "backward" and \
+        elif key is not None and self.now == "backward" and \
                 ddp_internal(frame, self.ddp) == "bucket":
             phase = "grad-reduce"
         if phase == "forward" and self.tracker is not None:
@@ -229,11 +274,10 @@ class Ledger(ti.ObserverMode):
             if cur is not None:
                 module, module_call = cur.module, cur.call
         self.kept.append(Crossing(
-            nth, str(func), phase, module, module_call,
-            group_ranks(func, args, kwargs) if collective else None,
-            _dtype(_floating(wrote)), ti.reduce_op_name(func, args, kwargs) if collective
-            else None, in_nan, in_inf, out_nan, out_inf, call.ledger_absmax, params, bucket,
-            unit, _source(frame), *call.ledger_inputs))
+            nth, str(func), phase, module, module_call, group,
+            _dtype(_floating(wrote)), ti.reduce_op_name(func, args, kwargs) if key is not None
+            else None, in_nan, in_inf, out_nan, out_inf, absmax, params, bucket,
+            unit, _source(frame), *call.ledger_inputs, seq=seq))
 
     def read(self) -> list[Crossing]:
         return list(self.kept)

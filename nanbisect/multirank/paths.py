@@ -24,9 +24,9 @@ _SEEN = {**ORDER, "grad-reduce": ORDER["backward"]}
 
 
 def _fed(summaries: dict[int, RankSummary], c: Crossing, keep: int) -> list[int] | None:
-    """The ranks of ``c``'s group that fed ``c`` (the same collective, by its place in the
-    step) non-finite values; None when a rank's side of it is unknown (that rank kept its
-    `KEEP` entries before reaching it)."""
+    """The ranks of ``c``'s group that fed ``c`` (the same collective: `Crossing.same`)
+    non-finite values; None when a rank's side of it is unknown (that rank kept its `KEEP`
+    entries before reaching it)."""
     from nanbisect.multirank.ledger import KEEP
 
     fed = []
@@ -34,7 +34,7 @@ def _fed(summaries: dict[int, RankSummary], c: Crossing, keep: int) -> list[int]
         s = summaries.get(r)
         if s is None:
             return None
-        mine = next((x for x in s.crossings if x.nth == c.nth), None)
+        mine = next((x for x in s.crossings if x.collective and x.same(c)), None)
         if mine is None:
             if len(s.crossings) >= (keep or KEEP):
                 return None
@@ -89,7 +89,7 @@ def birth(paths: dict[int, RankPath]) -> tuple[str, list[int], Crossing | None]:
         return "computed", [r for r, q in paths.items() if q.how == "computed"
                             and where(q) == where(p)], p.via
     return "collective", [r for r, q in paths.items() if q.how == p.how and q.via is not None
-                          and (q.via.nth, q.via.op) == (p.via.nth, p.via.op)], p.via
+                          and q.via.same(p.via)], p.via
 
 
 def overflow_words(c: Crossing, summaries: list[RankSummary | None]) -> str:
@@ -99,7 +99,7 @@ def overflow_words(c: Crossing, summaries: list[RankSummary | None]) -> str:
     for s in summaries:
         if s is None:
             continue
-        mine = next((x for x in s.crossings if x.nth == c.nth and x.op == c.op), None)
+        mine = next((x for x in s.crossings if x.collective and x.same(c)), None)
         if mine is not None and mine.in_absmax is not None:
             fed.append(f"rank {s.rank} {mine.in_absmax:.6g}")
     limit = {"float16": "65504"}.get(c.dtype, "its largest finite value")

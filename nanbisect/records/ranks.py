@@ -64,6 +64,15 @@ class Crossing:
     source: str | None = None     # "file.py:12 in func" of the code that issued it
     in_dtypes: list[str] = field(default_factory=list)         # of what it read (first 4)
     in_shapes: list[list[int]] = field(default_factory=list)
+    seq: int | None = None        # its place among its process group's collectives (every
+                                  # member of a group issues them in the same order)
+
+    def same(self, other: "Crossing") -> bool:
+        """Is ``other`` (another rank's) the same collective: the same op at the same place
+        among the same group's collectives (without a known group: among all)?"""
+        if self.group is not None and other.group is not None:
+            return (self.op, self.group, self.seq) == (other.op, other.group, other.seq)
+        return (self.op, self.nth) == (other.op, other.nth)
 
     @property
     def in_bad(self) -> bool:

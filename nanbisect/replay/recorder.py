@@ -60,9 +60,11 @@ OVERWRITE = {aten.copy_.default, aten.fill_.Scalar, aten.fill_.Tensor, aten.zero
 
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")
 # c10d arguments a collective writes into (their schemas carry no alias annotation); of these,
-# only "tensors" (in-place collectives: all-reduce, broadcast) is also read
-_C10D_WRITES = ("tensors", "output_tensors", "output_tensor", "output")
-_C10D_WRITE_ONLY = ("output_tensors", "output_tensor", "output")
+# only "tensors" (in-place collectives: all-reduce, broadcast) is also read, except by a receive
+_C10D_WRITES = ("tensors", "output_tensors", "output_tensor", "output", "outputs",
+                "output_lists")
+_C10D_WRITE_ONLY = ("output_tensors", "output_tensor", "output", "outputs", "output_lists")
+_C10D_RECEIVES = ("c10d::recv_", "c10d::recv_any_source_")    # "tensors": written, not read
 
 
 def is_collective(op: str) -> bool:
@@ -122,8 +124,10 @@ def read_args(func, args: tuple, kwargs: dict) -> list[Any]:
         return [*args[1:], *kwargs.values()]
     if func.namespace == "c10d":
         names = [a.name for a in ti.schema_arguments(func)]
-        return [v for n, v in zip(names, args) if n not in _C10D_WRITE_ONLY] + [
-            v for n, v in kwargs.items() if n not in _C10D_WRITE_ONLY]
+        skip = _C10D_WRITE_ONLY + (("tensors",) if ti.schema_name(func) in _C10D_RECEIVES
+                                   else ())
+        return [v for n, v in zip(names, args) if n not in skip] + [
+            v for n, v in kwargs.items() if n not in skip]
     return [*args, *kwargs.values()]
 
 

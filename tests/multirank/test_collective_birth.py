@@ -122,3 +122,13 @@ def test_fsdp2_cast_into_the_float16_reduce_buffer_overflowing_on_one_rank(tmp_p
         1, "fsdp.chunk_cat.default", "layers.1", "layers.1.fc2.bias")
     assert how(rep) == {0: ("received", "c10d._reduce_scatter_base_.default", [1]),
                         1: ("computed", "fsdp.chunk_cat.default", [])}
+
+
+def test_subgroups_that_issue_different_numbers_of_collectives_still_line_up(tmp_path):
+    # ranks 0-1 all-reduce a statistic over their pair first: the world's all-reduce that hands
+    # rank 2's NaN to everyone is their 2nd collective and ranks 2-3's 1st
+    rep = replayed("subgroup_sqrt", 4, tmp_path)
+    c = rep["culprit"]
+    assert (rep["phase"], c["rank"], c["op"]) == ("forward", 2, "aten.sqrt.default")
+    assert how(rep) == {0: ("received", AR, [2]), 1: ("received", AR, [2]),
+                        2: ("computed", None, []), 3: ("received", AR, [2])}

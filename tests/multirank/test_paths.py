@@ -3,6 +3,8 @@ comm-hook ops of its first pass): in-process, from records, with no torch.distri
 end-to-end cases (real ranks, real hooks) are in test_collective_birth.py."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 from nanbisect.multirank.paths import birth, rank_paths
 from nanbisect.multirank.verdict import decide, job_report
 from nanbisect.records import Bucket, Crossing, Losses, Plan, RankResult, RankSummary, RunFacts
@@ -15,7 +17,7 @@ def cross(nth, *, op=AR, phase="forward", group=(0, 1), dtype="float32", fed=(0,
     return Crossing(nth, op, phase, module if phase == "forward" else "",
                     0 if phase == "forward" else None, list(group) if nth is not None else None,
                     dtype, "sum" if nth is not None else None, *fed, *got, absmax, list(params),
-                    bucket, unit, "train.py:9", [dtype], [[4]])
+                    bucket, unit, "train.py:9", [dtype], [[4]], seq=nth)
 
 
 def summary(rank, phase, *crossings, buckets=()):
@@ -87,6 +89,22 @@ def test_a_rank_whose_side_of_the_collective_is_unknown_is_not_called_the_birthp
     s = [summary(0, "forward", cross(20, got=(2, 0))), summary(1, "forward", *full)]
     p = rank_paths(s)
     assert (p[0].how, p[0].from_ranks) == ("received", [])
+
+
+def test_the_same_collective_is_matched_by_its_place_in_its_group_not_in_the_step():
+    # rank 0 and 1 issued one collective more on their pair's group than rank 2 and 3 did:
+    # the world's all-reduce is the 3rd collective on ranks 0-1 and the 2nd on 2-3
+    world = (0, 1, 2, 3)
+
+    def ar(nth, seq, **kw):
+        return replace(cross(nth, group=world, **kw), seq=seq)
+
+    s = [summary(0, "forward", ar(2, 1, got=(1, 0))), summary(1, "forward", ar(2, 1, got=(1, 0))),
+         summary(2, "forward", ar(1, 1, fed=(1, 0), got=(1, 0))),
+         summary(3, "forward", ar(1, 1, got=(1, 0)))]
+    p = rank_paths(s)
+    assert [(p[r].how, p[r].from_ranks) for r in range(4)] == [
+        ("received", [2]), ("received", [2]), ("computed", []), ("received", [2])]
 
 
 def test_a_rank_that_failed_in_forward_before_anything_crossed_computed_it():

@@ -24,6 +24,9 @@ step 1 only (through that step's batch), and rank 0 prints ``BUNDLE path``. Faul
   fp32 gradient of ``layers.1.fc2.bias`` is about 4e4: finite in fp16 and after FSDP's pre-divide
   by 2, but the reduce-scatter's fp16 sum over 4 ranks (about 8e4) is inf. (On 2 ranks FSDP
   pre-divides by 2 and post-divides by 1: two finite fp16 halves cannot sum past 65504.)
+- subgroup_sqrt (4 ranks): rank 2's forward takes sqrt of a negative; ranks 0 and 1 all-reduce a
+  statistic over their own pair first, so the world's all-reduce that hands rank 2's NaN to every
+  rank is the second collective of the step on ranks 0-1 and the first on ranks 2-3;
 - fsdp_fp16_cast (2, 4 ranks): the same model; at step 1 rank 1's fp32 gradient of
   ``layers.1.fc2.bias`` is about 7.4e4 and overflows in FSDP's cast to the fp16 reduce buffer.
 """
@@ -294,8 +297,54 @@ _TARGET = {
 _TP_ROW = {2: (18000.0, (1.0, 1.0, -1.0, -1.0)), 4: (40000.0, (0.0, 0.0, -1.0, -0.5))}
 
 
+# ---- subgroups issuing different numbers of collectives -------------------------------------
+
+class PairStats(nn.Module):
+    """A layer whose output is summed over every rank; before that, the ranks of the first pair
+    (0, 1) all-reduce a statistic of it over their own group (a metric: detached, finite), so
+    the world's all-reduce is their second collective of the step and the other ranks' first."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        r, w = dist.get_rank(), dist.get_world_size()
+        pairs = [dist.new_group([p, p + 1], group_desc=f"pair{p}") for p in range(0, w, 2)]
+        self.pair, self.counts = pairs[r // 2], r < 2
+
+    def forward(self, x):
+        h = torch.sqrt(self.fc(x) + 10.0)        # NaN where a row is far negative
+        if self.counts:
+            stat = h.detach().abs().mean().reshape(1)
+            dist.all_reduce(stat, group=self.pair)
+        return _ReduceFromTP.apply(h, None)
+
+
+class PairNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.row = PairStats()
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x):
+        return self.head(self.row(x)).squeeze(-1)
+
+
+def subgroup_sqrt():
+    """4 ranks: rank 2's row makes NaN (sqrt of a negative) at step 1; ranks 0 and 1 issued a
+    collective more than ranks 2 and 3 before the world's all-reduce hands it to them."""
+    model = PairNet()
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+                          loss_fn=lambda m, b: m(b).pow(2).mean())
+
+
 def batch(func: str, step: int):
     r = dist.get_rank()
+    if func == "subgroup_sqrt":
+        x = torch.randn(BATCH, 4, generator=torch.Generator().manual_seed(100 * r + step)) * 0.1
+        if step == 1 and r == 2:
+            x[0] = -1e4
+        return x
     if func == "tp_fp16":    # tensor parallel: every rank sees the same batch
         g = torch.Generator().manual_seed(step)
         x = torch.rand(BATCH, 4, generator=g)
