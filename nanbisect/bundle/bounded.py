@@ -14,6 +14,7 @@ from pathlib import Path
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from nanbisect.bundle.lazy import LazyTensors
 from nanbisect.bundle.state import Tensors
 from nanbisect.errors import BadInput
 from nanbisect.util.numbers import env
@@ -219,6 +220,26 @@ def _span(name: str, t, bad) -> tuple[int, int, str]:
                   f"{math.prod(shape) * DTYPE_BITS[dtype] // 8} bytes, its data_offsets span "
                   f"{offsets[1] - offsets[0]}")
     return offsets[0], offsets[1], name
+
+
+def add_lazy(lazy: "LazyTensors", path: Path, shown: str, names: list[str] | None = None
+             ) -> None:
+    """Serve ``path``'s tensors (only ``names`` when given) from ``lazy``, read when asked
+    (`nanbisect.bundle.lazy`); the header checked here, as `_load` checks it."""
+    head = read_header(path, shown)
+    n = struct.unpack("<Q", _first_bytes(path, shown))[0]
+    if names is not None and not set(names) <= set(head):
+        missing = sorted(set(names) - set(head))[:3]
+        raise BadInput(f"{shown} lacks tensor(s) {missing}; {_FIX}")
+    lazy.add_file(path, shown, head, 8 + n, names)
+
+
+def _first_bytes(path: Path, shown: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read(8)
+    except OSError as e:
+        raise BadInput(f"{shown} cannot be read ({e.strerror}); {_FIX}") from None
 
 
 def _load(path: Path, shown: str, names: list[str] | None = None, checked: bool = False

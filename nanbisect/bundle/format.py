@@ -37,11 +37,12 @@ from nanbisect import __version__
 from nanbisect.bundle.bounded import (DTYPE_BITS, MAX_HEADER_BYTES, MAX_JSON_DEPTH,
                                      MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_TENSORS,
                                      MAX_WORLD_SIZE, _FIX, _kind, _limit, _load, _regular, _uint,
-                                     parse_json, read_header)
+                                     add_lazy, parse_json, read_header)
+from nanbisect.bundle.lazy import Layered, LazyTensors
 from nanbisect.bundle import codestore
 from nanbisect.bundle.check import check_state
 from nanbisect.bundle.where import check_bundle_dir
-from nanbisect.bundle.schema import (MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
+from nanbisect.bundle.schema import (LAZY_ROLES, MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
                                     SUFFIX, _REQUIRED, _REQUIRED_MULTI, _check_fields,
                                     _check_replicas, _int, _safe_name, _strs, check_partial,
                                     check_section, field_problem)
@@ -102,6 +103,26 @@ class Bundle:
         for role in ROLES:
             out.update(self.tensors(role))
         return out
+
+    def state_tensors(self) -> "Layered":
+        """Every role's tensors, the model's and optimizer's read from their files when asked
+        (`nanbisect.bundle.lazy`: a replay never holds the state twice), the others loaded."""
+        lazy, small = LazyTensors(), {}
+        for role in ROLES:
+            if role not in LAZY_ROLES:
+                small.update(self.tensors(role))
+                continue
+            name = f"{role}{SUFFIX}"
+            if name in self.manifest["files"]:
+                add_lazy(lazy, self.path / name, f"bundle '{self.path}': {name}")
+            ref = (self.manifest.get("shared") or {}).get(name)
+            if ref is not None:
+                if self.borrowed is None:
+                    self.tensors(role)     # the error: one part of a multi-rank bundle
+                for owner, names in self.borrowed.get(name, []):
+                    add_lazy(lazy, owner / name, f"bundle '{owner.parent}': {owner.name}/{name}",
+                             names)
+        return Layered(small, lazy)
 
     @property
     def world_size(self) -> int:

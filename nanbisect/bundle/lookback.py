@@ -200,6 +200,10 @@ class BundleView(Bundle):
     def all_tensors(self) -> Tensors:
         return dict(self.view or {})
 
+    def state_tensors(self) -> Tensors:
+        """Its tensors (held: a view's are already in memory)."""
+        return self.all_tensors()
+
     def with_step(self, w: Window, i: int) -> "BundleView":
         """This view with step ``i``'s batch, RNG and hyper-parameters."""
         s = w.steps[i]

@@ -24,6 +24,8 @@ SCHEMA_VERSION = 1
 ROLES = ("model", "optimizer", "batch", "rng")
 # Roles every rank of a multi-rank bundle writes itself, never taken from another rank's part
 PER_RANK = ("batch", "rng")
+# Roles a replay reads from their files when it restores, never holding them (the state)
+LAZY_ROLES = ("model", "optimizer")
 SUFFIX = ".safetensors"
 
 

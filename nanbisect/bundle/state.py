@@ -24,6 +24,7 @@ import torch
 
 from nanbisect import devices
 from nanbisect.bundle.code import _excluded_roots, _is_user
+from nanbisect.bundle.lazy import fill
 from nanbisect.errors import BadInput
 
 Tensors = dict[str, torch.Tensor]
@@ -103,8 +104,13 @@ def decode(obj: Any, tensors: Tensors, device: torch.device | str | None = None)
             raise BadInput(f"tensor {_show(name)} named in the manifest is missing from the "
                            "bundle's tensor files; re-capture the bundle")
         # NB: always a copy: an optimizer step or an in-place loss_fn must not alter the bundle's
-        # tensors, which every later replay restores from.
-        t = tensors[name].to(device, copy=True) if device is not None else tensors[name].clone()
+        # tensors, which every later replay restores from (a mapping that reads its values
+        # afresh on each access, `bundle.lazy`, gives copies already)
+        t = tensors[name]
+        if not getattr(tensors, "fresh", False):
+            t = t.to(device, copy=True) if device is not None else t.clone()
+        elif device is not None:
+            t = t.to(device)
         return t.requires_grad_(True) if obj.get("requires_grad") and (
             t.is_floating_point() or t.is_complex()) else t
     if "__tuple__" in obj:
@@ -222,8 +228,11 @@ def model_keys(meta: dict, tensors, where: str) -> dict[str, str]:
 
 
 @torch.no_grad()
-def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: str) -> None:
-    """Copy saved values into ``model`` in place (keeps ties, devices and dtypes of the model)."""
+def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: str,
+                  keep: Callable[[torch.Tensor], bool] | None = None) -> int:
+    """Copy saved values into ``model`` in place (keeps ties, devices and dtypes of the model);
+    ``keep(t)``: ``t`` still holds its saved value (nothing wrote it since the last restore),
+    so it is not written again. How many tensors were written."""
     entries = model_entries(model)
     have = {n for n, _, _ in entries}
     want = set(meta["params"]) | set(meta["buffers"])
@@ -234,13 +243,23 @@ def restore_model(model: torch.nn.Module, meta: dict, tensors: Tensors, where: s
             f"{missing or '-'}; model only: {extra or '-'}); replay with the code that captured it"
         )
     keys = model_keys(meta, tensors, where)
+    written = 0
     for name, t, _ in entries:
-        saved = tensors[keys[name]]
         t = local(t)
-        if saved.shape != t.shape:
-            raise BadInput(f"{where}: '{name}' has shape {tuple(saved.shape)} in the bundle but "
+        shape = _shape_of(tensors, keys[name])
+        if shape != t.shape:
+            raise BadInput(f"{where}: '{name}' has shape {tuple(shape)} in the bundle but "
                            f"{tuple(t.shape)} in the model; replay with the code that captured it")
-        t.copy_(saved)
+        if keep is None or not keep(t):
+            fill(tensors, keys[name], t)
+            written += 1
+    return written
+
+
+def _shape_of(tensors, name: str) -> torch.Size:
+    """A saved tensor's shape, without reading it from a file-backed mapping."""
+    shape = getattr(tensors, "shape", None)
+    return shape(name) if shape is not None else tensors[name].shape
 
 
 def restore_modes(model: torch.nn.Module, meta: dict, where: str) -> None:
@@ -334,11 +353,22 @@ def same_class(recorded: str, cls: type) -> bool:
     return isinstance(f, str) and _is_user(Path(f).resolve(), _excluded_roots())
 
 
-def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, where: str) -> None:
+def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, where: str,
+                      in_place: bool = False,
+                      keep: Callable[[torch.Tensor], bool] | None = None) -> int:
+    """``opt``'s state and hyper-parameters := the manifest's ``optimizer`` (``meta``); how
+    many state tensors were written. ``in_place``: ``opt`` holds this very state already
+    restored once (and maybe stepped): its state tensors are overwritten where they are (no
+    second copy of the moments, no clone), those ``keep`` vouches for not at all; or, where
+    its layout differs, restored as on the first time."""
     cls = type(opt).__module__ + "." + type(opt).__qualname__
     if not same_class(meta["class"], type(opt)):
         raise BadInput(f"{where}: the bundle holds a {meta['class']} state but the entry built a "
                        f"{cls}; replay with the code that captured it")
+    if in_place:
+        written = _in_place(opt, meta, tensors, keep)
+        if written is not None:
+            return written
     sd = decode_optimizer(meta, tensors, where)
     try:
         opt.load_state_dict(sd)
@@ -348,6 +378,53 @@ def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, 
                        f"({type(e).__name__}: {_show(str(e), 80)[1:-1]}); replay with the code "
                        "that captured it") from None
     _shard_state_like_params(opt)
+    return sum(isinstance(v, torch.Tensor) for st in opt.state.values() for v in st.values())
+
+
+@torch.no_grad()
+def _in_place(opt: torch.optim.Optimizer, meta: dict, tensors,
+              keep: Callable[[torch.Tensor], bool] | None = None) -> int | None:
+    """Overwrite ``opt``'s state with ``meta``'s where it stands (not the tensors ``keep``
+    vouches for): how many tensors were written, or None (nothing written) when the state's
+    layout is not the one ``meta`` describes (parameters, keys, shapes), which
+    `load_state_dict` then builds afresh."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    saved = meta["param_groups"]
+    if len(saved) != len(opt.param_groups) or any(
+            not isinstance(g, dict) or len(g.get("params") or []) != len(c["params"])
+            for g, c in zip(saved, opt.param_groups)):
+        return None
+    index = {i: p for g, c in zip(saved, opt.param_groups)
+             for i, p in zip(g["params"], c["params"])}
+    state = meta["state"]
+    if set(opt.state) != {index.get(int(i)) for i in state} or len(params) != len(index):
+        return None
+    plan = []
+    for i, entry in state.items():
+        current = opt.state[index[int(i)]]
+        if not isinstance(entry, dict) or set(entry) != set(current):
+            return None
+        for k, v in entry.items():
+            cur = current[k]
+            if isinstance(v, dict) and "__tensor__" in v:
+                name = v["__tensor__"]
+                if not (isinstance(cur, torch.Tensor) and isinstance(name, str)
+                        and name in tensors and tuple(_shape_of(tensors, name))
+                        == tuple(local(cur).shape)):
+                    return None
+                plan.append((name, local(cur)))
+            elif isinstance(cur, torch.Tensor):
+                return None
+            else:
+                current[k] = decode(v, tensors)
+    plan = [(name, cur) for name, cur in plan if keep is None or not keep(cur)]
+    for name, cur in plan:
+        fill(tensors, name, cur)
+    for g, c in zip(saved, opt.param_groups):
+        for k, v in g.items():
+            if k != "params":
+                c[k] = decode(v, tensors)
+    return len(plan)
 
 
 def _shard_state_like_params(opt: torch.optim.Optimizer) -> None:

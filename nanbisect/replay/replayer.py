@@ -24,8 +24,8 @@ from nanbisect.bundle.code import changed_sources, relocation
 from nanbisect.bundle.format import MANIFEST, Bundle, read_manifest
 from nanbisect.errors import BadInput
 from nanbisect.records import BadValue, StepOutcome
-from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, restore_model,
-                                    restore_modes, restore_optimizer)
+from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, model_entries,
+                                    restore_model, restore_modes, restore_optimizer)
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
 from nanbisect.util import torch_internals as ti
@@ -88,7 +88,12 @@ class Replayer:
         # refused before the import (`nanbisect.task.gate`)
         self.run_top_level = run_top_level or top_level_recorded(m)
         self.task = task or load_entry(self.entry, bundle, self.run_top_level)
-        self.tensors = bundle.all_tensors()
+        # the model's and optimizer's read from their files at each restore, never held twice
+        self.tensors = bundle.state_tensors()
+        self.restores = 0       # how often `restore` reset the state (the first builds it)
+        self.restore_counts: list[int] = []   # the tensors each restore wrote
+        self.stepped = False    # a run's optimizer stepped since the last restore
+        self._marks: dict[int, tuple[torch.Tensor, tuple]] = {}
         # NB: under torch.distributed every rank must run every collective of the step, so a
         # lockstep replay never stops early; it runs the whole step and reports its first failure
         self.lockstep = False
@@ -134,21 +139,51 @@ class Replayer:
 
     def restore(self) -> Any:
         """Reset model, optimizer, scaler, train/eval modes, ``requires_grad`` and RNG to the
-        pre-step state; return the batch on the device."""
+        pre-step state; return the batch on the device.
+
+        The state is loaded once, in place: the first restore writes every parameter, buffer
+        and optimizer state tensor from the bundle's files; a later one writes only those a
+        run since may have changed (all of them after a run whose optimizer stepped; else those
+        whose version counter, storage, dtype or device moved: an in-place op, a ``.to()``),
+        never cloning. ``restore_counts`` lists how many tensors each restore wrote. NB: a
+        write through ``.data`` bumps no version counter: user code that writes parameters
+        that way in forward or backward (not the optimizer) is not undone between passes."""
         m = self.bundle.manifest
-        restore_model(self.task.model, m["model"], self.tensors, self._where)
+        keep = self._unchanged if self.restores > 0 and not self.stepped else None
+        written = restore_model(self.task.model, m["model"], self.tensors, self._where, keep)
         restore_modes(self.task.model, m["model"], self._where)
         if self.task.grad_scaler is not None and m.get("grad_scaler"):
             self.task.grad_scaler.load_state_dict(dict(m["grad_scaler"]))
         if self.task.optimizer is not None:
-            restore_optimizer(self.task.optimizer, self.bundle.manifest["optimizer"],
-                              self.tensors, self._where)
+            written += restore_optimizer(self.task.optimizer, self.bundle.manifest["optimizer"],
+                                         self.tensors, self._where, in_place=self.restores > 0,
+                                         keep=keep)
+        self.restores += 1
+        self.restore_counts.append(written)
+        self._mark_restored()
         return self.inputs()
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        model, opt = self.task.model, self.task.optimizer
+        out = [local(t) for _, t, _ in model_entries(model)]
+        if opt is not None:
+            out += [local(v) for st in opt.state.values() for v in st.values()
+                    if isinstance(v, torch.Tensor)]
+        return out
+
+    def _mark_restored(self) -> None:
+        """Remember how every state tensor stands right after a restore (`_unchanged`)."""
+        self._marks = {id(t): (t, _mark(t)) for t in self._state_tensors()}
+        self.stepped = False
+
+    def _unchanged(self, t: torch.Tensor) -> bool:
+        got = self._marks.get(id(t))
+        return got is not None and got[0] is t and got[1] == _mark(t)
 
     def next_step(self, bundle: Bundle) -> None:
         """Make the next `run` (``keep_state=True``) the step of ``bundle`` (a step of a window:
         its batch, RNG and hyper-parameters) from the state the last run left behind."""
-        self.bundle, self.tensors = bundle, bundle.all_tensors()
+        self.bundle, self.tensors = bundle, bundle.state_tensors()
         self.rng = RngState.decode(bundle.manifest["rng"], self.tensors)
 
     def inputs(self) -> Any:
@@ -229,7 +264,7 @@ class Replayer:
         skipped = False
         with wrap():
             try:
-                for ev in run_step(task, batch, phase):
+                for ev in run_step(task, batch, self._noting_steps(phase)):
                     total = ev.total if ev.total is not None else total
                     if ev.phase == "forward":
                         kept = ev.loss.detach()
@@ -262,6 +297,16 @@ class Replayer:
         params = _scan("parameter", task.model.named_parameters())
         return StepOutcome(loss_v, "optimizer" if params else None, params, kept,
                            scaler_skipped=skipped)
+
+    def _noting_steps(self, phase: Callable[[str], ContextManager]
+                      ) -> Callable[[str], ContextManager]:
+        """``phase``, noting when the optimizer phase starts (`restore` writes everything
+        back after it, whatever happened in it)."""
+        def noted(name: str) -> ContextManager:
+            if name == "optimizer":
+                self.stepped = True
+            return phase(name)
+        return noted
 
     @staticmethod
     def _value(total: torch.Tensor | None) -> float | None:
@@ -299,6 +344,12 @@ def apply_step_shape(task: Task, shape: dict | None, device: torch.device,
         task.autocast = None
     return ([f"the step is replayed as the bundle recorded it: {'; '.join(changed)}"]
             if changed else [])
+
+
+def _mark(t: torch.Tensor) -> tuple:
+    """What moves when a tensor is written or replaced: its version counter, storage, dtype,
+    device."""
+    return (t._version, t.data_ptr(), t.dtype, t.device)
 
 
 def stacked(*cms: ContextManager) -> ExitStack:
