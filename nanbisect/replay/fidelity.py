@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import torch
@@ -40,14 +41,41 @@ from nanbisect.util.files import file_sha256
 _COMPARED = ("torch", "python", "nanbisect", "numpy", "torch_threads")
 
 
+def thread_cap() -> int | None:
+    """The intra-op threads this process was given (``OMP_NUM_THREADS``, as triage gives each
+    replay its share of the cores); None: not set."""
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+
+
 def match_threads(bundle: Bundle, device: torch.device) -> str | None:
-    """On the CPU, use the capture's intra-op thread count; say so when it changes anything."""
+    """On the CPU, use the capture's intra-op thread count; say so when it changes anything.
+
+    Never more than this process was given (`thread_cap`): two replays side by side, each
+    forced to the capture's count, would spin-wait on each other's cores. A replay with fewer
+    threads than the capture computes the same ops, but the reductions torch splits by thread
+    (sums and norms over many elements, a matrix product's inner dimension in some kernels)
+    add in another order and may differ in the last bits: `check` then lists the thread count
+    among what changed, so the loss is compared within the dtype's tolerance, not bit for bit.
+    """
     want = (bundle.manifest.get("environment") or {}).get("torch_threads")
     have = torch.get_num_threads()
-    if not devices.on_host(device) or not isinstance(want, int) or want < 1 or want == have:
+    if not devices.on_host(device) or not isinstance(want, int) or want < 1:
+        return None
+    cap = thread_cap()
+    if cap is not None and cap < want:
+        torch.set_num_threads(cap)
+        return (f"replayed with {cap} intra-op thread(s) (OMP_NUM_THREADS), the capture used "
+                f"{want}: sums split by thread may differ in the last bits")
+    if want == have:
         return None
     torch.set_num_threads(want)
     return f"replayed with {want} intra-op threads as captured (this machine's default: {have})"
+
+
+def _fewer_threads(then, now) -> bool:
+    """The replay ran with fewer intra-op threads than the capture (`match_threads`' cap)."""
+    return isinstance(then, int) and isinstance(now, int) and now < then
 
 
 def check(bundle: Bundle, entry: str, original, replayed: float | None, same_setup: bool,
@@ -77,7 +105,8 @@ def check(bundle: Bundle, entry: str, original, replayed: float | None, same_set
     then, now = m.get("environment") or {}, environment()
     env = [f"{k} {then[k]} at capture, {now[k]} now" for k in _COMPARED
            if k in then and str(then[k]) != str(now[k])
-           and not (k == "torch_threads" and same_setup and Manifest.of(m).captured_on_host)]
+           and not (k == "torch_threads" and same_setup and Manifest.of(m).captured_on_host
+                    and not _fewer_threads(then[k], now[k]))]
     bit_exact = (replayed == original if isinstance(original, float) and replayed is not None
                  else None)
     rel = None

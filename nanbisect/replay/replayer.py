@@ -30,7 +30,8 @@ from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.compiled import compile_model
-from nanbisect.util.tensors import cast_floating, floating, nonfinite, surely_finite
+from nanbisect.util.tensors import (all_surely_finite, cast_floating, floating, nonfinite,
+                                    surely_finite)
 
 PHASES = ("input", "forward", "backward", "optimizer")
 
@@ -46,18 +47,21 @@ def parse_device(spec: str, flag: str = "--target/--reference"
     return devices.parse(spec, flag)
 
 
-def _scan(where: str, named, summed: bool = False) -> list[BadValue]:
+def _scan(where: str, named, summed: bool = False, fused: bool = False) -> list[BadValue]:
     """The non-finite values among ``named`` tensors, counted. ``summed``: one sum per tensor
     first decides which need counting (`surely_finite`: a finite sum is exact, the rest are
-    counted); for the scans before the step only. NB: the scans inside the step (the loss, the
-    gradients, the updated parameters) run under the passes' dispatch modes, which count their
-    ops into the step's op indices: they keep the ops they have always run.
+    counted); for the scans before the step only. ``fused``: one fused norm over them all
+    first (`all_surely_finite`), and only when that is not finite a count of each; for the
+    gradients and updated parameters inside the step (its ops count into the step's op
+    indices, the same in every pass).
 
     >>> big, bad = torch.full((2,), 3e38), torch.tensor([1.0, float("nan"), float("-inf")])
     >>> _scan("parameter", [("big", big), ("bad", bad)], summed=True)   # big's sum overflows
     [BadValue(where='parameter', name='bad', nan=1, posinf=0, neginf=1)]
     """
     items = [(name, local(t).detach()) for name, t in named if isinstance(t, torch.Tensor)]
+    if fused and all_surely_finite([t for _, t in items]):
+        return []
     out = []
     fine = surely_finite([t for _, t in items]) if summed else [False] * len(items)
     for (name, t), fine in zip(items, fine):
@@ -276,7 +280,8 @@ class Replayer:
                                 return failed
                     elif ev.phase == "backward" and failed is None and self.grads_fail:
                         grads = _scan("grad", ((n, p.grad) for n, p in
-                                               task.model.named_parameters() if p.grad is not None))
+                                               task.model.named_parameters()
+                                               if p.grad is not None), fused=True)
                         if grads:
                             failed = StepOutcome(None, "backward", grads, kept,
                                                  micro_batch=ev.micro)
@@ -294,7 +299,7 @@ class Replayer:
         loss_v = self._value(total)
         if failed is not None:
             return replace(failed, loss=loss_v if failed.phase != "forward" else failed.loss)
-        params = _scan("parameter", task.model.named_parameters())
+        params = _scan("parameter", task.model.named_parameters(), fused=True)
         return StepOutcome(loss_v, "optimizer" if params else None, params, kept,
                            scaler_skipped=skipped)
 

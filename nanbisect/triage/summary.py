@@ -178,6 +178,7 @@ class _State:
                            "remedies": remedy_kinds(rep),
                            "tried": remedy_kinds(rep, ("still-failing", "error")),
                            "seconds": res.get("seconds", 0.0), "worker": res.get("worker"),
+                           "threads": res.get("threads"),
                            "report_dir": self._relative(res.get("report_dir")),
                            **({"same_as": res["same_as"]} if "same_as" in res else {}),
                            "created": _created(Path(b))}

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from nanbisect.util import torch_internals as ti
+
 
 def floating(t: torch.Tensor) -> bool:
     """A tensor whose values can be NaN or inf: real floating or complex.
@@ -123,6 +125,34 @@ def nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
 _SUMMED = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
            torch.float32: torch.float32, torch.float64: torch.float64,
            torch.complex64: torch.complex64, torch.complex128: torch.complex128}
+
+
+def all_surely_finite(tensors: list[torch.Tensor]) -> bool:
+    """True when every element of every tensor is certainly finite, from one fused norm per
+    device and dtype (``torch._foreach_norm``, accumulated in at least float32) and one host
+    read in all. A norm is finite only when every element is, so True is exact; False may also
+    be a norm of large finite values that overflowed: the caller counts those (`nonfinite`).
+
+    >>> all_surely_finite([torch.ones(3), torch.arange(3)]), all_surely_finite(
+    ...     [torch.ones(2), torch.tensor([1.0, float("nan")])])
+    (True, False)
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        if not _counted(t):
+            continue
+        if t.is_complex() or t.dtype not in _SUMMED:
+            return False
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    flags = []
+    for (_, dtype), ts in groups.items():
+        acc = _SUMMED[dtype]
+        norms = ti.foreach_norm(ts, 2, dtype=acc if acc != dtype else None)
+        flags.append(torch.isfinite(torch.stack(norms)).all())
+    if not flags:
+        return True
+    devices_ = {f.device for f in flags}
+    return all(bool(torch.stack([f for f in flags if f.device == d]).all()) for d in devices_)
 
 
 def surely_finite(tensors: list[torch.Tensor]) -> list[bool]:

@@ -377,3 +377,31 @@ def test_sweep_keeps_live_runs_and_removes_dead_ones_whatever_their_names(tmp_pa
             p.wait(10)
     _sweep_scratch(timeout=60)                 # their holders gone, the live ones go too
     assert not live.exists() and not loose_live.exists()
+
+
+def test_workers_share_the_cores_and_each_replay_keeps_to_its_share(tmp_path):
+    # two workers on the cores this test may use: each replay gets cores // 2 intra-op threads
+    # (joblib's OMP_NUM_THREADS in its worker), never the capture's 2 beyond that, and says so
+    from joblib import cpu_count
+
+    cores = cpu_count()
+    if cores < 2:
+        pytest.skip("one core: two workers cannot share it")
+    for name in ("backward_nan_custom_function", "forward_nan_behind_mask"):
+        shutil.copytree(FIXTURES / name, tmp_path / "night" / name,
+                        ignore=shutil.ignore_patterns("nanbisect-report"))
+    res = cli("triage", tmp_path / "night", "--out", tmp_path / "o", "--jobs", "2")
+    assert res.code in (1, 3), res.stdout + res.stderr
+    data = json.loads((tmp_path / "o" / "triage.json").read_text())
+    rows = data["bundles"]
+    assert len(rows) == 2 and all(r["verdict"] == "culprit" for r in rows)
+    share = cores // 2
+    assert [r["threads"] for r in rows] == [share, share]   # two workers: their threads add
+    #                                                         up to the cores, never beyond
+    for r in rows:      # the replay ran with its share, and its report says so when that is less
+        rep = json.loads((tmp_path / "o" / r["report_dir"] / "report.json").read_text())
+        noted = [n for n in rep["notes"] if "intra-op thread" in n]
+        if share < 2:     # the capture used 2
+            assert noted and noted[0].startswith(f"replayed with {share} intra-op thread(s)")
+            assert any(e.startswith("torch_threads 2 at capture, 1 now")
+                       for e in rep["replay"]["environment_changed"]), rep["replay"]
