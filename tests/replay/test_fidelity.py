@@ -117,7 +117,10 @@ def test_unchanged_code_that_does_not_fail_again_is_transient(tmp_path, monkeypa
     guard = Guard(transient.task(), entry=f"{transient.__file__}:task", out=tmp_path / "g")
     with pytest.raises(NonFiniteStep) as e:
         guard.step(transient.batch())
-    rep = run_json(e.value.bundle, code=3)       # the env flag is gone in the replay
+    # the env flag is gone in the replay; its intra-op threads are the capture's (a replay given
+    # fewer, OMP_NUM_THREADS inherited from this worker, is not the captured step bit for bit)
+    rep = run_json(e.value.bundle, code=3,
+                   env={"OMP_NUM_THREADS": str(torch.get_num_threads())})
     assert (rep["classification"], rep["replay"]["code_changed"]) == ("transient", [])
 
 
