@@ -108,10 +108,22 @@ def overflow_words(c: Crossing, summaries: list[RankSummary | None]) -> str:
             + (f"; the largest magnitudes fed in: {', '.join(fed[:8])}" if fed else ""))
 
 
-def received_words(rank: int, p: RankPath) -> str:
-    """"rank 0 received it in forward through c10d.alltoall_base_.default (moe call 0) from
-    rank 1"."""
+def received_words(p: RankPath) -> str:
+    """"received it through c10d.alltoall_base_.default in moe call 0, in forward, from rank 1"
+    (what follows a rank's name)."""
     v = p.via
     src = f", from {ranks_text(p.from_ranks)}" if p.from_ranks else ""
-    return f"rank {rank} received it through {v.where()}{src}" if v else \
-        f"rank {rank} received it"
+    return f"received it through {v.where()}{src}" if v else "received it"
+
+
+def grouped(said: list[tuple[int, str]]) -> list[str]:
+    """``(rank, what)`` pairs as phrases, the ranks that share a ``what`` named together ("ranks
+    0, 2-999 (999 ranks) received it through ..."): bounded by the paths, not the world size.
+
+    >>> grouped([(0, "received it"), (2, "received it"), (3, "computed it")])
+    ['ranks 0, 2 (2 ranks) received it', 'rank 3 computed it']
+    """
+    by: dict[str, list[int]] = {}
+    for rank, what in said:
+        by.setdefault(what, []).append(rank)
+    return [f"{ranks_text(rs)} {what}" for what, rs in by.items()]

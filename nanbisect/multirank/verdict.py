@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from nanbisect.multirank.paths import birth, overflow_words, rank_paths, received_words
+from nanbisect.multirank.paths import (birth, grouped, overflow_words, rank_paths,
+                                      received_words)
 from nanbisect.records import (BadValue, Crossing, Culprit, OpRef, Plan, RankResult, RankRoot,
                                RankSummary, Subset, RunFacts, module_label)
 from nanbisect.reference.classify import REPLAY_MISMATCH_NOTE, classify_not_reproduced
@@ -194,16 +195,16 @@ def _spread_note(culprit_rank: int, results: list[RankResult]) -> str:
     said = []
     for r in others:
         if r.path is not None and r.path.how == "received":
-            said.append(received_words(r.rank, r.path))
+            said.append((r.rank, received_words(r.path)))
         elif r.root is not None and r.root.collective:
-            said.append(f"rank {r.rank} received it through {r.root.op}{_where(r.root)}")
+            said.append((r.rank, f"received it through {r.root.op}{_where(r.root)}"))
         elif r.path is not None and r.path.how == "computed":
-            said.append(f"rank {r.rank} computed a non-finite value of its own too")
+            said.append((r.rank, "computed a non-finite value of its own too"))
         else:
-            said.append(f"rank {r.rank} failed without a collective or comm hook handing it "
-                        "a non-finite value (its failure was not traced)")
+            said.append((r.rank, "failed without a collective or comm hook handing it a "
+                                 "non-finite value (its failure was not traced)"))
     note = f"rank {culprit_rank} computed the failure locally; "
-    return note + ("; ".join(said) if said else "the other ranks stayed finite")
+    return note + ("; ".join(grouped(said)) if said else "the other ranks stayed finite")
 
 
 def _born_in_collective(c: Crossing, ranks: list[int], results: list[RankResult],
@@ -264,10 +265,10 @@ def _computed_in_hook(c: Crossing, ranks: list[int], results: list[RankResult],
 
 def _receivers(results: list[RankResult], born_on: list[int], notes: list[str]) -> None:
     """A note naming how the ranks that did not make the value received it."""
-    said = [received_words(r.rank, r.path) for r in results
+    said = [(r.rank, received_words(r.path)) for r in results
             if r.rank not in born_on and r.path is not None and r.path.how == "received"]
     if said:
-        notes.append("; ".join(said))
+        notes.append("; ".join(grouped(said)))
 
 
 def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:
