@@ -14,6 +14,7 @@ from pathlib import Path
 from nanbisect.errors import signal_name
 from nanbisect.multirank.rundir import run_processes
 from nanbisect.util import frames
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.files import read_json as _read_json
 from nanbisect.util.text import ranks_text
 
@@ -23,10 +24,6 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 _WAIT = frames.OWN + os.path.join("replay", "collectives.py")
-# torch's frames between an op's caller and the dispatch modes
-_PLUMBING = tuple(frames.TORCH + p for p in (
-    "_ops.py", "utils/_python_dispatch.py", "_dynamo/", "_compile.py", "distributed/c10d_logger",
-    "distributed/distributed_c10d.py"))
 _FRAME = re.compile(r'^\s*File "(.*)", line (\d+) in (.*)$')
 
 
@@ -82,7 +79,7 @@ def where(dump: str) -> Where | None:
         if cat == "collective" and frames.kind(path) == "nanbisect":
             waiting = True
             continue
-        if waiting and (cat in (None, "nanbisect") or path.startswith(_PLUMBING)):
+        if waiting and (cat in (None, "nanbisect") or path.startswith(ti.PLUMBING)):
             continue
         if cat is not None:
             return Where("collective" if waiting else cat, f"{Path(path).name}:{line} in {func}")

@@ -32,6 +32,7 @@ from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.locate.catch import short_path
 from nanbisect.util import frames
 from nanbisect.util import torch_internals as ti
+from nanbisect.util.tensors import finite_absmax, nan_inf_counts
 
 KEEP = 16     # entries a rank keeps (and sends every other rank)
 
@@ -45,17 +46,10 @@ def _floating(ts: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _bad(ts: list[torch.Tensor]) -> tuple[int, int]:
-    """(NaN count, inf count) over ``ts`` (a dtype the counting kernels lack, float8 on the
-    CPU, counted through float16, which holds its every value)."""
-    nan = inf = 0
-    for t in _floating(ts):
-        if t.is_complex():
-            t = torch.view_as_real(t)
-        if t.element_size() == 1:
-            t = t.to(torch.float16)
-        nan += int(torch.isnan(t).sum())
-        inf += int(torch.isinf(t).sum())
-    return nan, inf
+    """(NaN count, inf count) over ``ts`` (`nan_inf_counts`; a dtype the counting kernels
+    lack, float8 on the CPU, counted through float16, which holds its every value)."""
+    return nan_inf_counts([t.to(torch.float16) if t.element_size() == 1 else t
+                           for t in _floating(ts)])
 
 
 def _receives(func, args: tuple, kwargs: dict) -> bool:
@@ -77,9 +71,7 @@ def _absmax(ts: list[torch.Tensor]) -> float | None:
             continue
         if t.element_size() == 1:
             t = t.to(torch.float16)
-        a = torch.where(torch.isfinite(t), t.abs(), torch.zeros((), dtype=t.dtype,
-                                                                 device=t.device))
-        m = float(a.max())
+        m = float(finite_absmax(t))
         best = m if best is None else max(best, m)
     return best
 
@@ -245,6 +237,7 @@ class Ledger(ti.ObserverMode):
             wait_collective(func, out)
             wrote = collective_outputs(func, args, kwargs, out)
             nth, group, seq = key
+            mutated = wrote
         else:
             returned, mutated = written_tensors(func, out, args, kwargs)
             wrote = list({id(t): t for t in leaf_tensors(returned + mutated)}.values())
@@ -256,7 +249,7 @@ class Ledger(ti.ObserverMode):
         absmax = call.ledger_absmax
         if (absmax is None and key is None and out_inf and not (in_nan or in_inf)
                 and any(t.dtype in _LOW for t in _floating(wrote))
-                and not written_tensors(func, out, args, kwargs)[1]):
+                and not mutated):
             absmax = _absmax(call.ledger_tensors)   # a cast into a narrow dtype, its input kept
         frame = caller()
         phase, module, module_call, params, bucket, unit = self.now, "", None, [], None, None

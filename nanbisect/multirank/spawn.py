@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from nanbisect import proc
+from nanbisect.util.numbers import omp_threads
 
 _STOP_GRACE = 30.0     # seconds between SIGTERM and SIGKILL for the ranks of a failed group
 
@@ -107,13 +108,13 @@ def _rank_main(env: dict[str, str], target: list[str], log: Path | None,
         if not port:                  # the store never came up: the parent said why
             os._exit(1)
         os.environ["MASTER_PORT"] = port
-    threads = os.environ.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
+    threads = omp_threads()
+    if threads is not None:
         # what OpenMP would have read had it loaded after the variable was set: this
         # spawner may itself be a fork of a server that imported torch before it was
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
     return proc.run_main(target)
 
 

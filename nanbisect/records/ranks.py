@@ -14,16 +14,9 @@ from nanbisect.records.seen import BadValue, Stats
 from nanbisect.util.recordjson import number
 
 
-@dataclass(frozen=True)
-class Bucket:
-    """One DDP gradient bucket: NaN/inf counts going into the collective and coming out."""
-
-    bucket: int
-    params: list[str]
-    in_nan: int
-    in_inf: int
-    out_nan: int
-    out_inf: int
+class _InOut:
+    """What went into a reduction or collective and what came out, by their NaN/inf counts
+    (``in_nan``, ``in_inf``, ``out_nan``, ``out_inf``)."""
 
     @property
     def in_bad(self) -> bool:
@@ -33,8 +26,20 @@ class Bucket:
     def out_bad(self) -> bool:
         return bool(self.out_nan or self.out_inf)
 
+
 @dataclass(frozen=True)
-class Crossing:
+class Bucket(_InOut):
+    """One DDP gradient bucket: NaN/inf counts going into the collective and coming out."""
+
+    bucket: int
+    params: list[str]
+    in_nan: int
+    in_inf: int
+    out_nan: int
+    out_inf: int
+
+@dataclass(frozen=True)
+class Crossing(_InOut):
     """One op on the way between ranks as one rank saw it in its first pass (`multirank.ledger`):
     a collective (any phase), or an op a DDP comm hook ran. Kept only when what it read or
     wrote held NaN/inf.
@@ -73,14 +78,6 @@ class Crossing:
         if self.group is not None and other.group is not None:
             return (self.op, self.group, self.seq) == (other.op, other.group, other.seq)
         return (self.op, self.nth) == (other.op, other.nth)
-
-    @property
-    def in_bad(self) -> bool:
-        return bool(self.in_nan or self.in_inf)
-
-    @property
-    def out_bad(self) -> bool:
-        return bool(self.out_nan or self.out_inf)
 
     @property
     def born(self) -> bool:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
@@ -36,22 +35,17 @@ from nanbisect.bundle.codestore import CODE_DIR, stored_copy
 from nanbisect.bundle.format import Bundle, environment
 from nanbisect.records import Fidelity
 from nanbisect.util.files import file_sha256
+from nanbisect.util.numbers import omp_threads
 
 # versions and settings whose change can alter a step's numbers
 _COMPARED = ("torch", "python", "nanbisect", "numpy", "torch_threads")
 
 
-def thread_cap() -> int | None:
-    """The intra-op threads this process was given (``OMP_NUM_THREADS``, as triage gives each
-    replay its share of the cores); None: not set."""
-    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
-
-
 def match_threads(bundle: Bundle, device: torch.device) -> str | None:
     """On the CPU, use the capture's intra-op thread count; say so when it changes anything.
 
-    Never more than this process was given (`thread_cap`): two replays side by side, each
+    Never more than this process was given (`omp_threads`: ``OMP_NUM_THREADS``, a triage
+    worker's share of the cores): two replays side by side, each
     forced to the capture's count, would spin-wait on each other's cores. A replay with fewer
     threads than the capture computes the same ops, but the reductions torch splits by thread
     (sums and norms over many elements, a matrix product's inner dimension in some kernels)
@@ -62,7 +56,7 @@ def match_threads(bundle: Bundle, device: torch.device) -> str | None:
     have = torch.get_num_threads()
     if not devices.on_host(device) or not isinstance(want, int) or want < 1:
         return None
-    cap = thread_cap()
+    cap = omp_threads()
     if cap is not None and cap < want:
         torch.set_num_threads(cap)
         return (f"replayed with {cap} intra-op thread(s) (OMP_NUM_THREADS), the capture used "

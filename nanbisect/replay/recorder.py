@@ -43,7 +43,7 @@ from nanbisect.replay.table import (CLEAN, Flags, InputRef, OpRecord,  # noqa: F
                                     OpTable, OutputRef)
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.util import torch_internals as ti
-from nanbisect.util.tensors import floating, parts
+from nanbisect.util.tensors import finite_absmax, floating, parts
 
 aten = torch.ops.aten
 # Pure metadata ops: counting them would make op_index depend on Python-side shape queries.
@@ -246,7 +246,7 @@ class OpRecorder(ti.ObserverMode):
         if host is not None and not any(host):
             fin = torch.full((), math.nan)
         else:
-            fin = torch.where(torch.isfinite(t), t.abs(), 0).amax()
+            fin = finite_absmax(t)
         self._rows.append(torch.stack([lo.float(), hi.float(), fin.float().to(lo.device)]))
         if host is not None:
             self._host[len(self._rows) - 1] = host

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from nanbisect.errors import signal_name
+from nanbisect.util.numbers import omp_threads
 from nanbisect.triage.cache import _MAX_REPORT
 from nanbisect.triage.reports import place
 from nanbisect import proc
@@ -164,16 +165,6 @@ def _outcome(rc: int, tmp: Path, out: Path, keep: str | None) -> dict:
             "kind": "crash", **extra}
 
 
-def threads() -> int | None:
-    """The intra-op threads this worker's replays get: its share of the machine's cores,
-    ``OMP_NUM_THREADS``, which joblib sets in each of its workers (the cores it sees divided by
-    the workers) before the worker's fork server imports torch, and which every replay keeps
-    (`nanbisect.replay.fidelity.thread_cap`: never the capture's count beyond it). None: not
-    set (one worker: a replay runs with the capture's count)."""
-    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
-
-
 def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                  cwd: str | None = None, scratch: str | None = None,
                  keep: str | None = None) -> dict:
@@ -187,7 +178,11 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
 
     def done(**kw) -> dict:
         return {"bundle": bundle, "seconds": round(time.monotonic() - t0, 2),
-                "worker": f"{socket.gethostname()}:{os.getpid()}", "threads": threads(), **kw}
+                "worker": f"{socket.gethostname()}:{os.getpid()}",
+                # this worker's share of the cores, which its replays keep (joblib sets it in
+                # each worker before its fork server imports torch; None: one worker, the
+                # capture's count): `nanbisect.replay.fidelity.match_threads`
+                "threads": omp_threads(), **kw}
 
     try:
         _watch_parent(parent)

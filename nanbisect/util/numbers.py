@@ -199,6 +199,20 @@ _ALL = (
 NUMBERS: dict[str, Number] = {n.name: n for n in _ALL}
 
 
+def omp_threads() -> int | None:
+    """The intra-op threads this process was given: ``OMP_NUM_THREADS`` when it is a count
+    (torchrun's, a spawner's, a triage worker's share of the cores, which joblib sets); None
+    when it is unset or not a count.
+
+    >>> os.environ["OMP_NUM_THREADS"] = "3"; omp_threads()
+    3
+    >>> del os.environ["OMP_NUM_THREADS"]; omp_threads() is None
+    True
+    """
+    raw = os.environ.get("OMP_NUM_THREADS", "").strip()
+    return int(raw) if raw.isdigit() and int(raw) >= 1 else None
+
+
 def env(name: str, default=None):
     """``NUMBERS[name]``'s value in the environment as it is now, else ``default`` (else the
     registry's default) when it is unset; `BadInput` naming the variable when it is not good.

@@ -127,6 +127,16 @@ _SUMMED = {torch.float16: torch.float32, torch.bfloat16: torch.float32,
            torch.complex64: torch.complex64, torch.complex128: torch.complex128}
 
 
+def finite_absmax(t: torch.Tensor) -> torch.Tensor:
+    """The largest finite magnitude of a real, non-empty tensor, left on its device (0 when no
+    element is finite).
+
+    >>> finite_absmax(torch.tensor([-3.0, float("inf"), float("nan"), 2.0])).item()
+    3.0
+    """
+    return torch.where(torch.isfinite(t), t.abs(), 0).amax()
+
+
 def all_surely_finite(tensors: list[torch.Tensor]) -> bool:
     """True when every element of every tensor is certainly finite, from one fused norm per
     device and dtype (``torch._foreach_norm``, accumulated in at least float32) and one host

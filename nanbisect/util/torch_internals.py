@@ -305,7 +305,8 @@ def fake_store():
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _DDP_FILE = TORCH_DIR + "nn/parallel/distributed.py"
 _ENGINE = TORCH_DIR + "autograd/graph.py"
-_PLUMBING = tuple(TORCH_DIR + p for p in (
+# torch's frames between the code that issued an op and the dispatch modes that see it
+PLUMBING = tuple(TORCH_DIR + p for p in (
     "_ops.py", "utils/_python_dispatch.py", "_dynamo/", "_compile.py",
     "distributed/c10d_logger", "distributed/distributed_c10d.py"))
 _HERE = os.path.abspath(__file__)
@@ -329,7 +330,7 @@ def _plumbing(frame) -> bool:
     ``__torch_dispatch__``, this module's, an `ObserverMode`'s hooks), torch's op plumbing."""
     code = frame.f_code
     if code.co_name == "__torch_dispatch__" or code.co_filename == _HERE or \
-            code.co_filename.startswith(_PLUMBING):
+            code.co_filename.startswith(PLUMBING):
         return True
     return code.co_name in _HOOKS and isinstance(frame.f_locals.get("self"), ObserverMode)
 
