@@ -32,6 +32,25 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
                                f"{os.environ['ATEN_CPU_CAPABILITY'].lower()}")
 
 
+@pytest.fixture(autouse=True)
+def _no_leaked_settings():
+    """Each test starts from the worker's environment and intra-op thread count: libraries some
+    tests run in-process change them for good (dask's Nanny writes its ``pre-spawn-environ``,
+    ``OMP_NUM_THREADS=1`` among it, into the parent's ``os.environ``; Lightning's
+    `_set_num_threads_if_needed` does the same and calls ``torch.set_num_threads``), and a replay
+    later in the same worker then ran capped below the capture's threads
+    (`fidelity.match_threads`): a CI failure of test_fidelity_tiers when the dask test ran first."""
+    environ = dict(os.environ)
+    torch = sys.modules.get("torch")
+    threads = torch.get_num_threads() if torch is not None else None
+    yield
+    if os.environ != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+    if threads is not None and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def reported(tmp_path):
     """A copy of the nan_batch bundle with its report (in-process run)."""
