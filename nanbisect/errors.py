@@ -60,5 +60,8 @@ class NonFiniteStep(RuntimeError):
                 if self.bundle is not None
                 else f"no bundle could be written: {error or 'see the warnings above'}")
         fix = (f"; {UNDECLARED_SCALER}" if observed.get("undeclared_scaler") else "")
+        # a rank that did not meet one of the Guard's waits: this rank's part was written alone
+        met = (f"; {observed['rank_timeout']}; this rank's part was written alone"
+               if observed.get("rank_timeout") else "")
         super().__init__(f"non-finite training step {observed.get('step')}: "
-                         f"{what or 'see manifest'}{fix}; {then}")
+                         f"{what or 'see manifest'}{fix}{met}; {then}")

@@ -136,7 +136,8 @@ class Bundle:
     def missing_ranks(self) -> list[int]:
         """The ranks whose parts a partial multi-rank bundle lacks (its top manifest's
         ``partial``, checked by `read_bundle`); [] for a complete bundle."""
-        return list((self.manifest.get("partial") or {}).get("missing_ranks") or [])
+        partial = self.manifest.get("partial")
+        return list((partial.get("missing_ranks") or []) if isinstance(partial, dict) else [])
 
     def part(self, rank: int, verify: bool = True) -> "Bundle":
         """The verified part of one rank of a multi-rank bundle; the tensors it takes from lower
@@ -345,7 +346,9 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
         raise BadInput(f"bundle '{p}': the top manifest's world_size is null, not an integer from "
                        f"1 to {MAX_WORLD_SIZE}; re-capture the bundle")
     # NB: compare counts first: nothing is built per claimed rank before the parts are counted
-    missing = check_partial(p, manifest.get("partial"), world, ranks)
+    top_partial = manifest.get("partial")
+    missing = check_partial(p, top_partial if isinstance(top_partial, dict) else None, world,
+                            ranks)
     if not ranks or len(ranks) + len(missing) != world or \
             not set(ranks) <= set(map(str, range(world))):
         raise BadInput(f"bundle '{p}': the top manifest lists {len(ranks)} parts, not one per "

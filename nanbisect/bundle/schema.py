@@ -73,9 +73,36 @@ _FIELDS = {
     "shared": (lambda v: v is None or isinstance(v, dict),
                "null or an object of tensor file -> {rank, tensors} (tensors of lower ranks)"),
     "replicas": (lambda v: v is None or isinstance(v, dict), "null or an object"),
-    "partial": (lambda v: v is None or isinstance(v, dict),
-                "null or an object {missing_ranks: [ranks], reasons: {rank: text}}"),
+    "partial": (lambda v: v is None or isinstance(v, dict) or _parts_missing(v),
+                "null, an object {missing_ranks: [ranks], reasons: {rank: text}} (a multi-rank "
+                "bundle's top manifest) or a list of {part, why} (the parts of the state "
+                "that could not be written)"),
 }
+MAX_PARTS_MISSING = 64      # entries of a manifest's list of parts left out
+
+
+def _parts_missing(v) -> bool:
+    """``partial`` as the list a writer makes when part of the state could not be written:
+    [{"part": name, "why": text}, ...]."""
+    return isinstance(v, list) and len(v) <= MAX_PARTS_MISSING and all(
+        isinstance(e, dict) and set(e) == {"part", "why"} and isinstance(e["part"], str)
+        and len(e["part"]) <= 64 and isinstance(e["why"], str) and len(e["why"]) <= 4096
+        for e in v)
+
+
+def parts_missing(manifest: dict) -> list[dict]:
+    """The parts of the state a (checked) manifest says were left out, [{part, why}]; [] for a
+    complete one (and for a multi-rank top manifest's ``partial``, which names ranks).
+
+    >>> parts_missing({"partial": [{"part": "optimizer", "why": "KeyError: 'state'"}]})[0]["part"]
+    'optimizer'
+    >>> parts_missing({"partial": {"missing_ranks": [1]}}), parts_missing({})
+    ([], [])
+    """
+    v = manifest.get("partial")
+    return list(v) if isinstance(v, list) else []
+
+
 _REQUIRED = ("entry", "files", "model", "batch", "rng")
 _REQUIRED_MULTI = ("entry", "world_size", "ranks")
 

@@ -40,7 +40,7 @@ def summarize(path: str | Path) -> dict:
         parts = {r: _summary(b.part(int(r), verify=False)) for r in m["ranks"]}
         first = parts[min(m["ranks"], key=int)]    # rank 0's, unless the bundle is partial
         return {**first, "bundle": str(b.path), "world_size": m["world_size"], "rank": "all",
-                "partial": m.get("partial"),
+                "partial": m.get("partial") or first.get("partial"),
                 "backend": m.get("backend"), "process_groups": m.get("process_groups"),
                 "observed": {r: p["observed"] for r, p in parts.items()},
                 "files": {f"rank{r}/{n}": f for r, p in parts.items()
@@ -135,6 +135,8 @@ def _summary(b: Bundle) -> dict:
         "optimizer": None if opt is None else {"class": opt["class"],
                                                "param_groups": len(opt["param_groups"])},
         "files": files, "checksums": "ok",
+        # parts of the state the capture could not write ([{part, why}]: a foreign optimizer)
+        "partial": m.get("partial") if isinstance(m.get("partial"), list) else None,
         # Guard(history=N) / Guard(lookback=K): how many steps the bundle can tell about / replay
         "history_steps": _count(m.get("history"), "entries"),
         "lookback_steps": _count(m.get("lookback"), "steps"),
@@ -179,8 +181,12 @@ def summary_text(info: dict) -> str:
         lines.append(f"steps     history of {info.get('history_steps') or 0}, " + (
             f"replayable with --steps up to {lookback}" if lookback else
             "no lookback (--steps needs a bundle captured with Guard(..., lookback=K))"))
-    if info.get("partial"):
+    if isinstance(info.get("partial"), dict):
         lines.append("partial   " + partial_text(info["partial"]))
+    elif info.get("partial"):    # parts of the state left out: [{part, why}]
+        lines.append("partial   " + "; ".join(f"{clip(e['part'], 40)} not written "
+                                               f"({clip(e['why'], 160)})"
+                                               for e in info["partial"][:4]))
     groups = info.get("process_groups")
     if groups and len(groups) > 1:   # more than the world: the job's layout
         lines.append("groups    " + _more(list(groups), [

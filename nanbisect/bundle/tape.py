@@ -52,7 +52,7 @@ class Entry:
     in_inf: int
     out_nan: int
     out_inf: int
-    kind: str = "tape"        # "tape": served in order; "ddp-bucket": counts only
+    kind: str = "tape"        # "tape": served in order; "ddp-bucket", "p2p": counts only
     group: list[int] | None = None     # the global ranks of its process group
 
     def to_json(self) -> dict:
@@ -69,6 +69,9 @@ class TapeMismatch(BadInput):
 
 
 FIX = "re-capture the bundle"
+# "p2p": a send or receive of a pipelined step, kept as what it sent or got (counts, shapes);
+# not served to a replay of some ranks
+KINDS = ("tape", "ddp-bucket", "p2p")
 _INTS = ("in_nan", "in_inf", "out_nan", "out_inf")
 
 
@@ -96,7 +99,7 @@ def parse(manifest, where: str) -> tuple[list[Entry], dict | None]:
               and isinstance(e["shapes"], list) and all(_ints(x) for x in e["shapes"])
               and isinstance(e["dtypes"], list) and all(isinstance(x, str) for x in e["dtypes"])
               and len(e["dtypes"]) == len(e["shapes"]) and isinstance(e["in_sha256"], str)
-              and _ints([e[k] for k in _INTS]) and e["kind"] in ("tape", "ddp-bucket")
+              and _ints([e[k] for k in _INTS]) and e["kind"] in KINDS
               and (e["group"] is None or _ints(e["group"])))
         if not ok:
             raise bad(f"entry #{i} has a field of the wrong type")

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 
 from nanbisect.bundle.format import PER_RANK, SUFFIX
+from nanbisect.guard.deadline import all_gather_objects, all_reduce_max, broadcast_object
 from nanbisect.util.tensors import tensor_bytes
 
 
@@ -55,16 +56,16 @@ def rank_info() -> RankInfo:
     return RankInfo(0, 1, None)
 
 
-def any_rank(flag: torch.Tensor) -> torch.Tensor:
-    """All-reduce (MAX) of a one-element flag: did any rank see a failure? Stays on device."""
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return flag
+def any_rank(flag: torch.Tensor, what: str = "the Guard's agreement on a failure"
+             ) -> torch.Tensor:
+    """All-reduce (MAX) of a one-element flag: did any rank see a failure? Stays on device;
+    bounded (`nanbisect.guard.deadline`: `RankTimeout` past ``NANBISECT_RANK_TIMEOUT``)."""
+    return all_reduce_max(flag, what)
 
 
-def broadcast_str(value: str) -> str:
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+def broadcast_str(value: str, what: str = "the Guard's broadcast of the bundle's name") -> str:
+    """Rank 0's ``value`` on every rank (bounded, as `any_rank`)."""
+    return broadcast_object(value, what)
 
 
 def process_groups() -> dict[str, list[int]]:
@@ -186,8 +187,7 @@ def exchange(keys: dict[str, dict[str, Key]], replica_group: list[int] | None) -
     info = rank_info()
     mine = {"dp": list(replica_group) if replica_group else None,
             "groups": {g: _digest(k) for g, k in keys.items()}}
-    everyone: list = [None] * info.world_size
-    dist.all_gather_object(everyone, mine)
+    everyone = all_gather_objects(mine, "the exchange of what each rank writes")
     rep: dict[str, list[int | None]] = {}
     for g in sorted({g for e in everyone for g in e["groups"]}):
         first: dict[str, int] = {}
@@ -197,9 +197,10 @@ def exchange(keys: dict[str, dict[str, Key]], replica_group: list[int] | None) -
     if any(len(set(col)) > 1 for col in rep.values()):
         reps = sorted({r for col in rep.values() for r, p in enumerate(col) if p == r})
         for p in reps[:MAX_COMPARED]:
-            box = [{g: keys[g] for g in keys if rep[g][p] == p} if info.rank == p else None]
-            dist.broadcast_object_list(box, src=p)
-            for g, ks in box[0].items():
+            got = broadcast_object({g: keys[g] for g in keys if rep[g][p] == p}
+                                   if info.rank == p else None,
+                                   f"the broadcast of rank {p}'s tensor keys", src=p)
+            for g, ks in got.items():
                 known.setdefault(g, {})[p] = ks
     return ReplicaPlan(rep, known, [e["dp"] for e in everyone])
 

@@ -48,6 +48,7 @@ from nanbisect.bundle.state import (RngState, accelerator_types, hyper_parameter
 from nanbisect.errors import BadInput, NonFiniteStep  # noqa: F401 - (the doctest of Guard)
 from nanbisect.guard.agree import write_timeout
 from nanbisect.guard.coord import rank_info
+from nanbisect.guard.deadline import RankTimeout, rank_timeout
 from nanbisect.guard.entry import (SNAPSHOT_MODES, _check_modes, _check_out,  # noqa: F401
                                    resolve_entry_file, warn_top_level)
 from nanbisect.guard.keep import RETRY_AFTER, Keeper, SnapshotFailed
@@ -142,6 +143,8 @@ class Guard(_Reading, _Failing, _Spikes):
         self._rank = rank_info()
         # read now: a bad NANBISECT_WRITE_TIMEOUT fails here, not when the bundle is written
         self._write_timeout = write_timeout() if self._rank.distributed else None
+        if self._rank.distributed:
+            rank_timeout()      # a bad NANBISECT_RANK_TIMEOUT fails here, not at the NaN
         self._sources = user_sources(self._entry_file)   # the code as training started
         if history is not None and (type(history) is not int or history < 0):
             raise BadInput(f"Guard(history={history!r}): give a number of steps (0 or None: "
@@ -197,24 +200,31 @@ class Guard(_Reading, _Failing, _Spikes):
         self._hook_lost = False     # a watched loop stepped without the Task's optimizer (said)
         self._last_applied: int | None = None    # the last step whose update ran
         self._prev_row: tuple[int, torch.Tensor] | None = None   # (step, its history row)
+        self._unmet: RankTimeout | None = None   # the first of the Guard's waits not met
 
     def step(self, batch: Any) -> float:
         """Run the Task's step (micro-batches, scaler, clipping, optimizer); return its loss
         (unscaled: the mean over micro-batches)."""
         task = self.task
-        rng = self._begin(batch, watched=False)
-        if task.optimizer is not None:
-            task.optimizer.zero_grad(set_to_none=True)
-        last = None
-        before = self._before_update if self._keeper is not None else None
+        rng = None
         try:
-            for last in run_step(task, batch, before_update=before):
-                pass
-        except BaseException:
-            self._open, self._step_batch = False, None
-            raise
-        self._end(batch, rng, last.total if last is not None else None,
-                  grad_norm=last.grad_norm, skipped=last.skipped)
+            rng = self._begin(batch, watched=False)
+            if task.optimizer is not None:
+                task.optimizer.zero_grad(set_to_none=True)
+            last = None
+            before = self._before_update if self._keeper is not None else None
+            try:
+                for last in run_step(task, batch, before_update=before):
+                    pass
+            except RankTimeout:
+                raise
+            except BaseException:
+                self._open, self._step_batch = False, None
+                raise
+            self._end(batch, rng, last.total if last is not None else None,
+                      grad_norm=last.grad_norm, skipped=last.skipped)
+        except RankTimeout as e:     # a rank did not meet the Guard's wait: never a hang
+            self._fail_alone(batch, rng, e)
         return self._value
 
     @contextmanager
@@ -242,19 +252,25 @@ class Guard(_Reading, _Failing, _Spikes):
         self._watching = w
         try:
             yield w
+        except RankTimeout as e:     # the step pre-hook's agreement: a rank did not meet
+            self._fail_alone(w.batch, rng, e)
         except BaseException:
             self._open, self._watching = False, None
             raise
         self._value = None
         try:
             self._end(w.batch, rng, w.loss, watched=True)
+        except RankTimeout as e:
+            self._fail_alone(w.batch, rng, e)
         finally:
             w.value = self._value
 
     def close(self) -> None:
         """End guarding: read the last step's update (a fault born there is otherwise seen by
-        the next step's reading, which never comes: raises `NonFiniteStep` for it), then drop
-        the snapshot (its file too). The Guard can be used again afterwards."""
+        the next step's reading, which never comes: raises `NonFiniteStep` for it, once: a
+        failure already raised is not raised again), then drop the snapshot (its file too).
+        Idempotent: a second call does nothing; it raises nothing but `NonFiniteStep`. The
+        Guard can be used again afterwards."""
         keeper = self._keeper
         try:
             if keeper is not None and self._last_applied is not None and \
@@ -263,12 +279,23 @@ class Guard(_Reading, _Failing, _Spikes):
                 dev = local(params[0]).device if params else devices.HOST
                 screen = torch.linalg.vector_norm(_norms(params, dev)).item()
                 bad = float(_kind(screen) != "finite" and _any_nonfinite(params))
-                if (_ranks_max(bad) if self._rank.distributed else bad) > 0:
+                try:
+                    bad = _ranks_max(bad) if self._rank.distributed else bad
+                except RankTimeout as e:    # the ranks cannot agree: this rank's own reading
+                    if bad > 0:
+                        self._fail_alone(None, None, e)
+                    warnings.warn(f"Guard.close: {e}", RuntimeWarning, stacklevel=2)
+                    bad = 0.0
+                if bad > 0:
                     self._fail_after_update(self._last_applied)
         finally:
-            if keeper is not None:
-                keeper.close()
             self._last_applied = None
+            if keeper is not None:
+                try:
+                    keeper.close()
+                except Exception as e:  # noqa: BLE001 - a snapshot's leftovers harm nobody
+                    warnings.warn(f"Guard.close: the snapshot could not be dropped ({e})",
+                                  RuntimeWarning, stacklevel=2)
 
     # -- the step's two halves -----------------------------------------------------------
     def _begin(self, batch: Any, watched: bool) -> RngState:
@@ -302,9 +329,21 @@ class Guard(_Reading, _Failing, _Spikes):
         """The step's one reading, just before its update: False leaves the update out (a
         failure, bundled at the step's end from the live tensors). Called by `run_step`, by
         the step pre-hook of `Guard.watch`, or by an integration that knows the point itself
-        (`_external`). A second call in a step reads nothing."""
+        (`_external`). A second call in a step reads nothing. A rank that does not meet the
+        reading's agreement leaves the update out too, and the step's end writes this rank's
+        part alone (never an exception through the caller's optimizer or trainer)."""
         if not self._open or self._busy or self._keeper is None:
             return True
+        if self._trip is not None and "unmet" in self._trip:
+            return False
+        try:
+            return self._read_before_update(total, grad_norm, skipped)
+        except RankTimeout as e:
+            self._trip = {"unmet": e}
+            return False
+
+    def _read_before_update(self, total: torch.Tensor | None, grad_norm: torch.Tensor | None,
+                            skipped: torch.Tensor | None) -> bool:
         if self._read is not None:     # read already: a second update waits on the first's fate
             return self._trip is None
         if self._watching is not None:
@@ -379,6 +418,8 @@ class Guard(_Reading, _Failing, _Spikes):
         and a failure bundled and raised (``watched``: the step of a `watch` block)."""
         self._open, self._watching = False, None
         self._step_batch = self._step_rng = None     # not held past the step
+        if self._trip is not None and "unmet" in self._trip:   # the reading's agreement
+            self._fail_alone(batch, rng, self._trip["unmet"])
         if self._read is not None:
             self._end_read(batch, rng, loss)
             return

@@ -20,6 +20,7 @@ from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.state import RngState, decode, local
 from nanbisect.errors import NonFiniteStep
 from nanbisect.guard.coord import any_rank, broadcast_str
+from nanbisect.guard.deadline import BoundedWaits, RankTimeout
 from nanbisect.guard.keep import SnapshotFailed, reset_scaler_stage
 from nanbisect.guard.parts import held_ranks
 from nanbisect.guard.screen import _bad_names, _kind, _listed, _step_norms
@@ -44,10 +45,54 @@ class _Failing:
                    scale: torch.Tensor | None, dev: torch.device) -> None:
         """Bundle the step from the live state (its update never ran) and raise."""
         self._restore(scale)
-        tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
-        path, error = self._write_failure(batch, rng, observed, tape)
+        self._raise(batch, rng, observed, dev)
+
+    def _raise(self, batch: Any, rng: RngState, observed: dict, dev: torch.device) -> None:
+        """Record the step's collectives (under torch.distributed), write its bundle and raise
+        `NonFiniteStep`; a rank that does not meet a wait on the way (`RankTimeout`) makes this
+        one write its part alone (`_write_alone`). The failure is then raised and done: `close`
+        does not raise it again."""
+        self._last_applied = None
+        try:
+            tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
+            path, error = self._write_failure(batch, rng, observed, tape)
+        except RankTimeout as e:
+            path, error = self._write_alone(batch, rng, observed, self._unmet or e)
         raise NonFiniteStep(path, observed, error,
                             ranks=held_ranks(path) if self._rank.distributed else None)
+
+    def _write_alone(self, batch: Any, rng: RngState, observed: dict, e: RankTimeout
+                     ) -> tuple[Path | None, str | None]:
+        """Another rank did not meet one of the Guard's waits: no collective from here on. This
+        rank writes its part of the step as a bundle of its own (``out/stepN-rankR``, its
+        ``partial`` naming the ranks that did not meet) and says so in one line."""
+        observed["rank"] = self._rank.rank
+        observed["rank_timeout"] = str(e)
+        sources = {**user_sources(self._entry_file), **self._sources}
+        write = partial(_write, self.task, batch, rng, entry=self.entry,
+                        entry_file=self._entry_file, step=self.step_index, observed=observed,
+                        sources=sources, scaler_state=_scaler_state(self.task), unique=True,
+                        history=self._history, alone=str(e))
+        path, error = write_or_rescue(write, self._free_path(f"-rank{self._rank.rank}"),
+                                      self.out, distributed=False)
+        return path, (str(e) if error is None else f"{e}; {error}")
+
+    def _fail_alone(self, batch: Any, rng: RngState | None, e: RankTimeout) -> None:
+        """A wait of the Guard's own (the step's agreement, a rebuild) that another rank did not
+        meet: this rank's step, as it began where the update did not run, written alone, and
+        `NonFiniteStep` raised with the line."""
+        self._open, self._watching = False, None
+        if rng is None:
+            rng = RngState.get(self._accel)
+        try:
+            self._restore(_live_scale(self.task.grad_scaler))
+        except Exception:  # noqa: BLE001 - the state as it stands is written all the same
+            pass
+        observed = {"step": self.step_index, "first": "rank-timeout", "loss": "unknown",
+                    "summary": {"ranks": "did not meet"}}
+        self._last_applied = None
+        path, error = self._write_alone(batch, rng, observed, e)
+        raise NonFiniteStep(path, observed, error)
 
     def _read_values(self, total: torch.Tensor | None) -> tuple[float | None, float]:
         """(the loss, the gradients' global norm) as `_read_screen` reads them, for a rebuild
@@ -92,10 +137,7 @@ class _Failing:
                     "nonfinite_params": _listed(params), "rebuild": rebuild}
         self._value = loss
         dev = local(next(task.model.parameters())).device if self._params else devices.HOST
-        tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
-        path, error = self._write_failure(batch, rng, observed, tape)
-        raise NonFiniteStep(path, observed, error,
-                            ranks=held_ranks(path) if self._rank.distributed else None)
+        self._raise(batch, rng, observed, dev)
 
     def _unrebuildable(self, step: int) -> str | None:
         """Why step ``step``'s pre-state cannot be rebuilt (None: it can; under torch.distributed,
@@ -108,7 +150,11 @@ class _Failing:
                                                           f"{keeper.failed})" if keeper.failed
                                                          else ""))
         else:
-            why = keeper.unfit(self.task)
+            try:     # the snapshot's file read back: it may be damaged, deleted or foreign
+                why = keeper.unfit(self.task)
+            except Exception as e:  # noqa: BLE001 - the step is bundled as it began instead
+                why = (f"the snapshot could not be read back ({type(e).__name__}: "
+                       f"{exception_line(e, limit=200)})")
         if self._rank.distributed:    # every rank rebuilds, or none
             if _ranks_max(float(why is not None)) > 0 and why is None:
                 why = "another rank could not rebuild"
@@ -121,11 +167,14 @@ class _Failing:
         keeper = self._keeper
         self._busy = True
         try:
-            rebuilt, rec = keeper.rebuild(self.task, step, self._read_values)
+            with BoundedWaits():    # the kept steps' collectives end by the deadline
+                rebuilt, rec = keeper.rebuild(self.task, step, self._read_values)
             rebuild = rebuilt.to_json()
             batch, rng = decode(rec.batch, rec.tensors), rec.rng
             self.step_index = step
             keeper.drop_from(step)
+        except RankTimeout:
+            raise
         except Exception as e:  # noqa: BLE001 - the failure is bundled all the same
             rec = None
             rebuild = _unavailable(f"the rebuild raised {exception_line(e)}: the state is "
@@ -177,6 +226,8 @@ class _Failing:
             tape, why = record_step(task, batch)
         finally:
             self._busy = False
+        if isinstance(why, RankTimeout):     # the first wait that did not meet: said first
+            self._unmet = why
         if copied:
             self._restore(scale)
         else:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from nanbisect.bundle.atomic import place
 from nanbisect.bundle.format import MANIFEST, SCHEMA, environment, read_manifest, write_bundle
 from nanbisect.guard.agree import Board, Clock, Running, held_sigterm, write_timeout
+from nanbisect.guard.deadline import all_gather_objects
 from nanbisect.guard.coord import (LISTED, _measured_or_not, _merge_groups, broadcast_str,
                                    exchange, out_of_sync, process_groups, rank_info, share,
                                    tensor_keys)
@@ -61,8 +62,30 @@ class _Late(Exception):
 
 
 def rescue_dir() -> Path:
-    """Where a bundle, or one rank's part, goes when its own place cannot take it."""
-    return Path(tempfile.gettempdir()) / f"nanbisect-rescue-{os.getuid()}"
+    """Where a bundle, or one rank's part, goes when its own place cannot take it: this user's
+    private ``$TMPDIR/nanbisect-rescue-UID`` (made with mode 0700), used only while it is a real
+    directory of this user that nobody else can write; otherwise (pre-created by someone else,
+    a symlink, open to others) a new private directory beside it, never the squatted one.
+    `OSError` when no private directory can be made."""
+    tmp = Path(tempfile.gettempdir())
+    path = tmp / f"nanbisect-rescue-{os.getuid()}"
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    if _private_dir(path):
+        return path
+    return Path(tempfile.mkdtemp(prefix=f"{path.name}-", dir=tmp))    # mode 0700, new
+
+
+def _private_dir(path: Path) -> bool:
+    """A real directory (not a link) owned by this user, not writable by group or others."""
+    import stat
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o022
 
 
 def held_ranks(path: Path | None) -> list[int] | None:
@@ -105,8 +128,7 @@ def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]]
             keys = tensor_keys(tensors)
             plan = exchange(keys, replica_group)
             kept, shared = share(plan, info.rank, keys, tensors)
-            groups: list = [None] * info.world_size
-            dist.all_gather_object(groups, process_groups())
+            groups = all_gather_objects(process_groups(), "the gather of the process groups")
             rows, uncompared = out_of_sync(plan, labels or {})
         except Exception as e:  # noqa: BLE001 - a rank gone before the write: keep this one's
             job.lost(f"the ranks could not agree how to write it ({exception_line(e)})")

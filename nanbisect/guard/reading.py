@@ -162,12 +162,18 @@ class _Reading:
                 and not applied:
             return None  # loss, parameters and skips decide; gradients say where it came from
         grads_kind = "nan" if grads["nan"] else "inf" if grads["inf"] else "finite"
+        if grads_kind == "finite" and not any(p.grad is not None for _, p in named
+                                              if p.requires_grad):
+            # no parameter holds a gradient: an engine keeps them elsewhere (DeepSpeed ZeRO's
+            # partitioned buffers) or backward did not run: what was not read is not "finite"
+            grads_kind = "unread"
         if grad_norm is not None and _kind(grad_norm) != "finite":
             # clipping multiplied the gradients by max_norm / norm: an inf gradient became NaN.
             # The norm before clipping has the kind the gradients had after backward.
             grads_kind = _kind(grad_norm)
         first = ("loss" if loss_kind in ("nan", "inf") else
-                 "grad" if grads_kind != "finite" else "scaler" if stalled else "param")
+                 "grad" if grads_kind not in ("finite", "unread") else
+                 "scaler" if stalled else "param")
         summary = {"loss": loss_kind, "grads": grads_kind,
                    "params": "nan" if params["nan"] else "inf" if params["inf"] else "finite"}
         out = {"step": self.step_index, "first": first,

@@ -4,8 +4,9 @@ memory (`_FileStore`: a copy in memory would double it), else host memory, pinne
 without a host synchronisation where the device allows (`_HostStore`). Both stage a new snapshot
 beside the current one and `commit` it, so the current one is whole until then.
 
-Guarantees: a file store's directory is removed when its Guard closes or is collected, or by the
-next Guard anywhere on the machine once its owner is dead (`_sweep`).
+Guarantees: a file store's directory is private (``mkdtemp``: mode 0700) and removed when its Guard
+closes or is collected, by the process that made it only (never by a child forked from it), or
+by the next Guard of the same user anywhere on the machine once its owner is dead (`_sweep`).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ class _FileStore:
             _sweep()
             path, fd = lockdir.make(f"{SCRATCH}{os.getpid()}-")
             self._dir = str(path)
-            self._finalizer = weakref.finalize(self, _drop_dir, self._dir, fd)
+            self._finalizer = weakref.finalize(self, _drop_dir, self._dir, fd, os.getpid())
         return os.path.join(self._dir, "state.safetensors")
 
     def prepare(self) -> None:
@@ -89,14 +90,19 @@ class _FileStore:
         self._dir = self._finalizer = None
 
 
-def _drop_dir(path: str, fd: int) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+def _drop_dir(path: str, fd: int, owner: int) -> None:
+    """Remove the snapshot's directory, in the process that made it only: a child forked from
+    it (a data-loader worker, a checkpoint writer) runs this at its exit too, and must leave its
+    parent's live snapshot alone (it closes its copy of the lock, which the parent still holds)."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):
         os.close(fd)
 
 
 def _sweep() -> None:
-    """Remove the snapshot directories of Guards whose process is gone (their lock is free)."""
+    """Remove the snapshot directories of this user's Guards whose process is gone (their lock
+    is free); another user's are never touched."""
     tmp = tempfile.gettempdir()
     try:
         entries = list(os.scandir(tmp))
@@ -104,8 +110,16 @@ def _sweep() -> None:
         return
     for e in entries:
         if re.fullmatch(rf"{SCRATCH}\d+-[a-z0-9_]{{8}}", e.name) and \
-                e.is_dir(follow_symlinks=False) and lockdir.state(e.path) == "free":
+                e.is_dir(follow_symlinks=False) and _mine(e) and \
+                lockdir.state(e.path) == "free":
             shutil.rmtree(e.path, ignore_errors=True)
+
+
+def _mine(e: os.DirEntry) -> bool:
+    try:
+        return e.stat(follow_symlinks=False).st_uid == os.getuid()
+    except OSError:
+        return False
 
 
 class _Lazy(dict):

@@ -23,6 +23,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.bundle.tape import SCHEMA, Entry, input_digest
+from nanbisect.guard.deadline import RankTimeout, is_p2p, settle
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
                                           group_size, leaf_tensors, taped, wait_collective)
 from nanbisect.replay.recorder import read_args
@@ -58,6 +59,7 @@ class TapeRecorder(ti.ObserverMode):
         self.tape = tape
         self.ddp = ddp
         self.error: str | None = None     # the first thing that went wrong while recording
+        self.unmet = None                 # the first send or receive no rank met in time
 
     # NB: no hook raises: the step must go on, with its collectives matched on every rank; a
     # failure to record makes the tape unusable, not the step
@@ -80,18 +82,34 @@ class TapeRecorder(ti.ObserverMode):
         call.read = (internal, in_nan, in_inf, digest)
         return True
 
+    def run(self, call: ti.OpCall) -> Any:
+        """The collective, waited here with the Guard's deadline (`nanbisect.guard.deadline`:
+        `RankTimeout` leaves the re-run, and the tape is lost, never the step); a send or
+        receive hands back a completed work, so the user's own ``wait`` returns at once."""
+        return settle(call.func, call.func(*call.args, **call.kwargs), unmet=self._unmet)
+
+    def _unmet(self, e) -> None:
+        if self.unmet is None:
+            self.unmet = e
+
     def after(self, call: ti.OpCall, out: Any) -> None:
-        """What it wrote: an entry of the tape, and its tensors unless DDP's own."""
+        """What it wrote: an entry of the tape, and its tensors unless DDP's own (a send or
+        receive: what it sent and the shapes it received, kind ``p2p``)."""
         func, args, kwargs = call.func, call.args, call.kwargs
         internal, in_nan, in_inf, digest = call.read
         try:
-            wait_collective(func, out)
+            p2p = is_p2p(func)
+            if p2p:     # its work completes later (a schedule waits for it): not waited here
+                internal = "p2p"
+            else:
+                wait_collective(func, out)
             wrote = collective_outputs(func, args, kwargs, out)
-            out_nan, out_inf = _counts(wrote)
+            out_nan, out_inf = _counts(wrote) if not p2p else (0, 0)
             i = len([e for e in self.tape.entries if e.kind == "tape"])
             e = Entry(str(func), group_size(func, args, kwargs), [list(t.shape) for t in wrote],
                       [str(t.dtype).removeprefix("torch.") for t in wrote], digest, in_nan,
-                      in_inf, out_nan, out_inf, "ddp-bucket" if internal else "tape",
+                      in_inf, out_nan, out_inf,
+                      "p2p" if p2p else "ddp-bucket" if internal else "tape",
                       group_ranks(func, args, kwargs))
             self.tape.entries.append(e)
             if internal is None:
@@ -102,10 +120,11 @@ class TapeRecorder(ti.ObserverMode):
             self.error = f"{type(e).__name__}: {str(e)[:200]}"
 
 
-def record_step(task, batch: Any) -> tuple[Tape | None, str | None]:
+def record_step(task, batch: Any) -> tuple[Tape | None, "str | RankTimeout | None"]:
     """Run the Task's step once under `TapeRecorder` (the caller restores the pre-step state and
     RNG before and after); keep DDP's reduced gradients per parameter per micro-batch. Returns
-    the tape, or (None, why) when it could not be recorded (the step raised, or recording did):
+    the tape, or (None, why) when it could not be recorded (the step raised, or recording did;
+    a `RankTimeout` itself when another rank did not meet one of the re-run's waits):
     the bundle is then written without one, never lost over it."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
@@ -138,7 +157,11 @@ def record_step(task, batch: Any) -> tuple[Tape | None, str | None]:
                             tape.tensors[f"ddp{m}.{name}"] = (
                                 local(p.grad).detach().to(devices.HOST, copy=True).contiguous())
                     tape.micro_batches += 1
+    except RankTimeout as e:      # a rank that did not meet: its one line, as the exception
+        return None, rec.unmet or e
     except Exception as e:  # noqa: BLE001 - the bundle matters more than the tape
+        if rec.unmet is not None:     # a wait on a send or receive that no rank met
+            return None, rec.unmet
         return None, f"re-running the step raised {type(e).__name__}: {str(e)[:200]}"
     if rec.error is not None:
         return None, f"recording a collective failed ({rec.error})"

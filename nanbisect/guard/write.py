@@ -18,6 +18,7 @@ fails, `NonFiniteStep` is raised all the same, with ``bundle`` None and the reas
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -51,6 +52,7 @@ def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: in
     tensors: dict[str, dict] = {"model": {}, "optimizer": {}, "batch": {}, "rng": {}}
     entry_rel = os.path.relpath(entry_file, Path(path).resolve()) if entry_file else None
     model = task.model
+    left_out: list[dict] = []     # parts that could not be serialised: manifest.partial
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     meta = encode_model(model, tensors["model"])
     meta["training"] = {n: m.training for n, m in model.named_modules()}
@@ -61,18 +63,38 @@ def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: in
         "devices": {"captured_on": _device_of(model), "accelerators": accelerator_types()},
         "dtypes": dtypes,
         "observed": observed,
-        "task": task.describe(),
+        "task": _or_left_out("task", task.describe, {}, left_out),
         "grad_scaler": scaler_state,
         # the sources' hashes, and the files themselves under code/ (within caps; copied by
         # `write_bundle`, `nanbisect.bundle.codestore`)
-        "code": _code_section(entry_file, sources),
+        "code": _or_left_out("code", lambda: _code_section(entry_file, sources), {}, left_out),
         "model": meta,
-        "optimizer": (encode_optimizer(task.optimizer, tensors["optimizer"])
-                      if task.optimizer is not None else None),
-        "batch": encode(batch, "batch", tensors["batch"]),
+        "optimizer": (_or_left_out("optimizer", lambda: encode_optimizer(
+            task.optimizer, tensors["optimizer"]), tensors["optimizer"], left_out,
+            f"{type(task.optimizer).__name__}.state_dict() is not in torch's format")
+            if task.optimizer is not None else None),
+        "batch": _or_left_out("batch", lambda: encode(batch, "batch", tensors["batch"]),
+                              tensors["batch"], left_out),
         "rng": rng.encode(tensors["rng"]),
     }
+    if left_out:
+        manifest["partial"] = left_out
     return manifest, tensors
+
+
+def _or_left_out(part: str, encode_part: Callable[[], Any], role: dict, left_out: list,
+                 what: str = "") -> Any:
+    """``encode_part()``, or None with ``{part, why}`` added to ``left_out`` (and what it had
+    put in ``role`` taken out) when the writer cannot serialise that part: an optimizer of a
+    foreign engine (DeepSpeed's ZeRO keeps its state in its own format), an object it does not
+    understand. The rest of the bundle is written all the same (``manifest.partial``)."""
+    try:
+        return encode_part()
+    except Exception as e:  # noqa: BLE001 - the failing step matters more than this part
+        role.clear()
+        why = f"{type(e).__name__}: {exception_line(e, limit=1000)}"
+        left_out.append({"part": part, "why": f"{what} ({why})" if what else why})
+        return None
 
 
 def _code_section(entry_file: str | None, sources: dict[str, str]) -> dict:
@@ -100,12 +122,15 @@ def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
            entry_file: str | None, step: int | None, observed: dict | None,
            sources: dict[str, str], scaler_state: dict | None, unique: bool = False,
            tape=None, history: "hist.HealthLog | None" = None,
-           lookback: Lookback | None = None, write_timeout: float | None = None) -> Path:
+           lookback: Lookback | None = None, write_timeout: float | None = None,
+           alone: str | None = None) -> Path:
     """Write the bundle (every rank its part, under torch.distributed); return where it went
     (with ``unique``, a taken ``path`` gets the next free ``path-N``). Under torch.distributed,
     state identical on several ranks is written once (`guard.parts.write_all_ranks`, each rank's
     write bounded by ``write_timeout``, default ``NANBISECT_WRITE_TIMEOUT``); for a DDP model
-    its process group's replicas are compared and what differs is reported."""
+    its process group's replicas are compared and what differs is reported. ``alone`` (why
+    the ranks cannot meet): this rank's part is written as a bundle of its own, with no
+    collective, its ``partial`` naming the ranks' part as left out."""
     def build(p: Path) -> tuple[dict, dict]:
         manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
                                           observed=observed, path=p, entry_file=entry_file,
@@ -121,6 +146,12 @@ def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
                 manifest["lookback"] = section
         return manifest, tensors
 
+    if alone is not None:
+        manifest, tensors = build(path)
+        manifest["partial"] = [*manifest.get("partial", []),
+                               {"part": "ranks", "why": f"this is rank {rank_info().rank}'s "
+                                f"part alone: {alone}"[:4000]}]
+        return write_bundle(path, manifest, tensors, unique=unique)
     if rank_info().distributed:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
@@ -172,8 +203,9 @@ def write_or_rescue(write: Callable[[Path], Path], path: Path, out: Path, *,
         why = exception_line(e, limit=4000)
         if distributed:      # `BundleNotWritten`: why, rank by rank, and where this part went
             return None, why
-    rescue = rescue_dir() / path.name
+    rescue = Path(tempfile.gettempdir()) / path.name
     try:
+        rescue = rescue_dir() / path.name
         path = write(rescue)
     except Exception as e:  # noqa: BLE001 - NonFiniteStep still tells what happened
         return None, (f"writing it into '{out}' failed ({why}), and into the rescue directory "

@@ -26,7 +26,7 @@ from nanbisect.pipeline.step import _analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
 from nanbisect.util.numbers import NUMBERS, check_environment
-from nanbisect.replay.replayer import (code_choice, parse_device, resolve_entry,
+from nanbisect.replay.replayer import (Replayer, code_choice, parse_device, resolve_entry,
                                       top_level_recorded)
 from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
@@ -107,6 +107,8 @@ def _run_bundle_at(path: str | Path, opts: RunOptions, out: Path | None,
     t_dev, t_dtype = parse_device(target)
     opts, code_note = _which_code(bundle, opts)
     _check_top_level(bundle, opts)     # before anything is replayed or written
+    if not bundle.multi_rank:          # (a multi-rank part's says so from its rank)
+        Replayer.check_batch(bundle)   # a batch the capture could not store: before the import
     if opts.ranks is not None and not bundle.multi_rank:
         raise BadInput(f"--ranks {opts.ranks}: bundle '{bundle.path}' has one rank; drop --ranks")
     if opts.steps is not None and bundle.multi_rank:

@@ -22,6 +22,7 @@ from nanbisect import devices
 from nanbisect.bundle import codestore
 from nanbisect.bundle.code import changed_sources, relocation
 from nanbisect.bundle.format import MANIFEST, Bundle, read_manifest
+from nanbisect.bundle.schema import parts_missing
 from nanbisect.errors import BadInput
 from nanbisect.records import BadValue, StepOutcome
 from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, model_entries,
@@ -109,7 +110,14 @@ class Replayer:
         self.batch_edits: list[Callable[[Any], Any]] = []
         self.rng = RngState.decode(m["rng"], self.tensors)
         where = f"bundle '{bundle.path}'"
-        if (m.get("optimizer") is None) != (self.task.optimizer is None):
+        self.check_batch(bundle)
+        left_out = {e["part"]: e["why"] for e in parts_missing(m)}
+        # the optimizer's state was not written (a foreign engine's format): the Task's
+        # optimizer replays as the entry builds it (said in the notes), never refused
+        self.optimizer_left_out = left_out.get("optimizer") if m.get("optimizer") is None and \
+            self.task.optimizer is not None else None
+        if (m.get("optimizer") is None) != (self.task.optimizer is None) and \
+                self.optimizer_left_out is None:
             has = "has no" if m.get("optimizer") is None else "has"
             raise BadInput(f"{where}: the bundle {has} optimizer state but the entry's Task "
                            f"{'has' if self.task.optimizer is not None else 'has no'} optimizer; "
@@ -120,6 +128,10 @@ class Replayer:
             self.task.model._apply(lambda t: cast_floating(t, dtype))
         self._where = where
         self.notes = apply_step_shape(self.task, m.get("task"), device, dtype)
+        if self.optimizer_left_out is not None:
+            self.notes.append("the bundle holds no optimizer state (the capture could not write "
+                              f"it: {self.optimizer_left_out[:200]}); the optimizer phase replays "
+                              "from the optimizer as the entry builds it, not as it was")
         # a compiled capture ({backend, mode, options}, manifest task.compiled): every run is
         # eager unless `compile` made the next ones compiled
         self.compiled_spec = (m.get("task") or {}).get("compiled") or None
@@ -129,6 +141,17 @@ class Replayer:
         scaler = self.task.grad_scaler
         self.grads_fail = (scaler is None or not scaler.is_enabled()
                            or bool((m.get("observed") or {}).get("scaler_skips")))
+
+    @staticmethod
+    def check_batch(bundle: Bundle) -> None:
+        """`BadInput` when the bundle holds no batch (its capture could not store it:
+        ``partial``), in one line naming why and the fix."""
+        why = next((e["why"] for e in parts_missing(bundle.manifest) if e["part"] == "batch"),
+                   None)
+        if why is not None:
+            raise BadInput(f"bundle '{bundle.path}' holds no batch: the capture could not store "
+                           f"it ({why[:300]}); give the Guard batches of tensors and plain "
+                           "values (dicts, lists), then capture the step again")
 
     def compile(self, backend: str | None = None) -> None:
         """Make the following runs compiled as captured (``backend`` replaces the captured one),
@@ -158,7 +181,7 @@ class Replayer:
         restore_modes(self.task.model, m["model"], self._where)
         if self.task.grad_scaler is not None and m.get("grad_scaler"):
             self.task.grad_scaler.load_state_dict(dict(m["grad_scaler"]))
-        if self.task.optimizer is not None:
+        if self.task.optimizer is not None and self.optimizer_left_out is None:
             written += restore_optimizer(self.task.optimizer, self.bundle.manifest["optimizer"],
                                          self.tensors, self._where, in_place=self.restores > 0,
                                          keep=keep)

@@ -181,7 +181,10 @@ _ALL = (
     Number("--min-age", "seconds", float, 0, 3650 * DAY, default=600, commands=("clean",),
            param="min_age", about="`clean` removes only leftovers untouched this long"),
     Number("NANBISECT_RANK_TIMEOUT", "seconds", float, 0, WEEK, low_open=True, default=600,
-           commands=("run", "triage"), about="a multi-rank replay, all ranks together"),
+           commands=("run", "triage", "the Guard"),
+           about="a multi-rank replay, all ranks together; each wait of the Guard on other "
+                 "ranks (its per-step agreement, the failing step's re-run, the write's "
+                 "exchanges)"),
     Number("NANBISECT_COMPILER_TIMEOUT", "seconds", float, 0, WEEK, low_open=True,
            default=600, commands=("run", "triage"),
            about="the compiler bisection of a compiled step"),

@@ -286,6 +286,46 @@ def wait_tensor(t: torch.Tensor) -> Any:
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
+def work_of(x: Any):
+    """The pybind ``Work`` behind a collective's result (a dispatched c10d op returns a boxed
+    ``ScriptObject``; ``dist.*(async_op=True)`` the pybind one), whose ``wait`` takes a
+    timeout. None when ``x`` is no work. ``torch._C._distributed_c10d.Work.unbox``: checked on
+    2.13.0."""
+    from torch._C._distributed_c10d import Work
+    if isinstance(x, Work):
+        return x
+    if isinstance(x, torch.ScriptObject) and hasattr(x, "wait"):
+        try:
+            return Work.unbox(x)
+        except (RuntimeError, TypeError):
+            return None
+    return None
+
+
+def work_of_future(fut: "torch.futures.Future") -> Any:
+    """A boxed c10d work that completes with ``fut`` (its ``wait`` waits for the future and
+    raises the future's error): what a c10d op can hand back in place of its own work.
+    ``_create_work_from_future`` and ``Work.boxed``: checked on 2.13.0."""
+    from torch._C._distributed_c10d import _create_work_from_future
+    return _create_work_from_future(fut).boxed()
+
+
+def object_to_bytes(obj: Any, device: torch.device) -> torch.Tensor:
+    """``obj`` as a uint8 tensor on ``device``, as ``broadcast_object_list`` sends it (within
+    the job's own ranks, never from a bundle). ``distributed_c10d._object_to_tensor``: checked
+    on 2.13.0."""
+    from torch.distributed import distributed_c10d as c10d
+    t, _ = c10d._object_to_tensor(obj, device, None)
+    return t
+
+
+def bytes_to_object(t: torch.Tensor) -> Any:
+    """`object_to_bytes`'s inverse, of a tensor in host memory.
+    ``distributed_c10d._tensor_to_object``: checked on 2.13.0."""
+    from torch.distributed import distributed_c10d as c10d
+    return c10d._tensor_to_object(t, t.numel(), None)
+
+
 def resolve_process_group(name: str):
     """The process group a functional collective names by string.
     ``torch.distributed.distributed_c10d._resolve_process_group``: checked on 2.13.0."""

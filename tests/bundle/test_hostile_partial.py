@@ -18,7 +18,8 @@ from helpers.hostile import (REASON, edit, multi, partial, reseal_part)
 
 
 HOSTILE_PARTIAL = {
-    "partial-a-number": (5, "field 'partial' is an integer, not null or an object"),
+    "partial-a-number": (5, "field 'partial' is an integer, not null, an object"),
+    "partial-a-list-of-numbers": ([1, 2], "field 'partial' is a list, not null, an object"),
     "partial-missing-a-string": ({"missing_ranks": "1"}, "has missing_ranks a string, not a "
                                  "non-empty increasing list of ranks from 0 to 1"),
     "partial-missing-empty": ({"missing_ranks": []}, "has missing_ranks a list, not"),
