@@ -65,3 +65,8 @@ class NonFiniteStep(RuntimeError):
                if observed.get("rank_timeout") else "")
         super().__init__(f"non-finite training step {observed.get('step')}: "
                          f"{what or 'see manifest'}{fix}{met}; {then}")
+
+
+class TopLevelOptIn(UserWarning):
+    """A replay is about to run its entry's top level because the bundle's manifest says so
+    (``Task(run_top_level=True)`` recorded at capture): said, in one line, before it runs."""

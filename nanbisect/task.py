@@ -85,7 +85,7 @@ class Task:
     # declare it when the loop compiles the model some other way
     compiled: dict | None = None
     # a replay may run the entry file's module-level statements when it imports it (else an
-    # entry whose top level does more than define is refused: docs/guide/tasks.md); recorded
+    # entry whose top level acts at import is refused: docs/guide/tasks.md); recorded
     # in the bundle, so every replay of it honours it
     run_top_level: bool = False
 
@@ -267,7 +267,7 @@ def _shown_path(path: Path) -> str:
 
 def gate(path: Path, shown: str | None = None) -> None:
     """`BadInput` (one line: the file, the line, the statement and the fix) when the top level
-    of the entry file ``path`` does more than define (`nanbisect.util.toplevel`); reads the
+    of the entry file ``path`` acts at import (`nanbisect.util.toplevel`); reads the
     file as an AST, runs none of it."""
     found = check_file(path)
     if found is None:
@@ -418,6 +418,50 @@ def _imported(path: Path) -> Any:
     return None
 
 
+class _SourceOnly(importlib.machinery.SourceFileLoader):
+    """Loads a user file from its source: no cached bytecode is read (a ``.pyc`` planted beside
+    it, or stale) or written (into a bundle's ``code/``, a read-only checkout)."""
+
+    def get_code(self, fullname: str) -> Any:
+        path = self.get_filename(fullname)
+        return self.source_to_code(self.get_data(path), path)
+
+
+class _UserSources:
+    """On ``sys.meta_path``, first: a module found under one of the user's directories (an
+    entry file's, a stored copy's import roots) is loaded by `_SourceOnly`; a module there that
+    exists only as cached bytecode is refused. Elsewhere it finds nothing (Python's own
+    finders go on)."""
+
+    def __init__(self) -> None:
+        self.dirs: set[str] = set()
+
+    def add(self, d: Path) -> None:
+        self.dirs.add(os.path.abspath(d))
+        if self not in sys.meta_path:
+            sys.meta_path.insert(0, self)
+
+    def find_spec(self, name: str, path=None, target=None):
+        if not self.dirs:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        origin = getattr(spec, "origin", None)
+        if not origin or not any(os.path.abspath(origin).startswith(d + os.sep)
+                                 for d in self.dirs):
+            return None
+        if origin.endswith((".pyc", ".pyo")):
+            raise ImportError(f"'{origin}' is cached bytecode without its source; a replay "
+                              "imports the user's code from source only")
+        if not origin.endswith(".py"):
+            return None
+        spec.loader = _SourceOnly(name, origin)
+        spec.cached = None
+        return spec
+
+
+USER_SOURCES = _UserSources()
+
+
 def _import_file(path: Path, shown: str, check: bool = False) -> Any:
     """Import ``path`` once per process, under its own stem when that name is free (so a task
     file and an inject file that both ``import moe`` share one ``moe``), else a derived name.
@@ -430,7 +474,9 @@ def _import_file(path: Path, shown: str, check: bool = False) -> Any:
     name = path.stem
     if name in sys.modules or not name.isidentifier():
         name = "nanbisect_entry_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, path)
+    USER_SOURCES.add(path.parent)     # its siblings too: from source, never from bytecode
+    spec = importlib.util.spec_from_file_location(name, path, loader=_SourceOnly(name, str(path)))
+    spec.cached = None
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     if sys.path[:1] != [str(path.parent)]:   # let the file import its neighbours first
@@ -523,6 +569,7 @@ def import_target(target: str, search: list[Path] = (), *, check: bool = False) 
         return _import_file(path, target, check)
     _from_working_directory(target)
     try:
+        _user_module(target)
         file = _module_file(target)
         if check and file is not None:
             gate(file, f"{target} ({_shown_path(file)})")
@@ -542,6 +589,41 @@ def import_target(target: str, search: list[Path] = (), *, check: bool = False) 
                        f"{_user_frame(e)}; fix that module or pass --entry") from None
 
 
+def _user_module(target: str) -> None:
+    """`BadInput` unless the dotted ``target`` is the user's code (or nanbisect's own self-test
+    tasks): an entry never resolves to the standard library, torch or an installed package
+    (``os:abort`` would be called). Runs no code of it (an imported module's file, or where its
+    spec says it lives)."""
+    mod = sys.modules.get(target)
+    if mod is not None:
+        origin = getattr(mod, "__file__", None)
+    else:
+        origin = None
+        try:
+            origin = str(_module_file(target) or "") or None
+        except _TrainedAtImport:
+            raise
+        if origin is None:
+            spec = None
+            try:
+                top = importlib.machinery.PathFinder.find_spec(target.split(".")[0])
+                spec = top if "." not in target else None
+            except (ImportError, ValueError, OSError):
+                pass
+            origin = getattr(spec, "origin", None)
+    if origin is None and (target in sys.builtin_module_names or mod is not None):
+        origin = "<built-in>"
+    if origin is None:
+        return      # not found: the import says so
+    owner = frames.kind(origin)
+    if owner not in ("user", "nanbisect"):
+        where = {"stdlib": "the standard library", "torch": "torch",
+                 "installed": "an installed package"}.get(owner, owner)
+        raise BadInput(f"entry module '{target}' is {where}'s, not your code: an entry names the "
+                       "function of your training code that returns a nanbisect.Task "
+                       "(path/to/train.py:make_task or your.module:make_task)")
+
+
 def check_entry(entry: str, search: list[Path] = ()) -> None:
     """`gate` the file ``entry`` names (as `load_task` would find it), importing nothing of it:
     a run calls it before it replays or writes anything. An entry whose file is not found, or
@@ -558,6 +640,7 @@ def check_entry(entry: str, search: list[Path] = ()) -> None:
         return
     _from_working_directory(target)
     try:
+        _user_module(target)
         file = _module_file(target)
     except _TrainedAtImport as e:       # a parent package that trains, found by an import hook
         raise _trained(e, f"entry module {target}") from None
@@ -568,7 +651,7 @@ def check_entry(entry: str, search: list[Path] = ()) -> None:
 def load_task(entry: str, search: list[Path] = (), *, run_top_level: bool = False,
               roots: list[Path] = ()) -> Task:
     """Import the entry and call it; check that it returned a usable `Task`. Unless
-    ``run_top_level``, an entry file whose top level does more than define is refused before it
+    ``run_top_level``, an entry file whose top level acts at import is refused before it
     is imported (`gate`). Stale user modules leave ``sys.modules`` first (`_evict_stale`: those
     changed on disk, those shadowed by a module of the entry file's directory or of ``roots``,
     the import roots a caller put first on sys.path; with them the user modules under those
@@ -582,6 +665,8 @@ def load_task(entry: str, search: list[Path] = (), *, run_top_level: bool = Fals
     """
     target, func = split_entry(entry)
     dirs = list(roots)
+    for r in roots:       # a stored copy's modules: from source only
+        USER_SOURCES.add(Path(r))
     if target.endswith(".py"):
         found = next((c.resolve() for c in [Path(target)] + [Path(d) / target for d in search]
                       if c.is_file()), None)

@@ -207,8 +207,9 @@ def store(into: Path, section: dict | None, sources: dict[str, str]) -> dict | N
 def check(p: Path, manifest: dict, verify: bool) -> None:
     """`BadInput` unless every stored file the manifest's ``code.files`` names is a path inside
     ``p``'s ``code/`` (`stored_path_ok`) with sha256 and size; with ``verify``, also a plain file
-    there, reached through no symbolic link, of that size and sha256, and no other file under
-    ``code/`` (``__pycache__`` directories aside)."""
+    there, reached through no symbolic link, of that size and sha256 (a size over the cap is
+    refused before anything is read), and no other file under ``code/`` (cached bytecode
+    included)."""
     code = manifest.get("code")
     files = code.get("files") if isinstance(code, dict) else None
     if files is None:
@@ -233,6 +234,9 @@ def check(p: Path, manifest: dict, verify: bool) -> None:
         if not os.path.lexists(f):
             raise BadInput(f"bundle '{p}': the stored copy of the code {info['path']} is missing; "
                            "copy the whole bundle directory (code/ included) or re-capture it")
+        if info["bytes"] > MAX_FILE_BYTES:    # the cap before any byte of it is read
+            raise BadInput(f"bundle '{p}': {info['path']} claims {info['bytes']} bytes, over "
+                           f"the {MAX_FILE_BYTES}-byte cap of a stored file; {_FIX}")
         st = _regular(f, f"bundle '{p}': {info['path']}")
         if st.st_size != info["bytes"] or _sha256_bounded(f, info["bytes"]) != info["sha256"]:
             raise BadInput(f"bundle '{p}': {info['path']} does not match its sha256 in the "
@@ -242,14 +246,14 @@ def check(p: Path, manifest: dict, verify: bool) -> None:
 
 
 def _unlisted(p: Path, listed: set[str]) -> None:
-    """`BadInput` naming the first file under ``p``'s ``code/`` that the manifest does not list
-    (``__pycache__`` directories, which an import of the stored copy may write, are skipped):
-    a replay of the stored copy could import it, unchecked."""
+    """`BadInput` naming the first file under ``p``'s ``code/`` that the manifest does not list,
+    cached bytecode (``__pycache__/*.pyc``, a ``.pyc`` beside the sources) included: a replay of
+    the stored copy could import it, unchecked, instead of the source a reader sees."""
     top = p / CODE_DIR
     if not top.is_dir() or os.path.islink(top):
         return
     for d, dirs, names in os.walk(top):
-        dirs[:] = sorted(x for x in dirs if x != "__pycache__")
+        dirs[:] = sorted(dirs)      # NB: __pycache__ too: a replay writes no bytecode there
         for name in sorted(names) + [x for x in dirs if os.path.islink(os.path.join(d, x))]:
             rel = Path(d, name).relative_to(p).as_posix()
             if rel not in listed:
@@ -259,8 +263,13 @@ def _unlisted(p: Path, listed: set[str]) -> None:
 
 
 def _sha256_bounded(f: Path, size: int) -> str:
+    """sha256 of at most ``size + 1`` bytes of ``f``, read in chunks (never all at once)."""
+    h, left = hashlib.sha256(), size + 1
     with open(f, "rb") as fh:
-        return hashlib.sha256(fh.read(size + 1)).hexdigest()
+        while left > 0 and (chunk := fh.read(min(left, 1 << 20))):
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
 
 
 def stored_copy(p: Path, manifest: dict, original: str | None) -> Path | None:

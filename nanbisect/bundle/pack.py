@@ -362,8 +362,16 @@ class _Hashing(io.RawIOBase):
 # --------------------------------------------------------------------------------------------
 # unpack: archives from anyone
 
-def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int) -> int:
-    """Write every member of the tar ``stream`` under ``staging``; return how many."""
+def _cached_bytecode(parts: tuple[str, ...]) -> bool:
+    """A ``__pycache__`` member or a ``.pyc``/``.pyo`` file: bytecode a reader cannot read, which
+    Python would import instead of the source beside it."""
+    return "__pycache__" in parts or parts[-1].endswith((".pyc", ".pyo"))
+
+
+def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int,
+             dropped: list[str] | None = None) -> int:
+    """Write every member of the tar ``stream`` under ``staging`` but cached bytecode (its names
+    added to ``dropped``); return how many members it read."""
     seen_end: list = []
     named: set[tuple[str, ...]] = set()     # every member's path
     files: set[tuple[str, ...]] = set()
@@ -387,6 +395,10 @@ def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int) -> int:
                                "directory of that name); refusing the whole archive")
             named.add(parts)
             parents.update(parts[:i] for i in range(1, len(parts)))
+            if _cached_bytecode(parts):      # never kept: a replay imports sources only
+                if dropped is not None and not m.isdir():
+                    dropped.append("/".join(parts))
+                continue
             if not m.isdir() and m.size > cap - stream.count:
                 raise BadInput(f"unpack: '{archive}': {show(m.name)} claims {m.size} bytes, past "
                                f"the {cap}-byte limit on what the archive may expand to "
@@ -412,7 +424,8 @@ def _extract(stream, staging: Path, archive: Path, dest: Path, cap: int) -> int:
     return count
 
 
-def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) -> Path:
+def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None,
+           dropped: list[str] | None = None) -> Path:
     """Extract a pack made by anyone into the new or empty directory ``dest``; refuse it whole
     (nothing left behind) if any member could escape ``dest`` or it expands past ``max_bytes``.
 
@@ -424,7 +437,8 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
     Refused: a ``dest`` that exists and is not an empty directory, absolute or ``..`` paths,
     empty or ``.`` names, links, devices, sparse files, duplicate members, more than
     `MAX_MEMBERS` members, and truncated or damaged archives. Files get the user's umask, never
-    the modes, owners or times stored in the archive.
+    the modes, owners or times stored in the archive. Cached bytecode (``__pycache__``, ``.pyc``)
+    is never kept: its names go into ``dropped``.
     """
     archive, dest = Path(archive), Path(dest)
     _check_unpack_paths(archive, dest)
@@ -441,7 +455,7 @@ def unpack(archive: str | Path, dest: str | Path, max_bytes: int | None = None) 
             raise _cannot_write(dest, e) from None
         with open(archive, "rb") as raw:
             stream = _Capped(_decompressed(raw, archive), cap, archive)
-            _extract(stream, staging, archive, dest, cap)
+            _extract(stream, staging, archive, dest, cap, dropped)
             while stream.read(_CHUNK):   # to the end: gzip checks its CRC and length there
                 pass
         _move_in(staging, dest)

@@ -41,6 +41,7 @@ def summarize(path: str | Path) -> dict:
         first = parts[min(m["ranks"], key=int)]    # rank 0's, unless the bundle is partial
         return {**first, "bundle": str(b.path), "world_size": m["world_size"], "rank": "all",
                 "partial": m.get("partial") or first.get("partial"),
+                "runs_top_level": first.get("runs_top_level"),
                 "backend": m.get("backend"), "process_groups": m.get("process_groups"),
                 "observed": {r: p["observed"] for r, p in parts.items()},
                 "files": {f"rank{r}/{n}": f for r, p in parts.items()
@@ -135,6 +136,9 @@ def _summary(b: Bundle) -> dict:
         "optimizer": None if opt is None else {"class": opt["class"],
                                                "param_groups": len(opt["param_groups"])},
         "files": files, "checksums": "ok",
+        # the Task opted in to running its entry's top level at import (said before a replay)
+        "runs_top_level": (m.get("task") or {}).get("run_top_level") is True
+        if isinstance(m.get("task"), dict) else False,
         # parts of the state the capture could not write ([{part, why}]: a foreign optimizer)
         "partial": m.get("partial") if isinstance(m.get("partial"), list) else None,
         # Guard(history=N) / Guard(lookback=K): how many steps the bundle can tell about / replay
@@ -181,6 +185,9 @@ def summary_text(info: dict) -> str:
         lines.append(f"steps     history of {info.get('history_steps') or 0}, " + (
             f"replayable with --steps up to {lookback}" if lookback else
             "no lookback (--steps needs a bundle captured with Guard(..., lookback=K))"))
+    if info.get("runs_top_level"):
+        lines.append("top level the entry's module-level code runs when replayed (the Task "
+                     "opted in: run_top_level=True); read it before you run this bundle")
     if isinstance(info.get("partial"), dict):
         lines.append("partial   " + partial_text(info["partial"]))
     elif info.get("partial"):    # parts of the state left out: [{part, why}]

@@ -15,7 +15,7 @@ import typer
 from nanbisect.cli.app import (BUNDLE_PANEL, CLUSTER_PANEL, DEVICE_PANEL, DONE_CODES,
                                EXIT_CODES, REMEDY_PANEL, SCOPE_PANEL, checked, command, flag,
                                number_flag, switch)
-from nanbisect.errors import BadInput
+from nanbisect.errors import BadInput, TopLevelOptIn
 
 
 def echo(text: str, err: bool = False) -> None:
@@ -97,8 +97,8 @@ def run(
         panel=SCOPE_PANEL)] = None,
     run_top_level: Annotated[bool, switch(
         "--run-top-level", help="let the entry file's module-level statements run when it is "
-        "imported, as Task(run_top_level=True) does (else an entry whose top level does more "
-        "than define is refused)",
+        "imported, as Task(run_top_level=True) does (else an entry whose top level acts at "
+        "import, training, writing, downloading or starting processes, is refused)",
         panel=SCOPE_PANEL)] = False,
     no_remedies: Annotated[bool, switch(
         "--no-remedies", help="do not replay the step with remedies once the culprit is found "
@@ -139,6 +139,15 @@ def _run(a) -> int:
             print(f"nanbisect: warning: {too_old}", file=sys.stderr)
         with run_progress(a.quiet) as progress, warnings.catch_warnings():
             warnings.simplefilter("ignore", api.TorchTooOld)    # said above, in one line
+            warnings.simplefilter("always", TopLevelOptIn)
+            shown = warnings.showwarning
+
+            def say(message, category, *rest, **kw):     # an opt-in: one line, at once
+                if issubclass(category, TopLevelOptIn):
+                    print(f"nanbisect: warning: {message}", file=sys.stderr, flush=True)
+                else:
+                    shown(message, category, *rest, **kw)
+            warnings.showwarning = say
             report = api.run(path, target=a.target, reference=a.reference, inject=a.inject,
                              entry=a.entry, out=out_dir, steps=a.steps, ranks=a.ranks,
                              remedies=False if a.no_remedies else a.remedy_budget,
@@ -297,10 +306,15 @@ def unpack(
     checked("unpack", locals())
     from nanbisect.bundle.pack import unpack as do_unpack
 
+    dropped: list[str] = []
     try:
-        do_unpack(archive, dest, max_bytes=max_bytes)
+        do_unpack(archive, dest, max_bytes=max_bytes, dropped=dropped)
     except BadInput as e:
         _fail(e)
+    if dropped:
+        print(f"nanbisect: left out {len(dropped)} cached bytecode file(s) ({dropped[0]}"
+              f"{', ...' if len(dropped) > 1 else ''}): a replay imports the sources only",
+              file=sys.stderr)
     echo(f"nanbisect: extracted into {dest}")
     return 0
 

@@ -1,4 +1,4 @@
-"""Every wait the Guard issues on other ranks ends by a deadline: a guarded job may fail, never hang.
+"""Every wait the Guard issues on other ranks ends by a deadline: a job may fail, never hang.
 
 The Guard talks to the other ranks in three places: the per-step agreement on a failure (one
 all-reduce of a flag), the failing step's re-run that records its collectives (the user's own

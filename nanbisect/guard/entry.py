@@ -138,7 +138,7 @@ def _check_modes(max_scaler_skips: int, snapshot: str, snapshot_every: int | Non
 
 
 def warn_top_level(entry_file: str | None, task: object, who: str) -> None:
-    """Warn, at capture, when the entry file's top level does more than define: a replay will
+    """Warn, at capture, when the entry file's top level acts at import: a replay will
     refuse to import it (`nanbisect.task.gate`) unless the run opts in. Nothing when the task
     already opts in (``Task(run_top_level=True)``) or the entry is a module."""
     if entry_file is None or getattr(task, "run_top_level", False):

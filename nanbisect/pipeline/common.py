@@ -40,7 +40,7 @@ class RunOptions:
     # bundle's (`--code`)
     code: str | None = None
     # the entry file's module-level statements may run on import (`--run-top-level`; else an
-    # entry whose top level does more than define is refused before it is imported)
+    # entry whose top level acts at import is refused before it is imported)
     run_top_level: bool = False
 
 

@@ -9,6 +9,8 @@ verdict's.
 """
 from __future__ import annotations
 
+import warnings
+
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,7 +22,7 @@ from nanbisect import history as hist
 from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.bundle.manifest import Manifest
-from nanbisect.errors import BadInput
+from nanbisect.errors import BadInput, TopLevelOptIn
 from nanbisect.pipeline.common import Progress, RunOptions, after_verdict
 from nanbisect.pipeline.step import _analyse
 from nanbisect.records import Finding
@@ -173,7 +175,14 @@ def _check_top_level(bundle: Bundle, opts: RunOptions) -> None:
     source = bundle
     if bundle.multi_rank:
         source = bundle.part(min(int(r) for r in bundle.manifest["ranks"]), verify=False)
-    if opts.run_top_level or top_level_recorded(source.manifest):
+    if opts.run_top_level:
+        return
+    if top_level_recorded(source.manifest):    # an opt-in that travels: said before it runs
+        warnings.warn(TopLevelOptIn(
+            f"bundle '{bundle.path}' opts in to running its entry's top level at import "
+            f"(Task(run_top_level=True) in its manifest): {opts.entry or resolve_entry(source)} "
+            "runs every module-level statement, as python would; read it first, or replay "
+            "with --entry naming a file you trust"), stacklevel=3)
         return
     check_entry(opts.entry or resolve_entry(source), [source.path])
 

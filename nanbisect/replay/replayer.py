@@ -89,7 +89,7 @@ class Replayer:
         m = bundle.manifest
         self.entry = entry or resolve_entry(bundle)
         # the entry file's top level may run on import: asked for (--run-top-level) or
-        # recorded (Task(run_top_level=True)); else a top level that does more than define is
+        # recorded (Task(run_top_level=True)); else a top level that acts at import is
         # refused before the import (`nanbisect.task.gate`)
         self.run_top_level = run_top_level or top_level_recorded(m)
         self.task = task or load_entry(self.entry, bundle, self.run_top_level)
@@ -388,14 +388,17 @@ def stacked(*cms: ContextManager) -> ExitStack:
     return es
 
 
-def _local_entry(bundle: Bundle) -> Path | None:
-    """The entry file found next to the bundle, here, or where it was (None: nowhere)."""
+def _local_entry(bundle: Bundle, beside: bool = True) -> Path | None:
+    """The entry file found next to the bundle (``beside``: through the manifest's
+    ``entry_file_from_bundle``), here, or where it was (None: nowhere); never a file inside the
+    bundle (its stored copies are ``--code bundle``'s, verified)."""
     m = bundle.manifest
     target = m["entry"].rpartition(":")[0]
-    rel = m.get("entry_file_from_bundle")
+    rel = m.get("entry_file_from_bundle") if beside else None
+    inside = bundle.path.resolve()
     for cand in ([bundle.path / rel] if rel else []) + [Path(target)] + (
             [Path(m["entry_file"])] if m.get("entry_file") else []):
-        if cand.is_file():
+        if cand.is_file() and not cand.resolve().is_relative_to(inside):
             return cand.resolve()
     return None
 
@@ -423,7 +426,11 @@ def code_choice(bundle: Bundle, code: str | None = None) -> tuple[str, str | Non
         raise BadInput(f"--code {code}: give 'local' or 'bundle'")
     m = bundle.manifest
     target, _, func = m["entry"].rpartition(":")
-    local = _local_entry(bundle) if target.endswith(".py") else None
+    # --code local: the files here, found from the working directory or where they were, never
+    # through a path the manifest gives relative to the bundle (beside an unpacked ticket, that
+    # is the ticket's file, unlisted); by default one found beside the bundle is used only when
+    # every captured source is unchanged (`_local_differs`: the same bytes the bundle lists)
+    local = _local_entry(bundle, beside=code != "local") if target.endswith(".py") else None
     code_m = m.get("code") or {}
     stored = (codestore.stored_copy(bundle.path, m, code_m.get("entry_file"))
               if target.endswith(".py") else None)
@@ -449,9 +456,11 @@ def code_choice(bundle: Bundle, code: str | None = None) -> tuple[str, str | Non
         return here, ("the code ran from the files here: they are the captured ones (same "
                       "sha256); --code bundle runs the bundle's copies")
     left = codestore.left_out_text(m)
-    if left is not None and local is not None:     # an incomplete copy: not on its own
-        return here, (f"the code ran from the files here although {why}: the bundle's copy is "
-                      f"incomplete ({left}); --code bundle runs it anyway")
+    mine = _local_entry(bundle, beside=False)      # not a file beside the bundle: the user's
+    if left is not None and mine is not None:      # an incomplete copy: not on its own
+        return f"{mine}:{func}", (f"the code ran from the files here although {why}: the "
+                                  f"bundle's copy is incomplete ({left}); --code bundle runs "
+                                  "it anyway")
     return f"{stored}:{func}", f"the bundle's copy of the code ran: {why}"
 
 

@@ -1,104 +1,157 @@
 """The import gate: what an entry file's top level may do when a replay imports it.
 
 A replay imports the entry file to rebuild the task, and importing runs the file's module-level
-statements. `first_refused` reads the top level as an AST, never executing it, and returns the
-first statement that does more than define; `nanbisect.task` refuses such an entry (one line,
-`BadInput`) unless the run opts in (``--run-top-level``, ``Task(run_top_level=True)``).
+statements. The gate exists to stop a replay from *acting* at import (the first-hour case: a
+script that trains at module level, without ``if __name__ == "__main__":``), not to judge its
+arithmetic. `first_refused` reads the top level as an AST, never executing it, and returns the
+first statement that acts; `nanbisect.task` refuses such an entry (one line, `BadInput`) unless
+the run opts in (``--run-top-level``, ``Task(run_top_level=True)``). While the file is imported,
+`nanbisect.task` also trips on training calls the AST could not see (``backward``,
+``Optimizer.step``).
 
-Allowed at the top level (docs/guide/tasks.md):
+The rule is about effects. Refused at the top level (`ACTS`, `ACTING_METHODS`):
 
-- the docstring and other constant expressions; ``pass``; imports, also in a ``try`` whose
-  handlers catch only ``ImportError``/``ModuleNotFoundError`` (their bodies checked alike, where a
-  ``raise`` is allowed too), or catch anything (``except Exception:``, a bare ``except:``) when
-  the ``try`` body holds only imports and assignments (``try: import apex``);
-- ``def`` and ``class`` with any decorators: decorators and default arguments are evaluated at
-  import and are not judged (nor is a class body);
-- ``if __name__ == "__main__":`` and ``if TYPE_CHECKING:`` (bodies not checked: they do not run at
-  import; an ``else`` is checked); any other ``if`` whose test and branches pass these rules;
-- assignments and expression statements whose calls are all definitional: a call of a class
-  defined in this file (``cfg = Config()``); a call of a function defined in this file whose own
-  body's calls are all definitional by these rules, read one level deep (there a call of another
-  function of this file is not, and ``torch.library.*`` and a ``.register_*(...)`` method are:
-  ``FUSED_GELU = _define()`` registering a custom op passes, ``args = get_args()`` wrapping
-  argparse is refused; the bodies of functions and lambdas defined inside are not read); a call
-  of a name imported from a sibling module (a ``.py`` file or package in the entry file's
-  directory, or a relative import: the user's own code), of an attribute of either or of a
-  function of this file (``op.register_autograd(...)``; not of what calling them returned:
-  ``parser = make_parser()`` then ``parser.parse_args()`` is refused), or of a name bound at the
-  top level to a value the file built (a literal or a builtin's: ``CONFIG.update(...)``); a call
-  on the `ALLOWED` list (or under `ALLOWED_PREFIXES`, or ``torch.backends.*.is_available()``:
-  the settings, seeds and device checks of an ordinary script, ``logger.setLevel`` of a name
-  bound from ``logging.getLogger``); a builtin in `BUILTINS`;
-  ``getattr(torch.ops.<namespace>, name)``; ``pathlib.Path(...)`` with only `PATH_PURE` methods
-  chained; a call of what an allowed call returned (a decorator
-  factory: ``nanbisect.reference_impl("lib::op")(fn)``); except a bare top-level call of a
-  function of this file or a sibling named in `ENTRY_POINTS` (``main()``: it runs the script);
-- ``assert`` without calls.
+- training: ``.backward()``, ``.step()``, ``.zero_grad()``, ``.fit()``, and ``.train()`` of a
+  trainer (a name bound from a ``*Trainer(...)`` call); a bare call of an entry point of the
+  user's code (``main()``, ``train()``: `ENTRY_POINTS`);
+- loops that iterate data (their iterable names a loader, a dataset, data or batches, or calls
+  the user's code) or that call this file's functions;
+- file writes: ``open`` for writing, ``torch.save``, ``numpy.save``, ``json.dump``, ``shutil``,
+  ``os.makedirs`` and the other file-system changes, ``.write_text()``, ``.save()``,
+  ``.mkdir()``, a log file handler; ``os.chdir``;
+- the network (``requests``, ``urllib.request``, ``socket``, ``torch.hub``, ``huggingface_hub``,
+  ``datasets.load_dataset``, any call with ``download=True``), subprocesses (``subprocess``,
+  ``os.system``, ``multiprocessing``' processes), process-group initialisation
+  (``torch.distributed`` beyond its queries, ``deepspeed.init_distributed``, ``Accelerator()``),
+  experiment trackers (``wandb.init``, ``mlflow.start_run``, a ``SummaryWriter``, ...), ending
+  or pausing the process (``sys.exit``, ``input()``, ``breakpoint()``, ``signal.signal``,
+  ``atexit.register``), running text as code (``exec``, ``eval``);
+- a call of a function of this file whose body does any of that (read through the file's
+  functions it calls in turn, a few levels deep).
 
-Everything else is refused: another call (``argparse.ArgumentParser()``, ``open()``,
-``wandb.init()``, ``Path(...).write_text()``), a loop, ``with``, a ``try`` not around imports,
-``global``, ``del``, a ``raise`` outside an import's handler, ``match``. Calls inside a
-``lambda`` body do not run at import and are not checked; a class body's statements are not
-checked (a class is a definition). Not guaranteed: that user code deemed definitional (a
-class of the file, what a function of the file calls beyond its own body, a sibling module's
-functions) does nothing else; those are the user's own.
+Everything else is allowed: pure computation with torch, numpy, math and the standard library
+(tensor factories with or without a generator, views, arithmetic, comprehensions, ``print``),
+reading files, process settings (threads, precision, determinism, ``torch.backends.*`` flags,
+seeds, device selection, warnings and logging configuration, environment variables), argument
+parsing (``sys.argv`` is the entry file alone while it is imported), and ``with``, ``if``,
+``try``, ``for`` and ``while`` statements whose parts are allowed (``with np.errstate(...)``,
+``with torch.no_grad():``, a loop that builds a table). ``def`` and ``class`` are definitions:
+their decorators and default values run at import and are judged; their bodies are not (a class
+body, a lambda's body), except a function's when the top level calls it.
+
+Not guaranteed: a library function whose name says nothing of what it does (a framework's own
+``run_training(...)``) is not recognised here; the import's trip wires catch its training calls.
 """
 from __future__ import annotations
 
 import ast
+import io
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-# builtins that construct values (or print): allowed unless the file rebinds the name
-BUILTINS = frozenset({"int", "float", "str", "bool", "tuple", "list", "dict", "set", "frozenset",
-                      "range", "len", "min", "max", "abs", "sorted", "print", "hasattr",
-                      "isinstance"})
-# pure or definitional callables, by their imported dotted name
-ALLOWED = frozenset({
-    "torch.device", "torch.ops.load_library", "torch.manual_seed", "contextvars.ContextVar",
-    "os.environ.get", "os.getenv", "pathlib.Path", "sys.path.insert", "sys.path.append",
-    "logging.getLogger", "collections.namedtuple", "re.compile", "functools.partial",
-    "dataclasses.field", "warnings.filterwarnings", "warnings.simplefilter",
-    "nanbisect.reference_impl",
-    "os.path.join", "os.path.dirname", "os.path.abspath", "os.path.basename", "os.path.realpath",
-    "os.path.expanduser", "os.path.normpath", "os.path.split", "os.path.splitext",
-    "os.path.relpath", "tempfile.gettempdir",
-    # the settings and seeds of an ordinary training script
-    "logging.basicConfig", "logging.getLogger().setLevel", "os.environ.setdefault",
-    "os.environ.update", "torch.set_float32_matmul_precision", "torch.set_default_dtype",
-    "torch.use_deterministic_algorithms", "random.seed", "numpy.random.seed",
-    "transformers.set_seed", "lightning.seed_everything", "pytorch_lightning.seed_everything",
-    "lightning.pytorch.seed_everything", "lightning.fabric.seed_everything",
-    "lightning_fabric.seed_everything",
-    # what the machine has (``device = "cuda" if torch.cuda.is_available() else "cpu"``)
-    "torch.cuda.is_available", "torch.cuda.device_count",
-    # constant tensors
-    "torch.tensor", "torch.zeros", "torch.ones", "torch.arange", "torch.full",
-    # pure conversions in memory (nothing read or written)
-    "json.loads", "json.dumps", "struct.pack", "struct.unpack", "struct.calcsize",
-    "safetensors.torch.save",
-    # Hugging Face example scripts' version checks
-    "transformers.utils.check_min_version", "transformers.utils.versions.require_version",
-    "diffusers.utils.check_min_version"})
-# every callable under these (torch.library.Library, torch.library.custom_op, typing.TypeVar)
-ALLOWED_PREFIXES = ("torch.library.", "typing.", "typing_extensions.")
-# ``torch.backends.<name>.is_available()`` (``torch.backends.mps.is_available()``)
-_BACKEND_AVAILABLE = ("torch.backends.", ".is_available")
-# the methods and attributes of a Path that compute another path (nothing read or written)
-PATH_PURE = frozenset({"resolve", "parent", "parents", "joinpath", "absolute", "expanduser",
-                       "with_suffix", "with_name", "name", "stem", "suffix"})
-# functions that run the script: a bare top-level call of one (``main()``) is refused
+# what a call does, by its dotted name (an exact name, or a prefix ending with "."), when it acts
+ACTS = {
+    # training and the script's own entry
+    "torch.autograd.backward": "trains (backward)",
+    # file writes and the file system
+    "torch.save": "writes a file", "numpy.save": "writes a file", "numpy.savez": "writes a file",
+    "numpy.savez_compressed": "writes a file", "numpy.savetxt": "writes a file",
+    "json.dump": "writes a file", "pickle.dump": "writes a file", "yaml.dump": "writes a file",
+    "shutil.": "changes files", "os.makedirs": "writes a directory",
+    "os.mkdir": "writes a directory", "os.remove": "removes a file",
+    "os.unlink": "removes a file", "os.rename": "moves a file", "os.replace": "moves a file",
+    "os.rmdir": "removes a directory", "os.removedirs": "removes a directory",
+    "os.symlink": "writes a link", "os.link": "writes a link", "os.chmod": "changes a file",
+    "os.chown": "changes a file", "os.truncate": "changes a file", "os.write": "writes a file",
+    "os.utime": "changes a file", "os.chdir": "changes the working directory",
+    "tempfile.mkdtemp": "writes a directory", "tempfile.mkstemp": "writes a file",
+    "tempfile.NamedTemporaryFile": "writes a file",
+    "tempfile.TemporaryDirectory": "writes a directory",
+    "logging.FileHandler": "writes a log file", "logging.handlers.": "writes a log file",
+    "torch.onnx.export": "writes a file", "torch.jit.save": "writes a file",
+    "safetensors.torch.save_file": "writes a file", "safetensors.torch.save_model":
+    "writes a file",
+    "nanbisect.capture": "writes a bundle", "nanbisect.run": "replays a bundle",
+    "nanbisect.triage": "replays bundles",
+    # the network
+    "urllib.request.": "uses the network", "requests.": "uses the network",
+    "httpx.": "uses the network", "http.client.": "uses the network",
+    "socket.": "uses the network", "ftplib.": "uses the network",
+    "smtplib.": "uses the network", "aiohttp.": "uses the network",
+    "torch.hub.": "uses the network", "huggingface_hub.": "uses the network",
+    "datasets.load_dataset": "uses the network", "wget.": "uses the network",
+    "gdown.": "uses the network",
+    # subprocesses and other processes
+    "subprocess.": "starts a subprocess", "os.system": "starts a subprocess",
+    "os.popen": "starts a subprocess", "os.spawn": "starts a subprocess",
+    "os.exec": "starts a subprocess", "os.posix_spawn": "starts a subprocess",
+    "os.fork": "starts a process", "os.kill": "signals a process",
+    "os.killpg": "signals a process", "pty.spawn": "starts a subprocess",
+    "multiprocessing.Process": "starts a process", "multiprocessing.Pool": "starts processes",
+    "torch.multiprocessing.spawn": "starts processes",
+    "torch.multiprocessing.start_processes": "starts processes",
+    "torch.multiprocessing.Process": "starts a process",
+    "concurrent.futures.ProcessPoolExecutor": "starts processes",
+    # process groups
+    "torch.distributed.": "initialises a process group",
+    "deepspeed.init_distributed": "initialises a process group",
+    "deepspeed.initialize": "initialises a process group",
+    "accelerate.Accelerator": "initialises a process group",
+    "accelerate.PartialState": "initialises a process group",
+    "megatron.core.parallel_state.initialize_model_parallel": "initialises a process group",
+    "colossalai.launch": "initialises a process group",
+    # experiment trackers
+    "wandb.": "starts an experiment tracker", "mlflow.": "starts an experiment tracker",
+    "comet_ml.": "starts an experiment tracker", "neptune.": "starts an experiment tracker",
+    "clearml.": "starts an experiment tracker", "aim.Run": "starts an experiment tracker",
+    "swanlab.": "starts an experiment tracker", "dvclive.": "starts an experiment tracker",
+    "tensorboardX.SummaryWriter": "starts an experiment tracker",
+    "torch.utils.tensorboard.SummaryWriter": "starts an experiment tracker",
+    # the process itself
+    "sys.exit": "ends the process", "os._exit": "ends the process", "os.abort": "ends the process",
+    "signal.signal": "installs a signal handler", "signal.alarm": "sets an alarm",
+    "atexit.register": "runs code at exit", "faulthandler.dump_traceback_later":
+    "sets a timer", "code.interact": "waits for the terminal", "pdb.set_trace":
+    "waits for the terminal",
+}
+# queries under a prefix of `ACTS`: they act on nothing
+QUERIES = frozenset({"socket.gethostname", "socket.getfqdn", "shutil.which",
+                     "shutil.get_terminal_size", "shutil.disk_usage", "requests.utils.quote"})
+# queries of torch.distributed: they act on nothing
+DIST_QUERIES = frozenset({"is_available", "is_initialized", "get_rank", "get_world_size",
+                          "get_backend", "is_nccl_available", "is_gloo_available", "ReduceOp",
+                          "Backend", "is_torchelastic_launched"})
+# builtins that act (unless the file rebinds the name)
+ACTING_BUILTINS = {"exit": "ends the process", "quit": "ends the process",
+                   "input": "waits for the terminal", "breakpoint": "waits for the terminal",
+                   "exec": "runs text as code", "eval": "runs text as code"}
+# methods that act, whatever they are called on
+ACTING_METHODS = {"backward": "trains (backward)", "step": "trains (an optimizer's step)",
+                  "zero_grad": "trains (zero_grad)", "fit": "trains (fit)",
+                  "write_text": "writes a file", "write_bytes": "writes a file",
+                  "touch": "writes a file", "unlink": "removes a file",
+                  "rmdir": "removes a directory", "mkdir": "writes a directory",
+                  "symlink_to": "writes a link", "hardlink_to": "writes a link",
+                  "save": "writes a file", "save_pretrained": "writes a file",
+                  "push_to_hub": "uses the network", "to_csv": "writes a file",
+                  "to_parquet": "writes a file", "savefig": "writes a file",
+                  "launch": "launches processes"}
+# ``.train()`` and friends act on a trainer (a name bound from a ``*Trainer(...)`` call)
+TRAINER_METHODS = frozenset({"train", "evaluate", "predict", "test", "validate"})
+# functions that run the script: a bare top-level call of one of the user's code (``main()``)
 ENTRY_POINTS = frozenset({"main", "train", "run", "fit"})
+# words that make a loop's iterable data (``for x, y in train_loader``)
+DATA_WORDS = ("loader", "dataset", "data", "batch")
+# how deep the bodies of this file's functions are read through their calls of one another
+DEPTH = 4
 
-_PATH = "pathlib.Path"
 _IMPORT_ERRORS = frozenset({"ImportError", "ModuleNotFoundError"})
-# what a broad handler catches: allowed around a ``try`` body of imports (and assignments) only
-_BROAD = frozenset({"Exception", "BaseException"})
 
 
 @dataclass(frozen=True)
 class Refusal:
-    """The first top-level statement that does more than define: its line, its text (the first
+    """The first top-level statement that acts at import: its line, its text (the first
     source line, shortened) and what it does ("calls parser.parse_args", "loops", ...)."""
 
     line: int
@@ -121,17 +174,17 @@ def shorten(text: str, width: int = 70) -> str:
 
 
 class _Reader:
-    """One file's top level: the names it defines, imports and binds, and the rules above."""
+    """One file's top level: the names it defines, imports and binds, and the rule above."""
 
     def __init__(self, tree: ast.Module, source: str, here: Path | None) -> None:
         self.source, self.here = source, here
         self.defined: set[str] = set()       # def/class at the top level (any depth of if/try)
         self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}   # the defs
-        self._read: dict[str, ast.Call | None] = {}     # a def's name -> its body's first bad call
-        self._depth = 0                      # 1 while a called def's body is read
+        self._read: dict[str, tuple[ast.Call, str] | None] = {}   # a def -> its acting call
+        self._reading: list[str] = []        # the defs being read (depth, cycles)
         self.names: dict[str, str] = {}      # imported name -> dotted origin
         self.siblings: set[str] = set()      # names bound to the user's own code
-        self.bound: dict[str, str] = {}      # name bound from an allowed call -> its origin
+        self.made: dict[str, str] = {}       # top-level name -> the dotted callee that made it
         self._collect(tree.body)
 
     # -- what the file binds ------------------------------------------------------------------
@@ -159,13 +212,11 @@ class _Reader:
                     self.names[name] = f"{node.module or ''}.{a.name}".lstrip(".")
                     if self._sibling(node.module or "", node.level):
                         self.siblings.add(name)
-            elif isinstance(node, ast.If):
-                self._collect(node.body)
-                self._collect(node.orelse)
-            elif isinstance(node, ast.Try):
-                for part in (node.body, node.orelse, node.finalbody,
-                             *(h.body for h in node.handlers)):
-                    self._collect(part)
+            else:
+                for part in ("body", "orelse", "finalbody"):
+                    self._collect(getattr(node, part, None) or [])
+                for h in getattr(node, "handlers", None) or []:
+                    self._collect(h.body)
 
     def _sibling(self, module: str, level: int) -> bool:
         """Is ``module`` the user's own code: a relative import, or a module or package in the
@@ -187,135 +238,99 @@ class _Reader:
             node = node.value
         if not isinstance(node, ast.Name):
             return None
-        head = self.names.get(node.id, self.bound.get(node.id, node.id))
+        head = self.names.get(node.id, node.id)
         return ".".join([head, *reversed(parts)])
 
     def _root(self, node: ast.expr) -> str | None:
-        while isinstance(node, ast.Attribute):
-            node = node.value
+        while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
+            node = node.func if isinstance(node, ast.Call) else node.value
         return node.id if isinstance(node, ast.Name) else None
 
-    def _user_code(self, root: str | None) -> bool:
-        """A name of the user's code: defined here, imported from a sibling, or bound to a value
-        the file built (a literal, a builtin's: ``CONFIG``). NB: not a name bound from a call
-        of the user's code (``parser = make_parser()``: ``parser.parse_args()`` must not run)."""
-        return root is not None and (root in self.defined or root in self.siblings
-                                     or self.bound.get(root) == "<value>")
+    def _users(self, name: str | None) -> bool:
+        """A name of the user's code: defined in this file or imported from a sibling."""
+        return name is not None and (name in self.defined or name in self.siblings)
 
-    def _is_path(self, node: ast.expr) -> bool:
-        """Does ``node`` compute a `pathlib.Path` with pure steps only?"""
-        if isinstance(node, ast.Call):
-            if self.dotted(node.func) == _PATH:
-                return True
-            f = node.func
-            return isinstance(f, ast.Attribute) and f.attr in PATH_PURE and self._is_path(f.value)
-        if isinstance(node, ast.Attribute):
-            return node.attr in PATH_PURE and self._is_path(node.value)
-        if isinstance(node, ast.Subscript):
-            return self._is_path(node.value)
-        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
-            return self._is_path(node.left)
-        if isinstance(node, ast.Name):
-            return self.bound.get(node.id) == _PATH + "()"
-        return False
-
-    def call_ok(self, call: ast.Call) -> bool:
-        """Is ``call`` definitional (the rules of the module docstring)?"""
+    def call_acts(self, call: ast.Call) -> str | None:
+        """What ``call`` does when it acts (the rule of the module docstring); None when it
+        computes."""
         f = call.func
-        if isinstance(f, ast.Name) and f.id in BUILTINS and f.id not in self.names \
-                and f.id not in self.defined and f.id not in self.bound:
-            return True
-        if isinstance(f, ast.Name) and f.id == "getattr" and f.id not in self.names \
-                and f.id not in self.defined and f.id not in self.bound and call.args \
-                and (self.dotted(call.args[0]) or "").startswith("torch.ops."):
-            return True     # an op looked up by name: ``getattr(torch.ops.mylib, name)``
-        if isinstance(f, ast.Name) and f.id in self.functions and f.id not in self.bound:
-            # a function of this file: its own body is read with these rules, one level deep
-            return self._depth == 0 and self.def_bad_call(f.id) is None
-        if self._user_code(self._root(f)):
-            return True
-        if self._is_path(call):
-            return True
-        if isinstance(f, ast.Call) and self.call_ok(f):
-            return True     # what an allowed factory made: ``torch.library.register_fake(n)(f)``
-        if self._depth and isinstance(f, ast.Attribute) and f.attr.startswith("register_"):
-            return True     # in a called def: ``fused_gelu.register_autograd(backward)``
+        if any(k.arg == "download" and isinstance(k.value, ast.Constant) and k.value.value
+               for k in call.keywords):
+            return "downloads (download=True)"
+        if isinstance(f, ast.Name):
+            if f.id in self.functions and f.id not in self.names:
+                inner = self.def_acts(f.id)
+                if inner is not None:
+                    icall, what = inner
+                    return (f"{what}: {shorten(ast.unparse(f), 40)}, a function of this file, "
+                            f"calls {shorten(ast.unparse(icall.func), 40)} (line "
+                            f"{icall.lineno})")
+                return None
+            if f.id in ACTING_BUILTINS and f.id not in self.names and f.id not in self.defined:
+                return ACTING_BUILTINS[f.id]
+            if f.id == "open" and f.id not in self.names and f.id not in self.defined:
+                return "writes a file" if _writes(call) else None
         name = self.dotted(f)
-        return name is not None and (
-            name in ALLOWED or name.startswith(ALLOWED_PREFIXES)
-            or (name.startswith(_BACKEND_AVAILABLE[0]) and name.endswith(_BACKEND_AVAILABLE[1])))
+        if name is not None:
+            if name in ("io.open", "builtins.open", "os.fdopen", "codecs.open",
+                        "gzip.open") and _writes(call):
+                return "writes a file"
+            if name.startswith("torch.distributed.") and \
+                    name.split(".")[2] in DIST_QUERIES:
+                return None
+            if name == "logging.basicConfig" and any(k.arg == "filename"
+                                                     for k in call.keywords):
+                return "writes a log file"
+            if name in QUERIES:
+                return None
+            for key, what in ACTS.items():
+                if name == key or (key.endswith(".") and name.startswith(key)) or \
+                        (key in ("os.spawn", "os.exec") and name.startswith(key)):
+                    return what
+        if isinstance(f, ast.Attribute):
+            if f.attr in ACTING_METHODS:
+                return ACTING_METHODS[f.attr]
+            if f.attr == "open" and _writes(call, 0):     # ``Path(...).open("a")``
+                return "writes a file"
+            if f.attr in TRAINER_METHODS and isinstance(f.value, ast.Name) and \
+                    self.made.get(f.value.id, "").endswith("Trainer"):
+                return f"trains ({f.value.id}.{f.attr})"
+        return None
 
-    def def_bad_call(self, name: str) -> ast.Call | None:
-        """The first call in the body of this file's function ``name`` that is not definitional
-        by the same rules, None when there is none. One level deep: in that body, a call of
-        another function of this file is not definitional; ``torch.library.*`` and a
-        ``.register_*(...)`` method are. The bodies of functions and lambdas defined inside it
-        are not read (they do not run when it does); their decorators and defaults are."""
+    def def_acts(self, name: str) -> tuple[ast.Call, str] | None:
+        """The first acting call in the body of this file's function ``name`` (read through
+        the file's functions it calls, `DEPTH` levels), None when there is none. The bodies
+        of functions and lambdas defined inside it are not read; their decorators and defaults
+        are."""
         if name in self._read:
             return self._read[name]
-        node = self.functions[name]
-        saved = self.bound
-        self.bound = dict(saved)
-        self._depth += 1
-        found = None
+        if name in self._reading or len(self._reading) >= DEPTH:
+            return None
+        self._reading.append(name)
         try:
-            todo: list[ast.AST] = list(node.body)
-            while todo and found is None:
-                n = todo.pop(0)
-                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    todo[:0] = [*n.decorator_list, *n.args.defaults,
-                                *(d for d in n.args.kw_defaults if d is not None)]
-                    self.bound.pop(n.name, None)
-                    continue
-                if isinstance(n, ast.Assign):      # a local bound from an allowed call: ``lib``
-                    found = self.bad_call(n.value)
-                    for t in n.targets:
-                        if isinstance(t, ast.Name):
-                            kind = self.origin(n.value)
-                            if kind is None:
-                                self.bound.pop(t.id, None)
-                            else:
-                                self.bound[t.id] = kind
-                    continue
-                if not isinstance(n, ast.expr):   # a statement, handler, argument list...
-                    todo[:0] = list(ast.iter_child_nodes(n))
-                    continue
-                found = self.bad_call(n)
+            found = self.acts(self.functions[name].body)
         finally:
-            self._depth -= 1
-            self.bound = saved
+            self._reading.pop()
         self._read[name] = found
         return found
 
-    def origin(self, value: ast.expr) -> str | None:
-        """What a top-level name bound to ``value`` is, for calls on it later."""
-        if isinstance(value, (ast.Constant, ast.JoinedStr, ast.List, ast.Tuple, ast.Set,
-                              ast.Dict, ast.ListComp, ast.SetComp, ast.DictComp)):
-            return "<value>"
-        if self._is_path(value):
-            return _PATH + "()"
-        if not isinstance(value, ast.Call):
-            return None
-        f = value.func
-        if isinstance(f, ast.Name) and f.id in BUILTINS and f.id not in self.names \
-                and f.id not in self.defined:
-            return "<value>"
-        name = self.dotted(value.func)
-        if name and (name.startswith("torch.library.") or name == "logging.getLogger"):
-            return f"{name}()"
-        return None
-
-    def bad_call(self, node: ast.AST) -> ast.Call | None:
-        """The first call in ``node`` that is not definitional (lambda bodies skipped)."""
-        todo = [node]
+    def acts(self, node) -> tuple[ast.Call, str] | None:
+        """The first call in ``node`` (a node or a list of them) that acts, with what it does
+        (the bodies of lambdas and of functions and classes defined in it skipped)."""
+        todo = list(node) if isinstance(node, list) else [node]
         while todo:
             n = todo.pop(0)
             if isinstance(n, ast.Lambda):
-                todo.extend(n.args.defaults + [d for d in n.args.kw_defaults if d is not None])
+                todo[:0] = n.args.defaults + [d for d in n.args.kw_defaults if d is not None]
                 continue
-            if isinstance(n, ast.Call) and not self.call_ok(n):
-                return n
-            todo.extend(ast.iter_child_nodes(n))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                todo[:0] = _header(n)
+                continue
+            if isinstance(n, ast.Call):
+                what = self.call_acts(n)
+                if what is not None:
+                    return n, what
+            todo[:0] = list(ast.iter_child_nodes(n))
         return None
 
     # -- statements -----------------------------------------------------------------------
@@ -326,83 +341,117 @@ class _Reader:
     def refuse(self, node: ast.stmt, what: str) -> Refusal:
         return Refusal(node.lineno, self.text(node), what)
 
-    def body(self, body: list[ast.stmt], in_handler: bool = False) -> Refusal | None:
+    def body(self, body: list[ast.stmt]) -> Refusal | None:
         for node in body:
-            found = self.stmt(node, in_handler)
+            found = self.stmt(node)
             if found is not None:
                 return found
         return None
 
-    def stmt(self, node: ast.stmt, in_handler: bool = False) -> Refusal | None:
-        if isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass)):
+    def _acting(self, node: ast.stmt, parts) -> Refusal | None:
+        found = self.acts(parts)
+        if found is None:
             return None
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            return None
-        if isinstance(node, ast.If):
-            if _never_at_import(node.test):
-                return self.body(node.orelse, in_handler)
-            if self.bad_call(node.test) is not None:
-                return self._calls(node, node.test)
-            return self.body(node.body, in_handler) or self.body(node.orelse, in_handler)
-        if isinstance(node, ast.Try):
-            return self._try(node)
-        if isinstance(node, ast.Raise) and in_handler:
-            return None
-        if isinstance(node, ast.Expr):
-            if isinstance(node.value, ast.Constant):
-                return None
-            v = node.value
-            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) \
-                    and v.func.id in ENTRY_POINTS and self._user_code(v.func.id):
-                return self.refuse(node, f"runs the script ({v.func.id})")
-            return self._calls(node, v)
-        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            if self.bad_call(node) is not None:
-                return self._calls(node, node)
-            value = getattr(node, "value", None)
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            for t in targets:
-                if isinstance(t, ast.Name) and value is not None:
-                    kind = self.origin(value)
-                    if kind is not None:
-                        self.bound[t.id] = kind
-                    else:
-                        self.bound.pop(t.id, None)
-            return None
-        if isinstance(node, ast.Assert):
-            has_call = any(isinstance(n, ast.Call) for n in ast.walk(node))
-            return self.refuse(node, "asserts with a call") if has_call else None
-        what = {ast.For: "loops", ast.AsyncFor: "loops", ast.While: "loops",
-                ast.With: "opens a `with` block", ast.AsyncWith: "opens a `with` block"}
-        return self.refuse(node, what.get(type(node), "runs a statement"))
-
-    def _calls(self, node: ast.stmt, where: ast.AST) -> Refusal | None:
-        """The refusal of ``node`` for the first call in ``where`` that is not definitional."""
-        call = self.bad_call(where)
-        if call is None:
-            return None
-        what = f"calls {shorten(ast.unparse(call.func), 40)}"
-        f = call.func
-        if isinstance(f, ast.Name) and f.id in self.functions and f.id not in self.bound:
-            inner = self.def_bad_call(f.id)
-            if inner is not None:
-                what += (f", a function of this file that calls "
-                         f"{shorten(ast.unparse(inner.func), 40)} (line {inner.lineno})")
+        call, what = found
+        if ":" not in what:
+            what = f"{what}: {shorten(ast.unparse(call.func), 40)}"
         return self.refuse(node, what)
 
-    def _try(self, node: ast.Try) -> Refusal | None:
-        imports = any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in node.body)
-        # a broad handler only around imports (and assignments): ``except Exception:`` of
-        # ``try: import apex``
-        only_imports = all(isinstance(n, (ast.Import, ast.ImportFrom, ast.Assign, ast.Pass))
-                           for n in node.body)
-        handlers_ok = bool(node.handlers) and all(
-            _catches_import_error(h.type) or (only_imports and _broad(h.type))
-            for h in node.handlers)
-        if not (imports and handlers_ok):
-            return self.refuse(node, "runs a `try` that is not around imports")
-        return (self.body(node.body) or self.body(node.orelse) or self.body(node.finalbody)
-                or next((r for h in node.handlers if (r := self.body(h.body, True))), None))
+    def stmt(self, node: ast.stmt) -> Refusal | None:
+        if isinstance(node, (ast.Import, ast.ImportFrom, ast.Pass, ast.Global, ast.Nonlocal,
+                             ast.Break, ast.Continue)):
+            return None
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found = self.acts(_header(node))     # decorators, defaults, bases run: their line
+            if found is None:
+                return None
+            call, what = found
+            shown = ("@" + self.text(call.func) if getattr(call, "decorator", False)
+                     else self.text(call))
+            return Refusal(call.lineno, shown, what)
+        if isinstance(node, ast.If):
+            if _never_at_import(node.test):
+                return self.body(node.orelse)
+            return (self._acting(node, node.test) or self.body(node.body)
+                    or self.body(node.orelse))
+        if isinstance(node, ast.Try) or type(node).__name__ == "TryStar":
+            return (self.body(node.body) or next((r for h in node.handlers
+                                                  if (r := self.body(h.body))), None)
+                    or self.body(node.orelse) or self.body(node.finalbody))
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            return self._acting(node, [i.context_expr for i in node.items]) or \
+                self.body(node.body)
+        if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):
+            return self._loop(node)
+        if isinstance(node, ast.Match):
+            return self._acting(node, node.subject) or next(
+                (r for c in node.cases if (r := self._acting(node, c.guard or ast.Pass())
+                                           or self.body(c.body))), None)
+        if isinstance(node, ast.Expr):
+            v = node.value
+            if isinstance(v, ast.Call) and isinstance(v.func, ast.Name) \
+                    and v.func.id in ENTRY_POINTS and self._users(v.func.id):
+                return self.refuse(node, f"runs the script ({v.func.id})")
+            return self._acting(node, v)
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            found = self._acting(node, node)
+            value = getattr(node, "value", None)
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            made = self.dotted(value.func) if isinstance(value, ast.Call) else None
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    if made:
+                        self.made[t.id] = made
+                    else:
+                        self.made.pop(t.id, None)
+            return found
+        return self._acting(node, node)     # assert, raise, del, return, ...: their calls
+
+    def _loop(self, node: ast.For | ast.AsyncFor | ast.While) -> Refusal | None:
+        """A loop acts when it iterates data (`DATA_WORDS`, the user's code), calls a function
+        of this file, or its parts act."""
+        it = node.iter if isinstance(node, (ast.For, ast.AsyncFor)) else node.test
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            for n in ast.walk(it):
+                name = n.id if isinstance(n, ast.Name) else \
+                    n.attr if isinstance(n, ast.Attribute) else None
+                if name is not None and (any(w in name.lower() for w in DATA_WORDS)
+                                         or name in self.functions or name in self.siblings):
+                    return self.refuse(node, f"loops over data ({name})")
+        for part in [*node.body, *node.orelse]:
+            for n in ast.walk(part):
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
+                        n.func.id in self.functions and n.func.id not in self.names:
+                    return self.refuse(node, f"loops calling {n.func.id}, a function of this "
+                                             "file")
+        return self._acting(node, it) or self.body(node.body) or self.body(node.orelse)
+
+
+def _header(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> list[ast.expr]:
+    """What a definition runs at import: its decorators and default values (a class: its bases
+    and keywords)."""
+    # a decorator that is no call (``@wandb.init``) is called with the definition: a call
+    out = []
+    for d in node.decorator_list:
+        if not isinstance(d, ast.Call):
+            d = ast.copy_location(ast.Call(func=d, args=[], keywords=[]), d)
+            d.decorator = True      # shown as the decorator it is
+        out.append(d)
+    if isinstance(node, ast.ClassDef):
+        return out + list(node.bases) + [k.value for k in node.keywords]
+    return out + list(node.args.defaults) + [d for d in node.args.kw_defaults if d is not None]
+
+
+def _writes(call: ast.Call, at: int = 1) -> bool:
+    """Does this ``open(...)`` call (its mode the positional argument ``at``, or ``mode=``) open
+    for writing (a mode with w, a, x or +; a mode that is not a constant counts as writing)?"""
+    mode = call.args[at] if len(call.args) > at else next(
+        (k.value for k in call.keywords if k.arg == "mode"), None)
+    if mode is None:
+        return False
+    if not (isinstance(mode, ast.Constant) and isinstance(mode.value, str)):
+        return True
+    return any(c in mode.value for c in "wax+")
 
 
 def _never_at_import(test: ast.expr) -> bool:
@@ -419,25 +468,13 @@ def _never_at_import(test: ast.expr) -> bool:
     return False
 
 
-def _broad(t: ast.expr | None) -> bool:
-    """A bare ``except:`` or one of ``Exception``/``BaseException`` (alone or in a tuple)."""
-    names = t.elts if isinstance(t, ast.Tuple) else [t]
-    return t is None or all(isinstance(n, ast.Name) and n.id in _BROAD | _IMPORT_ERRORS
-                            for n in names)
-
-
-def _catches_import_error(t: ast.expr | None) -> bool:
-    names = t.elts if isinstance(t, ast.Tuple) else [t]
-    return all(isinstance(n, ast.Name) and n.id in _IMPORT_ERRORS for n in names)
-
-
 def first_refused(source: str, here: Path | None = None) -> Refusal | None:
     """The first top-level statement of ``source`` that a replay must not run at import, or
     None when the whole top level only defines. ``here``: the entry file's directory, where
     sibling modules (the user's code) are looked for. Source that does not parse is None: its
     import fails before anything runs, with Python's own error.
 
-    >>> first_refused("import argparse\\np = argparse.ArgumentParser()\\n").line
+    >>> first_refused("import torch\\ntorch.save({}, 'x.pt')\\n").line
     2
     >>> first_refused("def main(): ...\\nif __name__ == '__main__':\\n    main()\\n") is None
     True
@@ -450,11 +487,17 @@ def first_refused(source: str, here: Path | None = None) -> Refusal | None:
 
 
 def check_file(path: Path) -> Refusal | None:
-    """`first_refused` of the file at ``path`` (its siblings looked for next to it); None when
-    it cannot be read (the import then says why)."""
+    """`first_refused` of the file at ``path`` (its siblings looked for next to it), decoded as
+    Python decodes it (PEP 263: a coding cookie, else UTF-8). A file that cannot be decoded is
+    refused (a `Refusal` at line 1), never skipped: its import would run what the gate did not
+    read. None when it cannot be read at all (the import then says why)."""
     try:
-        source = Path(path).read_bytes().decode("utf-8")
-    except (OSError, UnicodeDecodeError):
+        raw = Path(path).read_bytes()
+    except OSError:
         return None
+    try:
+        encoding, _ = tokenize.detect_encoding(io.BytesIO(raw).readline)
+        source = raw.decode(encoding)
+    except (SyntaxError, LookupError, UnicodeDecodeError) as e:
+        return Refusal(1, Path(path).name, f"cannot be decoded as Python source ({e})")
     return first_refused(source, Path(path).parent)
-

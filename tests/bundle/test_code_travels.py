@@ -141,7 +141,7 @@ def _captured(tmp_path):
 
 def test_a_file_under_code_the_manifest_does_not_list_is_refused_and_not_packed(tmp_path):
     """A planted code/evil.py (beside the stored sibling a replay imports) is refused when the
-    bundle is read, and a pack without --full leaves it out; an import's __pycache__ is not."""
+    bundle is read, and a pack without --full leaves it out; so is a planted __pycache__."""
     from nanbisect.bundle.format import read_bundle
     from nanbisect.bundle.pack import _members
     from nanbisect.errors import BadInput
@@ -153,7 +153,13 @@ def test_a_file_under_code_the_manifest_does_not_list_is_refused_and_not_packed(
     cache = home / "__pycache__"
     cache.mkdir()
     (cache / "tinygpt.cpython-311.pyc").write_bytes(b"\0")
-    read_bundle(bundle)                                        # __pycache__ is tolerated
+    # cached bytecode is refused too: Python would import it instead of the listed source
+    with pytest.raises(BadInput, match="__pycache__/tinygpt.cpython-311.pyc is not a stored "
+                                       "copy the manifest lists"):
+        read_bundle(bundle)
+    (cache / "tinygpt.cpython-311.pyc").unlink()
+    cache.rmdir()
+    read_bundle(bundle)
     evil = home / "evil.py"
     evil.write_text("import os\nos.system('touch pwned')\n")
     rel = evil.relative_to(bundle).as_posix()
