@@ -438,16 +438,20 @@ class _UserSources:
 
     def add(self, d: Path) -> None:
         self.dirs.add(os.path.abspath(d))
-        if self not in sys.meta_path:
-            sys.meta_path.insert(0, self)
+        if self not in sys.meta_path:    # just before Python's path finder: builtins first
+            at = next((i for i, f in enumerate(sys.meta_path)
+                       if f is importlib.machinery.PathFinder), len(sys.meta_path))
+            sys.meta_path.insert(at, self)
 
     def find_spec(self, name: str, path=None, target=None):
-        if not self.dirs:
+        dirs = tuple(self.dirs)
+        if not dirs:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         origin = getattr(spec, "origin", None)
+        # (the user's own files only: not an environment that lives under their directory)
         if not origin or not any(os.path.abspath(origin).startswith(d + os.sep)
-                                 for d in self.dirs):
+                                 for d in dirs) or frames.kind(origin) != "user":
             return None
         if origin.endswith((".pyc", ".pyo")):
             raise ImportError(f"'{origin}' is cached bytecode without its source; a replay "

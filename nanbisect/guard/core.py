@@ -287,7 +287,10 @@ class Guard(_Reading, _Failing, _Spikes):
                     warnings.warn(f"Guard.close: {e}", RuntimeWarning, stacklevel=2)
                     bad = 0.0
                 if bad > 0:
-                    self._fail_after_update(self._last_applied)
+                    try:
+                        self._fail_after_update(self._last_applied)
+                    except RankTimeout as e:   # the rebuild's agreement or its steps
+                        self._fail_alone(None, None, e)
         finally:
             self._last_applied = None
             if keeper is not None:

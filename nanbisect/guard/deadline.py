@@ -5,7 +5,8 @@ all-reduce of a flag), the failing step's re-run that records its collectives (t
 collectives and point-to-point sends and receives, run again under `nanbisect.guard.tape`), and
 the write of one bundle by every rank (a few broadcasts and gathers before the parts are written;
 the write itself is bounded by `nanbisect.guard.agree`). Each of those waits here, on the
-collective's work, with ``NANBISECT_RANK_TIMEOUT`` seconds (default 600) as its limit; past it,
+collective's work, with ``NANBISECT_RANK_TIMEOUT`` seconds (default: the job's own process-group
+timeout, else 600) as its limit; past it,
 or when the backend reports the peer gone, `RankTimeout` says in one line which rank waited for
 which operation. The Guard then writes what it has and raises `NonFiniteStep`
 (`nanbisect.guard.failing`).
@@ -24,8 +25,9 @@ limit; user code that blocks outside torch.distributed (a queue, a file lock) is
 from __future__ import annotations
 
 import datetime
+import os
 import threading
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,8 +42,12 @@ P2P = ("c10d::send", "c10d::recv_", "c10d::recv_any_source_")
 
 
 def rank_timeout() -> float:
-    """``NANBISECT_RANK_TIMEOUT`` (seconds; `BadInput` when not a number > 0)."""
-    return env("NANBISECT_RANK_TIMEOUT", RANK_TIMEOUT)
+    """``NANBISECT_RANK_TIMEOUT`` (seconds; `BadInput` when not a number > 0) when set; else the
+    job's own process-group timeout (what its collectives already wait: a rank that checkpoints
+    or evaluates for longer between steps is slow, not lost), else `RANK_TIMEOUT`."""
+    if os.environ.get("NANBISECT_RANK_TIMEOUT") is not None:
+        return env("NANBISECT_RANK_TIMEOUT", RANK_TIMEOUT)
+    return ti.group_timeout() or RANK_TIMEOUT
 
 
 class RankTimeout(Exception):
@@ -79,44 +85,69 @@ def wait(work: Any, what: str, timeout: float | None = None) -> None:
         raise RankTimeout(what, t)
 
 
-def settle(func, out: Any, timeout: float | None = None,
-           unmet: Callable[[RankTimeout], None] | None = None) -> Any:
-    """What a dispatched c10d op returned, its works bounded by the deadline: a collective's
-    waited here (`wait`); a send's or receive's waited once, on a thread of its own, and handed
-    back as a work that completes with it or fails at the deadline (a pipeline schedule issues
-    sends and receives together and waits later: waiting for each at once would deadlock; and
-    gloo's send and receive works never return from a second ``wait``). ``unmet`` is told of a
-    send's or receive's `RankTimeout` (the caller's wait sees it only as the future's error)."""
-    p2p = is_p2p(func)
-    what = f"{func} (the failing step's re-run)"
+class Settled:
+    """The works of the c10d ops one run of the user's step issued (the failing step's re-run, a
+    rebuild's steps), each bounded by the deadline (see `settle`); ``finish()`` waits for the
+    sends' and receives' watchers (each ends by the deadline) and returns the first `RankTimeout`
+    among them, or None. NB: a stand-in work whose future failed returns from ``wait()`` without
+    raising (torch 2.13), so a receive that timed out is seen here, not by the caller."""
 
-    def one(x: Any) -> Any:
-        w = ti.work_of(x)
-        if w is None:
-            return x
-        if not p2p:
-            wait(w, what, timeout)
-            return x
-        fut: torch.futures.Future = torch.futures.Future()
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
+        self.unmet: RankTimeout | None = None
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
 
-        def watch() -> None:
-            try:
-                wait(w, what, timeout)
-            except RankTimeout as e:
-                if unmet is not None:
-                    unmet(e)
-                fut.set_exception(e)
-                return
-            try:
-                value = w.get_future().value()
-            except Exception:  # noqa: BLE001 - a work without a future: nothing to hand on
-                value = []
-            fut.set_result(value)
+    def _missed(self, e: RankTimeout) -> None:
+        with self._lock:
+            if self.unmet is None:
+                self.unmet = e
 
-        threading.Thread(target=watch, name="nanbisect-p2p-deadline", daemon=True).start()
-        return ti.work_of_future(fut)
+    def settle(self, func, out: Any) -> Any:
+        """What a dispatched c10d op returned, its works bounded by the deadline: a collective's
+        waited here (`wait`); a send's or receive's waited once, on a thread of its own, and
+        handed back as a work that completes with it (a pipeline schedule issues them together
+        and waits later: waiting for each at once would deadlock; gloo's send and receive works
+        never return from a second ``wait``). A receive from any source is left as it is (its
+        caller asks the work for the sender, which a stand-in cannot tell): bounded by the
+        process group's own timeout only."""
+        name = ti.schema_name(func)
+        if name == "c10d::recv_any_source_":
+            return out
+        p2p = name in P2P
+        what = f"{func} (the failing step's re-run)"
 
-    return ti.tree_map(one, out)
+        def one(x: Any) -> Any:
+            w = ti.work_of(x)
+            if w is None:
+                return x
+            if not p2p:
+                wait(w, what, self.timeout)
+                return x
+            fut: torch.futures.Future = torch.futures.Future()
+
+            def watch() -> None:
+                try:
+                    wait(w, what, self.timeout)
+                except RankTimeout as e:
+                    self._missed(e)
+                    fut.set_exception(e)
+                    return
+                fut.set_result([])
+
+            t = threading.Thread(target=watch, name="nanbisect-p2p-deadline", daemon=True)
+            t.start()
+            self._threads.append(t)
+            return ti.work_of_future(fut)
+
+        return ti.tree_map(one, out)
+
+    def finish(self) -> RankTimeout | None:
+        """Wait for every watcher (each ends by the deadline); the first wait not met."""
+        for t in self._threads:
+            t.join()
+        self._threads.clear()
+        return self.unmet
 
 
 def is_p2p(func) -> bool:
@@ -163,12 +194,23 @@ def all_gather_objects(obj: Any, what: str) -> list:
 
 
 class BoundedWaits(ti.ObserverMode):
-    """Inside it, every c10d collective and send/receive the user's code issues is waited here
-    with the deadline (`settle`): the Guard's own runs of the user's step (a rebuild's steps)
-    end by it, or with `RankTimeout`."""
+    """Inside it, every c10d collective and send/receive the user's code issues is waited with
+    the deadline (`Settled`): the Guard's own runs of the user's step (a rebuild's steps) end
+    by it; leaving it raises the first `RankTimeout` a send or receive met."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.settled = Settled()
 
     def wants(self, func) -> bool:
         return func.namespace == "c10d"
 
     def run(self, call: ti.OpCall) -> Any:
-        return settle(call.func, call.func(*call.args, **call.kwargs))
+        return self.settled.settle(call.func, call.func(*call.args, **call.kwargs))
+
+    def __exit__(self, *exc) -> Any:
+        out = super().__exit__(*exc)
+        unmet = self.settled.finish()
+        if unmet is not None and exc[0] is None:
+            raise unmet
+        return out

@@ -53,6 +53,7 @@ class _Failing:
         one write its part alone (`_write_alone`). The failure is then raised and done: `close`
         does not raise it again."""
         self._last_applied = None
+        self._unmet = None
         try:
             tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
             path, error = self._write_failure(batch, rng, observed, tape)
@@ -82,6 +83,10 @@ class _Failing:
         meet: this rank's step, as it began where the update did not run, written alone, and
         `NonFiniteStep` raised with the line."""
         self._open, self._watching = False, None
+        keeper = self._keeper
+        if batch is None and keeper is not None and keeper.records:   # `close`: the last step
+            batch, rng = decode(keeper.records[-1].batch, keeper.records[-1].tensors), \
+                keeper.records[-1].rng
         if rng is None:
             rng = RngState.get(self._accel)
         try:
@@ -235,6 +240,8 @@ class _Failing:
             if pre_scale is not None and task.grad_scaler._scale is not None:
                 task.grad_scaler._scale.copy_(pre_scale)
             reset_scaler_stage(task.grad_scaler)
+        if self._unmet is not None:   # a rank did not meet: no more collectives, write alone
+            raise self._unmet
         lost = any_rank(torch.tensor([float(tape is None)],
                                      device=devices.collective_device(self._rank.backend, dev)))
         if lost.item() > 0:   # every rank agrees: a bundle without a tape, never none

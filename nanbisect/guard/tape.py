@@ -23,7 +23,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.bundle.tape import SCHEMA, Entry, input_digest
-from nanbisect.guard.deadline import RankTimeout, is_p2p, settle
+from nanbisect.guard.deadline import RankTimeout, Settled, is_p2p
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
                                           group_size, leaf_tensors, taped, wait_collective)
 from nanbisect.replay.recorder import read_args
@@ -59,42 +59,45 @@ class TapeRecorder(ti.ObserverMode):
         self.tape = tape
         self.ddp = ddp
         self.error: str | None = None     # the first thing that went wrong while recording
-        self.unmet = None                 # the first send or receive no rank met in time
+        self.settled = Settled()          # the deadline on every collective and send/receive
 
     # NB: no hook raises: the step must go on, with its collectives matched on every rank; a
     # failure to record makes the tape unusable, not the step
     def wants(self, func) -> bool:
-        return taped(func) and self.error is None
+        return func.namespace == "c10d" or taped(func)
 
     def before(self, call: ti.OpCall) -> bool:
-        """What the collective reads (NaN/inf counts, digest); DDP's bucket rebuilds are not
-        followed."""
+        """What the collective reads (NaN/inf counts, digest); DDP's bucket rebuilds, barriers
+        and every op after a recording error are not recorded (``call.read`` None), but still
+        run under the deadline."""
+        call.read = None
+        if self.error is not None or not taped(call.func):
+            return True
         try:
             internal = ddp_internal(caller(), self.ddp)
             if internal == "rebuild":
-                return False
+                return True
             reads = leaf_tensors(read_args(call.func, call.args, call.kwargs))
             in_nan, in_inf = _counts(reads)
             digest = input_digest(reads) if internal is None else ""
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {str(e)[:200]}"
-            return False
+            return True
         call.read = (internal, in_nan, in_inf, digest)
         return True
 
     def run(self, call: ti.OpCall) -> Any:
-        """The collective, waited here with the Guard's deadline (`nanbisect.guard.deadline`:
-        `RankTimeout` leaves the re-run, and the tape is lost, never the step); a send or
-        receive hands back a completed work, so the user's own ``wait`` returns at once."""
-        return settle(call.func, call.func(*call.args, **call.kwargs), unmet=self._unmet)
-
-    def _unmet(self, e) -> None:
-        if self.unmet is None:
-            self.unmet = e
+        """The op, its works bounded by the Guard's deadline (`nanbisect.guard.deadline.Settled`:
+        a `RankTimeout` leaves the re-run, and the tape is lost, never the step)."""
+        if call.func.namespace != "c10d":
+            return call.func(*call.args, **call.kwargs)      # functional: not bounded
+        return self.settled.settle(call.func, call.func(*call.args, **call.kwargs))
 
     def after(self, call: ti.OpCall, out: Any) -> None:
         """What it wrote: an entry of the tape, and its tensors unless DDP's own (a send or
         receive: what it sent and the shapes it received, kind ``p2p``)."""
+        if call.read is None:
+            return
         func, args, kwargs = call.func, call.args, call.kwargs
         internal, in_nan, in_inf, digest = call.read
         try:
@@ -158,11 +161,13 @@ def record_step(task, batch: Any) -> tuple[Tape | None, "str | RankTimeout | Non
                                 local(p.grad).detach().to(devices.HOST, copy=True).contiguous())
                     tape.micro_batches += 1
     except RankTimeout as e:      # a rank that did not meet: its one line, as the exception
-        return None, rec.unmet or e
+        return None, rec.settled.finish() or e
     except Exception as e:  # noqa: BLE001 - the bundle matters more than the tape
-        if rec.unmet is not None:     # a wait on a send or receive that no rank met
-            return None, rec.unmet
+        if (unmet := rec.settled.finish()) is not None:   # a send or receive no rank met
+            return None, unmet
         return None, f"re-running the step raised {type(e).__name__}: {str(e)[:200]}"
+    if (unmet := rec.settled.finish()) is not None:   # the step ran on with what it lacked
+        return None, unmet
     if rec.error is not None:
         return None, f"recording a collective failed ({rec.error})"
     loss = last.total if last is not None else None

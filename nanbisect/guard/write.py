@@ -36,6 +36,7 @@ from nanbisect.bundle.state import (RngState, accelerator_types, encode, encode_
                                     encode_optimizer)
 from nanbisect.bundle.tape import ROLE as TAPE_ROLE
 from nanbisect.guard.coord import rank_info, tensor_labels
+from nanbisect.guard.deadline import RankTimeout
 from nanbisect.guard.parts import rescue_dir, write_all_ranks
 from nanbisect.guard.entry import resolve_entry_file, warn_top_level
 from nanbisect.task import Task, refuse_training_at_import
@@ -199,6 +200,8 @@ def write_or_rescue(write: Callable[[Path], Path], path: Path, out: Path, *,
     could be written anywhere: (None, why)."""
     try:
         return write(path), None
+    except RankTimeout:          # the ranks cannot meet: the caller writes this rank's alone
+        raise
     except Exception as e:  # noqa: BLE001 - the failing step is what this run exists to keep
         why = exception_line(e, limit=4000)
         if distributed:      # `BundleNotWritten`: why, rank by rank, and where this part went

@@ -46,7 +46,11 @@ def check_tape(bundle: Bundle, ranks: list[int]) -> None:
         part = bundle.part(r)
         if part.manifest.get("collectives") is None:
             raise BadInput(f"bundle '{bundle.path}': rank {r}'s part {NO_TAPE}")
-        parse(part.manifest["collectives"], f"bundle '{part.path}'")
+        entries, _ = parse(part.manifest["collectives"], f"bundle '{part.path}'")
+        if any(e.kind == "p2p" for e in entries):
+            raise BadInput(f"bundle '{bundle.path}': rank {r}'s step sends and receives (a "
+                           "pipelined step), whose values the capture does not serve to a "
+                           "replay of some ranks yet; replay all ranks (drop --ranks)")
 
 
 def _recorded(top: Bundle, r: int):

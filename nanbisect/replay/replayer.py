@@ -8,6 +8,7 @@ thread counts or library versions (that is what the reference comparison is for)
 """
 from __future__ import annotations
 
+import copy
 import importlib
 import math
 import sys
@@ -116,6 +117,7 @@ class Replayer:
         # optimizer replays as the entry builds it (said in the notes), never refused
         self.optimizer_left_out = left_out.get("optimizer") if m.get("optimizer") is None and \
             self.task.optimizer is not None else None
+        self._built_optimizer: dict | str | None = None   # its state as the entry built it
         if (m.get("optimizer") is None) != (self.task.optimizer is None) and \
                 self.optimizer_left_out is None:
             has = "has no" if m.get("optimizer") is None else "has"
@@ -181,7 +183,17 @@ class Replayer:
         restore_modes(self.task.model, m["model"], self._where)
         if self.task.grad_scaler is not None and m.get("grad_scaler"):
             self.task.grad_scaler.load_state_dict(dict(m["grad_scaler"]))
-        if self.task.optimizer is not None and self.optimizer_left_out is None:
+        if self.optimizer_left_out is not None:     # as the entry built it, every run
+            try:
+                if self._built_optimizer is None:
+                    self._built_optimizer = copy.deepcopy(self.task.optimizer.state_dict())
+                self.task.optimizer.load_state_dict(copy.deepcopy(self._built_optimizer))
+            except Exception as e:  # noqa: BLE001 - a foreign optimizer: said once, run as is
+                if self._built_optimizer != "unresettable":
+                    self.notes.append(f"the optimizer could not be reset between runs "
+                                      f"({type(e).__name__}); each run starts from the last")
+                self._built_optimizer = "unresettable"
+        elif self.task.optimizer is not None:
             written += restore_optimizer(self.task.optimizer, self.bundle.manifest["optimizer"],
                                          self.tensors, self._where, in_place=self.restores > 0,
                                          keep=keep)
@@ -436,6 +448,11 @@ def code_choice(bundle: Bundle, code: str | None = None) -> tuple[str, str | Non
               if target.endswith(".py") else None)
     here = f"{local}:{func}" if local is not None else m["entry"]
     if code == "local":
+        if local is None and target.endswith(".py"):
+            raise BadInput(f"--code local: the entry file {target} is not here (looked in the "
+                           "working directory and where it was captured, never inside or beside "
+                           f"the bundle); run from the directory it is relative to, pass --entry "
+                           "with its path, or replay the bundle's copy with --code bundle")
         return here, ("the code ran from the files here (--code local)"
                       if codestore.carries_code(m) else None)
     if code == "bundle":

@@ -184,7 +184,7 @@ _ALL = (
            commands=("run", "triage", "the Guard"),
            about="a multi-rank replay, all ranks together; each wait of the Guard on other "
                  "ranks (its per-step agreement, the failing step's re-run, the write's "
-                 "exchanges)"),
+                 "exchanges), whose default is the job's own process-group timeout"),
     Number("NANBISECT_COMPILER_TIMEOUT", "seconds", float, 0, WEEK, low_open=True,
            default=600, commands=("run", "triage"),
            about="the compiler bisection of a compiled step"),

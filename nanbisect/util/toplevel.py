@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ast
 import io
+import re
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,7 +95,6 @@ ACTS = {
     "torch.multiprocessing.Process": "starts a process",
     "concurrent.futures.ProcessPoolExecutor": "starts processes",
     # process groups
-    "torch.distributed.": "initialises a process group",
     "deepspeed.init_distributed": "initialises a process group",
     "deepspeed.initialize": "initialises a process group",
     "accelerate.Accelerator": "initialises a process group",
@@ -118,10 +118,16 @@ ACTS = {
 # queries under a prefix of `ACTS`: they act on nothing
 QUERIES = frozenset({"socket.gethostname", "socket.getfqdn", "shutil.which",
                      "shutil.get_terminal_size", "shutil.disk_usage", "requests.utils.quote"})
-# queries of torch.distributed: they act on nothing
-DIST_QUERIES = frozenset({"is_available", "is_initialized", "get_rank", "get_world_size",
-                          "get_backend", "is_nccl_available", "is_gloo_available", "ReduceOp",
-                          "Backend", "is_torchelastic_launched"})
+# what acts in torch.distributed (its types, queries and decorators do not: ``@record``,
+# ``MixedPrecision(...)``, ``get_rank()``)
+DIST_ACTS = frozenset({"init_process_group", "init_device_mesh", "new_group", "new_subgroups",
+                       "new_subgroups_by_enumeration", "destroy_process_group", "barrier",
+                       "monitored_barrier", "all_reduce", "all_gather", "all_gather_object",
+                       "all_gather_into_tensor", "broadcast", "broadcast_object_list", "reduce",
+                       "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+                       "all_to_all_single", "send", "recv", "isend", "irecv",
+                       "batch_isend_irecv", "scatter", "gather", "gather_object",
+                       "scatter_object_list", "start_processes", "elastic_launch"})
 # builtins that act (unless the file rebinds the name)
 ACTING_BUILTINS = {"exit": "ends the process", "quit": "ends the process",
                    "input": "waits for the terminal", "breakpoint": "waits for the terminal",
@@ -141,8 +147,13 @@ ACTING_METHODS = {"backward": "trains (backward)", "step": "trains (an optimizer
 TRAINER_METHODS = frozenset({"train", "evaluate", "predict", "test", "validate"})
 # functions that run the script: a bare top-level call of one of the user's code (``main()``)
 ENTRY_POINTS = frozenset({"main", "train", "run", "fit"})
-# words that make a loop's iterable data (``for x, y in train_loader``)
-DATA_WORDS = ("loader", "dataset", "data", "batch")
+# words of a name (split at ``_`` and case changes) that make a loop's iterable data
+# (``for x, y in train_loader``, ``trainloader``, ``val_ds``); not ``metadata``, ``num_batches``
+# inside ``range(...)`` (`COUNTS`)
+DATA_WORDS = frozenset({"loader", "dataloader", "dataset", "datasets", "data", "batch",
+                        "batches", "ds", "dl"})
+COUNTS = frozenset({"range", "len"})
+PATHS = frozenset({"pathlib.Path", "pathlib.PosixPath", "pathlib.WindowsPath"})
 # how deep the bodies of this file's functions are read through their calls of one another
 DEPTH = 4
 
@@ -182,6 +193,7 @@ class _Reader:
         self.functions: dict[str, ast.FunctionDef | ast.AsyncFunctionDef] = {}   # the defs
         self._read: dict[str, tuple[ast.Call, str] | None] = {}   # a def -> its acting call
         self._reading: list[str] = []        # the defs being read (depth, cycles)
+        self._cut = False                    # a read stopped at the depth or a cycle
         self.names: dict[str, str] = {}      # imported name -> dotted origin
         self.siblings: set[str] = set()      # names bound to the user's own code
         self.made: dict[str, str] = {}       # top-level name -> the dotted callee that made it
@@ -250,6 +262,19 @@ class _Reader:
         """A name of the user's code: defined in this file or imported from a sibling."""
         return name is not None and (name in self.defined or name in self.siblings)
 
+    def _is_path(self, node: ast.expr) -> bool:
+        """Does ``node`` compute a `pathlib.Path` (a ``Path(...)`` call, a step or ``/`` on one,
+        a name bound to one)?"""
+        if isinstance(node, ast.Call):
+            if self.dotted(node.func) in PATHS:
+                return True
+            return isinstance(node.func, ast.Attribute) and self._is_path(node.func.value)
+        if isinstance(node, (ast.Attribute, ast.Subscript)):
+            return self._is_path(node.value)
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            return self._is_path(node.left)
+        return isinstance(node, ast.Name) and self.made.get(node.id) in PATHS
+
     def call_acts(self, call: ast.Call) -> str | None:
         """What ``call`` does when it acts (the rule of the module docstring); None when it
         computes."""
@@ -271,13 +296,13 @@ class _Reader:
             if f.id == "open" and f.id not in self.names and f.id not in self.defined:
                 return "writes a file" if _writes(call) else None
         name = self.dotted(f)
+        if name is not None and name.endswith(".open") and not self._is_path(f.value):
+            # io.open, codecs.open, gzip.open, tarfile.open, PIL's Image.open: mode second
+            return "writes a file" if _writes(call) else None
         if name is not None:
-            if name in ("io.open", "builtins.open", "os.fdopen", "codecs.open",
-                        "gzip.open") and _writes(call):
-                return "writes a file"
-            if name.startswith("torch.distributed.") and \
-                    name.split(".")[2] in DIST_QUERIES:
-                return None
+            if name.startswith("torch.distributed."):
+                last = name.rsplit(".", 1)[1]
+                return "initialises a process group" if last in DIST_ACTS else None
             if name == "logging.basicConfig" and any(k.arg == "filename"
                                                      for k in call.keywords):
                 return "writes a log file"
@@ -290,8 +315,8 @@ class _Reader:
         if isinstance(f, ast.Attribute):
             if f.attr in ACTING_METHODS:
                 return ACTING_METHODS[f.attr]
-            if f.attr == "open" and _writes(call, 0):     # ``Path(...).open("a")``
-                return "writes a file"
+            if f.attr == "open" and self._is_path(f.value) and _writes(call, 0):
+                return "writes a file"                   # ``Path(...).open("a")``
             if f.attr in TRAINER_METHODS and isinstance(f.value, ast.Name) and \
                     self.made.get(f.value.id, "").endswith("Trainer"):
                 return f"trains ({f.value.id}.{f.attr})"
@@ -305,32 +330,37 @@ class _Reader:
         if name in self._read:
             return self._read[name]
         if name in self._reading or len(self._reading) >= DEPTH:
+            self._cut = True        # not read to the end: not remembered as harmless
             return None
         self._reading.append(name)
+        cut, self._cut = self._cut, False
         try:
             found = self.acts(self.functions[name].body)
         finally:
             self._reading.pop()
-        self._read[name] = found
+        if found is not None or not self._cut:
+            self._read[name] = found
+        self._cut = self._cut or cut
         return found
 
     def acts(self, node) -> tuple[ast.Call, str] | None:
         """The first call in ``node`` (a node or a list of them) that acts, with what it does
         (the bodies of lambdas and of functions and classes defined in it skipped)."""
-        todo = list(node) if isinstance(node, list) else [node]
+        todo = list(reversed(node)) if isinstance(node, list) else [node]   # a stack: in order
         while todo:
-            n = todo.pop(0)
+            n = todo.pop()
             if isinstance(n, ast.Lambda):
-                todo[:0] = n.args.defaults + [d for d in n.args.kw_defaults if d is not None]
+                todo.extend(reversed(n.args.defaults
+                                     + [d for d in n.args.kw_defaults if d is not None]))
                 continue
             if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                todo[:0] = _header(n)
+                todo.extend(reversed(_header(n)))
                 continue
             if isinstance(n, ast.Call):
                 what = self.call_acts(n)
                 if what is not None:
                     return n, what
-            todo[:0] = list(ast.iter_child_nodes(n))
+            todo.extend(reversed(list(ast.iter_child_nodes(n))))
         return None
 
     # -- statements -----------------------------------------------------------------------
@@ -363,8 +393,8 @@ class _Reader:
             return None
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             found = self.acts(_header(node))     # decorators, defaults, bases run: their line
-            if found is None:
-                return None
+            if found is None:      # a class body runs at import too (its methods' do not)
+                return self.body(node.body) if isinstance(node, ast.ClassDef) else None
             call, what = found
             shown = ("@" + self.text(call.func) if getattr(call, "decorator", False)
                      else self.text(call))
@@ -397,7 +427,8 @@ class _Reader:
             found = self._acting(node, node)
             value = getattr(node, "value", None)
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            made = self.dotted(value.func) if isinstance(value, ast.Call) else None
+            made = ("pathlib.Path" if value is not None and self._is_path(value) else
+                    self.dotted(value.func) if isinstance(value, ast.Call) else None)
             for t in targets:
                 if isinstance(t, ast.Name):
                     if made:
@@ -412,19 +443,36 @@ class _Reader:
         of this file, or its parts act."""
         it = node.iter if isinstance(node, (ast.For, ast.AsyncFor)) else node.test
         if isinstance(node, (ast.For, ast.AsyncFor)):
-            for n in ast.walk(it):
+            todo = [it]
+            while todo:
+                n = todo.pop()
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
+                        n.func.id in COUNTS:
+                    continue        # ``range(num_batches)``: a count, not the data
                 name = n.id if isinstance(n, ast.Name) else \
                     n.attr if isinstance(n, ast.Attribute) else None
-                if name is not None and (any(w in name.lower() for w in DATA_WORDS)
-                                         or name in self.functions or name in self.siblings):
+                if name is not None and (_names_data(name) or name in self.functions
+                                         or name in self.siblings):
                     return self.refuse(node, f"loops over data ({name})")
+                todo.extend(ast.iter_child_nodes(n))
         for part in [*node.body, *node.orelse]:
             for n in ast.walk(part):
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and \
-                        n.func.id in self.functions and n.func.id not in self.names:
-                    return self.refuse(node, f"loops calling {n.func.id}, a function of this "
-                                             "file")
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and (
+                        (n.func.id in self.functions and n.func.id not in self.names)
+                        or n.func.id in self.siblings):
+                    return self.refuse(node, f"loops calling {n.func.id}, a function of your "
+                                             "code")
         return self._acting(node, it) or self.body(node.body) or self.body(node.orelse)
+
+
+def _names_data(name: str) -> bool:
+    """Does the identifier ``name`` name data (a loader, a dataset, batches)?
+
+    >>> [_names_data(n) for n in ("train_loader", "trainloader", "valDataset", "metadata", "x")]
+    [True, True, True, False, False]
+    """
+    words = [w.lower() for w in re.split(r"_+|(?<=[a-z0-9])(?=[A-Z])", name) if w]
+    return any(w in DATA_WORDS for w in words) or name.lower().endswith("loader")
 
 
 def _header(node: ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) -> list[ast.expr]:
@@ -483,7 +531,12 @@ def first_refused(source: str, here: Path | None = None) -> Refusal | None:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return None
-    return _Reader(tree, source, here).body(tree.body)
+    except (RecursionError, MemoryError):
+        return Refusal(1, "", "is nested too deeply for the gate to read")
+    try:
+        return _Reader(tree, source, here).body(tree.body)
+    except RecursionError:
+        return Refusal(1, "", "is nested too deeply for the gate to read")
 
 
 def check_file(path: Path) -> Refusal | None:

@@ -286,6 +286,22 @@ def wait_tensor(t: torch.Tensor) -> Any:
     return torch.ops._c10d_functional.wait_tensor(t)
 
 
+def group_timeout() -> float | None:
+    """Seconds the default process group waits for a collective (the job's own
+    ``init_process_group(timeout=...)``, else the backend's default); None when unknown.
+    ``ProcessGroup._get_backend(device).options._timeout`` and ``_device_types``: checked on
+    2.13.0."""
+    try:
+        import torch.distributed as dist
+        pg = dist.group.WORLD
+        for dev in getattr(pg, "_device_types", []) or []:
+            t = pg._get_backend(torch.device(dev)).options._timeout
+            return t.total_seconds()
+    except Exception:  # noqa: BLE001 - a backend without these: unknown
+        return None
+    return None
+
+
 def work_of(x: Any):
     """The pybind ``Work`` behind a collective's result (a dispatched c10d op returns a boxed
     ``ScriptObject``; ``dist.*(async_op=True)`` the pybind one), whose ``wait`` takes a

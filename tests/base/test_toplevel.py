@@ -676,3 +676,46 @@ def test_an_ordinary_scripts_top_level_replays_without_a_flag(tmp_path):
     assert rep["culprit"]["op"] == "aten.sqrt.default" and rep["culprit"]["phase"] == "forward"
     with pytest.raises(BadInput, match="trains_at_import.py' line 19 runs `guard.step"):
         check_entry(f"{TEST_TASKS / 'trains_at_import.py'}:task")
+
+
+# what review found: ordinary code the rule must let through, and acting code it must see
+ALLOWED_TOO = {
+    "torchrun's @record, FSDP types, queries": (
+        "import torch.distributed as dist\n"
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "from torch.distributed.fsdp import MixedPrecision\n"
+        "MP = MixedPrecision()\nRANK = dist.get_node_local_rank()\n@record\ndef main(): ...\n"),
+    "opening for reading, by any library": (
+        "import io, tarfile\nfrom PIL import Image\nIMG = Image.open('cat.png')\n"
+        "T = tarfile.open('a.tar')\nF = io.open('p', encoding='utf8')\n"),
+    "counting loops and metadata": (
+        "import dataclasses\nnum_batches = 3\nfor i in range(num_batches):\n    pass\n"
+        "metadata = {}\nfor k in metadata:\n    pass\n"),
+}
+REFUSED_TOO = {
+    "a class body that acts": ("import wandb\nclass Cfg:\n    run = wandb.init()\n", 3,
+                               "wandb.init"),
+    "a tar opened for writing": ("import tarfile\nT = tarfile.open('a.tar', 'w')\n", 2,
+                                 "writes a file"),
+    "a sibling's function in a loop": ("from .trainer import train_one_epoch\n"
+                                       "for epoch in range(3):\n    train_one_epoch()\n", 2,
+                                       "loops calling train_one_epoch"),
+    "an expression nested too deeply to read": ("X = " + "(" * 200 + "1" + ")" * 200 + "\n",
+                                                None, ""),
+}
+
+
+@pytest.mark.parametrize("name", list(ALLOWED_TOO))
+def test_what_review_found_allowed(name):
+    assert first_refused(ALLOWED_TOO[name]) is None
+
+
+@pytest.mark.parametrize("name", list(REFUSED_TOO))
+def test_what_review_found_refused(name):
+    source, line, word = REFUSED_TOO[name]
+    found = first_refused(source)
+    if line is None:      # parsed fine by Python: nothing to refuse (a deeper one is refused)
+        assert found is None or "nested too deeply" in found.what
+        return
+    assert found is not None and found.line == line, found
+    assert word in f"{found.text} {found.what}", found

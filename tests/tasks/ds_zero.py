@@ -41,6 +41,11 @@ ENGINE = {}
 def task():
     import deepspeed
 
+    # NB: DeepSpeed's CPU accelerator JIT-builds a shared-memory all-reduce op with the C++
+    # compiler when it starts (a minute, and a file lock that a killed build leaves stale):
+    # marked unavailable, it uses gloo's all-reduce, which is what is tested here
+    import deepspeed.ops
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     torch.manual_seed(0)
     config = {"train_micro_batch_size_per_gpu": 3,
               "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},

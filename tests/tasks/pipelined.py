@@ -116,6 +116,8 @@ def one_f_one_b():
 def _hang_then_loss(m, x):
     if dist.get_rank() == 1 and x.abs().max() > 50:
         time.sleep(float(os.environ.get("PP_HANG", "60")))
+        sys.stdout.write(f"RANK 1 WOKE {time.time()}\n")      # when it came back
+        sys.stdout.flush()
     return m(x).pow(2).mean()
 
 
