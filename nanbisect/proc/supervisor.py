@@ -82,10 +82,20 @@ def fork(body: Callable[[], int], store: Callable[[Forked], None], *,
     sys.stdout.flush()
     sys.stderr.flush()
     with held() as mask:
-        pid = os.fork()
-        if pid:
-            store(Forked(pid))
-            return
+        pid, stored = 0, False
+        try:
+            pid = os.fork()
+            if pid:
+                store(Forked(pid))
+                stored = True
+                return
+        except BaseException:
+            # NB: `_thread.interrupt_main` raises no signal the mask holds: its KeyboardInterrupt
+            # lands at the next call, which can be between the fork and the store; the child,
+            # not stored anywhere, would outlive the run
+            if pid > 0 and not stored:
+                _kill_unstored(pid)
+            raise
         code = 1
         try:
             for sig in defaults:
@@ -98,6 +108,15 @@ def fork(body: Callable[[], int], store: Callable[[Forked], None], *,
             traceback.print_exc()
         finally:
             end_child(code)
+
+
+def _kill_unstored(pid: int) -> None:
+    """End and reap a child forked a moment ago that its caller never got to hold."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except OSError:
+        pass
 
 
 def start_exec(argv: list[str], **kw) -> subprocess.Popen:
