@@ -92,8 +92,7 @@ class Settled:
     among them, or None. NB: a stand-in work whose future failed returns from ``wait()`` without
     raising (torch 2.13), so a receive that timed out is seen here, not by the caller."""
 
-    def __init__(self, timeout: float | None = None) -> None:
-        self.timeout = timeout
+    def __init__(self) -> None:
         self.unmet: RankTimeout | None = None
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
@@ -122,13 +121,13 @@ class Settled:
             if w is None:
                 return x
             if not p2p:
-                wait(w, what, self.timeout)
+                wait(w, what)
                 return x
             fut: torch.futures.Future = torch.futures.Future()
 
             def watch() -> None:
                 try:
-                    wait(w, what, self.timeout)
+                    wait(w, what)
                 except RankTimeout as e:
                     self._missed(e)
                     fut.set_exception(e)
@@ -195,8 +194,10 @@ def all_gather_objects(obj: Any, what: str) -> list:
 
 class BoundedWaits(ti.ObserverMode):
     """Inside it, every c10d collective and send/receive the user's code issues is waited with
-    the deadline (`Settled`): the Guard's own runs of the user's step (a rebuild's steps) end
-    by it; leaving it raises the first `RankTimeout` a send or receive met."""
+    the deadline (`Settled`): the Guard's own runs of the user's step (a rebuild's steps, the
+    failing step's re-run: `nanbisect.guard.tape.TapeRecorder` is one) end by it; leaving it
+    without an error raises the first `RankTimeout` a send or receive met (``settled.unmet``
+    holds it either way, once it is left)."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -23,7 +23,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.bundle.tape import SCHEMA, Entry, input_digest
-from nanbisect.guard.deadline import RankTimeout, Settled, is_p2p
+from nanbisect.guard.deadline import BoundedWaits, RankTimeout, is_p2p
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
                                           group_size, leaf_tensors, taped, wait_collective)
 from nanbisect.replay.recorder import read_args
@@ -51,15 +51,14 @@ class Tape:
                 "rerun_failed": self.rerun_failed}
 
 
-class TapeRecorder(ti.ObserverMode):
+class TapeRecorder(BoundedWaits):
     """Capture: keep what every collective of the step wrote, in order (see the module doc)."""
 
     def __init__(self, tape: Tape, ddp: bool = False) -> None:
-        super().__init__()
+        super().__init__()                # the deadline on every collective and send/receive
         self.tape = tape
         self.ddp = ddp
         self.error: str | None = None     # the first thing that went wrong while recording
-        self.settled = Settled()          # the deadline on every collective and send/receive
 
     # NB: no hook raises: the step must go on, with its collectives matched on every rank; a
     # failure to record makes the tape unusable, not the step
@@ -87,11 +86,11 @@ class TapeRecorder(ti.ObserverMode):
         return True
 
     def run(self, call: ti.OpCall) -> Any:
-        """The op, its works bounded by the Guard's deadline (`nanbisect.guard.deadline.Settled`:
-        a `RankTimeout` leaves the re-run, and the tape is lost, never the step)."""
+        """The op, a c10d one's works bounded by the Guard's deadline (`BoundedWaits`: a
+        `RankTimeout` leaves the re-run, and the tape is lost, never the step)."""
         if call.func.namespace != "c10d":
             return call.func(*call.args, **call.kwargs)      # functional: not bounded
-        return self.settled.settle(call.func, call.func(*call.args, **call.kwargs))
+        return super().run(call)
 
     def after(self, call: ti.OpCall, out: Any) -> None:
         """What it wrote: an entry of the tape, and its tensors unless DDP's own (a send or
@@ -161,13 +160,11 @@ def record_step(task, batch: Any) -> tuple[Tape | None, "str | RankTimeout | Non
                                 local(p.grad).detach().to(devices.HOST, copy=True).contiguous())
                     tape.micro_batches += 1
     except RankTimeout as e:      # a rank that did not meet: its one line, as the exception
-        return None, rec.settled.finish() or e
+        return None, rec.settled.unmet or e       # (a send or receive first, when one did not)
     except Exception as e:  # noqa: BLE001 - the bundle matters more than the tape
-        if (unmet := rec.settled.finish()) is not None:   # a send or receive no rank met
-            return None, unmet
+        if rec.settled.unmet is not None:          # a send or receive no rank met
+            return None, rec.settled.unmet
         return None, f"re-running the step raised {type(e).__name__}: {str(e)[:200]}"
-    if (unmet := rec.settled.finish()) is not None:   # the step ran on with what it lacked
-        return None, unmet
     if rec.error is not None:
         return None, f"recording a collective failed ({rec.error})"
     loss = last.total if last is not None else None
