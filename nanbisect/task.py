@@ -573,8 +573,8 @@ def import_target(target: str, search: list[Path] = (), *, check: bool = False) 
         return _import_file(path, target, check)
     _from_working_directory(target)
     try:
-        _user_module(target)
         file = _module_file(target)
+        _user_module(target, file)
         if check and file is not None:
             gate(file, f"{target} ({_shown_path(file)})")
         with _no_training(), _argv(file) if file is not None else nullcontext():
@@ -593,28 +593,19 @@ def import_target(target: str, search: list[Path] = (), *, check: bool = False) 
                        f"{_user_frame(e)}; fix that module or pass --entry") from None
 
 
-def _user_module(target: str) -> None:
-    """`BadInput` unless the dotted ``target`` is the user's code (or nanbisect's own self-test
-    tasks): an entry never resolves to the standard library, torch or an installed package
-    (``os:abort`` would be called). Runs no code of it (an imported module's file, or where its
-    spec says it lives)."""
+def _user_module(target: str, file: Path | None) -> None:
+    """`BadInput` unless the dotted ``target`` (``file``: its source as `_module_file` found
+    it) is the user's code (or nanbisect's own self-test tasks): an entry never resolves to the
+    standard library, torch or an installed package (``os:abort`` would be called). Runs no code
+    of it (an imported module's file, or where its spec says it lives)."""
     mod = sys.modules.get(target)
-    if mod is not None:
-        origin = getattr(mod, "__file__", None)
-    else:
-        origin = None
-        try:
-            origin = str(_module_file(target) or "") or None
-        except _TrainedAtImport:
-            raise
-        if origin is None:
-            spec = None
-            try:
-                top = importlib.machinery.PathFinder.find_spec(target.split(".")[0])
-                spec = top if "." not in target else None
-            except (ImportError, ValueError, OSError):
-                pass
-            origin = getattr(spec, "origin", None)
+    origin = getattr(mod, "__file__", None) if mod is not None else \
+        (str(file) if file is not None else None)
+    if origin is None and mod is None and "." not in target:
+        try:        # a top-level module that is no source file (an extension, a frozen one)
+            origin = getattr(importlib.machinery.PathFinder.find_spec(target), "origin", None)
+        except (ImportError, ValueError, OSError):
+            pass
     if origin is None and (target in sys.builtin_module_names or mod is not None):
         origin = "<built-in>"
     if origin is None:
@@ -644,8 +635,8 @@ def check_entry(entry: str, search: list[Path] = ()) -> None:
         return
     _from_working_directory(target)
     try:
-        _user_module(target)
         file = _module_file(target)
+        _user_module(target, file)
     except _TrainedAtImport as e:       # a parent package that trains, found by an import hook
         raise _trained(e, f"entry module {target}") from None
     if file is not None:
