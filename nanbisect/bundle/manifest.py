@@ -122,6 +122,11 @@ class Manifest:
         return _section(self.data, "task")
 
     @property
+    def runs_top_level(self) -> bool:
+        """Did the capture's Task say its entry's top level may run (``run_top_level=True``)?"""
+        return self.task.get("run_top_level") is True
+
+    @property
     def partial(self) -> dict | None:
         value = self.data.get("partial")
         return value if isinstance(value, dict) else None

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from nanbisect.bundle.format import MANIFEST, Bundle, read_bundle, read_header
 from nanbisect.bundle.leftovers import find_leftovers, walk
-from nanbisect.bundle.manifest import captured_on
+from nanbisect.bundle.manifest import Manifest, captured_on
 from nanbisect.util.text import MAX_LINE, clip, ranges, ranks_text, show
 
 
@@ -137,8 +137,7 @@ def _summary(b: Bundle) -> dict:
                                                "param_groups": len(opt["param_groups"])},
         "files": files, "checksums": "ok",
         # the Task opted in to running its entry's top level at import (said before a replay)
-        "runs_top_level": (m.get("task") or {}).get("run_top_level") is True
-        if isinstance(m.get("task"), dict) else False,
+        "runs_top_level": Manifest.of(m).runs_top_level,
         # parts of the state the capture could not write ([{part, why}]: a foreign optimizer)
         "partial": m.get("partial") if isinstance(m.get("partial"), list) else None,
         # Guard(history=N) / Guard(lookback=K): how many steps the bundle can tell about / replay

@@ -23,6 +23,7 @@ from nanbisect import devices
 from nanbisect.bundle import codestore
 from nanbisect.bundle.code import changed_sources, relocation
 from nanbisect.bundle.format import MANIFEST, Bundle, read_manifest
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.bundle.schema import parts_missing
 from nanbisect.errors import BadInput
 from nanbisect.records import BadValue, StepOutcome
@@ -93,6 +94,7 @@ class Replayer:
         # recorded (Task(run_top_level=True)); else a top level that acts at import is
         # refused before the import (`nanbisect.task.gate`)
         self.run_top_level = run_top_level or top_level_recorded(m)
+        self.check_batch(bundle)     # before the entry is imported
         self.task = task or load_entry(self.entry, bundle, self.run_top_level)
         # the model's and optimizer's read from their files at each restore, never held twice
         self.tensors = bundle.state_tensors()
@@ -111,13 +113,13 @@ class Replayer:
         self.batch_edits: list[Callable[[Any], Any]] = []
         self.rng = RngState.decode(m["rng"], self.tensors)
         where = f"bundle '{bundle.path}'"
-        self.check_batch(bundle)
         left_out = {e["part"]: e["why"] for e in parts_missing(m)}
         # the optimizer's state was not written (a foreign engine's format): the Task's
         # optimizer replays as the entry builds it (said in the notes), never refused
         self.optimizer_left_out = left_out.get("optimizer") if m.get("optimizer") is None and \
             self.task.optimizer is not None else None
-        self._built_optimizer: dict | str | None = None   # its state as the entry built it
+        self._built_optimizer: dict | None = None   # its state as the entry built it
+        self._optimizer_resets = True                # False: it could not be put back
         if (m.get("optimizer") is None) != (self.task.optimizer is None) and \
                 self.optimizer_left_out is None:
             has = "has no" if m.get("optimizer") is None else "has"
@@ -184,15 +186,15 @@ class Replayer:
         if self.task.grad_scaler is not None and m.get("grad_scaler"):
             self.task.grad_scaler.load_state_dict(dict(m["grad_scaler"]))
         if self.optimizer_left_out is not None:     # as the entry built it, every run
-            try:
-                if self._built_optimizer is None:
-                    self._built_optimizer = copy.deepcopy(self.task.optimizer.state_dict())
-                self.task.optimizer.load_state_dict(copy.deepcopy(self._built_optimizer))
-            except Exception as e:  # noqa: BLE001 - a foreign optimizer: said once, run as is
-                if self._built_optimizer != "unresettable":
+            if self._optimizer_resets:
+                try:
+                    if self._built_optimizer is None:
+                        self._built_optimizer = copy.deepcopy(self.task.optimizer.state_dict())
+                    self.task.optimizer.load_state_dict(copy.deepcopy(self._built_optimizer))
+                except Exception as e:  # noqa: BLE001 - a foreign optimizer: said once
+                    self._optimizer_resets = False
                     self.notes.append(f"the optimizer could not be reset between runs "
                                       f"({type(e).__name__}); each run starts from the last")
-                self._built_optimizer = "unresettable"
         elif self.task.optimizer is not None:
             written += restore_optimizer(self.task.optimizer, self.bundle.manifest["optimizer"],
                                          self.tensors, self._where, in_place=self.restores > 0,
@@ -523,7 +525,7 @@ def _stored_roots(entry: str) -> list[Path]:
 
 def top_level_recorded(manifest: dict) -> bool:
     """Did the capture's Task say its entry's top level may run (``run_top_level=True``)?"""
-    return (manifest.get("task") or {}).get("run_top_level") is True
+    return Manifest.of(manifest).runs_top_level
 
 
 def load_entry(entry: str, bundle: Bundle, run_top_level: bool = False) -> Task:
