@@ -1,51 +1,15 @@
-"""nanbisect.util.torch_internals: the one room for torch's private APIs, its observer dispatch
-mode, and a scan that keeps private torch names out of the rest of the package."""
+"""nanbisect.util.torch_internals: the one room for torch's private APIs and its observer
+dispatch mode."""
 from __future__ import annotations
 
-import io
-import re
 import sys
-import tokenize
-from pathlib import Path
 
 import torch
 
 from nanbisect.util import torch_internals as ti
 
-PKG = Path(__file__).resolve().parents[2] / "nanbisect"
-
-# a private torch name in code (strings and comments are not code): ``torch._x``,
-# ``torch.a.b._x``, an underscored attribute of a torch object nanbisect used to read directly,
-# or CPython's frame access
-PRIVATE = re.compile(r"\btorch(?:\.[A-Za-z]\w*)*\._(?!_)\w+|\.(?:_schema|_sequence_nr|_cdata|"
-                     r"_orig_mod)\b|\bsys\._getframe\b|\bdynamo_ctx\b")
-# files that still name private torch APIs directly, each with the shim to call instead (none:
-# add one only with a reason)
-NOT_YET_ROUTED: dict[str, str] = {}
-
-
-def _code(path: Path) -> str:
-    """The file's code without strings and comments, its dotted names rejoined."""
-    toks = [t.string for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline)
-            if t.type not in (tokenize.STRING, tokenize.COMMENT)]
-    return re.sub(r"\s*\.\s*", ".", " ".join(toks))
-
-
-def test_no_private_torch_name_outside_the_room():
-    found = {}
-    for path in PKG.rglob("*.py"):
-        rel = path.relative_to(PKG).as_posix()
-        if rel == "util/torch_internals.py":
-            continue
-        hits = sorted(set(PRIVATE.findall(_code(path))))
-        if hits and rel not in NOT_YET_ROUTED:
-            found[rel] = hits
-    assert found == {}, f"call nanbisect.util.torch_internals instead: {found}"
-
-
-def test_every_shim_named_for_a_file_not_yet_routed_exists():
-    for shim in NOT_YET_ROUTED.values():
-        assert callable(getattr(ti, shim))
+# The rule that keeps private torch names in this one room is read from the AST over every
+# module: tests/project/test_rules.py (`helpers.rules.foreign_private`).
 
 
 def test_the_version_check_says_what_needs_a_newer_torch_in_one_line():

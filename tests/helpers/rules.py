@@ -15,7 +15,12 @@ temporary package to see it found.
 - **raw manifest reads** (`manifest_reads`): a subscript or ``.get`` on a manifest dict outside
   ``nanbisect/bundle``; code elsewhere reads the `Manifest` view;
 - **device specs parsed** (`spec_parses`): ``DeviceSpec.parse`` / ``parse_device`` called
-  outside the options' one parse (``nanbisect/options.py``) and the seam that resolves it.
+  outside the options' one parse (``nanbisect/options.py``) and the seam that resolves it;
+- **import cycles at any level** (`import_cycles`): module-level, function-level and
+  ``importlib.import_module("nanbisect....")`` imports all count (the package's own lazy
+  attributes in ``nanbisect/__init__.py`` excepted: it is the top, imported by nobody);
+- **callable modules** (`module_tricks`): a module whose ``__class__`` is swapped;
+- **one name per responsibility** (`same_names`): two modules with one file name.
 """
 from __future__ import annotations
 
@@ -176,6 +181,8 @@ def defined_private(pkg: Path = PKG) -> dict[str, set[str]]:
 
 
 ROOM = "util/torch_internals.py"
+# underscored names that are documented public API
+PUBLIC = {"os._exit", "sys._getframe"}
 
 
 def foreign_private(pkg: Path = PKG) -> list[Finding]:
@@ -204,7 +211,7 @@ def foreign_private(pkg: Path = PKG) -> list[Finding]:
             elif isinstance(node, ast.Attribute) and _private(node.attr):
                 name = al.dotted(node)
                 if name is not None:
-                    if name.split(".")[0] != pkg.name:
+                    if name.split(".")[0] != pkg.name and name not in PUBLIC:
                         out.append(Finding(rel, node.lineno, f"{name}"))
                 elif node.attr not in ours:
                     out.append(Finding(rel, node.lineno,
@@ -295,3 +302,81 @@ def spec_parses(pkg: Path = PKG) -> list[Finding]:
                     out.append(Finding(rel, node.lineno, f"{name}(...): parse options once "
                                        "(nanbisect.options)"))
     return out
+
+
+# ---------------------------------------------------------------- cycles, tricks, names
+def module_imports(pkg: Path = PKG) -> dict[str, set[str]]:
+    """Each module -> the package's modules it imports, at any level, ``importlib`` strings
+    included (a name imported from a package that is a module counts as that module)."""
+    graph: dict[str, set[str]] = {}
+    names = {_modname(p, pkg) for p in modules(pkg)}
+    for path, tree, al in _parsed(pkg):
+        me, out = _modname(path, pkg), set()
+        for node in ast.walk(tree):
+            found = []
+            if isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = _absolute(node, path, pkg)
+                found = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base
+                         for a in node.names]
+            elif isinstance(node, ast.Call) and al.dotted(node.func) == "importlib.import_module" \
+                    and node.args and isinstance(node.args[0], (ast.Constant, ast.JoinedStr)):
+                arg = node.args[0]
+                text = arg.value if isinstance(arg, ast.Constant) else \
+                    "".join(v.value for v in arg.values if isinstance(v, ast.Constant))
+                found = [str(text).rstrip(".")]
+            for name in found:
+                while name and name not in names:
+                    name = name.rpartition(".")[0]
+                if name and name != me and name.split(".")[0] == pkg.name:
+                    out.add(name)
+        graph[me] = out
+    return graph
+
+
+def import_cycles(pkg: Path = PKG) -> list[Finding]:
+    graph = module_imports(pkg)
+    graph.pop(pkg.name, None)      # the package's lazy attributes: imported by nobody
+    for deps in graph.values():
+        deps.discard(pkg.name)
+    state: dict[str, int] = {}
+    out: list[Finding] = []
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph.get(m, ())):
+            if state.get(n) == 1:
+                cyc = path[path.index(n):] + [n] if n in path else [m, n]
+                out.append(Finding(m.replace(".", "/") + ".py", 0,
+                                   "import cycle: " + " -> ".join(cyc)))
+            elif n in graph and not state.get(n):
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if not state.get(m):
+            visit(m, [m])
+    return out
+
+
+def module_tricks(pkg: Path = PKG) -> list[Finding]:
+    out = []
+    for path, tree, _ in _parsed(pkg):
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else \
+                [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and t.attr == "__class__":
+                    out.append(Finding(_rel(path, pkg), node.lineno,
+                                       "a __class__ swapped: no callable-module trick"))
+    return out
+
+
+def same_names(pkg: Path = PKG) -> list[Finding]:
+    seen: dict[str, list[str]] = {}
+    for path in modules(pkg):
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.stem, []).append(_rel(path, pkg))
+    return [Finding(paths[0], 0, f"one module name, {len(paths)} modules: {', '.join(paths)}")
+            for paths in seen.values() if len(paths) > 1]
