@@ -382,9 +382,10 @@ def load_steps(path: Path) -> None:
     import drift
     from nanbisect import history
     from nanbisect.bundle import lookback
+    from nanbisect.bundle.manifest import Manifest
 
     b = read_bundle(path)
-    history.findings(history.parse(b.manifest, b.tensors(history.ROLE), "fuzz"))
+    history.findings(history.parse(Manifest.of(b).history, b.tensors(history.ROLE), "fuzz"))
     w = lookback.parse(b, "fuzz")
     if w is None:
         return
