@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -168,10 +168,10 @@ class History:
 MAX_ENTRIES = 1 << 16
 
 
-def parse(manifest: dict, tensors: dict, where: str) -> History | None:
-    """The ``history`` of a manifest, checked as untrusted input (`BadInput` naming the fix);
-    None when the bundle has none."""
-    h = manifest.get("history")
+def parse(h: Any, tensors: dict, where: str) -> History | None:
+    """A manifest's ``history`` section (``h``, as read: `nanbisect.bundle.manifest.Manifest`'s
+    ``history``), checked as untrusted input (`BadInput` naming the fix); None when the bundle
+    has none."""
     if h is None:
         return None
     fix = "the manifest's history was altered or damaged; re-capture the bundle"

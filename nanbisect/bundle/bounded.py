@@ -36,7 +36,8 @@ MAX_NDIM = 64
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "I16": 16, "U16": 16,
               "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32, "F64": 64, "I64": 64,
               "U64": 64, "C64": 64}
-_FIX = "copy the whole bundle again or re-capture it"
+# the fix named by a refusal of a file that is missing, a link or damaged
+RECOPY_FIX = "copy the whole bundle again or re-capture it"
 
 
 def _limit(name: str, default: int) -> int:
@@ -44,7 +45,8 @@ def _limit(name: str, default: int) -> int:
     return env(name, default)
 
 
-def _kind(value) -> str:
+def kind_of(value) -> str:
+    """What a JSON value is, for a message: ``kind_of([])`` is ``'a list'``."""
     return {dict: "an object", list: "a list", str: "a string", bool: "a boolean",
             int: "an integer", float: "a number", type(None): "null"}.get(type(value),
                                                                        type(value).__name__)
@@ -59,7 +61,7 @@ def _unique_keys(pairs: list) -> dict:
     return d
 
 
-def _too_deep(obj, limit: int) -> bool:
+def too_deep(obj, limit: int) -> bool:
     """Whether ``obj`` nests deeper than ``limit`` (level by level: no recursion, one list
     comprehension per container)."""
     level, depth = [obj], 1
@@ -118,27 +120,28 @@ def parse_json(raw: bytes, what: str, fix: str, unique_keys: bool = False):
         raise BadInput(f"{what} is not valid JSON ({e.__class__.__name__}: "
                        f"{show(str(e), 80)[1:-1]}); {fix}") from None
     else:
-        deep = isinstance(obj, (dict, list)) and _too_deep(obj, MAX_JSON_DEPTH)
+        deep = isinstance(obj, (dict, list)) and too_deep(obj, MAX_JSON_DEPTH)
     if deep:
         raise BadInput(f"{what} is nested deeper than {MAX_JSON_DEPTH} levels; {fix}")
     return obj
 
 
-def _regular(path: Path, shown: str, what: str = "file") -> os.stat_result:
+def regular_file(path: Path, shown: str, what: str = "file") -> os.stat_result:
     """lstat ``path``: a regular file (no symbolic link, device or pipe), else `BadInput`."""
     try:
         st = os.lstat(path)
     except OSError as e:
-        raise BadInput(f"{shown} is missing or unreadable ({e.strerror}); {_FIX}") from None
+        raise BadInput(f"{shown} is missing or unreadable ({e.strerror}); {RECOPY_FIX}") from None
     if stat.S_ISLNK(st.st_mode):
         raise BadInput(f"{shown} is a symbolic link; a bundle holds only plain files (links "
-                       f"could read anything on this machine): {_FIX}")
+                       f"could read anything on this machine): {RECOPY_FIX}")
     if not stat.S_ISREG(st.st_mode):
-        raise BadInput(f"{shown} is not a plain {what}; {_FIX}")
+        raise BadInput(f"{shown} is not a plain {what}; {RECOPY_FIX}")
     return st
 
 
-def _uint(x, hi: int = 1 << 64) -> bool:
+def is_uint(x, hi: int = 1 << 64) -> bool:
+    """Whether ``x`` is an int (not a bool) in [0, ``hi``): a size or an offset."""
     return type(x) is int and 0 <= x < hi
 
 
@@ -152,13 +155,13 @@ def read_header(path: str | Path, shown: str | None = None) -> dict[str, dict]:
     shown = shown or str(path)
 
     def bad(why: str) -> BadInput:
-        return BadInput(f"{shown} is not a readable safetensors file: {why}; {_FIX}")
+        return BadInput(f"{shown} is not a readable safetensors file: {why}; {RECOPY_FIX}")
 
-    st = _regular(path, shown)
+    st = regular_file(path, shown)
     n, head_raw = _header_bytes(path, shown, st.st_size, bad)
     if not head_raw.startswith(b"{"):
         raise bad("the header is not a JSON object")
-    head = parse_json(head_raw, f"{shown}: the safetensors header", _FIX, unique_keys=True)
+    head = parse_json(head_raw, f"{shown}: the safetensors header", RECOPY_FIX, unique_keys=True)
     if not isinstance(head, dict):
         raise bad("the header is not a JSON object")
     meta = head.pop("__metadata__", None)
@@ -194,7 +197,7 @@ def _header_bytes(path: Path, shown: str, size: int, bad) -> tuple[int, bytes]:
                 raise bad(f"the header claims {n} bytes, more than safetensors reads")
             head_raw = f.read(n)
     except OSError as e:
-        raise BadInput(f"{shown} cannot be read ({e.strerror}); {_FIX}") from None
+        raise BadInput(f"{shown} cannot be read ({e.strerror}); {RECOPY_FIX}") from None
     if len(head_raw) != n:
         raise bad("the file shrank while being read")
     return n, head_raw
@@ -204,14 +207,14 @@ def _span(name: str, t, bad) -> tuple[int, int, str]:
     """(begin, end, name) of one tensor's entry in a header, its dtype, shape and data offsets
     checked (`bad(why)`: the error to raise)."""
     if not isinstance(t, dict):
-        raise bad(f"tensor {show(name)} is {_kind(t)}, not an object")
+        raise bad(f"tensor {show(name)} is {kind_of(t)}, not an object")
     dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
         raise bad(f"tensor {show(name)} has unknown dtype {show(dtype, 30)}")
-    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(_uint, shape))):
+    if not (isinstance(shape, list) and len(shape) <= MAX_NDIM and all(map(is_uint, shape))):
         raise bad(f"tensor {show(name)} has shape {show(shape, 40)}, not a list of at most "
                   f"{MAX_NDIM} sizes >= 0")
-    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_uint, offsets))
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(is_uint, offsets))
             and offsets[0] <= offsets[1]):
         raise bad(f"tensor {show(name)} has data_offsets {show(offsets, 40)}, not "
                   "[begin, end] with 0 <= begin <= end")
@@ -225,12 +228,12 @@ def _span(name: str, t, bad) -> tuple[int, int, str]:
 def add_lazy(lazy: "LazyTensors", path: Path, shown: str, names: list[str] | None = None
              ) -> None:
     """Serve ``path``'s tensors (only ``names`` when given) from ``lazy``, read when asked
-    (`nanbisect.bundle.lazy`); the header checked here, as `_load` checks it."""
+    (`nanbisect.bundle.lazy`); the header checked here, as `load_tensors` checks it."""
     head = read_header(path, shown)
     n = struct.unpack("<Q", _first_bytes(path, shown))[0]
     if names is not None and not set(names) <= set(head):
         missing = sorted(set(names) - set(head))[:3]
-        raise BadInput(f"{shown} lacks tensor(s) {missing}; {_FIX}")
+        raise BadInput(f"{shown} lacks tensor(s) {missing}; {RECOPY_FIX}")
     lazy.add_file(path, shown, head, 8 + n, names)
 
 
@@ -239,10 +242,10 @@ def _first_bytes(path: Path, shown: str) -> bytes:
         with open(path, "rb") as f:
             return f.read(8)
     except OSError as e:
-        raise BadInput(f"{shown} cannot be read ({e.strerror}); {_FIX}") from None
+        raise BadInput(f"{shown} cannot be read ({e.strerror}); {RECOPY_FIX}") from None
 
 
-def _load(path: Path, shown: str, names: list[str] | None = None, checked: bool = False
+def load_tensors(path: Path, shown: str, names: list[str] | None = None, checked: bool = False
           ) -> Tensors:
     """The tensors of one safetensors file (only ``names`` when given), header checked first
     (``checked``: `read_bundle` just checked it)."""

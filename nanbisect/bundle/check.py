@@ -115,7 +115,7 @@ def _check_state(where: str, m: dict, heads: dict[str, dict], borrowed: dict[str
     if extra:
         raise BadInput(f"{where}: its tensor files hold {len(extra)} tensor(s) the manifest does "
                        f"not name (e.g. {show(extra[0])}); {_FIX}")
-    hist.parse(m, HeaderTensors(role(hist.ROLE)), where)
+    hist.parse(m.get("history"), HeaderTensors(role(hist.ROLE)), where)
     lookback_steps(m, HeaderTensors(role(LOOKBACK)), where)
     if m.get("collectives") is not None:
         tape.parse(m["collectives"], where)

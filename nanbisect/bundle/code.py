@@ -41,6 +41,16 @@ def _is_user(path: Path, excluded: list[Path]) -> bool:
         "site-packages" not in path.parts and "dist-packages" not in path.parts
 
 
+def is_user_file(path: Path) -> bool:
+    """Whether ``path`` (resolved) is a user source file as `user_sources` counts them: a
+    ``.py`` file outside the standard library, installed packages, torch and nanbisect.
+
+    >>> is_user_file(Path(__file__).resolve())      # nanbisect's own
+    False
+    """
+    return _is_user(path, _excluded_roots())
+
+
 def user_sources(entry_file: str | None = None) -> dict[str, str]:
     """``{absolute path: sha256}`` of the entry file and every imported user source file.
 

@@ -36,8 +36,8 @@ import stat
 import sys
 from pathlib import Path, PurePosixPath
 
-from nanbisect.bundle.bounded import _regular, _uint
-from nanbisect.bundle.schema import _safe_name
+from nanbisect.bundle.bounded import is_uint, regular_file
+from nanbisect.bundle.schema import safe_name
 from nanbisect.errors import BadInput
 from nanbisect.util.text import show
 
@@ -59,13 +59,13 @@ def stored_path_ok(v) -> bool:
         return False
     parts = v.split("/")
     return parts[0] == CODE_DIR and len(parts) >= 2 and len(parts) <= 64 and \
-        all(_safe_name(x) for x in parts)
+        all(safe_name(x) for x in parts)
 
 
 def root_ok(v) -> bool:
     """An import root under ``code/``: ``"."`` (code/ itself) or plain names joined by ``/``."""
     return isinstance(v, str) and (v == "." or (
-        len(v) <= 4096 and len(v.split("/")) <= 64 and all(_safe_name(x) for x in v.split("/"))))
+        len(v) <= 4096 and len(v.split("/")) <= 64 and all(safe_name(x) for x in v.split("/"))))
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,7 +134,7 @@ def plan(entry_file: str | None, sources: dict[str, str]) -> dict:
             continue
         if not stat.S_ISREG(st.st_mode):
             left_out[str(p)] = "not a plain file"
-        elif not p.is_absolute() or not all(_safe_name(x) for x in p.parts[1:]):
+        elif not p.is_absolute() or not all(safe_name(x) for x in p.parts[1:]):
             left_out[str(p)] = "its path cannot be stored (a name with odd characters)"
         elif st.st_size > MAX_FILE_BYTES:
             left_out[str(p)] = f"{st.st_size} bytes, over the {MAX_FILE_BYTES}-byte cap per file"
@@ -217,7 +217,7 @@ def check(p: Path, manifest: dict, verify: bool) -> None:
     for orig, info in files.items():
         rel = info.get("path") if isinstance(info, dict) else None
         if not stored_path_ok(rel) or not isinstance(info.get("sha256"), str) or \
-                not _uint(info.get("bytes")):
+                not is_uint(info.get("bytes")):
             raise BadInput(f"bundle '{p}': the manifest's stored copy of {show(orig, 80)} is "
                            f"not {{path: 'code/...py' inside the bundle, sha256, bytes}}; {_FIX}")
     if not verify:
@@ -237,7 +237,7 @@ def check(p: Path, manifest: dict, verify: bool) -> None:
         if info["bytes"] > MAX_FILE_BYTES:    # the cap before any byte of it is read
             raise BadInput(f"bundle '{p}': {info['path']} claims {info['bytes']} bytes, over "
                            f"the {MAX_FILE_BYTES}-byte cap of a stored file; {_FIX}")
-        st = _regular(f, f"bundle '{p}': {info['path']}")
+        st = regular_file(f, f"bundle '{p}': {info['path']}")
         if st.st_size != info["bytes"] or _sha256_bounded(f, info["bytes"]) != info["sha256"]:
             raise BadInput(f"bundle '{p}': {info['path']} does not match its sha256 in the "
                            "manifest (truncated or altered); copy the bundle again or "

@@ -36,20 +36,21 @@ from pathlib import Path
 from nanbisect import __version__
 from nanbisect.bundle.bounded import (DTYPE_BITS, MAX_HEADER_BYTES, MAX_JSON_DEPTH,
                                      MAX_JSON_ITEMS, MAX_MANIFEST_BYTES, MAX_NDIM, MAX_TENSORS,
-                                     MAX_WORLD_SIZE, _FIX, _kind, _limit, _load, _regular, _uint,
-                                     add_lazy, parse_json, read_header)
+                                     MAX_WORLD_SIZE, RECOPY_FIX, add_lazy, is_uint, kind_of,
+                                     load_tensors, parse_json, read_header, regular_file)
 from nanbisect.bundle.lazy import Layered, LazyTensors
 from nanbisect.bundle import codestore
 from nanbisect.bundle.check import check_state
 from nanbisect.bundle.where import check_bundle_dir
-from nanbisect.bundle.schema import (LAZY_ROLES, MANIFEST, PER_RANK, ROLES, SCHEMA, SCHEMA_VERSION,
-                                    SUFFIX, _REQUIRED, _REQUIRED_MULTI, _check_fields,
-                                    _check_replicas, _int, _safe_name, _strs, check_partial,
-                                    check_section, field_problem)
+from nanbisect.bundle.schema import (LAZY_ROLES, MANIFEST, PER_RANK, REQUIRED, REQUIRED_MULTI,
+                                    ROLES, SCHEMA, SCHEMA_VERSION, SUFFIX, check_fields,
+                                    check_partial, check_replicas, check_section, field_problem,
+                                    is_int, is_strs, safe_name)
 from nanbisect.bundle.state import Tensors
 from nanbisect.bundle.writer import environment, umask_mode, write_bundle
 from nanbisect.errors import BadInput
 from nanbisect.util.files import file_sha256 as _sha256
+from nanbisect.util.numbers import env
 from nanbisect.util.text import ranks_arg, show
 
 # the bundle's reader; its writer (`writer`), the bounded parsing of untrusted files (`bounded`)
@@ -81,8 +82,8 @@ class Bundle:
         those this part takes from lower ranks' parts included (from their own files, which
         `part` verified by their sha256)."""
         name = f"{role}{SUFFIX}"
-        out = (_load(self.path / name, f"bundle '{self.path}': {name}",
-                     checked=("head", str(self.path / name)) in self._cache)
+        out = (load_tensors(self.path / name, f"bundle '{self.path}': {name}",
+                            checked=("head", str(self.path / name)) in self._cache)
                if name in self.manifest["files"] else {})
         ref = (self.manifest.get("shared") or {}).get(name)
         if ref is None:
@@ -90,13 +91,20 @@ class Bundle:
         if self.borrowed is None:
             n = ref.get("tensors") if isinstance(ref, dict) else None
             raise BadInput(f"bundle '{self.path}' is one rank's part of a multi-rank bundle and "
-                           f"takes {n if _uint(n) else 'some'} tensors of {name} from a lower "
+                           f"takes {n if is_uint(n) else 'some'} tensors of {name} from a lower "
                            f"rank's part; open the whole bundle (nanbisect run "
                            f"'{self.path.parent}'), not one part")
         for owner, names in self.borrowed.get(name, []):
-            out.update(_load(owner / name, f"bundle '{owner.parent}': {owner.name}/{name}",
-                             names))
+            out.update(load_tensors(owner / name,
+                                    f"bundle '{owner.parent}': {owner.name}/{name}", names))
         return out
+
+    def header(self, name: str) -> dict[str, dict]:
+        """The safetensors header of this bundle's file ``name`` (`read_header`): the one
+        `read_bundle` read while verifying it when it kept it, else read now; e.g.
+        ``b.header("model.safetensors")["w"]["shape"]`` -> ``[4, 4]``."""
+        return self._cache.get(("head", str(self.path / name))) or \
+            read_header(self.path / name, f"bundle '{self.path}': {name}")
 
     def all_tensors(self) -> Tensors:
         out: Tensors = {}
@@ -180,8 +188,8 @@ def read_manifest(path: str | Path) -> dict:
 def _read_manifest(p: Path) -> dict:
     check_bundle_dir(p)     # exists, a directory, holds manifest.json (else: a folder of bundles?)
     mpath = p / MANIFEST
-    st = _regular(mpath, f"bundle '{p}': manifest.json")
-    limit = _limit("NANBISECT_MAX_MANIFEST_BYTES", MAX_MANIFEST_BYTES)
+    st = regular_file(mpath, f"bundle '{p}': manifest.json")
+    limit = env("NANBISECT_MAX_MANIFEST_BYTES", MAX_MANIFEST_BYTES)
     if st.st_size > limit:
         raise BadInput(f"bundle '{p}': manifest.json has {st.st_size} bytes, more than the "
                        f"{limit} nanbisect reads; re-capture the bundle (a real one this big: "
@@ -190,7 +198,7 @@ def _read_manifest(p: Path) -> dict:
         with open(mpath, "rb") as f:
             raw = f.read(st.st_size + 1)   # NB: not limit + 1: read(n) allocates n bytes
     except OSError as e:
-        raise BadInput(f"bundle '{p}': manifest.json cannot be read ({e.strerror}); {_FIX}") \
+        raise BadInput(f"bundle '{p}': manifest.json cannot be read ({e.strerror}); {RECOPY_FIX}") \
             from None
     if len(raw) > limit:
         raise BadInput(f"bundle '{p}': manifest.json grew past {limit} bytes while being "
@@ -231,18 +239,18 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
             raise BadInput(f"bundle '{p}': the part of rank {_part} is itself a multi-rank bundle; "
                            "re-capture the bundle")
         return _read_multi(p, manifest, verify)
-    _check_fields(p, manifest, _REQUIRED)
+    check_fields(p, manifest, REQUIRED)
     if _part is not None and manifest.get("rank") not in (None, _part):
         raise BadInput(f"bundle '{p}': the part listed for rank {_part} says it is rank "
                        f"{manifest['rank']}; re-capture the bundle")
     for name, info in manifest["files"].items():
-        if not _safe_name(name) or name == MANIFEST:
+        if not safe_name(name) or name == MANIFEST:
             raise BadInput(f"bundle '{p}': the manifest lists file {show(name)}, which is not a "
                            "plain file name in the bundle directory; re-capture the bundle")
         if not (isinstance(info, dict) and isinstance(info.get("sha256"), str)
-                and _uint(info.get("bytes"))):
+                and is_uint(info.get("bytes"))):
             raise BadInput(f"bundle '{p}': the manifest's entry for {show(name)} is "
-                           f"{_kind(info)}, not {{sha256: string, bytes: integer}}; re-capture "
+                           f"{kind_of(info)}, not {{sha256: string, bytes: integer}}; re-capture "
                            "the bundle")
     codestore.check(p, manifest, verify=False)   # stored code: paths inside code/ only
     if verify:
@@ -253,7 +261,7 @@ def read_bundle(path: str | Path, verify: bool = True, *, _part: int | None = No
             f = p / name
             if not os.path.lexists(f):
                 raise _missing(p, name)
-            st = _regular(f, f"bundle '{p}': {name}")
+            st = regular_file(f, f"bundle '{p}': {name}")
             if st.st_size != info["bytes"]:
                 raise BadInput(f"bundle '{p}': {name} does not match its sha256 in the manifest "
                                f"({st.st_size} bytes, the manifest says {info['bytes']}: "
@@ -340,7 +348,7 @@ def _check_lent(top: "Bundle", part: "Bundle", borrowed: dict) -> None:
 
 def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
     """A multi-rank bundle: the top manifest names one verified part per rank."""
-    _check_fields(p, manifest, _REQUIRED_MULTI)
+    check_fields(p, manifest, REQUIRED_MULTI)
     ranks, world = manifest["ranks"], manifest["world_size"]
     if world is None:
         raise BadInput(f"bundle '{p}': the top manifest's world_size is null, not an integer from "
@@ -358,7 +366,7 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
     dirs = []
     for r, info in ranks.items():
         d = info.get("dir") if type(info) is dict else None
-        if type(d) is not str or (d != "rank" + r and not _safe_name(d)):
+        if type(d) is not str or (d != "rank" + r and not safe_name(d)):
             raise BadInput(f"bundle '{p}': the top manifest's entry for rank {r} has no plain "
                            f"directory name in the bundle ('dir': {show(d)}); parts outside the "
                            "bundle are refused: re-capture the bundle")
@@ -377,12 +385,12 @@ def _read_multi(p: Path, manifest: dict, verify: bool) -> Bundle:
     if verify:
         for r, info in ranks.items():
             d = p / info["dir"]
-            _regular(d / MANIFEST, f"bundle '{p}': the manifest of rank {r}")
+            regular_file(d / MANIFEST, f"bundle '{p}': the manifest of rank {r}")
             if _sha256(d / MANIFEST) != info.get("manifest_sha256"):
                 raise BadInput(f"bundle '{p}': the manifest of rank {r} does not match its "
                                "sha256 in the top manifest; re-capture the bundle")
             read_bundle(d, verify=True, _part=int(r))
-    _check_replicas(p, manifest.get("replicas"))
+    check_replicas(p, manifest.get("replicas"))
     top = Bundle(p, manifest)
     if verify:   # every part's references to lower ranks' tensors resolve (files just verified)
         for r, info in ranks.items():
@@ -455,7 +463,7 @@ def _check_shared_entry(name: str, ref, shown: str) -> None:
     """`BadInput` unless a part's ``shared[name]`` names a tensor file other than batch or RNG
     and has the entry's form."""
     fix = _PART_FIX
-    if not (_safe_name(name) and name.endswith(SUFFIX)) or name == MANIFEST:
+    if not (safe_name(name) and name.endswith(SUFFIX)) or name == MANIFEST:
         raise BadInput(f"{shown} takes tensors of {show(name)} from another rank's part, "
                        "which is not a tensor file name of a part (parts outside the bundle "
                        f"are refused); {fix}")
@@ -463,10 +471,10 @@ def _check_shared_entry(name: str, ref, shown: str) -> None:
         raise BadInput(f"{shown} takes {name} from another rank's part, but every rank "
                        f"writes its batch and RNG itself; {fix}")
     frm = ref.get("from", {}) if isinstance(ref, dict) else None
-    if not (isinstance(ref, dict) and _int(ref.get("rank")) and _uint(ref.get("tensors"))
-            and isinstance(frm, dict) and all(_strs(v) for v in frm.values())
+    if not (isinstance(ref, dict) and is_int(ref.get("rank")) and is_uint(ref.get("tensors"))
+            and isinstance(frm, dict) and all(is_strs(v) for v in frm.values())
             and all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 10
-                    for k in frm) and _strs(ref.get("skip", []))):
+                    for k in frm) and is_strs(ref.get("skip", []))):
         raise BadInput(f"{shown}: its 'shared' entry for {name} is not {{rank: integer, "
                        "tensors: integer, from: {rank: [names]}, skip: [names]}; " + fix)
 
@@ -503,7 +511,7 @@ def _owner_names(top: Bundle, owner: int, name: str, shown: str, verify: bool) -
             raise BadInput(f"{where}, whose manifest does not match its sha256 in the top "
                            "manifest; re-capture the bundle")
         m = _read_manifest(d)
-        _check_fields(d, m, _REQUIRED)
+        check_fields(d, m, REQUIRED)
         top._cache[("manifest", owner)] = m
     entry = m["files"].get(name)
     if not isinstance(entry, dict):
@@ -513,7 +521,7 @@ def _owner_names(top: Bundle, owner: int, name: str, shown: str, verify: bool) -
     head = read_header(f, f"bundle '{top.path}': {info['dir']}/{name}")
     top._cache[("head", str(f))] = head
     if verify:
-        st = _regular(f, f"bundle '{top.path}': {info['dir']}/{name}")
+        st = regular_file(f, f"bundle '{top.path}': {info['dir']}/{name}")
         if st.st_size != entry.get("bytes", st.st_size) or _sha256(f) != entry.get("sha256"):
             raise BadInput(f"bundle '{top.path}': {info['dir']}/{name} does not match its sha256 "
                            "in its part's manifest (truncated or altered); copy the bundle again "

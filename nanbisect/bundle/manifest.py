@@ -130,3 +130,115 @@ class Manifest:
     def partial(self) -> dict | None:
         value = self.data.get("partial")
         return value if isinstance(value, dict) else None
+
+    # -- what a replay restores and checks -------------------------------------------------
+    @property
+    def model(self) -> dict:
+        """The ``model`` section: parameter and buffer names, ``aliases``, train/eval modes.
+
+        >>> Manifest({"model": {"params": ["w"], "buffers": []}}).model["params"]
+        ['w']
+        """
+        return _section(self.data, "model")
+
+    @property
+    def aliases(self) -> dict[str, str]:
+        """``model.aliases``: a tied parameter's name -> the name it is stored under.
+
+        >>> Manifest({"model": {"aliases": {"head.w": "emb.w"}}}).aliases, Manifest({}).aliases
+        ({'head.w': 'emb.w'}, {})
+        """
+        value = self.model.get("aliases")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def optimizer(self) -> dict | None:
+        """The ``optimizer`` section (class, state, param_groups); None when the capture had no
+        optimizer or left its state out.
+
+        >>> Manifest({"optimizer": None}).optimizer, Manifest({}).optimizer
+        (None, None)
+        >>> Manifest({"optimizer": {"class": "torch.optim.sgd.SGD"}}).optimizer["class"]
+        'torch.optim.sgd.SGD'
+        """
+        value = self.data.get("optimizer")
+        return value if isinstance(value, dict) else None
+
+    @property
+    def batch(self) -> Any:
+        """The ``batch`` section: the batch's pytree with its tensors' names (for
+        `nanbisect.bundle.state.decode`).
+
+        >>> Manifest({"batch": {"t": "tensor", "name": "batch/0"}}).batch["name"]
+        'batch/0'
+        """
+        return self.data.get("batch")
+
+    @property
+    def rng(self) -> dict:
+        """The ``rng`` section: the generators' states by device (`nanbisect.replay.rng`).
+
+        >>> Manifest({"rng": {"cpu": "rng/cpu"}}).rng, Manifest({}).rng
+        ({'cpu': 'rng/cpu'}, {})
+        """
+        return _section(self.data, "rng")
+
+    @property
+    def history(self) -> Any:
+        """The ``history`` section as written, None when absent (untrusted: checked by
+        `nanbisect.history.parse`).
+
+        >>> Manifest({}).history is None
+        True
+        """
+        return self.data.get("history")
+
+    @property
+    def torch_threads(self) -> int | None:
+        """``environment.torch_threads``: the capture's intra-op thread count, None when absent.
+
+        >>> Manifest({"environment": {"torch_threads": 8}}).torch_threads
+        8
+        >>> Manifest({}).torch_threads is None
+        True
+        """
+        value = self.environment.get("torch_threads")
+        return value if isinstance(value, int) else None
+
+    # -- the captured code -------------------------------------------------------------------
+    @property
+    def code(self) -> dict:
+        """The ``code`` section: the captured sources' hashes and the stored copies
+        (`nanbisect.bundle.codestore`); {} when absent."""
+        return _section(self.data, "code")
+
+    @property
+    def code_root(self) -> str | None:
+        """``code.root``: the directory the stored copies under ``code/`` were taken from.
+
+        >>> Manifest({"code": {"root": "/home/me/repo"}}).code_root, Manifest({}).code_root
+        ('/home/me/repo', None)
+        """
+        value = self.code.get("root")
+        return value if isinstance(value, str) else None
+
+    @property
+    def sources(self) -> dict[str, str]:
+        """``code.sources``: each captured user source file -> its sha256; {} when absent.
+
+        >>> Manifest({"code": {"sources": {"/r/t.py": "ab" * 32}}}).sources["/r/t.py"][:4]
+        'abab'
+        """
+        value = self.code.get("sources")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def entry_file(self) -> str | None:
+        """The entry file as captured: ``code.entry_file``, else the top-level ``entry_file``.
+
+        >>> Manifest({"entry_file": "/r/t.py"}).entry_file
+        '/r/t.py'
+        >>> Manifest({"code": {"entry_file": "/s/t.py"}, "entry_file": "/r/t.py"}).entry_file
+        '/s/t.py'
+        """
+        return self.code.get("entry_file") or self.data.get("entry_file")

@@ -12,7 +12,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from nanbisect.bundle.where import MANIFEST  # noqa: F401 - re-exported
-from nanbisect.bundle.bounded import MAX_WORLD_SIZE, _kind, _too_deep, _uint
+from nanbisect.bundle.bounded import MAX_WORLD_SIZE, is_uint, kind_of, too_deep
 from nanbisect.errors import BadInput
 from nanbisect.task import split_entry
 from nanbisect.util.compiled import MAX_DROPPED, MAX_NAME, option_problem
@@ -29,11 +29,13 @@ LAZY_ROLES = ("model", "optimizer")
 SUFFIX = ".safetensors"
 
 
-def _int(v) -> bool:
+def is_int(v) -> bool:
+    """Whether ``v`` is a JSON integer (``True`` is not)."""
     return type(v) is int   # NB: not bool
 
 
-def _strs(v) -> bool:
+def is_strs(v) -> bool:
+    """Whether ``v`` is a list of strings."""
     return isinstance(v, list) and all(isinstance(x, str) for x in v)
 
 
@@ -42,32 +44,33 @@ def _str_map(v, values: type = str) -> bool:
 
 
 _NONE = type(None)
-# field -> (check, what it must be); absent fields are fine unless `_REQUIRED`
+# field -> (check, what it must be); absent fields are fine unless `REQUIRED`
 _FIELDS = {
     "entry": (lambda v: isinstance(v, str) and v != "", "a non-empty string"),
     "files": (lambda v: isinstance(v, dict), "an object of file name -> {sha256, bytes}"),
-    "model": (lambda v: isinstance(v, dict) and _strs(v.get("params")) and _strs(v.get("buffers"))
-              and _str_map(v.get("aliases")) and _str_map(v.get("training", {}), bool)
-              and _strs(v.get("frozen", [])),
+    "model": (lambda v: isinstance(v, dict) and is_strs(v.get("params"))
+              and is_strs(v.get("buffers")) and _str_map(v.get("aliases"))
+              and _str_map(v.get("training", {}), bool)
+              and is_strs(v.get("frozen", [])),
               "an object with params and buffers (lists of names) and aliases (name -> name)"),
     "rng": (lambda v: isinstance(v, dict), "an object"),
     "optimizer": (lambda v: v is None or (isinstance(v, dict) and isinstance(v.get("class"), str)
                                           and isinstance(v.get("state"), dict)
                                           and isinstance(v.get("param_groups"), list)),
                   "null or an object with class, state and param_groups"),
-    "step": (lambda v: v is None or _int(v), "null or an integer"),
-    "world_size": (lambda v: v is None or (_int(v) and 1 <= v <= MAX_WORLD_SIZE),
+    "step": (lambda v: v is None or is_int(v), "null or an integer"),
+    "world_size": (lambda v: v is None or (is_int(v) and 1 <= v <= MAX_WORLD_SIZE),
                    f"null or an integer from 1 to {MAX_WORLD_SIZE}"),
-    "rank": (lambda v: v is None or (_int(v) and 0 <= v < MAX_WORLD_SIZE),
+    "rank": (lambda v: v is None or (is_int(v) and 0 <= v < MAX_WORLD_SIZE),
              "null or an integer >= 0"),
-    "dtypes": (lambda v: v is None or _strs(v), "null or a list of strings"),
+    "dtypes": (lambda v: v is None or is_strs(v), "null or a list of strings"),
     "kind": (lambda v: v in (None, "multi-rank"), "absent or 'multi-rank'"),
     **{k: (lambda v: v is None or isinstance(v, dict), "null or an object")
        for k in ("observed", "devices", "environment", "grad_scaler", "task", "code")},
     **{k: (lambda v: v is None or isinstance(v, str), "null or a string")
        for k in ("entry_file", "entry_file_from_bundle", "created", "backend")},
     "process_groups": (lambda v: v is None or (isinstance(v, dict) and all(
-        isinstance(r, list) and all(_int(x) for x in r) for r in v.values())),
+        isinstance(r, list) and all(is_int(x) for x in r) for r in v.values())),
         "null or an object of group name -> list of ranks"),
     "ranks": (lambda v: isinstance(v, dict), "an object of rank -> {dir, manifest_sha256}"),
     "shared": (lambda v: v is None or isinstance(v, dict),
@@ -103,8 +106,9 @@ def parts_missing(manifest: dict) -> list[dict]:
     return list(v) if isinstance(v, list) else []
 
 
-_REQUIRED = ("entry", "files", "model", "batch", "rng")
-_REQUIRED_MULTI = ("entry", "world_size", "ranks")
+# the fields a manifest must have: a bundle's (or a part's), a multi-rank bundle's top one
+REQUIRED = ("entry", "files", "model", "batch", "rng")
+REQUIRED_MULTI = ("entry", "world_size", "ranks")
 
 
 # --------------------------------------------------------------------------------------------
@@ -141,7 +145,7 @@ def _dtype_name(v) -> bool:
 
 def _names(v) -> bool:
     """nonfinite_grads / nonfinite_params as the Guard writes them."""
-    return isinstance(v, dict) and all(_strs(x) if k in ("nan", "inf") else _count(x)
+    return isinstance(v, dict) and all(is_strs(x) if k in ("nan", "inf") else _count(x)
                                        for k, x in v.items())
 
 
@@ -178,7 +182,7 @@ def check_compiled_options(p: Path, field: str, compiled) -> None:
 def _dropped(v) -> bool:
     """``task.compiled_dropped``: the names of the options the capture compiled with and did not
     record (`nanbisect.util.compiled.recorded`)."""
-    return _strs(v) and len(v) <= MAX_DROPPED and all(len(x) <= MAX_NAME for x in v)
+    return is_strs(v) and len(v) <= MAX_DROPPED and all(len(x) <= MAX_NAME for x in v)
 
 
 REBUILD_FIDELITY = ("bit-exact", "within-tolerance", "mismatch", "unavailable")
@@ -205,7 +209,7 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "accelerators": (lambda v: isinstance(v, list) and all(map(_device, v)),
                          "a list of device types")},
     "observed": {
-        "step": (lambda v: v is None or _int(v), "null or an integer"),
+        "step": (lambda v: v is None or is_int(v), "null or an integer"),
         "first": (lambda v: v is None or isinstance(v, str), "null or a string"),
         "loss": _LOSS, "grad_norm": _LOSS,
         "summary": (_str_map, "an object of strings"),
@@ -213,14 +217,14 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "nonfinite_params": (_names, "{nan: [names], inf: [names], nan_count, inf_count}"),
         "scaler_skips": (_count, "an integer >= 0"),
         "undeclared_scaler": (lambda v: isinstance(v, bool), "true or false"),
-        "rank": (lambda v: _int(v) and 0 <= v < MAX_WORLD_SIZE, "an integer >= 0"),
+        "rank": (lambda v: is_int(v) and 0 <= v < MAX_WORLD_SIZE, "an integer >= 0"),
         "spike": (lambda v: isinstance(v, dict) and all(map(_num, v.values())),
                   "an object of numbers"),
         "rebuild": (_rebuild, "{from_step: null or an integer >= 0, steps: an integer >= 0, "
                     "fidelity: one of " + ", ".join(REBUILD_FIDELITY) + ", max_rel_diff: null "
                     "or a number, first_mismatch: null or an integer, why: a string}")},
     "task": {
-        "accumulate": (lambda v: _int(v) and 1 <= v <= MAX_ACCUMULATE,
+        "accumulate": (lambda v: is_int(v) and 1 <= v <= MAX_ACCUMULATE,
                        f"an integer from 1 to {MAX_ACCUMULATE}"),
         "clip_grad_norm": (lambda v: v is None or (_num(v) and v > 0), "null or a number > 0"),
         "grad_scaler": (lambda v: isinstance(v, bool), "true or false"),
@@ -233,8 +237,8 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
     "grad_scaler": {   # torch's GradScaler.state_dict(): all five, or {} (a disabled scaler)
         "scale": (lambda v: _num(v) and v >= 0, "a number >= 0"),
         "growth_factor": (_num, "a number"), "backoff_factor": (_num, "a number"),
-        "growth_interval": (lambda v: _int(v) and v >= 1, "an integer >= 1"),
-        "_growth_tracker": (lambda v: _int(v) and v >= 0, "an integer >= 0")},
+        "growth_interval": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+        "_growth_tracker": (lambda v: is_int(v) and v >= 0, "an integer >= 0")},
     "code": {
         "entry_file": (lambda v: v is None or _path(v), "null or a path"),
         "sources": (lambda v: isinstance(v, dict) and all(map(_path, v))
@@ -246,20 +250,20 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
             "an object of path -> {path: 'code/...', sha256, bytes}"),
         "left_out": (lambda v: isinstance(v, dict) and all(map(_path, v)) and _str_map(v),
                      "an object of path -> reason"),
-        "import_roots": (_strs, "a list of directories under code/"),
+        "import_roots": (is_strs, "a list of directories under code/"),
         "caps": (lambda v: isinstance(v, dict) and all(map(_count, v.values())),
                  "an object of integers")},
     "environment": {
         **{k: (lambda v: isinstance(v, str), "a string")
            for k in ("nanbisect", "torch", "python", "numpy", "safetensors", "platform")},
-        "torch_threads": (lambda v: _int(v) and 1 <= v <= MAX_THREADS,
+        "torch_threads": (lambda v: is_int(v) and 1 <= v <= MAX_THREADS,
                           f"an integer from 1 to {MAX_THREADS}"),
         "hardware": (lambda v: isinstance(v, dict), "an object")},
 }
 
 
 def _bad(p: Path, field: str, value, want: str) -> BadInput:
-    return BadInput(f"bundle '{p}': manifest.json field '{field}' is {_kind(value)}, not "
+    return BadInput(f"bundle '{p}': manifest.json field '{field}' is {kind_of(value)}, not "
                     f"{want}; the manifest was altered or damaged: re-capture the bundle")
 
 
@@ -275,7 +279,7 @@ def _section_problem(name: str, v: dict) -> tuple[str | None, str] | None:
     for key, (ok, want) in spec.items():
         if key in v and not ok(v[key]):
             return key, want
-    if _too_deep(v, MAX_SECTION_DEPTH):
+    if too_deep(v, MAX_SECTION_DEPTH):
         return None, f"nested at most {MAX_SECTION_DEPTH} levels deep"
     return None
 
@@ -344,7 +348,9 @@ def field_problem(key: str, value) -> str | None:
     return want if k is None else f"an object whose '{k}' is {want}"
 
 
-def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
+def check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
+    """`BadInput` naming the first field of manifest ``m`` (of bundle ``p``) that is missing
+    (of ``required``) or not of its type (`_FIELDS`), then `check_sections`."""
     for key in required:
         if key not in m:
             raise BadInput(f"bundle '{p}': manifest.json lacks '{key}'; re-capture the bundle")
@@ -354,26 +360,26 @@ def _check_fields(p: Path, m: dict, required: tuple[str, ...]) -> None:
     check_sections(p, m)
 
 
-def _safe_name(name) -> bool:
+def safe_name(name) -> bool:
     """A plain entry of the bundle directory: no path, no '.', '..', NUL or control character."""
     return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name
             and "\\" not in name and name.isprintable() and len(name.encode("utf-8", "replace"))
             <= 255)
 
 
-def _check_replicas(p: Path, v) -> None:
+def check_replicas(p: Path, v) -> None:
     """The top manifest's ``replicas`` has the shape `guard.coord` writes (what inspect and
     the report read from it)."""
     if v is None:
         return
 
     def ranks_list(x) -> bool:
-        return isinstance(x, list) and all(_int(y) for y in x)
+        return isinstance(x, list) and all(is_int(y) for y in x)
 
     rows = v.get("out_of_sync", [])
     ok = (isinstance(v.get("groups", []), list) and all(map(ranks_list, v.get("groups", [])))
-          and _uint(v.get("shared_bytes", 0)) and _uint(v.get("shared_tensors", 0))
-          and _uint(v.get("out_of_sync_count", 0)) and ranks_list(v.get("uncompared", []))
+          and is_uint(v.get("shared_bytes", 0)) and is_uint(v.get("shared_tensors", 0))
+          and is_uint(v.get("out_of_sync_count", 0)) and ranks_list(v.get("uncompared", []))
           and isinstance(rows, list) and all(
               isinstance(e, dict) and isinstance(e.get("tensor"), str)
               and isinstance(e.get("ranks"), list) and all(map(ranks_list, e["ranks"]))
@@ -399,19 +405,19 @@ def check_partial(p: Path, v, world: int, listed) -> list[int]:
         return []
     fix = "the manifest was altered or damaged: re-capture the bundle"
     missing, reasons = v.get("missing_ranks"), v.get("reasons", {})
-    if not (isinstance(missing, list) and missing and all(_int(r) for r in missing)
+    if not (isinstance(missing, list) and missing and all(is_int(r) for r in missing)
             and all(a < b for a, b in zip(missing, missing[1:]))
             and 0 <= missing[0] and missing[-1] < world):
         raise BadInput(f"bundle '{p}': the top manifest's 'partial' has missing_ranks "
-                       f"{_kind(missing)}, not a non-empty increasing list of ranks from 0 to "
+                       f"{kind_of(missing)}, not a non-empty increasing list of ranks from 0 to "
                        f"{world - 1}; {fix}")
     if not (isinstance(reasons, dict) and all(
             isinstance(k, str) and k.isascii() and k.isdigit() and len(k) < 10
             and isinstance(t, str) and len(t) <= MAX_REASON for k, t in reasons.items())
             and {int(k) for k in reasons} <= set(missing)):
-        raise BadInput(f"bundle '{p}': the top manifest's 'partial' has reasons {_kind(reasons)}, "
-                       f"not an object of missing rank -> text (at most {MAX_REASON} characters); "
-                       f"{fix}")
+        raise BadInput(f"bundle '{p}': the top manifest's 'partial' has reasons "
+                       f"{kind_of(reasons)}, not an object of missing rank -> text (at most "
+                       f"{MAX_REASON} characters); {fix}")
     if len(listed) + len(missing) != world or any(str(r) in listed for r in missing):
         raise BadInput(f"bundle '{p}': the top manifest lists {len(listed)} parts and "
                        f"{len(missing)} missing ranks, not each rank 0..{world - 1} of its world "

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from nanbisect import devices
-from nanbisect.bundle.code import _excluded_roots, _is_user
+from nanbisect.bundle.code import is_user_file
 from nanbisect.bundle.lazy import fill
 from nanbisect.errors import BadInput
 
@@ -350,7 +350,7 @@ def same_class(recorded: str, cls: type) -> bool:
     if module != "__main__" or qualname != cls.__qualname__:
         return False
     f = getattr(sys.modules.get(cls.__module__), "__file__", None)
-    return isinstance(f, str) and _is_user(Path(f).resolve(), _excluded_roots())
+    return isinstance(f, str) and is_user_file(Path(f).resolve())
 
 
 def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, where: str,

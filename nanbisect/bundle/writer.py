@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 from nanbisect import __version__, devices
 from nanbisect.bundle import codestore
 from nanbisect.bundle.atomic import place
-from nanbisect.bundle.schema import MANIFEST, ROLES, SCHEMA, SUFFIX, _safe_name
+from nanbisect.bundle.schema import MANIFEST, ROLES, SCHEMA, SUFFIX, safe_name
 from nanbisect.bundle.state import Tensors
 from nanbisect.util.files import file_sha256 as _sha256
 from nanbisect.util.staging import make_staging_dir, staging_path, unmark
@@ -117,7 +117,7 @@ def write_bundle(path: Path, manifest: dict, tensors: dict[str, Tensors],
             if not tensors.get(role):
                 continue
             name = f"{role}{SUFFIX}"
-            if not _safe_name(name):
+            if not safe_name(name):
                 raise ValueError(f"tensor role {role!r} is not a plain file name")
             _storable(role, tensors[role])
             save_file(tensors[role], str(tmp / name))

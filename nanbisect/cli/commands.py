@@ -176,7 +176,7 @@ def inspect(
     """Summarise a bundle; never runs any of its code (imports no user code, unpickles nothing,
     bounded time and memory): safe on untrusted bundles."""
     checked("inspect", locals())
-    from nanbisect.bundle.summary import (directory_summary, directory_text, summarize,
+    from nanbisect.bundle.describe import (directory_summary, directory_text, summarize,
                                           summary_text)
 
     listing = directory_summary(bundle)   # a folder of bundles, or of a killed capture's leftovers

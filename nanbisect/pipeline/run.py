@@ -216,7 +216,7 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, t
                 t_dev: torch.device, t_dtype: torch.dtype | None,
                 code_note: str | None = None) -> Report:
     where = f"bundle '{bundle.path}'"
-    history = hist.parse(bundle.manifest, bundle.tensors(hist.ROLE), where)
+    history = hist.parse(Manifest.of(bundle).history, bundle.tensors(hist.ROLE), where)
     window = None
     if opts.steps is not None:
         window = lookback.parse(bundle, where)

@@ -26,6 +26,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.lookback import BundleView, Window
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.bundle.state import encode_model, encode_optimizer, local
 from nanbisect.errors import BadInput
 from nanbisect.records import StepRow, StepsWindow, json_number
@@ -84,8 +85,8 @@ def _encode_state(rep: Replayer) -> dict[str, torch.Tensor | dict]:
     """The target's state as a bundle stores it (host copies): model, optimizer, scaler."""
     ts: dict = {}
     meta = encode_model(rep.task.model, ts)
-    m = rep.bundle.manifest["model"]
-    meta.update({k: m[k] for k in ("training", "frozen") if k in m})
+    model = Manifest.of(rep.bundle).model
+    meta.update({k: model[k] for k in ("training", "frozen") if k in model})
     opt = encode_optimizer(rep.task.optimizer, ts) if rep.task.optimizer is not None else None
     scaler = rep.task.grad_scaler
     sc = None
@@ -99,8 +100,9 @@ def _recorded_gap(rep: Replayer, bundle: Bundle) -> dict:
     """How far the target's state is from the bundle's recorded pre-state of the failing step."""
     rec = bundle.all_tensors()
     worst, exact, compared = 0.0, True, 0
+    aliases = Manifest.of(bundle).aliases
     for name, p in rep.task.model.named_parameters():
-        saved = rec.get(f"model/{bundle.manifest['model']['aliases'].get(name, name)}")
+        saved = rec.get(f"model/{aliases.get(name, name)}")
         if saved is None or saved.shape != local(p).shape:
             continue
         a = local(p).detach().to(devices.HOST)

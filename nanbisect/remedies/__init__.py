@@ -42,6 +42,7 @@ import torch
 
 from nanbisect import devices
 from nanbisect.bundle.lookback import Window
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.bundle.state import decode
 from nanbisect.records import Culprit, OpFinding, Remedy, RowTrace, module_label
 from nanbisect.remedies.batch import drop_rows, identify, row_count
@@ -142,7 +143,7 @@ def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
 
 
 def _batch(rep: Replayer) -> Any:
-    return decode(rep.bundle.manifest["batch"], rep.tensors, devices.HOST)
+    return decode(Manifest.of(rep.bundle).batch, rep.tensors, devices.HOST)
 
 
 def _samples(trials: Trials, trace: RowTrace | None) -> Remedy:

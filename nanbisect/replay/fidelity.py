@@ -52,7 +52,7 @@ def match_threads(bundle: Bundle, device: torch.device) -> str | None:
     add in another order and may differ in the last bits: `check` then lists the thread count
     among what changed, so the loss is compared within the dtype's tolerance, not bit for bit.
     """
-    want = (bundle.manifest.get("environment") or {}).get("torch_threads")
+    want = Manifest.of(bundle).torch_threads
     have = torch.get_num_threads()
     if not devices.on_host(device) or not isinstance(want, int) or want < 1:
         return None
@@ -181,13 +181,13 @@ def captured_on(manifest: dict) -> str:
 def _stored_root(bundle: Bundle, entry_file: str) -> tuple[Path, Path] | None:
     """(the captured root, the ``code/`` holding its copy) when ``entry_file`` is a stored copy
     of ``bundle``'s code (or of another rank's part of its multi-rank bundle); else None."""
-    code = bundle.manifest.get("code") or {}
-    if not entry_file.endswith(".py") or not isinstance(code.get("root"), str):
+    root = Manifest.of(bundle).code_root
+    if not entry_file.endswith(".py") or root is None:
         return None
     f = Path(entry_file).resolve()
     for d in f.parents:
         if d.name == CODE_DIR:
-            return (Path(code["root"]), d) if (d.parent / "manifest.json").is_file() else None
+            return (Path(root), d) if (d.parent / "manifest.json").is_file() else None
     return None
 
 

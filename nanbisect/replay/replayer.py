@@ -129,7 +129,7 @@ class Replayer:
         self.task.model.to(device)
         if dtype is not None:
             # NB: not model.to(dtype), which drops the imaginary part of complex parameters
-            self.task.model._apply(lambda t: cast_floating(t, dtype))
+            ti.apply_to_tensors(self.task.model, lambda t: cast_floating(t, dtype))
         self._where = where
         self.notes = apply_step_shape(self.task, m.get("task"), device, dtype)
         if self.optimizer_left_out is not None:
@@ -196,9 +196,9 @@ class Replayer:
                     self.notes.append(f"the optimizer could not be reset between runs "
                                       f"({type(e).__name__}); each run starts from the last")
         elif self.task.optimizer is not None:
-            written += restore_optimizer(self.task.optimizer, self.bundle.manifest["optimizer"],
-                                         self.tensors, self._where, in_place=self.restores > 0,
-                                         keep=keep)
+            written += restore_optimizer(self.task.optimizer,
+                                         Manifest.of(self.bundle).optimizer, self.tensors,
+                                         self._where, in_place=self.restores > 0, keep=keep)
         self.restores += 1
         self.restore_counts.append(written)
         self._mark_restored()
@@ -225,7 +225,7 @@ class Replayer:
         """Make the next `run` (``keep_state=True``) the step of ``bundle`` (a step of a window:
         its batch, RNG and hyper-parameters) from the state the last run left behind."""
         self.bundle, self.tensors = bundle, bundle.state_tensors()
-        self.rng = RngState.decode(bundle.manifest["rng"], self.tensors)
+        self.rng = RngState.decode(Manifest.of(bundle).rng, self.tensors)
 
     def inputs(self) -> Any:
         """The step's batch on the device, its RNG and its optimizer hyper-parameters set,
@@ -391,7 +391,7 @@ def apply_step_shape(task: Task, shape: dict | None, device: torch.device,
 def _mark(t: torch.Tensor) -> tuple:
     """What moves when a tensor is written or replaced: its version counter, storage, dtype,
     device."""
-    return (t._version, t.data_ptr(), t.dtype, t.device)
+    return (ti.version_counter(t), t.data_ptr(), t.dtype, t.device)
 
 
 def stacked(*cms: ContextManager) -> ExitStack:
@@ -485,11 +485,10 @@ def code_choice(bundle: Bundle, code: str | None = None) -> tuple[str, str | Non
 
 def _local_differs(bundle: Bundle, local: Path | None) -> str | None:
     """Why the local files are not the captured code (None: they are)."""
-    code = bundle.manifest.get("code") or {}
+    view = Manifest.of(bundle)
     if local is None:
         return "the entry file is not here"
-    captured = code.get("entry_file") or bundle.manifest.get("entry_file")
-    changed, missing = changed_sources(code.get("sources") or {}, relocation(captured, str(local)))
+    changed, missing = changed_sources(view.sources, relocation(view.entry_file, str(local)))
     if changed:
         return (f"{len(changed)} file(s) here differ from the captured ones (e.g. "
                 f"{changed[0]}); --code local runs them")

@@ -95,7 +95,7 @@ class Report:
         base = sorted({r for row in rows for r in (row.ranks[0] if row.ranks else [])}
                       - set(off))
 
-        from nanbisect.bundle.summary import out_of_sync_text
+        from nanbisect.bundle.describe import out_of_sync_text
         from nanbisect.util.text import ranges, ranks_text
 
         def one(row: ReplicaDiff) -> str:      # (bundle content: bounded, as inspect shows it)

@@ -29,7 +29,7 @@ def foreign_files(path: Path) -> list[str] | None:
         return None
     ours = {f: d for f, d in head["files"].items() if isinstance(f, str)}
     # a file added since, or one of ours edited since (the user's notes in report.md)
-    return sorted(f for f in _files(path) if f != MARKER
+    return sorted(f for f in files_under(path) if f != MARKER
                   and (f not in ours or file_sha256(path / f, missing_ok=True) != ours[f]))
 
 
@@ -70,7 +70,7 @@ def is_report_dir(path: Path) -> bool:
     return foreign_files(path) == []
 
 
-def _files(root: Path) -> list[str]:
+def files_under(root: Path) -> list[str]:
     """Every entry under ``root`` but directories, as POSIX paths relative to it."""
     out = []
     for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
@@ -80,7 +80,8 @@ def _files(root: Path) -> list[str]:
     return out
 
 
-def _inside(path: Path, root: Path) -> bool:
+def inside(path: Path, root: Path) -> bool:
+    """Whether ``path`` is ``root`` or under it (the paths as given: resolve them first)."""
     return path == root or root in path.parents
 
 
@@ -104,10 +105,10 @@ def check_out(out: Path, bundle: Path | None = None) -> Path:
             raise BadInput(f"--out '{given}' is the bundle itself; writing the report there would "
                            "replace the bundle: pass another directory (default: "
                            f"BUNDLE/{DEFAULT_NAME})")
-        if _inside(resolved, b) and resolved != default:
+        if inside(resolved, b) and resolved != default:
             raise BadInput(f"--out '{given}' is inside the bundle; only BUNDLE/{DEFAULT_NAME} "
                            "may be written there: pass a directory outside the bundle")
-        if _inside(b, resolved):
+        if inside(b, resolved):
             raise BadInput(f"--out '{given}' holds the bundle; replacing it would delete the "
                            "bundle: pass a directory that does not contain it")
     if out.is_symlink():

@@ -39,8 +39,9 @@ from nanbisect.records import StageError, after_verdict
 from nanbisect.report.model import SCHEMA, Report
 from nanbisect.report.page import to_html
 from nanbisect.report.text import to_markdown
-from nanbisect.report.out import (DEFAULT_NAME, MARKER, _files, _inside,  # noqa: F401
-                                  check_out, foreign_files, is_report_dir, older_report)
+from nanbisect.report.out import (DEFAULT_NAME, MARKER, check_out,  # noqa: F401
+                                  files_under, foreign_files, inside, is_report_dir,
+                                  older_report)
 from nanbisect.util.files import file_sha256, os_error, remove_made
 from nanbisect.util.recordjson import dumps
 from nanbisect.util.staging import MARKER as STAGING_MARKER
@@ -63,7 +64,7 @@ def staged(out: Path, bundle: Path | None = None) -> Iterator[Path]:
         yield tmp
         # the marker lists what was written, with each file's sha256: a file someone adds or
         # edits later makes the directory no longer only ours
-        files = {f: file_sha256(tmp / f, missing_ok=True) for f in sorted(_files(tmp))
+        files = {f: file_sha256(tmp / f, missing_ok=True) for f in sorted(files_under(tmp))
                  if f != STAGING_MARKER}
         (tmp / MARKER).write_text(json.dumps({"schema": "nanbisect.report/1", "files": files},
                                              indent=1) + "\n")
@@ -131,7 +132,7 @@ def _about_out(err: OSError, out: Path, tmp: Path) -> bool:
     if not names:
         return err.errno in _NO_ROOM
     paths = [Path(os.path.abspath(os.fsdecode(n))) for n in names]
-    return any(p.parent == out.parent or _inside(p, tmp) or _inside(p, out) for p in paths)
+    return any(p.parent == out.parent or inside(p, tmp) or inside(p, out) for p in paths)
 
 
 def _cannot_write(out: Path, e: OSError) -> BadInput:

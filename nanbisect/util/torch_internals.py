@@ -139,6 +139,26 @@ def disable_current_modes():
     return _disable_current_modes()
 
 
+# -- the replay's private torch reads --------------------------------------------------------
+def apply_to_tensors(module: torch.nn.Module, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """Replace every parameter and buffer of ``module`` (and its children) by ``fn`` of it, as
+    ``module.to`` does (``Module._apply``: parameters stay parameters, their gradients follow);
+    the replay casts with it, since ``module.to(dtype)`` drops the imaginary part of complex
+    parameters. Checked on torch 2.13.0."""
+    module._apply(fn)
+
+
+def version_counter(t: torch.Tensor) -> int:
+    """``t``'s version counter (``Tensor._version``): bumped by every in-place write through
+    ``t`` or a view of it, not by a write through ``.data``. Checked on torch 2.13.0.
+
+    >>> t = torch.zeros(2); before = version_counter(t); _ = t.add_(1)
+    >>> version_counter(t) - before
+    1
+    """
+    return t._version
+
+
 # -- the observer dispatch mode -----------------------------------------------------------------
 aten = torch.ops.aten
 # Pure metadata ops: an observer that counted them would depend on Python-side shape queries.

@@ -113,7 +113,7 @@ def hostile_replicas() -> dict:
 
 
 def test_report_notes_quoting_replicas_are_bounded(tmp_path):
-    from nanbisect.bundle.summary import replicas_text
+    from nanbisect.bundle.describe import replicas_text
     from nanbisect.records import Losses, RunFacts
     from nanbisect.report.model import Report
     from nanbisect.report.text import terminal, to_markdown

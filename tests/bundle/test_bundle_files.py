@@ -205,7 +205,7 @@ def test_the_manifest_view_reads_captured_on_by_one_rule(tmp_path):
     """`Manifest`: read once through the bounded reader; ``captured_on`` is the manifest's,
     the host's type when it names none (a section or a field left out)."""
     from nanbisect.bundle.manifest import Manifest, captured_on
-    from nanbisect.bundle.summary import summarize, summary_text
+    from nanbisect.bundle.describe import summarize, summary_text
 
     m = Manifest.read("fixtures/bundles/nan_batch")
     assert m.captured_on == "cpu" and m.captured_type == "cpu" and m.captured_on_host

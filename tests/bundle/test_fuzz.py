@@ -35,7 +35,7 @@ from nanbisect import BadInput
 from nanbisect.bundle.format import read_bundle, read_header
 from nanbisect.bundle.state import (RngState, decode, restore_model, restore_modes,
                                      restore_optimizer)
-from nanbisect.bundle.summary import summarize, summary_text
+from nanbisect.bundle.describe import summarize, summary_text
 from helpers.hostile import bundle, make_task, multi
 
 _N = int(os.environ.get("NANBISECT_FUZZ_EXAMPLES", "0"))
@@ -382,9 +382,10 @@ def load_steps(path: Path) -> None:
     import drift
     from nanbisect import history
     from nanbisect.bundle import lookback
+    from nanbisect.bundle.manifest import Manifest
 
     b = read_bundle(path)
-    history.findings(history.parse(b.manifest, b.tensors(history.ROLE), "fuzz"))
+    history.findings(history.parse(Manifest.of(b).history, b.tensors(history.ROLE), "fuzz"))
     w = lookback.parse(b, "fuzz")
     if w is None:
         return

@@ -20,7 +20,7 @@ from safetensors.torch import save
 from helpers import invoke
 from nanbisect import BadInput
 from nanbisect.bundle.format import SCHEMA, read_bundle
-from nanbisect.bundle.summary import summarize
+from nanbisect.bundle.describe import summarize
 from helpers.hostile import (DATA, HEAD, bundle, edit, ln, multi, put_file,
                              reseal_part, sha256, st, with_tensor)
 

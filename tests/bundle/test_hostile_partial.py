@@ -9,7 +9,7 @@ import pytest
 from helpers import invoke
 from nanbisect import BadInput
 from nanbisect.bundle.format import read_bundle
-from nanbisect.bundle.summary import summarize, summary_text
+from nanbisect.bundle.describe import summarize, summary_text
 from helpers.hostile import (REASON, edit, multi, partial, reseal_part)
 
 

@@ -15,7 +15,7 @@ from helpers import ROOT, cli, invoke, one_line_exit_2
 from nanbisect import BadInput
 from nanbisect.bundle import bounded
 from nanbisect.bundle.format import read_bundle, read_header
-from nanbisect.bundle.summary import summarize, summary_text
+from nanbisect.bundle.describe import summarize, summary_text
 from helpers.hostile import (_modes, bundle, edit, measured, multi)
 from test_hostile import _deep_manifest, _world_1e8
 

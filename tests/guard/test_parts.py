@@ -17,7 +17,7 @@ from helpers.bundles import run_ranks
 from helpers import TEST_TASKS, cli, invoke
 from helpers.mounts import tmpfs
 from nanbisect.bundle.format import read_bundle
-from nanbisect.bundle.summary import directory_summary
+from nanbisect.bundle.describe import directory_summary
 
 # slow (multi-rank runs): started first under -n 3 (tests/conftest.py)
 pytestmark = pytest.mark.slow

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from nanbisect.bundle.format import MANIFEST, Bundle, read_bundle, read_header
+from nanbisect.bundle.format import MANIFEST, Bundle, read_bundle
 from nanbisect.bundle.leftovers import find_leftovers, walk
 from nanbisect.bundle.manifest import Manifest, captured_on
 from nanbisect.util.text import MAX_LINE, clip, ranges, ranks_text, show
@@ -118,8 +118,7 @@ def _summary(b: Bundle) -> dict:
     m = b.manifest
     files = {}
     for name, info in m["files"].items():
-        head = b._cache.get(("head", str(b.path / name))) or \
-            read_header(b.path / name, f"bundle '{b.path}': {name}")   # (read_bundle's, if kept)
+        head = b.header(name)     # (read_bundle's, if kept)
         dtypes: dict[str, int] = {}
         for t in head.values():
             dtypes[t["dtype"]] = dtypes.get(t["dtype"], 0) + 1
@@ -263,7 +262,7 @@ def partial_text(partial: dict) -> str:
 
 
 def replicas_text(rep: dict) -> str:
-    """One line on a multi-rank bundle's ``replicas`` (what `format._check_replicas` accepted):
+    """One line on a multi-rank bundle's ``replicas`` (what `schema.check_replicas` accepted):
     the first four groups and the first two rows out of sync, ranks as ranges, names cut short.
 
     >>> for part in replicas_text({
