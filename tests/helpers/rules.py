@@ -262,18 +262,25 @@ def _names_manifest(node: ast.AST) -> bool:
 
 
 def manifest_reads(pkg: Path = PKG) -> list[Finding]:
+    """Reads of a manifest dict: on a name or attribute ending in ``manifest``, or on a name
+    the module binds to one (``m = bundle.manifest``; ``m`` means the manifest module-wide)."""
     out = []
     for path, tree, _ in _parsed(pkg):
         rel = _rel(path, pkg)
         if rel.startswith(f"{pkg.name}/bundle/"):
             continue
+        bound = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                 and _names_manifest(node.value) for t in node.targets if isinstance(t, ast.Name)}
+
+        def _names_manifest_here(node: ast.AST) -> bool:
+            return _names_manifest(node) or (isinstance(node, ast.Name) and node.id in bound)
         for node in ast.walk(tree):
-            if isinstance(node, ast.Subscript) and _names_manifest(node.value):
+            if isinstance(node, ast.Subscript) and _names_manifest_here(node.value):
                 out.append(Finding(rel, node.lineno, "manifest[...]: read the Manifest view"))
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
                     and node.func.attr in ("get", "items", "keys", "values", "setdefault",
                                            "pop", "update") \
-                    and _names_manifest(node.func.value):
+                    and _names_manifest_here(node.func.value):
                 out.append(Finding(rel, node.lineno,
                                    f"manifest.{node.func.attr}(...): read the Manifest view"))
     return out

@@ -125,12 +125,14 @@ def test_raw_manifest_reads_outside_the_bundle_are_found(tmp_path):
             def read(bundle, manifest, view):
                 bundle.manifest["step"]
                 manifest.get("observed")
+                m = bundle.manifest
+                m["rng"]
                 return view.step
             """,
         "bundle/ok.py": "def read(manifest):\n    return manifest['step']\n",
     })
     assert _where(rules.manifest_reads(pkg)) == {("nanbisect/a.py", 2),
-                                                 ("nanbisect/a.py", 3)}
+                                                 ("nanbisect/a.py", 3), ("nanbisect/a.py", 5)}
 
 
 def test_a_device_string_parsed_a_second_time_is_found(tmp_path):
