@@ -241,4 +241,117 @@ class Manifest:
         >>> Manifest({"code": {"entry_file": "/s/t.py"}, "entry_file": "/r/t.py"}).entry_file
         '/s/t.py'
         """
-        return self.code.get("entry_file") or self.data.get("entry_file")
+        return self.code_entry_file or self.capture_entry_file
+
+    # -- what a replay finds its entry and step shape by -------------------------------------
+    @property
+    def entry_target(self) -> str:
+        """The entry's file or module: its text before the last ``:`` ('' when absent).
+
+        >>> Manifest({"entry": "t.py:task"}).entry_target, Manifest({}).entry_target
+        ('t.py', '')
+        """
+        return str(self.data.get("entry", "")).rpartition(":")[0]
+
+    @property
+    def entry_function(self) -> str:
+        """The entry's function: its text after the last ``:`` ('' when absent).
+
+        >>> Manifest({"entry": "pkg.mod:task"}).entry_function, Manifest({}).entry_function
+        ('task', '')
+        """
+        return str(self.data.get("entry", "")).rpartition(":")[2]
+
+    @property
+    def capture_entry_file(self) -> str | None:
+        """The top-level ``entry_file``: where the capturing process found its entry file (the
+        code section's is `code_entry_file`; `entry_file` prefers that one). None when absent.
+
+        >>> m = Manifest({"entry_file": "/r/t.py", "code": {"entry_file": "/s/t.py"}})
+        >>> m.capture_entry_file, m.code_entry_file, m.entry_file
+        ('/r/t.py', '/s/t.py', '/s/t.py')
+        """
+        return self.data.get("entry_file")
+
+    @property
+    def entry_file_from_bundle(self) -> str | None:
+        """``entry_file_from_bundle``: the entry file's path relative to the bundle directory
+        (checked by the schema: a relative ``.py`` path), None when absent.
+
+        >>> Manifest({"entry_file_from_bundle": "../t.py"}).entry_file_from_bundle
+        '../t.py'
+        """
+        return self.data.get("entry_file_from_bundle")
+
+    @property
+    def code_entry_file(self) -> str | None:
+        """``code.entry_file``: the entry file among the captured sources, None when absent.
+
+        >>> Manifest({}).code_entry_file is None
+        True
+        """
+        return self.code.get("entry_file")
+
+    @property
+    def code_files(self) -> dict[str, dict]:
+        """``code.files``: each stored source -> ``{path: 'code/...', sha256, bytes}``
+        (`nanbisect.bundle.codestore`); {} when absent.
+
+        >>> Manifest({"code": {"files": {"/r/t.py": {"path": "code/t.py"}}}}).code_files["/r/t.py"]
+        {'path': 'code/t.py'}
+        """
+        value = self.code.get("files")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def code_left_out(self) -> dict[str, str]:
+        """``code.left_out``: each source the capture did not store -> why; {} when absent.
+
+        >>> Manifest({"code": {"left_out": {"/r/big.py": "over the cap"}}}).code_left_out
+        {'/r/big.py': 'over the cap'}
+        """
+        value = self.code.get("left_out")
+        return value if isinstance(value, dict) else {}
+
+    @property
+    def grad_scaler(self) -> dict | None:
+        """The ``grad_scaler`` section: the GradScaler's ``state_dict()`` ({} for a disabled
+        scaler), None when the capture had none.
+
+        >>> Manifest({"grad_scaler": {}}).grad_scaler, Manifest({}).grad_scaler
+        ({}, None)
+        """
+        value = self.data.get("grad_scaler")
+        return value if isinstance(value, dict) else None
+
+    @property
+    def compiled(self) -> dict | None:
+        """``task.compiled``: the capture's ``torch.compile`` ({backend, mode, options}), None
+        for an eager capture.
+
+        >>> Manifest({"task": {"compiled": {"backend": "inductor"}}}).compiled["backend"]
+        'inductor'
+        >>> Manifest({"task": {"compiled": None}}).compiled is None
+        True
+        """
+        return self.task.get("compiled") or None
+
+    @property
+    def scaler_skips(self) -> int:
+        """``observed.scaler_skips``: the steps the GradScaler skipped in a row before the
+        capture (a stall's bundle), 0 when absent.
+
+        >>> Manifest({"observed": {"scaler_skips": 3}}).scaler_skips, Manifest({}).scaler_skips
+        (3, 0)
+        """
+        return (self.observed or {}).get("scaler_skips") or 0
+
+    @property
+    def lookback_groups(self) -> Any:
+        """``lookback_groups``: a lookback step's optimizer hyper-parameters, encoded (set on the
+        step's view by `nanbisect.bundle.lookback.BundleView.with_step`); None otherwise.
+
+        >>> Manifest({}).lookback_groups is None
+        True
+        """
+        return self.data.get("lookback_groups")

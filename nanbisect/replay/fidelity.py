@@ -83,23 +83,22 @@ def check(bundle: Bundle, entry: str, original, replayed: float | None, same_set
     replay runs on (its hardware is compared with the capture's); ``rtol`` (dtype name,
     tolerance) the step-level tolerance of the target dtype; ``dtype_changed`` that the replay
     runs at another dtype by request."""
-    m = bundle.manifest
-    code = m.get("code") or {}
-    captured_entry = code.get("entry_file") or m.get("entry_file")
+    view = Manifest.of(bundle)
+    captured_entry = view.entry_file
     now_entry = entry.rpartition(":")[0]
     # a replay of the bundle's stored copy (`nanbisect.bundle.codestore`) is compared with the
     # stored files: the captured code, not "changed"
     moved = _stored_root(bundle, now_entry) or relocation(
         captured_entry, now_entry if now_entry.endswith(".py") else None)
-    changed, missing = changed_sources(code.get("sources") or {}, moved)
-    other = override and _other_entry(m, entry, captured_entry, code.get("sources") or {},
+    changed, missing = changed_sources(view.sources, moved)
+    other = override and _other_entry(view, entry, captured_entry, view.sources,
                                       _own_files(bundle))
     if other:
         changed = [other, *changed]
-    then, now = m.get("environment") or {}, environment()
+    then, now = view.environment, environment()
     env = [f"{k} {then[k]} at capture, {now[k]} now" for k in _COMPARED
            if k in then and str(then[k]) != str(now[k])
-           and not (k == "torch_threads" and same_setup and Manifest.of(m).captured_on_host
+           and not (k == "torch_threads" and same_setup and view.captured_on_host
                     and not _fewer_threads(then[k], now[k]))]
     bit_exact = (replayed == original if isinstance(original, float) and replayed is not None
                  else None)
@@ -108,8 +107,8 @@ def check(bundle: Bundle, entry: str, original, replayed: float | None, same_set
         d = abs(replayed - original)
         rel = d / abs(original) if original else (0.0 if d == 0 else math.inf)
         rel = rel if rel == rel else math.inf
-    hardware = then.get("hardware") if isinstance(then.get("hardware"), dict) else None
-    changed_hw = (hardware_changes(hardware or {}, devices.fingerprint(), captured_on(m),
+    hardware = view.hardware
+    changed_hw = (hardware_changes(hardware or {}, devices.fingerprint(), view.captured_on,
                                    device) if device is not None else [])
     return Fidelity(changed, env, same_setup, bit_exact, missing, changed_hw,
                     hardware is not None, rel, rtol[1] if rtol else None,
@@ -194,35 +193,34 @@ def _stored_root(bundle: Bundle, entry_file: str) -> tuple[Path, Path] | None:
 def _own_files(bundle: Bundle) -> set[Path]:
     """The files a replay of ``bundle``'s own entry may import: the local entry file as
     `nanbisect.replay.replayer.code_choice` finds it and the stored copy."""
-    m = bundle.manifest
-    target = str(m.get("entry", "")).rpartition(":")[0]
+    view = Manifest.of(bundle)
     out = set()
-    rel = m.get("entry_file_from_bundle")
-    for cand in ([bundle.path / rel] if rel else []) + [Path(target)] + (
-            [Path(m["entry_file"])] if m.get("entry_file") else []):
+    rel, then = view.entry_file_from_bundle, view.capture_entry_file
+    for cand in ([bundle.path / rel] if rel else []) + [Path(view.entry_target)] + (
+            [Path(then)] if then else []):
         if cand.is_file():
             out.add(cand.resolve())
-    stored = stored_copy(bundle.path, m, (m.get("code") or {}).get("entry_file"))
+    stored = stored_copy(bundle.path, bundle.manifest, view.code_entry_file)
     return out | ({stored.resolve()} if stored is not None else set())
 
 
-def _other_entry(m: dict, entry: str, captured_file: str | None, sources: dict[str, str],
-                 own: set[Path] = frozenset()) -> str | None:
+def _other_entry(view: Manifest, entry: str, captured_file: str | None,
+                 sources: dict[str, str], own: set[Path] = frozenset()) -> str | None:
     """How the entry the replay runs differs from the captured one (``--entry``), or None when
     it is the captured entry, also as a moved copy of the same file, or the bundle's own entry
     file (``own``: here or stored; a change in it is the code's, `changed_sources`)."""
-    if entry == m.get("entry"):
+    if entry == view.entry:
         return None
     target, _, func = entry.rpartition(":")
-    captured_func = str(m.get("entry", "")).rpartition(":")[2]
+    captured_func = view.entry_function
     if func == captured_func and target.endswith(".py") and Path(target).resolve() in own:
         return None
     then = sources.get(captured_file) if captured_file else None
     now = file_sha256(Path(target), missing_ok=True) if target.endswith(".py") else None
     if func == captured_func and (then is None or now == then) and (
-            then is not None or target == str(m.get("entry", "")).rpartition(":")[0]):
+            then is not None or target == view.entry_target):
         return None
-    return f"--entry {entry} (captured: {m.get('entry')})"
+    return f"--entry {entry} (captured: {view.entry})"
 
 
 def tier_notes(f: Fidelity, target: str) -> list[str]:

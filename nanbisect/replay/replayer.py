@@ -22,7 +22,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle import codestore
 from nanbisect.bundle.code import changed_sources, relocation
-from nanbisect.bundle.format import MANIFEST, Bundle, read_manifest
+from nanbisect.bundle.format import MANIFEST, Bundle
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.bundle.schema import parts_missing
 from nanbisect.errors import BadInput
@@ -88,12 +88,12 @@ class Replayer:
                  task: Task | None = None, entry: str | None = None,
                  run_top_level: bool = False) -> None:
         self.bundle, self.device, self.dtype = bundle, device, dtype
-        m = bundle.manifest
+        view = Manifest.of(bundle)
         self.entry = entry or resolve_entry(bundle)
         # the entry file's top level may run on import: asked for (--run-top-level) or
         # recorded (Task(run_top_level=True)); else a top level that acts at import is
         # refused before the import (`nanbisect.task.gate`)
-        self.run_top_level = run_top_level or top_level_recorded(m)
+        self.run_top_level = run_top_level or view.runs_top_level
         self.check_batch(bundle)     # before the entry is imported
         self.task = task or load_entry(self.entry, bundle, self.run_top_level)
         # the model's and optimizer's read from their files at each restore, never held twice
@@ -111,18 +111,18 @@ class Replayer:
         # applied in order to the batch each run starts from (a remedy replays the step without
         # some rows, or with another batch; the row tracer marks the batch's tensors)
         self.batch_edits: list[Callable[[Any], Any]] = []
-        self.rng = RngState.decode(m["rng"], self.tensors)
+        self.rng = RngState.decode(view.rng, self.tensors)
         where = f"bundle '{bundle.path}'"
-        left_out = {e["part"]: e["why"] for e in parts_missing(m)}
+        left_out = {e["part"]: e["why"] for e in parts_missing(bundle.manifest)}
         # the optimizer's state was not written (a foreign engine's format): the Task's
         # optimizer replays as the entry builds it (said in the notes), never refused
-        self.optimizer_left_out = left_out.get("optimizer") if m.get("optimizer") is None and \
+        self.optimizer_left_out = left_out.get("optimizer") if view.optimizer is None and \
             self.task.optimizer is not None else None
         self._built_optimizer: dict | None = None   # its state as the entry built it
         self._optimizer_resets = True                # False: it could not be put back
-        if (m.get("optimizer") is None) != (self.task.optimizer is None) and \
+        if (view.optimizer is None) != (self.task.optimizer is None) and \
                 self.optimizer_left_out is None:
-            has = "has no" if m.get("optimizer") is None else "has"
+            has = "has no" if view.optimizer is None else "has"
             raise BadInput(f"{where}: the bundle {has} optimizer state but the entry's Task "
                            f"{'has' if self.task.optimizer is not None else 'has no'} optimizer; "
                            "replay with the code that captured it")
@@ -131,20 +131,20 @@ class Replayer:
             # NB: not model.to(dtype), which drops the imaginary part of complex parameters
             ti.apply_to_tensors(self.task.model, lambda t: cast_floating(t, dtype))
         self._where = where
-        self.notes = apply_step_shape(self.task, m.get("task"), device, dtype)
+        self.notes = apply_step_shape(self.task, view.task, device, dtype)
         if self.optimizer_left_out is not None:
             self.notes.append("the bundle holds no optimizer state (the capture could not write "
                               f"it: {self.optimizer_left_out[:200]}); the optimizer phase replays "
                               "from the optimizer as the entry builds it, not as it was")
         # a compiled capture ({backend, mode, options}, manifest task.compiled): every run is
         # eager unless `compile` made the next ones compiled
-        self.compiled_spec = (m.get("task") or {}).get("compiled") or None
+        self.compiled_spec = view.compiled
         self.task.runner = None
         # with a GradScaler, gradients that overflow are normal (the scaler skips the step);
         # they are the failure only in the bundle of a stall (the scaler kept skipping)
         scaler = self.task.grad_scaler
         self.grads_fail = (scaler is None or not scaler.is_enabled()
-                           or bool((m.get("observed") or {}).get("scaler_skips")))
+                           or bool(view.scaler_skips))
 
     @staticmethod
     def check_batch(bundle: Bundle) -> None:
@@ -179,12 +179,12 @@ class Replayer:
         never cloning. ``restore_counts`` lists how many tensors each restore wrote. NB: a
         write through ``.data`` bumps no version counter: user code that writes parameters
         that way in forward or backward (not the optimizer) is not undone between passes."""
-        m = self.bundle.manifest
+        view = Manifest.of(self.bundle)
         keep = self._unchanged if self.restores > 0 and not self.stepped else None
-        written = restore_model(self.task.model, m["model"], self.tensors, self._where, keep)
-        restore_modes(self.task.model, m["model"], self._where)
-        if self.task.grad_scaler is not None and m.get("grad_scaler"):
-            self.task.grad_scaler.load_state_dict(dict(m["grad_scaler"]))
+        written = restore_model(self.task.model, view.model, self.tensors, self._where, keep)
+        restore_modes(self.task.model, view.model, self._where)
+        if self.task.grad_scaler is not None and view.grad_scaler:
+            self.task.grad_scaler.load_state_dict(dict(view.grad_scaler))
         if self.optimizer_left_out is not None:     # as the entry built it, every run
             if self._optimizer_resets:
                 try:
@@ -197,7 +197,7 @@ class Replayer:
                                       f"({type(e).__name__}); each run starts from the last")
         elif self.task.optimizer is not None:
             written += restore_optimizer(self.task.optimizer,
-                                         Manifest.of(self.bundle).optimizer, self.tensors,
+                                         view.optimizer, self.tensors,
                                          self._where, in_place=self.restores > 0, keep=keep)
         self.restores += 1
         self.restore_counts.append(written)
@@ -230,9 +230,9 @@ class Replayer:
     def inputs(self) -> Any:
         """The step's batch on the device, its RNG and its optimizer hyper-parameters set,
         gradients cleared; the model's state is left as it is."""
-        m = self.bundle.manifest
+        view = Manifest.of(self.bundle)
         if self.task.optimizer is not None:
-            groups = m.get("lookback_groups")
+            groups = view.lookback_groups
             if groups is not None:
                 saved = decode(groups, self.tensors)
                 if not isinstance(saved, list) or len(saved) != len(
@@ -243,7 +243,7 @@ class Replayer:
                 for g, h in zip(self.task.optimizer.param_groups, saved):
                     g.update({k: v for k, v in h.items() if k != "params"})
             self.task.optimizer.zero_grad(set_to_none=True)
-        batch = decode(m["batch"], self.tensors, self.device)
+        batch = decode(view.batch, self.tensors, self.device)
         if self.dtype is not None:
             batch = ti.tree_map(
                 lambda t: cast_floating(t, self.dtype) if isinstance(t, torch.Tensor) else t,
@@ -406,12 +406,13 @@ def _local_entry(bundle: Bundle, beside: bool = True) -> Path | None:
     """The entry file found next to the bundle (``beside``: through the manifest's
     ``entry_file_from_bundle``), here, or where it was (None: nowhere); never a file inside the
     bundle (its stored copies are ``--code bundle``'s, verified)."""
-    m = bundle.manifest
-    target = m["entry"].rpartition(":")[0]
-    rel = m.get("entry_file_from_bundle") if beside else None
+    view = Manifest.of(bundle)
+    target = view.entry_target
+    rel = view.entry_file_from_bundle if beside else None
     inside = bundle.path.resolve()
+    then = view.capture_entry_file
     for cand in ([bundle.path / rel] if rel else []) + [Path(target)] + (
-            [Path(m["entry_file"])] if m.get("entry_file") else []):
+            [Path(then)] if then else []):
         if cand.is_file() and not cand.resolve().is_relative_to(inside):
             return cand.resolve()
     return None
@@ -438,17 +439,16 @@ def code_choice(bundle: Bundle, code: str | None = None) -> tuple[str, str | Non
     """
     if code not in (None, *CODE_MODES):
         raise BadInput(f"--code {code}: give 'local' or 'bundle'")
-    m = bundle.manifest
-    target, _, func = m["entry"].rpartition(":")
+    view = Manifest.of(bundle)
+    target, func = view.entry_target, view.entry_function
     # --code local: the files here, found from the working directory or where they were, never
     # through a path the manifest gives relative to the bundle (beside an unpacked ticket, that
     # is the ticket's file, unlisted); by default one found beside the bundle is used only when
     # every captured source is unchanged (`_local_differs`: the same bytes the bundle lists)
     local = _local_entry(bundle, beside=code != "local") if target.endswith(".py") else None
-    code_m = m.get("code") or {}
-    stored = (codestore.stored_copy(bundle.path, m, code_m.get("entry_file"))
+    stored = (codestore.stored_copy(bundle.path, bundle.manifest, view.code_entry_file)
               if target.endswith(".py") else None)
-    here = f"{local}:{func}" if local is not None else m["entry"]
+    here = f"{local}:{func}" if local is not None else view.entry
     if code == "local":
         if local is None and target.endswith(".py"):
             raise BadInput(f"--code local: the entry file {target} is not here (looked in the "
@@ -456,13 +456,13 @@ def code_choice(bundle: Bundle, code: str | None = None) -> tuple[str, str | Non
                            f"the bundle); run from the directory it is relative to, pass --entry "
                            "with its path, or replay the bundle's copy with --code bundle")
         return here, ("the code ran from the files here (--code local)"
-                      if codestore.carries_code(m) else None)
+                      if codestore.carries_code(bundle.manifest) else None)
     if code == "bundle":
         if stored is None:
             if not target.endswith(".py"):
                 why = "its entry is a module, and stored copies replay file entries only"
-            elif code_m.get("left_out") or codestore.carries_code(m):
-                why = codestore.left_out_text(m) or "its entry file was not stored"
+            elif view.code_left_out or codestore.carries_code(bundle.manifest):
+                why = codestore.left_out_text(bundle.manifest) or "its entry file was not stored"
             else:
                 why = "it was captured by an older nanbisect"
             raise BadInput(f"--code bundle: bundle '{bundle.path}' holds no copy of its entry "
@@ -474,7 +474,7 @@ def code_choice(bundle: Bundle, code: str | None = None) -> tuple[str, str | Non
     if why is None:
         return here, ("the code ran from the files here: they are the captured ones (same "
                       "sha256); --code bundle runs the bundle's copies")
-    left = codestore.left_out_text(m)
+    left = codestore.left_out_text(bundle.manifest)
     mine = _local_entry(bundle, beside=False)      # not a file beside the bundle: the user's
     if left is not None and mine is not None:      # an incomplete copy: not on its own
         return f"{mine}:{func}", (f"the code ran from the files here although {why}: the "
@@ -512,13 +512,13 @@ def _stored_roots(entry: str) -> list[Path]:
     for d in f.parents:
         if d.name == codestore.CODE_DIR and (d.parent / MANIFEST).is_file():
             try:
-                m = read_manifest(d.parent)
+                view = Manifest.read(d.parent)
             except BadInput:
                 return []
-            files = (m.get("code") or {}).get("files") or {}
+            files = view.code_files
             own = {d.parent.joinpath(*i["path"].split("/")).resolve() for i in files.values()
                    if isinstance(i, dict) and codestore.stored_path_ok(i.get("path"))}
-            return codestore.import_roots(d.parent, m) if f in own else []
+            return codestore.import_roots(d.parent, view.data) if f in own else []
     return []
 
 
