@@ -171,12 +171,6 @@ def _describe(fp, index: int) -> str:
     return ", ".join(words) or "no fingerprint"
 
 
-def captured_on(manifest: dict) -> str:
-    """The device a bundle (or a part) was captured on, as the manifest says it (the host's
-    type when it does not): the `Manifest` view's one rule."""
-    return Manifest.of(manifest).captured_on
-
-
 def _stored_root(bundle: Bundle, entry_file: str) -> tuple[Path, Path] | None:
     """(the captured root, the ``code/`` holding its copy) when ``entry_file`` is a stored copy
     of ``bundle``'s code (or of another rank's part of its multi-rank bundle); else None."""
