@@ -11,7 +11,7 @@ from nanbisect.records.culprit import ContextRow, Culprit, OpRef
 from nanbisect.records.facts import StageError
 from nanbisect.records.remedies import Remedy
 from nanbisect.records.seen import BadValue, Stats
-from nanbisect.util.recordjson import number
+from nanbisect.records.codec import decode, encode
 
 
 class _InOut:
@@ -270,47 +270,14 @@ class RankResult:
                                      # every rank's crossings: `multirank.paths`)
 
     def to_json(self) -> dict:
-        d = asdict(self)
-        d["op_check"] = self.op_check.to_json() if self.op_check is not None else None
-        return d
+        """The rank file's content (`nanbisect.records.codec`: derived from the fields)."""
+        return encode(self)
 
     @staticmethod
     def from_json(d: dict) -> "RankResult":
-        """The inverse of `to_json` as the one record encoder wrote it: the number fields the
+        """The inverse of `to_json` (`nanbisect.records.codec`): the number fields the
         launcher computes on (statistics, abs-max) read back as floats from "nan"/"inf"."""
-        def opt(cls, v):
-            return None if v is None else cls(**v)
-
-        def stats(v):
-            return None if v is None else Stats(**{k: number(x) for k, x in v.items()})
-
-        s = d.get("summary")
-        summary = None if s is None else RankSummary(
-            **{**s, "buckets": [Bucket(**b) for b in s.get("buckets", [])],
-               "input_nonfinite": [BadValue(**b) for b in s.get("input_nonfinite", [])],
-               "crossings": [Crossing(**{**c, "in_absmax": number(c.get("in_absmax"))})
-                             for c in s.get("crossings", [])]})
-        module_stats = d.get("module_stats")
-        return RankResult(
-            rank=d["rank"], plan=opt(Plan, d.get("plan")), summary=summary,
-            root=opt(RankRoot, d.get("root")),
-            module_stats=(None if module_stats is None
-                          else {k: stats(v) for k, v in module_stats.items()}),
-            culprit=Culprit.from_json(d["culprit"]) if d.get("culprit") else None,
-            context=[ContextRow(**{**c, "out_absmax": number(c.get("out_absmax"))})
-                     for c in d.get("context", [])],
-            inf_origin=opt(OpRef, d.get("inf_origin")), repro=d.get("repro"),
-            error=d.get("error"), reference=opt(RankReference, d.get("reference")),
-            op_check=(OpCheck.from_json(d["op_check"]) if d.get("op_check") is not None
-                      else None),
-            classification=d.get("classification"),
-            classification_notes=list(d.get("classification_notes") or []),
-            received_from=d.get("received_from"),
-            recorded_input_bad=bool(d.get("recorded_input_bad", False)),
-            served_inputs_differ=d.get("served_inputs_differ", []),
-            remedies=[Remedy.from_json(r) for r in d.get("remedies") or []],
-            errors=[StageError(str(e.get("stage")), str(e.get("message")))
-                    for e in d.get("errors") or [] if isinstance(e, dict)])
+        return decode(RankResult, d)
 
     def row(self) -> dict:
         """This rank's row in report.json's ``ranks``."""
