@@ -130,3 +130,15 @@ class Manifest:
     def partial(self) -> dict | None:
         value = self.data.get("partial")
         return value if isinstance(value, dict) else None
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose parts a multi-rank top holds (its ``ranks``), sorted; [] for one
+        process's bundle."""
+        value = self.data.get("ranks")
+        return sorted(int(r) for r in value) if isinstance(value, dict) else []
+
+    @property
+    def dtypes(self) -> list[str]:
+        """The floating dtypes the capture's state holds, by name (``dtypes``; [] when absent)."""
+        return [d for d in self.data.get("dtypes") or [] if isinstance(d, str)]
