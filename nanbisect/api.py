@@ -43,6 +43,7 @@ from nanbisect.errors import BadInput
 from nanbisect.options import RunOptions, device_option
 from nanbisect.triage.backends import check_backend
 from nanbisect.util.numbers import NUMBERS, check_environment
+from nanbisect.util.spec import DeviceSpec
 
 if TYPE_CHECKING:       # the types only: importing them loads torch
     from nanbisect.report.model import Report
@@ -61,8 +62,9 @@ class TorchTooOld(UserWarning):
 
 # -- the checks: the command line's first stage calls these --------------------------------------
 
-def run_options(bundle: PathLike, *, target: str | None = None, reference: str | None = None,
-                entry: str | None = None, inject: str | None = None, code: str | None = None,
+def run_options(bundle: PathLike, *, target: str | DeviceSpec | None = None,
+                reference: str | DeviceSpec | None = None, entry: str | None = None,
+                inject: str | None = None, code: str | None = None,
                 ranks: str | Iterable[int] | None = None, steps: int | None = None,
                 remedies: int | bool | None = None, repro: bool = True,
                 run_top_level: bool = False, out: PathLike | None = None) -> RunOptions:
@@ -117,10 +119,11 @@ def check_triage(dirs: Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
 
 # -- run ---------------------------------------------------------------------------------------
 
-def run(bundle: PathLike, *, target: str | None = None, reference: str | None = None,
-        inject: str | None = None, entry: str | None = None, out: PathLike | None = None,
-        steps: int | None = None, ranks: str | Iterable[int] | None = None,
-        remedies: int | bool | None = None, repro: bool = True, code: str | None = None,
+def run(bundle: PathLike, *, target: str | DeviceSpec | None = None,
+        reference: str | DeviceSpec | None = None, inject: str | None = None,
+        entry: str | None = None, out: PathLike | None = None, steps: int | None = None,
+        ranks: str | Iterable[int] | None = None, remedies: int | bool | None = None,
+        repro: bool = True, code: str | None = None,
         run_top_level: bool = False, progress: Progress | None = None) -> "Report":
     """Replay ``bundle``, bisect its failure, write the report directory and return its
     `Report`: ``nanbisect run BUNDLE`` without the printing (each keyword is the flag of the same

@@ -78,9 +78,9 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
     `nanbisect.devices.default_reference` of the target) are filled in and resolved to torch
     devices, and every stage after this one gets them as values.
 
-    ``out`` (else ``opts.out``) defaults to ``BUNDLE/nanbisect-report``; it is replaced atomically, and only when it
-    is absent, empty or an earlier report (anything else is refused before the replay starts:
-    `nanbisect.report.write.check_out`).
+    ``out`` (else ``opts.out``) defaults to ``BUNDLE/nanbisect-report``; it is replaced
+    atomically, and only when it is absent, empty or an earlier report (anything else is refused
+    before the replay starts: `nanbisect.report.write.check_out`).
 
     >>> import tempfile
     >>> report = run_bundle("fixtures/bundles/forward_nan_behind_mask",

@@ -63,3 +63,16 @@ def test_device_option_and_no_torch():
     code = ("import sys, nanbisect.options as o; o.RunOptions.parse(reference='cuda:float64'); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_the_api_builds_the_same_options(tmp_path):
+    """`nanbisect.api.run_options`: the bundle's path, then `RunOptions.parse` (a `DeviceSpec`
+    given is taken as it is), then ``out``."""
+    from helpers.paths import FIXTURES
+    from nanbisect.api import run_options
+
+    bundle = FIXTURES / "nan_batch"
+    o = run_options(bundle, reference=DeviceSpec("cpu", "float64"), out=tmp_path / "r")
+    assert o == RunOptions(reference=DeviceSpec("cpu", "float64"), out=tmp_path / "r")
+    with pytest.raises(BadInput, match="does not exist|not a directory|no such"):
+        run_options(tmp_path / "missing", reference="gpu 9")     # the path first
