@@ -8,11 +8,13 @@ the point where they print, for notebooks and scripts (docs/guide/python-api.md)
 
 Guarantees:
 - The commands' own code path: the same checks of every option, made by the same functions
-  (`check_run`, `check_triage`: the command line's first stage calls them too), so a bad value is
-  refused with the one-line message the command prints after ``nanbisect: error:``; the same
+  (`run_options`, which parses a run's options once into a `nanbisect.options.RunOptions`, and
+  `check_triage`: the command line's first stage calls them too), so a bad value is refused
+  with the one-line message the command prints after ``nanbisect: error:``; the same
   defaults (the report in ``BUNDLE/nanbisect-report``, triage's files in ``nanbisect-triage``
-  under the current directory); the same pipeline (`nanbisect.pipeline.run_bundle`,
-  `nanbisect.triage.triage`), so the report directory and ``report.json`` are the command's.
+  under the current directory); the same pipeline (`start` and `replay`, then
+  `nanbisect.pipeline.run_bundle`; `nanbisect.triage.triage`), so the report directory and
+  ``report.json`` are the command's.
   Numbers are the one exception in wording: a keyword is named as given (``steps=0``, not
   ``--steps '0'``), with the same range (`nanbisect.util.numbers`).
 - What the caller gives that cannot be used raises `nanbisect.BadInput` (or a subclass), one
@@ -38,9 +40,10 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence, Union
 
 from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.errors import BadInput
+from nanbisect.options import RunOptions, device_option
 from nanbisect.triage.backends import check_backend
 from nanbisect.util.numbers import NUMBERS, check_environment
-from nanbisect.util.spec import NONE, check_device, check_ranks, split_entry
+from nanbisect.util.spec import DeviceSpec
 
 if TYPE_CHECKING:       # the types only: importing them loads torch
     from nanbisect.report.model import Report
@@ -49,7 +52,6 @@ PathLike = Union[str, "os.PathLike[str]"]
 Progress = Callable[[str, str], None]       # run: (a key of `nanbisect.pipeline.STAGES`, text)
 TriageProgress = Callable[[int, int], None]  # triage: (bundles done, bundles found)
 
-CODE_CHOICES = ("local", "bundle")   # `run`'s ``code`` (`nanbisect.pipeline.RunOptions.code`)
 TRIAGE_OUT = Path("nanbisect-triage")   # `triage`'s ``out`` when none is given
 TRIAGE_TIMEOUT = 1800.0                 # `triage`'s ``timeout`` when none is given
 
@@ -60,44 +62,34 @@ class TorchTooOld(UserWarning):
 
 # -- the checks: the command line's first stage calls these --------------------------------------
 
-def _device(spec: str | None, none_ok: bool = False) -> None:
-    if spec is not None and not (none_ok and spec == NONE):
-        check_device(spec)
+def run_options(bundle: PathLike, *, target: str | DeviceSpec | None = None,
+                reference: str | DeviceSpec | None = None, entry: str | None = None,
+                inject: str | None = None, code: str | None = None,
+                ranks: str | Iterable[int] | None = None, steps: int | None = None,
+                remedies: int | bool | None = None, repro: bool = True,
+                run_top_level: bool = False, out: PathLike | None = None) -> RunOptions:
+    """The `RunOptions` of a run of ``bundle`` (`RunOptions.parse`: each keyword is `run`'s);
+    `BadInput` for the first option that cannot be used, checked without importing torch or
+    reading more of the bundle than its directory: the bundle's path, then the options' forms
+    (`RunOptions.parse`), then ``out`` (what needs the bundle's contents, as a device this
+    machine lacks, is checked by `nanbisect.pipeline.run_bundle`, before it writes anything).
 
-
-def check_run(bundle: PathLike, *, target: str | None = None, reference: str | None = None,
-              entry: str | None = None, inject: str | None = None, code: str | None = None,
-              ranks: str | None = None, out: PathLike | None = None) -> None:
-    """`BadInput` for the first option of a run that cannot be used, checked without importing
-    torch or reading more of the bundle than its directory: the bundle's path, the devices, the
-    entry and ``--inject`` strings, ``--code``, ``--ranks``, ``--out`` (what needs the bundle's
-    contents, as a device this machine lacks, is checked by `run`, before it writes anything).
-
-    >>> check_run("fixtures/bundles/forward_nan_behind_mask", reference="gpu9")
+    >>> run_options("fixtures/bundles/forward_nan_behind_mask", reference="cpu:float64").reference
+    DeviceSpec(device='cpu', dtype='float64')
+    >>> run_options("fixtures/bundles/forward_nan_behind_mask", reference="gpu9")
     Traceback (most recent call last):
     ...
     nanbisect.errors.BadInput: device 'gpu9' is not a torch device string; use e.g. cpu, cuda, ...
     """
     check_bundle_dir(bundle)
-    _device(target)
-    _device(reference, none_ok=True)
-    if entry is not None:
-        split_entry(entry)
-    if inject is not None:
-        where, sep, func = inject.rpartition(":")
-        if not sep or not where or not func.isidentifier():
-            raise BadInput(f"--inject '{inject}' is not of the form FILE.py:FUNC; name a "
-                           "function that returns a context manager")
-    if code is not None and code not in CODE_CHOICES:
-        raise BadInput(f"--code '{code}' is neither {' nor '.join(CODE_CHOICES)}; pass "
-                       "local (the files on disk) or bundle (the bundle's copies), or leave it "
-                       "out")
-    if ranks is not None:
-        check_ranks(ranks)
-    if out is not None:     # the default, BUNDLE/nanbisect-report, is checked by the pipeline
+    options = RunOptions.parse(target=target, reference=reference, entry=entry, inject=inject,
+                               code=code, ranks=ranks, steps=steps, remedies=remedies,
+                               repro=repro, run_top_level=run_top_level, out=out)
+    if options.out is not None:  # the default, BUNDLE/nanbisect-report, is checked by the pipeline
         from nanbisect.report.out import check_out    # (hashlib, json: only when needed)
 
-        check_out(Path(out), Path(bundle))
+        check_out(options.out, Path(bundle))
+    return options
 
 
 def check_triage(dirs: Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
@@ -121,22 +113,26 @@ def check_triage(dirs: Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
         why = "Is a directory" if Path(known).is_dir() else "No such file or directory"
         raise BadInput(f"--known '{known}': {why}; pass a triage.json or a text file")
     check_backend(backend, scheduler, address)
-    _device(target)
+    if target is not None:
+        device_option(target)
 
 
 # -- run ---------------------------------------------------------------------------------------
 
-def run(bundle: PathLike, *, target: str | None = None, reference: str | None = None,
-        inject: str | None = None, entry: str | None = None, out: PathLike | None = None,
-        steps: int | None = None, ranks: str | Iterable[int] | None = None,
-        remedies: int | bool | None = None, repro: bool = True, code: str | None = None,
+def run(bundle: PathLike, *, target: str | DeviceSpec | None = None,
+        reference: str | DeviceSpec | None = None, inject: str | None = None,
+        entry: str | None = None, out: PathLike | None = None, steps: int | None = None,
+        ranks: str | Iterable[int] | None = None, remedies: int | bool | None = None,
+        repro: bool = True, code: str | None = None,
         run_top_level: bool = False, progress: Progress | None = None) -> "Report":
     """Replay ``bundle``, bisect its failure, write the report directory and return its
     `Report`: ``nanbisect run BUNDLE`` without the printing (each keyword is the flag of the same
     name; docs/reference/cli.md).
 
-    ``out``: the report directory (default ``BUNDLE/nanbisect-report``; replaced only when it is
-    new, empty or a report nanbisect wrote). ``ranks``: ``"0,2"`` or ``[0, 2]``. ``remedies``:
+    ``target``, ``reference``: a device string (``"cuda:1"``, ``"cpu:float64"``; for the
+    reference also ``"none"``) or a `nanbisect.util.spec.DeviceSpec`. ``out``: the report
+    directory (default ``BUNDLE/nanbisect-report``; replaced only when it is new, empty or a
+    report nanbisect wrote). ``ranks``: ``"0,2"`` or ``[0, 2]``. ``remedies``:
     None (or True) for the default budget of extra replays (``NANBISECT_REMEDY_BUDGET``, else
     4), a number for that budget, False or 0 for none (``--no-remedies``). ``repro``: run the
     standalone repro once (False: written, not run; quicker). ``code``: ``"local"`` or
@@ -157,32 +153,45 @@ def run(bundle: PathLike, *, target: str | None = None, reference: str | None = 
     """
     path = _path(bundle, "bundle")
     out_dir = _path(out, "out") if out is not None else None
-    if steps is not None:
-        steps = NUMBERS["--steps"].check(steps, "run")
-    budget = _budget(remedies)
-    ranks = _ranks(ranks)
     if progress is not None and not callable(progress):
         raise BadInput(f"run: progress={progress!r} is not callable; pass a function of (key, "
                        "text), or None")
     # a bad NANBISECT_* number first (not one a given keyword overrides), as the command does
-    check_environment("run", {"--remedy-budget"} if budget is not None else set())
-    check_run(path, target=target, reference=reference, entry=entry, inject=inject, code=code,
-              ranks=ranks, out=out_dir)
-    if repro:
-        from nanbisect.report.rerun import prestart
-
-        prestart(path, target)      # a repro's interpreter imports torch while this one does
-    from nanbisect.pipeline import RunOptions, run_bundle
+    given = remedies is not None and remedies is not True
+    check_environment("run", {"--remedy-budget"} if given else set())
+    options = run_options(path, target=target, reference=reference, entry=entry, inject=inject,
+                          code=code, ranks=ranks, steps=steps, remedies=remedies, repro=repro,
+                          run_top_level=run_top_level, out=out_dir)
+    start(path, options)
     from nanbisect.util.torch_internals import check_torch_version
 
     if (too_old := check_torch_version()) is not None:
         warnings.warn(f"nanbisect.run: {too_old}", TorchTooOld, stacklevel=2)
-    options = RunOptions(target=target, reference=reference, inject=inject, entry=entry,
-                         run_repro=bool(repro), ranks=ranks, steps=steps, remedies=budget,
-                         code=code, run_top_level=bool(run_top_level))
+    return replay(path, options, progress)
+
+
+def start(bundle: Path, options: RunOptions) -> None:
+    """What a run of ``options`` starts ahead, before this process imports torch: the
+    interpreter its repro will run in (`nanbisect.report.rerun.prestart`; none when
+    ``options.run_repro`` is off). `run` and ``nanbisect run`` call it once, right after
+    `run_options`."""
+    if options.run_repro:
+        from nanbisect.report.rerun import prestart
+
+        # a repro's interpreter imports torch while this one does
+        prestart(bundle, None if options.target is None else str(options.target))
+
+
+def replay(bundle: Path, options: RunOptions, progress: Progress | None = None) -> "Report":
+    """The run of ``options`` (`run_options`'s, trusted) on ``bundle``: what `run` and
+    ``nanbisect run`` both end in (`nanbisect.pipeline.run_bundle`, the report written to
+    ``options.out``, else ``BUNDLE/nanbisect-report``); a ``SystemExit`` of the entry's code
+    becomes a `BadInput`."""
+    from nanbisect.pipeline import run_bundle
+
     pid = os.getpid()
     try:
-        return run_bundle(path, options, out_dir, progress or _silent)
+        return run_bundle(bundle, options, options.out, progress or _silent)
     except SystemExit as e:
         if os.getpid() != pid:      # a forked child unwinding: it is not this call's to answer
             raise
@@ -201,27 +210,6 @@ def _path(value: object, what: str) -> Path:
         return Path(os.fspath(value))
     except TypeError:
         raise BadInput(f"{what}={value!r} is not a path; pass a str or a pathlib.Path") from None
-
-
-def _budget(remedies: int | bool | None) -> int | None:
-    """``remedies`` as `RunOptions.remedies`: None for the default budget, else a checked count
-    (False: 0, as ``--no-remedies``)."""
-    if remedies is None or remedies is True:
-        return None
-    if remedies is False:
-        return 0
-    return NUMBERS["--remedy-budget"].check(remedies, "run")
-
-
-def _ranks(ranks: str | Iterable[int] | None) -> str | None:
-    """``ranks`` as ``--ranks`` spells it (``"0,2"``), checked by `check_run`."""
-    if ranks is None or isinstance(ranks, str):
-        return ranks
-    try:
-        return ",".join(str(r) for r in ranks)
-    except TypeError:
-        raise BadInput(f"run: ranks={ranks!r} is not a list of ranks; pass e.g. [0, 2] or "
-                       "\"0,2\"") from None
 
 
 def _is_path(value: object) -> bool:

@@ -377,29 +377,27 @@ def entry(device: torch.device | str) -> DeviceType:
     return found
 
 
-def parse(spec: str | DeviceSpec, flag: str = "--target/--reference"
-          ) -> tuple[torch.device, torch.dtype | None]:
-    """``"cuda:1"`` -> (device, None); ``"cpu:float64"`` -> (cpu, torch.float64);
-    ``"cuda:1:float64"`` -> (cuda:1, torch.float64); the device validated by its entry
-    (`BadInput` naming ``flag`` when this machine lacks it). ``none`` is no device here: a
-    caller that accepts it asks `DeviceSpec.parse` first.
+def resolve(spec: DeviceSpec, flag: str = "--target/--reference"
+            ) -> tuple[torch.device, torch.dtype | None]:
+    """A device spec as torch's: ``cuda:1`` -> (device, None); ``cpu:float64`` -> (cpu,
+    torch.float64); ``cuda:1:float64`` -> (cuda:1, torch.float64); the device validated by its
+    entry (`BadInput` naming ``flag`` when this machine lacks it). ``none`` is no device here: a
+    caller that accepts it asks ``spec.none`` first. The one place a spec meets torch.
 
-    >>> parse("cpu:float64"), parse(DeviceSpec("cpu"))
+    >>> resolve(DeviceSpec("cpu", "float64")), resolve(DeviceSpec("cpu"))
     ((device(type='cpu'), torch.float64), (device(type='cpu'), None))
     """
     text = str(spec)
-    # its form, without torch (what the command line checks first)
-    ds = spec if isinstance(spec, DeviceSpec) else DeviceSpec.parse(text)
     dtype = None
-    if ds.dtype is not None:
-        dtype = getattr(torch, ds.dtype, None)
+    if spec.dtype is not None:
+        dtype = getattr(torch, spec.dtype, None)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise BadInput(f"device '{text}': '{ds.dtype}' is not a floating dtype; use e.g. "
+            raise BadInput(f"device '{text}': '{spec.dtype}' is not a floating dtype; use e.g. "
                            "cpu:float64")
-    if not ds.none:      # an extension's type ("npu") exists only once the extension is imported
-        entry(ds.device.split(":")[0]).module()
+    if not spec.none:    # an extension's type ("npu") exists only once the extension is imported
+        entry(spec.type).module()
     try:
-        device = torch.device(text if ds.none else ds.device)
+        device = torch.device(text if spec.none else spec.device)
     except RuntimeError:
         raise BadInput(f"device '{text}' is not a torch device string; use e.g. cpu, cuda, "
                        "cuda:1") from None
@@ -407,10 +405,41 @@ def parse(spec: str | DeviceSpec, flag: str = "--target/--reference"
     return device, dtype
 
 
-def default_reference(target: torch.device) -> str:
+def parse(text: str, flag: str = "--target/--reference"
+          ) -> tuple[torch.device, torch.dtype | None]:
+    """`resolve` of a device string that arrives as text over a process boundary (a child's
+    argument list: a rank worker's ``--target``, the compiler child's ``--device``); its form
+    checked first (`DeviceSpec.parse`).
+
+    >>> parse("cpu:float64")
+    (device(type='cpu'), torch.float64)
+    """
+    return resolve(DeviceSpec.parse(text), flag)
+
+
+def default_reference(target: torch.device) -> DeviceSpec:
     """The reference a run uses without ``--reference``: the CPU for an accelerator target,
-    none for a CPU one (a CPU replayed against itself proves nothing)."""
-    return HOST.type if not on_host(target) else "none"
+    none (``DeviceSpec(None)``) for a CPU one (a CPU replayed against itself proves nothing).
+
+    >>> default_reference(HOST)
+    DeviceSpec(device=None, dtype=None)
+    """
+    return DeviceSpec(HOST.type) if not on_host(target) else DeviceSpec(None)
+
+
+def present(text: str) -> DeviceSpec | None:
+    """The device ``text`` names (a manifest's ``captured_on``) as a spec when this machine has
+    it; None otherwise (another machine's device, or not a device string).
+
+    >>> present("cpu"), present("gpu9:x")
+    (DeviceSpec(device='cpu', dtype=None), None)
+    """
+    try:
+        spec = DeviceSpec.parse(text)
+        resolve(spec)
+    except BadInput:
+        return None
+    return spec
 
 
 def on_host(device: torch.device | str) -> bool:

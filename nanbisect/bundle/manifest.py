@@ -355,3 +355,15 @@ class Manifest:
         True
         """
         return self.data.get("lookback_groups")
+
+    @property
+    def ranks(self) -> list[int]:
+        """The ranks whose parts a multi-rank top holds (its ``ranks``), sorted; [] for one
+        process's bundle."""
+        value = self.data.get("ranks")
+        return sorted(int(r) for r in value) if isinstance(value, dict) else []
+
+    @property
+    def dtypes(self) -> list[str]:
+        """The floating dtypes the capture's state holds, by name (``dtypes``; [] when absent)."""
+        return [d for d in self.data.get("dtypes") or [] if isinstance(d, str)]

@@ -1,6 +1,7 @@
 """The typer application the commands register on (`nanbisect.cli.commands`), and what their
-annotations share: the number flags' parser, the help panels, each command's exit codes, the
-first-stage check each command makes before it imports anything heavy.
+annotations share: the number flags' parser, the help panels, each command's exit codes (the
+first-stage checks each command makes before it imports anything heavy are
+`nanbisect.cli.checks`).
 
 Guarantees: imports typer and the standard library only (typer, with the pydantic a recent typer
 converts values with, loads in well under 0.1 s; torch and numpy never, and rich only to draw
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-from types import SimpleNamespace
 from typing import Any, Callable
 
 import typer
@@ -138,28 +138,6 @@ def number(name: str) -> Callable[[Any], Any]:
             raise Refused(str(e)) from None
     parse.__name__ = name.lstrip("-").replace("-", "_")
     return parse
-
-
-def flags_given(params: dict) -> set[str]:
-    """The flags among ``params`` (a command's keyword arguments) that override a variable:
-    given, the variable is not read."""
-    given = {f"--{k.replace('_', '-')}" for k, v in params.items() if v is not None}
-    if params.get("no_remedies"):
-        given.add("--remedy-budget")
-    return given
-
-
-def checked(command: str, params: dict) -> SimpleNamespace:
-    """The first stage of ``command`` with ``params``: the ``NANBISECT_*`` numbers it reads (not
-    one a flag overrides) and its arguments and paths (`nanbisect.cli.checks`), before anything
-    heavy is imported; a `BadInput` otherwise (one line, exit 2)."""
-    from nanbisect.cli import checks
-    from nanbisect.util.numbers import check_environment
-
-    args = SimpleNamespace(**params)
-    check_environment(command, flags_given(params))
-    getattr(checks, command)(args)
-    return args
 
 
 def _version(value: bool) -> None:

@@ -1,7 +1,8 @@
 """The commands, one annotated function each: its signature declares the command's flags, their
 defaults and help (typer reads them from it: `nanbisect.cli.app`), its docstring the command's
-help; its body checks the arguments (`nanbisect.cli.app.checked`, no heavy import), calls the
-library, prints, and returns the exit code (`nanbisect.cli.app.EXIT_CODES`). Holds no logic of its
+help; its body checks the arguments with its typed parameters (`nanbisect.cli.checks`, no heavy
+import; ``run``'s become a `nanbisect.options.RunOptions` there, once), calls the library with
+them, prints, and returns the exit code (`nanbisect.cli.app.EXIT_CODES`). Holds no logic of its
 own; imports what a command needs only when it runs (torch among it).
 """
 
@@ -12,10 +13,12 @@ from typing import Annotated, NoReturn, Optional
 
 import typer
 
+from nanbisect.cli import checks
 from nanbisect.cli.app import (BUNDLE_PANEL, CLUSTER_PANEL, DEVICE_PANEL, DONE_CODES,
-                               EXIT_CODES, REMEDY_PANEL, SCOPE_PANEL, checked, command, flag,
+                               EXIT_CODES, REMEDY_PANEL, SCOPE_PANEL, command, flag,
                                number_flag, switch)
 from nanbisect.errors import BadInput, TopLevelOptIn
+from nanbisect.options import RunOptions
 
 
 def echo(text: str, err: bool = False) -> None:
@@ -116,19 +119,28 @@ def run(
     script would; `nanbisect inspect` never runs any. --out is replaced only when it is new,
     empty, or a report nanbisect wrote. On a terminal, stderr shows the stage, the replays done
     and the time (--quiet: none); piped, it shows no progress."""
-    return _run(checked("run", locals()))
+    from nanbisect.api import run_options
+
+    checks.environment("run", ["--remedy-budget"] if no_remedies or remedy_budget is not None
+                       else [])
+    path = checks.one_bundle(bundle, ckpt)
+    options = run_options(path, target=target, reference=reference, entry=entry, inject=inject,
+                          code=code, ranks=ranks, steps=steps,
+                          remedies=False if no_remedies else remedy_budget,
+                          run_top_level=run_top_level,
+                          out=out if out is not None else path / "nanbisect-report")
+    return _run(path, options, as_json=as_json, quiet=quiet)
 
 
-def _run(a) -> int:
-    """`run` with its checked arguments ``a``."""
-    path = a.bundle if a.bundle is not None else a.ckpt   # one of them (cli.checks.run)
-    out_dir = a.out or Path(path) / "nanbisect-report"
+def _run(path: Path, options: RunOptions, *, as_json: bool, quiet: bool) -> int:
+    """`run` with its options parsed (`nanbisect.api.run_options`): the run, then its summary."""
+    out_dir = options.out
     try:
-        from nanbisect.report.rerun import prestart
-        prestart(path, a.target)    # a repro's interpreter imports torch while this one does
+        from nanbisect import api
+
+        api.start(path, options)    # a repro's interpreter imports torch while this one does
         import warnings
 
-        from nanbisect import api
         from nanbisect.cli.progress import run_progress
         from nanbisect.report.text import terminal
         from nanbisect.util.recordjson import dumps
@@ -137,7 +149,7 @@ def _run(a) -> int:
 
         if (too_old := check_torch_version()) is not None:
             print(f"nanbisect: warning: {too_old}", file=sys.stderr)
-        with run_progress(a.quiet) as progress, warnings.catch_warnings():
+        with run_progress(quiet) as progress, warnings.catch_warnings():
             warnings.simplefilter("ignore", api.TorchTooOld)    # said above, in one line
             warnings.simplefilter("always", TopLevelOptIn)
             shown = warnings.showwarning
@@ -148,17 +160,14 @@ def _run(a) -> int:
                 else:
                     shown(message, category, *rest, **kw)
             warnings.showwarning = say
-            report = api.run(path, target=a.target, reference=a.reference, inject=a.inject,
-                             entry=a.entry, out=out_dir, steps=a.steps, ranks=a.ranks,
-                             remedies=False if a.no_remedies else a.remedy_budget,
-                             code=a.code, run_top_level=a.run_top_level, progress=progress)
+            report = api.replay(path, options, progress)
     except BadInput as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - no verdict: exit 4, the traceback in a log file
         internal_error(e)
     # the report is written: what follows only prints it (report.json's own encoding)
     try:
-        text = dumps(report.to_json(), indent=1) if a.as_json else terminal(report, out_dir)
+        text = dumps(report.to_json(), indent=1) if as_json else terminal(report, out_dir)
     except Exception as e:  # noqa: BLE001 - the verdict stands; its report is on disk
         text = (f"nanbisect: {report.verdict}; the summary could not be printed "
                 f"({failure_line(e)}): see {out_dir / 'report.md'}")
@@ -175,7 +184,8 @@ def inspect(
 ) -> int:
     """Summarise a bundle; never runs any of its code (imports no user code, unpickles nothing,
     bounded time and memory): safe on untrusted bundles."""
-    checked("inspect", locals())
+    checks.environment("inspect")
+    checks.inspect(bundle)
     from nanbisect.bundle.describe import (directory_summary, directory_text, summarize,
                                           summary_text)
 
@@ -231,33 +241,33 @@ def triage(
     triage.md in --out are kept current while it runs and written on SIGTERM/SIGINT too. On a
     terminal, stderr shows the bundles done of the total, the time and an estimate of the time
     left (--quiet: none); piped, it shows no progress."""
-    return _triage(checked("triage", locals()))
+    from nanbisect.api import check_triage
 
-
-def _triage(a) -> int:
-    """`triage` with its checked arguments ``a``."""
+    checks.environment("triage")
+    check_triage(dirs, out=out, known=known, target=target, backend=backend,
+                 scheduler=scheduler, address=address)
     from nanbisect import api
     from nanbisect.cli.progress import triage_progress
     from nanbisect.triage import to_markdown
 
     try:
-        with triage_progress(a.quiet) as progress:
-            res = api.triage(a.dirs, out=a.out, jobs=a.jobs, known=a.known, target=a.target,
-                             timeout=a.timeout, backend=a.backend, scheduler=a.scheduler,
-                             address=a.address, progress=progress)
+        with triage_progress(quiet) as progress:
+            res = api.triage(dirs, out=out, jobs=jobs, known=known, target=target,
+                             timeout=timeout, backend=backend, scheduler=scheduler,
+                             address=address, progress=progress)
     except BadInput as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - a nightly job gets one line and exit 2, never 1
         _fail(BadInput(f"triage failed: {type(e).__name__}: {str(e)[:200]}; "
-                       f"{a.out}/triage.json holds the bundles finished so far"))
-    if a.as_json:
+                       f"{out}/triage.json holds the bundles finished so far"))
+    if as_json:
         from nanbisect.util.recordjson import dumps
 
         echo(dumps(res.data, indent=1))
     else:
         echo(to_markdown(res.data).rstrip())
-        echo(f"\nIn a browser: {a.out / 'index.html'} (each bundle's report.html under "
-             f"{a.out / 'reports'})")
+        echo(f"\nIn a browser: {out / 'index.html'} (each bundle's report.html under "
+             f"{out / 'reports'})")
     return res.exit_code
 
 
@@ -278,7 +288,7 @@ def pack(
 
     Never replaces what it did not write: an existing -o is refused (with --force, unless it is
     an earlier pack), as is -o inside a bundle or inside the directory being packed."""
-    checked("pack", locals())
+    checks.environment("pack")   # pack checks its own paths before importing torch
     from nanbisect.bundle.pack import pack as do_pack
 
     try:
@@ -303,7 +313,7 @@ def unpack(
 ) -> int:
     """Extract a ticket archive safely (no absolute paths, no '..', no links, no compression
     bombs, nothing left behind on refusal)."""
-    checked("unpack", locals())
+    checks.environment("unpack", ["--max-bytes"] if max_bytes is not None else [])
     from nanbisect.bundle.pack import unpack as do_unpack
 
     dropped: list[str] = []
@@ -341,22 +351,19 @@ def clean(
     A leftover that cannot be removed (a read-only file system, an immutable file) is one line
     on stderr naming it, the reason and what is left of it; the others are removed all the same.
     """
-    return _clean(checked("clean", locals()))
-
-
-def _clean(a) -> int:
-    """`clean` with its checked arguments ``a``."""
+    checks.environment("clean")
+    checks.clean(dirs)
     from nanbisect.bundle.leftovers import find_leftovers, remove
 
     try:
-        removed, kept, failed = remove(find_leftovers(a.dirs), a.min_age, dry_run=a.dry_run)
+        removed, kept, failed = remove(find_leftovers(dirs), min_age, dry_run=dry_run)
     except BadInput as e:       # a min_age out of range (the flag's parser refuses it first)
         _fail(e)
-    verb = "would remove" if a.dry_run else "removed"
+    verb = "would remove" if dry_run else "removed"
     for x in removed:
         echo(f"{verb} {x.path} ({x.bytes} bytes, {x.age_s:.0f}s old)")
     for x, why in kept:
-        echo(f"{'would keep' if a.dry_run else 'kept'} {x.path}: {why}")
+        echo(f"{'would keep' if dry_run else 'kept'} {x.path}: {why}")
     for f in failed:
         echo(f"nanbisect: {f}", err=True)
     echo(f"nanbisect: {verb} {len(removed)} leftover(s), "
@@ -373,13 +380,14 @@ def selftest(
     as_json: Annotated[bool, switch("--json", help="print the results as JSON")] = False,
 ) -> int:
     """Plant built-in faults, catch them with Guard, bisect them."""
-    checked("selftest", locals())
-    from nanbisect.replay.replayer import parse_device
+    checks.environment("selftest")
+    spec = checks.selftest(device)
+    from nanbisect import devices
     from nanbisect.selftest import run
 
     try:
-        parse_device(device, flag="--device")
-        rows = run(device)
+        devices.resolve(spec, flag="--device")
+        rows = run(str(spec))
     except BadInput as e:
         _fail(e)
     if as_json:

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.format import read_bundle
 from nanbisect.locate.catch import catch_module_call
 from nanbisect.records import CallId, CompilerFinding
-from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.compiled import compile_model, point_debug_output
@@ -135,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         # small graphs, compiled one after another: a pool of compile workers costs more than
         # it saves
         ti.set_compile_threads(1)
-    device, dtype = parse_device(a.device)
+    device, dtype = devices.parse(a.device)   # the argument list's text, decoded once
     print("bisect: building the task", flush=True)
     rep = Replayer(read_bundle(a.bundle), device, dtype, entry=a.entry,
                    run_top_level=a.run_top_level)

@@ -53,7 +53,7 @@ from nanbisect.records import Losses, RankResult, RunFacts, StageError, after_ve
 from nanbisect.reference.compare import step_rtol
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import tier_notes
-from nanbisect.replay.replayer import parse_device, resolve_entry
+from nanbisect.replay.replayer import resolve_entry
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of
 from nanbisect.report.text import rebuild_note
@@ -61,12 +61,13 @@ from nanbisect.report.rerun import runner
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry
 from nanbisect.util.numbers import env
-from nanbisect.util.spec import check_ranks
+from nanbisect.options import RunOptions
+from nanbisect.util.spec import DeviceSpec
 from nanbisect.util.text import ranks_text, show
 from nanbisect.util.torch_internals import check_torch_version
 
-__all__ = ["PREFIX", "launch", "launch_alone", "parse_ranks", "rank_timeout", "run_multirank",
-           "sweep", "where"]
+__all__ = ["PREFIX", "launch", "launch_alone", "rank_timeout", "run_multirank", "sweep",
+           "where", "within_world"]
 
 
 def rank_timeout() -> float:
@@ -74,20 +75,21 @@ def rank_timeout() -> float:
     return env("NANBISECT_RANK_TIMEOUT", 600.0)
 
 
-def _run_ranks(bundle: Bundle, ranks: list[int], target: str, partial: Path, timeout: float,
-               *, alone: bool, per_host: int, inject: str | None, entry: str | None,
-               reference: str | None, remedies: int = 0, run_top_level: bool = False
-               ) -> tuple[int | None, dict | None]:
+def _run_ranks(bundle: Bundle, ranks: list[int], target: DeviceSpec, partial: Path,
+               timeout: float, *, alone: bool, per_host: int, inject: str | None,
+               entry: str | None, reference: DeviceSpec | None, remedies: int = 0,
+               run_top_level: bool = False) -> tuple[int | None, dict | None]:
     """Start ``ranks`` of the run through `nanbisect.multirank.spawn` (forked from one interpreter
     that imported torch, or fresh interpreters where the device seam says its ranks cannot be
     forked), wait at most ``timeout`` and kill whatever is left of the run. Returns the spawner's
     exit status and, when the deadline passed, the stacks of the ranks that had not written a
     result (None when it did not pass)."""
-    fork = all(devices.entry(devices.parse(t)[0]).fork_ranks for t in (target, reference) if t)
-    worker = ["--target", target, "--timeout", str(timeout)] + (["--alone"] if alone else [])
+    fork = all(devices.entry(t.type).fork_ranks for t in (target, reference) if t is not None)
+    # the devices reach each worker as their text (`DeviceSpec`'s str, which its parse inverts)
+    worker = ["--target", str(target), "--timeout", str(timeout)] + (["--alone"] if alone else [])
     worker += ["--inject", inject] if inject else []
     worker += ["--entry", entry] if entry else []
-    worker += ["--reference", reference] if reference else []
+    worker += ["--reference", str(reference)] if reference is not None else []
     worker += ["--remedies", str(remedies)] if remedies else []
     worker += ["--run-top-level"] if run_top_level else []
     cmd = [sys.executable, "-m", "nanbisect.multirank.spawn", f"--world={bundle.world_size}",
@@ -122,9 +124,9 @@ def _start_spawner(cmd: list[str], log: int):
                                start_new_session=True))
 
 
-def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
+def launch(bundle: Bundle, target: DeviceSpec, inject: str | None, partial: Path,
            timeout: float | None = None, entry: str | None = None,
-           reference: str | None = None, remedies: int = 0, run_top_level: bool = False
+           reference: DeviceSpec | None = None, remedies: int = 0, run_top_level: bool = False
            ) -> list[RankResult]:
     """Run every rank; return their results, or raise BadInput naming the rank that failed.
     ``partial`` is the run's directory (`run_dir`); ``entry`` overrides every rank's;
@@ -176,22 +178,22 @@ def launch(bundle: Bundle, target: str, inject: str | None, partial: Path,
     return sorted(results, key=lambda r: r.rank)
 
 
-def parse_ranks(spec: str, world: int) -> list[int]:
-    """``--ranks 1,3`` -> [1, 3] (sorted, each once); `BadInput` for anything else.
+def within_world(ranks: tuple[int, ...], world: int) -> list[int]:
+    """``--ranks`` (`RunOptions.ranks`: sorted, each once) checked against the bundle's world
+    size; `BadInput` naming the ones it lacks.
 
-    >>> parse_ranks("3, 1", 4)
+    >>> within_world((1, 3), 4)
     [1, 3]
     """
-    ranks = check_ranks(spec)   # the command line's own parse (ASCII digits, bounded message)
     if ranks[-1] >= world:
-        raise BadInput(f"--ranks {show(spec)}: give rank numbers from 0 to {world - 1} "
-                       "separated by commas, e.g. --ranks 1 or --ranks 0,3")
-    return ranks
+        raise BadInput(f"--ranks {show(','.join(map(str, ranks)))}: give rank numbers from 0 to "
+                       f"{world - 1} separated by commas, e.g. --ranks 1 or --ranks 0,3")
+    return list(ranks)
 
 
-def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | None,
+def launch_alone(bundle: Bundle, ranks: list[int], target: DeviceSpec, inject: str | None,
                  partial: Path, timeout: float, entry: str | None = None,
-                 reference: str | None = None, remedies: int = 0,
+                 reference: DeviceSpec | None = None, remedies: int = 0,
                  run_top_level: bool = False) -> list[RankResult]:
     """Run each rank of ``ranks`` in a process of its own, without the other ranks
     (`multirank.alone`): no process group between them, every collective served what the
@@ -200,7 +202,7 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: str, inject: str | No
     too_old = check_torch_version("fake-process-group")
     if too_old is not None:
         raise BadInput(f"{too_old}; or replay every rank (without --ranks)")
-    per_host = devices.entry(devices.parse(target)[0]).count()   # the CPU's: 1
+    per_host = devices.entry(target.type).count()   # the CPU's: 1
     _, stacks = _run_ranks(bundle, ranks, target, partial, timeout, alone=True,
                            per_host=per_host or 1, inject=inject, entry=entry,
                            reference=reference, remedies=remedies,
@@ -265,21 +267,25 @@ def _worst_loss(m: dict, results: list[RankResult]) -> tuple[float | None, objec
 def _step_tolerance(manifest: dict) -> tuple[str, float]:
     """The step-level tolerance of the parts' dtypes (the widest of them; float32 when the
     manifest names none)."""
-    names = [d for d in manifest.get("dtypes") or [] if isinstance(d, str)]
+    names = Manifest.of(manifest).dtypes
     known = [(d, step_rtol(getattr(torch, d))) for d in names
              if isinstance(getattr(torch, d, None), torch.dtype) and step_rtol(getattr(torch, d))]
     return max(known, key=lambda x: x[1]) if known else ("float32", step_rtol(torch.float32))
 
 
-def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
-                  run_repro_once: bool = True, entry: str | None = None,
-                  reference: str | None = None, ranks: list[int] | None = None,
-                  remedies: int = 0, run_top_level: bool = False) -> Report:
-    """Replay all ranks (with ``entry``'s Task when given), on the target and, with
-    ``reference``, on the reference too, then write one report for the job. With ``ranks``,
-    only those, each alone (`launch_alone`). ``remedies``: the culprit rank's budget of extra
-    replays (`nanbisect.remedies`; only a rank replayed alone can replay its step again)."""
-    entry = ranks_entry(entry, bundle)
+def run_multirank(bundle: Bundle, opts: RunOptions, out: Path,
+                  placed: tuple[torch.device, torch.dtype | None],
+                  ranks: list[int] | None = None) -> Report:
+    """Replay all ranks (with ``opts.entry``'s Task when given), on ``opts.target`` and, unless
+    ``opts.reference`` is none, on the reference too, then write one report for the job. With
+    ``ranks``, only those, each alone (`launch_alone`). ``opts`` come with their devices filled
+    in (`nanbisect.pipeline.run_bundle`), ``placed`` the target resolved to torch's device and
+    dtype. ``opts.remedies``: the culprit rank's budget of extra replays (`nanbisect.remedies`;
+    only a rank replayed alone can replay its step again)."""
+    target, inject, run_repro_once = opts.target, opts.inject, opts.run_repro
+    reference = None if opts.reference.none else opts.reference
+    remedies, run_top_level = opts.remedies, opts.run_top_level
+    entry = ranks_entry(opts.entry, bundle)
     timeout = rank_timeout()
     with run_dir() as partial:
         if ranks is None:
@@ -289,17 +295,17 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
             results = launch_alone(bundle, ranks, target, inject, partial, timeout, entry,
                                    reference, remedies=remedies, run_top_level=run_top_level)
         m = bundle.manifest
-        part = bundle.part(min(map(int, m["ranks"])))   # rank 0's, unless the bundle is partial
+        part = bundle.part(min(Manifest.of(m).ranks))   # rank 0's, unless the bundle is partial
         used = entry or resolve_entry(part)
         original, replayed = _worst_loss(m, results)
-        t_dev, t_dtype = parse_device(target)
+        t_dev, t_dtype = placed
         fidelity = fidelity_check(part, used, original, replayed, same_setup=t_dtype is None
                                   and Manifest.of(part.manifest).captured_type == t_dev.type,
                                   override=entry is not None, device=t_dev,
                                   rtol=_step_tolerance(part.manifest),
                                   dtype_changed=t_dtype is not None)
         first = results[0].summary
-        facts = RunFacts(str(bundle.path), m["entry"], target, reference or "none",
+        facts = RunFacts(str(bundle.path), m["entry"], str(target), str(opts.reference),
                          {r: info.get("observed") for r, info in m["ranks"].items()},
                          Losses(original, replayed if original is not None else
                                 (first.loss if first else None),
@@ -313,7 +319,7 @@ def run_multirank(bundle: Bundle, target: str, inject: str | None, out: Path,
         report = replace(report, errors=[*report.errors, *(
             StageError(e.stage, f"rank {r.rank}: {e.message}") for r in results
             for e in r.errors)])
-        report = _noted(report, fidelity, m, target)
+        report = _noted(report, fidelity, m, str(target))
         with staged(out) as tmp:
             own = next((r for r in results if report.culprit is not None
                         and r.rank == report.culprit.rank and r.repro), None)
@@ -347,15 +353,15 @@ def _noted(report: Report, fidelity, m: dict, target: str) -> Report:
     return replace(report, notes=[*report.notes, *notes])
 
 
-def _with_repro(report: Report, own: RankResult, tmp: Path, target: str, inject: str | None,
-                run_repro_once: bool) -> Report:
+def _with_repro(report: Report, own: RankResult, tmp: Path, target: DeviceSpec,
+                inject: str | None, run_repro_once: bool) -> Report:
     """``report`` with the culprit rank's repro copied into the report and run once."""
     shutil.copytree(Path(own.repro).parent, tmp / "repro")
     script = tmp / "repro" / "repro.py"
     if not run_repro_once:
         result = None
     else:     # a fork of this process (torch loaded) or of its fork server
-        started = runner(target.split(":")[0], report.culprit.op)
+        started = runner(target.type, report.culprit.op)
         with proc.reaped(started):     # an interrupt ends the run (`_Pending.close`)
             result = started.submit(script, device_of(target)).result()
     report = replace(report, repro="repro/repro.py", repro_result=result)

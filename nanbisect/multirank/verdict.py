@@ -15,7 +15,7 @@ from nanbisect.records import (BadValue, Crossing, Culprit, OpRef, Plan, RankRes
                                RankSummary, Subset, RunFacts, module_label)
 from nanbisect.reference.classify import REPLAY_MISMATCH_NOTE, classify_not_reproduced
 from nanbisect.report.model import Report
-from nanbisect.util.spec import DeviceSpec
+from nanbisect.util.spec import NONE
 from nanbisect.util.text import ranks_text
 
 
@@ -271,9 +271,10 @@ def _receivers(results: list[RankResult], born_on: list[int], notes: list[str]) 
         notes.append("; ".join(grouped(said)))
 
 
-def _reference_notes(reference: str, results: list[RankResult]) -> list[str]:
-    """One line per rank on how its step went on the reference, when there was one."""
-    if reference is None or DeviceSpec.parse(reference).none:
+def _reference_notes(reference: str | None, results: list[RankResult]) -> list[str]:
+    """One line per rank on how its step went on the reference, when there was one
+    (``reference``: the report's ``facts.reference``, the spec's text: ``none`` for none)."""
+    if reference is None or reference == NONE:
         return []
     out = []
     for r in results:

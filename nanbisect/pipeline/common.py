@@ -1,6 +1,7 @@
-"""What every module of the pipeline shares: the options of a run, the state its passes
-share (`_Run`, with the errors of the stages after the verdict: `after_verdict`), and the
-guard that turns a failure of the user's code into a one-line `BadInput`.
+"""What every module of the pipeline shares: the options of a run (`nanbisect.options.
+RunOptions`, re-exported), the state its passes share (`_Run`, with the errors of the stages
+after the verdict: `after_verdict`), and the guard that turns a failure of the user's code into
+a one-line `BadInput`.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Callable, ContextManager
 
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
+from nanbisect.options import RunOptions  # noqa: F401 (re-exported: nanbisect.pipeline's)
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.differential import ReferenceKernels
 from nanbisect.records import RunFacts, StageError, after_verdict  # noqa: F401 (re-exported)
@@ -21,27 +23,6 @@ from nanbisect.report.rerun import Interpreter
 from nanbisect.task import load_inject
 
 Progress = Callable[[str, str], None]
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    target: str | None = None
-    reference: str | None = None
-    inject: str | None = None
-    entry: str | None = None
-    run_repro: bool = True
-    ranks: str | None = None      # "R,..." (multi-rank): replay only these, each alone
-    steps: int | None = None      # --steps K: replay the last K recorded steps (lookback)
-    # extra replays of the step the remedies may use (None: NANBISECT_REMEDY_BUDGET, else
-    # nanbisect.remedies.DEFAULT_BUDGET; 0: --no-remedies)
-    remedies: int | None = None
-    # which copy of the user's code a replay imports: "local" (the files on disk), "bundle" (the
-    # copies the bundle carries), None: the local ones when present and unchanged, else the
-    # bundle's (`--code`)
-    code: str | None = None
-    # the entry file's module-level statements may run on import (`--run-top-level`; else an
-    # entry whose top level acts at import is refused before it is imported)
-    run_top_level: bool = False
 
 
 def captured_type(manifest: dict) -> str:

@@ -27,9 +27,8 @@ from nanbisect.pipeline.common import Progress, RunOptions, after_verdict
 from nanbisect.pipeline.step import _analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
-from nanbisect.util.numbers import NUMBERS, check_environment
-from nanbisect.replay.replayer import (Replayer, code_choice, parse_device, resolve_entry,
-                                      top_level_recorded)
+from nanbisect.util.numbers import check_environment
+from nanbisect.replay.replayer import Replayer, code_choice, resolve_entry, top_level_recorded
 from nanbisect.report.model import Report
 from nanbisect.report.write import DEFAULT_NAME, check_out, staged, write_report
 from nanbisect.task import check_entry, kept_path, load_inject
@@ -44,13 +43,10 @@ STAGES = ("steps", "build", "module-pass", "compiled", "reference", "op-recordin
           "op-check", "remedies", "surfaced-repro", "report", "ranks")
 
 
-def _default_target(manifest: dict) -> str:
-    dev = Manifest.of(manifest).captured_on
-    try:
-        parse_device(dev)
-        return dev
-    except BadInput:
-        return devices.HOST.type
+def _default_target(bundle: Bundle) -> DeviceSpec:
+    """The target without ``--target``: the capture's device when this machine has it, else
+    the host."""
+    return devices.present(Manifest.of(bundle).captured_on) or DeviceSpec(devices.HOST.type)
 
 
 class _Clock:
@@ -76,9 +72,15 @@ def run_bundle(path: str | Path, opts: RunOptions = RunOptions(), out: Path | No
                progress: Progress = lambda key, text: None) -> Report:
     """Replay a bundle, bisect its failure down to an op, write the report directory.
 
-    ``out`` defaults to ``BUNDLE/nanbisect-report``; it is replaced atomically, and only when it
-    is absent, empty or an earlier report (anything else is refused before the replay starts:
-    `nanbisect.report.write.check_out`).
+    ``opts`` are trusted (`nanbisect.options.RunOptions.parse` checked their forms); what needs
+    the bundle is checked here, once, before anything is written: the target (``opts.target``,
+    else the capture's device, else the host) and the reference (``opts.reference``, else
+    `nanbisect.devices.default_reference` of the target) are filled in and resolved to torch
+    devices, and every stage after this one gets them as values.
+
+    ``out`` (else ``opts.out``) defaults to ``BUNDLE/nanbisect-report``; it is replaced
+    atomically, and only when it is absent, empty or an earlier report (anything else is refused
+    before the replay starts: `nanbisect.report.write.check_out`).
 
     >>> import tempfile
     >>> report = run_bundle("fixtures/bundles/forward_nan_behind_mask",
@@ -99,50 +101,48 @@ def _run_bundle_at(path: str | Path, opts: RunOptions, out: Path | None,
     # a bad NANBISECT_* number, before anything (not one a given option overrides)
     check_environment("run", {"--remedy-budget"} if opts.remedies is not None else set())
     opts = replace(opts, remedies=remedy_budget(opts.remedies))   # a bad budget: before anything
-    if opts.steps is not None:
-        NUMBERS["--steps"].check(opts.steps, "run")
     # --ranks: verify only the parts replayed (a 1,000-rank bundle is not hashed whole for one)
     bundle = read_bundle(path, verify=opts.ranks is None)
-    m = bundle.manifest
+    out = out if out is not None else opts.out
     out = check_out(out if out is not None else bundle.path / DEFAULT_NAME, bundle.path)
-    target = opts.target or _default_target(m)
-    t_dev, t_dtype = parse_device(target)
+    # the devices: filled in and resolved here, once (a bad one fails before any replay)
+    target = opts.target if opts.target is not None else _default_target(bundle)
+    t_dev, t_dtype = devices.resolve(target)
+    reference = opts.reference if opts.reference is not None else \
+        devices.default_reference(t_dev)
+    ref = None if reference.none else devices.resolve(reference)
+    opts = replace(opts, target=target, reference=reference)
     opts, code_note = _which_code(bundle, opts)
     _check_top_level(bundle, opts)     # before anything is replayed or written
     if not bundle.multi_rank:          # (a multi-rank part's says so from its rank)
         Replayer.check_batch(bundle)   # a batch the capture could not store: before the import
     if opts.ranks is not None and not bundle.multi_rank:
-        raise BadInput(f"--ranks {opts.ranks}: bundle '{bundle.path}' has one rank; drop --ranks")
+        raise BadInput(f"--ranks {ranks_arg(opts.ranks)}: bundle '{bundle.path}' has one rank; "
+                       "drop --ranks")
     if opts.steps is not None and bundle.multi_rank:
         raise BadInput(f"--steps {opts.steps}: bundle '{bundle.path}' is multi-rank; replaying "
                        "several steps is for single-process bundles yet: drop --steps")
     if bundle.multi_rank:
         # NB: imported here, as `_run_steps` below: a one-rank run does not load them
         from nanbisect.multirank.alone import check_tape
-        from nanbisect.multirank.launcher import parse_ranks, run_multirank
+        from nanbisect.multirank.launcher import run_multirank, within_world
 
-        subset = parse_ranks(opts.ranks, bundle.world_size) if opts.ranks is not None else None
+        subset = within_world(opts.ranks, bundle.world_size) if opts.ranks is not None else None
         _check_partial(bundle, subset)
         if subset is not None:
             check_tape(bundle, subset)     # verifies each replayed part, and what it references
-        reference = DeviceSpec.parse(opts.reference or devices.default_reference(t_dev))
-        if not reference.none:
-            parse_device(str(reference))   # a bad --reference fails here, before any rank starts
         if opts.inject:
             load_inject(opts.inject)  # a bad --inject fails here, before any rank starts
         progress("ranks", (f"replaying {bundle.world_size} ranks" if subset is None else
                            f"replaying rank(s) {subset} of {bundle.world_size} alone")
                  + f" on {target}" + (f" and on {reference}" if not reference.none else ""))
-        return run_multirank(bundle, target, opts.inject, out, opts.run_repro, entry=opts.entry,
-                             reference=None if reference.none else str(reference),
-                             ranks=subset, remedies=opts.remedies,
-                             run_top_level=opts.run_top_level)
+        return run_multirank(bundle, opts, out, (t_dev, t_dtype), ranks=subset)
     threads = torch.get_num_threads()
     try:
         # an eager replay does not import torch._dynamo for torch's own disable-wrappers (the
         # task's optimizer, the passes' dispatch modes): `nanbisect.util.dynamo`
         with defer_dynamo():
-            return _run_bundle(bundle, opts, out, clock, target, t_dev, t_dtype, code_note)
+            return _run_bundle(bundle, opts, out, clock, t_dev, t_dtype, ref, code_note)
     finally:
         torch.set_num_threads(threads)     # the capture's count was this run's only
 
@@ -153,8 +153,9 @@ def _check_partial(bundle: Bundle, subset: list[int] | None) -> None:
     missing = bundle.missing_ranks
     if not missing or (subset is not None and not set(subset) & set(missing)):
         return
-    present = ranks_arg(int(r) for r in bundle.manifest["ranks"])
-    reasons = bundle.manifest["partial"].get("reasons") or {}
+    manifest = Manifest.of(bundle)
+    present = ranks_arg(manifest.ranks)
+    reasons = (manifest.partial or {}).get("reasons") or {}
     first = next((f"rank {r}: {show(reasons[str(r)], 200)}" for r in missing
                   if str(r) in reasons), None)
     why = f" ({first})" if first else ""
@@ -174,7 +175,7 @@ def _check_top_level(bundle: Bundle, opts: RunOptions) -> None:
     define at its top level and neither ``--run-top-level`` nor the captured Task allows it."""
     source = bundle
     if bundle.multi_rank:
-        source = bundle.part(min(int(r) for r in bundle.manifest["ranks"]), verify=False)
+        source = bundle.part(min(Manifest.of(bundle).ranks), verify=False)
     if opts.run_top_level:
         return
     if top_level_recorded(source.manifest):    # an opt-in that travels: said before it runs
@@ -199,7 +200,7 @@ def _which_code(bundle: Bundle, opts: RunOptions) -> tuple[RunOptions, str | Non
         return opts, None
     source = bundle
     if bundle.multi_rank:
-        source = bundle.part(min(int(r) for r in bundle.manifest["ranks"]), verify=False)
+        source = bundle.part(min(Manifest.of(bundle).ranks), verify=False)
     entry, note = code_choice(source, opts.code)
     if note is None:
         return opts, None
@@ -212,9 +213,13 @@ def _which_code(bundle: Bundle, opts: RunOptions) -> tuple[RunOptions, str | Non
     return replace(opts, entry=entry), note
 
 
-def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, target: str,
+def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock,
                 t_dev: torch.device, t_dtype: torch.dtype | None,
+                ref: tuple[torch.device, torch.dtype | None] | None,
                 code_note: str | None = None) -> Report:
+    """One process's bundle replayed: ``opts`` with its devices filled in, ``t_dev``/``t_dtype``
+    the target's resolved, ``ref`` the reference's (None: no reference)."""
+    target = str(opts.target)
     where = f"bundle '{bundle.path}'"
     history = hist.parse(Manifest.of(bundle).history, bundle.tensors(hist.ROLE), where)
     window = None
@@ -229,9 +234,9 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock, t
             from nanbisect.pipeline.window import _run_steps
 
             report, rep = _run_steps(bundle, window, history, opts, progress, target, t_dev,
-                                     t_dtype, tmp)
+                                     t_dtype, ref, tmp)
         else:
-            report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
+            report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp, ref)
         if history is not None:
             def findings() -> list[Finding]:
                 model = opt = None

@@ -21,25 +21,24 @@ from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
 from nanbisect.records import Fidelity, Losses, RunFacts, StepOutcome, json_number
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.classify import classify_not_reproduced
-from nanbisect.util.spec import DeviceSpec
 from nanbisect.reference.compare import step_rtol
 from nanbisect.reference.differential import RandomTape, step_state
 from nanbisect.reference.side import ReferenceSide, model_dtype
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import match_threads, tier_notes
 from nanbisect.replay.probe import ModuleProbe, probing
-from nanbisect.replay.replayer import Replayer, parse_device, stacked
+from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.report.model import Report
 from nanbisect.report.rerun import Interpreter, take
 
 
 def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
-             t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path
-             ) -> tuple[Report, Replayer]:
-    """One step: replay, reference, verdict and the passes that find a culprit."""
+             t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path,
+             ref: tuple[torch.device, torch.dtype | None] | None) -> tuple[Report, Replayer]:
+    """One step: replay, reference, verdict and the passes that find a culprit (``ref``: the
+    reference `run_bundle` resolved from ``opts.reference``, None for none)."""
     m = bundle.manifest
-    reference = opts.reference or devices.default_reference(t_dev)
-    ref = None if DeviceSpec.parse(reference).none else parse_device(reference)
+    reference = str(opts.reference)
     wrap, used = target_wrap(opts, m, t_dev)
     notes = [n for n in [match_threads(bundle, t_dev)] if n]
     interp = None

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from nanbisect import devices
 from nanbisect import history as hist
 from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
 from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, captured_type,
                                        reference_kernels_note, target_wrap)
@@ -21,21 +21,22 @@ from nanbisect.records import fidelity_tier
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.window import replay_window
 from nanbisect.replay.fidelity import match_threads
-from nanbisect.replay.replayer import Replayer, parse_device
+from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
-from nanbisect.util.spec import DeviceSpec
 
 
 def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History | None",
                opts: RunOptions, progress: Progress, target: str, t_dev: torch.device,
-               t_dtype: torch.dtype | None, tmp: Path) -> tuple[Report, Replayer | None]:
-    """--steps K: the window on both sides, then the first step that parts bisected alone."""
+               t_dtype: torch.dtype | None, ref: tuple[torch.device, torch.dtype | None] | None,
+               tmp: Path) -> tuple[Report, Replayer | None]:
+    """--steps K: the window on both sides, then the first step that parts bisected alone.
+    ``opts.reference`` is the run's (filled in by `run_bundle`), ``ref`` it resolved (None:
+    no reference, which a window cannot do without)."""
     k = opts.steps
-    reference = opts.reference or devices.default_reference(t_dev)
-    if DeviceSpec.parse(reference).none:
+    reference = opts.reference
+    if ref is None:
         raise BadInput(f"--steps {k} compares the target's steps with a reference's; pass "
                        "--reference cpu (or cpu:float64)")
-    ref = parse_device(reference)
     wrap, used = target_wrap(opts, bundle.manifest, t_dev)
     note = match_threads(bundle, t_dev)
     losses = {e["step"]: e.get("loss") for e in (history.entries if history else [])}
@@ -52,7 +53,7 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     before = rows.get(failing - 1)
     steps = res.record(before.max_rel_diff if before else None)
     report, rep, analysed = _bisect_step(bundle, res, failing, notes, opts, progress, target,
-                                         t_dev, t_dtype, tmp)
+                                         t_dev, t_dtype, ref, tmp)
     if res.first_divergent_step is None:
         notes.append(f"the {len(res.rows)} replayed step(s) stay within tolerance of the "
                      "reference: nothing parts before the failing step")
@@ -66,7 +67,7 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     culprit = report.culprit
     if culprit is not None:
         culprit = replace(culprit, step=analysed)
-    facts = replace(report.facts, observed=bundle.manifest.get("observed"))
+    facts = replace(report.facts, observed=Manifest.of(bundle).observed)
     classification = _reached(bundle, res.reached, report, t_dev, t_dtype, notes)
     return replace(report, culprit=culprit, facts=facts, steps=steps,
                    classification=classification, notes=[*notes, *report.notes]), rep
@@ -74,13 +75,14 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
 
 def _bisect_step(bundle: Bundle, res, failing: int, notes: list[str], opts: RunOptions,
                  progress: Progress, target: str, t_dev: torch.device,
-                 t_dtype: torch.dtype | None, tmp: Path) -> tuple[Report, Replayer | None, int]:
+                 t_dtype: torch.dtype | None, ref: tuple[torch.device, torch.dtype | None],
+                 tmp: Path) -> tuple[Report, Replayer | None, int]:
     """The first step that parts from the reference bisected alone; the failing step when none
     does, or when that step alone stays within tolerance (rounding that compounds)."""
     if res.step_view is not None:
         s = res.first_divergent_step
         progress("steps", f"bisecting step {s}, the first that parts from the reference")
-        report, rep = _analyse(res.step_view, opts, progress, target, t_dev, t_dtype, tmp)
+        report, rep = _analyse(res.step_view, opts, progress, target, t_dev, t_dtype, tmp, ref)
         if report.verdict != "clean":
             return report, rep, s
         notes.append(f"step {s} is the first whose state parts from the reference's over "
@@ -89,7 +91,7 @@ def _bisect_step(bundle: Bundle, res, failing: int, notes: list[str], opts: RunO
                      "(rounding that compounds); the failing step is bisected instead")
         for child in tmp.iterdir():
             shutil.rmtree(child) if child.is_dir() else child.unlink()
-    report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp)
+    report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp, ref)
     return report, rep, failing
 
 

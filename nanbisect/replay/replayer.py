@@ -19,7 +19,6 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
-from nanbisect import devices
 from nanbisect.bundle import codestore
 from nanbisect.bundle.code import changed_sources, relocation
 from nanbisect.bundle.format import MANIFEST, Bundle
@@ -37,17 +36,6 @@ from nanbisect.util.tensors import (all_surely_finite, cast_floating, floating, 
                                     surely_finite)
 
 PHASES = ("input", "forward", "backward", "optimizer")
-
-
-def parse_device(spec: str, flag: str = "--target/--reference"
-                 ) -> tuple[torch.device, torch.dtype | None]:
-    """``"cuda:1"`` -> (device, None); ``"cpu:float64"`` -> (cpu, torch.float64) (the device
-    seam's `nanbisect.devices.parse`).
-
-    >>> parse_device("cpu:float64")
-    (device(type='cpu'), torch.float64)
-    """
-    return devices.parse(spec, flag)
 
 
 def _scan(where: str, named, summed: bool = False, fused: bool = False) -> list[BadValue]:

@@ -21,9 +21,10 @@ from safetensors.torch import save_file
 from nanbisect import __version__, devices
 from nanbisect.bundle.format import umask_mode
 from nanbisect.bundle.state import encode
+from nanbisect.options import device_option
 from nanbisect.records import Caught, Culprit, ModuleCaught, module_label
 from nanbisect.report.rerun import BUILTIN_NAMESPACES
-from nanbisect.util.spec import check_device
+from nanbisect.util.spec import DeviceSpec
 
 
 def _template(name: str) -> string.Template:
@@ -59,33 +60,44 @@ def repro_imports(op: str, entry: str) -> list[str]:
     return [str(Path(target).resolve())] if target.endswith(".py") else []
 
 
-def device_of(target: str) -> str:
-    """The device of a target (``DEVICE[:DTYPE]``, as `nanbisect.util.spec.check_device` splits
-    it): what a repro's ``--device`` takes (its saved inputs already hold the replay's dtype).
+def target_spec(target: DeviceSpec | str) -> DeviceSpec:
+    """A target as a value: a `DeviceSpec` as it is; the text a report records (``DEVICE[:DTYPE]``,
+    a rank worker's ``--target``) decoded at this boundary (`nanbisect.options.device_option`).
 
-    >>> device_of("cpu:float64"), device_of("cuda:1"), device_of("npu")
+    >>> target_spec("cuda:1:float64")
+    DeviceSpec(device='cuda:1', dtype='float64')
+    """
+    return target if isinstance(target, DeviceSpec) else device_option(target)
+
+
+def device_of(target: DeviceSpec | str) -> str:
+    """The device of a target (`target_spec`'s device, without the dtype): what a repro's
+    ``--device`` takes (its saved inputs already hold the replay's dtype).
+
+    >>> device_of("cpu:float64"), device_of("cuda:1"), device_of(DeviceSpec("npu"))
     ('cpu', 'cuda:1', 'npu')
     """
-    return check_device(target)[0]
+    return target_spec(target).device
 
 
-def extensions(target: str) -> dict[str, str]:
+def extensions(target: DeviceSpec | str) -> dict[str, str]:
     """The plug-in a repro imports before using ``target``'s device type (``{"npu":
     "torch_npu"}``; none for built-in types).
 
     >>> extensions("npu:0:float32"), extensions("cpu")
     ({'npu': 'torch_npu'}, {})
     """
-    kind = device_of(target).split(":")[0]
+    kind = target_spec(target).type
     ext = devices.entry(kind).extension
     return {kind: ext} if ext else {}
 
 
-def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, target: str,
-                imports: list[str], role: str = "Culprit") -> Path:
+def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str,
+                target: DeviceSpec | str, imports: list[str], role: str = "Culprit") -> Path:
     """Write ``out/repro.py`` and ``out/inputs.safetensors``; return the script's path.
     ``role`` names what the op is in the script's docstring (the culprit, or where it
     surfaced)."""
+    target = target_spec(target)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     meta = {"op": caught.op, "args": encode(caught.args, "args", tensors),
@@ -104,11 +116,13 @@ def write_repro(out: Path, caught: Caught, *, culprit: Culprit, kind: str, targe
     return out / "repro.py"
 
 
-def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: str, target: str,
-                       entry: str, compile: dict | None = None) -> Path:
+def write_module_repro(out: Path, mc: ModuleCaught, *, culprit: Culprit, kind: str,
+                       target: DeviceSpec | str, entry: str, compile: dict | None = None
+                       ) -> Path:
     """Write ``out/module_repro.py`` and ``out/module_inputs.safetensors`` (the fallback);
     ``compile``: torch.compile's keyword arguments for a compiler culprit (the script runs the
     call eagerly, then compiled, and reproduces when only the compiled call fails)."""
+    target = target_spec(target)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     meta = {"args": encode(mc.args, "args", tensors), "kwargs": encode(mc.kwargs, "kwargs",

@@ -22,6 +22,7 @@ from nanbisect.errors import BadInput
 from nanbisect.multirank.worker import _backend
 from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.task import import_target
+from nanbisect.util.spec import DeviceSpec
 
 TASK = Path(__file__).resolve().parents[1] / "tasks" / "seam_task.py"
 
@@ -119,7 +120,7 @@ def test_registering_a_type_makes_its_strings_parse_and_its_backend_chosen():
         both = devices.collective_backend(["privateuseone", "cpu"])
         assert both == "cpu:gloo,privateuseone:fakeccl"
         assert "privateuseone" in devices.accelerators()
-        assert devices.default_reference(torch.device("privateuseone", 0)) == "cpu"
+        assert devices.default_reference(torch.device("privateuseone", 0)) == DeviceSpec("cpu")
     assert "privateuseone" not in devices.TYPES
 
 
@@ -129,7 +130,20 @@ def test_parse_refuses_what_is_not_a_device_or_a_floating_dtype():
                      ("cuda:7", "not available")]:
         with pytest.raises(BadInput, match=why):
             devices.parse(bad)
-    assert devices.default_reference(torch.device("cpu")) == "none"
+    assert devices.default_reference(torch.device("cpu")).none
+
+
+def test_resolve_takes_a_spec_and_names_the_flag():
+    """`devices.resolve`: a parsed spec becomes torch's device and dtype; a device this machine
+    lacks is refused naming the flag given; `present` is a manifest's device when it is here."""
+    assert devices.resolve(DeviceSpec("cpu", "float64")) == (torch.device("cpu"), torch.float64)
+    assert devices.resolve(DeviceSpec("cpu")) == (torch.device("cpu"), None)
+    with pytest.raises(BadInput, match="not available on this machine; pass --device"):
+        devices.resolve(DeviceSpec("cuda:7"), "--device")
+    with pytest.raises(BadInput, match="'none' is not a torch device string"):
+        devices.resolve(DeviceSpec("none"))      # a target named none
+    assert devices.present("cpu") == DeviceSpec("cpu")
+    assert devices.present("cuda:7") is None and devices.present("not a device") is None
 
 
 def test_the_cpu_fingerprint_names_the_instruction_set_aten_uses():

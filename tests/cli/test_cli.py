@@ -73,7 +73,7 @@ def test_help_says_what_runs_code_and_what_never_does():
 def test_an_interrupt_exits_130(fixture_bundle, monkeypatch):
     from nanbisect.cli import commands
 
-    def interrupted(a):
+    def interrupted(*args, **kw):
         raise KeyboardInterrupt
     monkeypatch.setattr(commands, "_run", interrupted)
     res = invoke("run", fixture_bundle("healthy"))

@@ -42,3 +42,29 @@ def test_code_refuses_other_values(options_given, tmp_path):
     res = invoke("run", FIXTURES / "nan_batch", "--code", "git")
     one_line_exit_2(res, "--code 'git'", "local", "bundle")
     assert options_given == []           # refused before the pipeline
+
+
+def test_devices_and_ranks_reach_the_options_as_values(monkeypatch, tmp_path):
+    """The command builds the `RunOptions` once from its typed parameters (`api.run_options`,
+    as ``nanbisect.run`` does): devices as `DeviceSpec`, ranks as ints, ``out`` a path; the
+    repro's interpreter is started once (`api.start`), not once by the command and again by
+    the API."""
+    import nanbisect.pipeline
+    import nanbisect.report.rerun
+    from nanbisect.util.spec import DeviceSpec
+
+    got, started = [], []
+
+    def run_bundle(path, options, out, progress):
+        got.append((options, out))
+        raise BadInput("stopped by the test")
+    monkeypatch.setattr(nanbisect.pipeline, "run_bundle", run_bundle)
+    monkeypatch.setattr(nanbisect.report.rerun, "prestart",
+                        lambda path, target: started.append(target))
+    res = invoke("run", FIXTURES / "nan_batch", "--out", tmp_path / "r", "--target", "cpu",
+                 "--reference", "cpu:float64", "--ranks", "1,0", "--steps", "2")
+    one_line_exit_2(res, "stopped by the test")
+    ((options, out),) = got
+    assert (options.target, options.reference) == (DeviceSpec("cpu"), DeviceSpec("cpu", "float64"))
+    assert (options.ranks, options.steps, options.out) == ((0, 1), 2, tmp_path / "r")
+    assert out == tmp_path / "r" and started == ["cpu"]

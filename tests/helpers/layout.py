@@ -10,7 +10,8 @@ PKG = Path(__file__).resolve().parents[2] / "nanbisect"
 
 # stage of each folder / top-level module; a module may import a lower stage or its own folder
 # util holds the small utilities every stage shares; it may import only errors (see below)
-BASE = {"errors", "task", "records", "step", "devices", "util", "proc", "history", "__init__"}
+BASE = {"errors", "task", "records", "step", "devices", "util", "proc", "history", "options",
+        "__init__"}
 STAGE = {"bundle": 1, "replay": 2, "guard": 3, "compiler": 5,
          "locate": 4, "reference": 4, "report": 4, "finish": 5, "remedies": 5, "chain": 6,
          "multirank": 7, "pipeline": 8, "triage": 8, "selftest": 8, "api": 8, "cli": 9, "__main__": 10,
