@@ -52,6 +52,18 @@ bounded by `nanbisect.bundle.format.read_bundle`'s limits, not by ``timeout``. C
 cluster is bounded by ``NANBISECT_CONNECT_TIMEOUT`` (default 15 s; twice that for Ray). POSIX
 only.
 
+The package's internal interface (what its modules share, not for other stages):
+- `find.check_roots` (the roots refused before anything runs) and `find.MAX_MANIFEST` (the bound
+  on a manifest read while discovering: `read_bundle`'s own), used by `run`, `cache`, `summary`;
+- `cache.Cache` (the cache directory: lookups and stores) and `cache.MAX_REPORT` (the bound on a
+  cached or replayed report.json), used by `run` and `worker`;
+- `summary.NightState` (the night so far: rows, errors, what triage.json/md and index.html are
+  written from), built and updated by `run`;
+- `backends.connect_backend` (the cluster connected: joblib's configuration, slots, wave size)
+  and `backends.jobs_for` (the slots for a night of bundles), used by `run`;
+- `worker.analyse_one` (one bundle's replay in a process of its own; never raises), which `run`
+  hands to joblib.
+
 Exit protocol (for CI):
   0  no failures: every bundle replayed clean
   1  failures, all with known signatures (``--known``)
