@@ -53,7 +53,8 @@ class Processes:
         self.children: dict[Hashable, Handle | subprocess.Popen] = {}
         self.codes: dict[Hashable, int | None] = {}     # None while it runs
         self.outputs: dict[Hashable, Output] = {}
-        self.failed: dict[Hashable, int] | None = None  # the failures the first poll that saw one saw
+        # the failures the first poll that saw any saw (the root cause, not what stopping caused)
+        self.failed: dict[Hashable, int] | None = None
         self._kill_at: float | None = None
         self._lock = threading.RLock()
 

@@ -1,6 +1,6 @@
-"""The Python API (`nanbisect.run`, `nanbisect.api.triage`): the command's code path in this process,
-the command's report, the command's one-line refusals as `BadInput` (never `SystemExit`), and
-the package's names that stay the API's functions whatever was imported before."""
+"""The Python API (`nanbisect.run`, `nanbisect.api.triage`): the command's code path in this
+process, the command's report, the command's one-line refusals as `BadInput` (never
+`SystemExit`), and names that mean one thing whatever was imported before."""
 from __future__ import annotations
 
 import json
@@ -204,7 +204,8 @@ try:
     triage("/nonexistent-dir")
 except nanbisect.BadInput as e:
     print("BadInput" if "nonexistent-dir" in str(e) else e)
-print(nanbisect.run.__module__, discover.__module__, worker.__name__, type(nanbisect.triage).__name__)
+print(nanbisect.run.__module__, discover.__module__, worker.__name__,
+      type(nanbisect.triage).__name__)
 """
 
 NO_TORCH = """
