@@ -54,14 +54,6 @@ def settled(step: Callable[[], object], caught: list) -> None:
         return
 
 
-def _kill_popen(proc: subprocess.Popen) -> None:
-    if proc.returncode is None:         # not reaped: its pid is still its own
-        if os.getpgid(proc.pid) == proc.pid != os.getpgrp():
-            os.killpg(proc.pid, signal.SIGKILL)
-        else:
-            proc.kill()
-
-
 def signal_child(child, sig: int) -> None:
     """``sig`` to ``child`` (a `Handle` or a `subprocess.Popen` this process started) while it
     is not reaped (its pid is still its own): to its whole process group where it leads one of
@@ -106,7 +98,7 @@ def stop(proc, reraise: bool = True, within: float | None = None) -> None:
             settled(proc.kill_group, caught)
             settled(lambda: proc.wait(within), caught)
     elif isinstance(proc, subprocess.Popen):
-        settled(lambda: _kill_popen(proc), caught)
+        settled(lambda: signal_child(proc, signal.SIGKILL), caught)
         settled(lambda: proc.wait(within), caught)
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f is not None:
