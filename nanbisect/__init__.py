@@ -7,13 +7,13 @@ import torch.
 >>> nanbisect.Task.__name__, nanbisect.__version__ == __import__("nanbisect").__version__
 ('Task', True)
 
-``nanbisect.run`` and ``nanbisect.triage`` are the Python API (`nanbisect.api`).
-``nanbisect.triage`` is the subpackage of that name, which is callable: calling it is the API's
-function (its signature too), and its modules import as usual.
+``nanbisect.run`` and ``nanbisect.api.triage`` are the Python API (`nanbisect.api`).
+``nanbisect.triage`` is the subpackage of that name (nightly triage), a plain package whatever
+was imported first; the API's function is ``from nanbisect.api import triage``.
 
 >>> import nanbisect.triage.summary as summary, nanbisect.pipeline.run
->>> nanbisect.run.__module__, callable(nanbisect.triage), summary.__name__
-('nanbisect.api', True, 'nanbisect.triage.summary')
+>>> nanbisect.run.__module__, nanbisect.api.triage.__module__, summary.__name__
+('nanbisect.api', 'nanbisect.api', 'nanbisect.triage.summary')
 >>> nanbisect.triage is __import__("sys").modules["nanbisect.triage"]
 True
 """
@@ -28,15 +28,17 @@ _LAZY = {"Task": "nanbisect.task", "capture": "nanbisect.guard", "Guard": "nanbi
          "StepWatch": "nanbisect.guard", "Spike": "nanbisect.guard",
          "NonFiniteStep": "nanbisect.errors", "BadInput": "nanbisect.errors",
          "reference_impl": "nanbisect.reference.kernels",
-         "run": "nanbisect.api", "triage": "nanbisect.api"}
+         "run": "nanbisect.api"}
+# subpackages reached as attributes before anything imported them
+_PACKAGES = {"api": "nanbisect.api", "triage": "nanbisect.triage"}
 
 __all__ = ["Task", "capture", "Guard", "StepWatch", "Spike", "NonFiniteStep", "BadInput",
-           "reference_impl", "run", "triage", "__version__"]
+           "reference_impl", "run", "__version__"]
 
 
 def __getattr__(name: str) -> object:
-    if name == "triage":    # the subpackage, which is callable: one object whatever came first
-        value = importlib.import_module("nanbisect.triage")
+    if name in _PACKAGES:   # the module itself, as an import of it binds the name
+        value = importlib.import_module(_PACKAGES[name])
         globals()[name] = value
         return value
     if name in _LAZY:
@@ -47,4 +49,4 @@ def __getattr__(name: str) -> object:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_PACKAGES))

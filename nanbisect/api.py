@@ -1,6 +1,7 @@
 """The Python API: `run` and `triage`, what ``nanbisect run`` and ``nanbisect triage`` do up to
 the point where they print, for notebooks and scripts (docs/guide/python-api.md), exported as
-``nanbisect.run`` and ``nanbisect.triage``:
+``nanbisect.run`` and ``nanbisect.api.triage`` (``nanbisect.triage`` is the triage package, which
+this module imports and which never imports it):
 
     import nanbisect
     report = nanbisect.run("step000123", reference="cpu")   # a Report
@@ -22,7 +23,7 @@ Guarantees:
   the entry's code becomes a `BadInput` too) and never an exception of the command line's.
   nanbisect prints nothing (the task's own code may): progress goes to ``progress`` only, and a
   torch older than the one nanbisect is checked on is a `TorchTooOld` warning.
-- Importing this module, and so ``nanbisect.run`` and ``nanbisect.triage``, imports no torch;
+- Importing this module, and so ``nanbisect.run`` and ``nanbisect.api.triage``, imports no torch;
   a call does.
 
 Not guaranteed: an exception of `run` that is not a `BadInput` is a bug of nanbisect's (the

@@ -20,13 +20,13 @@ Not guaranteed: a store that is itself gone (hosted by a rank that died; torchru
 from __future__ import annotations
 
 import json
-import os
 import signal
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
+from nanbisect import proc
 from nanbisect.util.numbers import env
 
 WRITE_TIMEOUT = 300.0   # seconds a rank may take to write its part (NANBISECT_WRITE_TIMEOUT)
@@ -167,21 +167,7 @@ def held_sigterm() -> Iterator[Callable[[], float | None]]:
     """Hold SIGTERM back inside the block; yields ``term()``: when it came (`time.monotonic`),
     or None. On leaving, the previous handler is put back and a held SIGTERM is delivered to
     it (by default the process ends). Only in the main thread, and only over the default
-    handler or a Python one (a handler set from C code, or SIG_IGN, is left alone)."""
-    came: list[float] = []
-    old = signal.getsignal(signal.SIGTERM)
-    if threading.current_thread() is not threading.main_thread() or old in (signal.SIG_IGN,
-                                                                             None):
-        yield lambda: None
-        return
-
-    def hold(signum, frame) -> None:
-        came.append(time.monotonic())
-
-    signal.signal(signal.SIGTERM, hold)
-    try:
-        yield lambda: came[0] if came else None
-    finally:
-        signal.signal(signal.SIGTERM, old)
-        if came:
-            os.kill(os.getpid(), signal.SIGTERM)
+    handler or a Python one (a handler set from C code, or SIG_IGN, is left alone):
+    `nanbisect.proc.deferred`."""
+    with proc.deferred(signal.SIGTERM) as term:
+        yield term

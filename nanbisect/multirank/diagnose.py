@@ -1,6 +1,11 @@
 """What the launcher says when a rank hangs or dies: where each rank was (its faulthandler stacks,
 classified as its own code, a library's, nanbisect's or a wait inside torch), its exit status
 or signal as the spawner saw it (`nanbisect.multirank.spawn`), and the stage it reached.
+
+What the launcher calls (the package's internal interface, see `nanbisect.multirank`):
+`ask_stacks` (every rank asked for its stacks, read as `Where`), `hang` and `died` (the one line a
+hang or a death becomes), `rank_stage` (the stage a rank's state file names), `PEER_GONE` (the
+errors a rank sees when a peer died: consequences, not causes), `exit_statuses`, `where`.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from nanbisect import proc
 from nanbisect.errors import signal_name
 from nanbisect.multirank.rundir import run_processes
 from nanbisect.util import frames
@@ -19,7 +25,7 @@ from nanbisect.util.files import read_json as _read_json
 from nanbisect.util.text import ranks_text
 
 # errors a rank sees when a peer died or left: consequences, not causes
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
               "remote worker crashing", "NCCL communicator was aborted")
 
 
@@ -86,7 +92,7 @@ def where(dump: str) -> Where | None:
     return None
 
 
-def _stacks(partial: Path, ranks: list[int]) -> dict[int, Where | None]:
+def ask_stacks(partial: Path, ranks: list[int]) -> dict[int, Where | None]:
     """Ask every rank in ``ranks`` for its stacks (SIGUSR1) and read where each one is."""
     def size(r: int) -> int:
         try:
@@ -100,10 +106,7 @@ def _stacks(partial: Path, ranks: list[int]) -> dict[int, Where | None]:
         pid = state.get("pid") if state else None
         if isinstance(pid, int) and pid in live:
             before[r] = size(r)
-            try:
-                os.kill(pid, signal.SIGUSR1)
-            except ProcessLookupError:
-                pass
+            proc.signal_pid(pid, signal.SIGUSR1)
     sizes: dict[int, int] = {}
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:   # until every dump is written and has stopped growing
@@ -140,14 +143,14 @@ def exit_statuses(partial: Path) -> tuple[dict[int, int], int | None]:
         return {}, None
 
 
-def _stage(partial: Path, r: int) -> str:
+def rank_stage(partial: Path, r: int) -> str:
     state = _read_json(partial / f"rank{r}.state")
     return f" ({state['stage']})" if state and state.get("stage") else ""
 
 
-def _died(partial: Path, r: int, status: int, then: str) -> str:
+def died(partial: Path, r: int, status: int, then: str) -> str:
     """One line for a rank that ended without a result."""
-    stage = _stage(partial, r)
+    stage = rank_stage(partial, r)
     if status > 0:
         return (f"rank {r} exited with status {status} during the replay without a result"
                 f"{stage}{then}: the entry's code ended the process (os._exit, exit() in a C "
@@ -178,7 +181,7 @@ def _first(said: list[str], total: int) -> str:
                               else "")
 
 
-def _hang(partial: Path, world: int, timeout: float, finished: set[int],
+def hang(partial: Path, world: int, timeout: float, finished: set[int],
           stacks: dict[int, Where | None]) -> str:
     """One line for a replay that outlived its deadline, naming the rank that hung: the one still
     running code (or never started) while the others waited."""
@@ -191,7 +194,7 @@ def _hang(partial: Path, world: int, timeout: float, finished: set[int],
         if state(r) is None:
             return f"rank {r} had not started its replay"
         w = stacks.get(r)
-        return f"rank {r} {w if w else 'did not say where it was'}{_stage(partial, r)}"
+        return f"rank {r} {w if w else 'did not say where it was'}{rank_stage(partial, r)}"
 
     running = [r for r in range(world) if r not in finished and (
         state(r) is None or (stacks.get(r) is not None and not stacks[r].waiting))]

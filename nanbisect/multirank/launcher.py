@@ -45,9 +45,9 @@ from nanbisect import devices, proc
 from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
-from nanbisect.multirank.diagnose import (_PEER_GONE, _died, _hang, _stacks, _stage, exit_statuses,
-                                          where)
-from nanbisect.multirank.rundir import PREFIX, _kill_run, run_dir, sweep
+from nanbisect.multirank.diagnose import (PEER_GONE, ask_stacks, died, exit_statuses, hang,
+                                          rank_stage, where)
+from nanbisect.multirank.rundir import PREFIX, kill_run, run_dir, sweep
 from nanbisect.multirank.verdict import job_report, subset_report
 from nanbisect.records import Losses, RankResult, RunFacts, StageError, after_verdict
 from nanbisect.reference.compare import step_rtol
@@ -106,11 +106,11 @@ def _run_ranks(bundle: Bundle, ranks: list[int], target: DeviceSpec, partial: Pa
         try:
             p.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            stacks = _stacks(partial, [r for r in ranks
-                                       if not (partial / f"rank{r}.json").is_file()])
+            stacks = ask_stacks(partial, [r for r in ranks
+                                          if not (partial / f"rank{r}.json").is_file()])
     finally:
         if p is not None:       # on every path once started (an interrupt too)
-            _kill_run(p, partial)
+            kill_run(p, partial)
     return p.returncode, stacks
 
 
@@ -153,22 +153,22 @@ def launch(bundle: Bundle, target: DeviceSpec, inject: str | None, partial: Path
         else:
             results.append(res)
     # a rank that fails makes its peers fail too ("connection closed by peer"): name the cause
-    primary = [r for r, e in errors.items() if not any(s in e for s in _PEER_GONE)]
+    primary = [r for r, e in errors.items() if not any(s in e for s in PEER_GONE)]
     if primary:
         r = primary[0]
         hint = ("; a collective timed out: the ranks probably took different control paths "
                 "(one skipped or added a collective)" if "imed out" in errors[r] else "")
         raise BadInput(f"rank {r} failed during replay: {errors[r]}{hint}")
     if stacks is not None:
-        raise BadInput(_hang(partial, world, timeout, {r.rank for r in results} | set(errors),
-                             stacks))
+        raise BadInput(hang(partial, world, timeout, {r.rank for r in results} | set(errors),
+                            stacks))
     if missing:
         then = (f"; {ranks_text(sorted(errors))} then lost their peers" if errors else "")
         statuses, root = exit_statuses(partial)
         dead = [r for r in missing if statuses.get(r) not in (None, 0, -signal.SIGTERM)]
         first = root if root in dead else (dead[0] if dead else None)
         if first is not None:
-            raise BadInput(_died(partial, first, statuses[first], then))
+            raise BadInput(died(partial, first, statuses[first], then))
         tail = " | ".join(line for line in log.strip().splitlines()[-3:])
         raise BadInput(f"{ranks_text(missing)} ended without a result (launcher exit {code}"
                        f"{': ' + tail if tail else ''}){then}; run those ranks' code alone")
@@ -223,10 +223,11 @@ def launch_alone(bundle: Bundle, ranks: list[int], target: DeviceSpec, inject: s
         elif r in hung:
             w = stacks.get(r)
             raise BadInput(f"rank {r} hung: after {timeout:.0f}s, replayed alone, it "
-                           f"{w if w else 'did not say where it was'}{_stage(partial, r)}; fix "
-                           "that code, or raise NANBISECT_RANK_TIMEOUT if it is only slow")
+                           f"{w if w else 'did not say where it was'}"
+                           f"{rank_stage(partial, r)}; fix that code, or raise "
+                           "NANBISECT_RANK_TIMEOUT if it is only slow")
         else:
-            raise BadInput(_died(partial, r, statuses.get(r) or 1, " (replayed alone)"))
+            raise BadInput(died(partial, r, statuses.get(r) or 1, " (replayed alone)"))
     if errors:
         r = min(errors)
         raise BadInput(f"rank {r} failed during replay (alone, collectives served as "

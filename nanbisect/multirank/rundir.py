@@ -15,10 +15,10 @@ from nanbisect.proc import processes_naming as run_processes
 
 PREFIX = "nanbisect-ranks-"
 
-__all__ = ["PREFIX", "_kill_run", "run_dir", "run_processes", "sweep"]
+__all__ = ["PREFIX", "kill_run", "run_dir", "run_processes", "sweep"]
 
 
-def _kill_run(spawner, partial: Path) -> None:
+def kill_run(spawner, partial: Path) -> None:
     """SIGKILL the spawner's session (its ranks are in it) and reap it, then every process of
     the run (one that left the session too), until none is left (5 s at most)."""
     proc.stop(spawner, within=5)

@@ -38,7 +38,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from nanbisect import proc
@@ -81,10 +80,10 @@ def _rank_env(a: argparse.Namespace, rank: int, local: int, count: int) -> dict[
 
 
 def _fork_rank(env: dict[str, str], target: list[str], log: Path | None,
-               port_pipe: int | None, close: list[int], rank: int, ranks: list[_Rank]) -> None:
+               port_pipe: int | None, close: list[int], rank: int,
+               ranks: proc.Processes) -> None:
     """Fork rank ``rank``, noted in ``ranks`` before any signal handler can run."""
-    proc.fork(lambda: _rank_main(env, target, log, port_pipe, close),
-              lambda child: ranks.append(_Rank(rank, child)))
+    ranks.fork(rank, lambda: _rank_main(env, target, log, port_pipe, close))
 
 
 def _rank_main(env: dict[str, str], target: list[str], log: Path | None,
@@ -118,59 +117,25 @@ def _rank_main(env: dict[str, str], target: list[str], log: Path | None,
     return proc.run_main(target)
 
 
-def _exec_rank(env: dict[str, str], target: list[str], log: Path | None, port: int | None):
+def _exec_rank(env: dict[str, str], target: list[str], log: Path | None, port: int | None,
+               rank: int, ranks: proc.Processes) -> None:
     out = open(log, "w") if log is not None else None  # noqa: SIM115 - the child's own copy
     try:
         full = {**os.environ, **env, **({"MASTER_PORT": str(port)} if port is not None else {})}
-        return proc.start_exec([sys.executable, *target], env=full, stdout=out,
-                               stderr=subprocess.STDOUT if out else None)
+        ranks.exec(rank, [sys.executable, *target], env=full, stdout=out,
+                   stderr=subprocess.STDOUT if out else None)
     finally:
         if out is not None:
             out.close()
 
 
-class _Rank:
-    """One rank's child (a `proc.Forked` or a `subprocess.Popen`) and its exit status."""
-
-    def __init__(self, rank: int, child) -> None:
-        self.rank, self.child, self.code = rank, child, None
-
-    def poll(self) -> int | None:
-        if self.code is None:
-            self.code = self.child.poll()
-        return self.code
-
-    def signal(self, sig: int) -> None:
-        if self.child.returncode is None:
-            try:
-                self.child.send_signal(sig)
-            except ProcessLookupError:
-                pass
-
-
-def _supervise(ranks: list[_Rank], group: bool) -> int | None:
-    """Wait for every rank; the first that failed. In a group, a failure stops the others."""
-    root, kill_at = None, None
-    while True:
-        running = [r for r in ranks if r.poll() is None]
-        failed = [r for r in ranks if r.code not in (None, 0)]
-        if root is None and failed:
-            # several at once: a rank killed by a signal (a crash, the OOM killer) before one
-            # that exited, which is usually a peer raising "connection closed"
-            first = min(failed, key=lambda r: (not (r.code < 0 and r.code != -signal.SIGTERM),
-                                               r.rank))
-            root = first.rank
-            if group:
-                for other in running:
-                    other.signal(signal.SIGTERM)
-                kill_at = time.monotonic() + _STOP_GRACE
-        if not running:
-            return root
-        if kill_at is not None and time.monotonic() > kill_at:
-            for r in running:
-                r.signal(signal.SIGKILL)
-            kill_at = None
-        time.sleep(0.02)
+def _root(failed: dict[int, int] | None) -> int | None:
+    """The rank that failed first, of those seen failed at once: a rank killed by a signal (a
+    crash, the OOM killer) before one that exited, which is usually a peer raising "connection
+    closed"."""
+    if not failed:
+        return None
+    return min(failed, key=lambda r: (not (failed[r] < 0 and failed[r] != -signal.SIGTERM), r))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,17 +152,19 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(a.logs) if a.logs else None
     envs = {r: _rank_env(a, r, i % per_host, min(per_host, len(started)))
             for i, r in enumerate(started)}
-    ranks: list[_Rank] = []
+    ranks = proc.Processes(grace=_STOP_GRACE)
     pipes, store = [], None
-    try:
+    # an exception (KeyboardInterrupt, SystemExit too) ends and reaps every rank, and goes on:
+    # no rank outlives this process
+    with ranks:
         if a.exec:
             port = None
             if a.group:
                 store = _store(a.world)
                 port = store.port
             for r in started:
-                p = _exec_rank(envs[r], target, logs / f"rank{r}.log" if logs else None, port)
-                ranks.append(_Rank(r, p))
+                _exec_rank(envs[r], target, logs / f"rank{r}.log" if logs else None, port, r,
+                           ranks)
         else:
             ends = {r: os.pipe() for r in started} if a.group else {}
             for r in started:
@@ -217,16 +184,13 @@ def main(argv: list[str] | None = None) -> int:
                     for w in pipes:
                         with os.fdopen(w, "w") as f:
                             f.write(port + "\n")
-        root = _supervise(ranks, a.group)
-    except BaseException:   # KeyboardInterrupt, SystemExit too: no rank outlives this process
-        for rank in ranks:
-            if rank.code is None:
-                proc.stop(rank.child, reraise=False)
-        raise
+        # in a group, a failure stops the others: SIGTERM, SIGKILL after the grace
+        ranks.wait(stop_on_failure=a.group)
+        root = _root(ranks.failed)
     if a.statuses:
         path = Path(a.statuses)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps({"statuses": {str(r.rank): r.code for r in ranks},
+        tmp.write_text(json.dumps({"statuses": {str(r): c for r, c in ranks.codes.items()},
                                    "root": root}))
         os.replace(tmp, path)
     del store

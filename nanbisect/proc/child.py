@@ -13,7 +13,6 @@ import contextlib
 import os
 import re
 import sys
-import threading
 from pathlib import Path
 
 # what torch (or Python) reads when it is imported: a child forked from a server would not see
@@ -62,11 +61,12 @@ def run_target(target: list[str]) -> int:
 def run_main(target: list[str]) -> int:
     """`run_target`, then end as the interpreter's exit does (non-daemon threads joined, then
     atexit); its exit status."""
-    import atexit
-
     code = run_target(target)
-    threading._shutdown()                 # as the interpreter's exit does: threads, then atexit
-    atexit._run_exitfuncs()
+    # torch is loaded wherever a forked child runs a target (the fork server preloaded it, the
+    # spawner imported it): the room of private names costs nothing more here
+    from nanbisect.util.torch_internals import exit_as_the_interpreter
+
+    exit_as_the_interpreter()             # as the interpreter's exit does: threads, then atexit
     return code
 
 

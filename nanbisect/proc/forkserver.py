@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Callable, Union
 
 from nanbisect.proc.child import end_child, import_env, preload, run_main, title
-from nanbisect.proc.reap import Handle, _settled, reaped, stop
+from nanbisect.proc.reap import Handle, reaped, settled, stop
 
 _MAX_MSG = 1 << 20
 _MAX_FDS = 8
@@ -327,9 +327,9 @@ def _unwanted(answer: socket.socket, got: bytes) -> None:
             if not chunk:
                 return
             buf += chunk
-    _settled(read, [])
+    settled(read, [])
     first, nl, rest = buf.partition(b"\n")
     if nl:
         with contextlib.suppress(Exception):
             stop(Child(int(json.loads(first)["pid"]), answer, rest))
-    _settled(answer.close, [])
+    settled(answer.close, [])

@@ -38,10 +38,11 @@ class Handle:
             return None
 
 
-def _settled(step: Callable[[], object], caught: list) -> None:
+def settled(step: Callable[[], object], caught: list) -> None:
     """``step()`` of a cleanup, which never raises: once more when an interrupt (a second
     Ctrl-C, a timer) cuts it short, the interrupt kept in ``caught``; an error (the process is
-    gone already) ends it."""
+    gone already) ends it. (This package's interface: `nanbisect.proc.forkserver` cleans up
+    with it too.)"""
     for _ in range(3):
         try:
             step()
@@ -53,12 +54,29 @@ def _settled(step: Callable[[], object], caught: list) -> None:
         return
 
 
-def _kill_popen(proc: subprocess.Popen) -> None:
-    if proc.returncode is None:         # not reaped: its pid is still its own
-        if os.getpgid(proc.pid) == proc.pid != os.getpgrp():
-            os.killpg(proc.pid, signal.SIGKILL)
+def signal_child(child, sig: int) -> None:
+    """``sig`` to ``child`` (a `Handle` or a `subprocess.Popen` this process started) while it
+    is not reaped (its pid is still its own): to its whole process group where it leads one of
+    its own, else to it alone. A child gone already is no error."""
+    if child.returncode is not None:
+        return
+    try:
+        if os.getpgid(child.pid) == child.pid != os.getpgrp():
+            os.killpg(child.pid, sig)
         else:
-            proc.kill()
+            os.kill(child.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def signal_pid(pid: int, sig: int) -> bool:
+    """``sig`` to process ``pid``, one this process did not start itself (a rank of a run,
+    found by the pid its state file names); False when it is gone."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def stop(proc, reraise: bool = True, within: float | None = None) -> None:
@@ -73,20 +91,20 @@ def stop(proc, reraise: bool = True, within: float | None = None) -> None:
         return
     caught: list = []
     if isinstance(proc, int):
-        _settled(lambda: os.kill(proc, signal.SIGKILL), caught)
-        _settled(lambda: os.waitpid(proc, 0), caught)
+        settled(lambda: os.kill(proc, signal.SIGKILL), caught)
+        settled(lambda: os.waitpid(proc, 0), caught)
     elif isinstance(proc, Handle):
         if proc.returncode is None:
-            _settled(proc.kill_group, caught)
-            _settled(lambda: proc.wait(within), caught)
+            settled(proc.kill_group, caught)
+            settled(lambda: proc.wait(within), caught)
     elif isinstance(proc, subprocess.Popen):
-        _settled(lambda: _kill_popen(proc), caught)
-        _settled(lambda: proc.wait(within), caught)
+        settled(lambda: signal_child(proc, signal.SIGKILL), caught)
+        settled(lambda: proc.wait(within), caught)
         for f in (proc.stdin, proc.stdout, proc.stderr):
             if f is not None:
-                _settled(f.close, caught)
+                settled(f.close, caught)
     else:
-        _settled(proc.close, caught)
+        settled(proc.close, caught)
     if caught and reraise:
         raise caught[0]
 

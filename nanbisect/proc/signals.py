@@ -1,14 +1,27 @@
-"""Hold a process's asynchronous signals around an ``os.fork()`` and the line that stores its
-pid, so that no handler (a KeyboardInterrupt, a timer's) can lose the child between the two.
+"""Signals, the one place that sets their handlers and masks.
 
-Guarantees: the parent's mask is restored on the way out; the synchronous signals a fault raises
-are never held. Not guaranteed: ``_thread.interrupt_main`` sends no signal and cannot be held.
+- `held` / `unheld`: a process's asynchronous signals held around an ``os.fork()`` and the line
+  that stores its pid, so that no handler (a KeyboardInterrupt, a timer's) can lose the child
+  between the two;
+- `install` and `handling`: a handler set (and, for `handling`, the previous one put back on the
+  way out), e.g. triage's SIGTERM/SIGINT that stop a night cleanly;
+- `deferred`: a signal held back by a handler for a block, then delivered to the handler that
+  was there before (the multi-rank write's SIGTERM).
+
+Guarantees: the parent's mask is restored on the way out of `held`; the synchronous signals a
+fault raises are never held; `handling` and `deferred` put back the handler they found, however
+the block ends. Not guaranteed: ``_thread.interrupt_main`` sends no signal and cannot be held;
+handlers can only be set from the main thread (Python's rule: the callers check).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
-from typing import Iterator
+import threading
+import time
+from typing import Callable, Iterable, Iterator
+
 
 # the synchronous signals a fault raises, never held
 _FAULTS = ("SIGKILL", "SIGSTOP", "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGTRAP", "SIGSYS",
@@ -43,3 +56,55 @@ def unheld(mask: set | None) -> None:
     """In a child forked inside `held`: the signal mask its parent had before."""
     if mask is not None:
         signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+
+
+def install(sig: int, handler) -> object:
+    """Set ``handler`` (a function of ``(signum, frame)``, ``signal.SIG_IGN`` or
+    ``signal.SIG_DFL``) for ``sig``; the handler it replaced (as `signal.signal` gives it)."""
+    return signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def handling(sigs: Iterable[int], handler) -> Iterator[dict]:
+    """``handler`` set for every signal of ``sigs`` while the block runs; the handlers found
+    are put back on the way out, however it ends. Yields {signal: the handler it replaced}.
+
+    >>> with handling([signal.SIGUSR2], signal.SIG_IGN) as old:
+    ...     signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    True
+    """
+    sigs = list(sigs)
+    old = {s: signal.getsignal(s) for s in sigs}
+    try:
+        for s in sigs:
+            signal.signal(s, handler)
+        yield old
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+@contextlib.contextmanager
+def deferred(sig: int) -> Iterator[Callable[[], float | None]]:
+    """Hold ``sig`` back inside the block; yields ``came()``: when it came (`time.monotonic`),
+    or None. On leaving, the previous handler is put back and a held signal is delivered to it
+    (for SIGTERM by default the process ends). Only in the main thread, and only over the
+    default handler or a Python one (a handler set from C code, or SIG_IGN, is left alone:
+    the block runs without holding)."""
+    came: list[float] = []
+    old = signal.getsignal(sig)
+    if threading.current_thread() is not threading.main_thread() or old in (signal.SIG_IGN,
+                                                                             None):
+        yield lambda: None
+        return
+
+    def hold(signum, frame) -> None:
+        came.append(time.monotonic())
+
+    signal.signal(sig, hold)
+    try:
+        yield lambda: came[0] if came else None
+    finally:
+        signal.signal(sig, old)
+        if came:
+            os.kill(os.getpid(), sig)

@@ -23,7 +23,7 @@ from typing import Callable
 
 from nanbisect.proc.child import end_child
 from nanbisect.proc.forkserver import Child, ForkServer
-from nanbisect.proc.reap import Handle
+from nanbisect.proc.reap import Handle, signal_child
 from nanbisect.proc.signals import held, unheld
 
 
@@ -61,15 +61,7 @@ class Forked(Handle):
 
     def kill_group(self) -> None:
         """SIGKILL to its process group where it leads one, else to it."""
-        if self.returncode is not None:
-            return
-        try:
-            if os.getpgid(self.pid) == self.pid != os.getpgrp():
-                os.killpg(self.pid, signal.SIGKILL)
-            else:
-                os.kill(self.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        signal_child(self, signal.SIGKILL)
 
 
 def fork(body: Callable[[], int], store: Callable[[Forked], None], *,

@@ -6,15 +6,14 @@ much as several training steps of a small model). `Fork` runs it in a fork of th
 has torch loaded: a CPU run of a built-in op. `Interpreter` is a fresh one started ahead, so that
 its ``import torch`` overlaps the passes that find the culprit (a run on an accelerator);
 `prestart` starts one before this process imports torch itself (the CLI's first step), and the
-next run takes it.
+next run takes it (the pool is `nanbisect.proc.Spares`; every process here starts, ends and is
+reaped through `nanbisect.proc`).
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -118,48 +117,24 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-class Interpreter(_Pending):
-    """A fresh interpreter for one repro run, started before the repro exists.
+class Interpreter(proc.Waiting, _Pending):
+    """A fresh interpreter for one repro run, started before the repro exists
+    (`nanbisect.proc.Waiting`: it blocks nanbisect for the script and imports torch meanwhile).
 
-    ``start()`` launches it (it imports torch meanwhile); ``run(script, device)`` hands it the
-    script and waits for what it says, as `run_repro` would; ``close()`` ends one that was not
-    used. If it cannot start or dies before the script is handed over, ``run`` falls back to
-    `run_repro`, so the result never depends on it.
+    ``start()`` launches it; ``run(script, device)`` hands it the script and waits for what it
+    says, as `run_repro` would; ``close()`` ends one that was not used. If it cannot start or
+    dies before the script is handed over, ``run`` falls back to `run_repro`, so the result
+    never depends on it.
     """
 
     def __init__(self) -> None:
-        self.proc: subprocess.Popen | None = None
-        self.output: proc.Output | None = None
-
-    def start(self) -> "Interpreter":
-        """Launch it (where it starts does not matter: it moves to the script's directory)."""
-        try:
-            self.output = proc.Output()
-            self.proc = proc.start_exec([sys.executable, "-c", _WAITING], stdin=subprocess.PIPE,
-                                        stdout=self.output.out, stderr=self.output.err)
-        except OSError:
-            self.proc = None
-        return self
+        super().__init__(_WAITING)
 
     def submit(self, script: Path, device: str, timeout: int = 300) -> "Interpreter":
         """Hand the script over; it runs while the caller goes on (`result` collects it)."""
         self._submitted(script, device, timeout)
-        self.handed = False
-        p = self.proc
-        if p is None or p.poll() is not None:
-            return self
-        line = json.dumps([str(script.resolve()), str(script.parent.parent), "--device",
-                           device]) + "\n"
-        try:
-            p.stdin.write(line.encode())
-            p.stdin.close()
-            self.handed = True
-        except (BrokenPipeError, OSError):   # it died while the script was handed over
-            try:
-                p.stdin.close()
-            except OSError:
-                pass
-        p.stdin = None      # closed (a later close must not flush it again)
+        self.handed = self.hand(json.dumps([str(script.resolve()), str(script.parent.parent),
+                                            "--device", device]) + "\n")
         return self
 
     def result(self) -> ReproResult:
@@ -178,13 +153,6 @@ class Interpreter(_Pending):
 
     def run(self, script: Path, device: str, timeout: int = 300) -> ReproResult:
         return self.submit(script, device, timeout).result()
-
-    def close(self) -> None:
-        p, self.proc = self.proc, None
-        said, self.output = self.output, None
-        proc.stop(p)
-        if said is not None:
-            said.close()
 
 
 def _from_inherited(target: list[str], **kw):
@@ -346,7 +314,8 @@ def _forked(script: Path, device: str, out: int, err: int) -> int:
     return code
 
 
-_SPARE: list[Interpreter] = []
+# the interpreter `prestart` starts ahead and `take` hands over
+_SPARES: proc.Spares[Interpreter] = proc.Spares(Interpreter)
 
 
 def prestart(bundle: Path, target: str | None) -> None:
@@ -368,16 +337,10 @@ def prestart(bundle: Path, target: str | None) -> None:
     except BadInput:
         wanted = False
     wanted = wanted and not devices.entry(str(target)).forkable
-    if wanted and not _SPARE:
-        _SPARE.append(Interpreter().start())
-        atexit.register(_end_spares)
-
-
-def _end_spares() -> None:
-    while _SPARE:
-        _SPARE.pop().close()
+    if wanted:
+        _SPARES.keep()
 
 
 def take() -> Interpreter:
     """The interpreter `prestart` started, or a new one started now."""
-    return _SPARE.pop() if _SPARE else Interpreter().start()
+    return _SPARES.take()

@@ -52,6 +52,23 @@ bounded by `nanbisect.bundle.format.read_bundle`'s limits, not by ``timeout``. C
 cluster is bounded by ``NANBISECT_CONNECT_TIMEOUT`` (default 15 s; twice that for Ray). POSIX
 only.
 
+The Python API's function is `nanbisect.api.triage` (``from nanbisect.api import triage``: the
+command's checks, defaults and `TriageReport`); this package's own `triage` (`run.triage`) is the
+night itself, which that function and the command call. ``nanbisect.triage`` is this package: a
+plain package (no callable module), imported by the API, never importing it.
+
+The package's internal interface (what its modules share, not for other stages):
+- `find.check_roots` (the roots refused before anything runs) and `find.MAX_MANIFEST` (the bound
+  on a manifest read while discovering: `read_bundle`'s own), used by `run`, `cache`, `summary`;
+- `cache.Cache` (the cache directory: lookups and stores) and `cache.MAX_REPORT` (the bound on a
+  cached or replayed report.json), used by `run` and `worker`;
+- `summary.NightState` (the night so far: rows, errors, what triage.json/md and index.html are
+  written from), built and updated by `run`;
+- `backends.connect_backend` (the cluster connected: joblib's configuration, slots, wave size)
+  and `backends.jobs_for` (the slots for a night of bundles), used by `run`;
+- `worker.analyse_one` (one bundle's replay in a process of its own; never raises), which `run`
+  hands to joblib.
+
 Exit protocol (for CI):
   0  no failures: every bundle replayed clean
   1  failures, all with known signatures (``--known``)
@@ -62,7 +79,6 @@ Exit protocol (for CI):
 from __future__ import annotations
 
 import importlib
-import sys
 
 # name -> the module of this package that defines it; imported on first use (PEP 562), so that
 # `nanbisect.triage.backends` alone (the CLI's usage checks) stays a light import
@@ -83,25 +99,3 @@ def __getattr__(name: str):
     value = getattr(importlib.import_module(f"nanbisect.triage.{_WHERE[name]}"), name)
     globals()[name] = value
     return value
-
-
-class _Callable(type(importlib)):
-    """This package's module type: calling it is `nanbisect.triage(dirs, ...)`, the Python API
-    (`nanbisect.api.triage`), so the name means the function whether or not the subpackage
-    was imported (``import nanbisect.triage.worker`` binds the package to the name)."""
-
-    def __call__(self, *args, **kwargs):
-        # looked up when called, never at import: the API sits above this package
-        return importlib.import_module("nanbisect.api").triage(*args, **kwargs)
-
-    @property
-    def __signature__(self):
-        import inspect
-
-        return inspect.signature(importlib.import_module("nanbisect.api").triage)
-
-    def __reduce__(self):          # pickled (joblib, cloudpickle) by name, as a module is
-        return importlib.import_module, (self.__name__,)
-
-
-sys.modules[__name__].__class__ = _Callable

@@ -76,7 +76,7 @@ def _reachable(address: str, what: str, flag: str, greets: bool = False) -> None
 
 
 @contextlib.contextmanager
-def _backend(backend: str, scheduler: str | None, address: str | None, jobs: int | None):
+def connect_backend(backend: str, scheduler: str | None, address: str | None, jobs: int | None):
     """Connect to the cluster; yields (joblib parallel_config kwargs, n_jobs, wave size or None
     when results come back one by one)."""
     check_backend(backend, scheduler, address)
@@ -91,7 +91,7 @@ def _backend(backend: str, scheduler: str | None, address: str | None, jobs: int
 
 @contextlib.contextmanager
 def _dask(scheduler: str | None, jobs: int | None, wait: float):
-    """`_backend` on the Dask cluster whose scheduler is at ``scheduler``."""
+    """`connect_backend` on the Dask cluster whose scheduler is at ``scheduler``."""
     if not scheduler:
         raise BadInput("triage: --backend dask needs --scheduler ADDR (e.g. "
                        "tcp://10.0.0.5:8786), the scheduler of a running Dask cluster")
@@ -122,7 +122,7 @@ def _dask(scheduler: str | None, jobs: int | None, wait: float):
 
 @contextlib.contextmanager
 def _ray(address: str | None, jobs: int | None, wait: float):
-    """`_backend` on the Ray cluster at ``address`` (None: the local one, "auto")."""
+    """`connect_backend` on the Ray cluster at ``address`` (None: the local one, "auto")."""
     try:
         import ray
         from ray.util.joblib import register_ray
@@ -174,9 +174,10 @@ def _dask_backend() -> str:
     cluster must run there."""
     from joblib import register_parallel_backend
 
-    try:
-        from joblib._dask import DaskDistributedBackend
-    except ImportError:                 # a joblib that moved it: its plain backend
+    from nanbisect.util.torch_internals import joblib_dask_backend
+
+    DaskDistributedBackend = joblib_dask_backend()
+    if DaskDistributedBackend is None:  # a joblib that moved it: its plain backend
         return "dask"
 
     class _ClusterOnly(DaskDistributedBackend):
@@ -224,7 +225,7 @@ def _stderr_held():
         tmp.close()
 
 
-def _jobs(bundles: list[Path], jobs: int | None) -> int:
+def jobs_for(bundles: list[Path], jobs: int | None) -> int:
     if jobs:
         return max(1, jobs)
     cores = os.cpu_count() or 1

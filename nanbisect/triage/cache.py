@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from nanbisect import __version__
-from nanbisect.triage.find import _MAX_MANIFEST, MANIFEST
+from nanbisect.triage.find import MAX_MANIFEST, MANIFEST
 from nanbisect.triage.reports import copy_in
 from nanbisect.util.files import file_sha256, read_json, source_digest, write_atomic
 from nanbisect.util.recordjson import dumps
@@ -22,7 +22,7 @@ from nanbisect.util.recordjson import dumps
 # a fresh replay does, so those entries are misses (replayed once), never mixed into a night
 CACHE_SCHEMA = "nanbisect.triage-cache/2"
 _MAX_SOURCE = 16 << 20              # a user source file bigger than this is keyed by size+mtime
-_MAX_REPORT = 64 << 20
+MAX_REPORT = 64 << 20
 
 
 
@@ -73,7 +73,7 @@ def cache_key(bundle, options: dict) -> tuple[str, dict]:
         for info in (m.get("ranks") or {}).values():
             try:
                 raw = (bundle.path / info["dir"] / MANIFEST).read_bytes()
-                recorded.update(_sources(json.loads(raw[:_MAX_MANIFEST])))
+                recorded.update(_sources(json.loads(raw[:MAX_MANIFEST])))
             except Exception:  # noqa: BLE001 - read_bundle verified them; the key stays usable
                 continue
     sources = {}
@@ -102,7 +102,7 @@ def content_hash(bundle: Path) -> str:
     return file_sha256(Path(bundle) / MANIFEST)
 
 
-class _Cache:
+class Cache:
     """``DIR/<key>.json`` = {schema, key, report}; written atomically, unreadable = a miss.
     ``DIR/<key>.d/``: the report directory itself (report.html, repro/), for a hit to show."""
 
@@ -112,7 +112,7 @@ class _Cache:
     def get(self, key: str) -> dict | None:
         if self.root is None:
             return None
-        data = read_json(self.root / f"{key}.json", _MAX_REPORT)
+        data = read_json(self.root / f"{key}.json", MAX_REPORT)
         if isinstance(data, dict) and data.get("schema") == CACHE_SCHEMA and \
                 data.get("key") == key and isinstance(data.get("report"), dict):
             return data["report"]

@@ -14,7 +14,7 @@ from pathlib import Path
 from nanbisect.errors import BadInput
 
 MANIFEST = "manifest.json"          # = nanbisect.bundle.format.MANIFEST (not imported: torch)
-_MAX_MANIFEST = 64 << 20            # read_bundle's own bound; checked before reading a head
+MAX_MANIFEST = 64 << 20            # read_bundle's own bound; checked before reading a head
 
 
 
@@ -25,7 +25,7 @@ def _manifest_kind(path: Path) -> str | None:
         st = os.stat(path)
     except OSError:
         return None                      # dangling link, unreadable: an error row says why
-    if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_MANIFEST:
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST:
         return None
     try:
         with open(path, "rb") as f:
@@ -139,11 +139,11 @@ def _skipped(bundles: list[Path], notes: dict[Path, str],
 
 def find_bundles(roots: list[Path]) -> list[Path]:
     """The bundles under ``roots`` (see `discover`); a missing root is `BadInput`."""
-    _check_roots(roots)
+    check_roots(roots)
     return discover(roots)[0]
 
 
-def _check_roots(roots: list[Path]) -> None:
+def check_roots(roots: list[Path]) -> None:
     if not roots:
         raise BadInput("triage: no directory given; pass the directories that hold bundles")
     for root in roots:

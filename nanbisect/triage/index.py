@@ -3,7 +3,7 @@ the last night, known, the remedy that made the step finite), every bundle with 
 report.html (``OUT/reports/NAME/``), the errors and what was skipped.
 
 Guarantees: self-contained (no script, no network), links relative to ``OUT`` (the directory
-can be moved or served as it is), rewritten with triage.json each time (`summary._State.write`).
+can be moved or served as it is), rewritten with triage.json each time (`summary.NightState.write`).
 Not guaranteed: links of reports kept outside ``OUT`` (a cluster's worker that did not see it:
 those rows have no link).
 """

@@ -14,12 +14,12 @@ from typing import Callable
 
 from nanbisect import proc
 from nanbisect.errors import BadInput, signal_name
-from nanbisect.triage.backends import _backend, _jobs
-from nanbisect.triage.cache import _Cache, cache_key
-from nanbisect.triage.find import _check_roots, discover
+from nanbisect.triage.backends import connect_backend, jobs_for
+from nanbisect.triage.cache import Cache, cache_key
+from nanbisect.triage.find import check_roots, discover
 from nanbisect.triage.reports import copy_in, drop
-from nanbisect.triage.summary import TriageResult, _State
-from nanbisect.triage.worker import _analyse_one
+from nanbisect.triage.summary import NightState, TriageResult
+from nanbisect.triage.worker import analyse_one
 from nanbisect.util.numbers import NUMBERS, check_environment
 
 DEFAULT_TIMEOUT = 1800.0            # seconds per bundle
@@ -38,20 +38,14 @@ def _interruptible():
         yield
         return
     sigs = [signal.SIGINT, signal.SIGTERM]
-    old = {s: signal.getsignal(s) for s in sigs}
 
     def handler(signum, frame):
         for s in sigs:                  # the second signal must not cut the summary's write
-            signal.signal(s, signal.SIG_IGN)
+            proc.install(s, signal.SIG_IGN)
         raise _Interrupted(signum)
 
-    for s in sigs:
-        signal.signal(s, handler)
-    try:
+    with proc.handling(sigs, handler):
         yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = frozenset(),
@@ -78,7 +72,7 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     [True]
     """
     roots = [Path(r) for r in roots]
-    _check_roots(roots)
+    check_roots(roots)
     timeout = float(NUMBERS["--timeout"].check(timeout, "triage"))
     if jobs is not None:
         NUMBERS["--jobs"].check(jobs, "triage")
@@ -91,10 +85,10 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
         cache = cache if cache is not None else out / "cache"
     options = {"reference": "none", **(options or {})}
     previous = _last_night(out)
-    state = _State(roots, set(known), out, options, backend, timeout,
+    state = NightState(roots, set(known), out, options, backend, timeout,
                    previous=previous if previous is not None or not known else set(known),
                    progress=progress)
-    store = _Cache(cache)
+    store = Cache(cache)
     with _interruptible():
         try:
             _night(roots, state, store, out, cache, options, timeout,
@@ -115,7 +109,7 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     return TriageResult(data, data["exit_code"])
 
 
-def _night(roots: list[Path], state: _State, store: _Cache, out: Path | None,
+def _night(roots: list[Path], state: NightState, store: Cache, out: Path | None,
            cache: Path | None, options: dict, timeout: float, how: tuple) -> None:
     """Discover the bundles, answer what the cache knows and replay the rest (``how``:
     backend, scheduler, address, jobs), writing the summary as it goes."""
@@ -130,14 +124,14 @@ def _night(roots: list[Path], state: _State, store: _Cache, out: Path | None,
     except Exception as e:  # noqa: BLE001 - a listing problem must not stop the night
         state.leftovers = [{"path": "", "bytes": 0, "age_s": 0.0, "kind": "error",
                             "error": f"{type(e).__name__}: {str(e)[:200]}"}]
-    with _backend(backend, scheduler, address, jobs) as (config, n_jobs, wave):
+    with connect_backend(backend, scheduler, address, jobs) as (config, n_jobs, wave):
         _first_write(out, state)
         todo = _lookup(bundles, options, store, state)
         state.write()
         todo, copies = _copies(todo)
         if todo:
             if backend == "loky":
-                n_jobs = _jobs([Path(b) for b, _ in todo], n_jobs)
+                n_jobs = jobs_for([Path(b) for b, _ in todo], n_jobs)
             _replay(todo, copies, options, timeout, config, n_jobs, wave, store, state)
 
 
@@ -154,7 +148,7 @@ def _last_night(out: Path | None) -> set[str] | None:
             and isinstance(g.get("signature"), str)}
 
 
-def _first_write(out: Path | None, state: _State) -> None:
+def _first_write(out: Path | None, state: NightState) -> None:
     """Create ``out`` and write the night's summary once, strictly: a full or read-only --out
     fails now (`BadInput`, the directories made for it removed again), not after the replays."""
     made = [] if out is None else [d for d in (out, *out.absolute().parents) if not d.exists()]
@@ -183,7 +177,7 @@ def _copies(todo: list[tuple[str, str]]) -> tuple[list[tuple[str, str]], dict[st
     return [(b, k) for k, b in first.items()], copies
 
 
-def _lookup(bundles: list[Path], options: dict, store: _Cache, state: _State
+def _lookup(bundles: list[Path], options: dict, store: Cache, state: NightState
             ) -> list[tuple[str, str]]:
     """Verify each bundle and answer from the cache; (bundle, key) of those left to replay.
     Any failure of one bundle (BadInput, RecursionError, TypeError...) is its error row."""
@@ -218,8 +212,8 @@ def _lookup(bundles: list[Path], options: dict, store: _Cache, state: _State
 
 
 def _replay(todo: list[tuple[str, str]], copies: dict[str, list[str]], options: dict,
-            timeout: float, config: dict, n_jobs: int, wave: int | None, store: _Cache,
-            state: _State) -> None:
+            timeout: float, config: dict, n_jobs: int, wave: int | None, store: Cache,
+            state: NightState) -> None:
     """Run the replays through joblib; each result is cached and written as it arrives (for
     the bundle and its ``copies``). A backend failure (a worker lost) retries what did not
     finish, once. The replays' scratch directories go in one of this run's, removed at the end
@@ -233,7 +227,7 @@ def _replay(todo: list[tuple[str, str]], copies: dict[str, list[str]], options: 
                     str(scratch))
 
 
-def _keep(state: _State, bundle: str) -> str | None:
+def _keep(state: NightState, bundle: str) -> str | None:
     """Where the replay of ``bundle`` keeps its report (absolute: a worker's cwd may differ)."""
     dest = state.report_path(bundle)
     return None if dest is None else str(dest.absolute())
@@ -252,8 +246,8 @@ def _sweep_scratch(timeout: float) -> None:
 
 
 def _replay_all(keys: dict[str, str], copies: dict[str, list[str]], options: dict,
-                timeout: float, config: dict, n_jobs: int, wave: int | None, store: _Cache,
-                state: _State, scratch: str) -> None:
+                timeout: float, config: dict, n_jobs: int, wave: int | None, store: Cache,
+                state: NightState, scratch: str) -> None:
     from joblib import Parallel, delayed, parallel_config
 
     absolute = {b: str(Path(b).resolve()) for b in keys}
@@ -270,7 +264,7 @@ def _replay_all(keys: dict[str, str], copies: dict[str, list[str]], options: dic
                 chunks = [left] if wave is None else [left[i:i + wave]
                                                       for i in range(0, len(left), wave)]
                 for chunk in chunks:
-                    tasks = (delayed(_analyse_one)(absolute[b], options, timeout, parent, cwd,
+                    tasks = (delayed(analyse_one)(absolute[b], options, timeout, parent, cwd,
                                                    scratch, _keep(state, b)) for b in chunk)
                     if wave is None:
                         results = Parallel(n_jobs=n_jobs, batch_size=1,

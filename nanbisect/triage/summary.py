@@ -17,7 +17,7 @@ from typing import Callable
 
 from nanbisect import __version__
 from nanbisect.errors import BadInput
-from nanbisect.triage.find import _MAX_MANIFEST, MANIFEST
+from nanbisect.triage.find import MAX_MANIFEST, MANIFEST
 from nanbisect.triage.index import to_html
 from nanbisect.triage.reports import REPORTS, drop, report_name
 from nanbisect.triage.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW,
@@ -39,7 +39,7 @@ class TriageResult:
 
 
 @dataclass
-class _State:
+class NightState:
     roots: list[Path]
     known: set
     out: Path | None
@@ -225,7 +225,7 @@ def _created(bundle: Path) -> str | None:
     it: rank 0's part)."""
     for m in (bundle / MANIFEST, bundle / "rank0" / MANIFEST):
         try:
-            if m.stat().st_size > _MAX_MANIFEST:
+            if m.stat().st_size > MAX_MANIFEST:
                 continue
             created = json.loads(m.read_text()).get("created")
         except Exception:  # noqa: BLE001 - garbage, too deep, not an object: no date

@@ -2,24 +2,22 @@
 session, forked from the worker's fork server, `nanbisect.proc`: torch is imported once per
 worker, not once per bundle), guarded so that nothing outlives the process that started it.
 
-Guarantees: `_analyse_one` never raises; a hang, a crash or a missing report is a row of its own.
+Guarantees: `analyse_one` never raises; a hang, a crash or a missing report is a row of its own.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from nanbisect.errors import signal_name
 from nanbisect.util.numbers import omp_threads
-from nanbisect.triage.cache import _MAX_REPORT
+from nanbisect.triage.cache import MAX_REPORT
 from nanbisect.triage.reports import place
 from nanbisect import proc
 from nanbisect.util import lockdir
@@ -57,28 +55,8 @@ def _clear(scratch: str, said: bytes) -> None:
 REPLAY_WARM = "nanbisect.pipeline.run:warm_fork_server"
 _CHILD = ("from nanbisect.triage.worker import _guard_replay; _guard_replay(); "
           "from nanbisect.cli import main; main()")
-_active: set[int] = set()              # process groups of replays this process is running
-_active_lock = threading.Lock()
-_watchdog_for: list[int] = []
-
-
-def _watch_parent(parent: int) -> None:
-    """In a loky worker: when the triage process is gone (kill -9 included), kill our replays
-    and exit, instead of waiting for them as loky would."""
-    if _watchdog_for or os.getppid() != parent:
-        return                          # already watching, or not a child of triage (a cluster)
-    _watchdog_for.append(parent)
-
-    def loop() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        with _active_lock:
-            for pg in list(_active):
-                with contextlib.suppress(OSError):
-                    os.killpg(pg, signal.SIGKILL)
-        os._exit(70)
-
-    threading.Thread(target=loop, name="nanbisect-triage-watchdog", daemon=True).start()
+# the replays this process is running: killed when the triage process is gone
+_active = proc.Processes()
 
 
 _SIGNAL_HINT = {"SIGKILL": " (as the out-of-memory killer does)", "SIGSEGV": " (a crash in native "
@@ -105,7 +83,7 @@ def _reason(stderr: str) -> str:
 
 
 def _read_report(report_dir: Path) -> dict | None:
-    data = read_json(report_dir / "report.json", _MAX_REPORT)
+    data = read_json(report_dir / "report.json", MAX_REPORT)
     return data if isinstance(data, dict) and isinstance(data.get("verdict"), str) else None
 
 
@@ -165,7 +143,7 @@ def _outcome(rc: int, tmp: Path, out: Path, keep: str | None) -> dict:
             "kind": "crash", **extra}
 
 
-def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
+def analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                  cwd: str | None = None, scratch: str | None = None,
                  keep: str | None = None) -> dict:
     """Replay one bundle with `nanbisect run` in a fresh process; never raises. Its scratch
@@ -185,7 +163,10 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                 "threads": omp_threads(), **kw}
 
     try:
-        _watch_parent(parent)
+        # in a loky worker: when the triage process is gone (kill -9 included), kill our
+        # replays and exit, instead of waiting for them as loky would (not on a cluster's
+        # worker, which is no child of triage)
+        proc.exit_when_orphaned(parent, _active, code=70)
         # held while this replay runs: a sweep elsewhere (another PID namespace too) leaves it
         tmp, lock = lockdir.make("nanbisect-triage-", scratch if scratch and
                                  os.path.isdir(scratch) else None)
@@ -202,8 +183,7 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
                            cwd if cwd and os.path.isdir(cwd) else None)
         os.close(r)
         r = -1
-        with _active_lock:
-            _active.add(child.pid)
+        _active.add(child.pid, child)
         rc = proc.finish(child, timeout)      # past it: its group killed, and reaped
         if rc is None:
             return done(error=f"replay exceeded --timeout {timeout:g}s and was killed",
@@ -216,8 +196,7 @@ def _analyse_one(bundle: str, options: dict, timeout: float, parent: int,
         if child is not None:
             # interrupted while waiting: the replay goes too, reaped (the first error wins)
             proc.stop(child, reraise=sys.exc_info()[0] is None)
-            with _active_lock:
-                _active.discard(child.pid)
+            _active.discard(child.pid)
         if w >= 0:
             with contextlib.suppress(OSError):
                 os.write(w, b"done")    # a finish, not a death: the run's directory stays

@@ -212,11 +212,11 @@ def test_one_encoding_and_its_readers():
 
 
 def test_triage_reads_such_a_report_and_writes_strict_json(tmp_path):
-    from nanbisect.triage.summary import _State
+    from nanbisect.triage.summary import NightState
 
     write_report(_issue_report(), tmp_path)
     report = strict_loads((tmp_path / "report.json").read_text())
-    night = _State([], set(), tmp_path / "t", {}, "loky", 60.0)
+    night = NightState([], set(), tmp_path / "t", {}, "loky", 60.0)
     night.add({"bundle": "b0", "seconds": math.inf, "report": report, "report_dir": None},
               False)
     night.finished = True

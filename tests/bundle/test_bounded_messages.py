@@ -160,9 +160,9 @@ def test_triage_error_row_of_the_hostile_bundle_is_bounded(huge, tmp_path):
 def test_triage_summary_caps_any_error_row(tmp_path):
     """Whatever a worker says (a message from a newer nanbisect, a library's text quoting the
     bundle), triage.md, triage.json and index.html get one bounded line."""
-    from nanbisect.triage.summary import _State, to_markdown
+    from nanbisect.triage.summary import NightState, to_markdown
 
-    s = _State([tmp_path], set(), tmp_path / "out", {}, "local", 60.0)
+    s = NightState([tmp_path], set(), tmp_path / "out", {}, "local", 60.0)
     s.add({"bundle": str(tmp_path / "b"), "error": "bad " + "\n\x1b[31m" * 100_000,
            "kind": "bad-input"}, False)
     (row,) = s.errors.values()

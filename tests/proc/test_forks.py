@@ -111,10 +111,10 @@ def test_triage_replays_bundles_in_forks_of_one_server(server, tmp_path, monkeyp
     bundle = tmp_path / "b"
     shutil.copytree(FIXTURES / "fully_masked_row", bundle,
                     ignore=shutil.ignore_patterns("nanbisect-report"))
-    rows = [worker._analyse_one(str(bundle), {}, 300, os.getppid())]
+    rows = [worker.analyse_one(str(bundle), {}, 300, os.getppid())]
     assert proc.ForkServer.get() is server and server.proc.poll() is None
     monkeypatch.setenv("NANBISECT_TRIAGE_FORK", "0")
-    rows.append(worker._analyse_one(str(bundle), {}, 300, os.getppid()))
+    rows.append(worker.analyse_one(str(bundle), {}, 300, os.getppid()))
     culprits = [r.get("report", r)["culprit"] for r in rows]
     assert culprits[0]["op"] and culprits[0] == culprits[1]
 

@@ -17,7 +17,7 @@ from nanbisect.records import OpSite, Remedy
 from nanbisect.remedies.batch import identify
 from nanbisect.report.page import to_html
 from nanbisect.report.text import terminal, to_markdown
-from nanbisect.triage.summary import _State, remedy_kinds, to_markdown as triage_markdown
+from nanbisect.triage.summary import NightState, remedy_kinds, to_markdown as triage_markdown
 
 TASKS = TEST_TASKS / "remedies.py"
 
@@ -285,7 +285,7 @@ def test_triage_names_the_remedy_per_signature():
              "remedies": [{"kind": "precision", "outcome": "still-failing"},
                           {"kind": kind, "outcome": "finite"}]} for kind in ("samples", "state")]
     assert remedy_kinds(reps[0]) == ["samples"]
-    st = _State([], set(), None, {}, "loky", 60.0)
+    st = NightState([], set(), None, {}, "loky", 60.0)
     for i, rep in enumerate(reps):
         st.add({"bundle": f"/b{i}", "report": rep}, cached=False)
     data = st.data()

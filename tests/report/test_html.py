@@ -77,9 +77,9 @@ def _night_index(tmp_path: Path) -> Path:
     """The triage index of a made-up night (long paths and signatures: the narrow window's
     test), rendered from the summary's own state."""
     from nanbisect.triage.index import to_html as index_html
-    from nanbisect.triage.summary import _State
+    from nanbisect.triage.summary import NightState
 
-    state = _State([Path("nights/2026-12-02")], set(), tmp_path / "t", {}, "loky", 1800.0,
+    state = NightState([Path("nights/2026-12-02")], set(), tmp_path / "t", {}, "loky", 1800.0,
                    previous={"input-nonfinite · data"})
     deep = "nights/2026-12-02/pretrain-llama-70b-run-0042/global_step000123456"
     for i, (verdict, cls) in enumerate([("culprit", "numerics"), ("culprit", "numerics"),

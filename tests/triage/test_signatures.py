@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from nanbisect.triage.cache import CACHE_SCHEMA, _Cache
+from nanbisect.triage.cache import CACHE_SCHEMA, Cache
 from nanbisect.triage.signatures import legacy_signature, signature
-from nanbisect.triage.summary import EXIT_KNOWN, EXIT_NEW, _State
+from nanbisect.triage.summary import EXIT_KNOWN, EXIT_NEW, NightState
 
 NODE = {"name": "DivBackward0", "forward_op": "aten.div.Tensor",
         "forward_source": "train/contrastive.py:41"}
@@ -65,7 +65,7 @@ def test_two_lines_are_two_signatures():
 
 
 def night(known: set, previous: set | None, *reports: dict) -> dict:
-    st = _State([], known, None, {}, "loky", 60.0, previous=previous)
+    st = NightState([], known, None, {}, "loky", 60.0, previous=previous)
     for i, rep in enumerate(reports):
         st.add({"bundle": f"/night/b{i}", "report": rep}, cached=False)
     return st.data()
@@ -93,7 +93,7 @@ def test_reports_cached_before_the_new_signatures_are_misses(tmp_path):
     key = "0" * 64
     (tmp_path / f"{key}.json").write_text(json.dumps(
         {"schema": "nanbisect.triage-cache/1", "key": key, "report": report("aten.div.Tensor")}))
-    cache = _Cache(tmp_path)
+    cache = Cache(tmp_path)
     assert cache.get(key) is None
     cache.put(key, report("aten.div.Tensor"))
     assert json.loads((tmp_path / f"{key}.json").read_text())["schema"] == CACHE_SCHEMA
@@ -103,7 +103,7 @@ def test_reports_cached_before_the_new_signatures_are_misses(tmp_path):
 def test_a_report_triage_cannot_read_is_that_bundles_error_not_the_nights():
     """Triage reads each report.json as a `Report`; one it cannot (a word the contract does
     not have) is that bundle's error row, and the night goes on."""
-    st = _State([], set(), None, {}, "loky", 60.0)
+    st = NightState([], set(), None, {}, "loky", 60.0)
     st.add({"bundle": "/b0", "report": {**report("aten.div.Tensor"),
                                         "classification": "gremlins"}}, cached=False)
     st.add({"bundle": "/b1", "report": report("aten.div.Tensor")}, cached=False)

@@ -51,14 +51,14 @@ def test_normalise_module():
 
 def test_reports_are_replaced_whole_and_an_error_row_removes_last_nights(tmp_path):
     from nanbisect.triage.reports import place
-    from nanbisect.triage.summary import _State
+    from nanbisect.triage.summary import NightState
 
     def report(verdict):
         src = Path(tempfile.mkdtemp(dir=tmp_path))
         (src / "report.json").write_text(json.dumps({"verdict": verdict}))
         return src
 
-    state = _State([tmp_path], set(), tmp_path / "out", {}, "loky", 10.0)
+    state = NightState([tmp_path], set(), tmp_path / "out", {}, "loky", 10.0)
     dest = state.report_path(str(tmp_path / "job" / "step1"))
     assert dest.parent == tmp_path / "out" / "reports" and dest.name.startswith("job-step1-")
     # a worker that does not see OUT (a cluster without it) keeps nothing, makes nothing

@@ -1,4 +1,4 @@
-"""Inside a child: end with its starter, whatever kills the starter.
+"""The lifeline: a child ends with its starter, whatever kills the starter.
 
 - `guard_group`: the child dies with its parent (Linux ``PR_SET_PDEATHSIG``) and forks a
   guardian holding the read end of a pipe whose write end only the starter has: when the
@@ -6,7 +6,9 @@
   child's whole process group, then runs a cleanup (what a starter killed by SIGKILL cannot).
 - `exit_when_free`: a thread that waits for the starter's lock on a `locked` directory to come
   free (it ended, or it was killed: the kernel lets go of a dead process's locks), then cleans
-  up and ends this process.
+  up and ends this process;
+- `exit_when_orphaned`: a thread that, once this process's parent is gone (its ``getppid``
+  changed), kills the children this process supervises (a `Processes`) and ends it.
 
 Not guaranteed: ``PR_SET_PDEATHSIG`` exists on Linux only; elsewhere the guardian alone acts.
 """
@@ -18,8 +20,11 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Callable
+
+from nanbisect.proc.processes import Processes
 
 
 def _die_with_parent() -> None:
@@ -74,3 +79,27 @@ def exit_when_free(directory: Path, cleanup: Callable[[], None] = lambda: None) 
         os._exit(1)
 
     threading.Thread(target=wait, name="nanbisect-owner-watch", daemon=True).start()
+
+
+_orphan_watch: list[int] = []      # the parent watched for, once per process
+
+
+def exit_when_orphaned(parent: int, children: Processes, code: int = 70,
+                       every: float = 0.2) -> bool:
+    """When this process is a child of ``parent``: a daemon thread that, once ``parent`` is gone
+    (kill -9 included: this process is handed to another parent), kills ``children`` (SIGKILL,
+    their process groups) and ends this process with ``code``, instead of waiting for them.
+    Started once per process; False (nothing started) when this process is not ``parent``'s
+    child (a cluster's worker) or is watched already."""
+    if _orphan_watch or os.getppid() != parent:
+        return False
+    _orphan_watch.append(parent)
+
+    def loop() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        children.kill()
+        os._exit(code)
+
+    threading.Thread(target=loop, name="nanbisect-orphan-watch", daemon=True).start()
+    return True
