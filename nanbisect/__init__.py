@@ -7,15 +7,13 @@ import torch.
 >>> nanbisect.Task.__name__, nanbisect.__version__ == __import__("nanbisect").__version__
 ('Task', True)
 
-``nanbisect.run`` and ``nanbisect.api.triage`` are the Python API (`nanbisect.api`).
-``nanbisect.triage`` is the subpackage of that name (nightly triage), a plain package whatever
-was imported first; the API's function is ``from nanbisect.api import triage``.
+``nanbisect.run`` and ``nanbisect.triage`` are the Python API (`nanbisect.api`), functions
+whatever was imported first: nightly triage's package is `nanbisect.nightly`, so no module is
+ever bound to either name.
 
->>> import nanbisect.triage.summary as summary, nanbisect.pipeline.run
->>> nanbisect.run.__module__, nanbisect.api.triage.__module__, summary.__name__
-('nanbisect.api', 'nanbisect.api', 'nanbisect.triage.summary')
->>> nanbisect.triage is __import__("sys").modules["nanbisect.triage"]
-True
+>>> import nanbisect.nightly.summary as summary, nanbisect.pipeline.run
+>>> nanbisect.run.__module__, nanbisect.triage.__module__, summary.__name__
+('nanbisect.api', 'nanbisect.api', 'nanbisect.nightly.summary')
 """
 # NB: nothing but importlib, which `python -m` loaded to get here: this runs before
 # `nanbisect.__main__` takes the working directory off sys.path
@@ -28,12 +26,12 @@ _LAZY = {"Task": "nanbisect.task", "capture": "nanbisect.guard", "Guard": "nanbi
          "StepWatch": "nanbisect.guard", "Spike": "nanbisect.guard",
          "NonFiniteStep": "nanbisect.errors", "BadInput": "nanbisect.errors",
          "reference_impl": "nanbisect.reference.kernels",
-         "run": "nanbisect.api"}
+         "run": "nanbisect.api", "triage": "nanbisect.api"}
 # subpackages reached as attributes before anything imported them
-_PACKAGES = {"api": "nanbisect.api", "triage": "nanbisect.triage"}
+_PACKAGES = {"api": "nanbisect.api"}
 
 __all__ = ["Task", "capture", "Guard", "StepWatch", "Spike", "NonFiniteStep", "BadInput",
-           "reference_impl", "run", "__version__"]
+           "reference_impl", "run", "triage", "__version__"]
 
 
 def __getattr__(name: str) -> object:

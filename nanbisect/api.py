@@ -1,7 +1,7 @@
 """The Python API: `run` and `triage`, what ``nanbisect run`` and ``nanbisect triage`` do up to
 the point where they print, for notebooks and scripts (docs/guide/python-api.md), exported as
-``nanbisect.run`` and ``nanbisect.api.triage`` (``nanbisect.triage`` is the triage package, which
-this module imports and which never imports it):
+``nanbisect.run`` and ``nanbisect.triage`` (the night itself is the `nanbisect.nightly` package,
+which this module imports and which never imports it):
 
     import nanbisect
     report = nanbisect.run("step000123", reference="cpu")   # a Report
@@ -14,7 +14,7 @@ Guarantees:
   with the one-line message the command prints after ``nanbisect: error:``; the same
   defaults (the report in ``BUNDLE/nanbisect-report``, triage's files in ``nanbisect-triage``
   under the current directory); the same pipeline (`start` and `replay`, then
-  `nanbisect.pipeline.run_bundle`; `nanbisect.triage.triage`), so the report directory and
+  `nanbisect.pipeline.run_bundle`; `nanbisect.nightly.triage`), so the report directory and
   ``report.json`` are the command's.
   Numbers are the one exception in wording: a keyword is named as given (``steps=0``, not
   ``--steps '0'``), with the same range (`nanbisect.util.numbers`).
@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence, Union
 from nanbisect.bundle.where import check_bundle_dir
 from nanbisect.errors import BadInput
 from nanbisect.options import RunOptions, device_option
-from nanbisect.triage.backends import check_backend
+from nanbisect.nightly.backends import check_backend
 from nanbisect.util.numbers import NUMBERS, check_environment
 from nanbisect.util.spec import DeviceSpec
 
@@ -297,8 +297,8 @@ def triage(dirs: PathLike | Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
     check_environment("triage")
     check_triage(roots, out=out, known=known, target=target, backend=backend,
                  scheduler=scheduler, address=address)
-    from nanbisect.triage import load_known
-    from nanbisect.triage import triage as run_triage
+    from nanbisect.nightly import load_known
+    from nanbisect.nightly import triage as run_triage
 
     kw = {"progress": progress} if progress is not None else {}
     try:

@@ -248,7 +248,7 @@ def triage(
                  scheduler=scheduler, address=address)
     from nanbisect import api
     from nanbisect.cli.progress import triage_progress
-    from nanbisect.triage import to_markdown
+    from nanbisect.nightly import to_markdown
 
     try:
         with triage_progress(quiet) as progress:

@@ -11,7 +11,7 @@ Guarantees:
 - `run_progress`'s callback takes the pipeline's ``progress(key, text)``
   (`nanbisect.pipeline.run.STAGES`) and shows the stage in words (`STAGE_WORDS`), the pass's own
   text, how many replays of the step are done and the time since the start. `triage_progress`'s
-  takes ``(done, total)`` (`nanbisect.triage.triage`'s ``progress``) and shows a bar, the
+  takes ``(done, total)`` (`nanbisect.nightly.triage`'s ``progress``) and shows a bar, the
   bundles done of the total, the time elapsed and an estimate of the time left.
 - The callbacks never raise (a display that fails stops drawing; the command goes on).
 """
@@ -130,7 +130,7 @@ def run_progress(quiet: bool = False) -> Iterator[Callable[[str, str], None]]:
 
 @contextlib.contextmanager
 def triage_progress(quiet: bool = False) -> Iterator[Callable[[int, int], None]]:
-    """The ``progress(done, total)`` callback of `nanbisect.triage.triage`: a bar with the
+    """The ``progress(done, total)`` callback of `nanbisect.nightly.triage`: a bar with the
     bundles done of the total, the time elapsed and the estimated time left (see the module's
     guarantees); a no-op callback when not `shown`."""
     if not shown(quiet):

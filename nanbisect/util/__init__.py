@@ -3,6 +3,6 @@ atomic small-file writes, environment numbers, NaN/inf counting, tensor digests)
 
 Guarantees: these modules import only the standard library, torch (`tensors` alone) and
 `nanbisect.errors`, so every stage may use them; importing this package imports none of them
-(`nanbisect.triage` stays free of torch).
+(`nanbisect.nightly` stays free of torch).
 Not guaranteed: anything about bundles or reports; those rules live in their own stages.
 """

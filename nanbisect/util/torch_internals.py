@@ -26,7 +26,7 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
-# -- CPython and library internals used by nanbisect.proc and nanbisect.triage --
+# -- CPython and library internals used by nanbisect.proc and nanbisect.nightly --
 def exit_as_the_interpreter() -> None:
     """What the interpreter's own exit does before it ends, for a forked child that then leaves
     with ``os._exit``: the non-daemon threads joined (``threading._shutdown``), then the atexit

@@ -212,7 +212,7 @@ def test_one_encoding_and_its_readers():
 
 
 def test_triage_reads_such_a_report_and_writes_strict_json(tmp_path):
-    from nanbisect.triage.summary import NightState
+    from nanbisect.nightly.summary import NightState
 
     write_report(_issue_report(), tmp_path)
     report = strict_loads((tmp_path / "report.json").read_text())

@@ -193,7 +193,7 @@ def test_library_entry_points_read_variables_through_the_parser(monkeypatch, tmp
     from nanbisect.guard.agree import write_timeout
     from nanbisect.multirank.launcher import rank_timeout
     from nanbisect.pipeline import RunOptions, run_bundle
-    from nanbisect.triage import triage
+    from nanbisect.nightly import triage
 
     for name, read in [("NANBISECT_COMPILER_TIMEOUT", bisect_timeout),
                        ("NANBISECT_RANK_TIMEOUT", rank_timeout),

@@ -160,7 +160,7 @@ def test_triage_error_row_of_the_hostile_bundle_is_bounded(huge, tmp_path):
 def test_triage_summary_caps_any_error_row(tmp_path):
     """Whatever a worker says (a message from a newer nanbisect, a library's text quoting the
     bundle), triage.md, triage.json and index.html get one bounded line."""
-    from nanbisect.triage.summary import NightState, to_markdown
+    from nanbisect.nightly.summary import NightState, to_markdown
 
     s = NightState([tmp_path], set(), tmp_path / "out", {}, "local", 60.0)
     s.add({"bundle": str(tmp_path / "b"), "error": "bad " + "\n\x1b[31m" * 100_000,
@@ -253,5 +253,5 @@ def test_max_ranges_is_what_messages_show():
 
 def test_the_bounds_named_here_are_the_modules():
     from nanbisect.report import text
-    from nanbisect.triage import summary
+    from nanbisect.nightly import summary
     assert (text.MAX_NOTE, summary.MAX_ERROR) == (MAX_NOTE, MAX_ERROR)

@@ -162,7 +162,7 @@ def test_triage_refusals_have_the_librarys_words(tmp_path):
     with the library's own `check_backend`, the others repeated): the same words as the
     library's own."""
     from nanbisect.errors import BadInput
-    from nanbisect.triage import triage
+    from nanbisect.nightly import triage
 
     f = tmp_path / "f"
     f.write_text("x")

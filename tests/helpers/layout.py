@@ -14,7 +14,7 @@ BASE = {"errors", "task", "records", "step", "devices", "util", "proc", "history
         "__init__"}
 STAGE = {"bundle": 1, "replay": 2, "guard": 3, "compiler": 5,
          "locate": 4, "reference": 4, "report": 4, "finish": 5, "remedies": 5, "chain": 6,
-         "multirank": 7, "pipeline": 8, "triage": 8, "selftest": 8, "api": 8, "cli": 9, "__main__": 10,
+         "multirank": 7, "pipeline": 8, "nightly": 8, "selftest": 8, "api": 8, "cli": 9, "__main__": 10,
          "integrations": 10}
 
 

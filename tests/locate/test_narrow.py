@@ -146,7 +146,7 @@ def test_top_level_module_has_one_name_in_every_report(tmp_path):
     signature."""
     from nanbisect.records import ROOT
     from nanbisect.report.text import terminal
-    from nanbisect.triage import signature
+    from nanbisect.nightly import signature
 
     torch.manual_seed(0)
     bundle = guard_bundle(tmp_path, "drop_then_sqrt", torch.randn(6, 8))

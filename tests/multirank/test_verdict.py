@@ -19,7 +19,7 @@ from nanbisect.replay.probe import CallStats, ParamGrad, ProbeTable
 from nanbisect.report.model import Report
 from nanbisect.report.page import to_html
 from nanbisect.report.text import headline, terminal, to_markdown
-from nanbisect.triage import signature
+from nanbisect.nightly import signature
 from nanbisect.util.recordjson import dumps
 
 OK, NAN, NEGINF = Stats(0, 0, 0, 1.0), Stats(4, 0, 0, 2.0), Stats(0, 0, 6, 3.0)

@@ -1,4 +1,4 @@
-"""The Python API (`nanbisect.run`, `nanbisect.api.triage`): the command's code path in this
+"""The Python API (`nanbisect.run`, `nanbisect.triage`): the command's code path in this
 process, the command's report, the command's one-line refusals as `BadInput` (never
 `SystemExit`), and names that mean one thing whatever was imported before."""
 from __future__ import annotations
@@ -152,7 +152,7 @@ def test_triage_of_two_directories(tmp_path):
     sqrt = _copy(SQRT, tmp_path / "job1" / "step000003")
     batch = _copy("nan_batch", tmp_path / "job2" / "step000005")
     told: list[tuple[int, int]] = []
-    found = nanbisect.api.triage([tmp_path / "job1", tmp_path / "job2"], out=night, jobs=2,
+    found = nanbisect.triage([tmp_path / "job1", tmp_path / "job2"], out=night, jobs=2,
                              progress=lambda d, t: told.append((d, t)))
     assert found.exit_code == 3 and found.out == night                  # new signatures
     assert sorted(g.count for g in found.groups) == [1, 1]
@@ -166,7 +166,7 @@ def test_triage_of_two_directories(tmp_path):
         kept = json.loads((night / row["report_dir"] / "report.json").read_text())
         assert kept == _as_written(found.reports[row["bundle"]])
     # known signatures, as a list or as last night's triage.json: exit 1 (from the cache)
-    again = nanbisect.api.triage([tmp_path / "job1", tmp_path / "job2"], out=night,
+    again = nanbisect.triage([tmp_path / "job1", tmp_path / "job2"], out=night,
                              known=[g.signature for g in found.groups])
     assert again.exit_code == 1 and all(g.known for g in again.groups)
     assert all(row["cached"] for row in again.to_json()["bundles"])
@@ -174,7 +174,7 @@ def test_triage_of_two_directories(tmp_path):
     with pytest.raises(BadInput, match="cannot be read"):      # read when asked for, not before
         again.reports[again.to_json()["bundles"][0]["bundle"]]
     shutil.copy(night / "triage.json", tmp_path / "last.json")
-    assert nanbisect.api.triage(tmp_path / "job1", out=night, known=tmp_path / "last.json"
+    assert nanbisect.triage(tmp_path / "job1", out=night, known=tmp_path / "last.json"
                             ).exit_code == 1
 
 
@@ -183,23 +183,23 @@ def test_triage_refuses_as_the_command(tmp_path):
     for kw, flags in [({}, []), ({"backend": "spark"}, ["--backend", "spark"])]:
         root = missing if not kw else tmp_path
         with pytest.raises(BadInput) as e:
-            nanbisect.api.triage(root, out=tmp_path / "t", **kw)
+            nanbisect.triage(root, out=tmp_path / "t", **kw)
         assert f"nanbisect: error: {e.value}" == \
             _cli_line("triage", root, "--out", tmp_path / "t", *flags)
     with pytest.raises(BadInput, match=r"^triage: timeout=0 "):
-        nanbisect.api.triage(tmp_path, out=tmp_path / "t", timeout=0)
+        nanbisect.triage(tmp_path, out=tmp_path / "t", timeout=0)
     assert not (tmp_path / "t").exists()
 
 
 IMPORTED_FIRST = """
 import sys
-import nanbisect.triage.summary, nanbisect.triage.find   # the subpackage, before the names
+import nanbisect.nightly.summary, nanbisect.nightly.find   # the night's package first
 import nanbisect
-assert callable(nanbisect.run) and not callable(nanbisect.triage), nanbisect.triage
-assert nanbisect.triage is sys.modules["nanbisect.triage"]  # the package, a plain module
-from nanbisect.triage import discover                     # the subpackage imports
-import nanbisect.triage.worker as worker                  # and its modules, by any form
-from nanbisect.api import triage                          # the API's function
+assert callable(nanbisect.run) and callable(nanbisect.triage), nanbisect.triage
+assert nanbisect.triage is nanbisect.api.triage           # the function, not a package
+from nanbisect.nightly import discover                    # the package imports
+import nanbisect.nightly.worker as worker                 # and its modules, by any form
+from nanbisect import triage
 try:
     triage("/nonexistent-dir")
 except nanbisect.BadInput as e:
@@ -211,23 +211,23 @@ print(nanbisect.run.__module__, discover.__module__, worker.__name__,
 NO_TORCH = """
 import sys
 import nanbisect
-nanbisect.run, nanbisect.api.triage, nanbisect.triage
+nanbisect.run, nanbisect.triage, nanbisect.api.triage
 print("torch" in sys.modules)
 """
 
 
 def test_the_names_mean_one_thing_whatever_was_imported_first():
-    for name in ("run", "triage"):      # no module could be bound to the names but the subpackage
+    for name in ("run", "triage"):      # no module could be bound to the names
         assert not (ROOT / "nanbisect" / f"{name}.py").exists()
-    assert not (ROOT / "nanbisect" / "run").exists()
+        assert not (ROOT / "nanbisect" / name).exists()
     res = run_python(["-c", IMPORTED_FIRST], fresh=True)
     assert res.code == 0, res.stderr
-    assert res.stdout.split() == ["BadInput", "nanbisect.api", "nanbisect.triage.find",
-                                  "nanbisect.triage.worker", "module"]
+    assert res.stdout.split() == ["BadInput", "nanbisect.api", "nanbisect.nightly.find",
+                                  "nanbisect.nightly.worker", "function"]
     res = run_python(["-c", NO_TORCH], fresh=True)
     assert (res.code, res.stdout.strip()) == (0, "False"), res.stderr     # loading them is light
-    assert "run" in nanbisect.__all__ and "triage" not in nanbisect.__all__
-    assert type(nanbisect.triage) is type(nanbisect) and callable(nanbisect.api.triage)
+    assert "run" in nanbisect.__all__ and "triage" in nanbisect.__all__
+    assert nanbisect.triage is nanbisect.api.triage
 
 
 # issue 43's finding: two trees whose entries import a same-named sibling, run in one process

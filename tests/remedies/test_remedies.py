@@ -17,7 +17,7 @@ from nanbisect.records import OpSite, Remedy
 from nanbisect.remedies.batch import identify
 from nanbisect.report.page import to_html
 from nanbisect.report.text import terminal, to_markdown
-from nanbisect.triage.summary import NightState, remedy_kinds, to_markdown as triage_markdown
+from nanbisect.nightly.summary import NightState, remedy_kinds, to_markdown as triage_markdown
 
 TASKS = TEST_TASKS / "remedies.py"
 

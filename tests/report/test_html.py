@@ -76,8 +76,8 @@ def _made_up_report() -> Report:
 def _night_index(tmp_path: Path) -> Path:
     """The triage index of a made-up night (long paths and signatures: the narrow window's
     test), rendered from the summary's own state."""
-    from nanbisect.triage.index import to_html as index_html
-    from nanbisect.triage.summary import NightState
+    from nanbisect.nightly.index import to_html as index_html
+    from nanbisect.nightly.summary import NightState
 
     state = NightState([Path("nights/2026-12-02")], set(), tmp_path / "t", {}, "loky", 1800.0,
                    previous={"input-nonfinite · data"})

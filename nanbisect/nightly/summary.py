@@ -17,13 +17,13 @@ from typing import Callable
 
 from nanbisect import __version__
 from nanbisect.errors import BadInput
-from nanbisect.triage.find import MAX_MANIFEST, MANIFEST
-from nanbisect.triage.index import to_html
-from nanbisect.triage.reports import REPORTS, drop, report_name
-from nanbisect.triage.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW,
+from nanbisect.nightly.find import MAX_MANIFEST, MANIFEST
+from nanbisect.nightly.index import to_html
+from nanbisect.nightly.reports import REPORTS, drop, report_name
+from nanbisect.nightly.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW,
                                            counts_text)
 from nanbisect.report.model import Report
-from nanbisect.triage.signatures import as_report, legacy_signature, signature
+from nanbisect.nightly.signatures import as_report, legacy_signature, signature
 from nanbisect.util.files import write_atomic
 from nanbisect.util.recordjson import dumps
 from nanbisect.util.text import clip

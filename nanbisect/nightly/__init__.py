@@ -18,14 +18,14 @@ Guarantees:
   watches its parent and exits (killing its replays) when the triage process is gone.
   SIGTERM/SIGINT stop the workers and their replays. A scratch directory that a ``kill -9`` in
   the instant before a guardian existed leaves behind is removed by the next run.
-- The summary (``triage.json``, ``triage.md`` and ``index.html``, `nanbisect.triage.index`, in
+- The summary (``triage.json``, ``triage.md`` and ``index.html``, `nanbisect.nightly.index`, in
   ``out``) is written when the run starts (every
   bundle pending), after each finished bundle, and at the end, each time by writing a temporary
   file and renaming it over the old one, so a reader never sees half a file. On SIGTERM or SIGINT
   triage writes what it knows (unfinished bundles become error rows, ``interrupted`` names the
   signal) and returns; ``kill -9`` leaves the last summary written.
 - Each bundle's report directory is kept at ``out/reports/NAME`` (never inside the bundle;
-  `nanbisect.triage.reports`), replaced whole, removed when the bundle has no report tonight.
+  `nanbisect.nightly.reports`), replaced whole, removed when the bundle has no report tonight.
 - Analyses are cached as JSON in ``out/cache`` (nothing pickled), with a copy of each report
   directory, keyed by the manifest's sha256
   (which holds every file's; the files are checked against it before each lookup), the entry
@@ -52,10 +52,11 @@ bounded by `nanbisect.bundle.format.read_bundle`'s limits, not by ``timeout``. C
 cluster is bounded by ``NANBISECT_CONNECT_TIMEOUT`` (default 15 s; twice that for Ray). POSIX
 only.
 
-The Python API's function is `nanbisect.api.triage` (``from nanbisect.api import triage``: the
-command's checks, defaults and `TriageReport`); this package's own `triage` (`run.triage`) is the
-night itself, which that function and the command call. ``nanbisect.triage`` is this package: a
-plain package (no callable module), imported by the API, never importing it.
+The Python API's function is ``nanbisect.triage`` (`nanbisect.api.triage`: the command's checks,
+defaults and `TriageReport`); this package's own `triage` (`run.triage`) is the night itself,
+which that function and the command call. The package is named ``nightly`` so that
+``nanbisect.triage`` means one thing, the function, whatever was imported first; it is imported
+by the API and never imports it.
 
 The package's internal interface (what its modules share, not for other stages):
 - `find.check_roots` (the roots refused before anything runs) and `find.MAX_MANIFEST` (the bound
@@ -81,7 +82,7 @@ from __future__ import annotations
 import importlib
 
 # name -> the module of this package that defines it; imported on first use (PEP 562), so that
-# `nanbisect.triage.backends` alone (the CLI's usage checks) stays a light import
+# `nanbisect.nightly.backends` alone (the CLI's usage checks) stays a light import
 _WHERE = {"BACKENDS": "backends", "CONNECT_TIMEOUT": "backends", "CACHE_SCHEMA": "cache",
           "cache_key": "cache", "content_hash": "cache", "discover": "find",
           "find_bundles": "find", "DEFAULT_TIMEOUT": "run", "triage": "run",
@@ -95,7 +96,7 @@ __all__ = sorted(_WHERE)
 
 def __getattr__(name: str):
     if name not in _WHERE:
-        raise AttributeError(f"module 'nanbisect.triage' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"nanbisect.triage.{_WHERE[name]}"), name)
+        raise AttributeError(f"module 'nanbisect.nightly' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"nanbisect.nightly.{_WHERE[name]}"), name)
     globals()[name] = value
     return value

@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 from nanbisect import __version__
-from nanbisect.triage.find import MAX_MANIFEST, MANIFEST
-from nanbisect.triage.reports import copy_in
+from nanbisect.nightly.find import MAX_MANIFEST, MANIFEST
+from nanbisect.nightly.reports import copy_in
 from nanbisect.util.files import file_sha256, read_json, source_digest, write_atomic
 from nanbisect.util.recordjson import dumps
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from importlib.resources import files
 
-from nanbisect.triage.summary_words import EXIT_MEANING, counts_text
+from nanbisect.nightly.summary_words import EXIT_MEANING, counts_text
 
 
 def to_html(data: dict) -> str:
@@ -21,7 +21,7 @@ def to_html(data: dict) -> str:
     env = Environment(autoescape=True, undefined=StrictUndefined, trim_blocks=True,
                       lstrip_blocks=True, keep_trailing_newline=True)
     template = env.from_string(
-        (files("nanbisect.triage") / "templates" / "index.html.j2").read_text())
+        (files("nanbisect.nightly") / "templates" / "index.html.j2").read_text())
     reports = {b["bundle"]: b.get("report_dir") for b in data["bundles"]}
     return template.render(d=data, counts=counts_text(data), reports=reports,
                            meaning=EXIT_MEANING.get(data["exit_code"], ""))

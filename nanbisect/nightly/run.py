@@ -14,12 +14,12 @@ from typing import Callable
 
 from nanbisect import proc
 from nanbisect.errors import BadInput, signal_name
-from nanbisect.triage.backends import connect_backend, jobs_for
-from nanbisect.triage.cache import Cache, cache_key
-from nanbisect.triage.find import check_roots, discover
-from nanbisect.triage.reports import copy_in, drop
-from nanbisect.triage.summary import NightState, TriageResult
-from nanbisect.triage.worker import analyse_one
+from nanbisect.nightly.backends import connect_backend, jobs_for
+from nanbisect.nightly.cache import Cache, cache_key
+from nanbisect.nightly.find import check_roots, discover
+from nanbisect.nightly.reports import copy_in, drop
+from nanbisect.nightly.summary import NightState, TriageResult
+from nanbisect.nightly.worker import analyse_one
 from nanbisect.util.numbers import NUMBERS, check_environment
 
 DEFAULT_TIMEOUT = 1800.0            # seconds per bundle

@@ -1,14 +1,14 @@
 """Triage signatures that survive another batch (issue 38, item 8): one bug on one source line is
 one signature whichever aten op (or overload) the first NaN shows up in; two lines are two; a
 ``--known`` list or last night's summary in the older form still matches. In process, on made-up
-report.json dicts (the fields `nanbisect.triage.signatures` reads)."""
+report.json dicts (the fields `nanbisect.nightly.signatures` reads)."""
 from __future__ import annotations
 
 import json
 
-from nanbisect.triage.cache import CACHE_SCHEMA, Cache
-from nanbisect.triage.signatures import legacy_signature, signature
-from nanbisect.triage.summary import EXIT_KNOWN, EXIT_NEW, NightState
+from nanbisect.nightly.cache import CACHE_SCHEMA, Cache
+from nanbisect.nightly.signatures import legacy_signature, signature
+from nanbisect.nightly.summary import EXIT_KNOWN, EXIT_NEW, NightState
 
 NODE = {"name": "DivBackward0", "forward_op": "aten.div.Tensor",
         "forward_source": "train/contrastive.py:41"}

@@ -17,7 +17,7 @@ import pytest
 from helpers import FIXTURES, ROOT, TEST_TASKS, cli, invoke
 from helpers.mounts import read_only, tmpfs
 
-from nanbisect.triage import normalise_module
+from nanbisect.nightly import normalise_module
 from nanbisect.util.staging import make_staging_dir
 
 
@@ -50,8 +50,8 @@ def test_normalise_module():
 
 
 def test_reports_are_replaced_whole_and_an_error_row_removes_last_nights(tmp_path):
-    from nanbisect.triage.reports import place
-    from nanbisect.triage.summary import NightState
+    from nanbisect.nightly.reports import place
+    from nanbisect.nightly.summary import NightState
 
     def report(verdict):
         src = Path(tempfile.mkdtemp(dir=tmp_path))
@@ -328,7 +328,7 @@ def _can_unshare_pid() -> str | None:
 
 def test_sweep_keeps_live_runs_and_removes_dead_ones_whatever_their_names(tmp_path,
                                                                           monkeypatch):
-    from nanbisect.triage.run import _sweep_scratch
+    from nanbisect.nightly.run import _sweep_scratch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     holders = []

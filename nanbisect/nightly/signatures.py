@@ -14,7 +14,7 @@ A culprit's signature is ``ORIGIN @ FILE:LINE · MODULE · PHASE · DTYPES · CL
 
 Versions: `legacy_signature` is the form before this one (``aten.div.Tensor · MODULE · PHASE
 · float32,float32 · CLASSIFICATION``, issue 38 item 8). A ``--known`` list or last night's
-triage.json written with it still matches: `nanbisect.triage.summary` counts a group as known
+triage.json written with it still matches: `nanbisect.nightly.summary` counts a group as known
 when its signature or the legacy one of any of its bundles is listed.
 """
 from __future__ import annotations
