@@ -142,7 +142,7 @@ def _run(path: Path, options: RunOptions, *, as_json: bool, quiet: bool) -> int:
         import warnings
 
         from nanbisect.cli.progress import run_progress
-        from nanbisect.report.text import terminal
+        from nanbisect.report.prose import terminal
         from nanbisect.util.recordjson import dumps
         from nanbisect.util.text import failure_line
         from nanbisect.util.torch_internals import check_torch_version

@@ -56,7 +56,7 @@ from nanbisect.replay.fidelity import tier_notes
 from nanbisect.replay.replayer import resolve_entry
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of
-from nanbisect.report.text import rebuild_note
+from nanbisect.report.prose import rebuild_note
 from nanbisect.report.rerun import runner
 from nanbisect.report.write import staged, write_report
 from nanbisect.task import split_entry

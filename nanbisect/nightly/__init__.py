@@ -53,21 +53,21 @@ cluster is bounded by ``NANBISECT_CONNECT_TIMEOUT`` (default 15 s; twice that fo
 only.
 
 The Python API's function is ``nanbisect.triage`` (`nanbisect.api.triage`: the command's checks,
-defaults and `TriageReport`); this package's own `triage` (`run.triage`) is the night itself,
+defaults and `TriageReport`); this package's own `triage` (`night.triage`) is the night itself,
 which that function and the command call. The package is named ``nightly`` so that
 ``nanbisect.triage`` means one thing, the function, whatever was imported first; it is imported
 by the API and never imports it.
 
 The package's internal interface (what its modules share, not for other stages):
 - `find.check_roots` (the roots refused before anything runs) and `find.MAX_MANIFEST` (the bound
-  on a manifest read while discovering: `read_bundle`'s own), used by `run`, `cache`, `summary`;
+  on a manifest read while discovering: `read_bundle`'s own), used by `night`, `cache`, `summary`;
 - `cache.Cache` (the cache directory: lookups and stores) and `cache.MAX_REPORT` (the bound on a
-  cached or replayed report.json), used by `run` and `worker`;
+  cached or replayed report.json), used by `night` and `one_bundle`;
 - `summary.NightState` (the night so far: rows, errors, what triage.json/md and index.html are
-  written from), built and updated by `run`;
+  written from), built and updated by `night`;
 - `backends.connect_backend` (the cluster connected: joblib's configuration, slots, wave size)
-  and `backends.jobs_for` (the slots for a night of bundles), used by `run`;
-- `worker.analyse_one` (one bundle's replay in a process of its own; never raises), which `run`
+  and `backends.jobs_for` (the slots for a night of bundles), used by `night`;
+- `one_bundle.analyse_one` (one bundle's replay in a process of its own; never raises), which `night`
   hands to joblib.
 
 Exit protocol (for CI):
@@ -85,7 +85,7 @@ import importlib
 # `nanbisect.nightly.backends` alone (the CLI's usage checks) stays a light import
 _WHERE = {"BACKENDS": "backends", "CONNECT_TIMEOUT": "backends", "CACHE_SCHEMA": "cache",
           "cache_key": "cache", "content_hash": "cache", "discover": "find",
-          "find_bundles": "find", "DEFAULT_TIMEOUT": "run", "triage": "run",
+          "find_bundles": "find", "DEFAULT_TIMEOUT": "night", "triage": "night",
           "normalise_module": "signatures", "signature": "signatures", "EXIT_CLEAN": "summary",
           "EXIT_ERRORS": "summary", "EXIT_KNOWN": "summary", "EXIT_NEW": "summary",
           "SCHEMA": "summary", "TriageResult": "summary", "load_known": "summary",

@@ -11,7 +11,7 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.format import Bundle
 from nanbisect.errors import UNDECLARED_SCALER, BadInput
-from nanbisect.report.text import rebuild_note
+from nanbisect.report.prose import rebuild_note
 from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, captured_type,
                                        reference_kernels_note, target_wrap,
                                        recorded_failure)

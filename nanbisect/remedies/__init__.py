@@ -51,7 +51,7 @@ from nanbisect.remedies.narrow import narrow, untried_text
 from nanbisect.remedies.trials import DEFAULT_BUDGET, Progress, Trials, budget, rows_text
 from nanbisect.remedies.upcast import UpcastOp, upcast_module, wider
 from nanbisect.replay.replayer import Replayer
-from nanbisect.report.text import module_cell
+from nanbisect.report.prose import module_cell
 from nanbisect.util import torch_internals as ti
 
 __all__ = ["DEFAULT_BUDGET", "budget", "try_remedies", "not_tried"]

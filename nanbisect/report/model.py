@@ -5,7 +5,7 @@ Guarantees: the JSON carries every field of the user contract (``culprit`` is nu
 verdict is ``culprit``); ``to_json`` may hold non-finite floats, which the one record encoder
 (`nanbisect.util.recordjson`) writes as "nan", "inf", "-inf". Exit codes: 0 clean, 1 culprit or
 input-nonfinite, 3 not reproduced (4, an internal error, has no report: `nanbisect.cli`).
-Renderers read the `Report` itself, never its JSON: text in `report.text`, the page in
+Renderers read the `Report` itself, never its JSON: text in `report.prose`, the page in
 `report.page`; the directory is written by `report.write`.
 """
 from __future__ import annotations

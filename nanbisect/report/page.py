@@ -16,7 +16,7 @@ from importlib.resources import files
 from nanbisect.records import StageError, after_verdict, module_label
 from nanbisect.report.model import Report
 from nanbisect.report.plots import both, history_svg, plot_svg
-from nanbisect.report.text import (LOSS_FN_WHAT, fidelity_text, headline, in_loss_fn, module_cell,
+from nanbisect.report.prose import (LOSS_FN_WHAT, fidelity_text, headline, in_loss_fn, module_cell,
                                    remedy_detail, rows_text, to_markdown, verified)
 from nanbisect.util.recordjson import dumps
 from nanbisect.util.spec import NONE

@@ -38,7 +38,7 @@ from nanbisect.errors import BadInput
 from nanbisect.records import StageError, after_verdict
 from nanbisect.report.model import SCHEMA, Report
 from nanbisect.report.page import to_html
-from nanbisect.report.text import to_markdown
+from nanbisect.report.prose import to_markdown
 from nanbisect.report.out import (DEFAULT_NAME, MARKER, check_out,  # noqa: F401
                                   files_under, foreign_files, inside, is_report_dir,
                                   older_report)

@@ -24,7 +24,7 @@ from nanbisect.records import (BadValue, Comparison, ContextRow, Culprit, Diverg
 from nanbisect.report.axes import nice_ceil, nice_floor, nice_ticks
 from nanbisect.report.model import Report
 from nanbisect.report.plots import SIZES, history_svg, plot_svg
-from nanbisect.report.text import terminal
+from nanbisect.report.prose import terminal
 from nanbisect.report.write import write_report
 from nanbisect.util.recordjson import dumps, number
 

@@ -29,7 +29,7 @@ from nanbisect.util.text import MAX_RANGES, clip, ranges, ranks_arg, ranks_text,
 from helpers.hostile import edit, partial
 
 LINE = 1000                      # the longest line any message below may have
-MAX_NOTE = 2000                  # a note of report.md (report.text.MAX_NOTE)
+MAX_NOTE = 2000                  # a note of report.md (report.prose.MAX_NOTE)
 MAX_ERROR = 1000                 # triage's error row (triage.summary.MAX_ERROR)
 WORLD = 1 << 20                  # MAX_WORLD_SIZE
 MISSING = WORLD - 1              # ranks 1..1,048,575: 8.3 MB of JSON
@@ -116,7 +116,7 @@ def test_report_notes_quoting_replicas_are_bounded(tmp_path):
     from nanbisect.bundle.describe import replicas_text
     from nanbisect.records import Losses, RunFacts
     from nanbisect.report.model import Report
-    from nanbisect.report.text import terminal, to_markdown
+    from nanbisect.report.prose import terminal, to_markdown
 
     rep = hostile_replicas()
     text = replicas_text(rep)
@@ -252,6 +252,6 @@ def test_max_ranges_is_what_messages_show():
 
 
 def test_the_bounds_named_here_are_the_modules():
-    from nanbisect.report import text
+    from nanbisect.report import prose as text
     from nanbisect.nightly import summary
     assert (text.MAX_NOTE, summary.MAX_ERROR) == (MAX_NOTE, MAX_ERROR)

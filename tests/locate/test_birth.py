@@ -11,7 +11,7 @@ import nanbisect
 from helpers import TEST_TASKS
 from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.report.page import to_html
-from nanbisect.report.text import terminal, to_markdown
+from nanbisect.report.prose import terminal, to_markdown
 
 TASKS = TEST_TASKS / "birth.py"
 

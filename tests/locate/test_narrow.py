@@ -145,7 +145,7 @@ def test_top_level_module_has_one_name_in_every_report(tmp_path):
     the same printed name in the terminal lines, report.md, report.html and the triage
     signature."""
     from nanbisect.records import ROOT
-    from nanbisect.report.text import terminal
+    from nanbisect.report.prose import terminal
     from nanbisect.nightly import signature
 
     torch.manual_seed(0)

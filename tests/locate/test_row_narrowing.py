@@ -17,7 +17,7 @@ from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.records import Remedy, RowTrace
 from nanbisect.remedies import _samples
 from nanbisect.remedies.narrow import narrow
-from nanbisect.report.text import terminal, to_markdown, verified
+from nanbisect.report.prose import terminal, to_markdown, verified
 
 TASK = TEST_TASKS / "narrow_rows.py"
 

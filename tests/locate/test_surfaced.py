@@ -17,7 +17,7 @@ from nanbisect.records import Culprit, OpRef, RankResult
 from nanbisect.replay.recorder import OpRecorder
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.report.page import to_html
-from nanbisect.report.text import headline, terminal, to_markdown
+from nanbisect.report.prose import headline, terminal, to_markdown
 
 TASKS = TEST_TASKS / "surfaced.py"
 

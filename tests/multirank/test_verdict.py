@@ -18,7 +18,7 @@ from nanbisect.records import (BadValue, Bucket, CallId, Comparison, ContextRow,
 from nanbisect.replay.probe import CallStats, ParamGrad, ProbeTable
 from nanbisect.report.model import Report
 from nanbisect.report.page import to_html
-from nanbisect.report.text import headline, terminal, to_markdown
+from nanbisect.report.prose import headline, terminal, to_markdown
 from nanbisect.nightly import signature
 from nanbisect.util.recordjson import dumps
 

@@ -328,7 +328,7 @@ def _can_unshare_pid() -> str | None:
 
 def test_sweep_keeps_live_runs_and_removes_dead_ones_whatever_their_names(tmp_path,
                                                                           monkeypatch):
-    from nanbisect.nightly.run import _sweep_scratch
+    from nanbisect.nightly.night import _sweep_scratch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     holders = []

@@ -198,7 +198,7 @@ import nanbisect
 assert callable(nanbisect.run) and callable(nanbisect.triage), nanbisect.triage
 assert nanbisect.triage is nanbisect.api.triage           # the function, not a package
 from nanbisect.nightly import discover                    # the package imports
-import nanbisect.nightly.worker as worker                 # and its modules, by any form
+import nanbisect.nightly.one_bundle as worker                 # and its modules, by any form
 from nanbisect import triage
 try:
     triage("/nonexistent-dir")
@@ -223,7 +223,7 @@ def test_the_names_mean_one_thing_whatever_was_imported_first():
     res = run_python(["-c", IMPORTED_FIRST], fresh=True)
     assert res.code == 0, res.stderr
     assert res.stdout.split() == ["BadInput", "nanbisect.api", "nanbisect.nightly.find",
-                                  "nanbisect.nightly.worker", "function"]
+                                  "nanbisect.nightly.one_bundle", "function"]
     res = run_python(["-c", NO_TORCH], fresh=True)
     assert (res.code, res.stdout.strip()) == (0, "False"), res.stderr     # loading them is light
     assert "run" in nanbisect.__all__ and "triage" in nanbisect.__all__

@@ -24,7 +24,7 @@ from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.records import (Culprit, HistoryEntry, Losses, ReproResult, RunFacts,
                                TimelineRow)
 from nanbisect.report.model import Report
-from nanbisect.report.text import terminal
+from nanbisect.report.prose import terminal
 from nanbisect.report.write import write_report
 
 BUNDLE = "forward_nan_behind_mask"      # culprit aten.sqrt.default in blocks.1.mlp.act

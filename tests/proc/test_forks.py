@@ -106,7 +106,7 @@ def test_triage_replays_bundles_in_forks_of_one_server(server, tmp_path, monkeyp
     ``NANBISECT_TRIAGE_FORK=0`` a fresh interpreter gives the same report."""
     import shutil
 
-    from nanbisect.nightly import worker
+    from nanbisect.nightly import one_bundle as worker
 
     bundle = tmp_path / "b"
     shutil.copytree(FIXTURES / "fully_masked_row", bundle,

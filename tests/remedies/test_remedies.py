@@ -16,7 +16,7 @@ from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.records import OpSite, Remedy
 from nanbisect.remedies.batch import identify
 from nanbisect.report.page import to_html
-from nanbisect.report.text import terminal, to_markdown
+from nanbisect.report.prose import terminal, to_markdown
 from nanbisect.nightly.summary import NightState, remedy_kinds, to_markdown as triage_markdown
 
 TASKS = TEST_TASKS / "remedies.py"

@@ -325,7 +325,7 @@ XEON = {"cpu": {"machine": "x86_64", "processor": "Intel(R) Xeon(R) Platinum 848
 ])
 def test_fidelity_tiers(travel_bundle, tmp_path, hardware, off, tier, classification, says):
     from nanbisect.report.page import to_html
-    from nanbisect.report.text import terminal, to_markdown
+    from nanbisect.report.prose import terminal, to_markdown
 
     if hardware is XEON and _here_cpu().get("processor") == XEON["cpu"]["processor"]:
         pytest.skip("this machine is the other CPU of the test")

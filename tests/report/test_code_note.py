@@ -1,4 +1,4 @@
-"""The terminal summary says when the bundle's copy of the code ran (report/text.py
+"""The terminal summary says when the bundle's copy of the code ran (report/prose.py
 `terminal`): after a fix made here to a sibling of the entry, `nanbisect run` replays the
 captured code by default and finds the planted sqrt again; its second line says so, naming the
 file that differs and ``--code local``; with ``--code local`` the fix runs and no such line is

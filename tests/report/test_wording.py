@@ -1,4 +1,4 @@
-"""What report.md, the terminal summary and report.html say (report/text.py, report/plots.py):
+"""What report.md, the terminal summary and report.html say (report/prose.py, report/plots.py):
 an op born in the Task's ``loss_fn`` (outside any module call) is named ``loss_fn``, never an
 empty module cell or "call None"; ``classification: unknown`` from a run without a reference
 says why and gives the flag that decides it, and a run with the reference decides it; in the

@@ -53,7 +53,7 @@ def _clear(scratch: str, said: bytes) -> None:
 
 # the fork server's warm-up for `nanbisect run` (named: importing it would import torch here)
 REPLAY_WARM = "nanbisect.pipeline.run:warm_fork_server"
-_CHILD = ("from nanbisect.nightly.worker import _guard_replay; _guard_replay(); "
+_CHILD = ("from nanbisect.nightly.one_bundle import _guard_replay; _guard_replay(); "
           "from nanbisect.cli import main; main()")
 # the replays this process is running: killed when the triage process is gone
 _active = proc.Processes()
@@ -104,7 +104,7 @@ def _start(args: list[str], r: int, err: int, tmp: Path, cwd: str | None):
             return proc.ForkServer.get(warm=REPLAY_WARM).start(
                 ["-m", "nanbisect", *args], cwd=cwd or os.getcwd(), stderr=err,
                 env={**env, "NANBISECT_TRIAGE_PARENT": ""}, keep={"NANBISECT_TRIAGE_FD": r},
-                prelude="nanbisect.nightly.worker:_guard_replay", share=True)
+                prelude="nanbisect.nightly.one_bundle:_guard_replay", share=True)
         except OSError:
             pass                        # a fresh interpreter, as without the server
     env.update(NANBISECT_TRIAGE_FD=str(r), NANBISECT_TRIAGE_PARENT=str(os.getpid()))

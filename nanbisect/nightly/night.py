@@ -19,7 +19,7 @@ from nanbisect.nightly.cache import Cache, cache_key
 from nanbisect.nightly.find import check_roots, discover
 from nanbisect.nightly.reports import copy_in, drop
 from nanbisect.nightly.summary import NightState, TriageResult
-from nanbisect.nightly.worker import analyse_one
+from nanbisect.nightly.one_bundle import analyse_one
 from nanbisect.util.numbers import NUMBERS, check_environment
 
 DEFAULT_TIMEOUT = 1800.0            # seconds per bundle
