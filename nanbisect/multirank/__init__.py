@@ -3,4 +3,4 @@ replay launcher (`launcher`) and the process that starts the ranks (`spawn`), on
 (`worker`, run as ``python -m nanbisect.multirank.worker``), a rank replayed alone (`alone`) on
 the collectives the capture recorded (`tape`), the rank sides (`sides`) and the decisions all
 ranks share (`verdict`). Capturing them (rank coordination, the multi-rank bundle, recording the
-collectives) is `nanbisect.guard` (`guard.coord`, `guard.tape`)."""
+collectives) is `nanbisect.guard` (`guard.coord`, `guard.retape`)."""
