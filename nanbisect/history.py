@@ -82,7 +82,7 @@ class HealthLog:
     def row(self, step: int, n: int, device: torch.device,
             names: Callable[[], list[str]]) -> torch.Tensor:
         """``step``'s row of the ring ([2, n], contiguous, on ``device``) for the caller to
-        write the step's norms into (`nanbisect.guard.screen._step_norms`' ``out``): no copy."""
+        write the step's norms into (`nanbisect.guard.screen.step_norms`' ``out``): no copy."""
         if self._rows is None or self._ring.shape[2] != n or self._ring.device != device:
             # the first step, or the model gained parameters (lazy modules): a new ring
             self._ring = torch.zeros((self.n, 2, n), dtype=torch.float32, device=device)

@@ -22,6 +22,7 @@ import torch
 from nanbisect import devices
 from nanbisect.errors import BadInput
 from nanbisect.task import Task
+from nanbisect.util import torch_internals as ti
 
 
 @dataclass
@@ -55,7 +56,7 @@ def found_inf(scaler, optimizer) -> torch.Tensor:
     """The scaler's verdict on this step's gradients, on the device, without a host sync."""
     if not scaler.is_enabled():
         return torch.zeros(())
-    per_device = scaler._found_inf_per_device(optimizer)   # NB: private, stable since torch 1.6
+    per_device = ti.scaler_found_inf_per_device(scaler, optimizer)
     return torch.stack([v.reshape(()).float() for v in per_device.values()]).sum() \
         if per_device else torch.zeros(())
 

@@ -23,10 +23,10 @@ ratios (paired: the same round and batch); the bars (issue 40): `Guard.step` <= 
 ``tiny`` and <= 1.01x at ``default`` (an idle machine, medians of interleaved steps). A median
 leaves the K-step snapshot out (one step in K): it is timed alone below, and amortised by K.
 Then the pieces of the Guard are timed alone: the RNG state read, the per-step copy
-(`_Snapshot.take_early`: buffers, scaler scale), the step's record (`Keeper.record`), the K-step
+(`Snapshot.take_early`: buffers, scaler scale), the step's record (`Keeper.record`), the K-step
 snapshot (`Keeper.take`: a safetensors file write on the CPU), alone and divided by K, the
 one-pass parameter and gradient norms, the history ring's row, the host sync, the walks of the
-module tree, and every-step mode's copy (`_Snapshot.take`) for comparison; and in real steps:
+module tree, and every-step mode's copy (`Snapshot.take`) for comparison; and in real steps:
 `Guard.step`'s parts (`_begin`, `_before_update`, `_end`), and entering, reading (the pre-hook)
 and leaving `Guard.watch`.
 
@@ -84,9 +84,9 @@ import nanbisect
 from nanbisect import history as hist
 from nanbisect.bundle.state import RngState, accelerator_types
 from nanbisect.guard.keep import CHOOSE_AFTER, Keeper
-from nanbisect.guard.screen import _step_norms
-from nanbisect.guard.snapshot import _Snapshot, model_tensors
-from nanbisect.guard.write import _scaler_state
+from nanbisect.guard.screen import step_norms
+from nanbisect.guard.snapshot import Snapshot, model_tensors
+from nanbisect.guard.write import scaler_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "tasks"))
 import tinygpt  # noqa: E402  (the tests' GPT, built bigger; its plain_step is the baseline)
@@ -173,16 +173,16 @@ def piece_times(guard: nanbisect.Guard, reps: int, batch, k: int | None = None,
             getattr(torch, dev.type).synchronize()
 
     # the default Guard's per-step copy (buffers, the scaler's scale and growth tracker)
-    early = _Snapshot(side_stream=False)
+    early = Snapshot(side_stream=False)
     early.take_early(opt, scaler, buffers)   # the copies, allocated once
     # every-step mode's whole-state copy (parameters, buffers, AdamW state), for comparison
-    whole = _Snapshot(side_stream=False)
+    whole = Snapshot(side_stream=False)
     whole.take(model, opt, scaler, params, buffers)
     # the K-step snapshot, on a Keeper of its own (the shipped Guard's is left as it is)
     keeper = Keeper(on_host=guard._keeper.on_host if guard._keeper is not None else
                     dev.type == "cpu")
     bufs = early.early_copies(buffers)
-    scaler_state = _scaler_state(task)
+    scaler_state = scaler_state(task)
     rng = RngState.get(accel)
     groups = [{kk: v for kk, v in g.items() if kk != "params"} for g in opt.param_groups]
     at = [0]
@@ -196,16 +196,16 @@ def piece_times(guard: nanbisect.Guard, reps: int, batch, k: int | None = None,
         keeper.record(at[0], rng, opt, groups, batch, 1.0, 1.0)
 
     grads = [p.grad for p in params]
-    norms = _step_norms(params, grads, dev)
+    norms = step_norms(params, grads, dev)
     slots = [torch.zeros((), device=dev)] * 4
     ring = hist.HealthLog(hist.DEFAULT_N, [])
     pieces = {
         "RNG state read": lambda: RngState.get(accel),
-        "per-step copy (buffers, scaler scale): _Snapshot.take_early": lambda: done(
+        "per-step copy (buffers, scaler scale): Snapshot.take_early": lambda: done(
             early.take_early(opt, scaler, buffers)),
         "per-step record (RNG, groups, batch copy): Keeper.record": record,
         "screen: parameter and gradient norms, one pass": lambda: done(
-            _step_norms(params, grads, dev)),
+            step_norms(params, grads, dev)),
         "history: the ring's row (one device copy)": lambda: done(
             ring.record_norms(0, norms, lambda: [])),
         "host sync: the slots read back": lambda: torch.stack(slots).tolist(),
@@ -213,7 +213,7 @@ def piece_times(guard: nanbisect.Guard, reps: int, batch, k: int | None = None,
                                                            list(model.buffers())),
         "parameters and buffers, one walk (model_tensors, once per step)": lambda:
             model_tensors(model),
-        "every-step mode's copy (parameters, buffers, AdamW state): _Snapshot.take": lambda:
+        "every-step mode's copy (parameters, buffers, AdamW state): Snapshot.take": lambda:
             done(whole.take(model, opt, scaler, params, buffers)),
     }
     try:

@@ -35,7 +35,7 @@ from bench_guard import CONFIG, make_task, plain_step, timed, tinygpt  # noqa: E
 import nanbisect  # noqa: E402
 from nanbisect.bundle.lookback import Lookback  # noqa: E402
 from nanbisect.bundle.state import local  # noqa: E402
-from nanbisect.guard import _screen  # noqa: E402
+from nanbisect.guard.screen import screen_sum  # noqa: E402
 
 ENTRY = "scripts/bench_guard.py:make_task"
 
@@ -91,7 +91,7 @@ def main() -> None:
     reps = 20
     res["pieces_ms"] = {
         "screen now (per-parameter norms)": 1e3 * statistics.median(
-            timed(lambda: _screen(params, params[0].device).item())[0] for _ in range(reps)),
+            timed(lambda: screen_sum(params, params[0].device).item())[0] for _ in range(reps)),
         "screen before (per-parameter sums)": 1e3 * statistics.median(
             timed(lambda: old_screen(params, params[0].device).item())[0] for _ in range(reps)),
     }

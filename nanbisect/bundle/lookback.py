@@ -29,6 +29,7 @@ from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.state import (RngState, Tensors, encode, encode_model, encode_optimizer,
                                     hyper_parameters, local)
 from nanbisect.errors import BadInput
+from nanbisect.util import torch_internals as ti
 
 ROLE = "lookback"
 SCHEMA = 1
@@ -114,11 +115,8 @@ class Lookback:
         opt_meta = encode_optimizer(opt, ts, self._copy) if opt is not None else None
         sc = None
         if scaler is not None and scaler.is_enabled():
-            scale, tracker = getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker",
-                                                                     None)
-            sc = {"growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
-                  "growth_interval": scaler._growth_interval,
-                  "init_scale": scaler._init_scale}
+            scale, tracker = ti.scaler_tensors(scaler)
+            sc = ti.scaler_settings(scaler)
             if scale is not None:
                 ts["scaler/scale"], ts["scaler/tracker"] = scale.clone(), tracker.clone()
         modes = {"training": {n: m.training for n, m in model.named_modules()},

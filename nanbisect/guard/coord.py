@@ -34,8 +34,10 @@ import torch.distributed as dist
 
 from safetensors import safe_open
 
+from nanbisect import devices
 from nanbisect.bundle.format import PER_RANK, SUFFIX
 from nanbisect.guard.deadline import all_gather_objects, all_reduce_max, broadcast_object
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import tensor_bytes
 
 
@@ -63,6 +65,13 @@ def any_rank(flag: torch.Tensor, what: str = "the Guard's agreement on a failure
     return all_reduce_max(flag, what)
 
 
+def ranks_max(v: float) -> float:
+    """Under torch.distributed: the largest ``v`` of all ranks (one all-reduce, on the CPU for
+    gloo, else on the accelerator the backend runs on; bounded, as `any_rank`)."""
+    backend = rank_info().backend
+    return any_rank(torch.tensor([float(v)], device=devices.collective_device(backend))).item()
+
+
 def broadcast_str(value: str, what: str = "the Guard's broadcast of the bundle's name") -> str:
     """Rank 0's ``value`` on every rank (bounded, as `any_rank`)."""
     return broadcast_object(value, what)
@@ -70,18 +79,15 @@ def broadcast_str(value: str, what: str = "the Guard's broadcast of the bundle's
 
 def process_groups() -> dict[str, list[int]]:
     """The process groups this rank belongs to: torch's group name -> global ranks."""
-    from torch.distributed import distributed_c10d as c10d
-
-    world = c10d._world
     out = {}
-    for pg, name in list(world.pg_names.items()):
+    for pg, name, ranks in ti.world_process_groups():
         desc = getattr(pg, "group_desc", None)   # new_group(..., group_desc="tp") names it
         key = desc if desc and desc not in ("undefined", "default_pg") else name
-        out[key] = sorted(int(g) for g in world.pg_group_ranks.get(pg, {}))
+        out[key] = ranks
     return out
 
 
-def _merge_groups(per_rank: list[dict], world_size: int) -> dict[str, list[int]]:
+def merged_groups(per_rank: list[dict], world_size: int) -> dict[str, list[int]]:
     """One layout from every rank's view (a rank knows only the groups it is in): "world" plus
     every other group (tensor/data-parallel groups, a device mesh's, FSDP's) under torch's name."""
     everyone = list(range(world_size))
@@ -282,7 +288,7 @@ def out_of_sync(plan: ReplicaPlan, labels: dict[str, str]) -> tuple[list[dict], 
     return rows, sorted(uncompared)
 
 
-def _measured_or_not(tmp: Path, plan: ReplicaPlan, row: dict) -> dict:
+def measured_or_not(tmp: Path, plan: ReplicaPlan, row: dict) -> dict:
     """`_measured`, or ``row`` with ``max_abs_diff`` None when reading the copies back fails:
     the bundle of a failing step matters more than the size of a difference."""
     try:

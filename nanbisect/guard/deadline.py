@@ -2,7 +2,7 @@
 
 The Guard talks to the other ranks in three places: the per-step agreement on a failure (one
 all-reduce of a flag), the failing step's re-run that records its collectives (the user's own
-collectives and point-to-point sends and receives, run again under `nanbisect.guard.tape`), and
+collectives and point-to-point sends and receives, run again under `nanbisect.guard.retape`), and
 the write of one bundle by every rank (a few broadcasts and gathers before the parts are written;
 the write itself is bounded by `nanbisect.guard.agree`). Each of those waits here, on the
 collective's work, with ``NANBISECT_RANK_TIMEOUT`` seconds (default: the job's own process-group
@@ -195,7 +195,7 @@ def all_gather_objects(obj: Any, what: str) -> list:
 class BoundedWaits(ti.ObserverMode):
     """Inside it, every c10d collective and send/receive the user's code issues is waited with
     the deadline (`Settled`): the Guard's own runs of the user's step (a rebuild's steps, the
-    failing step's re-run: `nanbisect.guard.tape.TapeRecorder` is one) end by it; leaving it
+    failing step's re-run: `nanbisect.guard.retape.TapeRecorder` is one) end by it; leaving it
     without an error raises the first `RankTimeout` a send or receive met (``settled.unmet``
     holds it either way, once it is left)."""
 

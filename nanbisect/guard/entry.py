@@ -4,7 +4,7 @@ Guarantees: `resolve_entry_file` runs no code (it parses the entry file, or find
 spec; a module already imported is asked directly) and refuses only a name bound nowhere in the
 file, and an entry that a replay could not import (`refuse_main`: the module ``__main__``, a
 notebook's or a script's own namespace; a factory defined in an interactive session);
-`_check_out` creates ``out`` and writes (then removes) one probe file there. Both raise
+`check_out` creates ``out`` and writes (then removes) one probe file there. Both raise
 `BadInput` naming the fix. Not guaranteed: that the entry function returns a Task (only
 running it tells), nor that ``out`` still takes bundles when a step fails (the Guard then writes
 to a rescue directory: `nanbisect.guard.write.write_or_rescue`).
@@ -107,7 +107,7 @@ def refuse_main(entry: str, target: str, func: str) -> None:
                    f"in a fresh process, where __main__ is nanbisect: {fix}")
 
 
-def _check_out(out: Path) -> None:
+def check_out(out: Path) -> None:
     """Bundles can be written into ``out``: create it and write (then remove) a probe file."""
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +121,7 @@ def _check_out(out: Path) -> None:
 SNAPSHOT_MODES = ("rebuild", "every-step")
 
 
-def _check_modes(max_scaler_skips: int, snapshot: str, snapshot_every: int | None,
+def check_modes(max_scaler_skips: int, snapshot: str, snapshot_every: int | None,
                  snapshot_stream: bool) -> None:
     """`BadInput` for a Guard option out of its range (what each may be: the message)."""
     if max_scaler_skips < 1:

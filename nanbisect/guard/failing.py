@@ -1,7 +1,9 @@
-"""The Guard's failures: a failing step bundled from the live state (`_Failing._fail_live`), or,
-for a failure born in an update that ran, from its pre-state rebuilt from the snapshot and the
-steps since (`_fail_after_update`); under torch.distributed, with what each collective of the
-failing step gave this rank (`_record_tape`). A part of `nanbisect.guard.core.Guard`.
+"""The Guard's failures (`Failures`): a failing step bundled from the live state
+(`Failures.live`), or, for a failure born in an update that ran, from its pre-state rebuilt from
+the snapshot and the steps since (`Failures.after_update`); under torch.distributed, with what
+each collective of the failing step gave this rank (`nanbisect.guard.retape`); a rank that did
+not meet one of the Guard's waits writes its part alone (`Failures.alone`). A collaborator
+`nanbisect.guard.core.Guard` owns.
 
 Guarantees: every path ends in `NonFiniteStep` with where the bundle went (or why it could not
 be written anywhere); under torch.distributed every rank takes the same path.
@@ -16,20 +18,20 @@ from typing import Any
 import torch
 
 from nanbisect import devices
-from nanbisect.bundle.code import user_sources
 from nanbisect.bundle.state import RngState, decode, local
 from nanbisect.errors import NonFiniteStep
-from nanbisect.guard.coord import any_rank, broadcast_str
+from nanbisect.guard.coord import any_rank, broadcast_str, ranks_max
 from nanbisect.guard.deadline import BoundedWaits, RankTimeout
+from nanbisect.guard.guarded import Guarded, Progress
 from nanbisect.guard.keep import SnapshotFailed, reset_scaler_stage
 from nanbisect.guard.parts import held_ranks
-from nanbisect.guard.screen import _bad_names, _kind, _listed, _step_norms
-from nanbisect.guard.snapshot import _live_scale
-from nanbisect.guard.tape import record_step
-from nanbisect.guard.write import _scaler_state, _write, write_or_rescue
+from nanbisect.guard.reading import Reader
+from nanbisect.guard.retape import record_step
+from nanbisect.guard.screen import bad_names, listed_names, value_kind
+from nanbisect.guard.snapshot import live_scale
+from nanbisect.guard.write import free_path, scaler_state, write_or_rescue, write_step
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.text import clip, exception_line
-
-from nanbisect.guard.reading import _loss_slot, _ranks_max
 
 
 def _unavailable(why: str) -> dict:
@@ -38,13 +40,18 @@ def _unavailable(why: str) -> dict:
             "first_mismatch": None, "why": clip(why, 300)}
 
 
-class _Failing:
-    """`Guard`'s failing steps, bundled and raised (the attributes are the Guard's)."""
+class Failures:
+    """A Guard's failing steps, bundled and raised, from what the Guard shares (`Guarded`,
+    `Progress`); its `Reader` reads a rebuilt step's values."""
 
-    def _fail_live(self, batch: Any, rng: RngState, observed: dict,
-                   scale: torch.Tensor | None, dev: torch.device) -> None:
+    def __init__(self, guarded: Guarded, progress: Progress, reader: Reader) -> None:
+        self.g, self.p, self.reader = guarded, progress, reader
+        self._unmet: RankTimeout | None = None   # the first of the Guard's waits not met
+
+    def live(self, batch: Any, rng: RngState, observed: dict,
+             scale: torch.Tensor | None, dev: torch.device) -> None:
         """Bundle the step from the live state (its update never ran) and raise."""
-        self._restore(scale)
+        self.restore(scale)
         self._raise(batch, rng, observed, dev)
 
     def _raise(self, batch: Any, rng: RngState, observed: dict, dev: torch.device) -> None:
@@ -52,102 +59,94 @@ class _Failing:
         `NonFiniteStep`; a rank that does not meet a wait on the way (`RankTimeout`) makes this
         one write its part alone (`_write_alone`). The failure is then raised and done: `close`
         does not raise it again."""
-        self._last_applied = None
+        self.p.last_applied = None
         self._unmet = None
+        distributed = self.g.rank.distributed
         try:
-            tape = self._record_tape(batch, rng, dev) if self._rank.distributed else None
+            tape = self._record_tape(batch, rng, dev) if distributed else None
             path, error = self._write_failure(batch, rng, observed, tape)
         except RankTimeout as e:
             path, error = self._write_alone(batch, rng, observed, self._unmet or e)
         raise NonFiniteStep(path, observed, error,
-                            ranks=held_ranks(path) if self._rank.distributed else None)
+                            ranks=held_ranks(path) if distributed else None)
 
     def _write_alone(self, batch: Any, rng: RngState, observed: dict, e: RankTimeout
                      ) -> tuple[Path | None, str | None]:
         """Another rank did not meet one of the Guard's waits: no collective from here on. This
         rank writes its part of the step as a bundle of its own (``out/stepN-rankR``, its
         ``partial`` naming the ranks that did not meet) and says so in one line."""
-        observed["rank"] = self._rank.rank
+        g = self.g
+        observed["rank"] = g.rank.rank
         observed["rank_timeout"] = str(e)
-        sources = {**user_sources(self._entry_file), **self._sources}
-        write = partial(_write, self.task, batch, rng, entry=self.entry,
-                        entry_file=self._entry_file, step=self.step_index, observed=observed,
-                        sources=sources, scaler_state=_scaler_state(self.task), unique=True,
-                        history=self._history, alone=str(e))
-        path, error = write_or_rescue(write, self._free_path(f"-rank{self._rank.rank}"),
-                                      self.out, distributed=False)
+        sources = g.sources_now()
+        write = partial(write_step, g.task, batch, rng, entry=g.entry,
+                        entry_file=g.entry_file, step=self.p.step_index, observed=observed,
+                        sources=sources, scaler_state=scaler_state(g.task), unique=True,
+                        history=g.history, alone=str(e))
+        path, error = write_or_rescue(write, free_path(g.out, self.p.step_index,
+                                                       f"-rank{g.rank.rank}"),
+                                      g.out, distributed=False)
         return path, (str(e) if error is None else f"{e}; {error}")
 
-    def _fail_alone(self, batch: Any, rng: RngState | None, e: RankTimeout) -> None:
+    def alone(self, batch: Any, rng: RngState | None, e: RankTimeout) -> None:
         """A wait of the Guard's own (the step's agreement, a rebuild) that another rank did not
         meet: this rank's step, as it began where the update did not run, written alone, and
         `NonFiniteStep` raised with the line."""
-        self._open, self._watching = False, None
-        keeper = self._keeper
+        self.p.open = False
+        keeper = self.g.keeper
         if batch is None and keeper is not None and keeper.records:   # `close`: the last step
             batch, rng = decode(keeper.records[-1].batch, keeper.records[-1].tensors), \
                 keeper.records[-1].rng
         if rng is None:
-            rng = RngState.get(self._accel)
+            rng = RngState.get(self.g.accel)
         try:
-            self._restore(_live_scale(self.task.grad_scaler))
+            self.restore(live_scale(self.g.task.grad_scaler))
         except Exception:  # noqa: BLE001 - the state as it stands is written all the same
             pass
-        observed = {"step": self.step_index, "first": "rank-timeout", "loss": "unknown",
+        observed = {"step": self.p.step_index, "first": "rank-timeout", "loss": "unknown",
                     "summary": {"ranks": "did not meet"}}
-        self._last_applied = None
+        self.p.last_applied = None
         path, error = self._write_alone(batch, rng, observed, e)
         raise NonFiniteStep(path, observed, error)
 
-    def _read_values(self, total: torch.Tensor | None) -> tuple[float | None, float]:
-        """(the loss, the gradients' global norm) as `_read_screen` reads them, for a rebuild
-        to compare with."""
-        params = list(self.task.model.parameters())
-        dev = local(params[0]).device if params else devices.HOST
-        with torch.no_grad():
-            norms = _step_norms(params, [p.grad for p in params], dev)
-            v = torch.cat([_loss_slot(total, dev), torch.linalg.vector_norm(norms, dim=1)])
-            v = v.tolist()
-        return (v[0] if total is not None else None), v[2]
-
-    def _fail_after_update(self, step: int, batch: Any = None, rng: RngState | None = None
-                           ) -> None:
+    def after_update(self, step: int, batch: Any = None, rng: RngState | None = None) -> None:
         """A failure whose update ran (step ``step``'s: its parameters are not finite): rebuild
         its pre-state from the snapshot and the steps since, bundle it, raise. When no snapshot
         reaches it (or the model or optimizer changed since), the step in progress is bundled
         as it began instead (``batch``, ``rng``; the non-finite parameters are then its input),
         saying why."""
-        task = self.task
-        params = _bad_names([(n, p.data) for n, p in task.model.named_parameters()])
+        g, p = self.g, self.p
+        task = g.task
+        params = bad_names([(n, q.data) for n, q in task.model.named_parameters()])
         why = self._unrebuildable(step)
         if why is None:
             rec, rebuild, batch, rng = self._rebuilt(step, batch, rng)
         else:
             rec, rebuild = None, _unavailable(why)
             batch, rng = self._as_it_began(batch, rng)
-        if self._history is not None:
-            self._history.drop_from(self.step_index + 1)
+        if g.history is not None:
+            g.history.drop_from(p.step_index + 1)
         loss = rec.loss if rec is not None else None
         grads = rec.grad_norm if rec is not None else None
-        loss_kind = _kind(loss) if loss is not None else "unknown"
-        grads_kind = _kind(grads) if grads is not None else "unknown"
+        loss_kind = value_kind(loss) if loss is not None else "unknown"
+        grads_kind = value_kind(grads) if grads is not None else "unknown"
         params_kind = "nan" if params["nan"] else "inf" if params["inf"] else "finite"
         first = ("loss" if loss_kind in ("nan", "inf") else
                  "grad" if grads_kind in ("nan", "inf") else
                  "param" if params_kind != "finite" else "other-rank")
-        observed = {"step": self.step_index, "first": first,
+        observed = {"step": p.step_index, "first": first,
                     "loss": loss if loss_kind not in ("nan", "inf") else loss_kind,
                     "summary": {"loss": loss_kind, "grads": grads_kind, "params": params_kind},
-                    "nonfinite_grads": _listed({"nan": [], "inf": []}),
-                    "nonfinite_params": _listed(params), "rebuild": rebuild}
-        self._value = loss
-        dev = local(next(task.model.parameters())).device if self._params else devices.HOST
+                    "nonfinite_grads": listed_names({"nan": [], "inf": []}),
+                    "nonfinite_params": listed_names(params), "rebuild": rebuild}
+        p.value = loss
+        dev = local(next(task.model.parameters())).device if p.params else devices.HOST
         self._raise(batch, rng, observed, dev)
 
     def _unrebuildable(self, step: int) -> str | None:
         """Why step ``step``'s pre-state cannot be rebuilt (None: it can; under torch.distributed,
         on every rank, or on none)."""
-        keeper = self._keeper
+        keeper = self.g.keeper
         if keeper is None:
             why = "the Guard keeps no snapshot"
         elif not keeper.can_rebuild(step):
@@ -156,12 +155,12 @@ class _Failing:
                                                          else ""))
         else:
             try:     # the snapshot's file read back: it may be damaged, deleted or foreign
-                why = keeper.unfit(self.task)
+                why = keeper.unfit(self.g.task)
             except Exception as e:  # noqa: BLE001 - the step is bundled as it began instead
                 why = (f"the snapshot could not be read back ({type(e).__name__}: "
                        f"{exception_line(e, limit=200)})")
-        if self._rank.distributed:    # every rank rebuilds, or none
-            if _ranks_max(float(why is not None)) > 0 and why is None:
+        if self.g.rank.distributed:    # every rank rebuilds, or none
+            if ranks_max(float(why is not None)) > 0 and why is None:
                 why = "another rank could not rebuild"
         return why
 
@@ -169,14 +168,14 @@ class _Failing:
         """(the record of step ``step``, ``observed.rebuild``, its batch, its RNG): its pre-state
         rebuilt into the live model and optimizer; a rebuild that raises leaves the state where
         it stopped (no record; ``batch`` and ``rng`` as given)."""
-        keeper = self._keeper
-        self._busy = True
+        keeper, p = self.g.keeper, self.p
+        p.busy = True
         try:
             with BoundedWaits():    # the kept steps' collectives end by the deadline
-                rebuilt, rec = keeper.rebuild(self.task, step, self._read_values)
+                rebuilt, rec = keeper.rebuild(self.g.task, step, self.reader.values)
             rebuild = rebuilt.to_json()
             batch, rng = decode(rec.batch, rec.tensors), rec.rng
-            self.step_index = step
+            p.step_index = step
             keeper.drop_from(step)
         except RankTimeout:
             raise
@@ -185,23 +184,23 @@ class _Failing:
             rebuild = _unavailable(f"the rebuild raised {exception_line(e)}: the state is "
                                    "where it stopped")
         finally:
-            self._busy = False
+            p.busy = False
         return rec, rebuild, batch, rng
 
     def _as_it_began(self, batch: Any, rng: RngState | None) -> tuple[Any, RngState]:
         """The step to bundle when no rebuild reaches it: the step in progress as it began
         (buffers and scale put back; its parameters the non-finite ones it was given), or at
         `close` the last kept step's batch and RNG."""
-        keeper = self._keeper
-        if self._open or batch is not None:
+        keeper = self.g.keeper
+        if self.p.open or batch is not None:
             # the step in progress, as it began: buffers and scale back (its forward and
             # backward ran), its parameters the non-finite ones it was given
-            self._restore(_live_scale(self.task.grad_scaler))
+            self.restore(live_scale(self.g.task.grad_scaler))
         else:      # `close`: no step in progress; the last step's batch stands in
             last = keeper.records[-1] if keeper is not None and keeper.records else None
             if last is not None:
                 batch, rng = decode(last.batch, last.tensors), last.rng
-        return batch, (rng if rng is not None else RngState.get(self._accel))
+        return batch, (rng if rng is not None else RngState.get(self.g.accel))
 
     def _record_tape(self, batch: Any, rng: RngState, dev: torch.device):
         """Under torch.distributed: every rank runs the failing step once more, from the same
@@ -209,41 +208,42 @@ class _Failing:
         serves it to them); the state is put back after it (from the whole-state copy, or from
         a snapshot of it taken now, off the device). None, on every rank, when any rank could
         not record it."""
-        keeper, task = self._keeper, self.task
-        copied = self._copying or keeper is None
+        g, p = self.g, self.p
+        keeper, task = g.keeper, g.task
+        copied = p.copying or keeper is None
         ok = True
         if not copied:     # the state to put back after the recording, off the device
             try:
-                keeper.take(self.step_index, task.model, task.optimizer, _scaler_state(task), {})
+                keeper.take(p.step_index, task.model, task.optimizer, scaler_state(task), {})
             except SnapshotFailed as e:
                 ok, why = False, f"its state could not be kept aside: {e}"
-        if _ranks_max(float(not ok)) > 0:    # every rank records, or none
+        if ranks_max(float(not ok)) > 0:    # every rank records, or none
             warnings.warn("Guard: the failing step's collectives were not recorded ("
                           f"{why if not ok else 'another rank could not keep its state aside'}"
                           "); the bundle replays all ranks only (no --ranks)", RuntimeWarning,
                           stacklevel=4)
             return None
-        scale = _live_scale(task.grad_scaler)
+        scale = live_scale(task.grad_scaler)
         pre_scale = None if scale is None else scale.clone()
         rng.set()
-        self._busy = True
+        p.busy = True
         try:
             tape, why = record_step(task, batch)
         finally:
-            self._busy = False
+            p.busy = False
         if isinstance(why, RankTimeout):     # the first wait that did not meet: said first
             self._unmet = why
         if copied:
-            self._restore(scale)
+            self.restore(scale)
         else:
             keeper.restore(task)
-            if pre_scale is not None and task.grad_scaler._scale is not None:
-                task.grad_scaler._scale.copy_(pre_scale)
+            if pre_scale is not None:
+                ti.set_scaler_scale(task.grad_scaler, pre_scale)
             reset_scaler_stage(task.grad_scaler)
         if self._unmet is not None:   # a rank did not meet: no more collectives, write alone
             raise self._unmet
         lost = any_rank(torch.tensor([float(tape is None)],
-                                     device=devices.collective_device(self._rank.backend, dev)))
+                                     device=devices.collective_device(g.rank.backend, dev)))
         if lost.item() > 0:   # every rank agrees: a bundle without a tape, never none
             if why:
                 warnings.warn(f"Guard: the failing step's collectives could not be recorded "
@@ -256,35 +256,29 @@ class _Failing:
                        ) -> tuple[Path | None, str | None]:
         """Write the failing step's bundle (rescued elsewhere if ``out`` fails): (where it went,
         None), or (None, why) when it could not be written anywhere."""
-        path = self._free_path()
-        if self._rank.distributed:
+        g = self.g
+        path = free_path(g.out, self.p.step_index)
+        if g.rank.distributed:
             path = Path(broadcast_str(str(path)))
-            observed["rank"] = self._rank.rank
+            observed["rank"] = g.rank.rank
         # the hashes read when training started win: a file edited since is not what ran
-        sources = {**user_sources(self._entry_file), **self._sources}
-        write = partial(_write, self.task, batch, rng, entry=self.entry,
-                        entry_file=self._entry_file, step=self.step_index, observed=observed,
-                        sources=sources, scaler_state=_scaler_state(self.task), unique=True,
-                        tape=tape, history=self._history, lookback=self._lookback,
-                        write_timeout=self._write_timeout)
-        return write_or_rescue(write, path, self.out, distributed=self._rank.distributed)
+        sources = g.sources_now()
+        write = partial(write_step, g.task, batch, rng, entry=g.entry,
+                        entry_file=g.entry_file, step=self.p.step_index, observed=observed,
+                        sources=sources, scaler_state=scaler_state(g.task), unique=True,
+                        tape=tape, history=g.history, lookback=g.lookback,
+                        write_timeout=g.write_timeout)
+        return write_or_rescue(write, path, g.out, distributed=g.rank.distributed)
 
-    def _restore(self, scale: torch.Tensor | None) -> None:
+    def restore(self, scale: torch.Tensor | None) -> None:
         """Back to the pre-step state (the scaler's too, on its first step): from the whole-state
         copy, or (the update never ran) the buffers' and the scaler's."""
-        if self._copying:
-            self._snapshot.restore(self.task.optimizer)
+        g = self.g
+        if self.p.copying:
+            g.snapshot.restore(g.task.optimizer)
         else:
-            self._snapshot.restore_early(self.task.optimizer)
-        scaler = self.task.grad_scaler
+            g.snapshot.restore_early(g.task.optimizer)
+        scaler = g.task.grad_scaler
         reset_scaler_stage(scaler)
-        if scale is not None and self._snapshot.scale is None:   # the scaler's first step
-            scale.fill_(scaler._init_scale)
-            scaler._growth_tracker.zero_()
-
-    def _free_path(self, suffix: str = "") -> Path:
-        base = self.out / f"step{self.step_index:06d}{suffix}"
-        path, i = base, 1
-        while path.exists():
-            path, i = base.with_name(f"{base.name}-{i}"), i + 1
-        return path
+        if scale is not None and g.snapshot.scale is None:   # the scaler's first step
+            ti.reset_scaler_to_first_step(scaler, scale)

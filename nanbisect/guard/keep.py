@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections import defaultdict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -33,7 +33,8 @@ from nanbisect.bundle.lookback import Snap
 from nanbisect.bundle.state import (RngState, Tensors, decode, encode, encode_model,
                                     encode_optimizer, hyper_parameters, local, model_entries,
                                     restore_model, restore_modes, restore_optimizer)
-from nanbisect.guard.stores import SCRATCH, _FileStore, _HostStore, _Lazy  # noqa: F401
+from nanbisect.guard.stores import FileStore, HostStore, LazyFile
+from nanbisect.util import torch_internals as ti
 
 BUDGET = 0.005          # a snapshot's amortised share of a step's time
 MAX_EVERY = 1000        # steps between snapshots at most (a rebuild replays up to this many)
@@ -119,7 +120,7 @@ class Keeper:
     failed: str | None = None       # why the last snapshot could not be written
 
     def __post_init__(self) -> None:
-        self._store = _FileStore() if self.on_host else _HostStore()
+        self._store = FileStore() if self.on_host else HostStore()
         if self.every is not None:
             self.k = self.every
 
@@ -404,8 +405,8 @@ def _plain(groups: list[dict]) -> tuple | None:
 
 def _shape(tensors, key: str) -> tuple:
     """A stored tensor's shape (from a file's header, without reading it)."""
-    if isinstance(tensors, _Lazy):
-        return tuple(tensors._f.get_slice(key).get_shape())
+    if isinstance(tensors, LazyFile):
+        return tensors.shape(key)
     return tuple(tensors[key].shape)
 
 
@@ -431,7 +432,5 @@ def _same_numpy(a, b) -> bool:
 def reset_scaler_stage(scaler) -> None:
     """Forget that ``unscale_`` ran on an optimizer whose update was then not run (else the
     next step's ``unscale_`` refuses)."""
-    if scaler is not None and scaler.is_enabled() and hasattr(scaler, "_per_optimizer_states"):
-        from torch.amp.grad_scaler import _refresh_per_optimizer_state   # NB: private
-
-        scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+    if scaler is not None and scaler.is_enabled():
+        ti.reset_scaler_optimizer_states(scaler)

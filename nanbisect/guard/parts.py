@@ -42,9 +42,10 @@ from nanbisect.bundle.atomic import place
 from nanbisect.bundle.format import MANIFEST, SCHEMA, environment, read_manifest, write_bundle
 from nanbisect.guard.agree import Board, Clock, Running, held_sigterm, write_timeout
 from nanbisect.guard.deadline import all_gather_objects
-from nanbisect.guard.coord import (LISTED, _measured_or_not, _merge_groups, broadcast_str,
-                                   exchange, out_of_sync, process_groups, rank_info, share,
+from nanbisect.guard.coord import (LISTED, broadcast_str, exchange, measured_or_not,
+                                   merged_groups, out_of_sync, process_groups, rank_info, share,
                                    tensor_keys)
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.files import file_sha256
 from nanbisect.util.staging import make_staging_dir, staging_path, unmark
 from nanbisect.util.text import exception_line
@@ -133,12 +134,12 @@ def write_all_ranks(final: Path, build_part: Callable[[Path], tuple[dict, dict]]
         except Exception as e:  # noqa: BLE001 - a rank gone before the write: keep this one's
             job.lost(f"the ranks could not agree how to write it ({exception_line(e)})")
         top = {**manifest, "world_size": info.world_size, "backend": info.backend,
-               "process_groups": _merge_groups(groups, info.world_size),
+               "process_groups": merged_groups(groups, info.world_size),
                "replicas": {"groups": plan.groups(), "out_of_sync_count": len(rows),
                             "uncompared": uncompared}}
         try:
             return job.run(kept, shared, refused, top,
-                           lambda: [_measured_or_not(tmp, plan, row) for row in rows[:LISTED]])
+                           lambda: [measured_or_not(tmp, plan, row) for row in rows[:LISTED]])
         except BundleNotWritten:
             raise
         except Exception as e:  # noqa: BLE001 - the store itself failed: keep this rank's part
@@ -159,7 +160,7 @@ class _Job:
         self.staging = lambda: staging_path(beside)
         self.trash = staging_path(beside, "old")
         self.board = Board(dist.PrefixStore(f"nanbisect/{tmp.name}/",
-                                            dist.distributed_c10d._get_default_store()),
+                                            ti.default_store()),
                            self.rank)
         self.clock = clock
         self.host = socket.gethostname()

@@ -1,10 +1,10 @@
 """A Guard's screen of a step and the exact check behind it.
 
-Guarantees: the screen (`_norms`, `_screen`, `_step_norms`) is device ops only, one float32 norm
-per tensor, so a healthy step costs no host synchronisation here; it is non-finite iff some
-element is, or the sum of squares overflows float32 (the exact check then clears it). The exact
-check (`_bad_names`) names every tensor holding a NaN (else an inf); `observed` lists at most
-`LISTED` names per kind, with the full counts (`_listed`).
+Guarantees: the screen (`tensor_norms`, `screen_sum`, `step_norms`) is device ops only, one
+float32 norm per tensor, so a healthy step costs no host synchronisation here; it is non-finite
+iff some element is, or the sum of squares overflows float32 (the exact check then clears it).
+The exact check (`bad_names`) names every tensor holding a NaN (else an inf); `observed` lists
+at most `LISTED` names per kind, with the full counts (`listed_names`).
 """
 from __future__ import annotations
 
@@ -14,15 +14,15 @@ from nanbisect.bundle.state import local
 from nanbisect.util.torch_internals import foreach_norm
 
 LISTED = 20     # names listed per kind in `observed`; the counts say how many there were
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
-def _locals(tensors) -> list[torch.Tensor]:
+def local_each(tensors) -> list[torch.Tensor]:
     """`local` of each tensor (a plain tensor or parameter is itself: no call for it)."""
-    return [t if type(t) in _PLAIN else local(t) for t in tensors]
+    return [t if type(t) in PLAIN_TENSORS else local(t) for t in tensors]
 
 
-def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+def tensor_norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
     """The float32 L2 norm of each tensor (0 for None), on ``device``: non-finite iff some element
     is (or the sum of squares overflows float32: an exact check then clears it)."""
     if not tensors:
@@ -39,19 +39,19 @@ def _norms(tensors: list[torch.Tensor | None], device: torch.device) -> torch.Te
 
 
 @torch.no_grad()
-def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
+def step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
                 device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
     """[2, P]: each parameter's float32 L2 norm (row 0) and its gradient's (row 1; 0 for None),
-    from one pass over both (one foreach call where the tensors allow): `_norms`' rules.
+    from one pass over both (one foreach call where the tensors allow): `tensor_norms`' rules.
     ``out``: a contiguous float32 [2, P] to write them into (the history's ring row), returned."""
     n = len(params)
     if not n:
         return torch.zeros(2, 0, device=device) if out is None else out
-    ps = _locals(params)
-    gs = _locals(g for g in grads if g is not None)
+    ps = local_each(params)
+    gs = local_each(g for g in grads if g is not None)
     if len(gs) < n:
         zero = torch.zeros(1, dtype=(gs or ps)[0].dtype, device=device)
-        gs = [g if g is not None else zero for g in _locals(grads)]
+        gs = [g if g is not None else zero for g in local_each(grads)]
     both = ps + gs
     try:
         # all on one device, each dtype with a kernel: one call (else an error, below); float32
@@ -59,7 +59,7 @@ def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
         norms = foreach_norm(both, 2) if all(t.dtype == torch.float32 for t in both) \
             else foreach_norm(both, 2, dtype=torch.float32)
     except (RuntimeError, TypeError):   # another device, a dtype foreach has no kernel for
-        both = torch.stack([_norms(ps, device), _norms(gs, device)])
+        both = torch.stack([tensor_norms(ps, device), tensor_norms(gs, device)])
         return both if out is None else out.copy_(both)
     if out is None:
         return torch.stack(norms).view(2, n)
@@ -67,13 +67,13 @@ def _step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
     return out
 
 
-def _screen(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The screen of a step: the sum of the parameters' norms (`_norms`), non-finite iff some
+def screen_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The screen of a step: the sum of the parameters' norms (`tensor_norms`), non-finite iff some
     element is."""
-    return _norms(tensors, device).sum()
+    return tensor_norms(tensors, device).sum()
 
 
-def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
+def bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
     # NB: not util.tensors' counts: a name is bad or not, and .any() is all it needs
     out = {"nan": [], "inf": []}
     for name, t in named:
@@ -85,17 +85,17 @@ def _bad_names(named: list[tuple[str, torch.Tensor]]) -> dict:
     return out
 
 
-def _any_nonfinite(tensors) -> bool:
+def any_nonfinite(tensors) -> bool:
     """Does one of ``tensors`` (None ones skipped) hold a NaN or an inf? The exact check behind a
     tripped screen (whose sum of squares can overflow on finite values)."""
     return any(t is not None and not bool(torch.isfinite(local(t)).all()) for t in tensors)
 
 
-def _kind(x: float) -> str:
+def value_kind(x: float) -> str:
     return "nan" if x != x else ("inf" if abs(x) == float("inf") else "finite")
 
 
-def _listed(names: dict) -> dict:
+def listed_names(names: dict) -> dict:
     """Names per kind, at most `LISTED` each, with the full counts."""
     return {**{k: v[:LISTED] for k, v in names.items()},
             **{f"{k}_count": len(v) for k, v in names.items()}}

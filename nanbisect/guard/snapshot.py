@@ -1,6 +1,6 @@
 """The pre-step snapshot a Guard takes so that a failing step can be bundled as it began.
 
-Guarantees: `_Snapshot.take` copies everything an optimizer step or a forward pass may change in
+Guarantees: `Snapshot.take` copies everything an optimizer step or a forward pass may change in
 place (parameters, buffers, optimizer state and param-group settings, the GradScaler's scale and
 growth tracker), on the tensors' own device; `restore` puts the copies back, and `swap` exchanges
 them with the live state (twice: as it was). The copies are allocated once and reused while every
@@ -18,28 +18,24 @@ import torch
 
 from nanbisect import devices
 from nanbisect.bundle.state import hyper_parameters
-from nanbisect.guard.screen import _PLAIN, _locals
+from nanbisect.guard.screen import PLAIN_TENSORS, local_each
+from nanbisect.util import torch_internals as ti
 from nanbisect.util.torch_internals import foreach_copy_
 
 
-def _live_scale(scaler) -> torch.Tensor | None:
+def live_scale(scaler) -> torch.Tensor | None:
     """The scaler's scale tensor, on the device; None without an enabled scaler, or before its
     first step (it makes the tensor then, from its initial scale)."""
     if scaler is None or not scaler.is_enabled():
         return None
-    return getattr(scaler, "_scale", None)     # NB: private, stable since torch 1.6
-
-
-_WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "named_modules",
-          "modules", "_named_members")
+    return ti.scaler_tensors(scaler)[0]
 
 
 def model_tensors(model: torch.nn.Module) -> tuple[list, list]:
     """(``list(model.parameters())``, ``list(model.buffers())``) from one walk of the module
     tree: the same tensors in the same order (each once, where it is first met); a model that
     overrides how its tensors are listed is asked through its own methods."""
-    cls = type(model)
-    if any(getattr(cls, m) is not getattr(torch.nn.Module, m) for m in _WALKS):
+    if ti.lists_tensors_its_own_way(type(model)):
         return list(model.parameters()), list(model.buffers())
     params: list = []
     buffers: list = []
@@ -52,14 +48,15 @@ def model_tensors(model: torch.nn.Module) -> tuple[list, list]:
         if mod in seen_m:
             continue
         seen_m.add(mod)
-        if mod._modules:
-            stack.extend([m for m in reversed(mod._modules.values()) if m is not None])
-        for p in mod._parameters.values():
+        children, own_params, own_buffers = ti.module_dicts(mod)
+        if children:
+            stack.extend([m for m in reversed(children.values()) if m is not None])
+        for p in own_params.values():
             if p is not None and id(p) not in seen_p:   # NB: a tensor's hash is a Python call
                 seen_p.add(id(p))
                 params.append(p)
-        if mod._buffers:
-            for b in mod._buffers.values():
+        if own_buffers:
+            for b in own_buffers.values():
                 if b is not None and id(b) not in seen_b:
                     seen_b.add(id(b))
                     buffers.append(b)
@@ -140,7 +137,7 @@ class _Copies:
             copy.copy_(tmp)
 
 
-class _Snapshot:
+class Snapshot:
     """Pre-step copies of everything an optimizer step or a forward pass may change in place.
 
     On an accelerator (CUDA, NPU) with an optimizer, the copies of parameters and optimizer
@@ -187,7 +184,7 @@ class _Snapshot:
         self.scale = None       # NB: no reference to old copies while binding (`_Copies.bind`)
         if params is None or buffers is None:
             params, buffers = model_tensors(model)
-        ps = _locals(params)
+        ps = local_each(params)
         early = self._bind_early(opt, scaler, buffers)
         self._n_params = len(ps)
         dev = (ps or early or [torch.zeros(())])[0].device
@@ -235,11 +232,11 @@ class _Snapshot:
         """Point the early copies at the buffers and the scaler's scale and growth tracker (two
         1-element tensors), keep the scale before the step (None: the step is the scaler's
         first) and the optimizer's groups; the live tensors early copies are made of."""
-        early = _locals(buffers)
+        early = local_each(buffers)
         n_buf = len(early)
-        scale = _live_scale(scaler)
+        scale = live_scale(scaler)
         if scale is not None:
-            early += [scale, scaler._growth_tracker]
+            early += [scale, ti.scaler_tensors(scaler)[1]]
         self._early.bind(early, n_buf)
         self.scale = self._early.copies[-2] if scale is not None else None
         self._groups = hyper_parameters(opt)
@@ -278,12 +275,12 @@ class _Snapshot:
                 # state made or re-bound since the last step (its entries are kept for restore)
                 self._opt_state = {p: dict(st) for p, st in opt.state.items()}
                 self._state_vals = vals
-                self._state_plain = all(type(v) in _PLAIN for v in vals
+                self._state_plain = all(type(v) in PLAIN_TENSORS for v in vals
                                         if isinstance(v, torch.Tensor))
-                self._state = _locals(v for v in vals if isinstance(v, torch.Tensor))
+                self._state = local_each(v for v in vals if isinstance(v, torch.Tensor))
             elif not self._state_plain:
                 # NB: a DTensor's local shard is a new tensor object each time it is asked for
-                self._state = _locals(v for v in vals if isinstance(v, torch.Tensor))
+                self._state = local_each(v for v in vals if isinstance(v, torch.Tensor))
         else:
             self._opt_state, self._state_vals, self._state = {}, [], []
         return self._late.bind(ps + self._state, len(ps))

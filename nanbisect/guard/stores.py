@@ -1,7 +1,7 @@
 """Where `nanbisect.guard.keep.Keeper` keeps a snapshot's tensors: a safetensors file in a
 locked scratch directory of the system's temporary directory when the state lives in host
-memory (`_FileStore`: a copy in memory would double it), else host memory, pinned and filled
-without a host synchronisation where the device allows (`_HostStore`). Both stage a new snapshot
+memory (`FileStore`: a copy in memory would double it), else host memory, pinned and filled
+without a host synchronisation where the device allows (`HostStore`). Both stage a new snapshot
 beside the current one and `commit` it, so the current one is whole until then.
 
 Guarantees: a file store's directory is private (``mkdtemp``: mode 0700) and removed when its Guard
@@ -26,7 +26,7 @@ from nanbisect.util import lockdir
 SCRATCH = "nanbisect-guard-"    # the snapshot file's directory, in the temporary directory
 
 
-class _FileStore:
+class FileStore:
     """The snapshot's tensors in one safetensors file (read back one tensor at a time), in a
     directory of the system's temporary directory (``TMPDIR``) that this process holds a lock
     in (`nanbisect.util.lockdir`): removed when the Guard closes or is collected, or by the next
@@ -81,8 +81,8 @@ class _FileStore:
     def settle(self) -> None:
         pass
 
-    def get(self) -> "_Lazy":
-        return _Lazy(self._path())
+    def get(self) -> "LazyFile":
+        return LazyFile(self._path())
 
     def close(self) -> None:
         if self._finalizer is not None:
@@ -122,7 +122,7 @@ def _mine(e: os.DirEntry) -> bool:
         return False
 
 
-class _Lazy(dict):
+class LazyFile(dict):
     """A read-only mapping of a safetensors file's tensors, each read when asked for."""
 
     def __init__(self, path: str) -> None:
@@ -155,8 +155,12 @@ class _Lazy(dict):
     def __len__(self) -> int:
         return len(self._keys)
 
+    def shape(self, k) -> tuple:
+        """A tensor's shape, from the file's header (the tensor is not read)."""
+        return tuple(self._f.get_slice(k).get_shape())
 
-class _HostStore:
+
+class HostStore:
     """The snapshot's tensors in (pinned) host memory, kept from one snapshot to the next while
     they fit, copied without a host synchronisation (ordered before the optimizer on the
     device's stream)."""

@@ -49,7 +49,12 @@ def _device_of(model: torch.nn.Module) -> str:
 
 def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: int | None,
                   observed: dict | None, path: Path, entry_file: str | None,
-                  sources: dict[str, str], scaler_state: dict | None) -> tuple[dict, dict]:
+                  sources: dict[str, str], scaler_state: dict | None,
+                  sections: "Callable[[dict], dict] | None" = None,
+                  alone: str | None = None) -> tuple[dict, dict]:
+    """(the part's manifest, its tensors by role): the state, the batch and what the step looks
+    like, then what ``sections(tensors)`` adds (a Guard's tape, history, lookback); ``alone``
+    (why the ranks cannot meet): ``partial`` names the ranks' part as left out."""
     tensors: dict[str, dict] = {"model": {}, "optimizer": {}, "batch": {}, "rng": {}}
     entry_rel = os.path.relpath(entry_file, Path(path).resolve()) if entry_file else None
     model = task.model
@@ -58,7 +63,7 @@ def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: in
     meta = encode_model(model, tensors["model"])
     meta["training"] = {n: m.training for n, m in model.named_modules()}
     meta["frozen"] = [n for n, p in model.named_parameters() if not p.requires_grad]
-    manifest = {
+    base = {
         "entry": entry, "entry_file": entry_file, "entry_file_from_bundle": entry_rel,
         "step": step, "world_size": rank_info().world_size, "rank": rank_info().rank,
         "devices": {"captured_on": _device_of(model), "accelerators": accelerator_types()},
@@ -78,9 +83,14 @@ def _bundle_parts(task: Task, batch: Any, rng: RngState, *, entry: str, step: in
                               tensors["batch"], left_out),
         "rng": rng.encode(tensors["rng"]),
     }
-    if left_out:
-        manifest["partial"] = left_out
-    return manifest, tensors
+    extra = sections(tensors) if sections is not None else {}
+    if alone is None:
+        return {**base, **({"partial": left_out} if left_out else {}), **extra}, tensors
+    ranks = {"part": "ranks", "why": f"this is rank {rank_info().rank}'s part alone: "
+             f"{alone}"[:4000]}
+    if left_out:     # the ranks' part listed after what could not be serialised
+        return {**base, "partial": [*left_out, ranks], **extra}, tensors
+    return {**base, **extra, "partial": [ranks]}, tensors
 
 
 def _or_left_out(part: str, encode_part: Callable[[], Any], role: dict, left_out: list,
@@ -110,7 +120,7 @@ def _code_section(entry_file: str | None, sources: dict[str, str]) -> dict:
     return section
 
 
-def _scaler_state(task: Task) -> dict | None:
+def scaler_state(task: Task) -> dict | None:
     """The scaler's state (scale, growth tracker, factors) as the bundle stores it."""
     s = task.grad_scaler
     if s is None:
@@ -119,7 +129,7 @@ def _scaler_state(task: Task) -> dict | None:
     return {k: (float(v) if isinstance(v, float) else v) for k, v in d.items()}
 
 
-def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
+def write_step(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
            entry_file: str | None, step: int | None, observed: dict | None,
            sources: dict[str, str], scaler_state: dict | None, unique: bool = False,
            tape=None, history: "hist.HealthLog | None" = None,
@@ -132,26 +142,26 @@ def _write(task: Task, batch: Any, rng: RngState, path: Path, *, entry: str,
     its process group's replicas are compared and what differs is reported. ``alone`` (why
     the ranks cannot meet): this rank's part is written as a bundle of its own, with no
     collective, its ``partial`` naming the ranks' part as left out."""
-    def build(p: Path) -> tuple[dict, dict]:
-        manifest, tensors = _bundle_parts(task, batch, rng, entry=entry, step=step,
-                                          observed=observed, path=p, entry_file=entry_file,
-                                          sources=sources, scaler_state=scaler_state)
+    def sections(tensors: dict) -> dict:
+        out = {}
         if tape is not None:   # what each collective of the step gave this rank (--ranks)
-            manifest["collectives"] = tape.manifest()
+            out["collectives"] = tape.manifest()
             tensors[TAPE_ROLE] = tape.tensors
         if history is not None:    # the last steps' health, the failing step last
-            manifest["history"] = history.encode(tensors.setdefault(hist.ROLE, {}))
+            out["history"] = history.encode(tensors.setdefault(hist.ROLE, {}))
         if lookback is not None:   # a snapshot from up to 2K steps back and every step since
             section = lookback.encode(tensors.setdefault(LOOKBACK_ROLE, {}))
             if section is not None:
-                manifest["lookback"] = section
-        return manifest, tensors
+                out["lookback"] = section
+        return out
+
+    def build(p: Path, alone: str | None = None) -> tuple[dict, dict]:
+        return _bundle_parts(task, batch, rng, entry=entry, step=step, observed=observed,
+                             path=p, entry_file=entry_file, sources=sources,
+                             scaler_state=scaler_state, sections=sections, alone=alone)
 
     if alone is not None:
-        manifest, tensors = build(path)
-        manifest["partial"] = [*manifest.get("partial", []),
-                               {"part": "ranks", "why": f"this is rank {rank_info().rank}'s "
-                                f"part alone: {alone}"[:4000]}]
+        manifest, tensors = build(path, alone)
         return write_bundle(path, manifest, tensors, unique=unique)
     if rank_info().distributed:
         import torch.distributed as dist
@@ -186,9 +196,19 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
     refuse_training_at_import("nanbisect.capture(...)")
     entry_file = resolve_entry_file(entry)
     warn_top_level(entry_file, task, "nanbisect.capture")
-    return _write(task, batch, RngState.get(accelerator_types()), Path(path), entry=entry,
-                  entry_file=entry_file, step=step, observed=None,
-                  sources=user_sources(entry_file), scaler_state=_scaler_state(task))
+    return write_step(task, batch, RngState.get(accelerator_types()), Path(path), entry=entry,
+                      entry_file=entry_file, step=step, observed=None,
+                      sources=user_sources(entry_file), scaler_state=scaler_state(task))
+
+
+def free_path(out: Path, step: int, suffix: str = "") -> Path:
+    """Where a Guard's bundle of step ``step`` goes: ``out/step{step:06d}{suffix}``, or the first
+    of ``-1``, ``-2``, ... beside it that is free."""
+    base = out / f"step{step:06d}{suffix}"
+    path, i = base, 1
+    while path.exists():
+        path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    return path
 
 
 def write_or_rescue(write: Callable[[Path], Path], path: Path, out: Path, *,

@@ -55,7 +55,7 @@ class NanbisectTrainerCallback(TrainerCallback):
         self.guard = Guard(task, entry=self.entry, out=self.out, start_step=state.global_step)
         # accelerate steps the torch optimizer, whose step pre-hook reads every step: no
         # whole-state copy of the first step
-        self.guard._hook_seen = True
+        self.guard.integrate()
         self._hooks = [model.register_forward_pre_hook(self._forward_in, with_kwargs=True),
                        model.register_forward_hook(self._forward_out)]
 

@@ -72,8 +72,9 @@ class NanbisectCallback(L.Callback):
                     accumulate=trainer.accumulate_grad_batches,
                     autocast=_AUTOCAST.get(str(trainer.precision)))
         self.guard = Guard(task, entry=self.entry, out=self.out, start_step=trainer.global_step)
-        self.guard._external = True      # read in on_before_optimizer_step (see the module doc)
-        self.guard._hook_seen = True     # ... every step: no whole-state copy of the first
+        # read in on_before_optimizer_step (see the module doc), every step: no whole-state copy
+        # of the first
+        self.guard.integrate(reads_update=True)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self._cm is None:
@@ -93,7 +94,7 @@ class NanbisectCallback(L.Callback):
         self._w.loss = self._total
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        if self._cm is not None and not self.guard._before_update():
+        if self._cm is not None and not self.guard.before_update():
             drop_grads(self.guard.task.optimizer)    # the failing update is left out
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:

@@ -3,7 +3,7 @@ replay launcher (`launcher`) and the process that starts the ranks (`spawn`), on
 (`worker`, run as ``python -m nanbisect.multirank.worker``), a rank replayed alone (`alone`) on
 the collectives the capture recorded (`tape`), the rank sides (`sides`) and the decisions all
 ranks share (`verdict`). Capturing them (rank coordination, the multi-rank bundle, recording the
-collectives) is `nanbisect.guard` (`guard.coord`, `guard.tape`).
+collectives) is `nanbisect.guard` (`guard.coord`, `guard.retape`).
 
 The package's internal interface (what its modules share, not for other stages): the launcher
 reads a hang or a death through `diagnose` (`ask_stacks`, `hang`, `died`, `rank_stage`,

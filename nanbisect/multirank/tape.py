@@ -1,5 +1,5 @@
 """A replay of some ranks (``nanbisect run --ranks R,...``) served what every collective of the
-failing step gave each rank at capture (`nanbisect.guard.tape` records it; the format is
+failing step gave each rank at capture (`nanbisect.guard.retape` records it; the format is
 `nanbisect.bundle.tape`'s).
 
 `TapeServer`, in a process that is rank r of a world of N with torch's fake process group,

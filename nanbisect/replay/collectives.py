@@ -1,7 +1,7 @@
 """How a TorchDispatchMode sees a dispatched collective: whether the tape keeps it, what it read
 and wrote, its process group, and whether it is one of DDP's own.
 
-Shared by the capture that records a step's collectives (`nanbisect.guard.tape`) and the replay
+Shared by the capture that records a step's collectives (`nanbisect.guard.retape`) and the replay
 that serves them (`nanbisect.multirank.tape`), so both see the same collectives the same way.
 Guarantees: `taped` answers from the op's name alone (``c10d::*``, ``_c10d_functional::*``, but
 not waits and barriers); `wait_collective` returns once the collective's output is written;

@@ -669,3 +669,89 @@ def disable_dynamo_decorator():
     never traces it, caching the disabled version as ``fn.__dynamo_disable``; None when torch
     has none. Checked on 2.13.0."""
     return getattr(getattr(torch, "_compile", None), "_disable_dynamo", None)
+
+
+# -- the Guard's and the step's private torch reads (GradScaler, Module, c10d) --
+def scaler_tensors(scaler) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A GradScaler's live (scale, growth tracker) tensors, on the device; (None, None) before
+    its first step (it makes them then, from its initial scale). ``GradScaler._scale`` and
+    ``._growth_tracker``: checked on 2.13.0."""
+    return getattr(scaler, "_scale", None), getattr(scaler, "_growth_tracker", None)
+
+
+def scaler_settings(scaler) -> dict:
+    """A GradScaler's constructor settings: ``growth_factor``, ``backoff_factor``,
+    ``growth_interval``, ``init_scale`` (read from its private attributes: its ``state_dict``
+    holds the scale, which is read back from the device). Checked on 2.13.0."""
+    return {"growth_factor": scaler._growth_factor, "backoff_factor": scaler._backoff_factor,
+            "growth_interval": scaler._growth_interval, "init_scale": scaler._init_scale}
+
+
+def set_scaler_scale(scaler, scale: torch.Tensor) -> None:
+    """Copy ``scale`` into a GradScaler's live scale tensor (nothing before its first step).
+    ``GradScaler._scale``: checked on 2.13.0."""
+    if getattr(scaler, "_scale", None) is not None:
+        scaler._scale.copy_(scale)
+
+
+def reset_scaler_to_first_step(scaler, scale: torch.Tensor) -> None:
+    """Put a GradScaler's live ``scale`` tensor back to its initial scale and its growth tracker
+    to 0 (as before its first step). ``GradScaler._init_scale``, ``._growth_tracker``: checked
+    on 2.13.0."""
+    scale.fill_(scaler._init_scale)
+    scaler._growth_tracker.zero_()
+
+
+def reset_scaler_optimizer_states(scaler) -> None:
+    """Forget what a GradScaler recorded of this step's optimizers (``unscale_`` ran: the next
+    ``unscale_`` would refuse). ``GradScaler._per_optimizer_states`` and
+    ``torch.amp.grad_scaler._refresh_per_optimizer_state``: checked on 2.13.0."""
+    if hasattr(scaler, "_per_optimizer_states"):
+        from collections import defaultdict
+
+        from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+        scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+
+def scaler_found_inf_per_device(scaler, optimizer) -> dict:
+    """A GradScaler's found-inf flags of ``optimizer``'s gradients, device -> tensor (after
+    ``unscale_``). ``GradScaler._found_inf_per_device``: checked on 2.13.0."""
+    return scaler._found_inf_per_device(optimizer)
+
+
+# the Module methods that list its tensors: a class overriding one lists them its own way
+_MODULE_WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "named_modules",
+                 "modules", "_named_members")
+
+
+def lists_tensors_its_own_way(cls: type) -> bool:
+    """Does a Module subclass override how its parameters, buffers or submodules are listed
+    (``Module._named_members`` included)? Checked on 2.13.0."""
+    return any(getattr(cls, m) is not getattr(torch.nn.Module, m) for m in _MODULE_WALKS)
+
+
+def module_dicts(module: torch.nn.Module) -> tuple[dict, dict, dict]:
+    """A module's own (children, parameters, buffers) dicts, name -> value (a value may be
+    None), without the walk of ``named_*``. ``Module._modules``, ``._parameters``,
+    ``._buffers``: checked on 2.13.0."""
+    return module._modules, module._parameters, module._buffers
+
+
+def world_process_groups() -> list[tuple[Any, str, list[int]]]:
+    """The process groups this rank knows of: (group, torch's name for it, its global ranks).
+    ``torch.distributed.distributed_c10d._world`` (``pg_names``, ``pg_group_ranks``): checked
+    on 2.13.0."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._world
+    return [(pg, name, sorted(int(g) for g in world.pg_group_ranks.get(pg, {})))
+            for pg, name in list(world.pg_names.items())]
+
+
+def default_store():
+    """The default process group's store. ``distributed_c10d._get_default_store``: checked on
+    2.13.0."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return c10d._get_default_store()

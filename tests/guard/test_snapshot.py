@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 
 from nanbisect import Guard, Task
-from nanbisect.guard.snapshot import _Snapshot, model_tensors
+from nanbisect.guard.snapshot import Snapshot, model_tensors
 
 ENTRY = "fixtures/tasks/healthy.py:task"
 
@@ -68,7 +68,7 @@ def test_the_kept_copy_lists_follow_every_replaced_tensor():
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(6, 4)).sum().backward()
     opt.step()                                      # the state exists
-    snap = _Snapshot(side_stream=False)
+    snap = Snapshot(side_stream=False)
     for replace in (None, "param-data", "param-data-shape", "buffer", "state", "state-entry"):
         lin, bn = model[0], model[1]
         if replace == "param-data":                 # same object, new storage
