@@ -364,6 +364,48 @@ class Manifest:
         return sorted(int(r) for r in value) if isinstance(value, dict) else []
 
     @property
+    def part_dirs(self) -> dict[int, str]:
+        """A multi-rank top's parts: each rank whose part it holds -> that part's directory,
+        relative to the top (``ranks[R].dir``); {} for one process's bundle.
+
+        >>> Manifest({"ranks": {"1": {"dir": "rank1"}, "0": {"dir": "rank0"}}}).part_dirs
+        {0: 'rank0', 1: 'rank1'}
+        """
+        value = self.data.get("ranks")
+        if not isinstance(value, dict):
+            return {}
+        return {int(r): info["dir"] for r, info in sorted(value.items(), key=lambda kv: int(kv[0]))
+                if isinstance(info, dict) and isinstance(info.get("dir"), str)}
+
+    @property
+    def part_observed(self) -> dict[str, dict | None]:
+        """A multi-rank top's parts: each rank (as the manifest keys it, a string) -> what its
+        Guard saw fail (``ranks[R].observed``; None: nothing recorded), in the manifest's order.
+
+        >>> Manifest({"ranks": {"0": {"observed": {"loss": "nan"}}, "1": {}}}).part_observed
+        {'0': {'loss': 'nan'}, '1': None}
+        """
+        value = self.data.get("ranks")
+        if not isinstance(value, dict):
+            return {}
+        return {r: (info.get("observed") if isinstance(info, dict) else None)
+                for r, info in value.items()}
+
+    @property
+    def backend(self) -> str | None:
+        """A multi-rank top's process-group backend as captured (``gloo``, ``nccl``); None when
+        absent."""
+        value = self.data.get("backend")
+        return value if isinstance(value, str) else None
+
+    @property
+    def replicas(self) -> dict | None:
+        """A multi-rank top's ``replicas`` section (data-parallel copies compared at capture:
+        ``out_of_sync``); None when absent."""
+        value = self.data.get("replicas")
+        return value if isinstance(value, dict) else None
+
+    @property
     def dtypes(self) -> list[str]:
         """The floating dtypes the capture's state holds, by name (``dtypes``; [] when absent)."""
         return [d for d in self.data.get("dtypes") or [] if isinstance(d, str)]

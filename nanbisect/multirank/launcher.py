@@ -250,12 +250,12 @@ def ranks_entry(entry: str | None, bundle: Bundle) -> str | None:
                    f"{bundle.path}); pass --entry with the file's path")
 
 
-def _worst_loss(m: dict, results: list[RankResult]) -> tuple[float | None, object]:
+def _worst_loss(view: Manifest, results: list[RankResult]) -> tuple[float | None, object]:
     """(recorded, replayed) loss of the replayed rank whose replay is furthest from what it
     recorded (finite at capture and now); (None, None) when no rank's loss can tell."""
     worst, pair = -1.0, (None, None)
     for r in results:
-        then = ((m["ranks"].get(str(r.rank)) or {}).get("observed") or {}).get("loss")
+        then = (view.part_observed.get(str(r.rank)) or {}).get("loss")
         now = r.summary.loss if r.summary is not None else None
         if not isinstance(then, float) or not isinstance(now, float):
             continue
@@ -295,10 +295,10 @@ def run_multirank(bundle: Bundle, opts: RunOptions, out: Path,
         else:
             results = launch_alone(bundle, ranks, target, inject, partial, timeout, entry,
                                    reference, remedies=remedies, run_top_level=run_top_level)
-        m = bundle.manifest
-        part = bundle.part(min(Manifest.of(m).ranks))   # rank 0's, unless the bundle is partial
+        view = Manifest.of(bundle)
+        part = bundle.part(min(view.ranks))   # rank 0's, unless the bundle is partial
         used = entry or resolve_entry(part)
-        original, replayed = _worst_loss(m, results)
+        original, replayed = _worst_loss(view, results)
         t_dev, t_dtype = placed
         fidelity = fidelity_check(part, used, original, replayed, same_setup=t_dtype is None
                                   and Manifest.of(part.manifest).captured_type == t_dev.type,
@@ -306,21 +306,21 @@ def run_multirank(bundle: Bundle, opts: RunOptions, out: Path,
                                   rtol=_step_tolerance(part.manifest),
                                   dtype_changed=t_dtype is not None)
         first = results[0].summary
-        facts = RunFacts(str(bundle.path), m["entry"], str(target), str(opts.reference),
-                         {r: info.get("observed") for r, info in m["ranks"].items()},
+        facts = RunFacts(str(bundle.path), view.entry, str(target), str(opts.reference),
+                         view.part_observed,
                          Losses(original, replayed if original is not None else
                                 (first.loss if first else None),
                                 results[0].reference.loss if results[0].reference else None,
                                 fidelity.bit_exact),
                          fidelity)
-        report = (job_report(facts, bundle.world_size, m.get("backend"), results)
+        report = (job_report(facts, bundle.world_size, view.backend, results)
                   if ranks is None else subset_report(facts, bundle.world_size, results))
-        report = report.with_replicas(m.get("replicas"))   # DDP replicas out of sync: a finding
+        report = report.with_replicas(view.replicas)   # DDP replicas out of sync: a finding
         # the ranks' stages after their verdicts that failed, each said with its rank
         report = replace(report, errors=[*report.errors, *(
             StageError(e.stage, f"rank {r.rank}: {e.message}") for r in results
             for e in r.errors)])
-        report = _noted(report, fidelity, m, str(target))
+        report = _noted(report, fidelity, view, str(target))
         with staged(out) as tmp:
             own = next((r for r in results if report.culprit is not None
                         and r.rank == report.culprit.rank and r.repro), None)
@@ -334,13 +334,13 @@ def run_multirank(bundle: Bundle, opts: RunOptions, out: Path,
         return report
 
 
-def _noted(report: Report, fidelity, m: dict, target: str) -> Report:
+def _noted(report: Report, fidelity, view: Manifest, target: str) -> Report:
     """``report`` with the run's notes: the fidelity tier's, a rebuilt pre-state's, and code
     that changed since the capture (which makes a failure that did not come back
     ``code-changed``)."""
     notes = tier_notes(fidelity, target)
-    rebuilt = next((n for n in (rebuild_note((info or {}).get("observed"))
-                                for _, info in sorted(m["ranks"].items())) if n), None)
+    rebuilt = next((n for n in (rebuild_note(observed) for _, observed
+                                in sorted(view.part_observed.items())) if n), None)
     if rebuilt:     # the Guard rebuilt the failing step's pre-state (every rank did)
         notes.insert(0, rebuilt)
     if fidelity.code_changed:

@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from nanbisect import __version__
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.nightly.find import MAX_MANIFEST, MANIFEST
 from nanbisect.nightly.reports import copy_in
 from nanbisect.util.files import file_sha256, read_json, source_digest, write_atomic
@@ -26,20 +27,20 @@ MAX_REPORT = 64 << 20
 
 
 
-def _entry_file(bundle: Path, manifest: dict) -> Path | None:
+def _entry_file(bundle: Path, view: Manifest) -> Path | None:
     """The file the replay will import for a ``path.py:func`` entry (as `resolve_entry` finds
     it: beside the bundle, here, or where it was)."""
-    entry = manifest.get("entry")
+    entry = view.entry
     if not isinstance(entry, str):
         return None
     target = entry.rpartition(":")[0]
     if not target.endswith(".py"):
         return None
-    rel = manifest.get("entry_file_from_bundle")
+    rel = view.entry_file_from_bundle
     cands = [bundle / rel] if isinstance(rel, str) and rel else []
     cands.append(Path(target))
-    if isinstance(manifest.get("entry_file"), str):
-        cands.append(Path(manifest["entry_file"]))
+    if isinstance(view.capture_entry_file, str):
+        cands.append(Path(view.capture_entry_file))
     for c in cands:
         try:
             if c.is_file():
@@ -49,31 +50,23 @@ def _entry_file(bundle: Path, manifest: dict) -> Path | None:
     return None
 
 
-def _sources(manifest: dict) -> dict:
-    code = manifest.get("code")
-    src = code.get("sources") if isinstance(code, dict) else None
-    return src if isinstance(src, dict) else {}
-
-
 def cache_key(bundle, options: dict) -> tuple[str, dict]:
     """(key, what it was made of) for a bundle that `read_bundle` accepted."""
     import torch
 
     from nanbisect.bundle.code import relocation
 
-    m = bundle.manifest
-    entry_file = _entry_file(bundle.path, m)
-    captured = (m.get("code") or {}).get("entry_file") if isinstance(m.get("code"), dict) \
-        else None
-    captured = captured or m.get("entry_file")
+    view = Manifest.of(bundle)
+    entry_file = _entry_file(bundle.path, view)
+    captured = view.entry_file
     moved = relocation(captured, str(entry_file)) if isinstance(captured, str) and entry_file \
         else None
-    recorded = dict(_sources(m))
+    recorded = dict(view.sources)
     if bundle.multi_rank:
-        for info in (m.get("ranks") or {}).values():
+        for part in view.part_dirs.values():
             try:
-                raw = (bundle.path / info["dir"] / MANIFEST).read_bytes()
-                recorded.update(_sources(json.loads(raw[:MAX_MANIFEST])))
+                raw = (bundle.path / part / MANIFEST).read_bytes()
+                recorded.update(Manifest(json.loads(raw[:MAX_MANIFEST])).sources)
             except Exception:  # noqa: BLE001 - read_bundle verified them; the key stays usable
                 continue
     sources = {}
@@ -89,7 +82,7 @@ def cache_key(bundle, options: dict) -> tuple[str, dict]:
         sources[p] = source_digest(path, _MAX_SOURCE)
     material = {"schema": CACHE_SCHEMA,
                 "manifest": file_sha256(bundle.path / MANIFEST),
-                "entry": m.get("entry"),
+                "entry": view.entry,
                 "entry_file": source_digest(entry_file, _MAX_SOURCE) if entry_file else None,
                 "sources": sources, "options": options,
                 "nanbisect": __version__, "torch": torch.__version__}
