@@ -130,3 +130,28 @@ class Manifest:
     def partial(self) -> dict | None:
         value = self.data.get("partial")
         return value if isinstance(value, dict) else None
+
+    @property
+    def lookback(self) -> dict | None:
+        """The ``lookback`` section (the steps recorded before the failing one: a remedy's
+        earlier batch, ``--steps``), as written; None when the capture kept none."""
+        return self.data.get("lookback")
+
+    @property
+    def grad_scaler(self) -> dict:
+        """The ``grad_scaler`` section (the GradScaler's ``scale`` at capture), ``{}`` without
+        one."""
+        return _section(self.data, "grad_scaler")
+
+    @property
+    def collectives(self) -> dict | None:
+        """One rank's recorded collectives (the tape `nanbisect.bundle.tape.parse` reads), as
+        written; None when the part records none (captured with ``capture``, or by an older
+        nanbisect)."""
+        return self.data.get("collectives")
+
+    @property
+    def ranks(self) -> dict:
+        """A multi-rank top's ``ranks``: each rank held (its number as a string) -> what the top
+        says of it (``observed``: its own failure, if any); ``{}`` for one process's bundle."""
+        return _section(self.data, "ranks")
