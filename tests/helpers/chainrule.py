@@ -17,7 +17,27 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from helpers.rules import PKG, Aliases, Finding, _absolute, _parsed, _rel
+from helpers.rules import PKG, Aliases, Finding, modules
+
+
+def _rel(path: Path, pkg: Path) -> str:
+    return path.relative_to(pkg.parent).as_posix()
+
+
+def _parsed(pkg: Path):
+    for path in modules(pkg):
+        tree = ast.parse(path.read_text(), str(path))
+        yield path, tree, Aliases(tree, path, pkg)
+
+
+def _absolute(node: ast.ImportFrom, path: Path, pkg: Path) -> str:
+    """The module a from-import names, relative imports resolved."""
+    if not node.level:
+        return node.module or ""
+    me = list(path.relative_to(pkg.parent).with_suffix("").parts)
+    base = me[:-1]      # a module's package; an __init__'s is its own
+    base = base[:len(base) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
 
 # the passes: a module that imports or calls one of these wires a pass itself, and the other
 # paths would not get it. Pass 1 (the module probe), the reference side's replay and its
