@@ -1,10 +1,15 @@
-"""The one chain of passes every replay runs once its step's failure is known: the producing
-module call (from the first pass's probe table) -> the op recording and provenance to the root op
-(pass 2) -> the root op's inputs caught (pass 3, or folded into pass 2) -> the finisher (culprit,
-repro, op check) -> the remedies; and, for a finite step that parts from its reference, the
-isolation of the first diverging op. The single-process pipeline (`pipeline/culprit.py`), a rank
-in lockstep (`multirank/worker.py`) and a rank alone (`multirank/alone.py`) are thin callers:
-they build a `Chain`, say how collectives are served, and turn what it found into their record.
+"""The one chain of passes every replay runs: the step's inputs checked (`Chain.bad_inputs`),
+pass 1 (`Chain.first_pass`: the module probe, the random tape) -> the reference side
+(`Chain.reference_side`, `Chain.reference`) -> the producing module call (from the first pass's
+probe table) -> the op recording and provenance to the root op (pass 2) -> the root op's inputs
+caught (pass 3, or folded into pass 2) -> the finisher (culprit, repro, op check) -> the
+classification from one `Evidence` (`Chain.classify`) -> the remedies; for a finite step that
+parts from its reference, the isolation of the first diverging op; for a failure that comes back
+only compiled, torch's compiler bisection (`Chain.bisect_compiled`) and the culprit's module call
+(`Chain.catch_call`). The single-process pipeline (`pipeline/step.py`, `pipeline/compiled.py`), a
+rank in lockstep (`multirank/worker.py`) and a rank alone (`multirank/alone.py`) are thin
+callers: they build a `Chain`, say how collectives are served, and turn what it found into their
+record (who launches the replay, how its collectives are served and what is written is theirs).
 
 How collectives are served (`Serving`) is the one thing that decides which passes may run:
 
@@ -19,14 +24,21 @@ How collectives are served (`Serving`) is the one thing that decides which passe
   (no remedy), and the ranks agree (``agree``) on the culprit rank and its op between pass 2
   and pass 3.
 
-Guarantees: the passes of every path are the functions below, so a pass added here reaches every
-path (`tests/chain/test_chain.py` fails when a caller imports a pass itself). What runs after the
-verdict (repro, op check, remedies) is listed in ``errors`` when it fails, never raised.
+Guarantees: the passes of every path are the methods below, so a pass added here reaches every
+path (`tests/chain/test_chain.py` reads every module's AST and fails when a module other than
+this one and the passes' own imports or calls a pass, or builds a `Chain` without a `Serving`
+member). What runs after the verdict (repro, op check, remedies) is listed in ``errors`` when it
+fails, never raised.
+
+What crosses out of here: `Located` (frozen; in-process only: it carries the caught inputs'
+tensors), the `ProbeTable` of pass 1 and its `CallStats` (frozen records of the replay stage,
+in-process only), the `ReferenceSide` (a replayer: in-process only). A rank writes what it needs
+of them into its `RankResult` (JSON) for the launcher.
 """
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
 from typing import Callable, ContextManager
@@ -36,17 +48,23 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle import lookback
 from nanbisect.bundle.lookback import BundleView
-from nanbisect.finish import Finished, finish
+from nanbisect.bundle.manifest import Manifest
+from nanbisect.compiler import bisect_compiled
+from nanbisect.finish import Evidence, Finished, classify_culprit, finish
 from nanbisect.locate.catch import AheadCatch, catch_inputs, catch_module_call
 from nanbisect.locate.ops import record_ops
 from nanbisect.locate.producers import backward_producer, first_bad_parameter, forward_producer
 from nanbisect.locate.rows import RowTracer
-from nanbisect.records import (CallId, Caught, Culprit, OpCheck, OpFinding, OpSite, Remedy,
-                               RowTrace, StageError, StepOutcome)
-from nanbisect.reference.differential import diverging_call, isolate_window
+from nanbisect.records import (BadValue, CallId, Caught, CompilerFinding, Culprit, ModuleCaught,
+                               OpCheck, OpFinding, OpSite, Remedy, RowTrace, StageError,
+                               StepOutcome)
+from nanbisect.reference import kernels as registry
+from nanbisect.reference.differential import (RandomTape, diverging_call, isolate_window,
+                                              step_state)
+from nanbisect.reference.side import ReferenceSide, model_dtype
 from nanbisect.remedies import not_tried, try_remedies
-from nanbisect.replay.probe import CallStats, ProbeTable
-from nanbisect.replay.replayer import Replayer
+from nanbisect.replay.probe import CallStats, ModuleProbe, ProbeTable, probing
+from nanbisect.replay.replayer import Replayer, stacked
 
 Progress = Callable[[str, str], None]
 # what ``agree`` answers: (the site to catch, is it this process's culprit) once the processes
@@ -71,7 +89,20 @@ def _plain(fn, what: str):
     return fn()
 
 
-@dataclass
+# what each path says when pass 1 and the reference's replay start (one process: to `progress`,
+# with its target and reference; a rank: the stage its launcher names when it hangs)
+_FIRST_PASS = {Serving.NONE: "pass 1/3: replaying the step on {on} with module statistics",
+               Serving.LOCKSTEP: "replay pass 1/3: module statistics",
+               Serving.SERVED: "replay pass 1/3: module statistics (collectives served as "
+                               "recorded)"}
+_REFERENCE_BUILD = {Serving.NONE: "replaying the step on the reference ({on})",
+                    Serving.LOCKSTEP: "building the task on the reference",
+                    Serving.SERVED: "building the task on the reference"}
+_REFERENCE_RUN = {Serving.NONE: None, Serving.LOCKSTEP: "replay pass 1/3 on the reference",
+                  Serving.SERVED: "replay pass 1/3 on the reference"}
+
+
+@dataclass(frozen=True)
 class Located:
     """What passes 2 and 3 found: the producing call and parameter, the root op (``finding``),
     its caught inputs and the batch rows its bad value depends on; ``through``: the failure came
@@ -87,6 +118,7 @@ class Located:
     micro_batch: int | None = None
     through: bool = False
     site: OpSite | None = None     # the op caught on this process (in lockstep: the culprit's)
+    # NB: in-process only (``caught`` holds tensors): a rank writes its `RankResult` instead
 
 
 @dataclass
@@ -95,7 +127,8 @@ class Chain:
     injected kernel, served collectives); ``op_wrap``: what wraps a single op re-run alone (the
     op check: the injection only; default ``wrap``); ``guard(fn, what)``: how user code is run
     (the pipeline turns its failure into a one-line `BadInput`); ``errors``: what failed after
-    the verdict; ``start_repro``: how the repro's one run is started (None: not run here)."""
+    the verdict; ``start_repro``: how the repro's one run is started (None: not run here).
+    ``probe``: pass 1's module probe (a rank's ledger of collectives follows its tracker)."""
 
     rep: Replayer
     serving: Serving
@@ -105,6 +138,62 @@ class Chain:
     guard: Callable = _plain
     errors: list[StageError] | None = None
     start_repro: Callable | None = None
+    probe: ModuleProbe = field(init=False, repr=False)
+    tape: RandomTape | None = field(init=False, default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.probe = ModuleProbe(self.rep.task.model)
+
+    # -- before the step: its inputs, pass 1, the reference side ------------------------------
+
+    def bad_inputs(self) -> list[BadValue]:
+        """The step's non-finite inputs (batch, parameters, buffers, optimizer state) in its
+        restored pre-step state, before any of it runs: a rank asks before the first
+        collective, so that every rank can stop together (one process learns them from pass 1,
+        whose outcome's phase is then ``input``)."""
+        return self.rep.input_faults(self.rep.restore())
+
+    def first_pass(self, on: str = "", reference: bool = False, watch=None
+                   ) -> tuple[StepOutcome, ProbeTable]:
+        """Pass 1: the step replayed from its pre-step state with the module probe (one small
+        reduction per module call), inside ``wrap``; for a ``reference`` side its random tape
+        keeps what its random ops drew (the reference's draw the same: `reference`);
+        ``watch`` (a rank in lockstep: its ledger of collectives, a mode with a
+        ``phase(name)`` context) wraps the step and each phase. ``on``: the target, as
+        announced. (its outcome, the probe table)."""
+        self.progress("module-pass", _FIRST_PASS[self.serving].format(on=on))
+        self.tape = tape = RandomTape() if reference else None
+        probed = probing(self.probe)
+        phase = probed if watch is None else (
+            lambda name: stacked(probed(name), watch.phase(name)))
+        # the injected context first: the tape (and the ledger), inside it, see what it returns
+        modes = [m for m in (tape, watch) if m is not None]
+        first = self.guard(lambda: self.rep.run(phase=phase, wrap=lambda: stacked(
+            self.wrap(), *modes)), "replaying the step on the target")
+        return first, self.probe.read()
+
+    def reference_side(self, build: Callable[[], Replayer], on: str = "", served: tuple = (),
+                       around: Callable[[], ContextManager] = nullcontext) -> ReferenceSide:
+        """The reference side on the replayer ``build()`` makes (the reference kernels'
+        plug-ins loaded first; a rank builds it before its first pass, as its task build may
+        run collectives); ``served``/``around``: how its collectives are served
+        (`ReferenceSide`). ``on``: the reference, as announced."""
+        registry.load_plugins()
+        self.progress("reference", _REFERENCE_BUILD[self.serving].format(on=on))
+        return ReferenceSide(self.guard(build, "building the task on the reference"),
+                             served, around)
+
+    def reference(self, side: ReferenceSide, first: StepOutcome) -> StepOutcome:
+        """The reference's replay of the step pass 1 replayed (``first``, with ``reference``):
+        its random ops draw what the target's drew; it is compared with the target's step as
+        it stands now (taken before any later pass moves the parameters)."""
+        tape = self.tape
+        target_state = step_state(self.rep, first)
+        said = _REFERENCE_RUN[self.serving]
+        if said is not None:
+            self.progress("reference", said)
+        return self.guard(lambda: side.run(tape, target_state, model_dtype(self.rep)),
+                          "replaying the step on the reference")
 
     # -- pass 2 and 3 ------------------------------------------------------------------------
 
@@ -230,20 +319,54 @@ class Chain:
                                           trace=traced, wrap=self.wrap, judge="forward",
                                           progress=self.progress, kernel_on=kernel_on)]
         bundle, window = self.rep.bundle, None
-        if bundle.manifest.get("lookback") is not None and not isinstance(bundle, BundleView):
+        if Manifest.of(bundle).lookback is not None and not isinstance(bundle, BundleView):
             window = lookback.parse(bundle, f"bundle '{bundle.path}'")
         return try_remedies(self.rep, culprit, finding, budget=budget, trace=traced,
                             window=window, wrap=self.wrap, progress=self.progress,
                             kernel_on=kernel_on)
 
-    def catch_module_call(self, culprit: Culprit):
+    def classify(self, side: ReferenceSide | None, op_check: OpCheck | None,
+                 replay_mismatch: bool = False) -> tuple[str, list[str]]:
+        """(classification, notes) of a culprit from the one `Evidence` every path builds:
+        what the reference's own step showed (none; failed or finite; ``served`` for a rank
+        alone, whose reference was served the capture's collectives, non-finite ones
+        included), its dtype, the target's, the op check and whether the replay computes the
+        captured step (`classify_culprit`)."""
+        if side is None:
+            return classify_culprit(Evidence("none", None, torch.float32, op_check,
+                                             replay_mismatch))
+        said = ("served" if self.serving is Serving.SERVED else
+                "failed" if side.failed else "finite")
+        return classify_culprit(Evidence(said, side.dtype, model_dtype(self.rep), op_check,
+                                         replay_mismatch))
+
+    def catch_module_call(self, culprit: Culprit) -> ModuleCaught | None:
         """The culprit's whole module call caught with the module's state (the module repro,
         when the op alone does not reproduce): one more replay of this process alone."""
+        return self.catch_call(CallId(culprit.module, culprit.module_call),
+                               backward=culprit.phase == "backward")
+
+    def catch_call(self, call: CallId, backward: bool = False) -> ModuleCaught | None:
+        """Module call ``call`` caught with the module's state (with ``backward``, the
+        gradients arriving at its outputs too); None in lockstep (one more replay of this
+        process alone)."""
         if not self.serving.solo:
             return None
-        return self.guard(lambda: catch_module_call(
-            self.rep, CallId(culprit.module, culprit.module_call), self.wrap,
-            backward=culprit.phase == "backward"), "catching the culprit's module call")
+        return self.guard(lambda: catch_module_call(self.rep, call, self.wrap,
+                                                    backward=backward),
+                          "catching the culprit's module call")
+
+    # -- a failure that comes back only compiled ----------------------------------------------
+
+    def bisect_compiled(self, target: str, entry: str | None, *, compiled: str,
+                        phase: str | None, backend: str) -> CompilerFinding:
+        """torch's compiler bisection of this step (eager finite, ``compiled`` not) in a child
+        of its own (`nanbisect.compiler.bisect_compiled`), its progress shown."""
+        self.progress("compiler-bisect",
+                      "bisecting the compiled step with torch's CompilerBisector")
+        return bisect_compiled(self.rep.bundle.path, entry, target, eager="finite",
+                               compiled=compiled, phase=phase, backend=backend,
+                               progress=self.progress, run_top_level=self.rep.run_top_level)
 
     def catch_surfaced(self, finding: OpFinding) -> Caught | None:
         """The op where a failure born earlier surfaced, caught (its own repro)."""

@@ -409,3 +409,17 @@ class Manifest:
     def dtypes(self) -> list[str]:
         """The floating dtypes the capture's state holds, by name (``dtypes``; [] when absent)."""
         return [d for d in self.data.get("dtypes") or [] if isinstance(d, str)]
+
+    @property
+    def lookback(self) -> dict | None:
+        """The ``lookback`` section (the steps recorded before the failing one: a remedy's
+        earlier batch, ``--steps``), as written; None when the capture kept none."""
+        return self.data.get("lookback")
+
+    @property
+    def collectives(self) -> dict | None:
+        """One rank's recorded collectives (the tape `nanbisect.bundle.tape.parse` reads), as
+        written; None when the part records none (captured with ``capture``, or by an older
+        nanbisect)."""
+        return self.data.get("collectives")
+

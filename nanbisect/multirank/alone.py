@@ -24,15 +24,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from nanbisect.bundle.format import Bundle, read_bundle
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.bundle.tape import ROLE, Entry, TapeMismatch, parse
 from nanbisect.errors import BadInput
 from nanbisect.chain import Chain, Located, Serving
-from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
-                                       root_of)
+from nanbisect.multirank.sides import (call_stats, finish_rank, rank_reference, rank_replayer,
+                                       reference_record, root_of)
 from nanbisect.multirank.tape import TapeServer
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
-from nanbisect.reference.differential import RandomTape, step_state
-from nanbisect.replay.probe import ModuleProbe, probing
+from nanbisect.replay.probe import ProbeTable
 from nanbisect.replay.replayer import stacked
 from nanbisect.task import load_inject
 
@@ -44,9 +44,10 @@ def check_tape(bundle: Bundle, ranks: list[int]) -> None:
     """Every rank to replay alone has a recorded tape (`BadInput` before anything starts)."""
     for r in ranks:
         part = bundle.part(r)
-        if part.manifest.get("collectives") is None:
+        recorded = Manifest.of(part).collectives
+        if recorded is None:
             raise BadInput(f"bundle '{bundle.path}': rank {r}'s part {NO_TAPE}")
-        entries, _ = parse(part.manifest["collectives"], f"bundle '{part.path}'")
+        entries, _ = parse(recorded, f"bundle '{part.path}'")
         if any(e.kind == "p2p" for e in entries):
             raise BadInput(f"bundle '{bundle.path}': rank {r}'s step sends and receives (a "
                            "pipelined step), whose values the capture does not serve to a "
@@ -56,7 +57,7 @@ def check_tape(bundle: Bundle, ranks: list[int]) -> None:
 def _recorded(top: Bundle, r: int):
     """Rank ``r``'s recorded collectives (unverified: only their NaN/inf counts are read)."""
     other = top.part(r, verify=False)
-    return parse(other.manifest.get("collectives") or {"schema": 1, "entries": []},
+    return parse(Manifest.of(other).collectives or {"schema": 1, "entries": []},
                  f"bundle '{other.path}'")
 
 
@@ -78,8 +79,8 @@ def _feeders(top: Bundle, me: int, entry: Entry | None, occurrence: int) -> tupl
                 and e.group == entry.group]
         return len(same) > occurrence and bool(same[occurrence].in_nan or same[occurrence].in_inf)
 
-    feeders = [r for r in group if r != me and str(r) in top.manifest["ranks"]   # partial: its
-               and bad_input(_recorded(top, r)[0])]                              # parts only
+    feeders = [r for r in group if r != me and r in Manifest.of(top).ranks   # partial: its
+               and bad_input(_recorded(top, r)[0])]                               # parts only
     return feeders, bad_input(mine)
 
 
@@ -106,34 +107,31 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
                  run_top_level: bool = False) -> RankResult:
     top = read_bundle(bundle_path, verify=False)   # the launcher verified this rank's part
     part = top.part(rank)
-    recorded = part.manifest.get("collectives")
+    recorded = Manifest.of(part).collectives
     if recorded is None:
         raise BadInput(f"bundle '{top.path}': rank {rank}'s part {NO_TAPE}")
     server = TapeServer(recorded, part.tensors(ROLE), where=f"bundle '{part.path}'")
     stage("building the task")
     rep, observer = rank_replayer(part, target, entry, server, run_top_level)
-    model = rep.task.model
-    side = None
+    inject_wrap = load_inject(inject) if inject else nullcontext
+    # served collectives underneath everything else: the recorder sees their output as theirs;
+    # a single op re-run alone (the op check) gets the injection only
+    chain = Chain(rep, Serving.SERVED, lambda: stacked(server, inject_wrap()),
+                  op_wrap=inject_wrap, progress=lambda key, text: stage(text))
+    side = ref_observer = None
     if reference is not None:
-        stage("building the task on the reference")
-        side = RankReferenceSide(part, reference, rep.entry, server=server)
-    bad = rep.input_faults(rep.restore())
+        side, ref_observer = rank_reference(chain, part, reference, rep.entry, server=server)
+    bad = chain.bad_inputs()
     if bad:
         summary = RankSummary(rank, "input", None, None, input_nonfinite=bad)
         return RankResult(rank, plan=Plan("input", rank), summary=summary)
-    inject_wrap = load_inject(inject) if inject else nullcontext
-    # served collectives underneath everything else: the recorder sees their output as theirs
-    wrap = lambda: stacked(server, inject_wrap())  # noqa: E731
-    probe = ModuleProbe(model)
-    tape = RandomTape()
-    stage("replay pass 1/3: module statistics (collectives served as recorded)")
-    first = rep.run(phase=probing(probe), wrap=lambda: stacked(
-        server, inject_wrap(), *([tape] if side is not None else [])))
+    first, table = chain.first_pass(reference=side is not None)
     observer.active = False
     theirs = None
     if side is not None:
-        stage("replay pass 1/3 on the reference")
-        theirs, _ = side.run_rank(tape, rep, first, step_state(rep, first))
+        chain.reference(side, first)
+        ref_observer.active = False
+        theirs, _ = reference_record(side, first)
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read())
     result = RankResult(rank, summary=summary, reference=theirs,
@@ -149,17 +147,16 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
         feeders, mine_bad = _feeders(top, rank, None, 0)
         return replace(result, plan=Plan("grad-reduce", None, through_collective=True),
                        received_from=feeders, recorded_input_bad=mine_bad)
-    chain = Chain(rep, Serving.SERVED, wrap, op_wrap=inject_wrap,
-                  progress=lambda key, text: stage(text))
-    result, loc = _locate(chain, top, server, first, probe, result)
+    result, loc = _locate(chain, top, server, first, table, result)
     if loc is None:
         return result
     # NB: the reference is served the capture's collectives, non-finite ones included, so its
     # step failing proves nothing here: only the op, re-run from the same inputs, does
-    return finish_rank(result, chain, loc, side, "served", partial, target, remedies=remedies)
+    # (`Chain.classify` of a rank alone)
+    return finish_rank(result, chain, loc, side, partial, target, remedies=remedies)
 
 
-def _locate(chain: Chain, top: Bundle, server: TapeServer, first, probe: ModuleProbe,
+def _locate(chain: Chain, top: Bundle, server: TapeServer, first, table: ProbeTable,
             result: RankResult) -> tuple[RankResult, "Located | None"]:
     """Passes 2 and 3 on a rank alone: a root that is a served collective means the failure
     was received (its senders read from the capture's record: no `Located`); else this rank
@@ -171,7 +168,7 @@ def _locate(chain: Chain, top: Bundle, server: TapeServer, first, probe: ModuleP
         return None if root is not None and root.collective else (
             finding.site if finding is not None else None, True)
 
-    loc = chain.locate(first, probe.read(), agree)
+    loc = chain.locate(first, table, agree)
     finding = loc.finding
     result = replace(result, root=root_of(finding))
     if loc.through:
@@ -183,5 +180,5 @@ def _locate(chain: Chain, top: Bundle, server: TapeServer, first, probe: ModuleP
     result = replace(result, plan=Plan(phase, rank))
     if finding is not None:
         result = replace(result, module_stats=call_stats(
-            probe.read(), CallId(finding.module, finding.module_call)))
+            table, CallId(finding.module, finding.module_call)))
     return result, loc

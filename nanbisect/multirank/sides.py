@@ -1,22 +1,20 @@
 """What a rank's replay needs on either launch path (every rank in lockstep, `worker`; some ranks
 alone, `alone`): its replayer, set up one way for the target and the reference; its reference
-side; the culprit module call's statistics; its root op."""
+side (the chain's `ReferenceSide`, built on that replayer, its collectives served as the path
+serves them); what it writes of that side (`reference_record`); the culprit module call's
+statistics; the culprit rank's finish; its root op. The passes are the chain's
+(`nanbisect.chain`): nothing here runs one itself."""
 from __future__ import annotations
 
-from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 from nanbisect import devices
-from nanbisect.chain import Chain, Located
-from nanbisect.finish import Evidence, classify_culprit
+from nanbisect.chain import Chain, Located, ReferenceSide
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
 from nanbisect.records import (CallId, Divergence, OpFinding, RankReference, RankResult,
                                RankRoot, StageError, Stats, StepOutcome, after_verdict,
                                json_number)
-from nanbisect.reference import kernels as registry
-from nanbisect.reference.differential import StepState
-from nanbisect.reference.side import ReferenceSide, model_dtype
 from nanbisect.replay.probe import ProbeTable
 from nanbisect.replay.recorder import is_collective
 from nanbisect.replay.replayer import Replayer
@@ -48,42 +46,46 @@ def rank_replayer(part, spec: str, entry: str | None, server=None, run_top_level
     return rep, observer
 
 
-class RankReferenceSide(ReferenceSide):
-    """This rank's replay on the reference (``--reference``): the same part, the same world (or
-    the same served collectives), the reference device; random ops draw what this rank's
-    target drew. Built before the target's first pass (its task build may run collectives), so the
-    target's step it is compared with is given to `run_rank`, not to the constructor."""
+def rank_reference(chain: Chain, part, spec: str, entry: str, server=None
+                   ) -> tuple[ReferenceSide, ReductionObserver]:
+    """This rank's reference side (``--reference``): the same part, the same world (or, with
+    ``server``, the same served collectives, its inputs unchecked: the reference's differ), on
+    the reference device; with the observer of its DDP reductions (set inactive once its step
+    ran). Built before the target's first pass (its task build may run collectives)."""
+    observers: list[ReductionObserver] = []
 
-    def __init__(self, part, spec: str, entry: str, server=None) -> None:
-        registry.load_plugins()
-        rep, self.observer = rank_replayer(part, spec, entry, server)
-        self.server = server     # a replay without the other ranks: collectives served
-        super().__init__(rep, rep.dtype, None, None)
+    def build():
+        rep, observer = rank_replayer(part, spec, entry, server)
+        observers.append(observer)
+        return rep
 
-    def run_rank(self, tape, target: Replayer, first: StepOutcome,
-                 target_state: StepState) -> tuple[RankReference, Divergence | None]:
-        """Replay on the reference; how it ended (for the other ranks), and where a finite
-        target step parts from it (a failed target parts from a finite reference trivially:
-        only a finite step's divergence is news)."""
-        self.target_state, self.target_dtype = target_state, model_dtype(target)
-        served = (self.server,) if self.server is not None else ()
-        outcome = self.run(tape, served=served, around=(
-            self.server.unchecked if self.server is not None else nullcontext))
-        self.observer.active = False
-        div = self.divergence() if first.phase is None else None
-        return RankReference(outcome.phase, json_number(outcome.loss),
-                             div.what if div else None,
-                             json_number(div.comparison.max_rel) if div else None), div
+    if server is None:
+        side = chain.reference_side(build)
+    else:
+        side = chain.reference_side(build, served=(server,), around=server.unchecked)
+    return side, observers[0]
 
 
-def finish_rank(result: RankResult, chain: Chain, loc: Located,
-                side: RankReferenceSide | None, reference: str, partial: Path, target: str, *,
-                remedies: int = 0) -> RankResult:
+def reference_record(side: ReferenceSide, first: StepOutcome
+                     ) -> tuple[RankReference, Divergence | None]:
+    """What this rank's reference step said, for the other ranks and the launcher, and where a
+    finite target step parts from it (a failed target parts from a finite reference trivially:
+    only a finite step's divergence is news)."""
+    outcome = side.outcome
+    div = side.divergence() if first.phase is None else None
+    return RankReference(outcome.phase, json_number(outcome.loss),
+                         div.what if div else None,
+                         json_number(div.comparison.max_rel) if div else None), div
+
+
+def finish_rank(result: RankResult, chain: Chain, loc: Located, side: ReferenceSide | None,
+                partial: Path, target: str, *, remedies: int = 0) -> RankResult:
     """The culprit rank's result: the chain's finisher (culprit, repro under
-    ``PARTIAL/rank{r}/repro``, op check on the reference), its classification from the evidence
-    (``reference``: what the reference's step says, `Evidence`), ``culprit.samples`` from the
-    traced rows, and with a ``remedies`` budget its remedies (`Chain.remedies`: skipped in
-    lockstep, judged on its forward alone)."""
+    ``PARTIAL/rank{r}/repro``, op check on the reference), with a reference its classification
+    from the evidence (`Chain.classify`: a rank alone's reference was served the capture's
+    collectives, so its step proves nothing), ``culprit.samples`` from the traced rows, and with
+    a ``remedies`` budget its remedies (`Chain.remedies`: skipped in lockstep, judged on its
+    forward alone)."""
     errors: list[StageError] = []     # the verdict stands: what fails after it is listed
     chain.errors = errors
     done, culprit = chain.finish(loc, partial / f"rank{result.rank}" / "repro", target,
@@ -99,8 +101,7 @@ def finish_rank(result: RankResult, chain: Chain, loc: Located,
     if done.repro is None:
         return result
     if side is not None:
-        classification, notes = classify_culprit(Evidence(reference, side.dtype,
-                                                          model_dtype(chain.rep), done.op_check))
+        classification, notes = chain.classify(side, done.op_check)
         result = replace(result, op_check=done.op_check, classification=classification,
                          classification_notes=notes)
     return replace(result, repro=str(done.repro))

@@ -49,16 +49,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from nanbisect import devices, proc
 from nanbisect.bundle.format import read_bundle
+from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
-from nanbisect.chain import Chain, Serving
+from nanbisect.chain import Chain, ReferenceSide, Serving
 from nanbisect.multirank.ledger import Ledger
-from nanbisect.multirank.sides import (RankReferenceSide, call_stats, finish_rank, rank_replayer,
-                                       root_of)
+from nanbisect.multirank.sides import (call_stats, finish_rank, rank_reference, rank_replayer,
+                                       reference_record, root_of)
 from nanbisect.multirank.verdict import choose_rank, decide
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
-from nanbisect.reference.differential import RandomTape, step_state
-from nanbisect.replay.probe import ModuleProbe, probing
-from nanbisect.replay.replayer import Replayer, stacked
+from nanbisect.replay.probe import ProbeTable
 from nanbisect.task import load_inject
 from nanbisect.util.files import write_atomic
 from nanbisect.util.recordjson import dumps
@@ -101,31 +100,26 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     _stage("building the task")
     rep, observer = rank_replayer(part, target, entry, run_top_level=run_top_level)
     model = rep.task.model
-    side = None
+    wrap = load_inject(inject) if inject else nullcontext
+    # every rank runs the same passes, in step: how collectives are served in lockstep
+    chain = Chain(rep, Serving.LOCKSTEP, wrap, progress=lambda key, text: _stage(text))
+    side = ref_observer = None
     if reference is not None:
-        _stage("building the task on the reference")
-        side = RankReferenceSide(part, reference, rep.entry)
-    bad_inputs = rep.input_faults(rep.restore())
+        side, ref_observer = rank_reference(chain, part, reference, rep.entry)
+    bad_inputs = chain.bad_inputs()
     if any(_gather(bool(bad_inputs))):   # agree before any collective of the step
         summary = RankSummary(rank, "input" if bad_inputs else None, None, None,
                               input_nonfinite=bad_inputs)
         return RankResult(rank, plan=decide(_gather(summary)), summary=summary)
-    wrap = load_inject(inject) if inject else nullcontext
-    probe = ModuleProbe(model)
-    tape = RandomTape()
     # every collective and comm-hook op with what this rank fed it and got (`ledger`)
-    ledger = observer.ledger = Ledger(model, probe.tracker, ddp=isinstance(model, DDP))
-    probed = probing(probe)
-    _stage("replay pass 1/3: module statistics")
-    # the injected context first: the tape and the ledger, inside it, see what it returns
-    first = rep.run(phase=lambda name: stacked(probed(name), ledger.phase(name)),
-                    wrap=lambda: stacked(wrap(), *([tape] if side is not None else []), ledger))
+    ledger = observer.ledger = Ledger(model, chain.probe.tracker, ddp=isinstance(model, DDP))
+    first, table = chain.first_pass(reference=side is not None, watch=ledger)
     observer.active, observer.ledger, ledger.active = False, None, False
     theirs = div = None
     if side is not None:
-        target_state = step_state(rep, first)   # before any other pass moves the parameters
-        _stage("replay pass 1/3 on the reference")
-        theirs, div = side.run_rank(tape, rep, first, target_state)
+        chain.reference(side, first)    # before any other pass moves the parameters
+        ref_observer.active = False
+        theirs, div = reference_record(side, first)
     summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
                           buckets=observer.read(), crossings=ledger.read())
     _stage("after replay pass 1/3: exchanging what each rank saw")
@@ -134,26 +128,22 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     result = RankResult(rank, plan=plan, summary=summary, reference=theirs)
     phase, culprit_rank = plan.phase, plan.rank
     if phase is None and side is not None and not any(
-            (info.get("observed") for info in top.manifest["ranks"].values())):
-        return _divergence(rep, side, probe, result, div, wrap, target, partial)
+            Manifest.of(top).part_observed.values()):
+        return _divergence(chain, side, table, result, div, target, partial)
     if phase not in ("forward", "backward", "optimizer") or culprit_rank is None:
         return result
     # every rank runs the culprit rank's phase and kind: the same passes
-    chain = Chain(rep, Serving.LOCKSTEP, wrap, progress=lambda key, text: _stage(text))
     agreed = _Agreement(rank, result)
-    loc = chain.locate(first, probe.read(), agreed,
-                       failed=(phase, everyone[culprit_rank].kind or "nan"))
+    loc = chain.locate(first, table, agreed, failed=(phase, everyone[culprit_rank].kind or "nan"))
     result = agreed.result
     if loc.through:   # every rank's root is a collective: nobody computed it, it was received
         return result
     if agreed.call is not None:
-        result = replace(result, module_stats=call_stats(probe.read(), agreed.call))
+        result = replace(result, module_stats=call_stats(table, agreed.call))
     if rank != result.plan.rank:
         return result
     # the op check: one op, on this rank alone (no collective)
-    return finish_rank(result, chain, loc, side,
-                       "failed" if theirs is not None and theirs.phase is not None else "finite",
-                       partial, target, remedies=remedies)
+    return finish_rank(result, chain, loc, side, partial, target, remedies=remedies)
 
 
 class _Agreement:
@@ -183,8 +173,8 @@ class _Agreement:
         return spec[0][0], mine
 
 
-def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, result: RankResult,
-                div, wrap, target: str, partial: Path) -> RankResult:
+def _divergence(chain: Chain, side: ReferenceSide, table: ProbeTable, result: RankResult,
+                div, target: str, partial: Path) -> RankResult:
     """No rank failed and the bundle records no failure, but some rank's target step parts from
     its reference: every rank isolates its own first diverging module call's ops on the
     reference (one more lockstep pass, the same on every rank); the lowest rank with an op that
@@ -194,13 +184,12 @@ def _divergence(rep: Replayer, side: RankReferenceSide, probe: ModuleProbe, resu
     if not any(diverged):
         return result
     _stage("replay pass 2/3: isolating the ops on the reference")
-    chain = Chain(rep, Serving.LOCKSTEP, wrap, progress=lambda key, text: _stage(text))
     if div is not None:
-        call, finding, check, _, _ = chain.isolate(div.phase, probe.read(), side.probe.read(),
+        call, finding, check, _, _ = chain.isolate(div.phase, table, side.probe.read(),
                                                    side.device, side.target_dtype)
     else:   # the step's collectives, in step with the ranks that isolate
         call, finding, check = None, None, None
-        rep.run(wrap=wrap)
+        chain.rep.run(wrap=chain.wrap)
     found = _gather(finding is not None)
     culprit_rank = next((r for r, f in enumerate(found) if f), None)
     phase = diverged[culprit_rank] if culprit_rank is not None else next(p for p in diverged if p)

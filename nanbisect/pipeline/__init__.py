@@ -15,6 +15,19 @@ Passes over the step, each from the bundle's pre-step state:
 A failure recorded in the manifest that the replay does not show is reported as
 ``not-reproduced``, never given an invented culprit. Each pass is announced to ``progress`` with
 a stable key from `STAGES` and a text for people, so callers can show or time the passes.
+
+The modules, and what they share (the package's interface between its modules; everything else
+with an underscore stays in its module):
+- `run` (`run_bundle`, `STAGES`): read, target, a multi-rank bundle handed to its launcher, one
+  step or a ``--steps`` window, the report written;
+- `window` (`window.run_steps`, called by `run`): ``--steps K``;
+- `step` (`step.analyse`, called by `run` and `window`): one step through the chain of passes
+  (`nanbisect.chain`, `Serving.NONE`) and its verdict, the culprit's or the divergence's report;
+- `compiled`: a compiled capture's replay and verdict (called by `step`);
+- `common`: `RunOptions`; `StepRun`, the state `step` and `compiled` share once pass 1 has run
+  (its chain, options, facts, probe table, notes, errors after the verdict); `guarded`, user code
+  failing as a one-line `BadInput` (the chain's guard, and `window`'s); `target_wrap` and
+  `reference_kernels_note`, the target's context; `captured_type`, `recorded_failure`.
 """
 from __future__ import annotations
 

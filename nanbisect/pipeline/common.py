@@ -1,7 +1,9 @@
-"""What every module of the pipeline shares: the options of a run (`nanbisect.options.
-RunOptions`, re-exported), the state its passes share (`_Run`, with the errors of the stages
-after the verdict: `after_verdict`), and the guard that turns a failure of the user's code into
-a one-line `BadInput`.
+"""What the pipeline's modules share (the package's interface between them, listed in
+`nanbisect.pipeline`): the options of a run (`nanbisect.options.RunOptions`,
+re-exported), the state one step's analysis shares between the
+verdict (`step`) and a compiled capture's (`compiled`): `StepRun`, with the errors of the stages
+after the verdict (`after_verdict`); the guard that turns a failure of the user's code into a
+one-line `BadInput` (`guarded`); the context of every run on the target (`target_wrap`).
 """
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ from pathlib import Path
 from typing import Callable, ContextManager
 
 from nanbisect.bundle.manifest import Manifest
+from nanbisect.chain import Chain
 from nanbisect.errors import BadInput
 from nanbisect.options import RunOptions  # noqa: F401 (re-exported: nanbisect.pipeline's)
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.differential import ReferenceKernels
 from nanbisect.records import RunFacts, StageError, after_verdict  # noqa: F401 (re-exported)
-from nanbisect.replay.probe import ModuleProbe
+from nanbisect.replay.probe import ProbeTable
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.report.rerun import Interpreter
 from nanbisect.task import load_inject
@@ -41,7 +44,7 @@ def recorded_failure(observed) -> bool:
     return bool(observed) and not (isinstance(observed, dict) and observed.get("first") == "spike")
 
 
-def _guarded(fn, what: str):
+def guarded(fn, what: str):
     """Run user code; turn its exceptions into a one-line BadInput naming where it broke."""
     try:
         return fn()
@@ -83,18 +86,31 @@ def reference_kernels_note(used: set[str], target: str) -> str | None:
 
 
 @dataclass
-class _Run:
-    """What every pass of one run needs (private to this module)."""
+class StepRun:
+    """What one step's analysis shares once pass 1 has run: its chain of passes (`Chain`:
+    the replayer, the target's context, progress), the options, the facts of the report, pass
+    1's probe table, the notes so far, the repro's interpreter started ahead, the repro runs
+    started and the stages after the verdict that failed. In-process only."""
 
-    rep: Replayer
-    probe: ModuleProbe
-    wrap: Callable[[], ContextManager]
+    chain: Chain
     opts: RunOptions
     facts: RunFacts
-    progress: Progress
+    table: ProbeTable              # pass 1's module statistics
     notes: list[str] = field(default_factory=list)
     interp: Interpreter | None = None   # started ahead for the repro's run (opts.run_repro)
     started: list = field(default_factory=list)   # the repro runs started (`rerun._Pending`):
-                                                  # `_analyse` closes them on every path
+                                                  # `analyse` closes them on every path
     errors: list[StageError] = field(default_factory=list)   # stages after the verdict that
                                                              # failed (`after_verdict`)
+
+    @property
+    def rep(self) -> Replayer:
+        return self.chain.rep
+
+    @property
+    def wrap(self) -> Callable[[], ContextManager]:
+        return self.chain.wrap
+
+    @property
+    def progress(self) -> Progress:
+        return self.chain.progress

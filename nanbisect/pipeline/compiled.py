@@ -5,16 +5,17 @@ The compiled replay runs once per run of such a bundle, from the same state, bat
 the eager one; its loss is the one compared with the captured loss (the capture ran compiled).
 Eager and compiled failing alike is an ordinary culprit (found eagerly); eager failing and
 compiled not is said in a note (the eager culprit stands); compiled failing alone is
-`compiler_report`: torch's compiler bisection in a child (`nanbisect.compiler`), the op it names
-attributed to a module call, and a repro that compiles that call.
+`compiler_report`: torch's compiler bisection in a child (`nanbisect.compiler`, started through
+the run's chain: `Chain.bisect_compiled`), the op it names attributed to a module call, and a repro
+that compiles that call (its module call caught through the chain: `Chain.catch_call`).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from nanbisect.compiler import bisect_compiled, repro_compile_args, run_repro_forked
-from nanbisect.locate.catch import catch_module_call
-from nanbisect.pipeline.common import _guarded, _Run, after_verdict
+from nanbisect.bundle.manifest import Manifest
+from nanbisect.compiler import repro_compile_args, run_repro_forked
+from nanbisect.pipeline.common import StepRun, after_verdict
 from nanbisect.records import CallId, CompilerFinding, Culprit, ModuleRepro, StepOutcome
 from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
@@ -37,7 +38,7 @@ def backend_of(rep: Replayer) -> str:
 def dropped_note(rep: Replayer) -> list[str]:
     """A note naming the options the capture compiled with and the bundle did not record (not
     ones nanbisect replays: manifest ``task.compiled_dropped``), at most 5 of them shown."""
-    names = (rep.bundle.manifest.get("task") or {}).get("compiled_dropped") or []
+    names = Manifest.of(rep.bundle).task.get("compiled_dropped") or []
     if not names:
         return []
     shown = ", ".join(show(n, 60) for n in names[:5])
@@ -73,15 +74,13 @@ def opposite_note(backend: str) -> str:
             "the compiler replaces); the eager culprit below stands")
 
 
-def compiler_report(run: _Run, compiled: StepOutcome, tmp: Path) -> Report:
+def compiler_report(run: StepRun, compiled: StepOutcome, tmp: Path) -> Report:
     """The report of a failure that comes back compiled and not eagerly."""
     rep = run.rep
     backend = backend_of(rep)
     kind = kind_of(compiled)
-    run.progress("compiler-bisect", "bisecting the compiled step with torch's CompilerBisector")
-    f = bisect_compiled(rep.bundle.path, run.opts.entry, run.facts.target, eager="finite",
-                        compiled=kind, phase=compiled.phase, backend=backend,
-                        progress=run.progress, run_top_level=rep.run_top_level)
+    f = run.chain.bisect_compiled(run.facts.target, run.opts.entry, compiled=kind,
+                                  phase=compiled.phase, backend=backend)
     notes = [f"the failure comes back with the model compiled ({backend}) and not eagerly, "
              "from the same state, batch and RNG: the compiler's transformation made it, "
              "not the hardware", *_finding_notes(f), *run.notes]
@@ -98,14 +97,13 @@ def compiler_report(run: _Run, compiled: StepOutcome, tmp: Path) -> Report:
                   module_repro=module_repro, compiler=f)
 
 
-def _compiled_repro(run: _Run, f: CompilerFinding, culprit: Culprit, kind: str, tmp: Path
+def _compiled_repro(run: StepRun, f: CompilerFinding, culprit: Culprit, kind: str, tmp: Path
                     ) -> tuple[Culprit, ModuleRepro | None]:
     """The repro of a compiled culprit: its module call, compiled, from its caught inputs
     (and the culprit with those inputs' dtypes and shapes)."""
     rep = run.rep
     run.progress("module-repro", "writing the repro: the culprit's module call compiled")
-    mc = _guarded(lambda: catch_module_call(rep, CallId(f.module, f.module_call), run.wrap),
-                  "catching the culprit's module call")
+    mc = run.chain.catch_call(CallId(f.module, f.module_call))
     if mc is None:
         return culprit, None
     tensors = [t for t in mc.args if hasattr(t, "dtype")]

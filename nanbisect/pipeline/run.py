@@ -24,7 +24,7 @@ from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput, TopLevelOptIn
 from nanbisect.pipeline.common import Progress, RunOptions, after_verdict
-from nanbisect.pipeline.step import _analyse
+from nanbisect.pipeline.step import analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
 from nanbisect.util.numbers import check_environment
@@ -123,7 +123,7 @@ def _run_bundle_at(path: str | Path, opts: RunOptions, out: Path | None,
         raise BadInput(f"--steps {opts.steps}: bundle '{bundle.path}' is multi-rank; replaying "
                        "several steps is for single-process bundles yet: drop --steps")
     if bundle.multi_rank:
-        # NB: imported here, as `_run_steps` below: a one-rank run does not load them
+        # NB: imported here, as `run_steps` below: a one-rank run does not load them
         from nanbisect.multirank.alone import check_tape
         from nanbisect.multirank.launcher import run_multirank, within_world
 
@@ -231,12 +231,12 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock,
                            "--steps")
     with staged(out, bundle.path) as tmp:
         if window is not None:
-            from nanbisect.pipeline.window import _run_steps
+            from nanbisect.pipeline.window import run_steps
 
-            report, rep = _run_steps(bundle, window, history, opts, progress, target, t_dev,
-                                     t_dtype, ref, tmp)
+            report, rep = run_steps(bundle, window, history, opts, progress, target, t_dev,
+                                    t_dtype, ref, tmp)
         else:
-            report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp, ref)
+            report, rep = analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp, ref)
         if history is not None:
             def findings() -> list[Finding]:
                 model = opt = None

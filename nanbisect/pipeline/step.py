@@ -1,5 +1,12 @@
-"""One step: the module pass on the target, the reference side, fidelity, and the verdict:
-clean, input-nonfinite, not-reproduced (and why), or a culprit (`culprit`).
+"""One step, through the chain of passes (`nanbisect.chain`, one process: `Serving.NONE`): pass
+1 on the target, the reference side, fidelity, and the verdict: clean, input-nonfinite,
+not-reproduced (and why), a compiled capture's (`compiled`), or a culprit's report: the op
+recording and input catch, the finisher (culprit, repro started in the background, op check),
+the module-call repro when the op alone does not reproduce, and the classification from the
+evidence; or, without NaN, the isolated first divergence from the reference.
+
+What differs here from a rank's replay (`nanbisect.multirank`): this process launches itself,
+serves no collectives, and writes a `Report`; user code that fails is a one-line `BadInput`.
 """
 from __future__ import annotations
 
@@ -10,40 +17,45 @@ import torch
 
 from nanbisect import devices
 from nanbisect.bundle.format import Bundle
+from nanbisect.bundle.manifest import Manifest
+from nanbisect.chain import Chain, Located, Serving
 from nanbisect.errors import UNDECLARED_SCALER, BadInput
+from nanbisect.locate.producers import backtrace, timeline
 from nanbisect.report.prose import rebuild_note
-from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, _Run, captured_type,
-                                       reference_kernels_note, target_wrap,
+from nanbisect.pipeline.common import (Progress, RunOptions, StepRun, after_verdict,
+                                       guarded, reference_kernels_note, target_wrap,
                                        recorded_failure)
 from nanbisect.pipeline.compiled import (backend_of, compiler_report, opposite_note,
                                          replay_compiled)
-from nanbisect.pipeline.culprit import _culprit_report, _divergence_report
-from nanbisect.records import Fidelity, Losses, RunFacts, StepOutcome, json_number
-from nanbisect.reference import kernels as registry
+from nanbisect.records import (CallId, Caught, Culprit, Divergence, Fidelity, Losses,
+                               ModuleRepro, OpFinding, OpRecording, RunFacts, StepOutcome,
+                               json_number, module_label)
 from nanbisect.reference.classify import classify_not_reproduced
 from nanbisect.reference.compare import step_rtol
-from nanbisect.reference.differential import RandomTape, step_state
 from nanbisect.reference.side import ReferenceSide, model_dtype
+from nanbisect.remedies import budget as remedy_budget
 from nanbisect.replay.fidelity import check as fidelity_check
 from nanbisect.replay.fidelity import match_threads, tier_notes
-from nanbisect.replay.probe import ModuleProbe, probing
-from nanbisect.replay.replayer import Replayer, stacked
+from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
-from nanbisect.report.rerun import Interpreter, take
+from nanbisect.report.repro import device_of, repro_imports, write_module_repro, write_repro
+from nanbisect.report.rerun import Interpreter, ServerFork, runner, take
+from nanbisect.util.torch_internals import tree_leaves
 
 
-def _analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
-             t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path,
-             ref: tuple[torch.device, torch.dtype | None] | None) -> tuple[Report, Replayer]:
-    """One step: replay, reference, verdict and the passes that find a culprit (``ref``: the
-    reference `run_bundle` resolved from ``opts.reference``, None for none)."""
-    m = bundle.manifest
+def analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
+            t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path,
+            ref: tuple[torch.device, torch.dtype | None] | None) -> tuple[Report, Replayer]:
+    """One step: replay, reference, verdict and the passes that find a culprit (the one step of
+    `run_bundle`, and the step a ``--steps`` window chose: `nanbisect.pipeline.window`; ``ref``:
+    the reference `run_bundle` resolved from ``opts.reference``, None for none)."""
+    view = Manifest.of(bundle)
     reference = str(opts.reference)
-    wrap, used = target_wrap(opts, m, t_dev)
+    wrap, used = target_wrap(opts, bundle.manifest, t_dev)
     notes = [n for n in [match_threads(bundle, t_dev)] if n]
     interp = None
     if opts.run_repro and not devices.entry(t_dev).forkable and (
-            recorded_failure(m.get("observed")) or ref is not None):
+            recorded_failure(view.observed) or ref is not None):
         # the repro's interpreter imports torch while the passes below find what it will run
         # (where the device seam lets it, the repro of a built-in op runs in a fork of this
         # process instead: `rerun.Fork.usable`)
@@ -60,22 +72,16 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
                   t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path, reference: str,
                   ref, wrap, notes: list[str], interp: Interpreter | None,
                   used: set[str] = frozenset()) -> tuple[Report, Replayer]:
-    """`_analyse`'s passes, with the repro's interpreter (if any) already starting."""
-    m = bundle.manifest
+    """`analyse`'s passes, with the repro's interpreter (if any) already starting."""
+    view = Manifest.of(bundle)
     progress("build", "building the task")
-    rep = _guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry,
-                                    run_top_level=opts.run_top_level), "building the task")
+    rep = guarded(lambda: Replayer(bundle, t_dev, t_dtype, entry=opts.entry,
+                                   run_top_level=opts.run_top_level), "building the task")
     notes += rep.notes
-    probe = ModuleProbe(rep.task.model)
-    tape = RandomTape()
-
-    progress("module-pass", f"pass 1/3: replaying the step on {target} with module statistics")
-    # the injected context first: the tape, inside it, sees what it returns
-    first = _guarded(lambda: rep.run(phase=probing(probe), wrap=lambda: stacked(
-        wrap(), *([tape] if ref is not None else []))),
-                     "replaying the step on the target")
+    chain = Chain(rep, Serving.NONE, wrap, progress=progress, guard=guarded)
+    first, table = chain.first_pass(target, reference=ref is not None)
     notes += [n for n in [reference_kernels_note(used, target)] if n]
-    observed = m.get("observed")
+    observed = view.observed
     original = (observed or {}).get("loss")  # a float, or "nan"/"inf" when it was not finite
     compiled = None
     if rep.compiled_spec and first.phase != "input":
@@ -85,7 +91,7 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     dtype = model_dtype(rep)     # its step tolerance, as --steps uses it
     fidelity = fidelity_check(bundle, rep.entry, original,
                               first.loss if compiled is None else compiled.loss,
-                              same_setup=captured_type(m) == t_dev.type and t_dtype is None,
+                              same_setup=view.captured_type == t_dev.type and t_dtype is None,
                               override=opts.entry is not None, device=t_dev,
                               rtol=(str(dtype).removeprefix("torch."), step_rtol(dtype)),
                               dtype_changed=t_dtype is not None)
@@ -94,16 +100,16 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
 
     side = None
     if ref is not None and first.phase != "input":
-        registry.load_plugins()
-        progress("reference", f"replaying the step on the reference ({reference})")
-        side, side_note = _reference_side(bundle, rep, first, ref, tape)
+        side, side_note = _reference_side(chain, bundle, first, ref, reference)
         notes += [side_note] if side_note else []
         if side is not None:
             losses = replace(losses, reference=json_number(side.outcome.loss))
 
-    facts = RunFacts(str(bundle.path), m["entry"], target, reference, observed, losses,
+    facts = RunFacts(str(bundle.path), view.entry, target, reference, observed, losses,
                      fidelity)
-    run = _Run(rep, probe, wrap, opts, facts, progress, notes, interp)
+    run = StepRun(chain, opts, facts, table, notes, interp)
+    # the verdict is the run's: what fails after it goes into its errors; its repro starts here
+    chain.errors, chain.start_repro = run.errors, _repro_starter(run)
     try:
         report = _decide(run, first, side, ref, tmp, compiled)
     finally:
@@ -113,7 +119,7 @@ def _analyse_step(bundle: Bundle, opts: RunOptions, progress: Progress, target: 
     return replace(report, errors=[*report.errors, *run.errors]), rep
 
 
-def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tmp: Path,
+def _decide(run: StepRun, first: StepOutcome, side: "ReferenceSide | None", ref, tmp: Path,
             compiled: StepOutcome | None = None) -> Report:
     """The verdict, and for a culprit the passes that find it (``compiled``: the step replayed
     compiled, for a compiled capture)."""
@@ -132,7 +138,7 @@ def _decide(run: _Run, first: StepOutcome, side: "ReferenceSide | None", ref, tm
     if note:
         run.notes.append(note)
     if first.phase is None and first.scaler_skipped:
-        scale = (run.rep.bundle.manifest.get("grad_scaler") or {}).get("scale")
+        scale = (Manifest.of(run.rep.bundle).grad_scaler or {}).get("scale")
         run.notes.append(f"the GradScaler skipped this step: its gradients were not finite at "
                          f"scale {scale}; that is normal unless it keeps happening "
                          "(Guard(max_scaler_skips=N) bundles a stalled scaler)")
@@ -180,7 +186,7 @@ def _fidelity_notes(f: Fidelity, target: str) -> list[str]:
     return notes + tier_notes(f, target)
 
 
-def _not_reproduced(run: _Run) -> Report:
+def _not_reproduced(run: StepRun) -> Report:
     """The recorded failure did not come back: say why that is, as far as the evidence goes."""
     classification, why = classify_not_reproduced(
         run.facts.fidelity, run.facts.target, undeclared_scaler(run.facts.observed))
@@ -188,18 +194,208 @@ def _not_reproduced(run: _Run) -> Report:
                   notes=[f"the manifest records a non-finite step, but {why}", *run.notes])
 
 
-def _reference_side(bundle: Bundle, rep: Replayer, first: StepOutcome, ref, tape: RandomTape
+def _reference_side(chain: Chain, bundle: Bundle, first: StepOutcome, ref, reference: str
                     ) -> tuple["ReferenceSide | None", str | None]:
     """Replay on the reference; (None, why) when the reference cannot run the step."""
-    target_state = step_state(rep, first)
-    ref_rep = _guarded(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry,
-                                        run_top_level=rep.run_top_level),
-                       "building the task on the reference")
-    side = ReferenceSide(ref_rep, ref[1], target_state, model_dtype(rep))
+    rep = chain.rep
+    side = chain.reference_side(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry,
+                                                 run_top_level=rep.run_top_level),
+                                reference)
     try:
-        _guarded(lambda: side.run(tape), "replaying the step on the reference")
+        chain.reference(side, first)
     except BadInput as e:
         return None, (f"the reference could not replay the step ({e}); register reference "
                       "implementations with nanbisect.reference_impl for ops it has no kernel "
                       "for; classification is unknown")
     return side, None
+
+
+def _repro_starter(run: StepRun):
+    """How this run starts the repro's one run (None without opts.run_repro): on the CPU, for a
+    built-in op, a fork of this process; else a fork of the fork server this process came from,
+    or the interpreter started ahead (or a new one): `nanbisect.report.rerun.runner`."""
+    if not run.opts.run_repro:
+        return None
+
+    def start(script: Path, caught: Caught):
+        spare = run.interp
+        started = runner(run.rep.device.type, caught.op, spare)
+        run.started.append(started)    # ended and reaped if nobody collects it (an interrupt)
+        if started is spare or isinstance(started, ServerFork):
+            run.interp = None      # one script per interpreter: used, or closed by `runner`
+        started.submit(script, device_of(run.facts.target))
+
+        def result():
+            run.progress("repro", "waiting for the repro's run")
+            return started.result()
+        return result
+    return start
+
+
+def _divergence_report(run: StepRun, side: ReferenceSide, div: Divergence, tmp: Path) -> Report:
+    phase, chain = div.phase, run.chain
+    call, finding, check, checked, uncomparable = chain.isolate(
+        phase, run.table, side.probe.read(), side.device, side.target_dtype)
+    notes = [f"target and reference diverge first at {div.what}: "
+             + div.comparison.message().replace("\n", "; ")]
+    if uncomparable:
+        notes.append(f"{len(uncomparable)} op(s) could not be compared (no reference kernel "
+                     "or registered reference_impl): " + ", ".join(sorted({u.op for u in
+                                                                          uncomparable})))
+    caught = chain.catch_diverging(finding.site) if finding is not None else None
+    if finding is None and call is not None:
+        notes.append(f"every op inside the diverging module call passed its isolated check "
+                     f"({checked} checked): the divergence comes from the call as a "
+                     "whole (e.g. an op without a comparable reference)")
+    elif finding is None:
+        notes.append("no module call or op could be isolated as the first divergence")
+    done = chain.finish_divergence(phase, finding, caught, call, check, tmp / "repro",
+                                   run.facts.target)
+    classification = "device" if check is not None else "unknown"
+    if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
+        classification = "replay-mismatch"
+    stage = _guard(run)
+    return Report("culprit", classification, phase, "mismatch", done.culprit, run.facts,
+                  notes=notes, repro="repro/repro.py" if done.repro else None,
+                  timeline=stage("context", lambda: timeline(run.table, phase), []),
+                  repro_result=(stage("repro", done.pending, None) if done.pending
+                                else None),
+                  divergence=div, op_check=check, uncomparable=uncomparable)
+
+
+def _culprit_report(run: StepRun, first: StepOutcome, side: ReferenceSide | None, ref,
+                    tmp: Path) -> Report:
+    chain, table = run.chain, run.table
+    loc = chain.locate(first, table)
+    phase, kind, finding, call = loc.phase, loc.kind, loc.finding, loc.call
+    notes = list(run.notes) + _finding_notes(loc)
+    done, culprit = chain.finish(loc, tmp / "repro", run.facts.target,
+                                 check_on=ref[0] if ref is not None else None)
+    # the verdict is known: what each stage below adds is left out when it fails (`errors`)
+    stage = _guard(run)
+    trace, table_rows = stage("context", lambda: (
+        backtrace(table, call, phase, kind) if call is not None and phase != "optimizer"
+        else [], timeline(table, phase)), ([], []))
+    op_check = done.op_check
+    wrong_here = op_check is not None and op_check.status == "mismatch" and ref is not None
+    remedies = stage("remedies", lambda: chain.remedies(
+        culprit, finding, loc.traced, remedy_budget(run.opts.remedies),
+        kernel_on=ref if wrong_here else None), [])
+    repro_result = stage("repro", done.pending, None) if done.pending else None
+    module_repro = None
+    if done.repro is not None and repro_result and not repro_result.reproduced:
+        module_repro = _unreproduced(run, chain, culprit, kind, tmp, notes)
+    surfaced_repro = (stage("surfaced-repro",
+                            lambda: _surfaced_repro(run, chain, finding, kind, tmp, notes), None)
+                      if finding is not None and finding.surfaced_site is not None
+                      and loc.caught is not None else None)
+    mismatch = run.facts.fidelity is not None and run.facts.fidelity.mismatch
+    classification, why = stage("classification",
+                                lambda: chain.classify(side, op_check, mismatch),
+                                ("unknown", []))
+    return Report(
+        "culprit", classification, phase, kind, culprit, run.facts, backtrace=trace,
+        timeline=table_rows, notes=notes + why,
+        repro="repro/repro.py" if done.repro else None, repro_result=repro_result,
+        inf_origin=finding.inf_origin if finding else None,
+        context=finding.context if finding else [], op_check=op_check,
+        module_repro=module_repro, surfaced_repro=surfaced_repro,
+        op_recording=(OpRecording(finding.scope, phase, finding.recorded, finding.total_ops,
+                                  finding.phases) if finding else None),
+        uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [],
+        remedies=remedies)
+
+
+def _finding_notes(loc: Located) -> list[str]:
+    """What the report says about passes 2 and 3."""
+    if loc.finding is None:
+        return ["op-level provenance found no root op inside the recorded phase; the culprit is "
+                "the module call that produced the value"]
+    notes = [_surfaced_note(loc.finding, loc.kind)] if loc.finding.surfaced is not None else []
+    if loc.caught is None:
+        notes.append("the culprit op could not be caught again in a narrow replay (the step is "
+                     "not deterministic); no repro was written")
+    return notes
+
+
+def _unreproduced(run: StepRun, chain: Chain, culprit: Culprit, kind: str, tmp: Path,
+                  notes: list[str]) -> ModuleRepro | None:
+    """The op alone did not reproduce: why (an injected kernel), or its module call's repro."""
+    target = run.facts.target
+    if run.opts.inject:
+        notes.append(f"the repro did not reproduce on {target}: it runs the op without "
+                     f"--inject {run.opts.inject}, which emulated the fault here; run "
+                     "repro/repro.py on the device that has the faulty kernel")
+        return None
+    if culprit.phase not in ("forward", "backward") or not culprit.module \
+            or culprit.module_call is None:
+        return None
+    run.progress("module-repro", "the op alone did not reproduce: catching its module call")
+    failed = len(run.errors)
+    module_repro = _guard(run)("module-repro",
+                               lambda: _module_fallback(run, chain, culprit, kind, tmp), None)
+    worked = (module_repro is not None and module_repro.result is not None
+              and module_repro.result.reproduced)
+    notes.append("the culprit op alone did not reproduce (it depends on state outside its "
+                 "inputs); module_repro replays its module call with the module's state: " + (
+                     "it could not be made (see errors)" if len(run.errors) > failed
+                     else "reproduced" if worked else "did not reproduce either"))
+    return module_repro
+
+
+def _guard(run: StepRun):
+    """``(stage, fn, default) -> fn() or default``: `after_verdict` into this run's errors."""
+    return lambda stage, fn, default: after_verdict(run.errors, stage, fn, default)
+
+
+def _surfaced_note(f: OpFinding, kind: str) -> str:
+    """In words: where a failure was born, how that phase hid it, where it surfaced."""
+    def at(module: str | None, call: int | None) -> str:
+        return module_label(module or "") + (f", call {call}" if call is not None else "")
+    s = f.surfaced
+    kind = f"as {kind} " if kind != f.born else ""
+    return (f"{f.born} born in {f.op} in {f.phase} ({at(f.module, f.module_call)}), {f.hidden}, "
+            f"surfaced {kind}in {s.phase} at {s.op} ({at(s.module, s.module_call)}): the culprit "
+            "is where it was born, culprit.surfaced where it became visible")
+
+
+def _surfaced_repro(run: StepRun, chain: Chain, finding: OpFinding, kind: str, tmp: Path,
+                    notes: list[str]) -> ModuleRepro | None:
+    """Catch the op where a failure born earlier surfaced and write (and run once) its repro,
+    ``repro/surfaced/repro.py``: it shows how the earlier phase's value turns into the
+    failure (the saved rstd inf into NaN in layer norm's backward). Its outcome goes into
+    ``notes``."""
+    s = finding.surfaced
+    caught = chain.catch_surfaced(finding)
+    if caught is None:
+        return None
+    tensors = [t for t in tree_leaves((caught.args, caught.kwargs))
+               if isinstance(t, torch.Tensor)]
+    culprit = Culprit.of_tensors(s.phase, CallId(s.module or "", s.module_call), tensors,
+                                 source=caught.source, op=s.op, op_index=s.op_index)
+    script = write_repro(tmp / "repro" / "surfaced", caught, culprit=culprit, kind=kind,
+                         target=run.facts.target, imports=repro_imports(caught.op,
+                                                                        run.rep.entry),
+                         role="Where a failure born earlier surfaced (its culprit: ../repro.py)")
+    start = chain.start_repro
+    res = start(script, caught)() if start is not None else None
+    notes.append(f"repro/surfaced/repro.py re-runs {s.op}, where it surfaced, from its inputs in "
+                 f"{s.phase}" + ("" if res is None else ": reproduced" if res.reproduced
+                                 else ": did not reproduce"))
+    return ModuleRepro("repro/surfaced/repro.py", res)
+
+
+def _module_fallback(run: StepRun, chain: Chain, culprit: Culprit, kind: str, tmp: Path
+                     ) -> ModuleRepro | None:
+    """Write (and run once) a repro of the culprit's whole module call, with its state."""
+    mc = chain.catch_module_call(culprit)
+    if mc is None:
+        return None
+    script = write_module_repro(tmp / "repro", mc, culprit=culprit, kind=kind,
+                                target=run.facts.target, entry=run.rep.entry)
+    if not run.opts.run_repro:
+        return ModuleRepro("repro/module_repro.py", None)
+    started = runner(run.rep.device.type, None)
+    run.started.append(started)
+    return ModuleRepro("repro/module_repro.py",
+                       started.submit(script, device_of(run.facts.target)).result())

@@ -14,9 +14,9 @@ from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
-from nanbisect.pipeline.common import (Progress, RunOptions, _guarded, captured_type,
+from nanbisect.pipeline.common import (Progress, RunOptions, captured_type, guarded,
                                        reference_kernels_note, target_wrap)
-from nanbisect.pipeline.step import _analyse
+from nanbisect.pipeline.step import analyse
 from nanbisect.records import fidelity_tier
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.window import replay_window
@@ -25,10 +25,10 @@ from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
 
 
-def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History | None",
-               opts: RunOptions, progress: Progress, target: str, t_dev: torch.device,
-               t_dtype: torch.dtype | None, ref: tuple[torch.device, torch.dtype | None] | None,
-               tmp: Path) -> tuple[Report, Replayer | None]:
+def run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History | None",
+              opts: RunOptions, progress: Progress, target: str, t_dev: torch.device,
+              t_dtype: torch.dtype | None, ref: tuple[torch.device, torch.dtype | None] | None,
+              tmp: Path) -> tuple[Report, Replayer | None]:
     """--steps K: the window on both sides, then the first step that parts bisected alone.
     ``opts.reference`` is the run's (filled in by `run_bundle`), ``ref`` it resolved (None:
     no reference, which a window cannot do without)."""
@@ -42,11 +42,11 @@ def _run_steps(bundle: Bundle, window: "lookback.Window", history: "hist.History
     losses = {e["step"]: e.get("loss") for e in (history.entries if history else [])}
     progress("steps", f"replaying the last {k} recorded steps on {target} and {reference}")
     registry.load_plugins()
-    res = _guarded(lambda: replay_window(bundle, window, k, (t_dev, t_dtype), ref, wrap,
-                                         opts.entry, losses,
-                                         lambda text: progress("steps", text),
-                                         run_top_level=opts.run_top_level),
-                   "replaying the recorded steps")
+    res = guarded(lambda: replay_window(bundle, window, k, (t_dev, t_dtype), ref, wrap,
+                                        opts.entry, losses,
+                                        lambda text: progress("steps", text),
+                                        run_top_level=opts.run_top_level),
+                  "replaying the recorded steps")
     failing = window.steps[-1]["step"]
     notes = [n for n in [note, reference_kernels_note(used, target)] if n] + res.notes
     rows = {r.step: r for r in res.rows}
@@ -82,7 +82,7 @@ def _bisect_step(bundle: Bundle, res, failing: int, notes: list[str], opts: RunO
     if res.step_view is not None:
         s = res.first_divergent_step
         progress("steps", f"bisecting step {s}, the first that parts from the reference")
-        report, rep = _analyse(res.step_view, opts, progress, target, t_dev, t_dtype, tmp, ref)
+        report, rep = analyse(res.step_view, opts, progress, target, t_dev, t_dtype, tmp, ref)
         if report.verdict != "clean":
             return report, rep, s
         notes.append(f"step {s} is the first whose state parts from the reference's over "
@@ -91,7 +91,7 @@ def _bisect_step(bundle: Bundle, res, failing: int, notes: list[str], opts: RunO
                      "(rounding that compounds); the failing step is bisected instead")
         for child in tmp.iterdir():
             shutil.rmtree(child) if child.is_dir() else child.unlink()
-    report, rep = _analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp, ref)
+    report, rep = analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp, ref)
     return report, rep, failing
 
 

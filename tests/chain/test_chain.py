@@ -1,46 +1,95 @@
 """The one pass chain (`nanbisect.chain`): the single-process pipeline, a rank in lockstep and a
-rank alone reach the passes only through it, and how collectives are served decides which
-passes run. In-process, on a shipped fixture bundle."""
+rank alone reach the passes only through it (read from every module's AST:
+`helpers.chainrule`, each rule with a counter-test on a planted violation), and how collectives
+are served decides which passes run. In-process, on a shipped fixture bundle."""
 from __future__ import annotations
 
-import ast
+import textwrap
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import chainrule
 
 from nanbisect.bundle.format import read_bundle
 from nanbisect.chain import Chain, Serving
 from nanbisect.locate.catch import AheadCatch
-from nanbisect.records import Culprit
+from nanbisect.records import Culprit, OpCheck
 from nanbisect.replay.probe import ModuleProbe, probing
 from nanbisect.replay.replayer import Replayer
 
-PKG = Path(__file__).resolve().parents[2] / "nanbisect"
-CALLERS = {"pipeline/culprit.py": "NONE", "multirank/worker.py": "LOCKSTEP",
-           "multirank/alone.py": "SERVED"}
-# the passes: a caller that imports one of these wires a pass itself, and the other paths
-# would not get it
-PASSES = {"record_ops", "catch_inputs", "catch_module_call", "AheadCatch", "RowTracer",
-          "finish", "try_remedies", "not_tried", "isolate_window", "diverging_call",
-          "forward_producer", "backward_producer", "first_bad_parameter"}
+
+def test_no_module_but_the_chain_wires_a_pass():
+    """Every module of the package, read as an AST: a pass is imported and called only by the
+    chain and by the passes' own modules (`helpers.chainrule.passes_outside`)."""
+    found = chainrule.passes_outside()
+    assert not found, "\n".join(map(str, found))
 
 
-def _imported(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    return {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
-            and (node.module or "").startswith("nanbisect") for a in node.names}
+def test_every_chain_says_how_its_collectives_are_served():
+    """Every ``Chain(...)`` of the package passes a `Serving` member; and the three paths that
+    build one say each its own (one process, lockstep, served)."""
+    found = chainrule.chains_without_serving()
+    assert not found, "\n".join(map(str, found))
+    assert chainrule.servings() == {"nanbisect/pipeline/step.py": {"NONE"},
+                                    "nanbisect/multirank/worker.py": {"LOCKSTEP"},
+                                    "nanbisect/multirank/alone.py": {"SERVED"}}
 
 
-@pytest.mark.parametrize("caller", sorted(CALLERS) + ["multirank/sides.py"])
-def test_no_caller_wires_a_pass_itself(caller):
-    wired = _imported(PKG / caller) & PASSES
-    assert not wired, f"{caller} imports {sorted(wired)}: call them through nanbisect.chain"
+def _package(root, files: dict[str, str]):
+    """A temporary package ``root/nanbisect`` holding ``files`` (path -> source)."""
+    pkg = root / "nanbisect"
+    for rel, text in files.items():
+        path = pkg / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in [path.parent, *path.parent.parents]:
+            if parent == root:
+                break
+            (parent / "__init__.py").touch()
+        path.write_text(textwrap.dedent(text))
+    return pkg
 
 
-@pytest.mark.parametrize("caller,serving", sorted(CALLERS.items()))
-def test_each_path_says_how_its_collectives_are_served(caller, serving):
-    assert f"Serving.{serving}" in (PKG / caller).read_text()
+def test_a_pass_wired_outside_the_chain_is_found(tmp_path):
+    pkg = _package(tmp_path, {
+        "pipeline/direct.py": """
+            from nanbisect.locate.ops import record_ops as rec
+            from nanbisect.replay.probe import ModuleProbe
+            from nanbisect import proc
+            from nanbisect.locate import catch
+
+            def run(rep, site, wrap, child):
+                proc.finish(child, 1.0)                  # no pass: proc's finish
+                catch.catch_inputs(rep, site, wrap)      # a pass through its module
+                return rep.input_faults(rep.restore())   # the input-fault check by hand
+            """,
+        # the passes' own modules and the chain may
+        "chain.py": "from nanbisect.locate.ops import record_ops\n",
+        "finish.py": "from nanbisect.reference.opcheck import safe_check\n",
+        "compiler/child.py": "from nanbisect.locate.catch import catch_module_call\n",
+    })
+    found = chainrule.passes_outside(pkg)
+    assert {f.path for f in found} == {"nanbisect/pipeline/direct.py"}, [str(f) for f in found]
+    assert sorted(f.line for f in found) == [2, 3, 9, 10], [str(f) for f in found]
+
+
+def test_a_chain_without_a_serving_member_is_found(tmp_path):
+    pkg = _package(tmp_path, {
+        "multirank/loose.py": """
+            import nanbisect.chain as ch
+            from nanbisect.chain import Chain, Serving
+
+            def chains(rep, how):
+                Chain(rep, Serving.LOCKSTEP)            # said
+                Chain(rep, serving=Serving.SERVED)      # said, by keyword
+                Chain(rep, how)                         # a variable
+                ch.Chain(rep, "none")                   # a string, through the module
+                Chain(rep, Serving.SOMETIMES)           # no such member
+                return Chain(rep)                       # nothing
+            """,
+    })
+    found = chainrule.chains_without_serving(pkg)
+    assert sorted(f.line for f in found) == [8, 9, 10, 11], [str(f) for f in found]
 
 
 @pytest.fixture(scope="module")
@@ -134,3 +183,28 @@ def test_a_rank_alone_does_not_judge_a_backward_failure_on_its_forward(tmp_path)
     assert (loc.phase, culprit.phase) == ("backward", "forward")
     remedies = chain.remedies(culprit, loc.finding, loc.traced, 4, loc.phase)
     assert remedies and all(r.outcome == "skipped" for r in remedies)
+
+
+def test_pass_1_the_inputs_and_the_reference_side_are_the_chains(fixture_bundle):
+    """Pass 1 (the module probe, the random tape), the input-fault check and the reference side
+    run through the chain, and one evidence classifies what every path found."""
+    bundle = read_bundle(fixture_bundle("healthy"))
+    steps = []
+    chain = Chain(Replayer(bundle, torch.device("cpu")), Serving.NONE,
+                  progress=lambda key, text: steps.append((key, text)))
+    assert chain.bad_inputs() == []
+    first, table = chain.first_pass("cpu", reference=True)
+    assert first.phase is None and table.in_order("forward")
+    side = chain.reference_side(lambda: Replayer(bundle, torch.device("cpu"), torch.float64),
+                                "cpu:float64")
+    assert chain.reference(side, first).phase is None and side.divergence() is None
+    assert side.dtype == torch.float64 and side.probe.read().in_order("forward")
+    assert [k for k, _ in steps] == ["module-pass", "reference"]
+    assert steps[0][1] == "pass 1/3: replaying the step on cpu with module statistics"
+    check = OpCheck("aten.exp.default", 7, "ok")
+    assert chain.classify(side, check)[0] == "numerics"     # wider dtype, same result
+    assert chain.classify(None, check)[0] == "unknown"
+    # a rank alone's reference was served the capture's collectives: its step proves nothing,
+    # the op check does
+    served = Chain(chain.rep, Serving.SERVED)
+    assert served.classify(side, OpCheck("aten.exp.default", 7, "mismatch"))[0] == "device"

@@ -15,8 +15,8 @@ import pytest
 import nanbisect.chain
 import nanbisect.finish
 import nanbisect.history
-import nanbisect.pipeline.culprit as culprit_stage
 import nanbisect.pipeline.step
+import nanbisect.pipeline.step as step_stage
 import nanbisect.report.page
 import nanbisect.report.write
 from helpers import invoke, tree_digest
@@ -54,10 +54,10 @@ def test_every_stage_after_the_verdict_raises_and_the_report_is_written(
     monkeypatch.setattr(nanbisect.chain, "record_ops", with_surfaced_site)
     stages = {"repro": (nanbisect.finish, "write_repro"),
               "op-check": (nanbisect.finish, "safe_check"),
-              "context": (culprit_stage, "backtrace"),
+              "context": (step_stage, "backtrace"),
               "remedies": (nanbisect.chain, "try_remedies"),
-              "surfaced-repro": (culprit_stage, "_surfaced_repro"),
-              "classification": (culprit_stage, "classify_culprit"),
+              "surfaced-repro": (step_stage, "_surfaced_repro"),
+              "classification": (nanbisect.chain, "classify_culprit"),
               "history": (nanbisect.history, "findings"),
               "plots": (nanbisect.report.page, "history_svg")}
     for stage, (module, name) in stages.items():
@@ -90,9 +90,9 @@ def test_module_repro_that_raises_keeps_the_repro(fixture_bundle, tmp_path, monk
     """The op's repro did not reproduce, so its module call is caught for a repro of its own:
     that raises; the op's repro and its result stay."""
     bundle = fixture_bundle(BUNDLE)
-    monkeypatch.setattr(culprit_stage, "_repro_starter",
+    monkeypatch.setattr(step_stage, "_repro_starter",
                         lambda run: lambda script, caught: lambda: ReproResult(False, 0, "no"))
-    monkeypatch.setattr(culprit_stage, "_module_fallback", _boom("module-repro"))
+    monkeypatch.setattr(step_stage, "_module_fallback", _boom("module-repro"))
     r = run_bundle(bundle, RunOptions(reference="none", remedies=0), tmp_path / "r")
     assert r.verdict == "culprit" and r.exit_code == 1
     assert [(e.stage, e.message.split(" at ")[0]) for e in r.errors] == \
