@@ -17,13 +17,11 @@ from typing import Any, Callable
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-try:        # a recent typer carries its own copy of click; an older one used click itself
-    from typer._click import exceptions as click_errors
-except ImportError:         # pragma: no cover - an older typer
-    from click import exceptions as click_errors
-
 from nanbisect.errors import BadInput
+from nanbisect.util.library_internals import click_exceptions
 from nanbisect.util.numbers import NUMBERS
+
+click_errors = click_exceptions()     # typer's own copy of click, or click
 
 # `run`'s exit codes (DESIGN.md's); every command's are in its --help, from its `command(exits=)`
 EXIT_CODES = {

@@ -174,7 +174,7 @@ def _dask_backend() -> str:
     cluster must run there."""
     from joblib import register_parallel_backend
 
-    from nanbisect.util.torch_internals import joblib_dask_backend
+    from nanbisect.util.library_internals import joblib_dask_backend
 
     DaskDistributedBackend = joblib_dask_backend()
     if DaskDistributedBackend is None:  # a joblib that moved it: its plain backend

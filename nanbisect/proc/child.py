@@ -64,7 +64,7 @@ def run_main(target: list[str]) -> int:
     code = run_target(target)
     # torch is loaded wherever a forked child runs a target (the fork server preloaded it, the
     # spawner imported it): the room of private names costs nothing more here
-    from nanbisect.util.torch_internals import exit_as_the_interpreter
+    from nanbisect.util.library_internals import exit_as_the_interpreter
 
     exit_as_the_interpreter()             # as the interpreter's exit does: threads, then atexit
     return code

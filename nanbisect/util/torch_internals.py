@@ -26,29 +26,6 @@ from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 
-# -- CPython and library internals used by nanbisect.proc and nanbisect.nightly --
-def exit_as_the_interpreter() -> None:
-    """What the interpreter's own exit does before it ends, for a forked child that then leaves
-    with ``os._exit``: the non-daemon threads joined (``threading._shutdown``), then the atexit
-    functions run (``atexit._run_exitfuncs``). Checked on torch 2.13 (CPython 3.11)."""
-    import atexit
-    import threading
-
-    threading._shutdown()
-    atexit._run_exitfuncs()
-
-
-def joblib_dask_backend() -> type | None:
-    """joblib's Dask backend class (``joblib._dask.DaskDistributedBackend``), to subclass where
-    its slot count must differ; None where joblib moved it (the plain registered ``"dask"``
-    backend is then the caller's). joblib offers no public name for the class. Checked on torch
-    2.13 (joblib 1.6)."""
-    try:
-        from joblib._dask import DaskDistributedBackend
-    except ImportError:
-        return None
-    return DaskDistributedBackend
-
 # the torch versions every entry below was checked on (the test suite ran on each)
 CHECKED_ON = ("2.13.0",)
 FLOOR = (2, 13)          # the oldest torch checked: pyproject's floor

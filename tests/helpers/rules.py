@@ -8,7 +8,8 @@ temporary package to see it found.
 - **private names of other libraries** (`foreign_private`): ``torch._x`` (any depth, through
   any alias: ``dist._world``, ``from torch.x import _y``, ``import torch._dynamo``), and an
   underscored attribute that nanbisect itself never defines (``scaler._per_optimizer_states``,
-  ``sys._getframe``), only in ``nanbisect/util/torch_internals.py``;
+  ``sys._getframe``), only in ``nanbisect/util/torch_internals.py`` (torch's) and
+  ``nanbisect/util/library_internals.py`` (CPython's and other libraries', never torch's);
 - **underscore names across modules** (`private_across`): ``from nanbisect.x import _y`` or
   ``module._y`` on an imported nanbisect module, and ``obj._y`` where ``_y`` is defined only in
   another module (a private attribute reached from outside its class's module);
@@ -181,6 +182,8 @@ def defined_private(pkg: Path = PKG) -> dict[str, set[str]]:
 
 
 ROOM = "util/torch_internals.py"
+# the private names of CPython and of other libraries (imports no torch)
+LIBRARY_ROOM = "util/library_internals.py"
 # underscored names that are documented public API
 PUBLIC = {"os._exit", "sys._getframe"}
 
@@ -193,7 +196,11 @@ def foreign_private(pkg: Path = PKG) -> list[Finding]:
         rel = _rel(path, pkg)
         if rel == f"{pkg.name}/{ROOM}":
             continue
+        library_room = rel == f"{pkg.name}/{LIBRARY_ROOM}"
         for node in ast.walk(tree):
+            if library_room and not any(
+                    n.split(".")[0] == "torch" for n in _imported_names(node, al)):
+                continue           # another library's private names: their room
             if isinstance(node, ast.Import):
                 for a in node.names:
                     if any(_private(p) for p in a.name.split(".")) \
@@ -226,6 +233,17 @@ def foreign_private(pkg: Path = PKG) -> list[Finding]:
     return out
 
 
+def _imported_names(node: ast.AST, al: Aliases) -> list[str]:
+    """The dotted names a node reaches: what it imports, or the chain it names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        return [node.module or ""]
+    if isinstance(node, ast.Attribute):
+        return [al.dotted(node) or "torch"]     # an object's attribute: torch's, as the room
+    return [""]                                  # would not know otherwise
+
+
 def private_across(pkg: Path = PKG) -> list[Finding]:
     """Another module's underscore names: imported, reached through its module, or reached as
     an attribute that only another module defines."""
@@ -233,6 +251,7 @@ def private_across(pkg: Path = PKG) -> list[Finding]:
     out = []
     for path, tree, al in _parsed(pkg):
         rel, me = _rel(path, pkg), _modname(path, pkg)
+        in_room = rel == f"{pkg.name}/{ROOM}"     # its objects' attributes are torch's
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
                 base = _absolute(node, path, pkg)
@@ -248,7 +267,7 @@ def private_across(pkg: Path = PKG) -> list[Finding]:
                         out.append(Finding(rel, node.lineno, name))
                     continue
                 owners = ours.get(node.attr)
-                if owners and me not in owners:
+                if owners and me not in owners and not in_room:
                     out.append(Finding(rel, node.lineno,
                                        f".{node.attr} (defined in {', '.join(sorted(owners))})"))
     return out

@@ -85,10 +85,14 @@ def test_private_torch_names_are_found_through_aliases_and_objects(tmp_path):
                 return mine._own
             """,
         "util/torch_internals.py": "import torch\ntorch._C\n",     # the room: allowed
+        # other libraries' room: their names allowed, torch's not
+        "util/library_internals.py": "import threading\nthreading._shutdown()\n"
+                                     "import torch\ntorch._C\n",
     })
     assert _where(rules.foreign_private(pkg)) == {
         ("nanbisect/a.py", 3), ("nanbisect/a.py", 4), ("nanbisect/a.py", 11),
-        ("nanbisect/a.py", 12), ("nanbisect/a.py", 13)}
+        ("nanbisect/a.py", 12), ("nanbisect/a.py", 13),
+        ("nanbisect/util/library_internals.py", 4)}
 
 
 def test_underscore_names_of_another_module_are_found(tmp_path):
