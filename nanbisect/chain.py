@@ -6,7 +6,7 @@ caught (pass 3, or folded into pass 2) -> the finisher (culprit, repro, op check
 classification from one `Evidence` (`Chain.classify`) -> the remedies; for a finite step that
 parts from its reference, the isolation of the first diverging op; for a failure that comes back
 only compiled, torch's compiler bisection (`Chain.bisect_compiled`) and the culprit's module call
-(`Chain.catch_call`). The single-process pipeline (`pipeline/step.py`, `pipeline/compiled.py`), a
+(`Chain.catch_call`). The single-process pipeline (`pipeline/analysis.py`, `pipeline/compiler_verdict.py`), a
 rank in lockstep (`multirank/worker.py`) and a rank alone (`multirank/alone.py`) are thin
 callers: they build a `Chain`, say how collectives are served, and turn what it found into their
 record (who launches the replay, how its collectives are served and what is written is theirs).

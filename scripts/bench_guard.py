@@ -86,7 +86,7 @@ from nanbisect.bundle.state import RngState, accelerator_types
 from nanbisect.guard.keep import CHOOSE_AFTER, Keeper
 from nanbisect.guard.screen import step_norms
 from nanbisect.guard.snapshot import Snapshot, model_tensors
-from nanbisect.guard.write import scaler_state
+from nanbisect.guard.freeze import scaler_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "fixtures" / "tasks"))
 import tinygpt  # noqa: E402  (the tests' GPT, built bigger; its plain_step is the baseline)

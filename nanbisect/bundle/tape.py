@@ -5,7 +5,7 @@ A part's manifest holds ``collectives``: ``{schema, entries: [Entry...], ddp: {p
 micro_batches, group} | None, rerun_failed}``; its ``collectives.safetensors`` (`ROLE`) holds
 entry i's output j as ``c{i}.{j}`` and DDP's reduced gradient of parameter ``name`` after
 micro-batch m as ``ddp{m}.{name}``. Written by `nanbisect.guard.retape`, served by
-`nanbisect.multirank.tape`. Guarantees: `parse` accepts only what the recorder writes (the
+`nanbisect.multirank.served`. Guarantees: `parse` accepts only what the recorder writes (the
 schema, every field of every entry with its type) and otherwise raises `BadInput` naming the
 first thing wrong; `input_digest` is the one definition of an entry's ``in_sha256``. Not
 guaranteed: that the tensors match the entries (the server checks that when it loads them).

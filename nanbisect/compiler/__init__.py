@@ -4,11 +4,11 @@ A bundle whose Task ran its model under ``torch.compile`` (manifest ``task.compi
 failure does not come back eagerly is replayed compiled (`nanbisect.replay.Replayer.compile`);
 when it fails there, torch's own ``torch._inductor.compiler_bisector.CompilerBisector`` names the
 backend, subsystem and application that make it (`bisect_compiled`, in a child process:
-`nanbisect.compiler.child`), the op it names is attributed to the module call that fails compiled
+`nanbisect.compiler.bisector`), the op it names is attributed to the module call that fails compiled
 alone, and the repro compiles that call (`nanbisect.report.repro.write_module_repro` with
 ``compile``), run once by `run_repro_forked`.
 
-Not done here: the verdict and report (``nanbisect.pipeline.compiled``).
+Not done here: the verdict and report (``nanbisect.pipeline.compiler_verdict``).
 """
 from __future__ import annotations
 

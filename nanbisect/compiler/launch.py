@@ -1,6 +1,6 @@
 """Start the compiler bisection in a process of its own, show its progress, bound its time.
 
-`bisect_compiled` forks `nanbisect.compiler.child` from the fork server (`nanbisect.proc`: torch
+`bisect_compiled` forks `nanbisect.compiler.bisector` from the fork server (`nanbisect.proc`: torch
 already imported), reads the lines it prints as progress, and kills its process group at
 ``NANBISECT_COMPILER_TIMEOUT`` seconds (default `DEFAULT_TIMEOUT`). The bisector's on-disk state
 lives in that child's own temporary directory (``TMPDIR`` of its own, removed here), so a later
@@ -65,7 +65,7 @@ def bisect_compiled(bundle: Path, entry: str | None, target: str, *, eager: str,
     # NB: the pid in its name tells a live run's scratch from one left behind
     scratch = Path(tempfile.mkdtemp(prefix=f"nanbisect-compiler-{os.getpid()}-"))
     out = scratch / "finding.json"
-    argv = ["-m", "nanbisect.compiler.child", str(Path(bundle).resolve()), str(out),
+    argv = ["-m", "nanbisect.compiler.bisector", str(Path(bundle).resolve()), str(out),
             "--device", target, "--cache-dir", cache_dir(), "--eager", eager,
             "--compiled", compiled,
             *(["--phase", phase] if phase else []), *(["--entry", entry] if entry else []),

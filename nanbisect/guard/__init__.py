@@ -40,6 +40,6 @@ from __future__ import annotations
 
 from nanbisect.guard.core import Guard, Spike, StepWatch
 from nanbisect.guard.entry import resolve_entry_file
-from nanbisect.guard.write import capture
+from nanbisect.guard.freeze import capture
 
 __all__ = ["Guard", "Spike", "StepWatch", "capture", "resolve_entry_file"]

@@ -2,7 +2,7 @@
 
 Guarantees: `Guard.step` runs the Task's whole step (`nanbisect.step.run_step`: micro-batches,
 scaler, clipping), the same code every replay runs; a failing step's bundle holds the state before
-it (written by `nanbisect.guard.write`). A step is read once, just before its update (after
+it (written by `nanbisect.guard.freeze`). A step is read once, just before its update (after
 unscaling and clipping; in `Guard.watch`, from a step pre-hook on the Task's optimizer): one norm
 per parameter and per gradient from one pass over both, the loss, and one host synchronisation;
 exact checks run only when that screen trips (`nanbisect.guard.screen`). A step that failed in
@@ -62,7 +62,7 @@ from nanbisect.guard.reading import Reader, declared_scaler
 from nanbisect.guard.screen import any_nonfinite, tensor_norms, value_kind
 from nanbisect.guard.snapshot import Snapshot, model_tensors
 from nanbisect.guard.spikes import Spike, Spikes, lookback_and_spike
-from nanbisect.guard.write import scaler_state
+from nanbisect.guard.freeze import scaler_state
 from nanbisect.step import found_inf, run_step
 from nanbisect.task import Task, refuse_training_at_import
 from nanbisect.util.torch_internals import check_torch_version

@@ -7,7 +7,7 @@ notebook's or a script's own namespace; a factory defined in an interactive sess
 `check_out` creates ``out`` and writes (then removes) one probe file there. Both raise
 `BadInput` naming the fix. Not guaranteed: that the entry function returns a Task (only
 running it tells), nor that ``out`` still takes bundles when a step fails (the Guard then writes
-to a rescue directory: `nanbisect.guard.write.write_or_rescue`).
+to a rescue directory: `nanbisect.guard.freeze.write_or_rescue`).
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ from nanbisect.guard.reading import Reader
 from nanbisect.guard.retape import record_step
 from nanbisect.guard.screen import bad_names, listed_names, value_kind
 from nanbisect.guard.snapshot import live_scale
-from nanbisect.guard.write import free_path, scaler_state, write_or_rescue, write_step
+from nanbisect.guard.freeze import free_path, scaler_state, write_or_rescue, write_step
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.text import clip, exception_line
 

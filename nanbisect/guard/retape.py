@@ -1,5 +1,5 @@
 """What every collective of the failing step gave each rank, recorded at capture (the tape a
-replay of a few ranks, ``nanbisect run --ranks R,...``, is served by `nanbisect.multirank.tape`).
+replay of a few ranks, ``nanbisect run --ranks R,...``, is served by `nanbisect.multirank.served`).
 
 `record_step`, called by Guard on every rank when the failure flag trips: the failing
 step runs once more from its pre-step snapshot under `TapeRecorder`, a dispatch mode that

@@ -16,7 +16,7 @@ from nanbisect.bundle.lookback import Lookback
 from nanbisect.bundle.state import RngState
 from nanbisect.errors import BadInput
 from nanbisect.guard.guarded import Guarded, Progress
-from nanbisect.guard.write import free_path, scaler_state, write_step
+from nanbisect.guard.freeze import free_path, scaler_state, write_step
 from nanbisect.util.text import exception_line
 
 

@@ -2,7 +2,7 @@
 
 The process is rank r of the recorded world size, on torch's fake process group (which
 communicates nothing); every collective of the step is served what the capture recorded for this
-rank (`multirank.tape`). So rank 517 of a 1,000-rank job replays on one machine, in one process,
+rank (`multirank.served`). So rank 517 of a 1,000-rank job replays on one machine, in one process,
 with the same passes as in lockstep (module statistics, op recording, input catch, repro, and the
 reference side with ``--reference``).
 
@@ -30,7 +30,7 @@ from nanbisect.errors import BadInput
 from nanbisect.chain import Chain, Located, Serving
 from nanbisect.multirank.sides import (call_stats, finish_rank, rank_reference, rank_replayer,
                                        reference_record, root_of)
-from nanbisect.multirank.tape import TapeServer
+from nanbisect.multirank.served import TapeServer
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
 from nanbisect.replay.probe import ProbeTable
 from nanbisect.replay.replayer import stacked

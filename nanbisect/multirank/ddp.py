@@ -32,7 +32,7 @@ class ReductionObserver:
         self.names = names
         self.records: list[BucketRecord] = []
         self.active = True
-        # a replay without the other ranks (`multirank.tape.TapeServer`): every bucket gets
+        # a replay without the other ranks (`multirank.served.TapeServer`): every bucket gets
         # what the capture's reduction gave, the hook (the user's too) never runs
         self.server = server
         self.ledger = None      # records the hook's ops while set (`multirank.ledger.Ledger`)

@@ -24,7 +24,7 @@ from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput, TopLevelOptIn
 from nanbisect.pipeline.common import Progress, RunOptions, after_verdict
-from nanbisect.pipeline.step import analyse
+from nanbisect.pipeline.analysis import analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
 from nanbisect.util.numbers import check_environment
@@ -231,7 +231,7 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock,
                            "--steps")
     with staged(out, bundle.path) as tmp:
         if window is not None:
-            from nanbisect.pipeline.window import run_steps
+            from nanbisect.pipeline.steps import run_steps
 
             report, rep = run_steps(bundle, window, history, opts, progress, target, t_dev,
                                     t_dtype, ref, tmp)

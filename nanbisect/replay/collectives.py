@@ -2,7 +2,7 @@
 and wrote, its process group, and whether it is one of DDP's own.
 
 Shared by the capture that records a step's collectives (`nanbisect.guard.retape`) and the replay
-that serves them (`nanbisect.multirank.tape`), so both see the same collectives the same way.
+that serves them (`nanbisect.multirank.served`), so both see the same collectives the same way.
 Guarantees: `taped` answers from the op's name alone (``c10d::*``, ``_c10d_functional::*``, but
 not waits and barriers); `wait_collective` returns once the collective's output is written;
 `ddp_internal` tells DDP's bucket reductions and bucket rebuilds from every other collective

@@ -1,4 +1,4 @@
-"""Guard never loses a bundle (bundle/atomic.py, guard/write.py): writers racing for one name all
+"""Guard never loses a bundle (bundle/atomic.py, guard/freeze.py): writers racing for one name all
 keep theirs, a bundle is never renamed over an existing path, and an ``out`` that disappears
 after the Guard checked it still gets the bundle written (to the rescue directory, with a
 warning)."""

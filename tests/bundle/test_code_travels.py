@@ -93,7 +93,7 @@ def test_local_and_bundle_code_and_hostile_paths(tmp_path):
     tree's; a stored path that escapes the bundle or an altered copy is refused."""
     from nanbisect.bundle.format import read_bundle
     from nanbisect.errors import BadInput
-    from nanbisect.guard.write import capture
+    from nanbisect.guard.freeze import capture
     from nanbisect.replay.replayer import code_choice
     from nanbisect.task import import_target
 
@@ -131,7 +131,7 @@ def test_local_and_bundle_code_and_hostile_paths(tmp_path):
 
 def _captured(tmp_path):
     """A bundle of forward_nan_behind_mask captured in process, its stored code under code/."""
-    from nanbisect.guard.write import capture
+    from nanbisect.guard.freeze import capture
     from nanbisect.task import import_target
 
     tasks = import_target(str(TASKS / "forward_nan_behind_mask.py"))

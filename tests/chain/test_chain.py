@@ -31,7 +31,7 @@ def test_every_chain_says_how_its_collectives_are_served():
     build one say each its own (one process, lockstep, served)."""
     found = chainrule.chains_without_serving()
     assert not found, "\n".join(map(str, found))
-    assert chainrule.servings() == {"nanbisect/pipeline/step.py": {"NONE"},
+    assert chainrule.servings() == {"nanbisect/pipeline/analysis.py": {"NONE"},
                                     "nanbisect/multirank/worker.py": {"LOCKSTEP"},
                                     "nanbisect/multirank/alone.py": {"SERVED"}}
 

@@ -22,7 +22,7 @@ from helpers.held import held_bytes, holds_no_copy, state_bytes  # noqa: E402
 from nanbisect import Guard, NonFiniteStep, Task
 from nanbisect.bundle.format import read_bundle
 from nanbisect.guard import keep
-from nanbisect.pipeline.step import rebuild_note
+from nanbisect.pipeline.analysis import rebuild_note
 from nanbisect.replay.replayer import Replayer
 
 ENTRY = "tests/guard/test_rebuild.py:task"

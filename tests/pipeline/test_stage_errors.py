@@ -15,8 +15,8 @@ import pytest
 import nanbisect.chain
 import nanbisect.finish
 import nanbisect.history
-import nanbisect.pipeline.step
-import nanbisect.pipeline.step as step_stage
+import nanbisect.pipeline.analysis
+import nanbisect.pipeline.analysis as step_stage
 import nanbisect.report.page
 import nanbisect.report.write
 from helpers import invoke, tree_digest
@@ -154,7 +154,7 @@ def test_an_internal_error_before_the_verdict_is_exit_4_in_one_line(fixture_bund
                                                                     monkeypatch):
     bundle = fixture_bundle(BUNDLE)
     before = tree_digest(bundle)
-    monkeypatch.setattr(nanbisect.pipeline.step, "_decide", _boom("decide"))
+    monkeypatch.setattr(nanbisect.pipeline.analysis, "_decide", _boom("decide"))
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))     # where the log goes
     res = invoke("run", bundle, "--target", "cpu", "--out", tmp_path / "out")
     line = res.stderr.strip()

@@ -16,7 +16,7 @@ from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput
 from nanbisect.pipeline.common import (Progress, RunOptions, captured_type, guarded,
                                        reference_kernels_note, target_wrap)
-from nanbisect.pipeline.step import analyse
+from nanbisect.pipeline.analysis import analyse
 from nanbisect.records import fidelity_tier
 from nanbisect.reference import kernels as registry
 from nanbisect.reference.window import replay_window

@@ -25,7 +25,7 @@ from nanbisect.report.prose import rebuild_note
 from nanbisect.pipeline.common import (Progress, RunOptions, StepRun, after_verdict,
                                        guarded, reference_kernels_note, target_wrap,
                                        recorded_failure)
-from nanbisect.pipeline.compiled import (backend_of, compiler_report, opposite_note,
+from nanbisect.pipeline.compiler_verdict import (backend_of, compiler_report, opposite_note,
                                          replay_compiled)
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, Fidelity, Losses,
                                ModuleRepro, OpFinding, OpRecording, RunFacts, StepOutcome,
@@ -47,7 +47,7 @@ def analyse(bundle: Bundle, opts: RunOptions, progress: Progress, target: str,
             t_dev: torch.device, t_dtype: torch.dtype | None, tmp: Path,
             ref: tuple[torch.device, torch.dtype | None] | None) -> tuple[Report, Replayer]:
     """One step: replay, reference, verdict and the passes that find a culprit (the one step of
-    `run_bundle`, and the step a ``--steps`` window chose: `nanbisect.pipeline.window`; ``ref``:
+    `run_bundle`, and the step a ``--steps`` window chose: `nanbisect.pipeline.steps`; ``ref``:
     the reference `run_bundle` resolved from ``opts.reference``, None for none)."""
     view = Manifest.of(bundle)
     reference = str(opts.reference)

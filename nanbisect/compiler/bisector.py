@@ -1,4 +1,4 @@
-"""The bisection's own process: ``python -m nanbisect.compiler.child BUNDLE OUT.json --device D
+"""The bisection's own process: ``python -m nanbisect.compiler.bisector BUNDLE OUT.json --device D
 [--entry E]`` (started by `nanbisect.compiler.launch`, forked from the fork server).
 
 It rebuilds the bundle's step, hands torch's ``CompilerBisector.do_bisect`` a function that
@@ -114,7 +114,7 @@ def attribute(rep: Replayer, op: str, backend: str) -> CallId | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="nanbisect.compiler.child")
+    ap = argparse.ArgumentParser(prog="nanbisect.compiler.bisector")
     ap.add_argument("bundle")
     ap.add_argument("out")
     ap.add_argument("--device", default="cpu")
