@@ -41,7 +41,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from pathlib import Path
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
 
@@ -140,6 +140,9 @@ class Chain:
     start_repro: Callable | None = None
     probe: ModuleProbe = field(init=False, repr=False)
     tape: RandomTape | None = field(init=False, default=None, repr=False)
+    # the target's step as pass 1 left it, taken before the reference's task was built
+    # (`reference_side` given pass 1's outcome); None: `reference` takes it
+    target_state: Any = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.probe = ModuleProbe(self.rep.task.model)
@@ -163,6 +166,7 @@ class Chain:
         announced. (its outcome, the probe table)."""
         self.progress("module-pass", _FIRST_PASS[self.serving].format(on=on))
         self.tape = tape = RandomTape() if reference else None
+        self.target_state = None
         probed = probing(self.probe)
         phase = probed if watch is None else (
             lambda name: stacked(probed(name), watch.phase(name)))
@@ -173,11 +177,16 @@ class Chain:
         return first, self.probe.read()
 
     def reference_side(self, build: Callable[[], Replayer], on: str = "", served: tuple = (),
-                       around: Callable[[], ContextManager] = nullcontext) -> ReferenceSide:
+                       around: Callable[[], ContextManager] = nullcontext,
+                       first: StepOutcome | None = None) -> ReferenceSide:
         """The reference side on the replayer ``build()`` makes (the reference kernels'
         plug-ins loaded first; a rank builds it before its first pass, as its task build may
         run collectives); ``served``/``around``: how its collectives are served
-        (`ReferenceSide`). ``on``: the reference, as announced."""
+        (`ReferenceSide`). ``on``: the reference, as announced. Given pass 1's outcome
+        (``first``), the target's step state is taken before ``build`` runs: a task factory
+        that hands out shared objects cannot move it."""
+        if first is not None:
+            self.target_state = step_state(self.rep, first)
         registry.load_plugins()
         self.progress("reference", _REFERENCE_BUILD[self.serving].format(on=on))
         return ReferenceSide(self.guard(build, "building the task on the reference"),
@@ -188,7 +197,8 @@ class Chain:
         its random ops draw what the target's drew; it is compared with the target's step as
         it stands now (taken before any later pass moves the parameters)."""
         tape = self.tape
-        target_state = step_state(self.rep, first)
+        target_state = self.target_state if self.target_state is not None \
+            else step_state(self.rep, first)
         said = _REFERENCE_RUN[self.serving]
         if said is not None:
             self.progress("reference", said)

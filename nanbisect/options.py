@@ -69,6 +69,10 @@ class RunOptions:
                 object.__setattr__(self, name, _spec(value, none_ok=name == "reference"))
         if isinstance(self.ranks, str):
             object.__setattr__(self, "ranks", tuple(check_ranks(self.ranks)))
+        elif self.ranks is not None:      # built directly: the same sorted set of ranks
+            object.__setattr__(self, "ranks", tuple(check_ranks(_ranks_text(self.ranks))))
+        if self.steps is not None:        # built directly (the self-test, a script): in range
+            NUMBERS["--steps"].check(self.steps, "run")
 
     @classmethod
     def parse(cls, *, target: str | DeviceSpec | None = None,

@@ -182,13 +182,13 @@ def piece_times(guard: nanbisect.Guard, reps: int, batch, k: int | None = None,
     keeper = Keeper(on_host=guard._keeper.on_host if guard._keeper is not None else
                     dev.type == "cpu")
     bufs = early.early_copies(buffers)
-    scaler_state = scaler_state(task)
+    scaler_kept = scaler_state(task)
     rng = RngState.get(accel)
     groups = [{kk: v for kk, v in g.items() if kk != "params"} for g in opt.param_groups]
     at = [0]
 
     def take_k():     # a snapshot written (a file on the CPU; pinned host memory on a GPU)
-        keeper.take(at[0], model, opt, scaler_state, bufs)
+        keeper.take(at[0], model, opt, scaler_kept, bufs)
         done()
 
     def record():     # the step's record: RNG (read), groups and a copy of the batch

@@ -124,11 +124,16 @@ def run(
     checks.environment("run", ["--remedy-budget"] if no_remedies or remedy_budget is not None
                        else [])
     path = checks.one_bundle(bundle, ckpt)
-    options = run_options(path, target=target, reference=reference, entry=entry, inject=inject,
-                          code=code, ranks=ranks, steps=steps,
-                          remedies=False if no_remedies else remedy_budget,
-                          run_top_level=run_top_level,
-                          out=out if out is not None else path / "nanbisect-report")
+    try:
+        options = run_options(path, target=target, reference=reference, entry=entry,
+                              inject=inject, code=code, ranks=ranks, steps=steps,
+                              remedies=False if no_remedies else remedy_budget,
+                              run_top_level=run_top_level,
+                              out=out if out is not None else path / "nanbisect-report")
+    except BadInput:
+        raise
+    except Exception as e:  # noqa: BLE001 - e.g. --out unreadable: no verdict, exit 4
+        internal_error(e)
     return _run(path, options, as_json=as_json, quiet=quiet)
 
 

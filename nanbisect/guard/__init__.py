@@ -6,7 +6,7 @@ reading and its exact checks), its `Failures` (`failing`: a failing step bundled
 its `Spikes` (`spikes`: `Spike`), sharing one `Guarded` and one `Progress` (`guarded`); `entry`
 (the checks before training starts), `snapshot` (the pre-step copies), `keep` and `stores` (the
 snapshot kept off the device and the rebuild), `screen` (the per-step screen and the exact
-check), `write` (the bundle's manifest and tensors, `capture`, the rescue), `coord` (rank
+check), `freeze` (the bundle's manifest and tensors, `capture`, the rescue), `coord` (rank
 coordination and what the ranks write once), `parts` (the multi-rank bundle on disk), `agree`
 (the ranks' agreement through the store), `deadline` (bounded waits) and `retape` (the failing
 step run again to record its collectives). Guarantees: importing this package imports those
@@ -27,7 +27,7 @@ What the package's modules share (their named interface inside the stage; nothin
   `screen_sum` is also scripts/bench_history.py's;
 - `snapshot`: `Snapshot` (the pre-step copies; also scripts/bench_guard.py's), `live_scale`
   (the scaler's live scale tensor), `model_tensors`;
-- `write`: `write_step` (a step's bundle, every rank its part), `scaler_state` (the scaler's
+- `freeze`: `write_step` (a step's bundle, every rank its part), `scaler_state` (the scaler's
   state as a bundle stores it), `free_path` (where a Guard's bundle goes), `write_or_rescue`;
 - `coord`: `ranks_max` (the largest value of all ranks), `merged_groups` (one process-group
   layout from every rank's view) and `measured_or_not` (an out-of-sync tensor's largest

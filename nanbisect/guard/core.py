@@ -198,9 +198,17 @@ class Guard:
     def max_scaler_skips(self) -> int:
         return self._guarded.max_scaler_skips
 
+    @max_scaler_skips.setter
+    def max_scaler_skips(self, value: int) -> None:     # settable, as before the collaborators
+        self._guarded.max_scaler_skips = value
+
     @property
     def spike(self) -> Spike | None:
         return self._spikes.spike
+
+    @spike.setter
+    def spike(self, value: Spike | None) -> None:
+        self._spikes.spike = value
 
     @property
     def spikes(self) -> list[Path]:

@@ -20,14 +20,16 @@ The modules, and what they share (the package's interface between its modules; e
 with an underscore stays in its module):
 - `run` (`run_bundle`, `STAGES`): read, target, a multi-rank bundle handed to its launcher, one
   step or a ``--steps`` window, the report written;
-- `window` (`window.run_steps`, called by `run`): ``--steps K``;
-- `step` (`step.analyse`, called by `run` and `window`): one step through the chain of passes
-  (`nanbisect.chain`, `Serving.NONE`) and its verdict, the culprit's or the divergence's report;
-- `compiled`: a compiled capture's replay and verdict (called by `step`);
-- `common`: `RunOptions`; `StepRun`, the state `step` and `compiled` share once pass 1 has run
-  (its chain, options, facts, probe table, notes, errors after the verdict); `guarded`, user code
-  failing as a one-line `BadInput` (the chain's guard, and `window`'s); `target_wrap` and
-  `reference_kernels_note`, the target's context; `captured_type`, `recorded_failure`.
+- `steps` (`steps.run_steps`, called by `run`): ``--steps K``;
+- `analysis` (`analysis.analyse`, called by `run` and `steps`): one step through the chain of
+  passes (`nanbisect.chain`, `Serving.NONE`) and its verdict, the culprit's or the divergence's
+  report;
+- `compiler_verdict`: a compiled capture's replay and verdict (called by `analysis`);
+- `common`: `RunOptions`; `StepRun`, the state `analysis` and `compiler_verdict` share once
+  pass 1 has run (its chain, options, facts, probe table, notes, errors after the verdict);
+  `guarded`, user code failing as a one-line `BadInput` (the chain's guard, and `steps`');
+  `target_wrap` and `reference_kernels_note`, the target's context; `captured_type`,
+  `recorded_failure`.
 """
 from __future__ import annotations
 

@@ -200,7 +200,7 @@ def _reference_side(chain: Chain, bundle: Bundle, first: StepOutcome, ref, refer
     rep = chain.rep
     side = chain.reference_side(lambda: Replayer(bundle, ref[0], ref[1], entry=rep.entry,
                                                  run_top_level=rep.run_top_level),
-                                reference)
+                                reference, first=first)
     try:
         chain.reference(side, first)
     except BadInput as e:

@@ -194,6 +194,14 @@ class Processes:
         return self
 
     def __exit__(self, kind, value, tb) -> None:
+        if kind is None:
+            # children the block left running are ended and reaped too (their output stays
+            # readable: `said`)
+            for key, child in list(self.children.items()):
+                if self.codes.get(key) is None:
+                    stop(child)
+                    self.codes[key] = child.returncode
+            return
         if kind is not None:
             for key, child in list(self.children.items()):
                 if self.codes.get(key) is None:

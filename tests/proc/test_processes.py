@@ -97,6 +97,16 @@ def test_an_exception_in_the_block_ends_and_reaps_every_child():
     assert [_zombie_or_gone(p) for p in pids] == ["gone", "gone"]
 
 
+def test_a_block_that_ends_leaves_no_child_running_and_output_readable():
+    with proc.Processes() as ps:
+        ps.exec(0, [sys.executable, "-c", "print('hi')"], output=True)
+        ps.wait(timeout=60)
+        ps.exec(1, [sys.executable, "-c", SLEEP])
+        pid = ps.children[1].pid
+    assert ps.codes == {0: 0, 1: -signal.SIGKILL} and _zombie_or_gone(pid) == "gone"
+    assert ps.said(0) == ("hi\n", "")
+
+
 def test_kill_from_another_thread_signals_without_waiting():
     import threading
 
