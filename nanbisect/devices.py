@@ -502,16 +502,16 @@ def environment() -> dict:
     return out
 
 
-def collective_backend(specs: list[str]) -> str | None:
+def collective_backend(placed: list[torch.device]) -> str | None:
     """The process group's backend for the devices of both sides of a multi-rank replay: the
     one type's backend (``gloo`` for CPU, ``nccl`` for CUDA, ``hccl`` for NPU), or both at once
     (``cpu:gloo,cuda:nccl``) for an accelerator target with a CPU reference or the reverse;
     None (torch's default for the devices) otherwise.
 
-    >>> collective_backend(["cpu", "cpu:float64"])
+    >>> collective_backend([HOST, HOST])
     'gloo'
     """
-    types = sorted({parse(s)[0].type for s in specs}, key=lambda t: not on_host(t))
+    types = sorted({d.type for d in placed}, key=lambda t: not on_host(t))
     if len(types) == 1:
         return entry(types[0]).backend
     if len(types) == 2 and on_host(types[0]):

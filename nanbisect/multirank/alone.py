@@ -23,6 +23,8 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
+import torch
+
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.bundle.tape import ROLE, Entry, TapeMismatch, parse
@@ -102,9 +104,10 @@ def _through(server: TapeServer, root) -> tuple[Entry | None, int]:
 
 
 def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, inject: str | None,
-                 entry: str | None = None, reference: str | None = None,
-                 stage=lambda s: None, remedies: int = 0,
-                 run_top_level: bool = False) -> RankResult:
+                 entry: str | None = None,
+                 reference: tuple[torch.device, torch.dtype | None] | None = None,
+                 stage=lambda s: None, remedies: int = 0, run_top_level: bool = False, *,
+                 placed: tuple[torch.device, torch.dtype | None]) -> RankResult:
     top = read_bundle(bundle_path, verify=False)   # the launcher verified this rank's part
     part = top.part(rank)
     recorded = Manifest.of(part).collectives
@@ -112,7 +115,7 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
         raise BadInput(f"bundle '{top.path}': rank {rank}'s part {NO_TAPE}")
     server = TapeServer(recorded, part.tensors(ROLE), where=f"bundle '{part.path}'")
     stage("building the task")
-    rep, observer = rank_replayer(part, target, entry, server, run_top_level)
+    rep, observer = rank_replayer(part, placed, entry, server, run_top_level)
     inject_wrap = load_inject(inject) if inject else nullcontext
     # served collectives underneath everything else: the recorder sees their output as theirs;
     # a single op re-run alone (the op check) gets the injection only

@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from nanbisect import devices
+import torch
+
 from nanbisect.chain import Chain, Located, ReferenceSide
 from nanbisect.multirank.ddp import ReductionObserver, observe_default_hook, observing_comm_hooks
 from nanbisect.records import (CallId, Divergence, OpFinding, RankReference, RankResult,
@@ -28,12 +29,14 @@ def call_stats(table: ProbeTable, call: CallId) -> dict[str, Stats | None] | Non
             "grad_leaving": c.grad_in}
 
 
-def rank_replayer(part, spec: str, entry: str | None, server=None, run_top_level: bool = False
+def rank_replayer(part, placed: tuple[torch.device, torch.dtype | None], entry: str | None,
+                  server=None, run_top_level: bool = False
                   ) -> tuple[Replayer, ReductionObserver]:
-    """This rank's part built on ``spec`` (an accelerator's device taken from LOCAL_RANK), with
-    DDP's gradient reductions observed; in lockstep without ``server``, else alone with the
-    collectives ``server`` gives (rewound at every restore). ``run_top_level``: `Replayer`'s."""
-    device, dtype = devices.local_device(spec)
+    """This rank's part built on ``placed`` (its device and dtype, decoded once by the worker:
+    `nanbisect.devices.local_device`), with DDP's gradient reductions observed; in lockstep
+    without ``server``, else alone with the collectives ``server`` gives (rewound at every
+    restore). ``run_top_level``: `Replayer`'s."""
+    device, dtype = placed
     observer = ReductionObserver({}, server=server)
     with observing_comm_hooks(observer):
         rep = Replayer(part, device, dtype, entry=entry, run_top_level=run_top_level)
@@ -46,7 +49,8 @@ def rank_replayer(part, spec: str, entry: str | None, server=None, run_top_level
     return rep, observer
 
 
-def rank_reference(chain: Chain, part, spec: str, entry: str, server=None
+def rank_reference(chain: Chain, part, placed: tuple[torch.device, torch.dtype | None],
+                   entry: str, server=None
                    ) -> tuple[ReferenceSide, ReductionObserver]:
     """This rank's reference side (``--reference``): the same part, the same world (or, with
     ``server``, the same served collectives, its inputs unchecked: the reference's differ), on
@@ -55,7 +59,7 @@ def rank_reference(chain: Chain, part, spec: str, entry: str, server=None
     observers: list[ReductionObserver] = []
 
     def build():
-        rep, observer = rank_replayer(part, spec, entry, server)
+        rep, observer = rank_replayer(part, placed, entry, server)
         observers.append(observer)
         return rep
 

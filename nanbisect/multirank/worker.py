@@ -44,6 +44,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -92,13 +93,17 @@ def _stage_file(partial: Path, rank: int):
 
 
 def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | None,
-                entry: str | None = None, reference: str | None = None,
-                remedies: int = 0, run_top_level: bool = False) -> RankResult:
+                entry: str | None = None,
+                reference: tuple[torch.device, torch.dtype | None] | None = None,
+                remedies: int = 0, run_top_level: bool = False, *,
+                placed: tuple[torch.device, torch.dtype | None]) -> RankResult:
+    """This rank's replay in lockstep: ``target`` as said (repros, messages), ``placed`` its
+    device and dtype, ``reference`` the reference's (both decoded once by `_replay`)."""
     rank = dist.get_rank()
     top = read_bundle(bundle_path)
     part = top.part(rank)
     _stage("building the task")
-    rep, observer = rank_replayer(part, target, entry, run_top_level=run_top_level)
+    rep, observer = rank_replayer(part, placed, entry, run_top_level=run_top_level)
     model = rep.task.model
     wrap = load_inject(inject) if inject else nullcontext
     # every rank runs the same passes, in step: how collectives are served in lockstep
@@ -216,12 +221,6 @@ def _watch_launcher(partial: Path) -> None:
     proc.exit_when_free(partial, lambda: shutil.rmtree(partial, ignore_errors=True))
 
 
-def _backend(specs: list[str]) -> str | None:
-    """The process group's backend for the devices of both sides (the device seam's
-    `nanbisect.devices.collective_backend`)."""
-    return devices.collective_backend(specs)
-
-
 def _arguments() -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     ap.add_argument("bundle")
@@ -251,7 +250,10 @@ def _diagnosable(partial: Path, rank: int, timeout: float) -> None:
 
 
 def _replay(a: argparse.Namespace, rank: int, partial: Path, out: Path) -> None:
-    """This rank's replay in lockstep with the others, or alone on the fake process group."""
+    """This rank's replay in lockstep with the others, or alone on the fake process group;
+    its devices decoded from the argument list's text once, here."""
+    placed = devices.local_device(a.target)
+    reference = devices.local_device(a.reference) if a.reference else None
     if a.alone:
         # torch's fake process group: rank r of the world, communicating nothing
         from nanbisect.multirank.alone import replay_alone
@@ -260,16 +262,16 @@ def _replay(a: argparse.Namespace, rank: int, partial: Path, out: Path) -> None:
         dist.init_process_group("fake", rank=rank, store=fake_store(),
                                 world_size=int(os.environ["WORLD_SIZE"]))
         result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
-                              a.reference, stage=_stage, remedies=a.remedies,
-                              run_top_level=a.run_top_level)
+                              reference, stage=_stage, remedies=a.remedies,
+                              run_top_level=a.run_top_level, placed=placed)
         out.write_text(dumps(result.to_json()))
         return
     # longer than the launcher's deadline: a hang is the launcher's to diagnose (it asks every
     # rank where it is), not a gloo timeout on the rank that waited for it
-    backend = _backend([a.target] + ([a.reference] if a.reference else []))
+    backend = devices.collective_backend([placed[0]] + ([reference[0]] if reference else []))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=a.timeout + 30))
-    result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry, a.reference,
-                         remedies=a.remedies, run_top_level=a.run_top_level)
+    result = replay_rank(Path(a.bundle), partial, a.target, a.inject, a.entry, reference,
+                         remedies=a.remedies, run_top_level=a.run_top_level, placed=placed)
     out.write_text(dumps(result.to_json()))
     _stage("finished, waiting for the other ranks")
     dist.barrier()
