@@ -19,7 +19,6 @@ import torch
 from nanbisect import Guard, NonFiniteStep, devices
 from nanbisect.bundle.format import read_bundle
 from nanbisect.errors import BadInput
-from nanbisect.multirank.worker import _backend
 from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.task import import_target
 from nanbisect.util.spec import DeviceSpec
@@ -84,7 +83,9 @@ def test_a_test_device_type_runs_capture_replay_and_op_check_through_the_seam(tm
         captured = dict(dt.used)
         report = run_bundle(bundle.path, RunOptions(reference="cpu", run_repro=False),
                             tmp_path / "report")
-        backend = _backend(["cpu", "cpu:float64"])
+        # a rank worker's: its --target and --reference text decoded once, then the backend
+        backend = devices.collective_backend(
+            [devices.local_device(text)[0] for text in ("cpu", "cpu:float64")])
     # capture: the RNG, the side-stream snapshot and the fingerprint came from the entry
     assert captured.get("rng", 0) >= 1 and captured.get("streams", 0) >= 3, captured
     assert bundle.manifest["environment"]["hardware"]["cpu"]["test_device"] == "counting-cpu"
@@ -116,8 +117,9 @@ def test_registering_a_type_makes_its_strings_parse_and_its_backend_chosen():
         assert devices.parse("privateuseone:1")[0] == torch.device("privateuseone", 1)
         with pytest.raises(BadInput, match="not available"):
             devices.parse("privateuseone:2")
-        assert devices.collective_backend(["privateuseone"]) == "fakeccl"
-        both = devices.collective_backend(["privateuseone", "cpu"])
+        one = torch.device("privateuseone", 1)
+        assert devices.collective_backend([one]) == "fakeccl"
+        both = devices.collective_backend([one, devices.HOST])
         assert both == "cpu:gloo,privateuseone:fakeccl"
         assert "privateuseone" in devices.accelerators()
         assert devices.default_reference(torch.device("privateuseone", 0)) == DeviceSpec("cpu")
