@@ -51,9 +51,28 @@ def check_tape(bundle: Bundle, ranks: list[int]) -> None:
             raise BadInput(f"bundle '{bundle.path}': rank {r}'s part {NO_TAPE}")
         entries, _ = parse(recorded, f"bundle '{part.path}'")
         if any(e.kind == "p2p" for e in entries):
-            raise BadInput(f"bundle '{bundle.path}': rank {r}'s step sends and receives (a "
-                           "pipelined step), whose values the capture does not serve to a "
-                           "replay of some ranks yet; replay all ranks (drop --ranks)")
+            raise BadInput(_pipelined(bundle, r))
+
+
+def _pipelined(bundle: Bundle, r: int) -> str:
+    return (f"bundle '{bundle.path}': rank {r}'s step sends and receives point to point (a "
+            "pipeline-parallel step), which nanbisect cannot replay yet (its ranks' replays "
+            "would wait on each other's sends until NANBISECT_RANK_TIMEOUT); `nanbisect "
+            "inspect` shows what it holds, and the same failure captured without pipeline "
+            "parallelism replays")
+
+
+def check_pipelined(bundle: Bundle) -> None:
+    """`BadInput` before any rank starts for a pipelined bundle (its lowest rank's recorded
+    step sends or receives point to point: every stage of a pipeline does): the replay of its
+    sends and receives is not built yet. Reads one part's tape, unverified (only its kinds)."""
+    r = min(Manifest.of(bundle).ranks)
+    recorded = Manifest.of(bundle.part(r, verify=False)).collectives
+    if recorded is None:
+        return
+    entries, _ = parse(recorded, f"bundle '{bundle.path}'")
+    if any(e.kind == "p2p" for e in entries):
+        raise BadInput(_pipelined(bundle, r))
 
 
 def _recorded(top: Bundle, r: int):
