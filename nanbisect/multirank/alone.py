@@ -62,12 +62,13 @@ def _pipelined(bundle: Bundle, r: int) -> str:
             "parallelism replays")
 
 
-def check_pipelined(bundle: Bundle) -> None:
-    """`BadInput` before any rank starts for a pipelined bundle (its lowest rank's recorded
-    step sends or receives point to point: every stage of a pipeline does): the replay of its
-    sends and receives is not built yet. Reads one part's tape, unverified (only its kinds)."""
+def check_pipelined(bundle: Bundle, first: Bundle) -> None:
+    """`BadInput` before any rank starts for a pipelined bundle (its lowest rank's part,
+    ``first``: its recorded step sends or receives point to point, as every stage of a
+    pipeline does): the replay of its sends and receives is not built yet. Reads that part's
+    tape, unverified (only its kinds)."""
     r = min(Manifest.of(bundle).ranks)
-    recorded = Manifest.of(bundle.part(r, verify=False)).collectives
+    recorded = Manifest.of(first).collectives
     if recorded is None:
         return
     entries, _ = parse(recorded, f"bundle '{bundle.path}'")

@@ -112,8 +112,9 @@ def _run_bundle_at(path: str | Path, opts: RunOptions, out: Path | None,
         devices.default_reference(t_dev)
     ref = None if reference.none else devices.resolve(reference)
     opts = replace(opts, target=target, reference=reference)
-    opts, code_note = _which_code(bundle, opts)
-    _check_top_level(bundle, opts)     # before anything is replayed or written
+    source = _source(bundle)
+    opts, code_note = _which_code(bundle, source, opts)
+    _check_top_level(bundle, source, opts)     # before anything is replayed or written
     if not bundle.multi_rank:          # (a multi-rank part's says so from its rank)
         Replayer.check_batch(bundle)   # a batch the capture could not store: before the import
     if opts.ranks is not None and not bundle.multi_rank:
@@ -129,7 +130,7 @@ def _run_bundle_at(path: str | Path, opts: RunOptions, out: Path | None,
 
         subset = within_world(opts.ranks, bundle.world_size) if opts.ranks is not None else None
         _check_partial(bundle, subset)
-        check_pipelined(bundle)            # its sends and receives: before any rank starts
+        check_pipelined(bundle, source)    # its sends and receives: before any rank starts
         if subset is not None:
             check_tape(bundle, subset)     # verifies each replayed part, and what it references
         if opts.inject:
@@ -171,12 +172,19 @@ def _check_partial(bundle: Bundle, subset: list[int] | None) -> None:
                    f"it holds (--ranks {present})")
 
 
-def _check_top_level(bundle: Bundle, opts: RunOptions) -> None:
-    """`BadInput` (`nanbisect.task.gate`) when the entry the replays import does more than
-    define at its top level and neither ``--run-top-level`` nor the captured Task allows it."""
-    source = bundle
-    if bundle.multi_rank:
-        source = bundle.part(min(Manifest.of(bundle).ranks), verify=False)
+def _source(bundle: Bundle) -> Bundle:
+    """What the entry and the code are read from, once per run: the bundle, or a multi-rank
+    bundle's lowest rank's part (read unverified: ``--ranks`` may leave it out; what of it is
+    imported is verified where it is chosen, `_which_code`)."""
+    if not bundle.multi_rank:
+        return bundle
+    return bundle.part(min(Manifest.of(bundle).ranks), verify=False)
+
+
+def _check_top_level(bundle: Bundle, source: Bundle, opts: RunOptions) -> None:
+    """`BadInput` (`nanbisect.task.gate`) when the entry the replays import (``source``'s: the
+    bundle, or a multi-rank bundle's first part) does more than define at its top level and
+    neither ``--run-top-level`` nor the captured Task allows it."""
     if opts.run_top_level:
         return
     if top_level_recorded(source.manifest):    # an opt-in that travels: said before it runs
@@ -189,19 +197,18 @@ def _check_top_level(bundle: Bundle, opts: RunOptions) -> None:
     check_entry(opts.entry or resolve_entry(source), [source.path])
 
 
-def _which_code(bundle: Bundle, opts: RunOptions) -> tuple[RunOptions, str | None]:
+def _which_code(bundle: Bundle, source: Bundle, opts: RunOptions
+                ) -> tuple[RunOptions, str | None]:
     """``opts`` with the entry every replay of this run imports (`code_choice`: the local files
     or the bundle's stored copies, ``--code``), and the note saying which and why; ``opts``
     as given for ``--entry`` and for a bundle that carries no copy of its code (unless
-    ``--code`` asks). A multi-rank bundle's choice is made on its first part's code."""
+    ``--code`` asks). A multi-rank bundle's choice is made on its first part's code
+    (``source``)."""
     if opts.entry is not None:
         if opts.code == "bundle":
             raise BadInput(f"--code bundle replays the bundle's own entry from its stored copy; "
                            f"drop --entry {opts.entry}, or drop --code bundle")
         return opts, None
-    source = bundle
-    if bundle.multi_rank:
-        source = bundle.part(min(Manifest.of(bundle).ranks), verify=False)
     entry, note = code_choice(source, opts.code)
     if note is None:
         return opts, None

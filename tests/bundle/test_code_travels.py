@@ -179,7 +179,7 @@ def test_ranks_leaving_out_the_lowest_rank_still_verifies_the_stored_code(tmp_pa
     from nanbisect.bundle.format import read_bundle
     from nanbisect.errors import BadInput
     from nanbisect.pipeline.common import RunOptions
-    from nanbisect.pipeline.run import _which_code
+    from nanbisect.pipeline.run import _source, _which_code
 
     bundle = _captured(tmp_path)
     m = json.loads((bundle / "manifest.json").read_text())
@@ -193,10 +193,12 @@ def test_ranks_leaving_out_the_lowest_rank_still_verifies_the_stored_code(tmp_pa
             assert rank == 0 and not verify
             return read_bundle(bundle, verify=False)
 
-    opts, note = _which_code(TwoRanks(), RunOptions(code="bundle"))
+    two = TwoRanks()
+    opts, note = _which_code(two, _source(two), RunOptions(code="bundle"))
     assert opts.entry.startswith(str(bundle / "code")) and "--code bundle" in note
     stored.write_text(stored.read_text() + "\nimport os  # altered\n")
     with pytest.raises(BadInput, match="does not match its sha256"):
-        _which_code(TwoRanks(), RunOptions(code="bundle"))
+        _which_code(two, _source(two), RunOptions(code="bundle"))
     # the local files chosen: the stored copy is not imported, not read
-    assert _which_code(TwoRanks(), RunOptions(code="local"))[0].entry.startswith(str(TASKS))
+    local, _ = _which_code(two, _source(two), RunOptions(code="local"))
+    assert local.entry.startswith(str(TASKS))
