@@ -17,27 +17,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from helpers.rules import PKG, Aliases, Finding, modules
+from helpers.rules import PKG, Aliases, Finding, absolute_module, parsed, rel_path
 
-
-def _rel(path: Path, pkg: Path) -> str:
-    return path.relative_to(pkg.parent).as_posix()
-
-
-def _parsed(pkg: Path):
-    for path in modules(pkg):
-        tree = ast.parse(path.read_text(), str(path))
-        yield path, tree, Aliases(tree, path, pkg)
-
-
-def _absolute(node: ast.ImportFrom, path: Path, pkg: Path) -> str:
-    """The module a from-import names, relative imports resolved."""
-    if not node.level:
-        return node.module or ""
-    me = list(path.relative_to(pkg.parent).with_suffix("").parts)
-    base = me[:-1]      # a module's package; an __init__'s is its own
-    base = base[:len(base) - node.level + 1]
-    return ".".join(base + ([node.module] if node.module else []))
 
 # the passes: a module that imports or calls one of these wires a pass itself, and the other
 # paths would not get it. Pass 1 (the module probe), the reference side's replay and its
@@ -78,13 +59,13 @@ def _from_home(module: str, pkg: Path) -> bool:
 
 def passes_outside(pkg: Path = PKG) -> list[Finding]:
     out = []
-    for path, tree, al in _parsed(pkg):
-        rel = _rel(path, pkg)
+    for path, tree, al in parsed(pkg):
+        rel = rel_path(path, pkg)
         if _home(rel, pkg):
             continue
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                base = _absolute(node, path, pkg)
+                base = absolute_module(node, path, pkg)
                 if not _from_home(base, pkg):
                     continue
                 for a in node.names:
@@ -119,8 +100,8 @@ def _chains(pkg: Path):
     """(module path, line, the Serving member given or None, what was given) of every
     ``Chain(...)`` call."""
     members = _serving_members()
-    for path, tree, al in _parsed(pkg):
-        rel = _rel(path, pkg)
+    for path, tree, al in parsed(pkg):
+        rel = rel_path(path, pkg)
         for node in ast.walk(tree):
             if not (isinstance(node, ast.Call) and _is_chain(node.func, al, pkg)):
                 continue

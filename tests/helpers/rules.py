@@ -46,7 +46,8 @@ def modules(pkg: Path = PKG) -> list[Path]:
     return sorted(pkg.rglob("*.py"))
 
 
-def _rel(path: Path, pkg: Path) -> str:
+def rel_path(path: Path, pkg: Path) -> str:
+    """``path`` as the findings name it (``nanbisect/guard/core.py``)."""
     return path.relative_to(pkg.parent).as_posix()
 
 
@@ -61,7 +62,8 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def _absolute(node: ast.ImportFrom, path: Path, pkg: Path) -> str:
+def absolute_module(node: ast.ImportFrom, path: Path, pkg: Path) -> str:
+    """The module a from-import names, relative imports resolved."""
     if not node.level:
         return node.module or ""
     me = _modname(path, pkg).split(".")
@@ -87,7 +89,7 @@ class Aliases:
                     else:
                         self.of[a.name.split(".")[0]] = a.name.split(".")[0]
             elif isinstance(node, ast.ImportFrom):
-                base = _absolute(node, path, pkg)
+                base = absolute_module(node, path, pkg)
                 for a in node.names:
                     if a.name != "*":
                         self.of[a.asname or a.name] = f"{base}.{a.name}" if base else a.name
@@ -104,7 +106,8 @@ class Aliases:
         return ".".join([self.of[node.id]] + parts[::-1])
 
 
-def _parsed(pkg: Path):
+def parsed(pkg: Path):
+    """Each module of ``pkg``: (path, its AST, its import `Aliases`)."""
     for path in modules(pkg):
         tree = ast.parse(path.read_text(), str(path))
         yield path, tree, Aliases(tree, path, pkg)
@@ -132,8 +135,8 @@ CONTROL_METHODS = {"send_signal", "terminate", "kill"}
 
 def process_control(pkg: Path = PKG) -> list[Finding]:
     out = []
-    for path, tree, al in _parsed(pkg):
-        rel = _rel(path, pkg)
+    for path, tree, al in parsed(pkg):
+        rel = rel_path(path, pkg)
         if rel.startswith(f"{pkg.name}/proc/"):
             continue
         for node in ast.walk(tree):
@@ -155,7 +158,7 @@ def defined_private(pkg: Path = PKG) -> dict[str, set[str]]:
     """Each underscored name nanbisect defines (function, class, attribute assigned on
     ``self``/an object, a class-level or module-level name) -> the modules defining it."""
     out: dict[str, set[str]] = {}
-    for path, tree, _ in _parsed(pkg):
+    for path, tree, _ in parsed(pkg):
         me = _modname(path, pkg)
 
         def add(name: str) -> None:
@@ -192,8 +195,8 @@ def foreign_private(pkg: Path = PKG) -> list[Finding]:
     """Private names of torch (or of CPython, or any library) used outside the room."""
     ours = defined_private(pkg)
     out = []
-    for path, tree, al in _parsed(pkg):
-        rel = _rel(path, pkg)
+    for path, tree, al in parsed(pkg):
+        rel = rel_path(path, pkg)
         if rel == f"{pkg.name}/{ROOM}":
             continue
         library_room = rel == f"{pkg.name}/{LIBRARY_ROOM}"
@@ -207,7 +210,7 @@ def foreign_private(pkg: Path = PKG) -> list[Finding]:
                             and a.name.split(".")[0] != pkg.name:
                         out.append(Finding(rel, node.lineno, f"import {a.name}"))
             elif isinstance(node, ast.ImportFrom):
-                base = _absolute(node, path, pkg)
+                base = absolute_module(node, path, pkg)
                 if base.split(".")[0] == pkg.name:
                     continue
                 bad = [p for p in base.split(".") if _private(p)] + \
@@ -249,12 +252,12 @@ def private_across(pkg: Path = PKG) -> list[Finding]:
     an attribute that only another module defines."""
     ours = defined_private(pkg)
     out = []
-    for path, tree, al in _parsed(pkg):
-        rel, me = _rel(path, pkg), _modname(path, pkg)
+    for path, tree, al in parsed(pkg):
+        rel, me = rel_path(path, pkg), _modname(path, pkg)
         in_room = rel == f"{pkg.name}/{ROOM}"     # its objects' attributes are torch's
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                base = _absolute(node, path, pkg)
+                base = absolute_module(node, path, pkg)
                 if base.split(".")[0] != pkg.name:
                     continue
                 for a in node.names:
@@ -284,8 +287,8 @@ def manifest_reads(pkg: Path = PKG) -> list[Finding]:
     """Reads of a manifest dict: on a name or attribute ending in ``manifest``, or on a name
     the module binds to one (``m = bundle.manifest``; ``m`` means the manifest module-wide)."""
     out = []
-    for path, tree, _ in _parsed(pkg):
-        rel = _rel(path, pkg)
+    for path, tree, _ in parsed(pkg):
+        rel = rel_path(path, pkg)
         if rel.startswith(f"{pkg.name}/bundle/"):
             continue
         bound = {t.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
@@ -313,8 +316,8 @@ SPEC_HOMES = {"options.py", "util/spec.py", "devices.py"}
 
 def spec_parses(pkg: Path = PKG) -> list[Finding]:
     out = []
-    for path, tree, _ in _parsed(pkg):
-        rel = _rel(path, pkg)
+    for path, tree, _ in parsed(pkg):
+        rel = rel_path(path, pkg)
         if rel.split("/", 1)[1] in SPEC_HOMES:
             continue
         for node in ast.walk(tree):
@@ -336,14 +339,14 @@ def module_imports(pkg: Path = PKG) -> dict[str, set[str]]:
     included (a name imported from a package that is a module counts as that module)."""
     graph: dict[str, set[str]] = {}
     names = {_modname(p, pkg) for p in modules(pkg)}
-    for path, tree, al in _parsed(pkg):
+    for path, tree, al in parsed(pkg):
         me, out = _modname(path, pkg), set()
         for node in ast.walk(tree):
             found = []
             if isinstance(node, ast.Import):
                 found = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
-                base = _absolute(node, path, pkg)
+                base = absolute_module(node, path, pkg)
                 found = [f"{base}.{a.name}" if f"{base}.{a.name}" in names else base
                          for a in node.names]
             elif isinstance(node, ast.Call) and al.dotted(node.func) == "importlib.import_module" \
@@ -388,13 +391,13 @@ def import_cycles(pkg: Path = PKG) -> list[Finding]:
 
 def module_tricks(pkg: Path = PKG) -> list[Finding]:
     out = []
-    for path, tree, _ in _parsed(pkg):
+    for path, tree, _ in parsed(pkg):
         for node in ast.walk(tree):
             targets = node.targets if isinstance(node, ast.Assign) else \
                 [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
             for t in targets:
                 if isinstance(t, ast.Attribute) and t.attr == "__class__":
-                    out.append(Finding(_rel(path, pkg), node.lineno,
+                    out.append(Finding(rel_path(path, pkg), node.lineno,
                                        "a __class__ swapped: no callable-module trick"))
     return out
 
@@ -403,6 +406,6 @@ def same_names(pkg: Path = PKG) -> list[Finding]:
     seen: dict[str, list[str]] = {}
     for path in modules(pkg):
         if path.name not in ("__init__.py", "__main__.py"):
-            seen.setdefault(path.stem, []).append(_rel(path, pkg))
+            seen.setdefault(path.stem, []).append(rel_path(path, pkg))
     return [Finding(paths[0], 0, f"one module name, {len(paths)} modules: {', '.join(paths)}")
             for paths in seen.values() if len(paths) > 1]
