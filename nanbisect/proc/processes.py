@@ -194,18 +194,12 @@ class Processes:
         return self
 
     def __exit__(self, kind, value, tb) -> None:
-        if kind is None:
-            # children the block left running are ended and reaped too (their output stays
-            # readable: `said`)
-            for key, child in list(self.children.items()):
-                if self.codes.get(key) is None:
-                    stop(child)
-                    self.codes[key] = child.returncode
-            return
+        # every child the block left running is ended and reaped; after an error that error
+        # goes on (not a later one) and the outputs are closed, else they stay readable (`said`)
+        for key, child in list(self.children.items()):
+            if self.codes.get(key) is None:
+                stop(child, reraise=kind is None)
+                self.codes[key] = child.returncode
         if kind is not None:
-            for key, child in list(self.children.items()):
-                if self.codes.get(key) is None:
-                    stop(child, reraise=False)   # the block's error goes on, not a later one
-                    self.codes[key] = child.returncode
             for said in self.outputs.values():
                 said.close()
