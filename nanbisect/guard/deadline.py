@@ -25,29 +25,16 @@ limit; user code that blocks outside torch.distributed (a queue, a file lock) is
 from __future__ import annotations
 
 import datetime
-import os
-import threading
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nanbisect import devices
+from nanbisect.replay.p2p import RANK_TIMEOUT, StandIns, is_p2p, rank_timeout  # noqa: F401
 from nanbisect.util import torch_internals as ti
-from nanbisect.util.numbers import env
 from nanbisect.util.text import exception_line
 
-RANK_TIMEOUT = 600.0     # seconds (NANBISECT_RANK_TIMEOUT)
-P2P = ("c10d::send", "c10d::recv_", "c10d::recv_any_source_")
-
-
-def rank_timeout() -> float:
-    """``NANBISECT_RANK_TIMEOUT`` (seconds; `BadInput` when not a number > 0) when set; else the
-    job's own process-group timeout (what its collectives already wait: a rank that checkpoints
-    or evaluates for longer between steps is slow, not lost), else `RANK_TIMEOUT`."""
-    if os.environ.get("NANBISECT_RANK_TIMEOUT") is not None:
-        return env("NANBISECT_RANK_TIMEOUT", RANK_TIMEOUT)
-    return ti.group_timeout() or RANK_TIMEOUT
 
 
 class RankTimeout(Exception):
@@ -94,64 +81,35 @@ class Settled:
 
     def __init__(self) -> None:
         self.unmet: RankTimeout | None = None
-        self._threads: list[threading.Thread] = []
-        self._lock = threading.Lock()
+        self._stand_ins: StandIns | None = None
 
-    def _missed(self, e: RankTimeout) -> None:
-        with self._lock:
-            if self.unmet is None:
-                self.unmet = e
-
-    def settle(self, func, out: Any) -> Any:
+    def settle(self, func, out: Any, on_done=None) -> Any:
         """What a dispatched c10d op returned, its works bounded by the deadline: a collective's
         waited here (`wait`); a send's or receive's waited once, on a thread of its own, and
-        handed back as a work that completes with it (a pipeline schedule issues them together
-        and waits later: waiting for each at once would deadlock; gloo's send and receive works
-        never return from a second ``wait``). A receive from any source is left as it is (its
-        caller asks the work for the sender, which a stand-in cannot tell): bounded by the
-        process group's own timeout only."""
+        handed back as a work that completes with it, after ``on_done()`` (`StandIns`: a
+        pipeline schedule issues them together and waits later). A receive from any source is
+        left as it is (its caller asks the work for the sender, which a stand-in cannot tell):
+        bounded by the process group's own timeout only."""
         name = ti.schema_name(func)
         if name == "c10d::recv_any_source_":
             return out
-        p2p = name in P2P
         what = f"{func} (the failing step's re-run)"
-
-        def one(x: Any) -> Any:
-            w = ti.work_of(x)
-            if w is None:
-                return x
-            if not p2p:
-                wait(w, what)
-                return x
-            fut: torch.futures.Future = torch.futures.Future()
-
-            def watch() -> None:
-                try:
-                    wait(w, what)
-                except RankTimeout as e:
-                    self._missed(e)
-                    fut.set_exception(e)
-                    return
-                fut.set_result([])
-
-            t = threading.Thread(target=watch, name="nanbisect-p2p-deadline", daemon=True)
-            t.start()
-            self._threads.append(t)
-            return ti.work_of_future(fut)
-
-        return ti.tree_map(one, out)
+        if is_p2p(func):
+            if self._stand_ins is None:
+                self._stand_ins = StandIns(rank_timeout())
+            return self._stand_ins.hand_back(out, what, on_done)
+        for x in ti.tree_leaves(out):
+            if ti.work_of(x) is not None:
+                wait(x, what)
+        return out
 
     def finish(self) -> RankTimeout | None:
         """Wait for every watcher (each ends by the deadline); the first wait not met."""
-        for t in self._threads:
-            t.join()
-        self._threads.clear()
+        if self._stand_ins is not None and self.unmet is None:
+            missed = self._stand_ins.finish()
+            if missed is not None:
+                self.unmet = RankTimeout(*missed)
         return self.unmet
-
-
-def is_p2p(func) -> bool:
-    """Is ``func`` a point-to-point op (send, receive)?"""
-    return ti.schema_name(func) in P2P
 
 
 def all_reduce_max(flag: torch.Tensor, what: str) -> torch.Tensor:

@@ -23,7 +23,8 @@ import torch
 from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.bundle.tape import SCHEMA, Entry, input_digest
-from nanbisect.guard.deadline import BoundedWaits, RankTimeout, is_p2p
+from nanbisect.guard.deadline import BoundedWaits, RankTimeout
+from nanbisect.replay.p2p import is_p2p
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
                                           group_size, leaf_tensors, taped, wait_collective)
 from nanbisect.replay.recorder import read_args

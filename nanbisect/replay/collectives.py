@@ -45,32 +45,15 @@ def leaf_tensors(vals: list[Any]) -> list[torch.Tensor]:
 
 def group_size(func, args: tuple, kwargs: dict) -> int | None:
     """The size of the process group a collective runs on (None: not found)."""
-    pg = process_group(func, args, kwargs)
+    pg = ti.op_process_group(func, args, kwargs)
     return pg.size() if pg is not None else None
-
-
-def process_group(func, args: tuple, kwargs: dict):
-    import torch.distributed as dist
-
-    for v in list(args) + list(kwargs.values()):
-        if isinstance(v, torch.ScriptObject):
-            try:
-                return dist.ProcessGroup.unbox(v)
-            except (RuntimeError, TypeError, AttributeError):
-                continue
-        if isinstance(v, str) and func.namespace.endswith("c10d_functional"):
-            try:
-                return ti.resolve_process_group(v)
-            except (RuntimeError, KeyError, ValueError):
-                continue
-    return None
 
 
 def group_ranks(func, args: tuple, kwargs: dict) -> list[int] | None:
     """The global ranks of the process group a collective runs on (None: not found)."""
     import torch.distributed as dist
 
-    pg = process_group(func, args, kwargs)
+    pg = ti.op_process_group(func, args, kwargs)
     try:
         return sorted(dist.get_process_group_ranks(pg)) if pg is not None else None
     except (RuntimeError, ValueError, KeyError):

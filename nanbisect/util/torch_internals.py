@@ -266,6 +266,12 @@ def current_autograd_node():
     return torch._C._current_autograd_node()
 
 
+def in_backward() -> bool:
+    """Is the autograd engine running a backward on this thread (a node, a hook)?
+    ``torch._C._current_graph_task_id``: checked on 2.13.0 (-1 outside backward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def node_sequence_nr(node) -> int:
     """An autograd node's sequence number (the order forward made the nodes in).
     ``Node._sequence_nr()``: checked on 2.13.0."""
@@ -320,6 +326,26 @@ def group_timeout() -> float | None:
             return t.total_seconds()
     except Exception:  # noqa: BLE001 - a backend without these: unknown
         return None
+    return None
+
+
+def op_process_group(func, args: tuple, kwargs: dict):
+    """The process group a dispatched c10d or functional collective runs on (None: not found):
+    a boxed ``ProcessGroup`` argument, or a functional collective's group name.
+    ``ProcessGroup.unbox``: checked on 2.13.0."""
+    import torch.distributed as dist
+
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, torch.ScriptObject):
+            try:
+                return dist.ProcessGroup.unbox(v)
+            except (RuntimeError, TypeError, AttributeError):
+                continue
+        if isinstance(v, str) and func.namespace.endswith("c10d_functional"):
+            try:
+                return resolve_process_group(v)
+            except (RuntimeError, KeyError, ValueError):
+                continue
     return None
 
 
@@ -607,6 +633,16 @@ def trace_log_handler():
     except ImportError:
         return None
     return getattr(logging_internal, "LOG_TRACE_HANDLER", None)
+
+
+def schedule_ends(schedule: Any) -> tuple[bool, bool]:
+    """(is the first stage, is the last) of a torch.distributed.pipelining single-stage
+    schedule; a multi-stage (interleaved) one: whether any of its stages is. ``_stage``,
+    ``_stages``, ``is_first``, ``is_last``: checked on 2.13.0."""
+    stages = getattr(schedule, "_stages", None) or [getattr(schedule, "_stage", None)]
+    stages = [s for s in stages if s is not None]
+    return (any(bool(getattr(s, "is_first", False)) for s in stages),
+            any(bool(getattr(s, "is_last", False)) for s in stages))
 
 
 def compiled_original(model: Any) -> torch.nn.Module | None:
