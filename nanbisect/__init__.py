@@ -22,7 +22,7 @@ import importlib
 __version__ = "0.1.0"
 
 # public name -> module that defines it
-_LAZY = {"Task": "nanbisect.task", "capture": "nanbisect.guard", "Guard": "nanbisect.guard",
+_LAZY = {"Task": "nanbisect.task", "schedule_step": "nanbisect.task", "capture": "nanbisect.guard", "Guard": "nanbisect.guard",
          "StepWatch": "nanbisect.guard", "Spike": "nanbisect.guard",
          "NonFiniteStep": "nanbisect.errors", "BadInput": "nanbisect.errors",
          "reference_impl": "nanbisect.reference.kernels",
@@ -30,7 +30,7 @@ _LAZY = {"Task": "nanbisect.task", "capture": "nanbisect.guard", "Guard": "nanbi
 # subpackages reached as attributes before anything imported them
 _PACKAGES = {"api": "nanbisect.api"}
 
-__all__ = ["Task", "capture", "Guard", "StepWatch", "Spike", "NonFiniteStep", "BadInput",
+__all__ = ["Task", "schedule_step", "capture", "Guard", "StepWatch", "Spike", "NonFiniteStep", "BadInput",
            "reference_impl", "run", "triage", "__version__"]
 
 

@@ -10,9 +10,15 @@ are not finite) and ``scaler.update``, or a plain ``optimizer.step()``. The step
 replay can look at the values in between and stop early; ``phase(name)`` wraps each phase's code
 (probes, recorders). What it does not know: anything a custom loop does outside these fields (see
 `Guard.watch`).
+
+A pipeline stage's step (``Task(schedule=...)`` or ``Task(step_fn=...)``) runs its micro-batches'
+forward and backward itself, inside the one "forward" phase context; `op_phase` then tells a
+dispatch mode which of the two an op belongs to (the autograd engine runs backward), and the
+events after it are one "forward" (its loss: the last stage's, else None) and one "backward".
 """
 from __future__ import annotations
 
+import threading
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Iterator
@@ -23,6 +29,28 @@ from nanbisect import devices
 from nanbisect.errors import BadInput
 from nanbisect.task import Task
 from nanbisect.util import torch_internals as ti
+
+
+_running = threading.local()      # .pipelined: a pipeline stage's step is running here
+
+
+def op_phase(labelled: str) -> str:
+    """The phase of the op running now, given the phase the step's contexts say (``labelled``):
+    the same, except inside a pipeline stage's step, where an op the autograd engine runs (a
+    backward formula, a gradient hook's send) is "backward".
+
+    >>> op_phase("forward"), op_phase("optimizer")
+    ('forward', 'optimizer')
+    """
+    if labelled == "forward" and getattr(_running, "pipelined", False) and ti.in_backward():
+        return "backward"
+    return labelled
+
+
+def pipelined_running() -> bool:
+    """Is a pipeline stage's step running on this thread (its micro-batches are its module
+    calls: `nanbisect.replay.tracker.ModuleTracker.micro`)?"""
+    return getattr(_running, "pipelined", False)
 
 
 @dataclass
@@ -96,8 +124,11 @@ def run_step(task: Task, batch: Any,
     >>> [(e.phase, e.micro) for e in run_step(task, [torch.ones(3, 2), torch.zeros(3, 2)])]
     [('forward', 0), ('backward', 0), ('forward', 1), ('backward', 1), ('optimizer', 1)]
     """
+    if task.pipelined:
+        yield from _stage_step(task, batch, phase, before_update)
+        return
     mbs = micro_batches(task, batch)
-    scaler, opt = task.grad_scaler, task.optimizer
+    scaler = task.grad_scaler
     total = None
     for i, mb in enumerate(mbs):
         with phase("forward"), _autocast(task):
@@ -111,6 +142,36 @@ def run_step(task: Task, batch: Any,
         with phase("backward"):
             (scaler.scale(part) if scaler is not None else part).backward()
         yield Event("backward", i, total=total)
+    yield from _update(task, total, len(mbs) - 1, phase, before_update)
+
+
+def _stage_step(task: Task, batch: Any, phase: Callable[[str], ContextManager],
+                before_update: Callable[[Any, Any, Any], bool] | None) -> Iterator[Event]:
+    """A pipeline stage's step: its schedule (or step function) in one "forward" context, the
+    ops the autograd engine runs told apart by `op_phase`; then the update."""
+    was = getattr(_running, "pipelined", False)
+    _running.pipelined = True
+    try:
+        with phase("forward"):
+            loss = task.stage_step(task.step_model(), batch)
+    finally:
+        _running.pipelined = was
+    if loss is not None and (not isinstance(loss, torch.Tensor) or loss.numel() != 1):
+        raise BadInput(f"the stage's step returned {type(loss).__name__}, not a scalar tensor "
+                       "or None; return the last stage's loss (None on the other stages)")
+    total = loss.detach().reshape(()) if loss is not None else None
+    yield Event("forward", 0, loss=loss, total=total)
+    with phase("backward"):
+        pass            # it ran inside the stage's step
+    yield Event("backward", 0, total=total)
+    yield from _update(task, total, 0, phase, before_update)
+
+
+def _update(task: Task, total: torch.Tensor | None, micro: int,
+            phase: Callable[[str], ContextManager],
+            before_update: Callable[[Any, Any, Any], bool] | None) -> Iterator[Event]:
+    """The optimizer phase: unscale, clip, the update (see `run_step`)."""
+    scaler, opt = task.grad_scaler, task.optimizer
     if opt is None:
         return
     norm = skipped = None
@@ -130,4 +191,4 @@ def run_step(task: Task, batch: Any,
             scaler.update()
         else:
             opt.step()
-    yield Event("optimizer", len(mbs) - 1, total=total, grad_norm=norm, skipped=skipped)
+    yield Event("optimizer", micro, total=total, grad_norm=norm, skipped=skipped)

@@ -48,7 +48,7 @@ from nanbisect.util import frames
 from nanbisect.util.compiled import captured_args, compile_model, is_compiled, recorded
 from nanbisect.util.spec import split_entry
 from nanbisect.util.toplevel import check_file
-from nanbisect.util.torch_internals import compiled_original
+from nanbisect.util.torch_internals import compiled_original, schedule_ends
 
 
 @dataclass
@@ -69,7 +69,7 @@ class Task:
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer | None
-    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor]
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor] | None = None
     grad_scaler: Any = None              # torch.amp.GradScaler (or torch.cuda.amp's)
     clip_grad_norm: float | None = None  # max norm for torch.nn.utils.clip_grad_norm_
     accumulate: int = 1                  # micro-batches per optimizer step
@@ -88,8 +88,18 @@ class Task:
     # entry whose top level acts at import is refused: docs/guide/tasks.md); recorded
     # in the bundle, so every replay of it honours it
     run_top_level: bool = False
+    # a pipeline stage (docs/guide/multirank.md, "Pipeline parallelism"): the step is this
+    # stage's part of a schedule over micro-batches, which runs forward and backward itself.
+    # ``schedule``: a torch.distributed.pipelining schedule built on `model` (each step's batch
+    # a dict with "inputs" for the first stage and "target" for the last); ``step_fn(model,
+    # batch)``: a stage's hand-written step (its sends, receives and backward), returning the
+    # loss on the last stage, None on the others. The loss, where there is one, is the mean of
+    # the micro-batches'.
+    schedule: Any = None
+    step_fn: Callable[[torch.nn.Module, Any], torch.Tensor | None] | None = None
 
     def __post_init__(self) -> None:
+        self._check_step()
         # what the step calls: the compiled model; `model` is always the eager module, so every
         # name (parameters, modules) is the one the user's code has, without `_orig_mod.`
         self.runner: torch.nn.Module | None = None
@@ -134,6 +144,36 @@ class Task:
         if not isinstance(self.run_top_level, bool):
             raise ValueError(f"Task(run_top_level={self.run_top_level!r}): give True or False")
 
+    def _check_step(self) -> None:
+        """At most one way to run the step: ``loss_fn``, ``step_fn`` or ``schedule`` (none: a
+        loop of the user's under `Guard.watch`; a replay needs one); a pipelined one takes no
+        accumulation (its schedule has the micro-batches), scaler or compilation."""
+        given = [n for n in ("loss_fn", "step_fn", "schedule") if getattr(self, n) is not None]
+        if len(given) > 1:
+            raise ValueError(f"Task({', '.join(given)}): give one of loss_fn (a plain step), "
+                             "step_fn or schedule (a pipeline stage)")
+        if self.schedule is not None and not callable(getattr(self.schedule, "step", None)):
+            raise ValueError(f"Task(schedule=...) got a {type(self.schedule).__name__}; pass a "
+                             "torch.distributed.pipelining schedule (ScheduleGPipe, "
+                             "Schedule1F1B, ...) built on the model's stage")
+        if self.pipelined and (self.accumulate != 1 or self.grad_scaler is not None
+                               or self.compiled is not None or is_compiled(self.model)):
+            raise ValueError("Task(schedule=/step_fn=) runs the stage's micro-batches itself: "
+                             "leave out accumulate, grad_scaler and compiled")
+
+    @property
+    def pipelined(self) -> str | None:
+        """"schedule" or "step_fn" for a pipeline stage's step, else None."""
+        return "schedule" if self.schedule is not None else (
+            "step_fn" if self.step_fn is not None else None)
+
+    def stage_step(self, model: torch.nn.Module, batch: Any) -> torch.Tensor | None:
+        """A pipeline stage's step (forward and backward of its micro-batches): the loss on the
+        last stage (the mean over micro-batches), None elsewhere."""
+        if self.step_fn is not None:
+            return self.step_fn(model, batch)
+        return schedule_step(self.schedule, batch)
+
     def describe(self) -> dict:
         """The step's shape as the bundle records it (JSON); a replay applies it to the entry's
         Task (an integration fills it from the trainer's settings, which the entry cannot know).
@@ -144,12 +184,35 @@ class Task:
                 "loss_normalized": self.loss_normalized, "autocast": self.autocast,
                 "compiled": self.compiled,
                 **({"run_top_level": True} if self.run_top_level else {}),
+                **({"pipelined": self.pipelined} if self.pipelined else {}),
                 **({"compiled_dropped": self.compiled_dropped} if self.compiled_dropped else {})}
 
     def step_model(self) -> torch.nn.Module:
         """The module the step hands ``loss_fn``: the compiled one while `runner` is set (the
         Guard, a compiled replay), else the eager `model`."""
         return self.runner if self.runner is not None else self.model
+
+
+def schedule_step(schedule: Any, batch: Any) -> torch.Tensor | None:
+    """One step of a torch.distributed.pipelining ``schedule`` on this rank's stage, as
+    ``Task(schedule=...)`` runs it (a ``step_fn`` that does more around it, e.g. a data-parallel
+    gradient average, calls it too): ``batch`` is a dict with "inputs" (a tensor or a tuple of
+    tensors: the first stage's arguments) and "target" (the last stage's), or the inputs alone;
+    each stage takes what it uses. Returns the mean of the micro-batches' losses on the last
+    stage (detached), None on the others."""
+    first, last = schedule_ends(schedule)
+    inputs, target = (batch.get("inputs"), batch.get("target")) if isinstance(
+        batch, dict) else (batch, None)
+    args = () if inputs is None or not first else (
+        tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,))
+    losses: list = []
+    if last:
+        schedule.step(*args, target=target, losses=losses)
+    else:
+        schedule.step(*args)
+    if not losses:
+        return None
+    return torch.stack([v.detach().float().reshape(()) for v in losses]).mean()
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -691,9 +754,11 @@ def load_task(entry: str, search: list[Path] = (), *, run_top_level: bool = Fals
     if not isinstance(task, Task):
         raise BadInput(f"entry '{entry}' returned {type(task).__name__}, not nanbisect.Task; "
                        "return Task(model=..., optimizer=..., loss_fn=...) or pass --entry")
-    if not isinstance(task.model, torch.nn.Module) or not callable(task.loss_fn):
-        raise BadInput(f"entry '{entry}': Task.model must be an nn.Module and Task.loss_fn "
-                       "callable; fix the entry function or pass --entry")
+    if not isinstance(task.model, torch.nn.Module) or not callable(
+            task.loss_fn or task.step_fn or getattr(task.schedule, "step", None)):
+        raise BadInput(f"entry '{entry}': Task.model must be an nn.Module and its step "
+                       "(loss_fn, step_fn or schedule) callable; fix the entry function or pass "
+                       "--entry")
     return task
 
 

@@ -295,7 +295,7 @@ class Replayer:
             try:
                 for ev in run_step(task, batch, self._noting_steps(phase)):
                     total = ev.total if ev.total is not None else total
-                    if ev.phase == "forward":
+                    if ev.phase == "forward" and ev.loss is not None:
                         kept = ev.loss.detach()
                         loss_v = float(local(kept).float().item())
                         if not math.isfinite(loss_v) and failed is None:
