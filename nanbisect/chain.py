@@ -258,7 +258,8 @@ class Chain:
                 return got
         self.progress("input-catch", "pass 3/3: catching the culprit's inputs")
         tracer = (RowTracer(site, finding.born or kind) if mine and finding is not None
-                  and self.rep.task.accumulate == 1 else None)
+                  and self.rep.task.accumulate == 1
+                  and not self.rep.task.pipelined else None)
         caught = self.guard(lambda: catch_inputs(self.rep, site, self.wrap, rows=tracer),
                             "catching the op's inputs")
         return caught, tracer.result() if tracer is not None else None

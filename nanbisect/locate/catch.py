@@ -27,6 +27,7 @@ from nanbisect.records import CallId, Caught, ModuleCaught, Node, OpSite, RowTra
 from nanbisect.replay.recorder import SKIP, made_node
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.step import op_phase
 from nanbisect.util import frames
 from nanbisect.util import torch_internals as ti
 
@@ -148,11 +149,12 @@ class InputCatcher(ti.ObserverMode):
     def before(self, call: ti.OpCall) -> bool:
         """A forward op before a backward site: follow it (`after` keeps its outputs). At the
         site: catch (and, with ``stop``, end the replay)."""
-        if self.site.phase == "backward" and self.phase == "forward":
+        phase = op_phase(self.phase)     # a pipeline stage's backward runs inside its step
+        if self.site.phase == "backward" and phase == "forward":
             return True
-        if self.caught is None and self.phase == self.site.phase and call.name == self.site.op:
+        if self.caught is None and phase == self.site.phase and call.name == self.site.op:
             if self.seen == self.site.occurrence:
-                self.caught = self._catch(call.func, call.args, call.kwargs, self.phase,
+                self.caught = self._catch(call.func, call.args, call.kwargs, phase,
                                           self.optimizer_files)
                 if self.stop:
                     raise _Caught()

@@ -55,25 +55,9 @@ def check_tape(bundle: Bundle, ranks: list[int]) -> None:
 
 
 def _pipelined(bundle: Bundle, r: int) -> str:
-    return (f"bundle '{bundle.path}': rank {r}'s step sends and receives point to point (a "
-            "pipeline-parallel step), which nanbisect cannot replay yet (its ranks' replays "
-            "would wait on each other's sends until NANBISECT_RANK_TIMEOUT); `nanbisect "
-            "inspect` shows what it holds, and the same failure captured without pipeline "
-            "parallelism replays")
-
-
-def check_pipelined(bundle: Bundle, first: Bundle) -> None:
-    """`BadInput` before any rank starts for a pipelined bundle (its lowest rank's part,
-    ``first``: its recorded step sends or receives point to point, as every stage of a
-    pipeline does): the replay of its sends and receives is not built yet. Reads that part's
-    tape, unverified (only its kinds)."""
-    r = min(Manifest.of(bundle).ranks)
-    recorded = Manifest.of(first).collectives
-    if recorded is None:
-        return
-    entries, _ = parse(recorded, f"bundle '{bundle.path}'")
-    if any(e.kind == "p2p" for e in entries):
-        raise BadInput(_pipelined(bundle, r))
+    return (f"--ranks: bundle '{bundle.path}': rank {r}'s step sends and receives point to "
+            "point (a pipeline stage), whose receives a replay of some ranks cannot be served "
+            "yet; replay all ranks (drop --ranks)")
 
 
 def _recorded(top: Bundle, r: int):

@@ -18,18 +18,21 @@ once (one host wait per collective), and a magnitude of the finite low-precision
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 from nanbisect.records import Crossing
 from nanbisect.records.ranks import LOW_RANGE
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
-                                          leaf_tensors, process_group, taped, wait_collective)
+                                          leaf_tensors, taped, wait_collective)
+from nanbisect.replay.p2p import StandIns, direction, is_p2p, is_receive, peer, rank_timeout
 from nanbisect.replay.recorder import read_args, written_tensors
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.locate.catch import short_path
+from nanbisect.step import op_phase, pipelined_running
 from nanbisect.util import frames
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import finite_absmax, nan_inf_counts
@@ -58,7 +61,7 @@ def _receives(func, args: tuple, kwargs: dict) -> bool:
     if ti.schema_name(func) != "c10d::broadcast_":
         return False
     named = dict(zip((a.name for a in ti.schema_arguments(func)), args)) | kwargs
-    pg = process_group(func, args, kwargs)
+    pg = ti.op_process_group(func, args, kwargs)
     return pg is not None and named.get("root_rank") is not None and \
         pg.rank() != named["root_rank"]
 
@@ -125,7 +128,10 @@ class Ledger(ti.ObserverMode):
         self.reducing: _Reduction | None = None     # a comm hook or FSDP reduction running
         self.nth = 0                  # collectives seen in this step
         self.seq: dict[tuple | None, int] = {}    # ... on each process group
-        self.kept: list[Crossing] = []
+        self.kept: list = []          # Crossings, and receives still arriving (`_Arriving`)
+        self.pairs: dict[tuple[int, int], int] = {}   # messages sent (src, dst) -> count
+        self.stand_ins: StandIns | None = None
+        self.backward_ran = False     # a pipeline stage's step ran backward already
         self.active = True
         self.errors = 0               # ops it could not count (their step ran untouched)
 
@@ -133,6 +139,8 @@ class Ledger(ti.ObserverMode):
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self.now = name
+        if name == "forward":
+            self.backward_ran = False
         yield
 
     @contextmanager
@@ -180,6 +188,8 @@ class Ledger(ti.ObserverMode):
 
     # -- the mode ---------------------------------------------------------------------------
     def wants(self, func) -> bool:
+        if not self.backward_ran and pipelined_running() and ti.in_backward():
+            self.backward_ran = True      # a pipeline stage's step began its backward
         if not self.active or func in ti.METADATA_OPS or len(self.kept) >= KEEP:
             return False
         return self.reducing is not None or taped(func)
@@ -203,7 +213,24 @@ class Ledger(ti.ObserverMode):
         if collective and ddp_internal(caller(), self.ddp) == "rebuild":
             return False
         call.ledger_key = None
-        if collective:
+        call.ledger_phase = op_phase(self.now)
+        if collective and is_p2p(func):
+            # a send and its receive are one crossing: the n-th message from src to dst
+            me, other = dist.get_rank(), peer(func, args, kwargs)
+            pair = (other, me) if is_receive(func) else (me, other)
+            seq = self.pairs.get(pair, 0)
+            self.pairs[pair] = seq + 1
+            call.ledger_key = (self.nth, list(pair) if other is not None else None, seq)
+            self.nth += 1
+            # what it carries: as the issuing code says, else by whether this stage's
+            # backward began (a hand-written stage: forward's sends, then backward's)
+            call.ledger_phase = direction(func, ti.issuing_frame(caller())) or (
+                "backward" if self.backward_ran else call.ledger_phase)
+            reads = leaf_tensors(read_args(func, args, kwargs))    # a receive reads nothing
+        elif collective:
+            if (call.ledger_phase == "forward" and self.backward_ran and self.tracker is not None
+                    and self.tracker.current() is None):
+                call.ledger_phase = "backward"    # a stage's gradients reduced after its step
             group = group_ranks(func, args, kwargs)
             key = tuple(group) if group is not None else None
             seq = self.seq.get(key, 0)
@@ -230,10 +257,38 @@ class Ledger(ti.ObserverMode):
                               [list(t.shape) for t in reads[:4]])
         return True
 
+    def run(self, call: ti.OpCall):
+        """A send or receive runs with its work handed back as a stand-in (`StandIns`): a
+        receive is counted once it arrived, before its caller can read it; never waited here (a
+        schedule waits later, and gloo's works never return from a second wait)."""
+        out = call.func(*call.args, **call.kwargs)
+        if getattr(call, "ledger_key", None) is None or not is_p2p(call.func):
+            return out
+        if self.stand_ins is None:
+            self.stand_ins = StandIns(rank_timeout())
+        if not is_receive(call.func):
+            return out
+        arrived = call.ledger_arrived = {}
+        wrote = collective_outputs(call.func, call.args, call.kwargs, out)
+
+        def count() -> None:
+            arrived["bad"] = _bad(wrote)
+
+        return self.stand_ins.hand_back(out, f"{call.func} (a replay's first pass)", count)
+
     def _after(self, call: ti.OpCall, out) -> None:
         func, args, kwargs = call.func, call.args, call.kwargs
         key = call.ledger_key
-        if key is not None:
+        arriving = None
+        if key is not None and is_p2p(func):
+            nth, group, seq = key
+            wrote = mutated = []
+            if is_receive(func):
+                arriving = call.ledger_arrived
+                out_nan, out_inf = 0, 0
+            else:
+                out_nan, out_inf = call.ledger_reads      # a send carries what it read
+        elif key is not None:
             wait_collective(func, out)
             wrote = collective_outputs(func, args, kwargs, out)
             nth, group, seq = key
@@ -242,9 +297,10 @@ class Ledger(ti.ObserverMode):
             returned, mutated = written_tensors(func, out, args, kwargs)
             wrote = list({id(t): t for t in leaf_tensors(returned + mutated)}.values())
             nth, group, seq = None, None, None
-        out_nan, out_inf = _bad(wrote)
+        if not is_p2p(func):
+            out_nan, out_inf = _bad(wrote)
         in_nan, in_inf = call.ledger_reads
-        if not (out_nan or out_inf or in_nan or in_inf):
+        if arriving is None and not (out_nan or out_inf or in_nan or in_inf):
             return
         absmax = call.ledger_absmax
         if (absmax is None and key is None and out_inf and not (in_nan or in_inf)
@@ -252,7 +308,8 @@ class Ledger(ti.ObserverMode):
                 and not mutated):
             absmax = _absmax(call.ledger_tensors)   # a cast into a narrow dtype, its input kept
         frame = caller()
-        phase, module, module_call, params, bucket, unit = self.now, "", None, [], None, None
+        phase, module, module_call, params, bucket, unit = (call.ledger_phase, "", None, [],
+                                                            None, None)
         r = self.reducing
         if r is not None:
             phase, bucket, unit = "grad-reduce", r.bucket, r.unit
@@ -266,17 +323,42 @@ class Ledger(ti.ObserverMode):
             cur = self.tracker.current()
             if cur is not None:
                 module, module_call = cur.module, cur.call
-        self.kept.append(Crossing(
+        crossing = Crossing(
             nth, str(func), phase, module, module_call, group,
-            _dtype(_floating(wrote)), ti.reduce_op_name(func, args, kwargs) if key is not None
+            _dtype(_floating(wrote)) or _dtype(_floating(call.ledger_tensors)),
+            ti.reduce_op_name(func, args, kwargs) if key is not None
             else None, in_nan, in_inf, out_nan, out_inf, absmax, params, bucket,
-            unit, _source(frame), *call.ledger_inputs, seq=seq))
+            unit, _source(frame), *call.ledger_inputs, seq=seq)
+        if arriving is not None:
+            dtype = _dtype(_floating(collective_outputs(func, args, kwargs, out)))
+            crossing = _Arriving(replace(crossing, dtype=dtype), arriving)
+        self.kept.append(crossing)
 
     def read(self) -> list[Crossing]:
-        return list(self.kept)
+        """The entries kept, once every receive arrived (each by the deadline): a receive that
+        brought nothing non-finite is left out."""
+        if self.stand_ins is not None:
+            self.stand_ins.finish()
+        out = []
+        for c in self.kept:
+            if isinstance(c, _Arriving):
+                nan, inf = c.arrived.get("bad", (0, 0))
+                if not (nan or inf):
+                    continue
+                c = replace(c.crossing, out_nan=nan, out_inf=inf)
+            out.append(c)
+        return out
 
 
 _LOW = tuple(getattr(torch, n) for n in LOW_RANGE if hasattr(torch, n))
+
+
+@dataclass(frozen=True)
+class _Arriving:
+    """A receive whose data had not arrived when it was issued: its counts come with it."""
+
+    crossing: Crossing
+    arrived: dict
 
 
 @dataclass(frozen=True)

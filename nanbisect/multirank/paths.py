@@ -8,7 +8,8 @@ in-process.
   earlier phase than any crossing) **computed** the value itself; so did a rank where an op of a
   comm hook made it from finite input (the cast of a float16 compression, a division).
 - A rank whose first non-finite crossing is a collective fed finite values by this rank
-  **received** it, from the ranks of the group that fed it non-finite values.
+  **received** it, from the ranks of the group that fed it non-finite values; a receive
+  (point to point) from the rank whose send of that message carried them.
 - When no rank of the group fed it non-finite values, the value was **born in the collective**
   (`born-in-collective`): with a float16 sum that is an overflow of the reduction.
 """
@@ -44,6 +45,14 @@ def _fed(summaries: dict[int, RankSummary], c: Crossing, keep: int) -> list[int]
     return fed
 
 
+def _earlier(a: str | None, b: str | None) -> str | None:
+    """The earlier of two phases (a pipeline stage sends a value it made in forward before its
+    own gradients, where its first pass saw the failure, went bad)."""
+    if a is None or b is None:
+        return a or b
+    return a if _SEEN.get(a, 9) <= _SEEN.get(b, 9) else b
+
+
 def rank_path(summary: RankSummary, summaries: dict[int, RankSummary], keep: int = 0
               ) -> RankPath:
     """How ``summary``'s rank came to hold its failure (see the module's rules)."""
@@ -53,8 +62,8 @@ def rank_path(summary: RankSummary, summaries: dict[int, RankSummary], keep: int
         return RankPath("computed" if failed not in (None, "input") else None, phase=failed)
     if failed is not None and _SEEN.get(failed, 9) < _SEEN.get(first.phase, 9):
         return RankPath("computed", phase=failed)     # it failed before anything crossed
-    if first.in_bad:
-        return RankPath("computed", phase=failed)     # it fed the crossing what it had made
+    if first.in_bad:     # it fed the crossing what it had made: by then at the latest
+        return RankPath("computed", phase=_earlier(failed, first.phase))
     if not first.collective:     # an op of a comm hook or of FSDP's reduction made it
         return RankPath("computed", first, phase=failed)
     fed = _fed(summaries, first, keep)

@@ -29,14 +29,24 @@ def decide(summaries: list[RankSummary]) -> Plan:
     bad_input = [s.rank for s in summaries if s.phase == "input"]
     if bad_input:
         return Plan("input", min(bad_input))
-    fwd = [s.rank for s in summaries if s.phase == "forward"]
+    paths = rank_paths(summaries)
+    received = received_ranks(summaries)
+
+    def phase_of(s: RankSummary) -> str | None:
+        p = paths.get(s.rank)      # a pipeline stage that sent on what it made in forward
+        return p.phase if p is not None and p.how == "computed" and p.phase else s.phase
+
+    def own(ranks: list[int]) -> list[int]:   # the ranks that did not receive it, if any
+        return [r for r in ranks if r not in received] or ranks
+
+    fwd = own([s.rank for s in summaries if phase_of(s) == "forward"])
     if fwd:
         return Plan("forward", min(fwd))
-    how, ranks, c = birth(rank_paths(summaries))
+    how, ranks, c = birth(paths)
     if how == "computed" and c is not None and c.phase == "grad-reduce" and not c.collective:
         return Plan("grad-reduce", min(ranks))    # a comm hook's or FSDP reduction's op made it
-    local_bwd = [s.rank for s in summaries if s.reduce_in_bad or (
-        s.phase == "backward" and not s.buckets)]
+    local_bwd = own([s.rank for s in summaries if s.reduce_in_bad or (
+        phase_of(s) == "backward" and not s.buckets)])
     if local_bwd:
         return Plan("backward", min(local_bwd))
     if any(s.reduce_out_bad for s in summaries):
@@ -47,7 +57,16 @@ def decide(summaries: list[RankSummary]) -> Plan:
     return Plan(None, None)
 
 
-def choose_rank(roots: list[RankRoot | None], planned: int) -> tuple[int, bool]:
+def received_ranks(summaries: list[RankSummary]) -> set[int]:
+    """The ranks whose first pass shows they received the failure through a send and receive
+    (point to point: a pipeline's stages), from whom it is known: not candidates to have
+    computed it while a rank that did not receive it is (`decide`, `choose_rank`)."""
+    return {r for r, p in rank_paths(summaries).items()
+            if p.how == "received" and p.via is not None and p.via.p2p and p.from_ranks}
+
+
+def choose_rank(roots: list[RankRoot | None], planned: int,
+                received: set[int] = frozenset()) -> tuple[int, bool]:
     """(culprit rank, whether the failure only came out of a collective), the same on every rank.
 
     A rank whose failure traces back to a computation (not to a collective's output) computed it
@@ -60,6 +79,7 @@ def choose_rank(roots: list[RankRoot | None], planned: int) -> tuple[int, bool]:
     ((1, False), (0, True))
     """
     local = [r for r, root in enumerate(roots) if root is not None and not root.collective]
+    local = [r for r in local if r not in received] or local
     if local:
         return local[0], False
     received = [r for r, root in enumerate(roots) if root is not None]
@@ -106,7 +126,11 @@ def with_paths(results: list[RankResult]) -> list[RankResult]:
         elif root is not None and v is not None and root.op == v.op and not root.input_dtypes:
             # a root traced through an inf to its collective: what went into it, from the ledger
             root = replace(root, input_dtypes=v.in_dtypes, input_shapes=v.in_shapes)
-        out.append(replace(r, path=p, root=root))
+        summary = r.summary
+        if summary is not None and p is not None and p.how == "computed" and p.phase and \
+                p.phase != summary.phase:   # a pipeline stage: it sent on what it made earlier
+            summary = replace(summary, phase=p.phase)
+        out.append(replace(r, path=p, root=root, summary=summary))
     return out
 
 

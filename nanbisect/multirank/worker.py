@@ -56,7 +56,7 @@ from nanbisect.chain import Chain, ReferenceSide, Serving
 from nanbisect.multirank.ledger import Ledger
 from nanbisect.multirank.sides import (call_stats, finish_rank, rank_reference, rank_replayer,
                                        reference_record, root_of)
-from nanbisect.multirank.verdict import choose_rank, decide
+from nanbisect.multirank.verdict import choose_rank, decide, received_ranks
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
 from nanbisect.replay.probe import ProbeTable
 from nanbisect.task import load_inject
@@ -138,7 +138,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if phase not in ("forward", "backward", "optimizer") or culprit_rank is None:
         return result
     # every rank runs the culprit rank's phase and kind: the same passes
-    agreed = _Agreement(rank, result)
+    agreed = _Agreement(rank, result, received_ranks(everyone))
     loc = chain.locate(first, table, agreed, failed=(phase, everyone[culprit_rank].kind or "nan"))
     result = agreed.result
     if loc.through:   # every rank's root is a collective: nobody computed it, it was received
@@ -157,13 +157,14 @@ class _Agreement:
     culprit rank's op sent to every rank, which all catch it (the catch runs the step's
     collectives); the culprit rank also traces the batch rows."""
 
-    def __init__(self, rank: int, result: RankResult) -> None:
+    def __init__(self, rank: int, result: RankResult, received: set[int]) -> None:
         self.rank, self.result, self.call = rank, result, None
+        self.received = received    # ranks pass 1 saw receive it point to point
 
     def __call__(self, finding):
         roots = _gather(root_of(finding))
         plan = self.result.plan
-        culprit_rank, through = choose_rank(roots, plan.rank)
+        culprit_rank, through = choose_rank(roots, plan.rank, self.received)
         self.result = replace(self.result, root=roots[self.rank],
                               plan=replace(plan, rank=culprit_rank, through_collective=through))
         if through:

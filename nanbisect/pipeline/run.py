@@ -125,12 +125,11 @@ def _run_bundle_at(path: str | Path, opts: RunOptions, out: Path | None,
                        "several steps is for single-process bundles yet: drop --steps")
     if bundle.multi_rank:
         # NB: imported here, as `run_steps` below: a one-rank run does not load them
-        from nanbisect.multirank.alone import check_pipelined, check_tape
+        from nanbisect.multirank.alone import check_tape
         from nanbisect.multirank.launcher import run_multirank, within_world
 
         subset = within_world(opts.ranks, bundle.world_size) if opts.ranks is not None else None
         _check_partial(bundle, subset)
-        check_pipelined(bundle, source)    # its sends and receives: before any rank starts
         if subset is not None:
             check_tape(bundle, subset)     # verifies each replayed part, and what it references
         if opts.inject:

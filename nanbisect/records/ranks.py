@@ -55,7 +55,8 @@ class Crossing(_InOut):
     phase: str                    # forward | backward | grad-reduce | optimizer
     module: str                   # "" = outside any submodule (or not known in backward)
     module_call: int | None
-    group: list[int] | None       # the global ranks of its process group (None: unknown)
+    group: list[int] | None       # the global ranks of its process group (None: unknown;
+                                  # a send or receive: [sender, receiver])
     dtype: str                    # of what it wrote
     reduce: str | None            # sum, avg, max, ... (None: no reduction)
     in_nan: int                   # NaN/inf in what this rank fed it
@@ -75,6 +76,8 @@ class Crossing(_InOut):
     def same(self, other: "Crossing") -> bool:
         """Is ``other`` (another rank's) the same collective: the same op at the same place
         among the same group's collectives (without a known group: among all)?"""
+        if self.p2p and other.p2p:     # a send and its receive: the n-th message src -> dst
+            return self.group is not None and (self.group, self.seq) == (other.group, other.seq)
         if self.group is not None and other.group is not None:
             return (self.op, self.group, self.seq) == (other.op, other.group, other.seq)
         return (self.op, self.nth) == (other.op, other.nth)
@@ -87,6 +90,12 @@ class Crossing(_InOut):
     @property
     def collective(self) -> bool:
         return self.nth is not None
+
+    @property
+    def p2p(self) -> bool:
+        """A send or a receive (its ``group`` is [sender, receiver], ``seq`` the message's
+        place among that pair's)."""
+        return self.op.startswith(("c10d.send", "c10d.recv"))
 
     @property
     def kind(self) -> str:

@@ -41,7 +41,10 @@ from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.replay.table import (CLEAN, Flags, InputRef, OpRecord,  # noqa: F401 - re-exported
                                     OpTable, OutputRef)
+from nanbisect.records import CallId
+from nanbisect.replay.p2p import StandIns, is_p2p, is_receive, rank_timeout
 from nanbisect.replay.tracker import ModuleTracker
+from nanbisect.step import op_phase, pipelined_running
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import finite_absmax, floating, parts
 
@@ -79,6 +82,16 @@ def collective_writes(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     vals = [v for a, v in zip(ti.schema_arguments(func), args) if a.name in _C10D_WRITES]
     vals += [kwargs[n] for n in _C10D_WRITES if n in kwargs]
     return [local(t) for t in ti.tree_leaves(vals) if isinstance(t, torch.Tensor)]
+
+
+def _stats(t: torch.Tensor) -> torch.Tensor | None:
+    """A value's row of flags (min, max, largest finite magnitude), as `OpRecorder._row`
+    computes it; None for a value that has none (not floating, empty)."""
+    if not floating(t) or t.numel() == 0:
+        return None
+    t = parts(t.detach())
+    lo, hi = torch.aminmax(t)
+    return torch.stack([lo.float(), hi.float(), finite_absmax(t).float().to(lo.device)])
 
 
 def _clone(x: Any) -> Any:
@@ -203,6 +216,8 @@ class OpRecorder(ti.ObserverMode):
         self._writes: dict[Sid, int] = {}
         self._gen: dict[tuple[str, int], int] = {}
         self._alive: dict[tuple[str, int], Any] = {}     # address -> weak ref to its storage
+        self._stand_ins: StandIns | None = None            # receives' works (`run`)
+        self._arrivals: list[tuple[int, list, int]] = []   # (row, its receive's flags, which)
 
     def _sid(self, t: torch.Tensor) -> Sid:
         """(device, address, generation): the generation moves on when the storage at that
@@ -274,13 +289,13 @@ class OpRecorder(ti.ObserverMode):
                 return False
         return any(self._bad_on_host(r) for r, _ in outs)
 
-    def _where(self, node) -> tuple[str | None, int | None]:
+    def _where(self, node, phase: str) -> tuple[str | None, int | None]:
         """The module call of the running op (``node``: the autograd node running, backward)."""
         if self.tracker is None:
             return None, None
-        if self.phase == "backward":
+        if phase == "backward":
             call = self.tracker.node_call(node)
-        elif self.phase == "forward":
+        elif phase == "forward":
             call = self.tracker.current()
             if call is None:
                 return "", None
@@ -308,9 +323,10 @@ class OpRecorder(ti.ObserverMode):
         clones ``keep()`` asks for and the values it reads (flagged before it runs)."""
         call.index = self.count
         self.count += 1
-        if self.phase not in self.phases:
+        call.phase = op_phase(self.phase)
+        if call.phase not in self.phases:
             return False
-        occ_key = (self.phase, call.name)
+        occ_key = (call.phase, call.name)
         call.occurrence = self._occ.get(occ_key, 0)
         self._occ[occ_key] = call.occurrence + 1
         if self.scope is not None and not self.scope():
@@ -337,11 +353,31 @@ class OpRecorder(ti.ObserverMode):
                 ins.append((("ext", self._ext[key]), elem, t))
         return ins, in_keys
 
+    def run(self, call: ti.OpCall) -> Any:
+        """A receive runs with its work handed back as a stand-in (`StandIns`) that completes
+        once what arrived is flagged; never waited here (a schedule waits later, and gloo's
+        works never return from a second wait)."""
+        out = call.func(*call.args, **call.kwargs)
+        if not is_receive(call.func):
+            return out
+        if self._stand_ins is None:
+            self._stand_ins = StandIns(rank_timeout())
+        arrived = call.arrived = []
+        got = [t for t, _ in tensor_args(collective_writes(call.func, call.args, call.kwargs))]
+
+        def flag() -> None:
+            arrived.extend(_stats(t) for t in got)
+
+        return self._stand_ins.hand_back(out, f"{call.func} (a replay's op recording)", flag)
+
     def _written(self, func, args: tuple, kwargs: dict, out: Any) -> tuple[list, list]:
         """(returned values, written arguments), once the op's output is written: a
-        collective is waited for, and what a ``c10d`` one writes counts as written."""
+        collective is waited for (a send or receive is not: `run`), and what a ``c10d`` one
+        writes counts as written."""
         returned, mutated_args = written_tensors(func, out, args, kwargs)
-        if func.namespace == "c10d":
+        if func.namespace == "c10d" and is_p2p(func):
+            mutated_args = mutated_args + [collective_writes(func, args, kwargs)]
+        elif func.namespace == "c10d":
             _wait(out)
             mutated_args = mutated_args + [collective_writes(func, args, kwargs)]
         elif func.namespace in COLLECTIVE_NAMESPACES and \
@@ -350,11 +386,21 @@ class OpRecorder(ti.ObserverMode):
                 ti.wait_tensor(t)
         return returned, mutated_args
 
-    def _outputs(self, func, written: list, mutated: set, in_keys: set, pos: int) -> list:
+    def _outputs(self, func, written: list, mutated: set, in_keys: set, pos: int,
+                 arrived: list | None = None) -> list:
         """The op's new values (a view of an input is that input's value), flagged; each
-        becomes a value this op (at ``pos``) produced."""
+        becomes a value this op (at ``pos``) produced. A receive's (``arrived``) are flagged
+        when they arrive: their rows are filled by `read`."""
         in_storages = {k[:3] for k in in_keys}
         outs, seen = [], set()
+        if arrived is not None:
+            for j, (t, elem) in enumerate(tensor_args(written)):
+                key = self.value_key(t)
+                self._producer[key] = (pos, len(outs))
+                self._rows.append(None)
+                self._arrivals.append((len(self._rows) - 1, arrived, j))
+                outs.append((len(self._rows) - 1, elem))
+            return outs
         for t, elem in tensor_args(written):
             sid = self._sid(t)
             if sid not in mutated and sid not in in_storages:
@@ -377,10 +423,17 @@ class OpRecorder(ti.ObserverMode):
         for sid in mutated:
             self._writes[sid] = self._writes.get(sid, 0) + 1
         pos = len(self._ops)
-        outs = self._outputs(func, written, mutated, call.in_keys, pos)
+        outs = self._outputs(func, written, mutated, call.in_keys, pos,
+                             getattr(call, "arrived", None))
         if call.kept is not None:
             self.kept[pos] = (*call.kept, [t.detach().clone() for t, _ in tensor_args(written)])
-        if self.born is not None and self.phase == "forward" and \
+        if pipelined_running() and is_p2p(func) and not is_receive(func):
+            # a pipeline stage's failure may leave it only through a send: what each send
+            # carried is a value the trace starts from, as the loss is
+            for t, _ in tensor_args(read_args(func, args, kwargs)):
+                self._marks[f"sent {len(self._marks)}"] = self._producer.get(
+                    self.value_key(t), -1)
+        if self.born is not None and call.phase == "forward" and \
                 self._is_born(func, call.ins, outs, mutated):
             self.born(call.index, func, args, kwargs)
         self._ops.append(self._entry(call, returned, outs, pos))
@@ -388,18 +441,23 @@ class OpRecorder(ti.ObserverMode):
     def _entry(self, call: ti.OpCall, returned: list, outs: list, pos: int) -> dict:
         """The op's row of the table, with its module call and autograd node."""
         node, formula, node_name = None, False, None
-        if self.phase == "backward":
+        phase = call.phase
+        if phase == "backward":
             fn = ti.current_autograd_node()
             if fn is not None:
                 node, formula = ti.node_sequence_nr(fn), not ti.is_custom_function_node(fn)
                 node_name = fn.name()
-            module, mcall = self._where(fn)
+            module, mcall = self._where(fn, phase)
         else:
-            module, mcall = self._where(None)
-            if self.nodes and self.phase == "forward":
+            module, mcall = self._where(None, phase)
+            if self.nodes and phase == "forward":
                 self._pending.append((pos, [weakref.ref(t) for t, _ in tensor_args(returned)]))
-        return {"index": call.index, "op": call.name, "phase": self.phase, "module": module,
-                "occurrence": call.occurrence, "micro": max(self.micro, 0),
+        micro = max(self.micro, 0)
+        if pipelined_running() and self.tracker is not None and mcall is not None:
+            # a pipeline stage: its micro-batches are the calls of its model
+            micro = self.tracker.micro(CallId(module, mcall))
+        return {"index": call.index, "op": call.name, "phase": phase, "module": module,
+                "occurrence": call.occurrence, "micro": micro,
                 "call": mcall, "ins": [(src, elem, str(t.dtype).removeprefix("torch."),
                                         tuple(t.shape)) for src, elem, t in call.ins],
                 "outs": outs, "node": node, "formula": formula, "node_name": node_name}
@@ -424,6 +482,13 @@ class OpRecorder(ti.ObserverMode):
         """One transfer of all flags; returns the table and the marked values' producers."""
         if self._pending:
             self._resolve()
+        if self._stand_ins is not None:
+            self._stand_ins.finish()          # every receive arrived (or its deadline passed)
+        for row, arrived, j in self._arrivals:
+            got = arrived[j] if j < len(arrived) else None
+            # nothing to flag (not floating), or it never arrived (the step failed there)
+            self._rows[row] = got if got is not None else torch.tensor([0.0, 0.0, math.nan])
+        self._arrivals.clear()
         raw = torch.stack([r.to(devices.HOST) for r in self._rows]).tolist() if self._rows else []
 
         def flags(row: int | None) -> Flags:

@@ -76,6 +76,13 @@ class ModuleTracker:
     def current(self) -> CallId | None:
         return self.stack[-1][0] if self.stack else None
 
+    def micro(self, call: CallId) -> int:
+        """The micro-batch ``call`` ran in, in a pipeline stage's step: the call index of the
+        outermost module call enclosing it (the stage's model runs once per micro-batch)."""
+        while self.parents.get(call) is not None:
+            call = self.parents[call]
+        return call.call
+
     def node_call(self, node) -> CallId | None:
         return self.node_map.get(node) if node is not None else None
 
