@@ -2,16 +2,16 @@
 
     python -m nanbisect.multirank.spawn --world=2 -- tests/tasks/pipelined.py FUNC OUT_DIR
 
-(or under torchrun). Each trains FUNC's task with `nanbisect.Guard.step` for 4 steps; step 2's
-batch is 100 times larger, so stage 1's ``sqrt(h + 10)`` takes the root of a negative number.
-Every rank prints ``RANK r BUNDLE path`` and ``RANK r MESSAGE text`` for the `NonFiniteStep` it
-got (``RANK r DONE`` when none came).
-- p2p: two stages passing activations with ``dist.send``/``dist.recv`` and gradients back with
-  ``isend``/``irecv`` (a backward hook on the received activation sends its gradient);
+(or under torchrun). Each trains FUNC's task with `nanbisect.Guard.step` for 4 steps; step 2 is
+the one that fails. Every rank prints ``RANK r BUNDLE path`` and ``RANK r MESSAGE text`` for the
+`NonFiniteStep` it got (``RANK r DONE`` when none came). torch.distributed.pipelining's
+schedules are examples/pipeline_train.py's.
+- p2p: two stages written by hand (``Task(step_fn=...)``): activations forward with
+  ``dist.send``/``dist.recv``, gradients back with ``isend``/``irecv``. The last stage's loss is a
+  triplet loss; at step 2 a triplet's anchor equals its positive, and the gradient of
+  ``sqrt(0)`` is born in the last stage's backward;
 - p2p_rerun_diverges: the same, except that rank 1 skips its receive when the step is run again
   (the Guard's re-run that records the step's communication): rank 0's send never meets;
-- gpipe / one_f_one_b: ``torch.distributed.pipelining``'s ScheduleGPipe / Schedule1F1B over the
-  same two stages, 2 micro-batches (the schedule runs forward and backward itself);
 - peer_hangs: a plain replicated model; at step 2 rank 1 hangs in its own code (a long sleep)
   before the Guard's agreement: rank 0 must not wait for it past NANBISECT_RANK_TIMEOUT.
 """
@@ -26,36 +26,50 @@ import torch.nn as nn
 import nanbisect
 
 
-class Stage0(nn.Module):
+# -- two stages written by hand ---------------------------------------------------------------
+class Encoder(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(4, 8)
 
     def forward(self, x):
-        return self.fc(x)                                    # (B, 8)
+        return torch.tanh(self.fc(x))                       # (B, 8)
 
 
-class Stage1(nn.Module):
+class Distance(nn.Module):
+    def forward(self, a, b):
+        return (a - b).pow(2).sum(-1).sqrt()                 # its gradient at a == b: 0/0
+
+
+class Triplet(nn.Module):
     def __init__(self):
         super().__init__()
-        self.fc = nn.Linear(8, 1)
+        self.fc = nn.Linear(8, 4)
+        self.dist = Distance()
 
-    def forward(self, h):
-        return self.fc(torch.sqrt(h + 10)).squeeze(-1)      # (B,): NaN where h < -10
+    def forward(self, h):                                    # h (B, 8): triplets of rows
+        e = self.fc(h)
+        a, p, n = e[0::3], e[1::3], e[2::3]
+        return torch.relu(self.dist(a, p) - self.dist(a, n) + 1.0).mean()
 
 
 CALLS = {"n": 0}
 
 
-def _first_stage_loss(m, x):
-    out = m(x)                                               # (B, 8)
-    dist.send(out.detach().contiguous(), 1)
+def _recv_grad(out):
     g = torch.empty_like(out)
     dist.irecv(g, 1).wait()
-    return (out * g).sum()                                   # its backward applies stage 1's grad
+    return g
 
 
-def _last_stage_loss(m, x):
+def _first_stage(m, x):
+    out = m(x)
+    dist.send(out.detach().contiguous(), 1)
+    out.backward(_recv_grad(out))
+    return None
+
+
+def _last_stage(m, x):
     CALLS["n"] += 1
     h = torch.empty(x.shape[0], 8)
     if os.environ.get("PP_FUNC") == "p2p_rerun_diverges" and CALLS["n"] > 3:
@@ -63,56 +77,24 @@ def _last_stage_loss(m, x):
     else:
         dist.recv(h, 0)
     h.requires_grad_()
-    h.register_hook(lambda g: dist.isend(g.contiguous(), 0).wait() and None)
-    return m(h).pow(2).mean()
+    loss = m(h)
+    loss.backward()
+    dist.isend(h.grad.contiguous(), 0).wait()
+    return loss.detach()
 
 
 def p2p():
     torch.manual_seed(0)
     first = dist.get_rank() == 0
-    m = Stage0() if first else Stage1()
+    m = Encoder() if first else Triplet()
     return nanbisect.Task(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                          loss_fn=_first_stage_loss if first else _last_stage_loss)
+                          step_fn=_first_stage if first else _last_stage)
 
 
 p2p_rerun_diverges = p2p
-SCHEDULE = {}
 
 
-def _schedule_loss(m, x):
-    """One step of the schedule (forward and backward of every micro-batch); the value is the
-    mean loss on the last stage, and a zero-gradient term keeps run_step's backward a no-op."""
-    if dist.get_rank() == 0:
-        SCHEDULE["s"].step(x)
-        value = torch.zeros(())
-    else:
-        losses = []
-        SCHEDULE["s"].step(target=torch.zeros(x.shape[0]), losses=losses)
-        value = torch.stack([v.detach() for v in losses]).mean()
-    return value + 0.0 * sum(p.sum() for p in m.parameters())
-
-
-def _scheduled(kind):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    torch.manual_seed(0)
-    r = dist.get_rank()
-    m = Stage0() if r == 0 else Stage1()
-    stage = PipelineStage(m, r, 2, torch.device("cpu"))
-    schedule = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
-    SCHEDULE["s"] = schedule(stage, n_microbatches=2, loss_fn=lambda out, t: out.pow(2).mean())
-    return nanbisect.Task(model=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
-                          loss_fn=_schedule_loss)
-
-
-def gpipe():
-    return _scheduled("gpipe")
-
-
-def one_f_one_b():
-    return _scheduled("1f1b")
-
-
+# -- a peer that stalls ---------------------------------------------------------------------------
 def _hang_then_loss(m, x):
     if dist.get_rank() == 1 and x.abs().max() > 50:
         time.sleep(float(os.environ.get("PP_HANG", "60")))
@@ -128,9 +110,15 @@ def peer_hangs():
                           loss_fn=_hang_then_loss)
 
 
-def batch(step: int) -> torch.Tensor:
+# -- the batches ----------------------------------------------------------------------------------
+def batch(func: str, step: int):
     g = torch.Generator().manual_seed(step)
-    return torch.randn(4, 4, generator=g) * (100.0 if step == 2 else 1.0)     # (B, 4)
+    if func.startswith("p2p"):
+        x = torch.randn(6, 4, generator=g)                   # 2 triplets
+        if step == 2:
+            x[1] = x[0]                                      # anchor == positive
+        return x
+    return torch.randn(4, 4, generator=g) * (100.0 if step == 2 else 1.0)
 
 
 def main():
@@ -142,7 +130,7 @@ def main():
                             out=out)
     try:
         for step in range(4):
-            guard.step(batch(step))
+            guard.step(batch(func, step))
         sys.stdout.write(f"RANK {r} DONE\n")
     except nanbisect.NonFiniteStep as e:
         message = str(e).replace("\n", " ")
