@@ -24,16 +24,15 @@ limit; user code that blocks outside torch.distributed (a queue, a file lock) is
 """
 from __future__ import annotations
 
-import datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from nanbisect import devices
-from nanbisect.replay.p2p import RANK_TIMEOUT, StandIns, is_p2p, rank_timeout  # noqa: F401
+from nanbisect.replay.p2p import (RANK_TIMEOUT, StandIns, bounded_wait, is_p2p,  # noqa: F401
+                                   rank_timeout)
 from nanbisect.util import torch_internals as ti
-from nanbisect.util.text import exception_line
 
 
 
@@ -64,12 +63,9 @@ def wait(work: Any, what: str, timeout: float | None = None) -> None:
     if w is None:
         return
     t = rank_timeout() if timeout is None else timeout
-    try:
-        done = w.wait(timeout=datetime.timedelta(seconds=t))
-    except Exception as e:  # noqa: BLE001 - a timeout, a peer gone, an aborted communicator
-        raise RankTimeout(what, t, exception_line(e, limit=200)) from None
-    if done is False:
-        raise RankTimeout(what, t)
+    why = bounded_wait(w, t)
+    if why:
+        raise RankTimeout(what, t, why)
 
 
 class Settled:

@@ -262,12 +262,10 @@ class Ledger(ti.ObserverMode):
         receive is counted once it arrived, before its caller can read it; never waited here (a
         schedule waits later, and gloo's works never return from a second wait)."""
         out = call.func(*call.args, **call.kwargs)
-        if getattr(call, "ledger_key", None) is None or not is_p2p(call.func):
+        if getattr(call, "ledger_key", None) is None or not is_receive(call.func):
             return out
         if self.stand_ins is None:
             self.stand_ins = StandIns(rank_timeout())
-        if not is_receive(call.func):
-            return out
         arrived = call.ledger_arrived = {}
         wrote = collective_outputs(call.func, call.args, call.kwargs, out)
 
@@ -283,21 +281,19 @@ class Ledger(ti.ObserverMode):
         if key is not None and is_p2p(func):
             nth, group, seq = key
             wrote = mutated = []
-            if is_receive(func):
-                arriving = call.ledger_arrived
-                out_nan, out_inf = 0, 0
+            if is_receive(func):       # counted when it arrives (`run`, `read`)
+                arriving, (out_nan, out_inf) = call.ledger_arrived, (0, 0)
             else:
                 out_nan, out_inf = call.ledger_reads      # a send carries what it read
         elif key is not None:
             wait_collective(func, out)
-            wrote = collective_outputs(func, args, kwargs, out)
+            wrote = mutated = collective_outputs(func, args, kwargs, out)
             nth, group, seq = key
-            mutated = wrote
+            out_nan, out_inf = _bad(wrote)
         else:
             returned, mutated = written_tensors(func, out, args, kwargs)
             wrote = list({id(t): t for t in leaf_tensors(returned + mutated)}.values())
             nth, group, seq = None, None, None
-        if not is_p2p(func):
             out_nan, out_inf = _bad(wrote)
         in_nan, in_inf = call.ledger_reads
         if arriving is None and not (out_nan or out_inf or in_nan or in_inf):

@@ -11,8 +11,8 @@ from dataclasses import replace
 
 from nanbisect.multirank.paths import (birth, grouped, overflow_words, rank_paths,
                                       received_words)
-from nanbisect.records import (BadValue, Crossing, Culprit, OpRef, Plan, RankResult, RankRoot,
-                               RankSummary, Subset, RunFacts, module_label)
+from nanbisect.records import (BadValue, Crossing, Culprit, OpRef, Plan, RankPath, RankResult,
+                               RankRoot, RankSummary, Subset, RunFacts, module_label)
 from nanbisect.reference.classify import REPLAY_MISMATCH_NOTE, classify_not_reproduced
 from nanbisect.report.model import Report
 from nanbisect.util.spec import NONE
@@ -30,7 +30,7 @@ def decide(summaries: list[RankSummary]) -> Plan:
     if bad_input:
         return Plan("input", min(bad_input))
     paths = rank_paths(summaries)
-    received = received_ranks(summaries)
+    received = received_ranks(paths)
 
     def phase_of(s: RankSummary) -> str | None:
         p = paths.get(s.rank)      # a pipeline stage that sent on what it made in forward
@@ -57,11 +57,12 @@ def decide(summaries: list[RankSummary]) -> Plan:
     return Plan(None, None)
 
 
-def received_ranks(summaries: list[RankSummary]) -> set[int]:
-    """The ranks whose first pass shows they received the failure through a send and receive
-    (point to point: a pipeline's stages), from whom it is known: not candidates to have
-    computed it while a rank that did not receive it is (`decide`, `choose_rank`)."""
-    return {r for r, p in rank_paths(summaries).items()
+def received_ranks(paths: dict[int, RankPath]) -> set[int]:
+    """The ranks whose first-pass path (`rank_paths`) shows they received the failure through a
+    send and receive (point to point: a pipeline's stages), from whom it is known: not
+    candidates to have computed it while a rank that did not receive it is (`decide`,
+    `choose_rank`)."""
+    return {r for r, p in paths.items()
             if p.how == "received" and p.via is not None and p.via.p2p and p.from_ranks}
 
 

@@ -56,6 +56,7 @@ from nanbisect.chain import Chain, ReferenceSide, Serving
 from nanbisect.multirank.ledger import Ledger
 from nanbisect.multirank.sides import (call_stats, finish_rank, rank_reference, rank_replayer,
                                        reference_record, root_of)
+from nanbisect.multirank.paths import rank_paths
 from nanbisect.multirank.verdict import choose_rank, decide, received_ranks
 from nanbisect.records import CallId, Plan, RankResult, RankSummary, json_number
 from nanbisect.replay.probe import ProbeTable
@@ -138,7 +139,7 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if phase not in ("forward", "backward", "optimizer") or culprit_rank is None:
         return result
     # every rank runs the culprit rank's phase and kind: the same passes
-    agreed = _Agreement(rank, result, received_ranks(everyone))
+    agreed = _Agreement(rank, result, received_ranks(rank_paths(everyone)))
     loc = chain.locate(first, table, agreed, failed=(phase, everyone[culprit_rank].kind or "nan"))
     result = agreed.result
     if loc.through:   # every rank's root is a collective: nobody computed it, it was received

@@ -43,6 +43,16 @@ def rank_timeout() -> float:
     return ti.group_timeout() or RANK_TIMEOUT
 
 
+def bounded_wait(work, seconds: float) -> str:
+    """Wait for a pybind c10d ``work`` at most ``seconds``: "" when it completed, else why not
+    (the backend's error in one line, or that another rank did not join it)."""
+    try:
+        done = work.wait(timeout=datetime.timedelta(seconds=seconds))
+    except Exception as e:  # noqa: BLE001 - a timeout, a peer gone, an aborted communicator
+        return exception_line(e, limit=200)
+    return "" if done is not False else "another rank did not join it"
+
+
 def is_p2p(func) -> bool:
     """Is ``func`` a point-to-point op (a send, a receive)?"""
     return ti.schema_name(func) in P2P
@@ -121,11 +131,7 @@ class StandIns:
             fut: torch.futures.Future = torch.futures.Future()
 
             def watch() -> None:
-                try:
-                    done = w.wait(timeout=datetime.timedelta(seconds=self.timeout))
-                    why = "" if done is not False else "another rank did not join it"
-                except Exception as e:  # noqa: BLE001 - a timeout, a peer gone
-                    why = exception_line(e, limit=200)
+                why = bounded_wait(w, self.timeout)
                 if why:
                     self._missed(what, why)
                     fut.set_exception(RuntimeError(f"{what}: {why}"))

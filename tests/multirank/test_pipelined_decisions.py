@@ -42,7 +42,7 @@ def test_stage_0_made_it_in_forward_though_its_first_pass_saw_its_gradients():
     assert (paths[0].how, paths[0].phase) == ("computed", "forward")
     assert (paths[1].how, paths[1].from_ranks, paths[1].via.op) == (
         "received", [0], "c10d.recv_.default")
-    assert received_ranks([s0, s1]) == {1}
+    assert received_ranks(paths) == {1}
     plan = decide([s0, s1])
     assert (plan.phase, plan.rank) == ("forward", 0)
     # pass 2: rank 1's forward root is the receive, rank 0's its own op
@@ -61,7 +61,7 @@ def test_the_last_stage_made_it_in_backward_and_the_first_received_its_gradient(
     assert (plan.phase, plan.rank) == ("backward", 1)
     mul0 = RankRoot("aten.mm.default", 5, "fc", 0, ["float32"], [[6, 8]], collective=False)
     mul1 = RankRoot("aten.mul.Tensor", 44, "dist", 0, ["float32"], [[2, 4]], collective=False)
-    assert choose_rank([mul0, mul1], plan.rank, received_ranks([s0, s1])) == (1, False)
+    assert choose_rank([mul0, mul1], plan.rank, received_ranks(rank_paths([s0, s1]))) == (1, False)
 
 
 def test_a_task_is_one_kind_of_step_and_a_pipelined_one_takes_no_accumulation():
