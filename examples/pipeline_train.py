@@ -60,7 +60,14 @@ def _task(kind: str) -> nanbisect.Task:
         pipes = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         pipe_group, replica_group = pipes[replica], replicas[stage]
-    pipe = PipelineStage(model, stage, 2, torch.device("cpu"), group=pipe_group)
+    # each stage's micro-batch shapes, given: the stage needs no shape exchange with its
+    # neighbours, and one stage can be replayed alone (nanbisect run --ranks)
+    rows = 8 // MICRO_BATCHES
+    ins = ((torch.zeros(rows, 3, 4), torch.ones(rows, 3)) if stage == 0
+           else torch.zeros(rows, 8, requires_grad=True))
+    outs = torch.zeros(rows, 8, requires_grad=True) if stage == 0 else torch.zeros(rows)
+    pipe = PipelineStage(model, stage, 2, torch.device("cpu"), input_args=ins, output_args=outs,
+                         group=pipe_group)
     schedule = (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(
         pipe, n_microbatches=MICRO_BATCHES, loss_fn=lambda out, t: (out - t).pow(2).mean())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -4,10 +4,11 @@ replay reads.
 A part's manifest holds ``collectives``: ``{schema, entries: [Entry...], ddp: {params,
 micro_batches, group} | None, rerun_failed}``; its ``collectives.safetensors`` (`ROLE`) holds
 entry i's output j as ``c{i}.{j}`` and DDP's reduced gradient of parameter ``name`` after
-micro-batch m as ``ddp{m}.{name}``. Written by `nanbisect.guard.retape`, served by
-`nanbisect.multirank.served`. Guarantees: `parse` accepts only what the recorder writes (the
-schema, every field of every entry with its type) and otherwise raises `BadInput` naming the
-first thing wrong; `input_digest` is the one definition of an entry's ``in_sha256``. Not
+micro-batch m as ``ddp{m}.{name}``. A receive (`RECEIVE`, a pipeline stage's) is an entry like a
+collective's, served in order, its ``group`` [sender, receiver]; a send (`SEND`) is kept as counts
+only. Written by `nanbisect.guard.retape`, served by `nanbisect.multirank.served`. Guarantees:
+`parse` accepts only what the recorder writes (the schema, every field of every entry with its
+type) and otherwise raises `BadInput` naming the first thing wrong; `input_digest` is the one definition of an entry's ``in_sha256``. Not
 guaranteed: that the tensors match the entries (the server checks that when it loads them).
 """
 from __future__ import annotations
@@ -53,7 +54,8 @@ class Entry:
     out_nan: int
     out_inf: int
     kind: str = "tape"        # "tape": served in order; "ddp-bucket", "p2p": counts only
-    group: list[int] | None = None     # the global ranks of its process group
+    # the global ranks of its process group; a send or receive: [sender, receiver]
+    group: list[int] | None = None
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
@@ -69,9 +71,10 @@ class TapeMismatch(BadInput):
 
 
 FIX = "re-capture the bundle"
-# "p2p": a send or receive of a pipelined step, kept as what it sent or got (counts, shapes);
-# not served to a replay of some ranks
+# "p2p": a send of a pipelined step (or a receive from any source), kept as what it sent
+# (counts); not served to a replay of some ranks. A receive from a given rank is "tape": served.
 KINDS = ("tape", "ddp-bucket", "p2p")
+RECEIVE, SEND = "c10d.recv_.default", "c10d.send.default"     # their entries' ``op``
 _INTS = ("in_nan", "in_inf", "out_nan", "out_inf")
 
 

@@ -9,7 +9,9 @@ it and keeps what it wrote, in order, with NaN/inf counts and a sha256 of what i
 gradient reduction is kept per parameter instead (each parameter's gradient after every
 micro-batch's backward, which is what the reduction, the user's comm hook included, left there),
 so that a replay's bucket layout, which DDP builds anew, does not have to match the capture's; the
-bucket collectives themselves are left out of the tape, as are DDP's bucket rebuilds. The format
+bucket collectives themselves are left out of the tape, as are DDP's bucket rebuilds. A pipeline
+stage's receive is kept like a collective (what arrived, copied on its watcher's thread when it
+arrives: `nanbisect.replay.p2p.StandIns`); its send as what it sent (counts). The format
 is `nanbisect.bundle.tape`'s. Guarantees: recording never raises into the step (a failure makes
 the tape unusable, not the step: `record_step` then returns None and why).
 """
@@ -22,12 +24,12 @@ import torch
 
 from nanbisect import devices
 from nanbisect.bundle.state import local
-from nanbisect.bundle.tape import SCHEMA, Entry, input_digest
+from nanbisect.bundle.tape import RECEIVE, SCHEMA, Entry, input_digest
 from nanbisect.guard.deadline import BoundedWaits, RankTimeout
-from nanbisect.replay.p2p import is_p2p
+from nanbisect.replay.p2p import is_p2p, is_receive, peer
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
                                           group_size, leaf_tensors, taped, wait_collective)
-from nanbisect.replay.recorder import read_args
+from nanbisect.replay.recorder import collective_writes, read_args
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import nan_inf_counts as _counts
 
@@ -60,6 +62,9 @@ class TapeRecorder(BoundedWaits):
         self.tape = tape
         self.ddp = ddp
         self.error: str | None = None     # the first thing that went wrong while recording
+        # a receive's entry index -> NaN/inf counts of what arrived (its watcher writes them,
+        # maybe before the entry exists: `arrived` fills them in once every watcher ended)
+        self._arrivals: dict[int, tuple[int, int]] = {}
 
     # NB: no hook raises: the step must go on, with its collectives matched on every rank; a
     # failure to record makes the tape unusable, not the step
@@ -88,39 +93,77 @@ class TapeRecorder(BoundedWaits):
 
     def run(self, call: ti.OpCall) -> Any:
         """The op, a c10d one's works bounded by the Guard's deadline (`BoundedWaits`: a
-        `RankTimeout` leaves the re-run, and the tape is lost, never the step)."""
-        if call.func.namespace != "c10d":
-            return call.func(*call.args, **call.kwargs)      # functional: not bounded
-        return super().run(call)
+        `RankTimeout` leaves the re-run, and the tape is lost, never the step). What a receive
+        brought is kept when it arrives (on its watcher's thread, before the caller can read
+        it): the tape serves it to a replay of this rank alone."""
+        func = call.func
+        if func.namespace != "c10d":
+            return func(*call.args, **call.kwargs)      # functional: not bounded
+        if call.read is None or not is_receive(func):
+            return super().run(call)
+        i = len([e for e in self.tape.entries if e.kind == "tape"])   # its entry, next
+        bufs = leaf_tensors(collective_writes(func, call.args, call.kwargs))
+
+        def arrived() -> None:
+            for j, t in enumerate(bufs):
+                self.tape.tensors[f"c{i}.{j}"] = t.detach().to(devices.HOST, copy=True)
+            self._arrivals[i] = _counts(bufs)
+
+        return self.settled.settle(func, func(*call.args, **call.kwargs), on_done=arrived)
+
+    def arrived(self) -> None:
+        """Fill in what the receives brought (NaN/inf counts) once every watcher ended; a
+        receive that never arrived makes the tape unusable."""
+        taped_entries = [e for e in self.tape.entries if e.kind == "tape"]
+        for i, e in enumerate(taped_entries):
+            if e.op == RECEIVE:
+                if i not in self._arrivals:
+                    self.error = self.error or f"receive #{i} never arrived"
+                    continue
+                e.out_nan, e.out_inf = self._arrivals[i]
 
     def after(self, call: ti.OpCall, out: Any) -> None:
-        """What it wrote: an entry of the tape, and its tensors unless DDP's own (a send or
-        receive: what it sent and the shapes it received, kind ``p2p``)."""
+        """What it wrote: an entry of the tape, and its tensors unless DDP's own. A send is kept
+        as what it sent (counts; kind ``p2p``: not served); a receive is served like a
+        collective, its tensors kept by `run` when they arrive; both name [sender, receiver] as
+        their group."""
         if call.read is None:
             return
         func, args, kwargs = call.func, call.args, call.kwargs
         internal, in_nan, in_inf, digest = call.read
         try:
             p2p = is_p2p(func)
+            receive = is_receive(func)
             if p2p:     # its work completes later (a schedule waits for it): not waited here
-                internal = "p2p"
+                internal = None if receive else "p2p"
             else:
                 wait_collective(func, out)
             wrote = collective_outputs(func, args, kwargs, out)
             out_nan, out_inf = _counts(wrote) if not p2p else (0, 0)
+            group = group_ranks(func, args, kwargs)
+            if p2p:
+                me, other = _global_rank(), peer(func, args, kwargs)
+                group = [other, me] if ti.schema_name(func) != "c10d::send" else [me, other]
+                group = None if None in group else group
             i = len([e for e in self.tape.entries if e.kind == "tape"])
             e = Entry(str(func), group_size(func, args, kwargs), [list(t.shape) for t in wrote],
                       [str(t.dtype).removeprefix("torch.") for t in wrote], digest, in_nan,
                       in_inf, out_nan, out_inf,
-                      "p2p" if p2p else "ddp-bucket" if internal else "tape",
-                      group_ranks(func, args, kwargs))
+                      "p2p" if internal == "p2p" else "ddp-bucket" if internal else "tape",
+                      group)
             self.tape.entries.append(e)
-            if internal is None:
+            if internal is None and not receive:
                 for j, t in enumerate(wrote):
                     self.tape.tensors[f"c{i}.{j}"] = (
                         t.detach().to(devices.HOST, copy=True).contiguous())
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
 
 
 def record_step(task, batch: Any) -> tuple[Tape | None, "str | RankTimeout | None"]:
@@ -166,6 +209,7 @@ def record_step(task, batch: Any) -> tuple[Tape | None, "str | RankTimeout | Non
         if rec.settled.unmet is not None:          # a send or receive no rank met
             return None, rec.settled.unmet
         return None, f"re-running the step raised {type(e).__name__}: {str(e)[:200]}"
+    rec.arrived()
     if rec.error is not None:
         return None, f"recording a collective failed ({rec.error})"
     loss = last.total if last is not None else None

@@ -12,7 +12,8 @@ What one rank can decide alone:
 - it received the failure: its root is a collective whose output (served, as recorded) was
   non-finite. Who sent it is read from the capture's record: the ranks whose input to that
   collective (to DDP's gradient reduction, for a DDP model) held NaN/inf at capture
-  (`RankResult.received_from`), or whose own loss was non-finite. Those ranks are named for the
+  (`RankResult.received_from`; a receive's: the rank whose matching send carried NaN/inf),
+  or whose own loss was non-finite. Those ranks are named for the
   next replay; their op is not known until they are replayed.
 What it cannot decide: whether a collective corrupted finite inputs. Re-running a collective
 needs all its participants' inputs; a subset has only its own, and the others' NaN/inf counts.
@@ -27,7 +28,7 @@ import torch
 
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.bundle.manifest import Manifest
-from nanbisect.bundle.tape import ROLE, Entry, TapeMismatch, parse
+from nanbisect.bundle.tape import RECEIVE, ROLE, SEND, Entry, TapeMismatch, parse
 from nanbisect.errors import BadInput
 from nanbisect.chain import Chain, Located, Serving
 from nanbisect.multirank.sides import (call_stats, finish_rank, rank_reference, rank_replayer,
@@ -49,15 +50,7 @@ def check_tape(bundle: Bundle, ranks: list[int]) -> None:
         recorded = Manifest.of(part).collectives
         if recorded is None:
             raise BadInput(f"bundle '{bundle.path}': rank {r}'s part {NO_TAPE}")
-        entries, _ = parse(recorded, f"bundle '{part.path}'")
-        if any(e.kind == "p2p" for e in entries):
-            raise BadInput(_pipelined(bundle, r))
-
-
-def _pipelined(bundle: Bundle, r: int) -> str:
-    return (f"--ranks: bundle '{bundle.path}': rank {r}'s step sends and receives point to "
-            "point (a pipeline stage), whose receives a replay of some ranks cannot be served "
-            "yet; replay all ranks (drop --ranks)")
+        parse(recorded, f"bundle '{part.path}'")
 
 
 def _recorded(top: Bundle, r: int):
@@ -71,7 +64,8 @@ def _feeders(top: Bundle, me: int, entry: Entry | None, occurrence: int) -> tupl
     """(the other participants whose input to the collective held NaN/inf at capture, whether
     ``me``'s own recorded input did). ``entry`` is the collective in ``me``'s tape (its op and
     group, and ``occurrence``: how many same op-and-group collectives came before it), matched in
-    each participant's tape by op, group and occurrence; None: DDP's gradient reduction."""
+    each participant's tape by op, group and occurrence (a receive: the n-th send from its sender
+    to ``me``, the group being [sender, receiver]); None: DDP's gradient reduction."""
     mine, ddp = _recorded(top, me)
     if entry is None:
         group = (ddp or {}).get("group") or list(range(top.world_size))
@@ -81,8 +75,12 @@ def _feeders(top: Bundle, me: int, entry: Entry | None, occurrence: int) -> tupl
     def bad_input(entries: list[Entry]) -> bool:
         if entry is None:
             return any(e.in_nan or e.in_inf for e in entries if e.kind == "ddp-bucket")
-        same = [e for e in entries if e.kind == "tape" and e.op == entry.op
-                and e.group == entry.group]
+        if entry.op == RECEIVE:     # a message: the sender's n-th send to this rank
+            same = [e for e in entries if e.kind == "p2p" and e.op == SEND
+                    and e.group == entry.group]
+        else:
+            same = [e for e in entries if e.kind == "tape" and e.op == entry.op
+                    and e.group == entry.group]
         return len(same) > occurrence and bool(same[occurrence].in_nan or same[occurrence].in_inf)
 
     feeders = [r for r in group if r != me and r in Manifest.of(top).ranks   # partial: its
@@ -160,7 +158,11 @@ def replay_alone(bundle_path: Path, partial: Path, rank: int, target: str, injec
     # NB: the reference is served the capture's collectives, non-finite ones included, so its
     # step failing proves nothing here: only the op, re-run from the same inputs, does
     # (`Chain.classify` of a rank alone)
-    return finish_rank(result, chain, loc, side, partial, target, remedies=remedies)
+    result = finish_rank(result, chain, loc, side, partial, target, remedies=remedies)
+    made = result.culprit.phase if result.culprit is not None else None
+    if made and made != phase:    # a pipeline stage: it sent on what it made earlier
+        result = replace(result, summary=replace(result.summary, phase=made))
+    return result
 
 
 def _locate(chain: Chain, top: Bundle, server: TapeServer, first, table: ProbeTable,

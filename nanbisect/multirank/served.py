@@ -5,7 +5,8 @@ failing step gave each rank at capture (`nanbisect.guard.retape` records it; the
 `TapeServer`, in a process that is rank r of a world of N with torch's fake process group,
 which communicates nothing: every collective of a replayed step is served the next recorded
 result, checked against the recorded op, group size, shapes and dtypes (a mismatch is a one-line
-error: the replay took another path than the capture); DDP buckets are served from the recorded
+error: the replay took another path than the capture); a receive is served what arrived at
+capture and a send goes nowhere (a pipeline stage alone); DDP buckets are served from the recorded
 gradients by the comm hook nanbisect always installs (`multirank.ddp.ReductionObserver`).
 
 What a served replay cannot decide: whether a collective computed its output correctly from its
@@ -21,6 +22,7 @@ import torch
 
 from nanbisect.bundle.tape import FIX, ROLE, TapeMismatch, input_digest, parse
 from nanbisect.errors import BadInput
+from nanbisect.replay.p2p import is_p2p, is_receive, pipeline_setup
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_size,
                                           leaf_tensors, taped, wait_collective)
 from nanbisect.replay.recorder import read_args
@@ -71,18 +73,40 @@ class TapeServer(ti.ObserverMode):
         return taped(func)
 
     def before(self, call: ti.OpCall) -> bool:
-        """DDP's bucket rebuilds run as they are; any other collective is served."""
-        if ddp_internal(caller(), self.ddp) == "rebuild":
+        """DDP's bucket rebuilds and sends run as they are (the fake process group sends
+        nothing); a receive is served what it got at capture, like any other collective; a
+        pipeline stage's first-step vote is answered (see `_vote`)."""
+        frame = caller()
+        if ddp_internal(frame, self.ddp) == "rebuild":
             return False
+        if is_p2p(call.func):
+            if not is_receive(call.func):
+                if ti.schema_name(call.func) != "c10d::send":
+                    _unserved("it receives from any source (the capture recorded from whom, a "
+                              "replay of some ranks cannot tell its code)")
+                if pipeline_setup(frame) == "shapes":
+                    _unserved(SHAPES)
+                return False
+            setup = pipeline_setup(frame)
+            if setup == "shapes":
+                _unserved(SHAPES)
+            call.vote = setup == "vote"
+            if call.vote:
+                return True
+        call.vote = False
         call.reads = leaf_tensors(read_args(call.func, call.args, call.kwargs))
         return True
 
     def after(self, call: ti.OpCall, out) -> None:
         """Check the collective against the capture's and overwrite what it wrote with what
         the capture recorded (a mismatch raises `TapeMismatch`)."""
-        func, args, kwargs, reads = call.func, call.args, call.kwargs, call.reads
+        func, args, kwargs = call.func, call.args, call.kwargs
         wait_collective(func, out)
         wrote = collective_outputs(func, args, kwargs, out)
+        if call.vote:
+            _vote(wrote)
+            return
+        reads = call.reads
         if self.i >= len(self.entries):
             raise TapeMismatch(f"the replay issued collective #{self.i} ({func}), the capture "
                                f"recorded only {len(self.entries)}")
@@ -125,3 +149,22 @@ class TapeServer(ti.ObserverMode):
             raise TapeMismatch(f"a DDP bucket of {like.numel()} gradient values got "
                                f"{flat.numel()} recorded ones")
         return flat.to(device=like.device, dtype=like.dtype)
+
+
+SHAPES = ("its pipeline stage learns its shapes from its neighbours at its first step (a "
+          "PipelineStage built without input_args and output_args), which a replay of some "
+          "ranks cannot serve: build the stage with input_args= and output_args=")
+
+
+def _unserved(why: str):
+    raise BadInput(f"--ranks: this rank's step cannot be replayed alone: {why}; or replay all "
+                   "ranks (drop --ranks)")
+
+
+def _vote(wrote: list[torch.Tensor]) -> None:
+    """A pipeline stage's first-step vote, answered "every stage knows its shapes" (1): a stage
+    that knows its own, as the stage replayed alone must (`SHAPES`), needs nothing else from
+    the others; the capture's re-run of the step held no vote (its stages had voted before)."""
+    with torch.no_grad():
+        for t in wrote:
+            t.fill_(1)

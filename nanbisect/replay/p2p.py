@@ -83,11 +83,29 @@ def peer(func, args: tuple, kwargs: dict) -> int | None:
         return local
 
 
+_FORWARD, _BACKWARD = ("forward", "fwd"), ("backward", "bwd", "grad")
+
+
+def _named_for(name: str, mine: str) -> str | None:
+    """What a function's name says a send (``mine`` "send") or receive ("recv") it issues
+    carries: the word after it (Megatron's ``send_forward_recv_backward``), else the one
+    direction the name mentions (``backward_step``, a ``recv_grad`` of yours); None when it
+    names none, or both without saying which is whose (``forward_backward_pipelining``)."""
+    tokens = name.lower().strip("_").split("_")
+    for i in range(len(tokens) - 1):
+        if tokens[i] == mine and tokens[i + 1] in _FORWARD + _BACKWARD:
+            return "forward" if tokens[i + 1] in _FORWARD else "backward"
+    name = name.lower()
+    fwd, bwd = any(w in name for w in _FORWARD), any(w in name for w in _BACKWARD)
+    return None if fwd == bwd else "forward" if fwd else "backward"
+
+
 def direction(func, frame) -> str | None:
     """"forward" or "backward": what a pipeline's send or receive carries (activations or
     gradients), from the code that issued it: torch.distributed.pipelining's batch description
-    (``fwd_send_bwd_recv``), else a function on the way named for backward (Megatron's
-    ``send_backward``, a user's ``recv_grad``); None: nothing says (the step's phase decides)."""
+    (``fwd_send_bwd_recv``), else a function on the way named for it (Megatron's
+    ``send_forward_recv_backward``, ``send_backward``; a user's ``recv_grad``: `_named_for`);
+    None: nothing says (the step's phase decides)."""
     mine = "send" if ti.schema_name(func) == "c10d::send" else "recv"
     f, depth = frame, 0
     while f is not None and depth < 16:
@@ -97,11 +115,26 @@ def direction(func, frame) -> str | None:
             for i in range(len(tokens) - 1):
                 if tokens[i + 1] == mine and tokens[i] in ("fwd", "bwd"):
                     return "forward" if tokens[i] == "fwd" else "backward"
-        name = f.f_code.co_name.lower()
-        if any(w in name for w in ("backward", "bwd", "grad")):
-            return "backward"
-        if "forward" in name or "fwd" in name:
-            return "forward"
+        said = _named_for(f.f_code.co_name, mine)
+        if said is not None:
+            return said
+        f, depth = f.f_back, depth + 1
+    return None
+
+
+def pipeline_setup(frame) -> str | None:
+    """Is a send or receive part of a ``torch.distributed.pipelining`` stage's set-up at its
+    first step rather than of the step? ``"vote"``: the warm-up vote on whether every stage
+    knows its shapes (``PipelineStage._warmup_forward_vote``/``_warmup_backward_result``);
+    ``"shapes"``: the exchange of shapes a stage built without them does
+    (``_send_meta``/``_recv_meta``); None: neither. Checked on torch 2.13.0."""
+    f, depth = frame, 0
+    while f is not None and depth < 12:
+        name = f.f_code.co_name
+        if name in ("_warmup_forward_vote", "_warmup_backward_result"):
+            return "vote"
+        if name in ("_recv_meta", "_send_meta"):
+            return "shapes"
         f, depth = f.f_back, depth + 1
     return None
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import nanbisect
+from nanbisect.errors import BadInput
+from nanbisect.multirank.served import TapeServer
 from nanbisect.multirank.paths import rank_paths
 from nanbisect.multirank.verdict import choose_rank, decide, received_ranks
 from nanbisect.records import Crossing, RankRoot, RankSummary
@@ -110,3 +113,55 @@ def test_inside_a_stages_step_the_autograd_engines_ops_are_backward():
     x.register_hook(lambda g: labels.append(op_phase("forward")))
     y.backward()
     assert labels == ["forward"]
+
+
+@pytest.fixture
+def fake_rank_1():
+    """This process as rank 1 of 2 on torch's fake process group (what a replay alone runs on)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _recv_entry(values: list[float]) -> dict:
+    return {"op": "c10d.recv_.default", "group_size": 2, "shapes": [[len(values)]],
+            "dtypes": ["float32"], "in_sha256": "", "in_nan": 0, "in_inf": 0,
+            "out_nan": sum(v != v for v in values), "out_inf": 0, "kind": "tape",
+            "group": [0, 1]}
+
+
+def test_a_stage_alone_is_served_its_receives_and_its_sends_go_nowhere(fake_rank_1):
+    arrived = [1.0, float("nan")]
+    server = TapeServer({"schema": 1, "entries": [_recv_entry(arrived)], "ddp": None},
+                        {"c0.0": torch.tensor(arrived)})
+    buf = torch.zeros(2)
+    with server:
+        dist.send(torch.ones(3), dst=0)            # not on the tape: the fake group sends it
+        dist.irecv(buf, src=0).wait()
+    assert server.i == 1 and buf[0] == 1.0 and buf[1].isnan()
+
+
+def test_a_pipeline_stages_first_step_vote_is_answered_and_a_shape_exchange_refused(
+        fake_rank_1):
+    """torch.distributed.pipelining's stages vote on their shapes at their first step (not on
+    the capture's tape: the stages had voted before the failing step): a stage that knows its
+    shapes is answered "static"; one that learns them from its neighbours cannot replay alone."""
+    server = TapeServer({"schema": 1, "entries": [], "ddp": None}, {})
+
+    def _warmup_forward_vote():           # named as torch's (replay/p2p.pipeline_setup)
+        acc = torch.zeros(1, dtype=torch.int32)
+        dist.recv(acc, src=0)
+        return acc
+
+    def _recv_meta():
+        dist.recv(torch.zeros(4, dtype=torch.uint8), src=0)
+
+    with server:
+        assert _warmup_forward_vote().item() == 1
+        with pytest.raises(BadInput, match="input_args= and output_args=.*drop --ranks"):
+            _recv_meta()
+    assert server.i == 0
