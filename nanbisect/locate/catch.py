@@ -35,9 +35,11 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _OWN_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # nanbisect/
 _FRAME = re.compile(r'File "(.+)", line (\d+)')
 # a dispatch mode that rides along the catch (`RowTracer`) is not on the op's way from the user,
-# nor is the observer mode's own dispatch (`torch_internals`) that runs the catcher's hooks
+# nor is the observer mode's own dispatch (`torch_internals`) that runs the catcher's hooks, nor
+# a function mode the user's step opts into (megatron-core's CPU shims)
 _RIDERS = {os.path.join(_OWN_DIR, "locate", "rows.py"),
-           os.path.join(_OWN_DIR, "util", "torch_internals.py")}
+           os.path.join(_OWN_DIR, "util", "torch_internals.py"),
+           os.path.join(_OWN_DIR, "integrations", "megatron.py")}
 
 
 def _where(path: str) -> str:

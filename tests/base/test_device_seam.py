@@ -35,6 +35,12 @@ ALLOWED: dict[str, list[tuple[str, str]]] = {
         ('.to("cpu")', "util imports nothing of nanbisect but errors (tests/project/"
                        "test_layout.py), so its host copy names the host's type itself"),
     ],
+    "nanbisect/integrations/megatron.py": [
+        ("torch.cuda.", "megatron-core's CPU shims (opt-in, `on_cpu`) stand in for the torch.cuda "
+                        "calls megatron-core 0.16 makes with no GPU present, and restore them"),
+        ('== "cuda"', "the shims move what megatron-core names a CUDA device to the host: "
+                      "naming CUDA is their one job"),
+    ],
 }
 # the same, for violations in files owned elsewhere: each is to move behind the seam
 PENDING: dict[str, list[tuple[str, str]]] = {}
