@@ -63,11 +63,8 @@ class Head(nn.Module):                                       # stage 1
 
 def task() -> nanbisect.Task:
     torch.manual_seed(0)
-    if not parallel_state.model_parallel_is_initialized():
-        # no gloo side groups: megatron makes them on top of the backend, which a replay of
-        # some ranks alone (nanbisect run --ranks) replaces with torch's fake process group
-        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2,
-                                                 create_gloo_process_groups=False)
+    if not parallel_state.model_parallel_is_initialized():     # (a replay builds it again)
+        parallel_state.initialize_model_parallel(pipeline_model_parallel_size=2)
     # hidden_size: the activations' last dimension (megatron's p2p shape)
     config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=1,
                                pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)

@@ -31,20 +31,43 @@ from nanbisect.task import Task
 from nanbisect.util import torch_internals as ti
 
 
-_running = threading.local()      # .pipelined: a pipeline stage's step is running here
+_running = threading.local()      # .pipelined: a pipeline stage's step is running here;
+                                  # .backward_began: an op of its backward ran
 
 
-def op_phase(labelled: str) -> str:
+def op_phase(labelled: str, collective: bool = False, in_module: bool = True) -> str:
     """The phase of the op running now, given the phase the step's contexts say (``labelled``):
-    the same, except inside a pipeline stage's step, where an op the autograd engine runs (a
-    backward formula, a gradient hook's send) is "backward".
+    the same, except inside a pipeline stage's step (or any ``step_fn``), where an op the
+    autograd engine runs (a backward formula, a gradient hook's send) is "backward", and so is a
+    ``collective`` (not a send or receive: what those carry is their own) issued outside any
+    module call (``in_module`` False) once the step's backward began: a gradient reduction after
+    it (megatron's ``finish_grad_sync``, an average over the stage's replicas).
 
     >>> op_phase("forward"), op_phase("optimizer")
     ('forward', 'optimizer')
     """
-    if labelled == "forward" and getattr(_running, "pipelined", False) and ti.in_backward():
+    if labelled != "forward" or not getattr(_running, "pipelined", False):
+        return labelled
+    if in_stage_backward():
+        return "backward"
+    if collective and not in_module and getattr(_running, "backward_began", False):
         return "backward"
     return labelled
+
+
+def in_stage_backward() -> bool:
+    """Inside a pipeline stage's step: is the autograd engine running now? Notes that the step's
+    backward began (`backward_began`) when it is."""
+    if getattr(_running, "pipelined", False) and ti.in_backward():
+        _running.backward_began = True
+        return True
+    return False
+
+
+def backward_began() -> bool:
+    """Inside a pipeline stage's step: has an op of its backward run yet (as far as
+    `in_stage_backward` was asked: every dispatch mode of nanbisect's asks, for every op)?"""
+    return getattr(_running, "backward_began", False)
 
 
 def pipelined_running() -> bool:
@@ -150,7 +173,7 @@ def _stage_step(task: Task, batch: Any, phase: Callable[[str], ContextManager],
     """A pipeline stage's step: its schedule (or step function) in one "forward" context, the
     ops the autograd engine runs told apart by `op_phase`; then the update."""
     was = getattr(_running, "pipelined", False)
-    _running.pipelined = True
+    _running.pipelined, _running.backward_began = True, False
     try:
         with phase("forward"):
             loss = task.stage_step(task.step_model(), batch)

@@ -32,7 +32,7 @@ from nanbisect.replay.p2p import StandIns, direction, is_p2p, is_receive, peer, 
 from nanbisect.replay.recorder import read_args, written_tensors
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.locate.catch import short_path
-from nanbisect.step import op_phase, pipelined_running
+from nanbisect.step import backward_began, in_stage_backward, op_phase
 from nanbisect.util import frames
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.tensors import finite_absmax, nan_inf_counts
@@ -131,7 +131,6 @@ class Ledger(ti.ObserverMode):
         self.kept: list = []          # Crossings, and receives still arriving (`_Arriving`)
         self.pairs: dict[tuple[int, int], int] = {}   # messages sent (src, dst) -> count
         self.stand_ins: StandIns | None = None
-        self.backward_ran = False     # a pipeline stage's step ran backward already
         self.active = True
         self.errors = 0               # ops it could not count (their step ran untouched)
 
@@ -139,8 +138,6 @@ class Ledger(ti.ObserverMode):
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
         self.now = name
-        if name == "forward":
-            self.backward_ran = False
         yield
 
     @contextmanager
@@ -188,8 +185,7 @@ class Ledger(ti.ObserverMode):
 
     # -- the mode ---------------------------------------------------------------------------
     def wants(self, func) -> bool:
-        if not self.backward_ran and pipelined_running() and ti.in_backward():
-            self.backward_ran = True      # a pipeline stage's step began its backward
+        in_stage_backward()       # notes that a pipeline stage's step began its backward
         if not self.active or func in ti.METADATA_OPS or len(self.kept) >= KEEP:
             return False
         return self.reducing is not None or taped(func)
@@ -225,12 +221,11 @@ class Ledger(ti.ObserverMode):
             # what it carries: as the issuing code says, else by whether this stage's
             # backward began (a hand-written stage: forward's sends, then backward's)
             call.ledger_phase = direction(func, ti.issuing_frame(caller())) or (
-                "backward" if self.backward_ran else call.ledger_phase)
+                "backward" if backward_began() else call.ledger_phase)
             reads = leaf_tensors(read_args(func, args, kwargs))    # a receive reads nothing
         elif collective:
-            if (call.ledger_phase == "forward" and self.backward_ran and self.tracker is not None
-                    and self.tracker.current() is None):
-                call.ledger_phase = "backward"    # a stage's gradients reduced after its step
+            call.ledger_phase = op_phase(self.now, collective=True, in_module=(
+                self.tracker is None or self.tracker.current() is not None))
             group = group_ranks(func, args, kwargs)
             key = tuple(group) if group is not None else None
             seq = self.seq.get(key, 0)

@@ -259,10 +259,11 @@ def _replay(a: argparse.Namespace, rank: int, partial: Path, out: Path) -> None:
     if a.alone:
         # torch's fake process group: rank r of the world, communicating nothing
         from nanbisect.multirank.alone import replay_alone
-        from nanbisect.util.torch_internals import fake_store
+        from nanbisect.util.torch_internals import every_group_fake, fake_store
 
         dist.init_process_group("fake", rank=rank, store=fake_store(),
                                 world_size=int(os.environ["WORLD_SIZE"]))
+        every_group_fake()      # the job's gloo side groups too (megatron-core makes some)
         result = replay_alone(Path(a.bundle), partial, rank, a.target, a.inject, a.entry,
                               reference, stage=_stage, remedies=a.remedies,
                               run_top_level=a.run_top_level, placed=placed)

@@ -404,6 +404,26 @@ def fake_store():
     return FakeStore()
 
 
+def every_group_fake() -> None:
+    """In a process whose default group is torch's fake one: every group made after it is fake
+    too, whatever backend its maker asks for (a job's gloo side groups: megatron-core's
+    ``create_gloo_process_groups``), without backend options (NCCL's): a group of another
+    backend cannot be made on the fake store. Idempotent.
+    ``distributed_c10d._new_group_with_tag`` (what ``new_group`` calls, positional ``ranks,
+    timeout, backend, backend_options``): checked on 2.13.0."""
+    from torch.distributed import distributed_c10d as c10d
+
+    made = c10d._new_group_with_tag
+    if getattr(made, "nanbisect_fake", False):
+        return
+
+    def fake(ranks=None, timeout=None, backend=None, backend_options=None, *args, **kwargs):
+        return made(ranks, timeout, None, None, *args, **kwargs)
+
+    fake.nanbisect_fake = True
+    c10d._new_group_with_tag = fake
+
+
 # -- frames: who issued a dispatched op ---------------------------------------------------------
 TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _DDP_FILE = TORCH_DIR + "nn/parallel/distributed.py"

@@ -1,6 +1,9 @@
-"""megatron-core on CPU ranks: `nanbisect.integrations.megatron.on_cpu` (the pipeline schedule
-itself runs on real gloo ranks in tests/multirank/test_pipelined.py)."""
+"""megatron-core under the Guard on CPU ranks (`nanbisect.integrations.megatron`): its shims, and
+its GPT (examples/megatron_gpt.py) tensor parallel and in megatron's data-parallel wrapper on 2
+real gloo ranks; its pipeline schedule runs in tests/multirank/test_pipelined.py."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -27,3 +30,62 @@ def test_inside_on_cpu_what_megatron_puts_on_cuda_lands_on_the_cpu_and_outside_n
     if not torch.cuda.is_available():
         with pytest.raises((RuntimeError, AssertionError)):
             torch.zeros(1, device="cuda")
+
+
+# -- megatron-core's GPT on 2 gloo ranks (examples/megatron_gpt.py) ------------------------------
+def _gpt_bundle(tmp_path, kind: str):
+    from helpers.bundles import run_ranks
+    from helpers.paths import ROOT
+
+    p = run_ranks(ROOT / "examples" / "megatron_gpt.py", [kind, str(tmp_path / "out")], 2,
+                  timeout=240, env=ENV)
+    said = {line.split()[1]: line.split()[3] for line in p.stdout.splitlines()
+            if line.startswith("RANK ") and line.split()[2] == "BUNDLE"}
+    assert len(said) == 2 and len(set(said.values())) == 1, p.stdout + p.stderr[-3000:]
+    return next(iter(said.values()))
+
+
+def _replay(bundle, out, *more) -> dict:
+    from helpers import cli
+
+    res = cli("run", str(bundle), "--out", str(out), "--no-remedies", *more, env=ENV,
+              timeout=240)
+    assert res.code == 1, res.stdout[-2000:] + res.stderr[-3000:]
+    return json.loads((out / "report.json").read_text())
+
+
+ENV = {"NANBISECT_RANK_TIMEOUT": "60"}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_gpt_names_rank_1s_mlp_shard_and_alone_too(tmp_path):
+    """TP=2: rank 1's corrupted MLP shard takes sqrt of a negative number; rank 0 receives it
+    through linear_fc2's all-reduce. ``--ranks 1`` alone (megatron's gloo side groups made on
+    the fake process group) names the same op."""
+    bundle = _gpt_bundle(tmp_path, "tp")
+    report = _replay(bundle, tmp_path / "r")
+    c = report["culprit"]
+    assert (report["phase"], c["rank"], c["module"], c["op"]) == (
+        "forward", 1, "decoder.layers.0.mlp", "aten.sqrt.default"), c
+    got = {r["rank"]: r for r in report["ranks"]}[0]
+    assert (got["how"], got["via"]["op"], got["via"]["module"], got["from_ranks"]) == (
+        "received", "c10d.allreduce_.default", "decoder.layers.0.mlp.linear_fc2", [1]), got
+    alone = _replay(bundle, tmp_path / "r1", "--ranks", "1")["culprit"]
+    assert (alone["rank"], alone["module"], alone["op"]) == (1, c["module"], c["op"]), alone
+
+
+@pytest.mark.slow
+def test_megatrons_data_parallel_wrapper_reads_main_grad_and_its_reduction(tmp_path):
+    """DP=2 in megatron's DistributedDataParallel (gradients in its buffers, reduced by
+    finish_grad_sync): rank 0 received rank 1's NaN through that reduction, in backward; alone
+    it says so from the capture's record."""
+    bundle = _gpt_bundle(tmp_path, "dp")
+    report = _replay(bundle, tmp_path / "r")
+    c = report["culprit"]
+    assert (c["rank"], c["phase"], c["module"], c["op"]) == (
+        1, "forward", "module.decoder.layers.0.mlp", "aten.sqrt.default"), c
+    got = {r["rank"]: r for r in report["ranks"]}[0]
+    assert (got["how"], got["via"]["phase"], got["from_ranks"]) == (
+        "received", "backward", [1]), got
+    alone = _replay(bundle, tmp_path / "r0", "--ranks", "0")
+    assert (alone["culprit"]["rank"], alone["culprit"]["op"]) == (1, None), alone["culprit"]

@@ -13,7 +13,7 @@ from nanbisect.multirank.served import TapeServer
 from nanbisect.multirank.paths import rank_paths
 from nanbisect.multirank.verdict import choose_rank, decide, received_ranks
 from nanbisect.records import Crossing, RankRoot, RankSummary
-from nanbisect.step import op_phase, run_step
+from nanbisect.step import in_stage_backward, op_phase, run_step
 from nanbisect.util import torch_internals as ti
 
 
@@ -165,3 +165,64 @@ def test_a_pipeline_stages_first_step_vote_is_answered_and_a_shape_exchange_refu
         with pytest.raises(BadInput, match="input_args= and output_args=.*drop --ranks"):
             _recv_meta()
     assert server.i == 0
+
+
+def test_a_send_or_receive_carries_what_the_first_function_that_names_it_says():
+    from nanbisect.replay.p2p import _named_for
+
+    # megatron-core's p2p communicator: the word after each op
+    assert _named_for("send_forward_recv_backward", "send") == "forward"
+    assert _named_for("send_forward_recv_backward", "recv") == "backward"
+    assert _named_for("recv_forward", "recv") == "forward"
+    assert _named_for("_recv_grad", "recv") == "backward"        # one direction: that one
+    # a name with both and no order for this op says nothing: the caller's caller decides
+    assert _named_for("forward_backward_pipelining_without_interleaving", "send") is None
+    assert _named_for("_communicate", "recv") is None
+
+
+def test_a_collective_after_a_step_fns_backward_outside_any_module_is_backward(fake_rank_1):
+    """megatron's finish_grad_sync, a replicas' average: the gradient reduction after the
+    backward, in a step_fn, is labelled backward; a collective inside a module's forward (a
+    tensor-parallel all-reduce) stays forward."""
+    from nanbisect.replay.tracker import ModuleTracker
+
+    class Reduced(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(3, 1)
+
+        def forward(self, x):
+            y = self.fc(x)
+            dist.all_reduce(y.detach())     # (a tensor-parallel reduction)
+            return y
+
+    model = Reduced()
+
+    def step(m, x):
+        loss = m(x).sum()
+        loss.backward()
+        for p in m.parameters():
+            dist.all_reduce(p.grad)
+        return loss
+
+    class Labels(ti.ObserverMode):
+        def __init__(self, tracker):
+            super().__init__()
+            self.tracker, self.seen = tracker, []
+
+        def wants(self, func):      # as every mode of nanbisect's: asked for every op
+            in_stage_backward()
+            return True
+
+        def before(self, call):
+            if call.func.namespace == "c10d":
+                self.seen.append(op_phase("forward", collective=True,
+                                          in_module=self.tracker.current() is not None))
+            return True
+
+    task = nanbisect.Task(model, torch.optim.SGD(model.parameters(), lr=0.1), step_fn=step)
+    tracker = ModuleTracker(model)
+    mode = Labels(tracker)
+    with tracker, mode:
+        list(run_step(task, torch.ones(2, 3)))
+    assert mode.seen == ["forward", "backward", "backward"], mode.seen
