@@ -38,6 +38,30 @@ def run_ranks(script: Path, args: list[str], ranks: int, timeout: float = 240,
     return subprocess.CompletedProcess([], res.code, res.stdout, res.stderr)
 
 
+def one_bundle(script: Path, args: list[str], ranks: int, env: dict | None = None,
+               timeout: float = 240) -> Path:
+    """The one bundle every rank of ``script args`` wrote (each prints ``RANK r BUNDLE path``,
+    as the examples do)."""
+    p = run_ranks(script, args, ranks, timeout=timeout, env=env)
+    said = {line.split()[1]: line.split()[3] for line in p.stdout.splitlines()
+            if line.startswith("RANK ") and line.split()[2] == "BUNDLE"}
+    assert len(said) == ranks and len(set(said.values())) == 1, p.stdout + p.stderr[-3000:]
+    return Path(next(iter(said.values())))
+
+
+def culprit_report(bundle: Path, out: Path, *more: str, env: dict | None = None) -> dict:
+    """report.json of ``nanbisect run bundle --out out --no-remedies *more``, which must find a
+    culprit (exit 1)."""
+    import json
+
+    from helpers import cli
+
+    res = cli("run", str(bundle), "--out", str(out), "--no-remedies", *more, env=env,
+              timeout=240)
+    assert res.code == 1, res.stdout[-2000:] + res.stderr[-3000:]
+    return json.loads((out / "report.json").read_text())
+
+
 def _capture(script: Path, func: str, out: Path, ranks: int) -> Path:
     p = run_ranks(script, [func, str(out)], ranks)
     lines = [line.split(" ", 1)[1].strip() for line in p.stdout.splitlines()

@@ -3,8 +3,6 @@ its GPT (examples/megatron_gpt.py) tensor parallel and in megatron's data-parall
 real gloo ranks; its pipeline schedule runs in tests/multirank/test_pipelined.py."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -33,28 +31,21 @@ def test_inside_on_cpu_what_megatron_puts_on_cuda_lands_on_the_cpu_and_outside_n
 
 
 # -- megatron-core's GPT on 2 gloo ranks (examples/megatron_gpt.py) ------------------------------
+ENV = {"NANBISECT_RANK_TIMEOUT": "60"}
+
+
 def _gpt_bundle(tmp_path, kind: str):
-    from helpers.bundles import run_ranks
+    from helpers.bundles import one_bundle
     from helpers.paths import ROOT
 
-    p = run_ranks(ROOT / "examples" / "megatron_gpt.py", [kind, str(tmp_path / "out")], 2,
-                  timeout=240, env=ENV)
-    said = {line.split()[1]: line.split()[3] for line in p.stdout.splitlines()
-            if line.startswith("RANK ") and line.split()[2] == "BUNDLE"}
-    assert len(said) == 2 and len(set(said.values())) == 1, p.stdout + p.stderr[-3000:]
-    return next(iter(said.values()))
+    return one_bundle(ROOT / "examples" / "megatron_gpt.py", [kind, str(tmp_path / "out")], 2,
+                      env=ENV)
 
 
 def _replay(bundle, out, *more) -> dict:
-    from helpers import cli
+    from helpers.bundles import culprit_report
 
-    res = cli("run", str(bundle), "--out", str(out), "--no-remedies", *more, env=ENV,
-              timeout=240)
-    assert res.code == 1, res.stdout[-2000:] + res.stderr[-3000:]
-    return json.loads((out / "report.json").read_text())
-
-
-ENV = {"NANBISECT_RANK_TIMEOUT": "60"}
+    return culprit_report(bundle, out, *more, env=ENV)
 
 
 @pytest.mark.slow

@@ -17,13 +17,12 @@ through a receive, from the rank that sent it.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from helpers import TEST_TASKS, cli
-from helpers.bundles import run_ranks
+from helpers import TEST_TASKS
+from helpers.bundles import culprit_report, one_bundle
 from helpers.paths import ROOT
 from nanbisect.bundle.format import read_bundle, read_manifest
 
@@ -33,21 +32,13 @@ ENV = {"NANBISECT_RANK_TIMEOUT": "60"}    # a replay that hangs ends, and says w
 
 
 def _capture(script: Path, args: list[str], ranks: int) -> Path:
-    """The one bundle every rank of ``script`` wrote (each prints ``RANK r BUNDLE path``)."""
-    p = run_ranks(script, args, ranks, timeout=180, env=ENV)
-    said = {line.split()[1]: line.split()[3] for line in p.stdout.splitlines()
-            if line.startswith("RANK ") and line.split()[2] == "BUNDLE"}
-    assert len(said) == ranks and len(set(said.values())) == 1, p.stdout + p.stderr[-3000:]
-    bundle = Path(next(iter(said.values())))
+    bundle = one_bundle(script, args, ranks, env=ENV, timeout=180)
     assert bundle.name == "step000002" and read_bundle(bundle).multi_rank
     return bundle
 
 
 def _replay(bundle: Path, out: Path, *more: str) -> dict:
-    res = cli("run", str(bundle), "--out", str(out), "--no-remedies", *more, env=ENV,
-              timeout=240)
-    assert res.code == 1, res.stdout[-2000:] + res.stderr[-3000:]
-    return json.loads((out / "report.json").read_text())
+    return culprit_report(bundle, out, *more, env=ENV)
 
 
 def _ranks(report: dict) -> dict[int, dict]:
