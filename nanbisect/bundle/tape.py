@@ -8,8 +8,9 @@ micro-batch m as ``ddp{m}.{name}``. A receive (`RECEIVE`, a pipeline stage's) is
 collective's, served in order, its ``group`` [sender, receiver]; a send (`SEND`) is kept as counts
 only. Written by `nanbisect.guard.retape`, served by `nanbisect.multirank.served`. Guarantees:
 `parse` accepts only what the recorder writes (the schema, every field of every entry with its
-type) and otherwise raises `BadInput` naming the first thing wrong; `input_digest` is the one definition of an entry's ``in_sha256``. Not
-guaranteed: that the tensors match the entries (the server checks that when it loads them).
+type) and otherwise raises `BadInput` naming the first thing wrong; `input_digest` is the one
+definition of an entry's ``in_sha256``. Not guaranteed: that the tensors match the entries (the
+server checks that when it loads them).
 """
 from __future__ import annotations
 

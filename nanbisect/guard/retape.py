@@ -26,7 +26,7 @@ from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.bundle.tape import RECEIVE, SCHEMA, Entry, input_digest
 from nanbisect.guard.deadline import BoundedWaits, RankTimeout
-from nanbisect.replay.p2p import is_p2p, is_receive, peer
+from nanbisect.replay.p2p import ends, is_p2p, is_receive
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
                                           group_size, leaf_tensors, taped, wait_collective)
 from nanbisect.replay.recorder import collective_writes, read_args
@@ -65,6 +65,7 @@ class TapeRecorder(BoundedWaits):
         # a receive's entry index -> NaN/inf counts of what arrived (its watcher writes them,
         # maybe before the entry exists: `arrived` fills them in once every watcher ended)
         self._arrivals: dict[int, tuple[int, int]] = {}
+        self._taped = 0       # entries of kind "tape" so far: the next one's index
 
     # NB: no hook raises: the step must go on, with its collectives matched on every rank; a
     # failure to record makes the tape unusable, not the step
@@ -101,7 +102,7 @@ class TapeRecorder(BoundedWaits):
             return func(*call.args, **call.kwargs)      # functional: not bounded
         if call.read is None or not is_receive(func):
             return super().run(call)
-        i = len([e for e in self.tape.entries if e.kind == "tape"])   # its entry, next
+        i = self._taped       # its entry's (`after` appends it next)
         bufs = leaf_tensors(collective_writes(func, call.args, call.kwargs))
 
         def arrived() -> None:
@@ -140,30 +141,21 @@ class TapeRecorder(BoundedWaits):
                 wait_collective(func, out)
             wrote = collective_outputs(func, args, kwargs, out)
             out_nan, out_inf = _counts(wrote) if not p2p else (0, 0)
-            group = group_ranks(func, args, kwargs)
-            if p2p:
-                me, other = _global_rank(), peer(func, args, kwargs)
-                group = [other, me] if ti.schema_name(func) != "c10d::send" else [me, other]
-                group = None if None in group else group
-            i = len([e for e in self.tape.entries if e.kind == "tape"])
+            group = ends(func, args, kwargs) if p2p else group_ranks(func, args, kwargs)
+            i = self._taped
             e = Entry(str(func), group_size(func, args, kwargs), [list(t.shape) for t in wrote],
                       [str(t.dtype).removeprefix("torch.") for t in wrote], digest, in_nan,
                       in_inf, out_nan, out_inf,
                       "p2p" if internal == "p2p" else "ddp-bucket" if internal else "tape",
                       group)
             self.tape.entries.append(e)
+            self._taped += e.kind == "tape"
             if internal is None and not receive:
                 for j, t in enumerate(wrote):
                     self.tape.tensors[f"c{i}.{j}"] = (
                         t.detach().to(devices.HOST, copy=True).contiguous())
         except Exception as e:  # noqa: BLE001
             self.error = f"{type(e).__name__}: {str(e)[:200]}"
-
-
-def _global_rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank()
 
 
 def record_step(task, batch: Any) -> tuple[Tape | None, "str | RankTimeout | None"]:

@@ -22,13 +22,12 @@ from dataclasses import dataclass, replace
 from typing import Iterator
 
 import torch
-import torch.distributed as dist
 
 from nanbisect.records import Crossing
 from nanbisect.records.ranks import LOW_RANGE
 from nanbisect.replay.collectives import (caller, collective_outputs, ddp_internal, group_ranks,
                                           leaf_tensors, taped, wait_collective)
-from nanbisect.replay.p2p import StandIns, direction, is_p2p, is_receive, peer, rank_timeout
+from nanbisect.replay.p2p import StandIns, direction, ends, is_p2p, is_receive, rank_timeout
 from nanbisect.replay.recorder import read_args, written_tensors
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.locate.catch import short_path
@@ -129,7 +128,7 @@ class Ledger(ti.ObserverMode):
         self.nth = 0                  # collectives seen in this step
         self.seq: dict[tuple | None, int] = {}    # ... on each process group
         self.kept: list = []          # Crossings, and receives still arriving (`_Arriving`)
-        self.pairs: dict[tuple[int, int], int] = {}   # messages sent (src, dst) -> count
+        self.pairs: dict[tuple | None, int] = {}   # messages (src, dst) -> count so far
         self.stand_ins: StandIns | None = None
         self.active = True
         self.errors = 0               # ops it could not count (their step ran untouched)
@@ -212,11 +211,11 @@ class Ledger(ti.ObserverMode):
         call.ledger_phase = op_phase(self.now)
         if collective and is_p2p(func):
             # a send and its receive are one crossing: the n-th message from src to dst
-            me, other = dist.get_rank(), peer(func, args, kwargs)
-            pair = (other, me) if is_receive(func) else (me, other)
-            seq = self.pairs.get(pair, 0)
-            self.pairs[pair] = seq + 1
-            call.ledger_key = (self.nth, list(pair) if other is not None else None, seq)
+            pair = ends(func, args, kwargs)
+            key = tuple(pair) if pair is not None else None
+            seq = self.pairs.get(key, 0)
+            self.pairs[key] = seq + 1
+            call.ledger_key = (self.nth, pair, seq)
             self.nth += 1
             # what it carries: as the issuing code says, else by whether this stage's
             # backward began (a hand-written stage: forward's sends, then backward's)

@@ -79,21 +79,19 @@ class TapeServer(ti.ObserverMode):
         frame = caller()
         if ddp_internal(frame, self.ddp) == "rebuild":
             return False
+        call.vote = False
         if is_p2p(call.func):
+            setup = pipeline_setup(frame)
+            if setup == "shapes":
+                _unserved(SHAPES)
             if not is_receive(call.func):
                 if ti.schema_name(call.func) != "c10d::send":
                     _unserved("it receives from any source (the capture recorded from whom, a "
                               "replay of some ranks cannot tell its code)")
-                if pipeline_setup(frame) == "shapes":
-                    _unserved(SHAPES)
                 return False
-            setup = pipeline_setup(frame)
-            if setup == "shapes":
-                _unserved(SHAPES)
             call.vote = setup == "vote"
             if call.vote:
                 return True
-        call.vote = False
         call.reads = leaf_tensors(read_args(call.func, call.args, call.kwargs))
         return True
 

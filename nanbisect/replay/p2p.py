@@ -83,6 +83,17 @@ def peer(func, args: tuple, kwargs: dict) -> int | None:
         return local
 
 
+def ends(func, args: tuple, kwargs: dict) -> list[int] | None:
+    """[sender, receiver]: the global ranks at the two ends of a send or receive issued on this
+    rank (None: the other end is not known, a receive from any source)."""
+    import torch.distributed as dist
+
+    me, other = dist.get_rank(), peer(func, args, kwargs)
+    if other is None:
+        return None
+    return [me, other] if ti.schema_name(func) == "c10d::send" else [other, me]
+
+
 _FORWARD, _BACKWARD = ("forward", "fwd"), ("backward", "bwd", "grad")
 
 

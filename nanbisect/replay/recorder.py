@@ -323,9 +323,11 @@ class OpRecorder(ti.ObserverMode):
         clones ``keep()`` asks for and the values it reads (flagged before it runs)."""
         call.index = self.count
         self.count += 1
-        call.phase = op_phase(self.phase, collective=(
-            is_collective(call.name) and not is_p2p(call.func)), in_module=(
-            self.tracker is None or self.tracker.current() is not None))
+        call.phase = self.phase
+        if pipelined_running():      # (what the rule reads, only where it applies: every op)
+            call.phase = op_phase(self.phase, collective=(
+                is_collective(call.name) and not is_p2p(call.func)), in_module=(
+                self.tracker is None or self.tracker.current() is not None))
         if call.phase not in self.phases:
             return False
         occ_key = (call.phase, call.name)
