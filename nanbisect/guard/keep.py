@@ -172,8 +172,12 @@ class Keeper:
         t0 = time.perf_counter()
         ts: Tensors = {}
         keep = lambda t: buffers.get(id(t), local(t)).detach()  # noqa: E731
-        meta = encode_model(model, ts, keep)
-        opt_meta = encode_optimizer(opt, ts, keep) if opt is not None else None
+        meta = opt_meta = None
+        try:
+            meta = encode_model(model, ts, keep)
+            opt_meta = encode_optimizer(opt, ts, keep) if opt is not None else None
+        except Exception as e:  # noqa: BLE001 - a state it cannot read must not stop the training
+            why = why or f"{type(e).__name__}: {str(e)[:300]}"
         modes = {"training": {n: m.training for n, m in model.named_modules()},
                  "frozen": [n for n, p in model.named_parameters() if not p.requires_grad]}
         self.state_bytes = _nbytes(ts)
