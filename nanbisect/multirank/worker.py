@@ -126,8 +126,10 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         chain.reference(side, first)    # before any other pass moves the parameters
         ref_observer.active = False
         theirs, div = reference_record(side, first)
-    summary = RankSummary(rank, first.phase, json_number(first.loss), first.kind,
-                          buckets=observer.read(), crossings=ledger.read())
+    crossings = ledger.read()
+    phase, kind = _first_bad(first.phase, first.kind, crossings)
+    summary = RankSummary(rank, phase, json_number(first.loss), kind,
+                          buckets=observer.read(), crossings=crossings)
     _stage("after replay pass 1/3: exchanging what each rank saw")
     everyone = _gather(summary)
     plan = decide(everyone)
@@ -150,6 +152,19 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         return result
     # the op check: one op, on this rank alone (no collective)
     return finish_rank(result, chain, loc, side, partial, target, remedies=remedies)
+
+
+def _first_bad(phase: str | None, kind: str | None, crossings: list) -> tuple:
+    """(phase, kind) of this rank's failure: its first pass's, or, where that saw nothing
+    while a collective handed this rank NaN/inf, the collective's (an engine that keeps the
+    reduced gradients out of ``.grad`` and skips the update itself, DeepSpeed's ZeRO: the
+    rank failed where it received them)."""
+    if phase is not None:
+        return phase, kind
+    got = next((c for c in crossings if c.nth is not None and (c.out_nan or c.out_inf)), None)
+    if got is None:
+        return None, kind
+    return got.phase, "nan" if got.out_nan else "inf"
 
 
 class _Agreement:
