@@ -208,7 +208,11 @@ def _update(task: Task, total: torch.Tensor | None, micro: int,
         if scaler is not None:
             skipped = found_inf(scaler, opt)
         if before_update is not None and not before_update(total, norm, skipped):
-            pass        # the update is left out: the Guard stopped the step
+            # the update is left out: the Guard stopped the step; an engine's optimizer
+            # (``drop_update``) still runs its step, without the update, to stay consistent
+            if callable(getattr(opt, "drop_update", None)):
+                opt.drop_update()
+                opt.step()
         elif scaler is not None:
             scaler.step(opt)
             scaler.update()

@@ -296,13 +296,17 @@ def hyper_parameters(opt: torch.optim.Optimizer | None) -> list[dict]:
 
 def encode_optimizer(opt: torch.optim.Optimizer, tensors: Tensors,
                      copy: Callable = _tensor_for_file) -> dict:
-    """Store ``opt.state_dict()``: tensors under ``optim/...``, everything else as JSON."""
+    """Store ``opt.state_dict()``: tensors under ``optim/...``, everything else as JSON. An
+    optimizer adapter's state_dict may carry ``extra`` besides torch's two keys (what its
+    engine keeps outside the state: DeepSpeed's loss scale), stored and given back alike."""
     sd = opt.state_dict()
     state = {str(i): encode(s, f"optim/state/{i}", tensors, copy) for i, s in sd["state"].items()}
     groups = [encode(g, f"optim/group/{j}", tensors, copy)
               for j, g in enumerate(sd["param_groups"])]
+    extra = {"extra": encode(sd["extra"], "optim/extra", tensors, copy)} if sd.get("extra") \
+        else {}
     return {"class": type(opt).__module__ + "." + type(opt).__qualname__,
-            "state": state, "param_groups": groups}
+            "state": state, "param_groups": groups, **extra}
 
 
 def decode_optimizer(meta: dict, tensors, where: str) -> dict:
@@ -321,6 +325,10 @@ def decode_optimizer(meta: dict, tensors, where: str) -> dict:
                        "was altered or damaged: re-capture the bundle")
     sd = {"state": {int(i): decode(s, tensors) for i, s in meta["state"].items()},
           "param_groups": [decode(g, tensors) for g in meta["param_groups"]]}
+    if "extra" in meta:
+        sd["extra"] = decode(meta["extra"], tensors)
+        if not isinstance(sd["extra"], dict):
+            raise BadInput(bad)
     indices = [i for g in sd["param_groups"] if isinstance(g, dict)
                for i in (g.get("params") if isinstance(g.get("params"), list) else [None])]
     if not (all(isinstance(g, dict) for g in sd["param_groups"])
@@ -365,7 +373,7 @@ def restore_optimizer(opt: torch.optim.Optimizer, meta: dict, tensors: Tensors, 
     if not same_class(meta["class"], type(opt)):
         raise BadInput(f"{where}: the bundle holds a {meta['class']} state but the entry built a "
                        f"{cls}; replay with the code that captured it")
-    if in_place:
+    if in_place and "extra" not in meta:
         written = _in_place(opt, meta, tensors, keep)
         if written is not None:
             return written

@@ -96,7 +96,13 @@ def _pre_hook(guard: "Guard"):
 
 def drop_grads(opt) -> None:
     """Leave an optimizer's next update out: without gradients a torch optimizer skips every
-    parameter (state, step counts and weight decay untouched)."""
+    parameter (state, step counts and weight decay untouched). An optimizer that gives its
+    parameters their gradients inside its own step (an engine's, e.g.
+    `nanbisect.integrations.deepspeed.EngineOptimizer`) says so with a ``drop_update()``
+    method, called too."""
+    later = getattr(opt, "drop_update", None)
+    if callable(later):
+        later()
     for group in opt.param_groups:
         for p in group["params"]:
             p.grad = None
