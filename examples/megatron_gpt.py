@@ -61,8 +61,8 @@ def gpt_loss(model, batch):
     """The mean of megatron's per-token cross entropy (vocab-parallel) over the batch."""
     tokens, labels = batch["tokens"], batch["labels"]
     position_ids = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
-    with on_cpu():
-        losses = model(tokens, position_ids, None, labels=labels)        # (B, S)
+    with on_cpu(model):
+        losses = model(tokens, position_ids.to(tokens.device), None, labels=labels)        # (B, S)
     return losses.float().mean()
 
 

@@ -85,7 +85,7 @@ def task() -> nanbisect.Task:
             out = model(b["x"], b["mask"]) if first else model()
             return out, lambda o: _loss(o, b["target"])
 
-        with on_cpu():
+        with on_cpu(m):
             losses = schedule(forward_step_func=forward_step, data_iterator=micro, model=m,
                               num_microbatches=MICRO_BATCHES, seq_length=SEQ,
                               micro_batch_size=ROWS)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On a machine with CUDA: run every shipped fixture bundle with --target cuda --reference cpu and
-# check each verdict, then run the suite's CUDA tests, the Guard's side-stream snapshot check and
+# check each verdict, replay a Megatron-core bundle on the GPU, then run the suite's CUDA tests,
+# the Guard's side-stream snapshot check and
 # the Guard benchmark on the GPU. Exits non-zero on any
 # surprise. Usage: bash scripts/gpu_check.sh [OUT_DIR]
 set -uo pipefail
@@ -59,6 +60,17 @@ if "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.device_count() >= 2 els
   grep -q "classification: device" "$out/mr_moe_ddp_cuda.txt" || fail=1
 else
   echo "gpu_check: one GPU: the two-rank lockstep replay on CUDA is not checked"
+fi
+# Megatron-core: its GPT, tensor parallel 2, captured on CPU ranks; rank 1 replayed alone on the
+# GPU with a CPU reference: megatron's own CUDA allocations on the GPU (on_cpu(model) idle there)
+# and the shims on the reference's CPU side, in one process
+b=$("$PY" -m nanbisect.multirank.spawn --world=2 --group -- examples/megatron_gpt.py tp \
+      "$out/capture-megatron" 2>/dev/null | sed -n 's/^RANK [0-9]* BUNDLE //p' | head -1)
+if [ -n "$b" ]; then
+  mr megatron_tp_rank1_cuda 1 "$b" --ranks 1
+  grep -q "aten.sqrt" "$out/megatron_tp_rank1_cuda.txt" || fail=1
+else
+  echo "gpu_check: the megatron capture failed"; fail=1
 fi
 "$PY" -m pytest -q tests/reference/test_differential.py -k cuda || fail=1
 # Guard on the GPU: the snapshot on a side stream is the pre-step state (bit for bit against a

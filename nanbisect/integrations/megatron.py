@@ -24,11 +24,12 @@ torch function that is given a CUDA device (by name, by index, as a ``torch.devi
 CPU instead, ``torch.cuda.current_device()`` answers the CPU, ``torch.cuda.synchronize()``
 does nothing, and megatron's model-parallel RNG tracker, when none was made yet, is its inference
 one (its ``fork()`` switches no CUDA generator). Opt in, around the code that builds the model and
-the code that runs it (a loss function, a Task's ``step_fn``), so the Guard and every replay run
+the code that runs it (a loss function, a Task's ``step_fn``, given the model it runs: idle when
+that model is on CUDA, as in a replay of the bundle on a GPU), so the Guard and every replay run
 it the same way:
 
     def step(model, batch):
-        with on_cpu():
+        with on_cpu(model):
             losses = forward_backward_func(forward_step_func=..., model=model, ...)
 
 Guarantees: outside the context torch and ``torch.cuda`` are as they were (the patches are undone
@@ -83,8 +84,14 @@ def _fork_nothing() -> None:
 
 
 @contextmanager
-def on_cpu() -> Iterator[None]:
-    """megatron-core on CPU ranks (see the module doc)."""
+def on_cpu(model: torch.nn.Module | None = None) -> Iterator[None]:
+    """megatron-core on CPU ranks (see the module doc). Given the ``model`` the code inside
+    runs, nothing is changed when its parameters are on CUDA (a bundle captured on CPU ranks
+    and replayed on a GPU: megatron's own CUDA allocations are then where the model is)."""
+    p = next(model.parameters(), None) if model is not None else None
+    if p is not None and p.device.type == "cuda":
+        yield
+        return
     global _depth
     with _lock:
         if _depth == 0:

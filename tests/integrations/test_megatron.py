@@ -28,6 +28,8 @@ def test_inside_on_cpu_what_megatron_puts_on_cuda_lands_on_the_cpu_and_outside_n
     if not torch.cuda.is_available():
         with pytest.raises((RuntimeError, AssertionError)):
             torch.zeros(1, device="cuda")
+    with on_cpu(torch.nn.Linear(2, 2)):     # given a model on the CPU: the same shims
+        assert torch.empty(1, device=torch.cuda.current_device()).device.type == "cpu"
 
 
 # -- megatron-core's GPT on 2 gloo ranks (examples/megatron_gpt.py) ------------------------------
