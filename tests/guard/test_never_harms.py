@@ -19,7 +19,7 @@ import torch
 
 from helpers import TEST_TASKS, cli, run_python
 from helpers.bundles import run_ranks
-from nanbisect import Guard, NonFiniteStep
+from nanbisect import Guard, NonFiniteStep, Task
 from nanbisect.bundle.format import read_bundle, read_manifest
 from nanbisect.guard.parts import rescue_dir
 
@@ -112,6 +112,25 @@ def test_deepspeed_zero2_writes_a_partial_bundle_naming_the_optimizer_state(tmp_
     shown = subprocess.run([sys.executable, "-m", "nanbisect", "inspect", str(bundle)],
                            capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and "optimizer not written" in shown.stdout, shown
+
+
+def test_an_optimizer_whose_state_cannot_be_read_does_not_stop_the_training(tmp_path):
+    """An optimizer's state_dict() that raises (a foreign engine's) while the Guard snapshots.
+    Before: the exception went through Guard.step into the loop. Now the snapshot fails, said
+    once, and the steps go on."""
+    class Foreign(torch.optim.SGD):
+        def state_dict(self):
+            raise KeyError("state")
+
+    model = torch.nn.Linear(2, 1)
+    guard = Guard(Task(model, Foreign(model.parameters(), lr=0.1),
+                       lambda m, b: m(b).pow(2).mean()),
+                  entry="fixtures/tasks/healthy.py:task", out=tmp_path / "b")
+    with pytest.warns(RuntimeWarning, match="could not write the snapshot of step 0 "
+                                            "\\(KeyError: 'state'\\)"):
+        losses = [guard.step(torch.ones(3, 2)) for _ in range(3)]
+    assert len(losses) == 3 and all(v == v for v in losses)
+    guard.close()
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage", "file-deleted", "dir-deleted"])
