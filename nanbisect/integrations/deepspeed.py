@@ -54,7 +54,9 @@ def init_distributed(dist_backend: str = "gloo", **kwargs: Any) -> None:
     all-reduce (a C++ op its CPU accelerator compiles when it starts: about 130 s, under a file
     lock a killed build leaves stale) is marked unavailable first, so that the reduction is the
     backend's own (gloo). An accelerator's backend (NCCL) never uses that op: there it only
-    starts the process group."""
+    starts the process group. Call it in the entry before ``deepspeed.initialize``, also when
+    torch.distributed is initialized already (a replay's ranks are): DeepSpeed then takes that
+    group, and its own start inside ``initialize`` would build the op."""
     import deepspeed
     import deepspeed.ops
 
