@@ -30,6 +30,7 @@ from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, model
                                     restore_model, restore_modes, restore_optimizer)
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
+from nanbisect.util import memory
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.compiled import compile_model
 from nanbisect.util.tensors import (all_surely_finite, cast_floating, floating, nonfinite,
@@ -190,6 +191,7 @@ class Replayer:
         self.restores += 1
         self.restore_counts.append(written)
         self._mark_restored()
+        memory.trim()       # what the last run freed, back to the system (`util.memory`)
         return self.inputs()
 
     def _state_tensors(self) -> list[torch.Tensor]:
