@@ -97,6 +97,14 @@ class EngineOptimizer(torch.optim.Optimizer):
         inner.register_step_pre_hook(self._before_inner)
         if self.outer is not None:
             self._wrap_outer_step()
+        # what `zero_grad` calls, and whether it takes ``set_to_none`` (read once, not per step)
+        self._zero = self.outer if self.outer is not None and callable(
+            getattr(self.outer, "zero_grad", None)) else engine
+        try:
+            self._zero_takes = "set_to_none" in inspect.signature(
+                self._zero.zero_grad).parameters
+        except (TypeError, ValueError):
+            self._zero_takes = False
 
     # -- what the core calls -----------------------------------------------------------------
     def step(self, closure: Callable | None = None) -> None:     # noqa: ARG002 - torch's API
@@ -115,17 +123,11 @@ class EngineOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The engine's optimizer's ``zero_grad`` (ZeRO's clears its gradient accumulators
         too), with ``set_to_none`` where it takes it, else the engine's own."""
-        target = self.outer if self.outer is not None and callable(
-            getattr(self.outer, "zero_grad", None)) else self.engine
-        try:
-            takes = "set_to_none" in inspect.signature(target.zero_grad).parameters
-        except (TypeError, ValueError):
-            takes = False
-        if takes:
-            target.zero_grad(set_to_none=set_to_none)
+        if self._zero_takes:
+            self._zero.zero_grad(set_to_none=set_to_none)
         else:
-            target.zero_grad()
-        if target is not self.engine:
+            self._zero.zero_grad()
+        if self._zero is not self.engine:
             self.engine.zero_grad()      # the module's .grad (DeepSpeed's own zero_grad)
 
     def drop_update(self) -> None:
