@@ -222,16 +222,19 @@ class Chain:
         return None, None
 
     def ahead(self, phase: str, kind: str) -> AheadCatch | None:
-        """Pass 3 folded into pass 2 where it can be: a forward failure replayed on a device
-        whose flags the host reads for free (the CPU), in one process (a forward catch there
-        ends its replay at the culprit: in lockstep or under torch.distributed it would not, and
-        elsewhere the flags stay on the device)."""
+        """Pass 3 folded into pass 2 where it can be: a forward or backward failure replayed on
+        a device whose flags the host reads for free (the CPU), in one process (a forward
+        catch there ends its replay at the culprit: in lockstep or under torch.distributed it
+        would not, and elsewhere the flags stay on the device), not pipelined (a stage's
+        backward runs inside its step, where the catch's phases are not the recorder's)."""
         rep = self.rep
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if (phase != "forward" or self.serving is not Serving.NONE or distributed
-                or not devices.entry(rep.device).host_reads_free):
+        if (phase not in ("forward", "backward") or self.serving is not Serving.NONE
+                or distributed or not devices.entry(rep.device).host_reads_free
+                or (phase == "backward" and rep.task.pipelined)):
             return None
-        return AheadCatch(rep, RowTracer(None, kind) if rep.task.accumulate == 1 else None)
+        return AheadCatch(rep, RowTracer(None, kind) if rep.task.accumulate == 1 else None,
+                          backward=phase == "backward")
 
     def record(self, phase: str, kind: str, call: CallStats | None,
                ahead: AheadCatch | None = None) -> OpFinding | None:

@@ -122,7 +122,45 @@ class _Caught(BaseException):
     does not swallow it."""
 
 
-class InputCatcher(ti.ObserverMode):
+_OP_KEY = "nanbisect.forward_op"      # in an autograd node's metadata: the op that made it
+
+
+def _tag_nodes(made: list) -> None:
+    """Tag the autograd node each recorded forward op made with that op (``_OP_KEY``)."""
+    for op, refs in made:
+        fn = made_node(refs)
+        # NB: a custom Function's node is made by its apply, not by the last op of its forward
+        if fn is not None and not ti.is_custom_function_node(fn) and \
+                _OP_KEY not in fn.metadata:
+            fn.metadata[_OP_KEY] = op
+    made.clear()
+
+
+class NodeTagger(ti.ObserverMode):
+    """Tag the autograd node each forward op makes with that op (``_OP_KEY``), so that a catch
+    in backward names the forward op behind its node; set ``.phase`` as the step moves on.
+    Follows forward ops only (autograd sets ``grad_fn`` after the op returns: the outputs of
+    one op are read at the next)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.phase = "forward"
+        self._made: list = []
+
+    def wants(self, func) -> bool:
+        if self._made:
+            _tag_nodes(self._made)
+        return func not in SKIP
+
+    def before(self, call: ti.OpCall) -> bool:
+        return op_phase(self.phase) == "forward"
+
+    def after(self, call: ti.OpCall, out) -> None:
+        self._made = [(call.name, [weakref.ref(t) for t in call.out_leaves()
+                                   if isinstance(t, torch.Tensor)])]
+
+
+class InputCatcher(NodeTagger):
     """Clone the arguments of the op at ``site``; set ``.phase`` as the step moves on.
 
     NB: matched by op and occurrence within the phase, not by the step-wide op index: a wrapper
@@ -136,17 +174,8 @@ class InputCatcher(ti.ObserverMode):
         self.site = site
         self.optimizer_files = optimizer_files
         self.stop = stop      # raise _Caught once caught (forward only: see catch_inputs)
-        self.phase = "forward"
         self.seen = 0
         self.caught: Caught | None = None
-        # a backward site: each forward op's outputs, to tag the autograd node it made with
-        # the op (autograd sets ``grad_fn`` after the op returns: read at the next op)
-        self._made: list = []
-
-    def wants(self, func) -> bool:
-        if self._made:
-            _tag_nodes(self._made)
-        return func not in SKIP
 
     def before(self, call: ti.OpCall) -> bool:
         """A forward op before a backward site: follow it (`after` keeps its outputs). At the
@@ -162,10 +191,6 @@ class InputCatcher(ti.ObserverMode):
                     raise _Caught()
             self.seen += 1
         return False
-
-    def after(self, call: ti.OpCall, out) -> None:
-        self._made = [(call.name, [weakref.ref(t) for t in call.out_leaves()
-                                   if isinstance(t, torch.Tensor)])]
 
     @staticmethod
     def _catch(func, args, kwargs, phase: str, optimizer_files: tuple[str, ...]) -> Caught:
@@ -198,26 +223,13 @@ class InputCatcher(ti.ObserverMode):
                       if node is not None else None)
 
 
-_OP_KEY = "nanbisect.forward_op"      # in an autograd node's metadata: the op that made it
-
-
-def _tag_nodes(made: list) -> None:
-    """Tag the autograd node each recorded forward op made with that op (``_OP_KEY``)."""
-    for op, refs in made:
-        fn = made_node(refs)
-        # NB: a custom Function's node is made by its apply, not by the last op of its forward
-        if fn is not None and not ti.is_custom_function_node(fn) and \
-                _OP_KEY not in fn.metadata:
-            fn.metadata[_OP_KEY] = op
-    made.clear()
-
-
 class AheadCatch:
-    """Pass 3 folded into pass 2, for a forward culprit on the CPU: while the op-recording pass
-    runs, catch what `InputCatcher` would catch (arguments, RNG state, source line, and with
-    ``rows`` the batch rows) at every op the recorder sees make the failure's kind from clean
-    inputs (`OpRecorder`'s ``born``): the root provenance finds afterwards is one of them, so
-    `caught` hands its catch over and the narrow replay of `catch_inputs` is not needed.
+    """Pass 3 folded into pass 2, for a forward or backward culprit on the CPU: while the
+    op-recording pass runs, catch what `InputCatcher` would catch (arguments, RNG state, source
+    line, the autograd node and the forward line that made it, and with ``rows`` the batch
+    rows) at every op the recorder sees make the failure's kind from clean inputs
+    (`OpRecorder`'s ``born``): the root provenance finds afterwards is one of them, so `caught`
+    hands its catch over and the narrow replay of `catch_inputs` is not needed.
 
     Only ops that wrote none of their arguments and drew no random numbers are offered (their
     arguments are, after the op, what it read; the RNG state is the one it started from), and
@@ -225,12 +237,17 @@ class AheadCatch:
     failure, offers one candidate per layer): `caught` is None for a root not caught this way,
     and the caller replays to catch it (`catch_inputs`).
 
-    Hand `start` to the replayer's ``batch_edits`` and `on_born` to the recorder; enter
-    ``rows`` (a `RowTracer` without a site) above the recorder, so that it follows every op.
+    With ``backward`` (the failure is in backward), forward runs in anomaly mode (each autograd
+    node keeps the forward line that made it, as `catch_inputs` does for a backward site) under
+    a `NodeTagger` (each node names the op that made it): what a backward catch reports.
+
+    Hand `start` to the replayer's ``batch_edits``, `on_born` to the recorder and `phase` to
+    the replay's phase callback; enter `riders` above the recorder (the row tracer, so that it
+    follows every op, and the tagger).
     """
 
     def __init__(self, rep: Replayer, rows: RowTracer | None = None,
-                 max_bytes: int = 256 << 20) -> None:
+                 max_bytes: int = 256 << 20, backward: bool = False) -> None:
         opt = rep.task.optimizer
         self.files = ()
         if opt is not None:
@@ -239,8 +256,14 @@ class AheadCatch:
             except TypeError:
                 pass
         self.rows, self.max_bytes = rows, max_bytes
+        self.tagger = NodeTagger() if backward else None
         self.kept: dict[int, tuple[Caught, RowTrace | None]] = {}
         self.bytes = 0
+        self.now = "forward"
+
+    @property
+    def riders(self) -> list[ti.ObserverMode]:
+        return [m for m in (self.rows, self.tagger) if m is not None]
 
     def start(self, batch):
         """A new run of the step (a `Replayer.batch_edits` entry): forget the last one's."""
@@ -248,9 +271,15 @@ class AheadCatch:
         self.bytes = 0
         return self.rows.start(batch) if self.rows is not None else batch
 
-    def phase(self, name: str) -> None:
-        if self.rows is not None:
-            self.rows.phase = name
+    def phase(self, name: str) -> ContextManager:
+        """The step enters phase ``name``: the context to run it in (anomaly mode for a
+        forward whose backward is caught)."""
+        self.now = name
+        for m in self.riders:
+            m.phase = name
+        if self.tagger is not None and op_phase(name) == "forward":
+            return torch.autograd.set_detect_anomaly(True, check_nan=False)
+        return nullcontext()
 
     def on_born(self, index: int, func, args: tuple, kwargs: dict) -> None:
         size = sum(t.numel() * t.element_size() for t in
@@ -258,7 +287,7 @@ class AheadCatch:
         if self.bytes + size > self.max_bytes:
             return
         self.bytes += size
-        caught = InputCatcher._catch(func, args, kwargs, "forward", self.files)
+        caught = InputCatcher._catch(func, args, kwargs, op_phase(self.now), self.files)
         rows = self.rows.trace_at(func, args, kwargs) if self.rows is not None else None
         self.kept[index] = (caught, rows)
 

@@ -46,11 +46,12 @@ def record_ops(rep: Replayer, phase: str, kind: str,
     value was born, and ``surfaced`` where it became visible. Other runs pay nothing for it.
     NB: multi-rank replays pass ``cross_phase=False`` (every rank must run the same passes).
 
-    With ``ahead`` (forward, CPU) the recording of the forward also catches the inputs of every
-    root candidate (`AheadCatch`): ``ahead.caught`` then has the root's, from the same replay
-    as the finding returned.
+    With ``ahead`` (forward or backward, CPU) every recording replay also catches the inputs of
+    every root candidate (`AheadCatch`): ``ahead.caught`` then has the root's when the replay
+    that found it offered it (the last replay: a cross-phase one records and offers forward's
+    ops too).
     """
-    if phase != "forward":
+    if phase == "optimizer":
         ahead = None
     if scope is not None and phase == "forward":
         found = _finding(rep, _record(rep, phase, wrap, scope, kind=kind, ahead=ahead), phase,
@@ -65,7 +66,8 @@ def record_ops(rep: Replayer, phase: str, kind: str,
             if progress is not None:
                 progress("cross-phase", "the backward failure points to forward: recording "
                                         "forward and backward together")
-            found = _cross_phase(rep, kind, wrap, _finding(rep, recorded, phase, kind, None))
+            found = _cross_phase(rep, kind, wrap, _finding(rep, recorded, phase, kind, None),
+                                 ahead)
             if found is not None:
                 return found
     return _finding(rep, recorded, phase, kind, None)
@@ -98,10 +100,10 @@ def _record(rep: Replayer, phase: str, wrap, scope: CallId | None,
                       stop_after=phase)
     else:
         def follow(name: str):
-            ahead.phase(name)
-            return rec.follow(name)
+            rec.follow(name)
+            return ahead.phase(name)
         # the row tracer above the recorder: it sees every op, not the recorder's own
-        riders = [ahead.rows] if ahead.rows is not None else []
+        riders = ahead.riders
         rep.batch_edits.append(ahead.start)
         try:
             out = rep.run(phase=follow, wrap=lambda: stacked(wrap(), tracker, rec, *riders),
@@ -188,7 +190,8 @@ def _site(root: Root | None) -> OpSite | None:
     return OpSite(root.op.op, root.op.phase, root.op.occurrence) if root is not None else None
 
 
-def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None) -> OpFinding | None:
+def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None,
+                 ahead: AheadCatch | None = None) -> OpFinding | None:
     """Record forward and backward in one replay and trace the backward failure across them.
 
     A root in forward (a NaN saved for backward: ``sqrt`` behind a ``where``, a custom
@@ -198,7 +201,8 @@ def _cross_phase(rep: Replayer, kind: str, wrap, alone: OpFinding | None) -> OpF
     or the infinity of the forward op its formula differentiates (``log(0)``, a ``-inf`` mask:
     the rule of birth makes an infinity the start of a NaN's chain, never its culprit). None
     when the combined replay finds no root."""
-    recorded = _record(rep, "backward", wrap, None, phases={"forward", "backward"})
+    recorded = _record(rep, "backward", wrap, None, phases={"forward", "backward"}, kind=kind,
+                       ahead=ahead)
     table, starts, names = recorded
     root = _root(table, starts, "backward", kind)
     if root is None:

@@ -189,8 +189,8 @@ class OpRecorder(ti.ObserverMode):
                  scope: Callable[[], bool] | None = None, nodes: bool = False,
                  born: Callable[..., None] | None = None, kind: str = "nan") -> None:
         super().__init__()
-        # called as born(index, func, args, kwargs) right after a recorded forward op on the CPU
-        # turned inputs free of ``kind`` into an output that holds it (a root candidate: the
+        # called as born(index, func, args, kwargs) right after a recorded op on the CPU turned
+        # inputs free of ``kind`` into an output that holds it (a root candidate: the
         # root provenance finds later is one of them), when the op wrote none of its arguments,
         # drew no random numbers and took no list of tensors: its arguments are still what it
         # read (`nanbisect.locate.catch.AheadCatch` clones them then, instead of a replay)
@@ -437,8 +437,7 @@ class OpRecorder(ti.ObserverMode):
             for t, _ in tensor_args(read_args(func, args, kwargs)):
                 self._marks[f"sent {len(self._marks)}"] = self._producer.get(
                     self.value_key(t), -1)
-        if self.born is not None and call.phase == "forward" and \
-                self._is_born(func, call.ins, outs, mutated):
+        if self.born is not None and self._is_born(func, call.ins, outs, mutated):
             self.born(call.index, func, args, kwargs)
         self._ops.append(self._entry(call, returned, outs, pos))
 

@@ -242,6 +242,50 @@ def test_forward_catch_rides_along_the_recording(tmp_path):
     assert f is not None and small.caught(f.site.op, f.op_index) is None
 
 
+@pytest.mark.parametrize("tasks, func, root_phase", [
+    ("traps", "relu_masked_then_real", "backward"),   # a custom Function's backward
+    ("surfaced", "where_log", "backward"),   # a built-in formula: its node names its forward op
+    ("surfaced", "where_div", "backward"),
+    ("surfaced", "where_sqrt", "forward"),   # born in forward: found by the cross-phase replay
+])
+def test_backward_catch_rides_along_the_recording(tmp_path, tasks, func, root_phase):
+    """Pass 3 folded into pass 2 for a backward failure on the CPU: `AheadCatch(backward=True)`
+    catches at the root what the narrow replay of `catch_inputs` catches (arguments, source
+    line, the autograd node with the forward op and line that made it, batch rows), also for a
+    root the cross-phase replay finds in forward; a run then has no input-catch pass."""
+    import importlib
+
+    from nanbisect.locate.catch import AheadCatch
+    from nanbisect.locate.rows import RowTracer
+
+    module = importlib.import_module(tasks)
+    torch.manual_seed(1)
+    batch = module.batch() if tasks == "surfaced" else torch.randn(5, 8)
+    bundle = tmp_path / "bundle"
+    nanbisect.capture(getattr(module, func)(), batch, bundle,
+                      entry=f"{TEST_TASKS / (tasks + '.py')}:{func}")
+    rep = Replayer(read_bundle(bundle), torch.device("cpu"))
+    ahead = AheadCatch(rep, RowTracer(None, "nan"), backward=True)
+    f = record_ops(rep, "backward", "nan", ahead=ahead)
+    assert f.site.phase == root_phase
+    caught, rows = ahead.caught(f.site.op, f.op_index)
+    tracer = RowTracer(f.site, "nan")
+    narrow = catch_inputs(rep, f.site, rows=tracer)
+    assert (caught.op, caught.source, caught.node, caught.mutated) == (
+        narrow.op, narrow.source, narrow.node, narrow.mutated)
+    if root_phase == "backward":
+        assert caught.node is not None and caught.node.forward_source is not None
+        assert (caught.node.forward_op is None) == (tasks == "traps")   # a Function: its apply
+    assert len(caught.args) == len(narrow.args) and all(
+        torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+        for a, b in zip(caught.args, narrow.args))
+    assert rows == tracer.result() and rows.samples
+    r = run_bundle(bundle, RunOptions(remedies=0, run_repro=False), tmp_path / "report")
+    assert (r.culprit.op, r.culprit.phase, r.culprit.source) == (f.site.op, root_phase,
+                                                                 caught.source)
+    assert "input-catch" not in r.timings and "op-recording" in r.timings
+
+
 def test_recorder_offers_only_roots_it_can_hand_over():
     """`OpRecorder(born=...)` offers an op that made the kind from clean inputs, right after it
     ran; not one fed a bad value, nor one that wrote its argument (its input is gone)."""

@@ -81,7 +81,7 @@ def test_what_a_pass_wrote_in_place_is_undone(rep):
 
 def test_a_run_restores_the_state_once_per_pass_and_writes_it_once(tmp_path, monkeypatch):
     # a backward failure: pass 1, the op recording (twice: backward, then forward and backward
-    # together), the input catch; none of them steps the optimizer, so only the first restore
+    # together; the inputs caught on its way); none of them steps the optimizer, so only the first restore
     # writes the state
     made: list[Replayer] = []
     init = Replayer.__init__
