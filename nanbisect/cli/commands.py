@@ -137,6 +137,23 @@ def run(
     return _run(path, options, as_json=as_json, quiet=quiet)
 
 
+def _telling_culprit(progress, options: RunOptions, quiet: bool):
+    """``progress`` that also prints the culprit on stderr the moment the run knows it (one
+    line, before the remedies and the report; not with --quiet): a run stopped after it, or
+    one whose remedies take long, has already said what it found."""
+    from nanbisect.pipeline.common import CULPRIT
+    from nanbisect.util.text import clip
+
+    def told(key: str, text: str) -> None:
+        if key == CULPRIT and not quiet:
+            follow = "the report follows" if options.remedies == 0 else \
+                "remedies and the report follow"
+            print(f"nanbisect: culprit found: {clip(text, 400)}; {follow}", file=sys.stderr,
+                  flush=True)
+        progress(key, text)
+    return told
+
+
 def _run(path: Path, options: RunOptions, *, as_json: bool, quiet: bool) -> int:
     """`run` with its options parsed (`nanbisect.api.run_options`): the run, then its summary."""
     out_dir = options.out
@@ -165,7 +182,7 @@ def _run(path: Path, options: RunOptions, *, as_json: bool, quiet: bool) -> int:
                 else:
                     shown(message, category, *rest, **kw)
             warnings.showwarning = say
-            report = api.replay(path, options, progress)
+            report = api.replay(path, options, _telling_culprit(progress, options, quiet))
     except BadInput as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - no verdict: exit 4, the traceback in a log file

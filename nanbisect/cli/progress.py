@@ -29,7 +29,8 @@ STAGE_WORDS = {
     "compiled": "compiled replay", "reference": "reference replay",
     "op-recording": "op bisection", "cross-phase": "op bisection", "isolate": "op bisection",
     "input-catch": "catching inputs", "compiler-bisect": "compiler bisection", "repro": "repro",
-    "module-repro": "repro", "op-check": "op check", "remedies": "remedies",
+    "module-repro": "repro", "op-check": "op check", "culprit": "culprit found",
+    "remedies": "remedies",
     "surfaced-repro": "repro", "report": "report", "ranks": "ranks"}
 
 # The keys whose pass replays the whole step once (counted as "replays done" once it ends)

@@ -21,8 +21,8 @@ from nanbisect.bundle.manifest import Manifest
 from nanbisect.chain import Chain, Located, Serving
 from nanbisect.errors import UNDECLARED_SCALER, BadInput
 from nanbisect.locate.producers import backtrace, timeline
-from nanbisect.report.prose import rebuild_note
-from nanbisect.pipeline.common import (Progress, RunOptions, StepRun, after_verdict,
+from nanbisect.report.prose import headline, rebuild_note
+from nanbisect.pipeline.common import (CULPRIT, Progress, RunOptions, StepRun, after_verdict,
                                        guarded, reference_kernels_note, target_wrap,
                                        recorded_failure)
 from nanbisect.pipeline.compiler_verdict import (backend_of, compiler_report, opposite_note,
@@ -251,6 +251,8 @@ def _divergence_report(run: StepRun, side: ReferenceSide, div: Divergence, tmp: 
         notes.append("no module call or op could be isolated as the first divergence")
     done = chain.finish_divergence(phase, finding, caught, call, check, tmp / "repro",
                                    run.facts.target)
+    if done.culprit is not None:
+        _announce(run, Report("culprit", "unknown", phase, "mismatch", done.culprit, run.facts))
     classification = "device" if check is not None else "unknown"
     if run.facts.fidelity is not None and run.facts.fidelity.mismatch:
         classification = "replay-mismatch"
@@ -271,6 +273,7 @@ def _culprit_report(run: StepRun, first: StepOutcome, side: ReferenceSide | None
     notes = list(run.notes) + _finding_notes(loc)
     done, culprit = chain.finish(loc, tmp / "repro", run.facts.target,
                                  check_on=ref[0] if ref is not None else None)
+    _announce(run, Report("culprit", "unknown", phase, kind, culprit, run.facts))
     # the verdict is known: what each stage below adds is left out when it fails (`errors`)
     stage = _guard(run)
     trace, table_rows = stage("context", lambda: (
@@ -304,6 +307,15 @@ def _culprit_report(run: StepRun, first: StepOutcome, side: ReferenceSide | None
                                   finding.phases) if finding else None),
         uncomparable=[op_check] if op_check and op_check.status == "uncomparable" else [],
         remedies=remedies)
+
+
+def _announce(run: StepRun, known: Report) -> None:
+    """Tell the progress callback the culprit (`CULPRIT`) as soon as it is known: the headline
+    and the source line, before the remedies, the repro's wait and the report (the CLI prints
+    it at once: a run stopped after it still said what it found)."""
+    c = known.culprit
+    text = headline(known) + (f"; source {c.source}" if c is not None and c.source else "")
+    run.progress(CULPRIT, text)
 
 
 def _finding_notes(loc: Located) -> list[str]:

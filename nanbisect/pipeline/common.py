@@ -26,6 +26,8 @@ from nanbisect.report.rerun import Interpreter
 from nanbisect.task import load_inject
 
 Progress = Callable[[str, str], None]
+# the `progress` key that tells the moment a one-process run knows its culprit (not a pass)
+CULPRIT = "culprit"
 
 
 def captured_type(manifest: dict) -> str:

@@ -23,7 +23,7 @@ from nanbisect.bundle import lookback
 from nanbisect.bundle.format import Bundle, read_bundle
 from nanbisect.bundle.manifest import Manifest
 from nanbisect.errors import BadInput, TopLevelOptIn
-from nanbisect.pipeline.common import Progress, RunOptions, after_verdict
+from nanbisect.pipeline.common import CULPRIT, Progress, RunOptions, after_verdict
 from nanbisect.pipeline.analysis import analyse
 from nanbisect.records import Finding
 from nanbisect.remedies import budget as remedy_budget
@@ -38,9 +38,11 @@ from nanbisect.util.text import ranks_arg, ranks_text, show
 
 
 # What `run_bundle` tells its ``progress(key, text)`` callback, in the order it can happen.
+# Each key starts a pass, except `CULPRIT`: the moment the culprit is known (a one-process run,
+# before its remedies and the report), its text the report's headline and source line.
 STAGES = ("steps", "build", "module-pass", "compiled", "reference", "op-recording",
           "cross-phase", "isolate", "input-catch", "compiler-bisect", "repro", "module-repro",
-          "op-check", "remedies", "surfaced-repro", "report", "ranks")
+          "op-check", CULPRIT, "remedies", "surfaced-repro", "report", "ranks")
 
 
 def _default_target(bundle: Bundle) -> DeviceSpec:
@@ -51,14 +53,16 @@ def _default_target(bundle: Bundle) -> DeviceSpec:
 
 class _Clock:
     """The progress callback's wrapper that times the passes: each from its announcement to the
-    next; "read" is what came before the first (reading and checking the bundle)."""
+    next; "read" is what came before the first (reading and checking the bundle). `CULPRIT` is
+    a moment, not a pass: passed on, not timed."""
 
     def __init__(self, progress: Progress) -> None:
         self.progress = progress
         self.marks: list[tuple[str, float]] = [("read", time.perf_counter())]
 
     def __call__(self, key: str, text: str) -> None:
-        self.marks.append((key, time.perf_counter()))
+        if key != CULPRIT:
+            self.marks.append((key, time.perf_counter()))
         self.progress(key, text)
 
     def seconds(self) -> dict[str, float]:

@@ -104,13 +104,17 @@ def test_run_shows_progress_on_a_terminal_only(fixture_bundle, tmp_path):
     assert all(w in term for w in RUN_STAGES), term[-3000:]     # the stages, drawn
     assert "remedies: remedy replay 1/" in term, term[-3000:]
     assert CR in term and ESC + "[" in term, term[-3000:]       # redrawn in place
-    assert "culprit" not in term                # the summary is stdout's, the same as piped
+    # the summary is stdout's, the same as piped; the culprit is said on stderr once, as soon
+    # as the run knows it (before the remedies)
+    found = "nanbisect: culprit found: nan born in aten.sqrt.default in forward"
+    assert term.count(found) == 1 and term.index(found) < term.index("remedy replay 1/"), term
 
     piped = cli("run", bundle, "--out", tmp_path / "piped", env={"FORCE_COLOR": "1"})
     assert piped.code == 1 and piped.stdout == out.replace(str(tmp_path / "tty"),
                                                            str(tmp_path / "piped"))
     assert ESC not in piped.stderr and CR not in piped.stderr, repr(piped.stderr)
     assert not any(w in piped.stderr for w in RUN_STAGES), piped.stderr
+    assert piped.stderr.startswith(found) and "; remedies and the report follow" in piped.stderr
 
     code, quiet_out, quiet_term = on_pty("run", bundle, "--out", tmp_path / "quiet", "-q",
                                          "--no-remedies")

@@ -40,6 +40,13 @@ def test_run_writes_the_report_directory_and_returns_its_report(fixture_bundle):
     keys = [k for k, _ in told]
     assert {"module-pass", "op-recording"} <= set(keys) and all(t for _, t in told)
     assert keys == sorted(keys, key=STAGES.index)               # announced in the pipeline's order
+    # the culprit is told the moment it is known, before its remedies: the report's headline
+    # and source line; a moment, not a pass (not in the timings)
+    from nanbisect.report.prose import headline
+
+    assert keys.count("culprit") == 1 and keys.index("culprit") < keys.index("remedies")
+    assert dict(told)["culprit"] == f"{headline(report)}; source {report.culprit.source}"
+    assert "culprit" not in report.timings and "remedies" in report.timings
 
 
 def test_remedies_off_and_a_budget(fixture_bundle, tmp_path):

@@ -147,7 +147,8 @@ def test_the_report_times_its_passes_and_the_repro_ran_warm(fixture_bundle, tmp_
     # a forward culprit on the CPU: its inputs were caught during the op recording (issue 29),
     # so there is no separate input-catch pass
     assert list(t)[:5] == ["read", "build", "module-pass", "op-recording", "remedies"]
-    assert "input-catch" not in t
+    assert "input-catch" not in t and "culprit" not in t      # the culprit: a moment, said
+    assert r.stderr.startswith("nanbisect: culprit found: nan born in aten.sqrt.default")
     assert "repro" in t and all(v >= 0 for v in t.values())
     assert rep["repro_result"]["reproduced"] is True
     assert json.loads((tmp_path / "r" / "report.json").read_text())["timings"] == t
