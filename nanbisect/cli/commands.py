@@ -110,15 +110,17 @@ def run(
         "--remedy-budget", "extra replays of the step the remedies may use", "N",
         show_default="NANBISECT_REMEDY_BUDGET, else 4", panel=REMEDY_PANEL)] = None,
     quiet: Annotated[bool, switch(
-        "-q", "--quiet", help="no progress on stderr (drawn only when stderr is a terminal; "
-        "errors and warnings still print)", panel=BUNDLE_PANEL)] = False,
+        "-q", "--quiet", help="no progress on stderr (drawn only when stderr is a terminal) "
+        "and no early culprit line; errors and warnings still print",
+        panel=BUNDLE_PANEL)] = False,
 ) -> int:
     """Replay a bundle, bisect the failure, write report.json, report.md and report.html.
 
     Runs the entry's code (it rebuilds the model and replays the step), as running the training
     script would; `nanbisect inspect` never runs any. --out is replaced only when it is new,
     empty, or a report nanbisect wrote. On a terminal, stderr shows the stage, the replays done
-    and the time (--quiet: none); piped, it shows no progress."""
+    and the time (--quiet: none); piped, it shows no progress. The moment the culprit is known
+    (before the remedies and the report), one line on stderr names it (--quiet: none)."""
     from nanbisect.api import run_options
 
     checks.environment("run", ["--remedy-budget"] if no_remedies or remedy_budget is not None
@@ -159,7 +161,6 @@ def _run(path: Path, options: RunOptions, *, as_json: bool, quiet: bool) -> int:
     out_dir = options.out
     try:
         from nanbisect import api
-
         api.start(path, options)    # a repro's interpreter imports torch while this one does
         import warnings
 
