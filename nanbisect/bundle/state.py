@@ -397,20 +397,20 @@ def _in_place(opt: torch.optim.Optimizer, meta: dict, tensors,
     layout is not the one ``meta`` describes (parameters, keys, shapes), which
     `load_state_dict` then builds afresh."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    saved = meta["param_groups"]
+    saved = [_fields(g) for g in meta["param_groups"]]
     if len(saved) != len(opt.param_groups) or any(
-            not isinstance(g, dict) or len(g.get("params") or []) != len(c["params"])
-            for g, c in zip(saved, opt.param_groups)):
+            g is None or not isinstance(g.get("params"), list)
+            or len(g["params"]) != len(c["params"]) for g, c in zip(saved, opt.param_groups)):
         return None
     index = {i: p for g, c in zip(saved, opt.param_groups)
              for i, p in zip(g["params"], c["params"])}
-    state = meta["state"]
+    state = {i: _fields(entry) for i, entry in meta["state"].items()}
     if set(opt.state) != {index.get(int(i)) for i in state} or len(params) != len(index):
         return None
     plan = []
     for i, entry in state.items():
         current = opt.state[index[int(i)]]
-        if not isinstance(entry, dict) or set(entry) != set(current):
+        if entry is None or set(entry) != set(current):
             return None
         for k, v in entry.items():
             cur = current[k]
@@ -433,6 +433,24 @@ def _in_place(opt: torch.optim.Optimizer, meta: dict, tensors,
             if k != "params":
                 c[k] = decode(v, tensors)
     return len(plan)
+
+
+def _fields(obj: Any) -> dict | None:
+    """An encoded dict's fields as ``{key: encoded value}`` (keys decoded, values not: a tensor
+    stays its ``{"__tensor__": ...}`` reference, unread); None for anything else (`decode`
+    judges it)."""
+    if not (isinstance(obj, dict) and set(obj) == {"__dict__"}
+            and isinstance(obj["__dict__"], list)):
+        return None
+    out = {}
+    for pair in obj["__dict__"]:
+        if not (isinstance(pair, list) and len(pair) == 2):
+            return None
+        k = pair[0]
+        if isinstance(k, dict):       # a tagged key (a float's "nan"): left to `decode`
+            return None
+        out[k] = pair[1]
+    return out
 
 
 def _shard_state_like_params(opt: torch.optim.Optimizer) -> None:

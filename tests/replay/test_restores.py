@@ -97,3 +97,52 @@ def test_a_run_restores_the_state_once_per_pass_and_writes_it_once(tmp_path, mon
     counts = made[0].restore_counts
     assert len(counts) >= 3 and counts[0] > 0
     assert counts[1:] == [0] * (len(counts) - 1), counts
+
+
+TASK = '''
+import torch
+import nanbisect
+
+
+def make_task():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    return nanbisect.Task(model=model, optimizer=opt,
+                          loss_fn=lambda m, b: (m(b) ** 2).mean())
+'''
+
+
+def test_a_stepped_optimizers_state_is_overwritten_where_it_stands(tmp_path):
+    """An optimizer with state (AdamW's moments after two steps): the first restore builds it,
+    a later one writes the bundle's values into the same tensors (no second copy of the
+    moments), bit for bit, also after a step moved them."""
+    import nanbisect
+    from nanbisect.task import load_task
+
+    (tmp_path / "task.py").write_text(TASK)
+    entry = f"{tmp_path / 'task.py'}:make_task"
+    task = load_task(entry)
+    batch = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        task.optimizer.zero_grad()
+        task.loss_fn(task.model, batch).backward()
+        task.optimizer.step()
+    nanbisect.capture(task, batch, tmp_path / "bundle", entry=entry)
+    rep = Replayer(read_bundle(tmp_path / "bundle"), torch.device("cpu"))
+    rep.restore()
+    first = state(rep)
+    moments = {k: v for k, v in first.items() if k.startswith("opt:")}
+    assert moments and any(v.abs().sum() > 0 for v in moments.values())
+    where = {id(v): v.data_ptr() for st in rep.task.optimizer.state.values()
+             for v in st.values() if isinstance(v, torch.Tensor)}
+    rep.run()                                  # the optimizer steps: moments move
+    assert not same(state(rep), first)
+    rep.restore()
+    assert rep.restore_counts[-1] == rep.restore_counts[0] and same(state(rep), first)
+    now = {id(v): v.data_ptr() for st in rep.task.optimizer.state.values()
+           for v in st.values() if isinstance(v, torch.Tensor)}
+    assert now == where                        # the same tensors, written where they stand
+    rep.run(stop_after="backward")
+    rep.restore()
+    assert rep.restore_counts[-1] == 0 and same(state(rep), first)
