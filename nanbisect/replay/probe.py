@@ -27,7 +27,7 @@ from nanbisect.bundle.state import iter_tensors, local
 from nanbisect.records import CallId, Stats
 from nanbisect.replay.tracker import ModuleTracker
 from nanbisect.util import torch_internals as ti
-from nanbisect.util.tensors import floating, nonfinite_masks, parts
+from nanbisect.util.tensors import count, floating, nonfinite_masks, parts
 
 
 def tensor_stats(t: torch.Tensor) -> torch.Tensor:
@@ -54,7 +54,7 @@ def tensor_stats(t: torch.Tensor) -> torch.Tensor:
     finite_abs = mags.nan_to_num(0.0, 0.0, 0.0)
     # NB: not util.tensors.nonfinite: these counts stay on the device, stacked with the stats
     nan, pos, neg = nonfinite_masks(t)
-    return torch.stack([nan.sum().float(), pos.sum().float(), neg.sum().float(),
+    return torch.stack([count(nan).float(), count(pos).float(), count(neg).float(),
                         finite_abs.amax().float(), finite_abs.sum(dtype=torch.float32)])
 
 

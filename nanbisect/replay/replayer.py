@@ -33,7 +33,7 @@ from nanbisect.task import Task, load_task
 from nanbisect.util import memory
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.compiled import compile_model
-from nanbisect.util.tensors import (all_surely_finite, cast_floating, floating, nonfinite,
+from nanbisect.util.tensors import (cast_floating, floating, fused_finite, nonfinite,
                                     surely_finite)
 
 PHASES = ("input", "forward", "backward", "optimizer")
@@ -42,20 +42,20 @@ PHASES = ("input", "forward", "backward", "optimizer")
 def _scan(where: str, named, summed: bool = False, fused: bool = False) -> list[BadValue]:
     """The non-finite values among ``named`` tensors, counted. ``summed``: one sum per tensor
     first decides which need counting (`surely_finite`: a finite sum is exact, the rest are
-    counted); for the scans before the step only. ``fused``: one fused norm over them all
-    first (`all_surely_finite`), and only when that is not finite a count of each; for the
+    counted); for the scans before the step only. ``fused``: one fused norm per tensor first
+    (`fused_finite`, one host read), and a count of those whose norm is not finite; for the
     gradients and updated parameters inside the step (its ops count into the step's op
-    indices, the same in every pass).
+    indices: the same in every pass, which replays the same values).
 
     >>> big, bad = torch.full((2,), 3e38), torch.tensor([1.0, float("nan"), float("-inf")])
     >>> _scan("parameter", [("big", big), ("bad", bad)], summed=True)   # big's sum overflows
     [BadValue(where='parameter', name='bad', nan=1, posinf=0, neginf=1)]
     """
     items = [(name, local(t).detach()) for name, t in named if isinstance(t, torch.Tensor)]
-    if fused and all_surely_finite([t for _, t in items]):
-        return []
+    tensors = [t for _, t in items]
+    fine = fused_finite(tensors) if fused else \
+        surely_finite(tensors) if summed else [False] * len(items)
     out = []
-    fine = surely_finite([t for _, t in items]) if summed else [False] * len(items)
     for (name, t), fine in zip(items, fine):
         if not fine:
             n, p, m = nonfinite(t)

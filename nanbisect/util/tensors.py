@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from nanbisect import devices
 from nanbisect.util import torch_internals as ti
 
 
@@ -90,6 +91,17 @@ def cast_floating(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t
 
 
+def count(mask: torch.Tensor) -> torch.Tensor:
+    """The true elements of a bool mask, as a 0-d int64 tensor on its device. On the CPU
+    ``count_nonzero`` (about 25x faster than ``mask.sum()``, which widens every element to
+    int64: 0.4 against 10 ms for 4M elements on the Xeon), elsewhere the sum every backend has.
+
+    >>> int(count(torch.tensor([True, False, True])))
+    2
+    """
+    return torch.count_nonzero(mask) if devices.on_host(mask.device) else mask.sum()
+
+
 def nan_inf_counts(tensors: list[torch.Tensor]) -> tuple[int, int]:
     """(NaN, inf) elements over ``tensors``, complex ones included; read back to the host.
 
@@ -100,8 +112,8 @@ def nan_inf_counts(tensors: list[torch.Tensor]) -> tuple[int, int]:
     for t in tensors:
         if _counted(t):
             n, p, m = nonfinite_masks(t)
-            nan += int(n.sum())
-            inf += int(p.sum()) + int(m.sum())
+            nan += int(count(n))
+            inf += int(count(p)) + int(count(m))
     return nan, inf
 
 
@@ -115,7 +127,7 @@ def nonfinite(t: torch.Tensor) -> tuple[int, int, int]:
     """
     if not _counted(t):
         return 0, 0, 0
-    s = torch.stack([m.sum() for m in nonfinite_masks(t)])
+    s = torch.stack([count(m) for m in nonfinite_masks(t)])
     n, p, m = s.tolist()
     return int(n), int(p), int(m)
 
@@ -138,31 +150,42 @@ def finite_absmax(t: torch.Tensor) -> torch.Tensor:
 
 
 def all_surely_finite(tensors: list[torch.Tensor]) -> bool:
-    """True when every element of every tensor is certainly finite, from one fused norm per
-    device and dtype (``torch._foreach_norm``, accumulated in at least float32) and one host
-    read in all. A norm is finite only when every element is, so True is exact; False may also
-    be a norm of large finite values that overflowed: the caller counts those (`nonfinite`).
+    """True when every element of every tensor is certainly finite (`fused_finite`).
 
     >>> all_surely_finite([torch.ones(3), torch.arange(3)]), all_surely_finite(
     ...     [torch.ones(2), torch.tensor([1.0, float("nan")])])
     (True, False)
     """
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        if not _counted(t):
-            continue
-        if t.is_complex() or t.dtype not in _SUMMED:
-            return False
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    flags = []
-    for (_, dtype), ts in groups.items():
+    return all(fused_finite(tensors))
+
+
+def fused_finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """For each tensor: True when all its elements are certainly finite, from one fused norm per
+    device and dtype (``torch._foreach_norm``, accumulated in at least float32) and one host
+    read per device. A norm is finite only when every element is, so True is exact; False may
+    also be a norm of large finite values that overflowed, or a dtype not normed here (complex,
+    float8): the caller counts those (`nonfinite`). Integer and bool tensors are finite. So a
+    failed step counts only its bad tensors, not all of them.
+
+    >>> fused_finite([torch.ones(3), torch.tensor([1.0, float("nan")]), torch.arange(3),
+    ...               torch.tensor([1j])])
+    [True, False, True, False]
+    """
+    out: list[bool] = [not _counted(t) for t in tensors]
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if _counted(t) and not t.is_complex() and t.dtype in _SUMMED:
+            groups.setdefault((t.device, t.dtype), []).append(i)
+    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor]]] = {}
+    for (device, dtype), idx in groups.items():
         acc = _SUMMED[dtype]
-        norms = ti.foreach_norm(ts, 2, dtype=acc if acc != dtype else None)
-        flags.append(torch.isfinite(torch.stack(norms)).all())
-    if not flags:
-        return True
-    devices_ = {f.device for f in flags}
-    return all(bool(torch.stack([f for f in flags if f.device == d]).all()) for d in devices_)
+        norms = ti.foreach_norm([tensors[i] for i in idx], 2, dtype=acc if acc != dtype else None)
+        by_device.setdefault(device, []).append((idx, torch.isfinite(torch.stack(norms))))
+    for parts_ in by_device.values():
+        flags = torch.cat([f for _, f in parts_]).tolist()
+        for i, ok in zip((i for idx, _ in parts_ for i in idx), flags):
+            out[i] = ok
+    return out
 
 
 def surely_finite(tensors: list[torch.Tensor]) -> list[bool]:
@@ -202,8 +225,8 @@ def nan_inf_on_device(t: torch.Tensor) -> torch.Tensor:
     # synchronise every bucket's reduction
     if t.is_complex():
         n, p, m = nonfinite_masks(t)
-        return torch.stack([n.sum(), p.sum() + m.sum()]).float()
-    return torch.stack([torch.isnan(t).sum(), torch.isinf(t).sum()]).float()
+        return torch.stack([count(n), count(p) + count(m)]).float()
+    return torch.stack([count(torch.isnan(t)), count(torch.isinf(t))]).float()
 
 
 def tensor_bytes(t: torch.Tensor):
