@@ -161,6 +161,9 @@ def _run(path: Path, options: RunOptions, *, as_json: bool, quiet: bool) -> int:
     out_dir = options.out
     try:
         from nanbisect import api
+        from nanbisect.util import memory
+
+        memory.own_process()        # the replay's own: its allocator may be tuned
         api.start(path, options)    # a repro's interpreter imports torch while this one does
         import warnings
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib
+import itertools
 import math
 import sys
 from contextlib import ExitStack, nullcontext
@@ -19,6 +20,7 @@ from typing import Any, Callable, ContextManager
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle import codestore
 from nanbisect.bundle.code import changed_sources, relocation
 from nanbisect.bundle.format import MANIFEST, Bundle
@@ -120,6 +122,12 @@ class Replayer:
             # NB: not model.to(dtype), which drops the imaginary part of complex parameters
             ti.apply_to_tensors(self.task.model, lambda t: cast_floating(t, dtype))
         self._where = where
+        # large state blocks as mappings of their own, before the first restore makes the
+        # optimizer's (`util.memory`: no heap holes left between them)
+        memory.map_large_state(t.numel() * t.element_size() for t in
+                               itertools.chain(self.task.model.parameters(),
+                                               self.task.model.buffers())
+                               if devices.on_host(t.device))
         self.notes = apply_step_shape(self.task, view.task, device, dtype)
         if self.optimizer_left_out is not None:
             self.notes.append("the bundle holds no optimizer state (the capture could not write "
