@@ -168,8 +168,12 @@ def run_json(bundle, *flags, env: dict | None = None, code: int = 1) -> dict:
 
 def one_line_exit_2(res: CliResult, *words: str) -> str:
     """Assert a CLI result is a one-line error with exit 2 naming every one of ``words``, no
-    traceback; the line."""
+    traceback; the line. Only a `run` that knew its culprit before the error (a report that
+    cannot be written) has said so on one line before it."""
     line = res.stderr.strip()
+    found, _, rest = line.partition("\n")
+    if found.startswith("nanbisect: culprit found: ") and rest:
+        line = rest
     assert res.code == 2, res.stdout + res.stderr
     assert "\n" not in line and "Traceback" not in line, line
     assert all(w in line for w in words), line
