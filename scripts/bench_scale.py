@@ -33,7 +33,11 @@ child's own peak RSS, ``ru_maxrss`` through the launcher's RUSAGE_CHILDREN):
    less the bare import, in plain steps; its peak RSS; report.json's ``timings``; the culprit,
    checked against the planted one (phase, and the last block). CPU time of the run and the
    bare import too (the parent's RUSAGE_CHILDREN around each): the busy machine's steadier
-   figure, against the plain step's CPU.
+   figure, against the plain step's CPU. The run's stderr is read as it comes: the moment of
+   its culprit line (``nanbisect: culprit found: ...``, printed as soon as the run knows it) is
+   the time to culprit a person waits; less the passes before it (report.json's ``timings``)
+   it is the start-up (interpreter, torch, nanbisect, the CLI);
+5. with ``--with-remedies``, one more run with remedies (the default budget): the whole run.
 
 ``--profile SIZE:FAULT`` runs `nanbisect.pipeline.run_bundle` (remedies off, as the CLI above) in
 one process, with a thread sampling its RSS every 50 ms; at each pass boundary (the progress
@@ -44,6 +48,7 @@ state, and the rest (named by the type of what refers to them).
 
     python scripts/bench_scale.py [--sizes 2m,34m,101m,403m] [--faults forward,backward,optimizer]
                                   [--reps 2] [--steps 3] [--json out.json] [--keep DIR]
+                                  [--with-remedies]
     python scripts/bench_scale.py --profile 101m:backward [--json prof.json]
 """
 from __future__ import annotations
@@ -206,6 +211,44 @@ def launch(cmd: list[str], env: dict) -> tuple[str, float, float, float]:
     return out, wall, peak, cpu
 
 
+CULPRIT_LINE = "nanbisect: culprit found:"
+AFTER_CULPRIT = ("repro", "remedies", "surfaced-repro", "module-repro", "op-check", "report")
+
+
+def launch_run(cmd: list[str], env: dict) -> tuple[str, float, float, float, float | None]:
+    """`launch` for ``nanbisect run``: stderr read as it comes, to time the culprit line (the
+    CLI prints it the moment the run knows its culprit); (stdout, wall s, peak RSS MiB, CPU s,
+    seconds from the start to the culprit line or None)."""
+    import subprocess
+    import threading
+
+    bb = bench()
+    from bench_culprit import _children_cpu
+    t0, c0 = time.perf_counter(), _children_cpu()
+    p = subprocess.Popen([sys.executable, "-c", bb.LAUNCHER, *cmd], cwd=ROOT,
+                         env={**os.environ, **env}, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    seen: list[float] = []
+    err: list[str] = []
+
+    def read() -> None:
+        for line in p.stderr:
+            if line.startswith(CULPRIT_LINE) and not seen:
+                seen.append(time.perf_counter() - t0)
+            err.append(line)
+    th = threading.Thread(target=read, daemon=True)
+    th.start()
+    out = p.stdout.read()
+    p.wait()
+    th.join(30)
+    wall, cpu = time.perf_counter() - t0, _children_cpu() - c0
+    import re
+    m = re.search(r"^CHILD_MAXRSS_KIB (\d+)$", out, flags=re.M)
+    if m is None:
+        raise RuntimeError(f"{cmd} failed: {(out + ''.join(err))[-1500:]}")
+    return out[:m.start()], wall, int(m.group(1)) / 1024, cpu, (seen[0] if seen else None)
+
+
 def last_json(stdout: str) -> dict:
     return json.loads(stdout.strip().splitlines()[-1])
 
@@ -358,6 +401,8 @@ def child_profile(bundle: str, out: str) -> dict:
     import threading
 
     from nanbisect.pipeline import RunOptions, run_bundle
+    from nanbisect.util import memory
+
     t0 = time.perf_counter()
     samples, walks, marks, errors = [], [], [], []
     stop, lock = threading.Event(), threading.Lock()
@@ -387,6 +432,7 @@ def child_profile(bundle: str, out: str) -> dict:
 
     th = threading.Thread(target=sampler, daemon=True)
     th.start()
+    memory.own_process()        # as `nanbisect run` does (the allocator's tuning)
     report = run_bundle(bundle, RunOptions(remedies=0), Path(out), progress)
     marks.append({"key": "end", "t": time.perf_counter() - t0, "rss_mib": rss_mib()})
     stop.set()
@@ -424,7 +470,8 @@ def planted(culprit: dict | None, fault: str, n_blocks: int) -> bool:
     return (culprit.get("module") or "").startswith(where) and "sqrt" in (culprit.get("op") or "")
 
 
-def one(size: str, fault: str, work: Path, reps: int, rounds: int) -> dict:
+def one(size: str, fault: str, work: Path, reps: int, rounds: int,
+        with_remedies: bool = False) -> dict:
     d, n = SIZES[size]
     env = {SIZE_ENV: size, FAULT_ENV: fault}
     here = work / f"{size}-{fault}"
@@ -455,14 +502,31 @@ def one(size: str, fault: str, work: Path, reps: int, rounds: int) -> dict:
         bare.append({"ms": ms(wall), "cpu_ms": ms(cpu), "peak_rss_mib": peak,
                      "nanbisect_file": out.strip()})
         report_dir = here / f"report-{i}"
-        p_out, wall, peak, cpu = launch([sys.executable, "-m", "nanbisect", "run", bundle,
-                                    "--no-remedies", "--json", "--out", str(report_dir)], env)
+        p_out, wall, peak, cpu, told = launch_run(
+            [sys.executable, "-m", "nanbisect", "run", bundle, "--no-remedies", "--json",
+             "--out", str(report_dir)], env)
         rep = json.loads(p_out)
         c = rep.get("culprit") or {}
+        t = rep.get("timings") or {}
+        before = sum(v for k, v in t.items() if k not in AFTER_CULPRIT)
         runs.append({"ms": ms(wall), "cpu_ms": ms(cpu), "peak_rss_mib": peak,
+                     "culprit_line_ms": ms(told) if told is not None else None,
+                     # the process's start to the pipeline's: interpreter, torch, nanbisect, CLI
+                     "startup_ms": ms(told - before) if told is not None else None,
                      "timings": rep.get("timings"), "verdict": rep.get("verdict"),
                      "culprit": {k: c.get(k) for k in ("phase", "op", "module", "module_call",
                                                         "parameter")}})
+    if with_remedies:
+        say("nanbisect run with remedies (the default budget)")
+        p_out, wall, peak, cpu, told = launch_run(
+            [sys.executable, "-m", "nanbisect", "run", bundle, "--json", "--out",
+             str(here / "report-remedies")], env)
+        rep = json.loads(p_out)
+        res["with_remedies"] = {"ms": ms(wall), "peak_rss_mib": peak,
+                                "culprit_line_ms": ms(told) if told is not None else None,
+                                "timings": rep.get("timings"),
+                                "remedies": [(r.get("kind"), r.get("outcome"))
+                                             for r in rep.get("remedies") or []]}
     bare_ms = statistics.median(r["ms"] for r in bare)
     run_ms = statistics.median(r["ms"] for r in runs)
     run_peak = statistics.median(r["peak_rss_mib"] for r in runs)
@@ -479,6 +543,15 @@ def one(size: str, fault: str, work: Path, reps: int, rounds: int) -> dict:
                   "peak_x_training": run_peak / res["training_peak_rss_mib"],
                   "timings_median_s": {k: statistics.median((r["timings"] or {}).get(k, 0.0)
                                                             for r in runs) for k in keys}}
+    told = [r["culprit_line_ms"] for r in runs if r["culprit_line_ms"] is not None]
+    if told:
+        res["run"]["culprit_line_median_ms"] = statistics.median(told)
+        res["run"]["culprit_line_after_bare_x_plain"] = (statistics.median(told) - bare_ms) / step
+        res["run"]["startup_median_ms"] = statistics.median(r["startup_ms"] for r in runs
+                                                            if r["startup_ms"] is not None)
+    if "with_remedies" in res:
+        res["with_remedies"]["after_bare_x_plain"] = \
+            (res["with_remedies"]["ms"] - bare_ms) / step
     res["culprit"] = runs[-1]["culprit"]
     res["planted_found"] = all(planted(r["culprit"], fault, n) for r in runs)
     res["guard"] = {"step_x_plain": res["steps"]["guard_x_plain"],
@@ -492,6 +565,10 @@ def one(size: str, fault: str, work: Path, reps: int, rounds: int) -> dict:
     return res
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
 def gb(mib: float) -> str:
     return f"{mib / 1024:.2f} GB"
 
@@ -502,9 +579,10 @@ def table(results: list[dict]) -> str:
         lines += [f"\n**fault in {fault}**\n",
                   "| model | plain step | `nanbisect run --no-remedies` peak memory vs the "
                   "training peak | time to culprit in plain steps (run less a bare import): "
-                  "wall / CPU | Guard step, x plain | Guard (capture) peak vs training peak | "
-                  "culprit | load avg |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "wall / CPU | the culprit line, plain steps after a bare import | with "
+                  "remedies, plain steps | Guard step, x plain | Guard (capture) peak vs "
+                  "training peak | culprit | load avg |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in results if r["fault"] == fault):
             run, g, c = r["run"], r["guard"], r["culprit"]
             what = c.get("parameter") if fault == "optimizer" and c.get("parameter") else \
@@ -514,14 +592,21 @@ def table(results: list[dict]) -> str:
                 f"{r['steps']['plain_median_ms']:.0f} ms | {gb(run['peak_rss_mib'])} vs "
                 f"{gb(r['training_peak_rss_mib'])} ({run['peak_x_training']:.2f}x) | "
                 f"{run['after_bare_x_plain']:.1f} / {run['cpu_after_bare_x_plain_cpu']:.1f} | "
+                f"{_fmt(run.get('culprit_line_after_bare_x_plain'))} | "
+                f"{_fmt((r.get('with_remedies') or {}).get('after_bare_x_plain'))} | "
                 f"{g['step_x_plain']:.2f}x | "
                 f"{gb(g['capture_peak_rss_mib'])} ({g['capture_peak_x_training']:.2f}x) | "
                 f"{c.get('phase')}: {what}{'' if r['planted_found'] else ' **NOT PLANTED**'} | "
                 f"{r['loadavg_start'][0]:.1f}-{r['loadavg_end'][0]:.1f} |")
-        lines.append("\n`timings` of report.json (median s):\n")
+        lines.append("\n`timings` of report.json (median s), and the start-up (the process's "
+                     "start to the pipeline's):\n")
         for r in (r for r in results if r["fault"] == fault):
             t = r["run"]["timings_median_s"]
-            lines.append(f"- {r['size']}: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items()))
+            start = r["run"].get("startup_median_ms")
+            lines.append(f"- {r['size']}: " + ", ".join(f"{k} {v:.2f}" for k, v in t.items())
+                         + (f"; start-up {start / 1000:.2f} (a bare import "
+                            f"{r['bare_import']['median_ms'] / 1000:.2f})"
+                            if start is not None else ""))
     return "\n".join(lines)
 
 
@@ -579,6 +664,8 @@ def main() -> None:
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (kept), else a temporary one")
     ap.add_argument("--profile", metavar="SIZE:FAULT")
+    ap.add_argument("--with-remedies", action="store_true",
+                    help="also one run with remedies (the default budget) per size and fault")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -607,7 +694,8 @@ def main() -> None:
         results = []
         for size in args.sizes.split(","):
             for fault in args.faults.split(","):
-                results.append(one(size, fault, work, args.reps, args.steps))
+                results.append(one(size, fault, work, args.reps, args.steps,
+                                   args.with_remedies))
                 shutil.rmtree(work / f"{size}-{fault}" / "bundles", ignore_errors=True)
                 if args.json:     # as it goes: a later size that fails keeps the earlier ones
                     Path(args.json).write_text(json.dumps(
