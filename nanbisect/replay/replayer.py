@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import importlib
-import itertools
 import math
 import sys
 from contextlib import ExitStack, nullcontext
@@ -124,9 +123,8 @@ class Replayer:
         self._where = where
         # large state blocks as mappings of their own, before the first restore makes the
         # optimizer's (`util.memory`: no heap holes left between them)
-        memory.map_large_state(t.numel() * t.element_size() for t in
-                               itertools.chain(self.task.model.parameters(),
-                                               self.task.model.buffers())
+        memory.map_large_state(local(t).numel() * t.element_size()
+                               for _, t, _ in model_entries(self.task.model)
                                if devices.on_host(t.device))
         self.notes = apply_step_shape(self.task, view.task, device, dtype)
         if self.optimizer_left_out is not None:
