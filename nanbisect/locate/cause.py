@@ -15,6 +15,7 @@ import torch
 
 from nanbisect.records import Caught, Culprit, OpFinding
 from nanbisect.util import torch_internals as ti
+from nanbisect.util.tensors import widened
 
 # backward formulas that divide by their forward result or input: infinite slope at 0
 _AT_ZERO = {"SqrtBackward0": "sqrt", "RsqrtBackward0": "rsqrt", "PowBackward0": "pow",
@@ -99,7 +100,7 @@ def _zero_times_inf(caught: Caught | None) -> bool:
     ts = [t for t in caught.args if isinstance(t, torch.Tensor)]
     if len(ts) < 2 or not (ts[0].is_floating_point() and ts[1].is_floating_point()):
         return False
-    a, b = ts[0], ts[1]
+    a, b = widened(ts[0]), widened(ts[1])
     try:
         return bool((((a == 0) & b.isinf()) | (a.isinf() & (b == 0))).any())
     except RuntimeError:

@@ -35,6 +35,7 @@ from nanbisect.bundle.state import iter_tensors, local
 from nanbisect.records import OpSite, RowTrace
 from nanbisect.replay.recorder import SKIP, written_tensors
 from nanbisect.util import torch_internals as ti
+from nanbisect.util.tensors import widened
 
 # a state: None (free), an int g >= 1 (row-aligned, g rows per batch row), or a str (mixed: the
 # op that mixed the rows)
@@ -233,7 +234,8 @@ class RowTracer(ti.ObserverMode):
             for o, s in zip(outs, states):
                 if not (o.is_floating_point() or o.is_complex()):
                     continue
-                bad = o.isnan() if self.kind == "nan" else ~o.isfinite()
+                w = widened(o)
+                bad = w.isnan() if self.kind == "nan" else ~w.isfinite()
                 if not bool(bad.any()):
                     continue
                 if s is None:

@@ -24,6 +24,7 @@ from nanbisect.replay.probe import ProbeTable
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.report.rerun import Interpreter
 from nanbisect.task import load_inject
+from nanbisect.util.frames import failing_side
 
 Progress = Callable[[str, str], None]
 # the `progress` key that tells the moment a one-process run knows its culprit (not a pass)
@@ -47,13 +48,18 @@ def recorded_failure(observed) -> bool:
 
 
 def guarded(fn, what: str):
-    """Run user code; turn its exceptions into a one-line BadInput naming where it broke."""
+    """Run user code; turn its exceptions into a one-line BadInput naming where it broke. A
+    failure whose innermost frame (past torch) is nanbisect's own work is not the user's code
+    failing (`frames.failing_side`): it propagates as it is (the CLI's internal error, exit 4,
+    the traceback in a log), never "fix the entry"."""
     try:
         return fn()
     except BadInput:
         raise
     except Exception as e:  # noqa: BLE001 - any failure of user code is reported, not re-raised
         tb = traceback.extract_tb(e.__traceback__)
+        if failing_side([(f.filename, f.lineno) for f in tb]) == "nanbisect":
+            raise
         where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
         raise BadInput(f"{what} raised {type(e).__name__}: {str(e)[:200]}{where}; the entry's "
                        "code fails on this bundle, fix it or pass --entry") from None

@@ -45,3 +45,34 @@ def kind(path: str) -> str:
                                      for d in ("site-packages", "dist-packages")):
         return "installed"
     return "stdlib" if path.startswith(_STDLIB) else "user"
+
+
+# nanbisect's files that run the user's work rather than decide anything: the dispatch
+# pass-through that executes each op under the tool's modes, and the step runner that calls
+# the Task's loss, backward, clipping and optimizer (an op they run fails as the user's op)
+_RUNS_USER_WORK = tuple(OWN + f for f in (os.path.join("util", "torch_internals.py"), "step.py"))
+
+
+def failing_side(frames: list[tuple[str, int]]) -> str:
+    """Whose failure a traceback is (``frames`` outermost first, as ``traceback.extract_tb``
+    lists them): "user" when its innermost frame outside torch and the standard library is the
+    user's (an installed package's too: model code), or one of nanbisect's that only runs the
+    user's work (`_RUNS_USER_WORK`); "nanbisect" when it is the tool's own (its statistics,
+    recorder, catcher: a bug of nanbisect's, never the user's to fix).
+
+    >>> T = TORCH + "nn/functional.py"
+    >>> failing_side([(OWN + "chain.py", 1), ("/u/model.py", 2), (T, 3)])
+    'user'
+    >>> failing_side([("/u/model.py", 2), (T, 3), (OWN + "replay/recorder.py", 4), (T, 5)])
+    'nanbisect'
+    >>> failing_side([("/u/model.py", 2), (OWN + "util/torch_internals.py", 3)])
+    'user'
+    """
+    for path, _ in reversed(frames):
+        k = kind(path)
+        if k in ("torch", "stdlib"):
+            continue
+        if k == "nanbisect" and os.path.abspath(path).startswith(_RUNS_USER_WORK):
+            continue
+        return "nanbisect" if k == "nanbisect" else "user"
+    return "user"

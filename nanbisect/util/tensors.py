@@ -34,15 +34,35 @@ def floating(t: torch.Tensor) -> bool:
 _counted = floating
 
 
+# floating dtypes too narrow for torch's reductions and checks (no aminmax, amax, isinf,
+# isfinite, norm kernels on the CPU in 2.13: the float8 formats, float4's packed pairs):
+# read through a float32 copy, which keeps every value, NaN and inf included
+NARROW = frozenset(d for d in (getattr(torch, n, None) for n in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu"))
+    if d is not None)
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a float32 copy of it when its dtype is `NARROW` (what a statistic reads).
+
+    >>> widened(torch.tensor([1.5, float("nan")]).to(torch.float8_e4m3fn)).tolist()
+    [1.5, nan]
+    """
+    return t.float() if t.dtype in NARROW else t
+
+
 def parts(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as real numbers: a complex tensor's ``torch.view_as_real`` (a view, one more
-    dimension of size 2: real and imaginary part), any other tensor itself.
+    """``t`` as real numbers a reduction can read: a complex tensor's ``torch.view_as_real`` (a
+    view, one more dimension of size 2: real and imaginary part), a `NARROW` one `widened`,
+    any other tensor itself.
 
     >>> parts(torch.tensor([1 + 2j])).tolist()
     [[1.0, 2.0]]
+    >>> parts(torch.ones(2).to(torch.float8_e5m2)).dtype
+    torch.float32
     """
     if not t.is_complex():
-        return t
+        return widened(t)
     if t.is_conj() or t.is_neg():     # a lazy conjugate has no real view: materialise it
         t = t.resolve_conj().resolve_neg()
     return torch.view_as_real(t)
@@ -57,6 +77,7 @@ def nonfinite_masks(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     [[True, False, False], [False, False, False], [False, True, False]]
     """
     if not t.is_complex():
+        t = widened(t)
         return torch.isnan(t), torch.isposinf(t), torch.isneginf(t)
     p = parts(t)
     nan = torch.isnan(p).any(-1)
@@ -149,6 +170,7 @@ def finite_absmax(t: torch.Tensor) -> torch.Tensor:
     >>> finite_absmax(torch.tensor([-3.0, float("inf"), float("nan"), 2.0])).item()
     3.0
     """
+    t = widened(t)
     return torch.where(torch.isfinite(t), t.abs(), 0).amax()
 
 
