@@ -34,7 +34,10 @@ class Report:
 
     verdict: Verdict                      # a plain string is made one (and checked)
     classification: Classification | None
-    phase: str | None            # first phase with a non-finite value
+    # the culprit's phase, where it was born (a culprit report: the culprit's own, whatever a
+    # caller gave; `failed_phase`: where the failure showed); else the first phase with a
+    # non-finite value
+    phase: str | None
     kind: str | None             # "nan" | "inf" | "mismatch"
     culprit: Culprit | None
     facts: RunFacts
@@ -128,6 +131,19 @@ class Report:
         object.__setattr__(self, "verdict", Verdict(self.verdict))
         if self.classification is not None:
             object.__setattr__(self, "classification", Classification(self.classification))
+        c = self.culprit
+        if self.verdict == Verdict("culprit") and c is not None and c.phase \
+                and c.phase != self.phase:
+            # born in one phase and seen in a later one: the report's phase is the birth's,
+            # `culprit.surfaced` keeps where it showed (`failed_phase`)
+            object.__setattr__(self, "phase", c.phase)
+
+    @property
+    def failed_phase(self) -> str | None:
+        """The phase whose failure the run traced (its module calls, its timeline): where the
+        culprit's value surfaced when that is later than its birth, else `phase`."""
+        c = self.culprit
+        return c.surfaced.phase if c is not None and c.surfaced is not None else self.phase
 
     @property
     def exit_code(self) -> int:

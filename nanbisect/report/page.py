@@ -99,7 +99,7 @@ def to_html(r: Report, failed: list[StageError] | None = None,
     res = r.repro_result
     said = ("not run" if res is None or not res.ran else
             "reproduced" if res.reproduced else "did not reproduce")
-    forward = r.phase == "forward"
+    forward = r.failed_phase == "forward"
     roles = {(t.module, t.call): "propagator" for t in r.timeline if t.came_in_bad}
     roles.update({(t.module, t.call): t.role for t in r.backtrace})   # what the plot marks passed
     return template.render(
@@ -110,7 +110,7 @@ def to_html(r: Report, failed: list[StageError] | None = None,
         side_in="inputs" if forward else "grad arriving",
         side_out="output" if forward else "grad leaving",
         timeline_svg=_plot(failed, functools.partial(plot_svg, roles=roles), r.timeline,
-                           culprit, r.phase or ""),
+                           culprit, r.failed_phase or ""),
         # NaN/inf counts along the step: only where some call had any (not for a divergence)
         show_timeline=any(t.nan or t.inf for t in r.timeline),
         history_svg=_plot(failed, history_svg, list(r.history or []), history_marks(r)),

@@ -413,9 +413,9 @@ def _backtrace_md(r: Report) -> list[str]:
     """The module calls around the culprit."""
     lines: list[str] = []
     if r.backtrace:
-        side = "inputs" if r.phase == "forward" else "grad arriving"
-        out = "output" if r.phase == "forward" else "grad leaving"
-        lines += ["", f"## Module calls around the culprit ({r.phase} order)", "",
+        side = "inputs" if r.failed_phase == "forward" else "grad arriving"
+        out = "output" if r.failed_phase == "forward" else "grad leaving"
+        lines += ["", f"## Module calls around the culprit ({r.failed_phase} order)", "",
                   f"| # | module | call | role | {side} nan | {side} inf | {side} absmax | "
                   f"{out} nan | {out} inf | {out} absmax |",
                   "|---|---|---|---|---|---|---|---|---|---|"]

@@ -46,8 +46,13 @@ def test_where_over_a_bad_branch_is_born_in_forward(tmp_path, func, op, made, su
     re-runs it, and surfaced names the backward op where the NaN showed."""
     r, passes = replay(tmp_path, func, run_repro=True)
     c = r.culprit
-    assert (r.verdict, r.phase, r.kind) == ("culprit", "backward", "nan")
+    # the report's phase is the birth's; where it showed is surfaced's (DESIGN, v5)
+    assert (r.verdict, r.phase, r.failed_phase, r.kind) == ("culprit", "forward", "backward",
+                                                            "nan")
     assert (c.phase, c.module, c.module_call, c.op) == ("forward", "act", 0, op)
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert "- first bad phase: forward" in md
+    assert "Module calls around the culprit (backward order)" in md
     assert c.source.endswith(f"surfaced.py:{line_of(bug)}")
     s = c.surfaced
     assert (s.phase, s.module, s.module_call) == ("backward", "act", 0) and s.op in surfaced_ops
@@ -68,6 +73,7 @@ def test_where_over_a_bad_branch_is_born_in_forward(tmp_path, func, op, made, su
     assert data["culprit"]["surfaced"] == {"phase": "backward", "op": s.op, "module": "act",
                                            "module_call": 0, "op_index": s.op_index}
     assert data["op_recording"]["phases"] == ["forward", "backward"]
+    assert data["phase"] == "forward"
     as_nan = "" if made == "nan" else " as nan"
     assert headline(r) == (f"{made} born in {op} in forward at module 'act' (call 0), "
                            f"surfaced{as_nan} in backward at {s.op}")
