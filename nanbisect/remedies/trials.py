@@ -9,6 +9,7 @@ from typing import Any, Callable, ContextManager
 from nanbisect.records import Remedy, StepOutcome
 from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.util.numbers import NUMBERS, env
+from nanbisect.util.text import error_record
 
 DEFAULT_BUDGET = 4
 BUDGET_ENV = "NANBISECT_REMEDY_BUDGET"
@@ -75,7 +76,7 @@ class Trials:
                 out: StepOutcome = rep.run(phase=phase, wrap=lambda: stacked(self.wrap(), *ms),
                                            stop_after=self.judge)
         except Exception as e:  # noqa: BLE001 - a change the user's code cannot take: an outcome
-            return "error", None, {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            return "error", None, error_record(e)
         finally:
             task.clip_grad_norm = saved_clip
             if edit is not None:

@@ -293,9 +293,12 @@ def remedy_detail(rem: Remedy) -> str:
     for key in ("meaning", "note", "reason", "error"):
         if d.get(key):
             bits.append(str(d[key]))
+    if d.get("error_where"):
+        bits.append(f"raised at {d['error_where']}")
     if d.get("phase") and rem.outcome == "still-failing":
         bits.append(f"still fails in {d['phase']}")
-    return "; ".join(bits)
+    # one line whatever a remedy's record holds (an exception's message has newlines)
+    return clip(" ".join("; ".join(bits).split()), MAX_NOTE)
 
 
 def _remedies_md(r: Report) -> list[str]:
@@ -306,8 +309,8 @@ def _remedies_md(r: Report) -> list[str]:
              "| kind | the step ... | outcome | loss | detail |", "|---|---|---|---|---|"]
     for rem in r.remedies:
         mark = "**" if rem.finite else ""
-        lines.append(f"| {rem.kind} | {rem.change} | {mark}{rem.outcome}{mark} | "
-                     f"{_num(rem.loss)} | {remedy_detail(rem) or '-'} |")
+        lines.append(f"| {_cell(rem.kind)} | {_cell(rem.change)} | {mark}{rem.outcome}{mark} | "
+                     f"{_num(rem.loss)} | {_cell(remedy_detail(rem)) or '-'} |")
     ids = [rows_text(rem) for rem in r.remedies if rem.kind == "samples" and rows_text(rem)]
     if ids:
         lines += ["", "The rows, as the data pipeline knows them: " + ids[0] + "."]

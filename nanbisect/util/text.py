@@ -42,6 +42,44 @@ def exception_line(e: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
+def first_line(text: str, limit: int = 200) -> str:
+    """The first non-blank line of ``text``, spaces collapsed, cut at a word boundary with
+    "..." when longer than ``limit`` (never mid-word, never a newline).
+
+    >>> first_line("Recomputed values differ.\\ntensor at position 0")
+    'Recomputed values differ.'
+    >>> first_line("alpha beta gamma delta", limit=14)
+    'alpha beta...'
+    """
+    line = next((" ".join(t.split()) for t in str(text).splitlines() if t.strip()), "")
+    if len(line) <= limit:
+        return line
+    cut = line[:limit - 3]
+    return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "..."
+
+
+def error_record(e: BaseException, limit: int = 2000) -> dict:
+    """An exception recorded whole, for a report: ``error`` (its type and the first line of its
+    message: what one line of text shows), ``error_type``, ``error_message`` (the whole
+    message, newlines kept, at most ``limit`` characters) and ``error_where`` (the innermost
+    frame's file name and line).
+
+    >>> try:
+    ...     raise ValueError("bad value\\nsecond line")
+    ... except ValueError as e:
+    ...     r = error_record(e)
+    >>> r["error"], r["error_type"], r["error_message"]
+    ('ValueError: bad value', 'ValueError', 'bad value\\nsecond line')
+    """
+    tb = traceback.extract_tb(e.__traceback__)
+    message = str(e)
+    head = first_line(message)
+    return {"error": f"{type(e).__name__}: {head}" if head else type(e).__name__,
+            "error_type": type(e).__name__,
+            "error_message": message if len(message) <= limit else message[:limit] + "...",
+            "error_where": f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else None}
+
+
 def failure_line(e: BaseException, limit: int = 300) -> str:
     """An unexpected exception on one line: its type, `exception_line` and the innermost frame
     it was raised in.

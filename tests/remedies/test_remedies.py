@@ -294,3 +294,35 @@ def test_triage_names_the_remedy_per_signature():
     assert "| made finite by |" in triage_markdown(data) and "| samples, state |" in \
         triage_markdown(data)
 
+
+
+def test_a_remedy_that_fails_is_recorded_whole_and_rendered_on_one_line(tmp_path):
+    """The float64 module remedy under activation checkpointing: the recomputation in backward
+    refuses it (CheckpointError, a message of several lines). report.json keeps the error
+    whole (type, first line, the whole message, where); report.md's table stays a table,
+    report.html and the terminal say it on one line, cut at a word, never mid-word."""
+    import checkpointed
+
+    bundle = tmp_path / "bundle"
+    nanbisect.capture(checkpointed.task(), checkpointed.batch(), bundle,
+                      entry=f"{TEST_TASKS / 'checkpointed.py'}:task")
+    r, _ = run(bundle, tmp_path / "r")
+    failed = next(m for m in r.remedies if m.outcome == "error")
+    d = failed.detail
+    assert d["error_type"] == "CheckpointError" and d["error_where"]
+    assert "\n" in d["error_message"] and "tensor at position 0" in d["error_message"]
+    assert d["error"].startswith("CheckpointError: ") and "\n" not in d["error"]
+    assert d["error"] == "CheckpointError: " + d["error_message"].splitlines()[0].strip()
+    saved = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert any(m["detail"].get("error_message") == d["error_message"]
+               for m in saved["remedies"])
+    md = to_markdown(r)
+    table = md[md.index("## Remedies"):].split("\n\n")[1].splitlines()
+    assert len(table) == 2 + len(r.remedies)
+    assert all(t.startswith("|") and t.endswith("|") for t in table)
+    assert all(t.replace("\\|", "").count("|") == 6 for t in table)
+    page = to_html(r, tmp_path / "r")
+    assert d["error"].replace("'", "&#39;") in page or d["error"] in page
+    line = next(t for t in terminal(r, tmp_path / "r").splitlines()
+                if "could not be replayed" in t)
+    assert "\\n" not in line and line.endswith(d["error"])
