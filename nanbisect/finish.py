@@ -31,6 +31,7 @@ from nanbisect.reference.opcheck import safe_check
 from nanbisect.replay.probe import CallStats
 from nanbisect.replay.replayer import Replayer
 from nanbisect.report.repro import repro_imports, write_repro
+from nanbisect.util.frames import function_at
 
 __all__ = ["Finished", "finish", "Evidence", "classify_culprit"]
 
@@ -84,6 +85,11 @@ def finish(rep: Replayer, phase: str, kind: str, *, finding: OpFinding | None,
                            parameter=parameter, rank=rank, micro_batch=micro_batch,
                            source=caught.source if caught else None,
                            node=caught.node if caught else None)
+    site = (culprit.node.forward_source if culprit.node is not None
+            and culprit.node.forward_source else culprit.source)
+    function = guard("code-site", lambda: function_at(site), None)
+    if function is not None:
+        culprit = dataclasses.replace(culprit, function=function)
     cause = guard("likely-cause", lambda: likely_cause(culprit, caught, finding,
                                                        rep.task.optimizer), None)
     if cause is not None:

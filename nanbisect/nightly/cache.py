@@ -21,7 +21,9 @@ from nanbisect.util.recordjson import dumps
 # /2 (issue 38): signatures name a backward culprit by its autograd node (report.json's
 # ``culprit.node``); a report cached before it existed would sign the same bug another way than
 # a fresh replay does, so those entries are misses (replayed once), never mixed into a night
-CACHE_SCHEMA = "nanbisect.triage-cache/2"
+# /3: signatures name the code site by its function (``culprit.function``), which a report
+# cached before it lacks: those entries are misses too
+CACHE_SCHEMA = "nanbisect.triage-cache/3"
 _MAX_SOURCE = 16 << 20              # a user source file bigger than this is keyed by size+mtime
 MAX_REPORT = 64 << 20
 

@@ -1,21 +1,25 @@
 """Culprit signatures: what groups two failures together across a night of bundles.
 
-A culprit's signature is ``ORIGIN @ FILE:LINE · MODULE · PHASE · DTYPES · CLASSIFICATION``:
+A culprit's signature is ``ORIGIN @ SITE · MODULE · PHASE · DTYPES · CLASSIFICATION``:
 
 - ORIGIN: for a backward culprit whose report names its autograd node (``culprit.node``), the
   node (``DivBackward0``); else the culprit op without its overload (``aten.div``, not
   ``aten.div.Tensor``): a different batch can make the first NaN in another aten op of the same
   node, or in another overload of the same op;
-- FILE:LINE: the user line that made it (the node's ``forward_source``, else
-  ``culprit.source``), the file's base name only (the same code checked out elsewhere groups
-  together); ``@ ...`` is left out when no line is known;
+- SITE: the code site, the module-qualified name of the function whose line made it
+  (``culprit.function``: ``model.Attention.forward``), so that an unrelated edit above the line
+  (a comment, an import) keeps the signature; a report without one (written by an older
+  nanbisect, or whose file could not be read) names the line instead, the file's base name and
+  line number (``model.py:57``); ``@ ...`` is left out when neither is known. The line itself
+  stays in the report, for display;
 - MODULE with layer numbers as ``N`` (`normalise_module`), the phase, the culprit's input
   dtypes (each once, sorted: not per argument, which differs between ops), the classification.
 
-Versions: `legacy_signature` is the form before this one (``aten.div.Tensor · MODULE · PHASE
-· float32,float32 · CLASSIFICATION``, issue 38 item 8). A ``--known`` list or last night's
-triage.json written with it still matches: `nanbisect.nightly.summary` counts a group as known
-when its signature or the legacy one of any of its bundles is listed.
+Versions: `line_signature` is the form before this one (``ORIGIN @ FILE:LINE · ...``), and
+`legacy_signature` the one before that (``aten.div.Tensor · MODULE · PHASE · float32,float32 ·
+CLASSIFICATION``). A ``--known`` list or last night's triage.json written with either still
+matches: `nanbisect.nightly.summary` counts a group as known when its signature or an older
+form (`older_signatures`) of any of its bundles is listed.
 """
 from __future__ import annotations
 
@@ -78,13 +82,26 @@ def signature(report: Report | dict) -> str | None:
     >>> c = {"op": "aten.div.Tensor", "module": "", "phase": "backward",
     ...      "input_dtypes": ["float32", "float32"], "source": "/srv/loss.py:42",
     ...      "node": {"name": "DivBackward0", "forward_op": "aten.div.Tensor",
-    ...               "forward_source": "loss.py:42"}}
+    ...               "forward_source": "loss.py:42"}, "function": "loss.masked_mean"}
     >>> signature({"verdict": "culprit", "classification": "numerics", "culprit": c})
-    'DivBackward0 @ loss.py:42 · <root> · backward · float32 · numerics'
+    'DivBackward0 @ loss.masked_mean · <root> · backward · float32 · numerics'
     >>> c = {**c, "op": "aten.mul.Tensor", "input_dtypes": ["float32"]}   # another batch
     >>> signature({"verdict": "culprit", "classification": "numerics", "culprit": c})
+    'DivBackward0 @ loss.masked_mean · <root> · backward · float32 · numerics'
+    >>> signature({"verdict": "culprit", "classification": "numerics",   # an older report
+    ...            "culprit": {**c, "function": None}})
     'DivBackward0 @ loss.py:42 · <root> · backward · float32 · numerics'
     """
+    return _signature(report, by_function=True)
+
+
+def line_signature(report: Report | dict) -> str | None:
+    """The signature as nanbisect wrote it before `signature`'s form: the code site as the
+    line's file name and number (what older ``--known`` lists and triage.json files hold)."""
+    return _signature(report, by_function=False)
+
+
+def _signature(report: Report | dict, by_function: bool) -> str | None:
     report = as_report(report)
     c = report.culprit
     if report.verdict != "culprit" or c is None:
@@ -96,10 +113,23 @@ def signature(report: Report | dict) -> str | None:
     else:
         origin = op_packet(c.op) or "-"
         line = source_line(c.source)
+    site = c.function if by_function and isinstance(c.function, str) and c.function else line
     dtypes = sorted({str(d) for d in (c.input_dtypes or []) if d})
-    return " · ".join([origin + (f" @ {line}" if line else ""),
+    return " · ".join([origin + (f" @ {site}" if site else ""),
                        normalise_module(module_label(c.module)), c.phase or "-",
                        ",".join(dtypes) or "-", report.classification or "-"])
+
+
+def older_signatures(report: Report | dict) -> list[str]:
+    """The report's signature in every older form (`line_signature`, `legacy_signature`),
+    each once, none equal to `signature`'s: what a known list may hold of the same failure."""
+    report = as_report(report)
+    now = signature(report)
+    out: list[str] = []
+    for s in (line_signature(report), legacy_signature(report)):
+        if s is not None and s != now and s not in out:
+            out.append(s)
+    return out
 
 
 def legacy_signature(report: Report | dict) -> str | None:

@@ -23,7 +23,7 @@ from nanbisect.nightly.reports import REPORTS, drop, report_name
 from nanbisect.nightly.summary_words import (EXIT_CLEAN, EXIT_ERRORS, EXIT_KNOWN, EXIT_NEW,
                                            counts_text)
 from nanbisect.report.model import Report
-from nanbisect.nightly.signatures import as_report, legacy_signature, signature
+from nanbisect.nightly.signatures import as_report, older_signatures, signature
 from nanbisect.util.files import write_atomic
 from nanbisect.util.recordjson import dumps
 from nanbisect.util.text import clip
@@ -77,8 +77,9 @@ class NightState:
             if sig is None:
                 continue
             created = r.get("created")
-            # a known list or last night's summary may hold the legacy form of the signature
-            names = {sig, r.get("legacy") or sig}
+            # a known list or last night's summary may hold an older form of the signature
+            older = r.get("legacy") or []
+            names = {sig, *([older] if isinstance(older, str) else older)}
             g = groups.setdefault(sig, {"signature": sig, "count": 0, "first_seen": created,
                                         "example": r["bundle"], "known": False,
                                         "new_since_last": None if self.previous is None
@@ -173,7 +174,7 @@ class NightState:
             return self._add({**rest, "error": why, "kind": "crash"}, cached)
         self.results[b] = {"bundle": b, "verdict": rep.verdict.value,
                            "classification": rep.classification and rep.classification.value,
-                           "signature": signature(rep), "legacy": legacy_signature(rep),
+                           "signature": signature(rep), "legacy": older_signatures(rep),
                            "cached": cached,
                            "remedies": remedy_kinds(rep),
                            "tried": remedy_kinds(rep, ("still-failing", "error")),

@@ -63,6 +63,10 @@ class Culprit:
     node: Node | None = None
     # a plain sentence for a recognised pattern (`nanbisect.locate.cause`), None otherwise
     likely_cause: str | None = None
+    # the code site: the module-qualified name of the function of the line that made the value
+    # (the node's forward line for a backward node, else ``source``): what a signature names,
+    # since it survives edits that move the line (`nanbisect.util.frames.function_at`)
+    function: str | None = None
 
     # -- constructors: one per way a stage knows its culprit -------------------------------
     @classmethod

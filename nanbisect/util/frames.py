@@ -14,6 +14,7 @@ import os
 import site
 import sysconfig
 from pathlib import Path
+from typing import Any
 
 from nanbisect.util.torch_internals import TORCH_DIR
 
@@ -76,3 +77,67 @@ def failing_side(frames: list[tuple[str, int]]) -> str:
             continue
         return "nanbisect" if k == "nanbisect" else "user"
     return "user"
+
+
+def function_at(source: str | None) -> str | None:
+    """The module-qualified name of the function a ``"path:line"`` source line is in (a
+    signature's code site: it survives edits that move the line): the module's name as this
+    process imported that file (else the file's stem), then the classes and functions that
+    enclose the line (``<lambda>`` for a lambda on it; the module alone at top level). None
+    when the file cannot be read or parsed here.
+
+    >>> function_at(__file__ + ":" + str(function_at.__code__.co_firstlineno + 2))
+    'nanbisect.util.frames.function_at'
+    """
+    if not isinstance(source, str):
+        return None
+    path, sep, line = source.rpartition(":")
+    if not sep or not line.isdigit():
+        return None
+    names = _enclosing(os.path.abspath(path), int(line))
+    if names is None:
+        return None
+    return ".".join([_module_name(os.path.abspath(path)), *names])
+
+
+_PARSED: dict[str, Any] = {}      # absolute path -> its ast (None: not readable or parsable)
+
+
+def _enclosing(path: str, line: int) -> list[str] | None:
+    """The names of the definitions that enclose ``line`` of ``path``, outermost first."""
+    import ast
+
+    if path not in _PARSED:
+        try:
+            _PARSED[path] = ast.parse(Path(path).read_text(encoding="utf-8"), path)
+        except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
+            _PARSED[path] = None
+    tree = _PARSED[path]
+    if tree is None:
+        return None
+    out: list[str] = []
+    node = tree
+    while True:
+        inner = next((n for n in ast.iter_child_nodes(node)
+                      if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                      and n.lineno <= line <= (n.end_lineno or n.lineno)), None)
+        if inner is None:
+            break
+        out.append(inner.name)
+        node = inner
+    lam = next((n for n in ast.walk(node) if isinstance(n, ast.Lambda) and n.lineno == line),
+               None)
+    if lam is not None:
+        out.append("<lambda>")
+    return out
+
+
+def _module_name(path: str) -> str:
+    """The name this process imported ``path`` under, else its file's stem."""
+    import sys
+
+    for name, mod in list(sys.modules.items()):
+        f = getattr(mod, "__file__", None)
+        if isinstance(f, str) and os.path.abspath(f) == path:
+            return name
+    return Path(path).stem

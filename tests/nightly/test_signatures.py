@@ -110,3 +110,63 @@ def test_a_report_triage_cannot_read_is_that_bundles_error_not_the_nights():
     assert "/b0" in st.errors and "report.json cannot be read" in st.errors["/b0"]["error"]
     assert st.results["/b1"]["verdict"] == "culprit"
     assert st.results["/b1"]["signature"] == signature(report("aten.div.Tensor"))
+
+
+LINE_SHIFT_TASK = '''
+import torch
+import nanbisect
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.sqrt(h).sum(-1)      # BUG: sqrt of negatives
+
+
+def task():
+    torch.manual_seed(0)
+    model = Net()
+    return nanbisect.Task(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                          loss_fn=lambda m, b: m(b).mean())
+'''
+
+
+def test_an_edit_above_the_line_keeps_the_signature(tmp_path):
+    """Night 1 replays the bug; before night 2 someone adds an import and a comment above the
+    line: the line moves, the signature (the function, ``shifted.Net.forward``) does not, and
+    night 1's signature or its line form in a --known list still matches night 2's bundle."""
+    import torch
+
+    import nanbisect
+    from nanbisect.nightly.signatures import line_signature
+    from nanbisect.pipeline import RunOptions, run_bundle
+
+    def night_of(source: str, name: str) -> dict:
+        d = tmp_path / name
+        d.mkdir()
+        (d / "shifted.py").write_text(source)
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("shifted", d / "shifted.py")
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        nanbisect.capture(mod.task(), torch.randn(3, 4, generator=torch.Generator()
+                                                  .manual_seed(0)), d / "bundle",
+                          entry=f"{d / 'shifted.py'}:task")
+        run_bundle(d / "bundle", RunOptions(run_repro=False, remedies=0), d / "report")
+        return json.loads((d / "report" / "report.json").read_text())
+
+    first = night_of(LINE_SHIFT_TASK, "night1")
+    edited = LINE_SHIFT_TASK.replace("import torch\n", "import math  # noqa: F401\nimport torch\n"
+                                     "# numerically careful maths below\n", 1)
+    second = night_of(edited, "night2")
+    assert first["culprit"]["source"] != second["culprit"]["source"]       # the line moved
+    assert first["culprit"]["function"] == second["culprit"]["function"] == "shifted.Net.forward"
+    assert signature(first) == signature(second) and "@ shifted.Net.forward" in signature(first)
+    assert line_signature(first) != line_signature(second)
+    for known in ({signature(first)}, {line_signature(second)}, {legacy_signature(second)}):
+        (g,) = night(known, None, second)["signatures"]
+        assert g["known"], known
