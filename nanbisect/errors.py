@@ -70,3 +70,10 @@ class NonFiniteStep(RuntimeError):
 class TopLevelOptIn(UserWarning):
     """A replay is about to run its entry's top level because the bundle's manifest says so
     (``Task(run_top_level=True)`` recorded at capture): said, in one line, before it runs."""
+
+
+class TaskNotFromEntry(UserWarning):
+    """A capture's Task holds parts its entry cannot rebuild (a ``loss_fn`` or model class
+    defined in a notebook cell or an interactive ``__main__``): a replay runs the entry's code
+    instead. Said in one line at capture; the replay compares what the entry builds
+    (`nanbisect.util.fingerprint`) and its report says which code ran."""

@@ -185,7 +185,19 @@ class Task:
                 "compiled": self.compiled,
                 **({"run_top_level": True} if self.run_top_level else {}),
                 **({"pipelined": self.pipelined} if self.pipelined else {}),
-                **({"compiled_dropped": self.compiled_dropped} if self.compiled_dropped else {})}
+                **({"compiled_dropped": self.compiled_dropped} if self.compiled_dropped else {}),
+                **({"parts": parts} if (parts := self.parts()) else {})}
+
+    def parts(self) -> dict:
+        """The code this Task is made of (`nanbisect.util.fingerprint.of_task`: names and code
+        hashes of its model's class, loss or step function and optimizer's class); {} when it
+        cannot be read (never a failed capture)."""
+        from nanbisect.util import fingerprint
+
+        try:
+            return fingerprint.of_task(self)
+        except Exception:  # noqa: BLE001 - a record for a comparison, not worth a capture
+            return {}
 
     def step_model(self) -> torch.nn.Module:
         """The module the step hands ``loss_fn``: the compiled one while `runner` is set (the

@@ -149,6 +149,15 @@ def _names(v) -> bool:
                                        for k, x in v.items())
 
 
+def _parts(v) -> bool:
+    """``task.parts``: what the captured Task's code was (`nanbisect.util.fingerprint`)."""
+    return isinstance(v, dict) and len(v) <= 8 and all(
+        k in ("model", "loss_fn", "step_fn", "optimizer") and isinstance(d, dict)
+        and set(d) <= {"name", "code", "python"}
+        and all(isinstance(x, str) and len(x) <= 400 for x in d.values())
+        for k, d in v.items())
+
+
 def _compiled(v) -> bool:
     """``task.compiled``: null, or {backend, mode, options} where nothing names a program or a
     path: the backend a registered name, the mode one of torch.compile's, the options an object
@@ -233,7 +242,9 @@ _SECTIONS: dict[str, dict[str, tuple]] = {
         "compiled": (_compiled, "null or {backend: a backend name, mode: null or a "
                      "torch.compile mode, options: null or {option: value}}"),
         "compiled_dropped": (_dropped, f"a list of at most {MAX_DROPPED} option names"),
-        "run_top_level": (lambda v: isinstance(v, bool), "true or false")},
+        "run_top_level": (lambda v: isinstance(v, bool), "true or false"),
+        "parts": (_parts, "an object of model/loss_fn/step_fn/optimizer -> {name: a string, "
+                  "code: a hex string, python: a version string}")},
     "grad_scaler": {   # torch's GradScaler.state_dict(): all five, or {} (a disabled scaler)
         "scale": (lambda v: _num(v) and v >= 0, "a number >= 0"),
         "growth_factor": (_num, "a number"), "backoff_factor": (_num, "a number"),

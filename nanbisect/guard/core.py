@@ -54,7 +54,8 @@ from nanbisect.errors import BadInput, NonFiniteStep  # noqa: F401 - (the doctes
 from nanbisect.guard.agree import write_timeout
 from nanbisect.guard.coord import rank_info, ranks_max
 from nanbisect.guard.deadline import RankTimeout, rank_timeout
-from nanbisect.guard.entry import check_modes, check_out, resolve_entry_file, warn_top_level
+from nanbisect.guard.entry import (check_modes, check_out, resolve_entry_file, warn_foreign_parts,
+                                    warn_top_level)
 from nanbisect.guard.failing import Failures
 from nanbisect.guard.guarded import Guarded, Progress
 from nanbisect.guard.keep import RETRY_AFTER, Keeper, SnapshotFailed
@@ -146,6 +147,7 @@ class Guard:
                            "Task(model=..., optimizer=..., loss_fn=...)")
         entry_file = resolve_entry_file(entry)
         warn_top_level(entry_file, task, "Guard")
+        warn_foreign_parts(entry, task, "Guard")
         out = Path(out)
         check_out(out)
         check_modes(max_scaler_skips, snapshot, snapshot_every, snapshot_stream)

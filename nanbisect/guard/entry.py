@@ -147,3 +147,22 @@ def warn_top_level(entry_file: str | None, task: object, who: str) -> None:
         gate(Path(entry_file))
     except BadInput as e:
         warnings.warn(f"{who}: {e}; a replay will refuse this entry until then", stacklevel=3)
+
+
+def warn_foreign_parts(entry: str | None, task: object, who: str) -> None:
+    """Warn, at capture, when the Task holds parts its entry cannot rebuild (defined in a
+    notebook cell or an interactive ``__main__``: `nanbisect.util.fingerprint.foreign`): a
+    replay builds the Task from the entry and runs that code instead (its report says so)."""
+    from nanbisect.errors import TaskNotFromEntry
+    from nanbisect.util import fingerprint
+
+    try:
+        parts = fingerprint.foreign(task, entry)
+    except Exception:  # noqa: BLE001 - a warning's check never fails a capture
+        return
+    if parts:
+        warnings.warn(TaskNotFromEntry(
+            f"{who}: the Task's {' and '.join(parts)} {'is' if len(parts) == 1 else 'are'} "
+            f"defined in a notebook cell or an interactive session, not in the entry "
+            f"'{entry}': a replay runs what the entry builds instead; give an entry whose code "
+            "builds this Task"), stacklevel=3)

@@ -38,7 +38,7 @@ from nanbisect.bundle.tape import ROLE as TAPE_ROLE
 from nanbisect.guard.coord import rank_info, tensor_labels
 from nanbisect.guard.deadline import RankTimeout
 from nanbisect.guard.parts import rescue_dir, write_all_ranks
-from nanbisect.guard.entry import resolve_entry_file, warn_top_level
+from nanbisect.guard.entry import resolve_entry_file, warn_foreign_parts, warn_top_level
 from nanbisect.task import Task, refuse_training_at_import
 from nanbisect.util.text import exception_line
 
@@ -196,6 +196,7 @@ def capture(task: Task, batch: Any, path: str | Path, *, entry: str, step: int |
     refuse_training_at_import("nanbisect.capture(...)")
     entry_file = resolve_entry_file(entry)
     warn_top_level(entry_file, task, "nanbisect.capture")
+    warn_foreign_parts(entry, task, "nanbisect.capture")
     return write_step(task, batch, RngState.get(accelerator_types()), Path(path), entry=entry,
                       entry_file=entry_file, step=step, observed=None,
                       sources=user_sources(entry_file), scaler_state=scaler_state(task))

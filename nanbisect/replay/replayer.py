@@ -31,7 +31,7 @@ from nanbisect.bundle.state import (RngState, decode, iter_tensors, local, model
                                     restore_model, restore_modes, restore_optimizer)
 from nanbisect.step import micro_batches, run_step
 from nanbisect.task import Task, load_task
-from nanbisect.util import memory
+from nanbisect.util import fingerprint, memory
 from nanbisect.util import torch_internals as ti
 from nanbisect.util.compiled import compile_model
 from nanbisect.util.tensors import (cast_floating, floating, fused_finite, nonfinite,
@@ -127,6 +127,11 @@ class Replayer:
                                for _, t, _ in model_entries(self.task.model)
                                if devices.on_host(t.device))
         self.notes = apply_step_shape(self.task, view.task, device, dtype)
+        # the code the entry built against the code the capture recorded (a notebook's Task
+        # captured with an entry file that builds another one): said, never refused
+        drifted = fingerprint.drift_note((view.task or {}).get("parts"), self.task.parts())
+        if drifted is not None:
+            self.notes.append(drifted)
         if self.optimizer_left_out is not None:
             self.notes.append("the bundle holds no optimizer state (the capture could not write "
                               f"it: {self.optimizer_left_out[:200]}); the optimizer phase replays "

@@ -14,6 +14,7 @@ from pathlib import Path
 from nanbisect.records import Remedy, Stats, module_label
 from nanbisect.report.model import Report
 from nanbisect.util.spec import NONE
+from nanbisect.util.fingerprint import DRIFT_NOTE
 from nanbisect.util.text import clip
 
 MAX_NOTE = 2000    # characters of a note, an error or a line of the terminal summary: they
@@ -487,6 +488,7 @@ def terminal(r: Report, out: Path) -> str:
     them``): a fix made here is not what ran."""
     lines = [f"nanbisect: {r.verdict} - {headline(r)}"]
     lines += [f"  code: {n}" for n in r.notes if n.startswith(STORED_CODE_RAN)][:1]
+    lines += [f"  code: {n}" for n in r.notes if n.startswith(DRIFT_NOTE)][:1]
     lines += [f"  verified: {v}" for v in verified(r)]
     tried = [rem for rem in r.remedies if rem.outcome in ("still-failing", "error")]
     lines += [f"  tried: {rem.sentence()}" for rem in tried]
