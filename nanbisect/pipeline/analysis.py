@@ -21,7 +21,7 @@ from nanbisect.bundle.manifest import Manifest
 from nanbisect.chain import Chain, Located, Serving
 from nanbisect.errors import UNDECLARED_SCALER, BadInput
 from nanbisect.locate.producers import backtrace, timeline
-from nanbisect.report.prose import headline, rebuild_note
+from nanbisect.report.prose import at_module, headline, rebuild_note
 from nanbisect.pipeline.common import (CULPRIT, Progress, RunOptions, StepRun, after_verdict,
                                        guarded, reference_kernels_note, target_wrap,
                                        recorded_failure)
@@ -40,6 +40,7 @@ from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of, repro_imports, write_module_repro, write_repro
 from nanbisect.report.rerun import Interpreter, ServerFork, runner, take
+from nanbisect.util.tensors import nonfinite
 from nanbisect.util.torch_internals import tree_leaves
 
 
@@ -273,6 +274,8 @@ def _culprit_report(run: StepRun, first: StepOutcome, side: ReferenceSide | None
     notes = list(run.notes) + _finding_notes(loc)
     done, culprit = chain.finish(loc, tmp / "repro", run.facts.target,
                                  check_on=ref[0] if ref is not None else None)
+    if finding is not None and loc.caught is not None and handed_bad(loc.caught, kind):
+        culprit = _outside_dispatcher(culprit, finding, kind)
     _announce(run, Report("culprit", "unknown", phase, kind, culprit, run.facts))
     # the verdict is known: what each stage below adds is left out when it fails (`errors`)
     stage = _guard(run)
@@ -316,6 +319,33 @@ def _announce(run: StepRun, known: Report) -> None:
     c = known.culprit
     text = headline(known) + (f"; source {c.source}" if c is not None and c.source else "")
     run.progress(CULPRIT, text)
+
+
+def handed_bad(caught: Caught, kind: str) -> bool:
+    """Did the op caught as the root read ``kind`` after all? The recording flagged its inputs
+    clean where they were made; holding it now, they were written since by work the
+    dispatcher did not see."""
+    for t in tree_leaves((caught.args, caught.kwargs)):
+        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) \
+                and t.numel():
+            n, p, m = nonfinite(t)
+            if n or (kind != "nan" and (p or m)):
+                return True
+    return False
+
+
+OUTSIDE_DISPATCHER = "inside work that does not pass through the dispatcher"
+
+
+def _outside_dispatcher(culprit: Culprit, finding: OpFinding, kind: str) -> Culprit:
+    """The culprit when no aten op made the value: the module call it went bad in, no op, and
+    the op that first read it named as handed it (never blamed)."""
+    where = at_module(finding.module, finding.module_call, finding.phase)
+    said = (f"no aten op made this {kind}: it went bad {OUTSIDE_DISPATCHER} (a C++, pybind or "
+            f"Triton kernel called directly, a write through .numpy() or a data pointer) "
+            f"in {finding.phase} at {where}; {finding.op} (op #{finding.op_index}), the first "
+            "op that read it, was handed it")
+    return replace(culprit, op=None, op_index=None, source=None, likely_cause=said)
 
 
 def _finding_notes(loc: Located) -> list[str]:
