@@ -30,6 +30,8 @@ def _code_digest(code: types.CodeType, h) -> None:
     for c in code.co_consts:
         if isinstance(c, types.CodeType):
             _code_digest(c, h)
+        elif isinstance(c, frozenset):      # (its repr's order follows the string hash seed)
+            h.update(repr(sorted(map(repr, c))).encode())
         else:
             h.update(repr(c).encode())
 
@@ -67,7 +69,7 @@ def describe(obj: Any) -> dict | None:
         f"{getattr(named, '__qualname__', '?')}"
     h = hashlib.sha256()
     for qual, code in fns:
-        h.update(qual.split(".", 1)[-1].encode())
+        h.update(qual.rsplit(".", 1)[-1].encode())     # its own name, not where it is defined
         _code_digest(code, h)
     return {"name": name[:300], "code": h.hexdigest()[:32], "python": _PY}
 

@@ -63,3 +63,26 @@ def test_the_entrys_own_task_is_neither_warned_nor_noted(tmp_path):
     r = run_bundle(tmp_path / "bundle", RunOptions(run_repro=False, remedies=0),
                    tmp_path / "report")
     assert r.verdict == "culprit" and not any(n.startswith(DRIFT_NOTE) for n in r.notes)
+
+
+def test_the_code_hash_is_the_same_in_another_process():
+    """A capture's process and a replay's hash the same code alike: not by the string hash seed
+    (a set literal's frozenset), nor by where a function is defined (a notebook's module level
+    or a factory's body: the same lambda)."""
+    import subprocess
+    import sys
+
+    probe = ("from nanbisect.util.fingerprint import describe\n"
+             "def loss(m, b):\n"
+             "    return 1 if b in {'x', 'y', 'z', 'w'} else 2\n"
+             "print(describe(loss)['code'])\n")
+    got = {subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**__import__("os").environ, "PYTHONHASHSEED": seed},
+                          check=True).stdout for seed in ("1", "2")}
+    assert len(got) == 1
+    from nanbisect.util.fingerprint import describe
+
+    def factory():
+        return lambda m, b: m(b).sum()
+    top = lambda m, b: m(b).sum()  # noqa: E731
+    assert describe(factory())["code"] == describe(top)["code"]
