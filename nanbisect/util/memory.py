@@ -13,8 +13,10 @@ notebook's allocator is left as it is): it fixes the threshold at the size of th
 large block of the model's state, so that every parameter, gradient and optimizer moment is a
 mapping of its own again (returned whole when freed, no hole left in the heap), while the
 smaller blocks the passes allocate and free all the time (activations) stay on the heap, where
-they are reused without faulting pages in. Measured on the 101M benchmark model: its replay's
-peak 3.75 -> 2.9 GB at no measurable cost (a 1 MB threshold gets 2.6 GB for 30-40% more time).
+they are reused without faulting pages in. Measured on the 101M benchmark model, a fixed
+threshold between the activations' size and the state blocks' took its replay's peak from 3.75
+to 2.9 GB at no measurable cost (a 1 MB threshold: 2.6 GB for 30-40% more time; docs/
+BENCHMARKS.md). The rank workers of a multi-rank replay do not tune theirs yet.
 
 >>> trim() in (True, False)
 True
