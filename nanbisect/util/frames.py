@@ -100,19 +100,26 @@ def function_at(source: str | None) -> str | None:
     return ".".join([_module_name(os.path.abspath(path)), *names])
 
 
-_PARSED: dict[str, Any] = {}      # absolute path -> its ast (None: not readable or parsable)
+# (absolute path, mtime, size) -> its ast (None: not readable or parsable); a file edited
+# since (a notebook's second run) is parsed again
+_PARSED: dict[tuple, Any] = {}
 
 
 def _enclosing(path: str, line: int) -> list[str] | None:
     """The names of the definitions that enclose ``line`` of ``path``, outermost first."""
     import ast
 
-    if path not in _PARSED:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (path, st.st_mtime_ns, st.st_size)
+    if key not in _PARSED:
         try:
-            _PARSED[path] = ast.parse(Path(path).read_text(encoding="utf-8"), path)
+            _PARSED[key] = ast.parse(Path(path).read_text(encoding="utf-8"), path)
         except (OSError, SyntaxError, ValueError, UnicodeDecodeError):
-            _PARSED[path] = None
-    tree = _PARSED[path]
+            _PARSED[key] = None
+    tree = _PARSED[key]
     if tree is None:
         return None
     out: list[str] = []
