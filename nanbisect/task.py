@@ -47,6 +47,7 @@ from nanbisect.errors import BadInput
 from nanbisect.util import frames
 from nanbisect.util.compiled import captured_args, compile_model, is_compiled, recorded
 from nanbisect.util.spec import split_entry
+from nanbisect.util.text import raised_at
 from nanbisect.util.toplevel import check_file
 from nanbisect.util.torch_internals import compiled_original, schedule_ends
 
@@ -229,8 +230,7 @@ def schedule_step(schedule: Any, batch: Any) -> torch.Tensor | None:
 
 def _user_frame(exc: BaseException) -> str:
     """'file:line' of the innermost traceback frame, for one-line error messages."""
-    tb = traceback.extract_tb(exc.__traceback__)
-    return f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+    return f" at {at}" if (at := raised_at(exc)) else ""
 
 
 class _TrainedAtImport(BaseException):

@@ -39,7 +39,6 @@ import os
 import shutil
 import signal
 import sys
-import traceback
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -63,6 +62,7 @@ from nanbisect.replay.probe import ProbeTable
 from nanbisect.task import load_inject
 from nanbisect.util.files import write_atomic
 from nanbisect.util.recordjson import dumps
+from nanbisect.util.text import raised_at
 
 
 def _gather(obj):
@@ -300,8 +300,7 @@ def _failed(rank: int, out: Path, e: BaseException) -> None:
     if isinstance(e, BadInput):  # already names the problem and the fix
         msg = str(e)
     else:
-        tb = traceback.extract_tb(e.__traceback__)
-        where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+        where = f" at {at}" if (at := raised_at(e)) else ""
         msg = (f"{type(e).__name__}: {str(e)[:300]}{where}; fix the entry's code for that "
                "rank or re-capture the bundle")
     try:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, ContextManager
 
 from nanbisect.bundle.manifest import Manifest
@@ -25,6 +24,7 @@ from nanbisect.replay.replayer import Replayer, stacked
 from nanbisect.report.rerun import Interpreter
 from nanbisect.task import load_inject
 from nanbisect.util.frames import failing_side
+from nanbisect.util.text import raised_at
 
 Progress = Callable[[str, str], None]
 # the `progress` key that tells the moment a one-process run knows its culprit (not a pass)
@@ -60,7 +60,7 @@ def guarded(fn, what: str):
         tb = traceback.extract_tb(e.__traceback__)
         if failing_side([(f.filename, f.lineno) for f in tb]) == "nanbisect":
             raise
-        where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+        where = f" at {at}" if (at := raised_at(e)) else ""
         raise BadInput(f"{what} raised {type(e).__name__}: {str(e)[:200]}{where}; the entry's "
                        "code fails on this bundle, fix it or pass --entry") from None
 

@@ -58,6 +58,20 @@ def first_line(text: str, limit: int = 200) -> str:
     return (cut.rsplit(" ", 1)[0] if " " in cut else cut) + "..."
 
 
+def raised_at(e: BaseException) -> str | None:
+    """``file:line`` (the file's name alone) of the innermost frame ``e`` was raised in; None
+    when it carries no traceback.
+
+    >>> try:
+    ...     {}["k"]
+    ... except KeyError as e:
+    ...     raised_at(e).startswith("<doctest")
+    True
+    """
+    tb = traceback.extract_tb(e.__traceback__)
+    return f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else None
+
+
 def error_record(e: BaseException, limit: int = 2000) -> dict:
     """An exception recorded whole, for a report: ``error`` (its type and the first line of its
     message: what one line of text shows), ``error_type``, ``error_message`` (the whole
@@ -71,13 +85,12 @@ def error_record(e: BaseException, limit: int = 2000) -> dict:
     >>> r["error"], r["error_type"], r["error_message"]
     ('ValueError: bad value', 'ValueError', 'bad value\\nsecond line')
     """
-    tb = traceback.extract_tb(e.__traceback__)
     message = str(e)
     head = first_line(message)
     return {"error": f"{type(e).__name__}: {head}" if head else type(e).__name__,
             "error_type": type(e).__name__,
             "error_message": message if len(message) <= limit else message[:limit] + "...",
-            "error_where": f"{Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else None}
+            "error_where": raised_at(e)}
 
 
 def failure_line(e: BaseException, limit: int = 300) -> str:
@@ -90,8 +103,7 @@ def failure_line(e: BaseException, limit: int = 300) -> str:
     ...     failure_line(e).split(" at ")[0]
     "KeyError: 'k'"
     """
-    tb = traceback.extract_tb(e.__traceback__)
-    where = f" at {Path(tb[-1].filename).name}:{tb[-1].lineno}" if tb else ""
+    where = f" at {at}" if (at := raised_at(e)) else ""
     text = exception_line(e, limit)
     return f"{type(e).__name__}" + (f": {text}" if text != type(e).__name__ else "") + where
 
