@@ -15,6 +15,7 @@ from nanbisect.bundle.where import MANIFEST  # noqa: F401 - re-exported
 from nanbisect.bundle.bounded import MAX_WORLD_SIZE, is_uint, kind_of, too_deep
 from nanbisect.errors import BadInput
 from nanbisect.task import split_entry
+from nanbisect.util import fingerprint
 from nanbisect.util.compiled import MAX_DROPPED, MAX_NAME, option_problem
 from nanbisect.util.text import show
 
@@ -152,7 +153,7 @@ def _names(v) -> bool:
 def _parts(v) -> bool:
     """``task.parts``: what the captured Task's code was (`nanbisect.util.fingerprint`)."""
     return isinstance(v, dict) and len(v) <= 8 and all(
-        k in ("model", "loss_fn", "step_fn", "optimizer") and isinstance(d, dict)
+        k in fingerprint.PARTS and isinstance(d, dict)
         and set(d) <= {"name", "code", "python"}
         and all(isinstance(x, str) and len(x) <= 400 for x in d.values())
         for k, d in v.items())

@@ -78,8 +78,7 @@ class NightState:
                 continue
             created = r.get("created")
             # a known list or last night's summary may hold an older form of the signature
-            older = r.get("legacy") or []
-            names = {sig, *([older] if isinstance(older, str) else older)}
+            names = {sig, *r["older"]}
             g = groups.setdefault(sig, {"signature": sig, "count": 0, "first_seen": created,
                                         "example": r["bundle"], "known": False,
                                         "new_since_last": None if self.previous is None
@@ -116,7 +115,7 @@ class NightState:
                 "interrupted": self.interrupted,
                 "seconds": round(time.monotonic() - self.started, 1),
                 "pending": [] if self.finished else sorted(self.pending),
-                "bundles": [{k: v for k, v in r.items() if k not in ("created", "legacy")}
+                "bundles": [{k: v for k, v in r.items() if k not in ("created", "older")}
                             for r in results],
                 "signatures": sigs, "errors": errors, "skipped": self.skipped,
                 "leftovers": self.leftovers, "exit_code": code}
@@ -174,7 +173,7 @@ class NightState:
             return self._add({**rest, "error": why, "kind": "crash"}, cached)
         self.results[b] = {"bundle": b, "verdict": rep.verdict.value,
                            "classification": rep.classification and rep.classification.value,
-                           "signature": signature(rep), "legacy": older_signatures(rep),
+                           "signature": signature(rep), "older": older_signatures(rep),
                            "cached": cached,
                            "remedies": remedy_kinds(rep),
                            "tried": remedy_kinds(rep, ("still-failing", "error")),

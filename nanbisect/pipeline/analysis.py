@@ -40,7 +40,7 @@ from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
 from nanbisect.report.repro import device_of, repro_imports, write_module_repro, write_repro
 from nanbisect.report.rerun import Interpreter, ServerFork, runner, take
-from nanbisect.util.tensors import nonfinite
+from nanbisect.util.tensors import nan_inf_counts
 from nanbisect.util.torch_internals import tree_leaves
 
 
@@ -325,13 +325,9 @@ def handed_bad(caught: Caught, kind: str) -> bool:
     """Did the op caught as the root read ``kind`` after all? The recording flagged its inputs
     clean where they were made; holding it now, they were written since by work the
     dispatcher did not see."""
-    for t in tree_leaves((caught.args, caught.kwargs)):
-        if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()) \
-                and t.numel():
-            n, p, m = nonfinite(t)
-            if n or (kind != "nan" and (p or m)):
-                return True
-    return False
+    nan, inf = nan_inf_counts([t for t in tree_leaves((caught.args, caught.kwargs))
+                               if isinstance(t, torch.Tensor)])
+    return bool(nan or (kind != "nan" and inf))
 
 
 OUTSIDE_DISPATCHER = "inside work that does not pass through the dispatcher"

@@ -74,12 +74,17 @@ def describe(obj: Any) -> dict | None:
     return {"name": name[:300], "code": h.hexdigest()[:32], "python": _PY}
 
 
-def of_task(task: Any) -> dict:
-    """The parts of a Task (`PARTS`), each `describe`'d, those it has."""
-    objs = {"model": type(task.model) if task.model is not None else None,
+def _objects(task: Any) -> dict[str, Any]:
+    """What each of `PARTS` is in ``task``: the model's and optimizer's classes, the loss and
+    step functions (None: the Task has none)."""
+    return {"model": type(task.model) if task.model is not None else None,
             "loss_fn": task.loss_fn, "step_fn": getattr(task, "step_fn", None),
             "optimizer": type(task.optimizer) if task.optimizer is not None else None}
-    return {k: d for k, v in objs.items() if (d := describe(v)) is not None}
+
+
+def of_task(task: Any) -> dict:
+    """The parts of a Task (`PARTS`), each `describe`'d, those it has."""
+    return {k: d for k, v in _objects(task).items() if (d := describe(v)) is not None}
 
 
 def drift(captured: dict | None, built: dict) -> list[str]:
@@ -123,8 +128,9 @@ def foreign(task: Any, entry: str | None) -> list[str]:
     if not entry:
         return []
     out = []
-    for part, obj in (("model", type(task.model) if task.model is not None else None),
-                      ("loss_fn", task.loss_fn), ("step_fn", getattr(task, "step_fn", None))):
+    for part, obj in _objects(task).items():
+        if part == "optimizer":     # a class the user imports, not defines in a cell
+            continue
         fns = _functions(obj) if obj is not None else []
         files = {c.co_filename for _, c in fns}
         if any(f.startswith("<") or "ipykernel" in f for f in files):

@@ -80,7 +80,7 @@ def test_a_known_list_in_the_old_form_still_matches():
     (g,) = data["signatures"]
     assert (g["count"], g["known"], g["new_since_last"]) == (2, True, False)
     assert data["exit_code"] == EXIT_KNOWN
-    assert all(set(b) >= {"signature"} and "legacy" not in b for b in data["bundles"])
+    assert all(set(b) >= {"signature"} and "older" not in b for b in data["bundles"])
     fresh = night(set(), set(), div, mul)
     (g,) = fresh["signatures"]
     assert (g["known"], g["new_since_last"], fresh["exit_code"]) == (False, True, EXIT_NEW)
