@@ -8,7 +8,9 @@ call index within the step). For backward it does not trust a stack (NB:
 `torch.utils.module_tracker` keeps stale entries in real models, e.g. GPT-2 dropout modules that
 are never popped in backward). Instead, when a module call returns, every autograd node created
 inside it, and not inside one of its children, is mapped to that call: the walk starts at the
-call's outputs and stops at the nodes of its inputs and at nodes already mapped. During backward,
+call's outputs, walks through its children's nodes (a module that works on its input before
+handing it to a child owns the nodes before the child's) and stops at the nodes of its inputs
+and at nodes mapped to calls outside it. During backward,
 `nanbisect.util.torch_internals.current_autograd_node` then names the node whose backward is
 running, and the map names its module call. Hooks are always removed on exit.
 """
@@ -122,10 +124,26 @@ class ModuleTracker:
             self.stack.pop()
         if self.map_nodes:
             todo = [t.grad_fn for _, t in iter_tensors(output) if t.grad_fn is not None]
+            seen: set = set()
             while todo:
                 node = todo.pop()
-                if node is None or node in boundary or node in self.node_map:
+                if node is None or node in boundary or node in seen:
                     continue
-                self.node_map[node] = call
+                seen.add(node)
+                owner = self.node_map.get(node)
+                if owner is None:
+                    self.node_map[node] = call
+                elif not self._inside(owner, call):
+                    continue        # made before this call, elsewhere
+                # a child call's nodes: walked through, to this call's own nodes before it
                 todo.extend(n for n, _ in node.next_functions)
         return None
+
+    def _inside(self, call: CallId | None, outer: CallId) -> bool:
+        """Is ``call`` nested in ``outer`` (a call it made, or one of theirs)?"""
+        call = self.parents.get(call) if call is not None else None
+        while call is not None:
+            if call == outer:
+                return True
+            call = self.parents.get(call)
+        return False

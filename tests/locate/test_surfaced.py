@@ -242,3 +242,41 @@ def test_surfaced_travels_through_json_records_and_renderers(tmp_path):
     r, _ = replay(tmp_path, "where_sqrt")
     assert "surfaced: aten.mul.Scalar in backward" in terminal(r, tmp_path)
     assert "where it became visible" in to_html(r)
+
+
+def test_a_module_owns_the_nodes_it_makes_before_handing_its_value_to_a_child():
+    """A module that works on its input (mul, abs, sqrt) before its child (a Linear): its own
+    nodes belong to its call, the child's to the child's; the walk from the module's output
+    goes through the child's nodes to reach its own (it once stopped at the child's and left
+    them to the model's root call)."""
+    class Pre(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale, self.fc = torch.nn.Parameter(torch.ones(3)), torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc((x * self.scale).abs().sqrt())
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pre = Pre()
+
+        def forward(self, x):
+            return self.pre(x).exp()
+
+    model = Net()
+    tracker = ModuleTracker(model, map_nodes=True)
+    with tracker:
+        y = model(torch.randn(2, 3)).sum()
+    owner, todo, seen = {}, [y.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        call = tracker.node_call(node)
+        owner[node.name()] = call.module if call is not None else None
+        todo.extend(n for n, _ in node.next_functions)
+    assert owner["SqrtBackward0"] == owner["AbsBackward0"] == owner["MulBackward0"] == "pre"
+    assert owner["AddmmBackward0"] == "pre.fc" and owner["ExpBackward0"] == ""
