@@ -288,13 +288,21 @@ class AheadCatch:
             return
         self.bytes += size
         caught = InputCatcher._catch(func, args, kwargs, op_phase(self.now), self.files)
-        rows = self.rows.trace_at(func, args, kwargs) if self.rows is not None else None
+        rows = None
+        if self.rows is not None:
+            rows = self.rows.trace_at(func, args, kwargs)
+            self.rows.seed(index)       # and follow its bad rows on from there
         self.kept[index] = (caught, rows)
 
     def caught(self, op: str, op_index: int) -> tuple[Caught, RowTrace | None] | None:
         """The catch at the root op (its name and index in the step), None when not caught."""
         got = self.kept.get(op_index)
-        return got if got is not None and got[0].op == op else None
+        if got is None or got[0].op != op:
+            return None
+        caught, rows = got
+        if rows is not None and self.rows is not None:
+            rows = self.rows.reached_by(rows, op_index)
+        return caught, rows
 
 
 def catch_inputs(rep: Replayer, site: OpSite,

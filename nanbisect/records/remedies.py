@@ -77,8 +77,13 @@ class Remedy:
 class RowTrace:
     """Which rows of the batch (indices along dim 0 of its tensors) the culprit's first bad value
     depends on, traced through the ops; ``samples`` None when they cannot be (``why`` says
-    why: a reduction over the batch, a value made from the model's state alone, ...)."""
+    why: a reduction over the batch, a value made from the model's state alone, ...).
+    ``reached``: those of them whose bad value the trace followed, on its own, to the first op
+    that mixes rows and made a bad value of them (``reached_at``: that op and its phase); None
+    when the trace did not follow them that far."""
 
     samples: list[int] | None
     rows: int | None                 # the batch's rows (None: no tensor with a row dim)
     why: str | None = None           # why ``samples`` is None
+    reached: list[int] | None = None
+    reached_at: str | None = None

@@ -158,12 +158,12 @@ def _samples(trials: Trials, trace: RowTrace | None) -> Remedy:
         return Remedy("samples", "without the rows the bad value depends on", "skipped", detail={
             "reason": "the batch has no tensor with two or more rows"})
     if trace is not None and trace.samples is not None:
-        drop = trace.samples
+        drop = trace.reached or trace.samples
         if len(drop) >= rows:
             return Remedy("samples", f"without {rows_text(drop)}", "skipped", detail={
                 "rows": drop, "found_by": "trace", "identify": identify(batch, drop, rows),
                 "reason": "every row of the batch holds the bad value: none would be left"})
-        return _rows(trials, batch, rows, drop, None)
+        return _rows(trials, batch, rows, trace, None)
     why = trace.why if trace is not None else "no op was isolated to trace them from"
     if trace is not None and trace.why and "no batch row" in trace.why:
         return Remedy("samples", "without the rows the bad value depends on", "skipped",
@@ -171,11 +171,13 @@ def _samples(trials: Trials, trace: RowTrace | None) -> Remedy:
     return _rows(trials, batch, rows, None, why)
 
 
-def _rows(trials: Trials, batch: Any, rows: int, traced: list[int] | None,
+def _rows(trials: Trials, batch: Any, rows: int, trace: RowTrace | None,
           why: str | None) -> Remedy:
     """The step without the rows to blame, narrowed to a minimal set (`narrow.narrow`): the
-    traced rows first (``traced``), else, or when the step still fails without them, the whole
-    batch bisected. When the budget ends the narrowing, the remedy's sentence says so."""
+    traced rows first (those that carried their bad value to where the rows meet, when the
+    trace followed them that far: a minimal set once the step is finite without them), else,
+    or when the step still fails without them, the whole batch bisected. When the budget ends
+    the narrowing, the remedy's sentence says so."""
     losses: dict[tuple[int, ...], float | None] = {}
     tried: list[dict] = []
 
@@ -188,6 +190,7 @@ def _rows(trials: Trials, batch: Any, rows: int, traced: list[int] | None,
         losses[tuple(drop)] = loss
         return outcome
 
+    traced = (trace.reached or trace.samples) if trace is not None else None
     start, known = list(range(rows)), False
     if traced is not None:
         change = f"without {rows_text(traced)}"
@@ -198,6 +201,21 @@ def _rows(trials: Trials, batch: Any, rows: int, traced: list[int] | None,
             return Remedy("samples", change, "error", None, {
                 "rows": traced, "found_by": "trace", "identify": identify(batch, traced, rows),
                 "error": tried[-1].get("error")})
+        if first == "finite" and trace.reached:
+            # each row's own bad value reaches where the rows meet: none of them can stay
+            extra = [r for r in trace.samples if r not in set(traced)]
+            why = ([f"each of them alone carries its bad value to {trace.reached_at}"]
+                   if len(traced) > 1 else [])
+            if extra:
+                why.append(f"row {extra[0]}" if len(extra) == 1 else
+                           rows_text(extra).removeprefix("batch "))
+                why[-1] += (
+                    f" {'is' if len(extra) == 1 else 'are'} bad at the culprit too, but "
+                    f"masked before {trace.reached_at}")
+            return Remedy("samples", change, "finite", losses.get(tuple(traced)), {
+                "rows": traced, "identify": identify(batch, traced, rows), "found_by": "trace",
+                "traced": trace.samples, "reached_at": trace.reached_at, "complete": True,
+                **({"minimal": "; ".join(why)} if why else {})})
         if first == "finite":
             start, known = traced, True
     found = narrow(attempt, start, known, failed=[traced] if traced is not None and not known
@@ -208,6 +226,12 @@ def _rows(trials: Trials, batch: Any, rows: int, traced: list[int] | None,
                     **({"why_not_traced": why} if why is not None else {}),
                     **({"tried": tried} if traced is None or len(tried) > 1 else {}),
                     "complete": found.complete}
+    if found.alone or found.together:
+        detail["found_by"] = "group testing"
+    if found.alone:
+        detail["alone"] = found.alone
+    if found.together:
+        detail["together"] = found.together
     if found.rows is not None:
         if found.stop == "budget":
             detail["note"] = (f"narrowed to {len(found.rows)} rows, budget ended; "
@@ -216,6 +240,13 @@ def _rows(trials: Trials, batch: Any, rows: int, traced: list[int] | None,
             detail["note"] = (f"narrowed to {len(found.rows)} rows; the step without "
                               f"{rows_text(found.next)} could not be replayed: "
                               f"{tried[-1].get('error')}")
+        elif len(found.alone) > 1 and not found.together:
+            detail["minimal"] = ("each of them alone keeps the step failing (the batch "
+                                 "without every other row)")
+        elif found.together:
+            detail["minimal"] = "; ".join(
+                f"{rows_text(g).removeprefix('batch ')} act together: the step fails with "
+                "them and is finite with either half of them alone" for g in found.together)
         return Remedy("samples", f"without {rows_text(found.rows)}", "finite",
                       losses.get(tuple(found.rows)),
                       {"rows": found.rows, "identify": identify(batch, found.rows, rows),
@@ -235,13 +266,15 @@ def _unnarrowed(trials: Trials, traced: list[int] | None, tried: list[dict], fou
         return Remedy("samples", change, "error", None, {"rows": None, **detail,
                                                            "error": tried[-1].get("error")})
     notes = ["the step still fails without the traced rows"] if traced is not None else []
-    if found.stop == "neither half":
-        notes.append("no half of the batch alone makes the step finite: the rows act together, "
-                     "or the failure does not come from the batch")
+    if found.alone:
+        notes.append(f"{rows_text(found.alone)} each keep the step failing alone")
+    if found.stop == "unverified":
+        notes.append("the step still fails without all the rows found: the failure does not "
+                     "come from these rows alone")
     elif traced is not None and len(tried) == 1:
         notes.append("the budget ended before the batch was bisected")
     else:
-        notes.append("the budget ended the bisection before any removal made it finite")
+        notes.append("the budget ended the search before any removal made it finite")
     detail["note"] = "; ".join(notes)
     return Remedy("samples", change, "still-failing", None, {"rows": None, **detail})
 

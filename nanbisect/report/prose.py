@@ -277,7 +277,9 @@ def verified(r: Report) -> list[str]:
         if rem.finite:
             ids = rows_text(rem) if rem.kind == "samples" else ""
             meaning = rem.detail.get("meaning")
+            minimal = rem.detail.get("minimal")
             out.append(rem.sentence() + (f": {meaning}" if meaning else "")
+                       + (f", a minimal set: {minimal}" if minimal else "")
                        + (f" ({ids})" if ids else ""))
     return out
 
@@ -291,7 +293,7 @@ def remedy_detail(rem: Remedy) -> str:
                     + (f" ({len(d.get('tried') or [])} replays)" if d.get("tried") else ""))
         if d.get("why_not_traced"):
             bits.append(f"not traced: {d['why_not_traced']}")
-    for key in ("meaning", "note", "reason", "error"):
+    for key in ("meaning", "minimal", "note", "reason", "error"):
         if d.get(key):
             bits.append(str(d[key]))
     if d.get("error_where"):

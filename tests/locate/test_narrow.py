@@ -231,7 +231,10 @@ def test_forward_catch_rides_along_the_recording(tmp_path):
     assert len(caught.args) == len(narrow.args) and all(
         torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
         for a, b in zip(caught.args, narrow.args))
-    assert rows == tracer.result() and rows.samples     # the same rows, and some
+    narrow_rows = tracer.result()       # the narrow replay ends at the culprit: no reach
+    assert (rows.samples, rows.rows, rows.why) == (narrow_rows.samples, narrow_rows.rows,
+                                                   narrow_rows.why) and rows.samples
+    assert rows.reached and set(rows.reached) <= set(rows.samples)
     assert ahead.caught("aten.sub.Tensor", f.op_index) is None     # not the root's name
     r = run_bundle(bundle, RunOptions(remedies=0, run_repro=False), tmp_path / "report")
     assert r.culprit.op == "aten.sqrt.default" and r.culprit.samples == rows.samples
@@ -279,7 +282,10 @@ def test_backward_catch_rides_along_the_recording(tmp_path, tasks, func, root_ph
     assert len(caught.args) == len(narrow.args) and all(
         torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
         for a, b in zip(caught.args, narrow.args))
-    assert rows == tracer.result() and rows.samples
+    narrow_rows = tracer.result()
+    assert (rows.samples, rows.rows, rows.why) == (narrow_rows.samples, narrow_rows.rows,
+                                                   narrow_rows.why) and rows.samples
+    assert rows.reached and set(rows.reached) <= set(rows.samples)
     r = run_bundle(bundle, RunOptions(remedies=0, run_repro=False), tmp_path / "report")
     assert (r.culprit.op, r.culprit.phase, r.culprit.source) == (f.site.op, root_phase,
                                                                  caught.source)

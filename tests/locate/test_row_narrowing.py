@@ -6,6 +6,8 @@ made-up answers."""
 from __future__ import annotations
 
 import itertools
+from contextlib import nullcontext
+from dataclasses import replace
 from types import SimpleNamespace
 
 import torch
@@ -13,10 +15,13 @@ import torch
 import nanbisect
 import narrow_rows as tasks
 from helpers import TEST_TASKS
+from nanbisect.bundle.format import read_bundle
 from nanbisect.pipeline import RunOptions, run_bundle
 from nanbisect.records import Remedy, RowTrace
 from nanbisect.remedies import _samples
 from nanbisect.remedies.narrow import narrow
+from nanbisect.remedies.trials import DEFAULT_BUDGET, Trials
+from nanbisect.replay.replayer import Replayer
 from nanbisect.report.prose import terminal, to_markdown, verified
 
 TASK = TEST_TASKS / "narrow_rows.py"
@@ -39,34 +44,52 @@ def before_samples(report) -> int:
     return sum(1 for m in report.remedies if m.kind != "samples" and m.outcome != "skipped")
 
 
-def test_traced_rows_are_narrowed_to_the_row_to_blame_or_the_line_says_the_budget_ended(
-        tmp_path):
-    """The trace names rows [2, 3]; the step is finite without both, and without row 2 alone:
-    with the budget for it, the remedy is row 2 (minimal); one replay short, the remedy is
-    rows [2, 3] and its verified line says the narrowing was cut short, and where."""
+def test_a_row_masked_after_the_culprit_is_left_out_by_the_trace(tmp_path):
+    """The trace names rows [2, 3] at the culprit, and follows them on: row 3's NaN is masked
+    by the ``where``, only row 2's reaches the loss. One replay without row 2 is finite, and
+    the remedy says why that set is the right one."""
     bundle = capture(tmp_path)
-    r = run_bundle(bundle, RunOptions(run_repro=False, remedies=8), tmp_path / "enough")
+    r = run_bundle(bundle, RunOptions(run_repro=False, remedies=DEFAULT_BUDGET), tmp_path / "r")
     assert (r.culprit.op, r.culprit.module, r.culprit.samples) == ("aten.sqrt.default", "conf",
                                                                    [2, 3])
     s = samples(r)
     assert (s.outcome, s.change, s.detail["rows"]) == ("finite", "without batch rows [2]", [2])
+    assert (s.detail["found_by"], s.detail["traced"], s.detail["complete"]) == ("trace", [2, 3],
+                                                                              True)
+    assert "tried" not in s.detail       # the one replay: the step without row 2
+    at = s.detail["reached_at"]
+    assert at.endswith("in forward") and at.startswith("aten.")
+    assert s.detail["minimal"] == f"row 3 is bad at the culprit too, but masked before {at}"
+    assert s.loss is not None and [i["fields"] for i in s.detail["identify"]] == [{"id": "row-2"}]
+    assert verified(r) == [f"the step is finite without batch rows [2], a minimal set: "
+                           f"{s.detail['minimal']} (row 2: id 'row-2', "
+                           f"sha256 {s.detail['identify'][0]['sha256']})"]
+
+
+def test_traced_rows_are_narrowed_by_bisection_or_the_line_says_the_budget_ended(tmp_path):
+    """A trace that did not follow its rows to where they meet (rows [2, 3], no reach): the
+    step is finite without both, and without row 2 alone: with the budget for it the remedy is
+    row 2; one replay short, rows [2, 3], and the verified line says the narrowing was cut
+    short, and where."""
+    bundle = capture(tmp_path)
+    r = run_bundle(bundle, RunOptions(run_repro=False, remedies=0), tmp_path / "r")
+    rep = Replayer(read_bundle(bundle), torch.device("cpu"))
+    unfollowed = RowTrace([2, 3], 8)
+    s = _samples(Trials(rep, nullcontext, 2, "optimizer", lambda *a: None), unfollowed)
+    assert (s.outcome, s.change, s.detail["rows"]) == ("finite", "without batch rows [2]", [2])
     assert s.detail["found_by"] == "trace, narrowed by bisection" and s.detail["complete"]
     assert [(t["without"], t["outcome"]) for t in s.detail["tried"]] == [
         ([2, 3], "finite"), ([2], "finite")]
-    assert s.loss is not None and [i["fields"] for i in s.detail["identify"]] == [{"id": "row-2"}]
-    assert verified(r) == [f"the step is finite without batch rows [2] (row 2: id 'row-2', "
-                           f"sha256 {s.detail['identify'][0]['sha256']})"]
 
-    tight = before_samples(r) + 1           # the traced rows' replay, not the narrowing's
-    r = run_bundle(bundle, RunOptions(run_repro=False, remedies=tight), tmp_path / "tight")
-    s = samples(r)
+    s = _samples(Trials(rep, nullcontext, 1, "optimizer", lambda *a: None), unfollowed)
     assert (s.outcome, s.detail["rows"], s.detail["complete"]) == ("finite", [2, 3], False)
     ended = "narrowed to 2 rows, budget ended; row 2 alone not tried"
     assert s.sentence() == f"the step is finite without batch rows [2, 3] ({ended})"
+    r = replace(r, remedies=[s])
     (line,) = verified(r)
     assert line.startswith(f"the step is finite without batch rows [2, 3] ({ended}) (row 2: ")
     assert f"**Verified:** {line}." in to_markdown(r)
-    assert f"  verified: {line}" in terminal(r, tmp_path / "tight").splitlines()
+    assert f"  verified: {line}" in terminal(r, tmp_path / "r").splitlines()
 
 
 class FakeTrials:
@@ -99,8 +122,8 @@ def narrowed(monkeypatch, bad: set[int], budget: int, traced: list[int] | None) 
 
 def test_rows_the_trace_missed_are_found_by_bisecting_the_whole_batch(monkeypatch):
     """The trace names row 2, but row 3 breaks the step too: without row 2 it still fails, then
-    bisection of the whole batch finds both rows, which only act together (the step without
-    row 2 alone is not replayed twice)."""
+    bisection of the whole batch finds both (the step without row 2 alone is not replayed
+    twice)."""
     s = narrowed(monkeypatch, {2, 3}, 20, [2])
     assert (s.outcome, s.detail["rows"], s.detail["found_by"]) == ("finite", [2, 3],
                                                                     "bisection")
@@ -108,9 +131,6 @@ def test_rows_the_trace_missed_are_found_by_bisecting_the_whole_batch(monkeypatc
     assert [(t["without"], t["outcome"]) for t in s.detail["tried"]] == [
         ([2], "still-failing"), ([0, 1, 2, 3], "finite"), ([0, 1], "still-failing"),
         ([2, 3], "finite"), ([3], "still-failing")]
-    s = narrowed(monkeypatch, {2, 6}, 20, [2])    # rows 2 and 6: in both halves of the batch
-    assert (s.outcome, s.detail["rows"], s.detail["complete"]) == ("still-failing", None, True)
-    assert "no half of the batch alone" in s.detail["note"]
     s = narrowed(monkeypatch, {2, 6}, 1, [2])     # no replay left after the traced rows'
     assert (s.outcome, s.change, s.detail["found_by"]) == (
         "still-failing", "without batch rows [2]", "trace")
@@ -118,6 +138,29 @@ def test_rows_the_trace_missed_are_found_by_bisecting_the_whole_batch(monkeypatc
     s = narrowed(monkeypatch, {5}, 3, None)       # untraced: 8 rows halved twice, 3 replays
     assert (s.outcome, s.detail["rows"], s.detail["complete"]) == ("finite", [4, 5], False)
     assert s.sentence().endswith("(narrowed to 2 rows, budget ended; row 4 alone not tried)")
+
+
+def test_independent_rows_in_both_halves_are_found_by_group_testing(monkeypatch):
+    """Rows 2 and 6, one in each half of the batch: neither half alone makes the step finite,
+    which says that each half holds a row that breaks it (the step without one half is the
+    step with only the other), not that the rows act together. Each half is split and each
+    piece replayed alone, down to single rows; the two are then verified together."""
+    s = narrowed(monkeypatch, {2, 6}, 20, [2])
+    assert (s.outcome, s.change, s.detail["rows"]) == ("finite", "without batch rows [2, 6]",
+                                                       [2, 6])
+    assert (s.detail["found_by"], s.detail["alone"], s.detail["complete"]) == (
+        "group testing", [2, 6], True)
+    assert s.detail["minimal"].startswith("each of them alone keeps the step failing")
+    tried = [(t["without"], t["outcome"]) for t in s.detail["tried"]]
+    assert tried[:3] == [([2], "still-failing"), ([0, 1, 2, 3], "still-failing"),
+                         ([4, 5, 6, 7], "still-failing")]
+    assert ([0, 1, 3, 4, 5, 6, 7], "still-failing") in tried     # row 2 alone fails
+    assert tried[-1] == ([2, 6], "finite")                       # verified together
+    assert len({tuple(t) for t, _ in tried}) == len(tried)
+    assert not any("act together" in str(v) for v in s.detail.values())
+    s = narrowed(monkeypatch, {2, 6}, 4, None)    # cut short: says so, claims nothing more
+    assert (s.outcome, s.detail["rows"], s.detail["complete"]) == ("still-failing", None, False)
+    assert "budget ended" in s.detail["note"] and "act together" not in s.detail["note"]
 
 
 def test_the_search_ends_with_a_minimal_set():
@@ -134,9 +177,15 @@ def test_the_search_ends_with_a_minimal_set():
             found = narrow(attempt, start, known=True)
             assert (found.rows, found.stop) == (list(bad), "minimal"), bad
             assert len(asked) == len(set(asked)), bad
-    # the whole batch, not known to be finite without all of it: neither half ends it
+    # the whole batch, not known to be finite without all of it: rows in both halves
     whole = narrow(lambda rows: "finite" if {1, 4} <= set(rows) else "still-failing", start,
                    known=False)
-    assert (whole.rows, whole.stop, whole.complete) == (None, "neither half", True)
+    assert (whole.rows, whole.stop, whole.alone, whole.complete) == ([1, 4], "minimal", [1, 4],
+                                                                     True)
+    # rows that only break the step together (1 with 2, or 4 with 5): said only once shown
+    pairs = narrow(lambda rows: "finite" if {1, 2} & set(rows) and {4, 5} & set(rows)
+                   else "still-failing", start, known=False)
+    assert (pairs.stop, pairs.together, pairs.alone) == ("together", [[0, 1, 2], [3, 4, 5]], [])
+    assert ([0, 1, 2, 5], "finite") in pairs.asked and ([2, 3, 4, 5], "finite") in pairs.asked
     cut = narrow(lambda rows: "budget" if len(rows) < 3 else "finite", start, known=False)
     assert (cut.rows, cut.stop, cut.next, cut.complete) == ([0, 1, 2], "budget", [0, 1], False)

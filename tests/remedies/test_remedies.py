@@ -237,8 +237,15 @@ def test_rows_survive_reshapes_matmuls_and_norms_and_are_lost_in_reductions():
 
     mixed = traced(lambda b: torch.sqrt(b - b.mean(0)), x, sqrt)
     assert mixed.samples is None and "aten.mean.dim" in mixed.why
-    moved = traced(lambda b: torch.sqrt(b.transpose(0, 1)), x, sqrt)
-    assert moved.samples is None and "aten.transpose.int" in moved.why
+    # the rows' dim moves with a transpose or a permute, and is found again after a reshape
+    moved = traced(lambda b: torch.sqrt(1e3 - b.transpose(0, 1).abs()), x, sqrt)
+    assert moved.samples == [2]
+    heads = traced(lambda b: torch.sqrt(1e3 - b.reshape(4, 3, 5, 1).permute(3, 2, 0, 1)
+                                        .unbind(0)[0].transpose(0, 1).reshape(4, 15).abs()), x, sqrt)
+    assert heads.samples == [2]
+    # a reshape that spreads each row over two dims mixes them
+    spread = traced(lambda b: torch.sqrt(1e3 - b.reshape(3, 4, 5).abs()), x, sqrt)
+    assert spread.samples is None and "aten.view.default" in spread.why
     alone = traced(lambda b: torch.sqrt(-torch.ones(3)) + b.sum(), x, sqrt)
     assert alone.samples is None and "no batch row" in alone.why
 
