@@ -20,11 +20,11 @@ What the package's modules share (their named interface inside the stage; nothin
 - `failing`: `Failures`; `spikes`: `Spikes`, `lookback_and_spike` (the Guard's `Lookback` and
   `Spike` from its options);
 - `entry`: `check_out`, `check_modes` (the Guard's options, checked before training starts);
-- `screen`: `tensor_norms`, `step_norms`, `screen_sum` (the screen, device ops only),
-  `any_nonfinite`, `bad_names`, `listed_names` (the exact check and what ``observed`` lists),
-  `value_kind` (``"nan"``/``"inf"``/``"finite"`` of a number), `PLAIN_TENSORS` and
-  `local_each` (a tensor's local shard, no call for a plain one; the snapshot's too);
-  `screen_sum` is also scripts/bench_history.py's;
+- `screen`: `tensor_norms`, `step_norms`, `step_and_buffer_norms`, `screen_sum` (the screen,
+  device ops only), `any_nonfinite`, `bad_names`, `listed_names` (the exact check and what
+  ``observed`` lists), `value_kind` (``"nan"``/``"inf"``/``"finite"`` of a number),
+  `PLAIN_TENSORS` and `local_each` (a tensor's local shard, no call for a plain one; the
+  snapshot's too); `screen_sum` is also scripts/bench_history.py's;
 - `snapshot`: `Snapshot` (the pre-step copies; also scripts/bench_guard.py's), `live_scale`
   (the scaler's live scale tensor), `model_tensors`;
 - `freeze`: `write_step` (a step's bundle, every rank its part), `scaler_state` (the scaler's

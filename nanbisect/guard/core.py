@@ -470,7 +470,8 @@ class Guard:
         else:
             rebuild = value_kind(param_v) != "finite" and p.last_applied is not None
             tripped = (value_kind(loss_v) != "finite" or value_kind(param_v) != "finite" or
-                       stalled or (value_kind(grads_v) != "finite" and not skip))
+                       stalled or (value_kind(grads_v) != "finite" and not skip) or
+                       value_kind(read.get("buffers", 0.0)) != "finite")
         if rebuild:     # exactly: the screen's sum of squares overflows on large finite values
             bad = float(any_nonfinite(p.params))
             rebuild = (ranks_max(bad) if g.rank.distributed else bad) > 0
@@ -552,7 +553,7 @@ class Guard:
         stalled = p.scaler_skips >= g.max_scaler_skips
         tripped = (flag[0] > 0 if g.rank.distributed else
                    value_kind(param_v) != "finite" or value_kind(loss_v) != "finite" or
-                   stalled or applied)
+                   stalled or applied or value_kind(read.get("buffers", 0.0)) != "finite")
         if tripped:
             if g.keeper is not None and not p.copying and watched and \
                     not g.rank.distributed and value_kind(param_v) != "finite":

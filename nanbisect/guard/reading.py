@@ -16,10 +16,12 @@ from nanbisect import devices
 from nanbisect.bundle.state import local
 from nanbisect.guard.coord import any_rank
 from nanbisect.guard.guarded import Guarded, Progress
-from nanbisect.guard.screen import any_nonfinite, bad_names, listed_names, step_norms, value_kind
+from nanbisect.guard.screen import (any_nonfinite, bad_names, listed_names,
+                                    step_and_buffer_norms, step_norms, value_kind)
 from nanbisect.guard.snapshot import live_scale
 from nanbisect.task import Task
 from nanbisect.util import torch_internals as ti
+from nanbisect.util.tensors import floating
 
 
 def declared_scaler(task: Task) -> bool:
@@ -55,7 +57,8 @@ class Reader:
         """The screen of the step, read back in its one host synchronisation: (the device, the
         scaler's live scale, slot -> value, the ranks' failure flag (under torch.distributed)).
         Slots: the loss, the sum of the parameters' norms (the screen), the gradients' global
-        norm (their finiteness flag), and what the step or the history adds. ``before``: read
+        norm (their finiteness flag), the floating buffers' norm (``buffers``, when the model
+        has some), and what the step or the history adds. ``before``: read
         just before the update (the parameters are the step's pre-state: they are the previous
         step's "after" in the history); the flag is [a failure, a failure whose update ran].
         """
@@ -75,7 +78,12 @@ class Reader:
             row = g.history.row(p.step_index, len(params), dev, lambda: [
                 n for n, _ in g.task.model.named_parameters()]) \
                 if g.history is not None else None
-            norms = step_norms(params, [q.grad for q in params], dev, out=row)
+            # the model's floating buffers (running statistics, a codebook's moving averages),
+            # as the forward left them, in the same pass: a NaN the model makes in one is
+            # caught at that step
+            norms, buffers = step_and_buffer_norms(
+                params, [q.grad for q in params], [b for b in p.buffers if floating(b)], dev,
+                out=row)
             if row is not None:
                 prev = self._prev_row
                 if before and prev is not None and prev[0] == p.step_index - 1:
@@ -86,6 +94,9 @@ class Reader:
             # clears it); the global norm is the gradients' finiteness flag
             parts = [_loss_slot(loss, dev), torch.linalg.vector_norm(norms, dim=1)]
             keys = ["loss", "screen", "grads"]
+            if buffers is not None:
+                parts.append(buffers)
+                keys.append("buffers")
             for key, t in (("grad_norm", grad_norm), ("skipped", skipped)):
                 if t is not None:
                     parts.append(t.detach().float().reshape(1).to(dev))
@@ -111,7 +122,7 @@ class Reader:
         their share), so that every rank takes the same path."""
         g, p = self.g, self.p
         stall_next = p.scaler_skips + 1 >= g.max_scaler_skips
-        flag = (~torch.isfinite(vals[:3])).any()
+        flag = (~torch.isfinite(vals[:4 if "buffers" in keys else 3])).any()
         if skipped is not None and stall_next:
             flag = flag | (skipped.reshape(()).to(dev) > 0)
         # a failure whose update ran: parameters no longer finite after an update
@@ -159,10 +170,11 @@ class Reader:
         named = list(g.task.model.named_parameters())
         grads = bad_names([(n, q.grad) for n, q in named if q.grad is not None])
         params = bad_names([(n, q.data) for n, q in named])
+        buffers = bad_names([(n, b) for n, b in g.task.model.named_buffers() if floating(b)])
         loss_kind = value_kind(loss) if loss is not None else "unknown"
         if loss_kind not in ("nan", "inf") and not any(params.values()) and not stalled \
-                and not applied:
-            return None  # loss, parameters and skips decide; gradients say where it came from
+                and not applied and not any(buffers.values()):
+            return None  # loss, parameters, buffers and skips decide; gradients say where from
         grads_kind = "nan" if grads["nan"] else "inf" if grads["inf"] else "finite"
         if grads_kind == "finite" and not any(q.grad is not None for _, q in named
                                               if q.requires_grad):
@@ -175,13 +187,17 @@ class Reader:
             grads_kind = value_kind(grad_norm)
         first = ("loss" if loss_kind in ("nan", "inf") else
                  "grad" if grads_kind not in ("finite", "unread") else
-                 "scaler" if stalled else "param")
+                 "scaler" if stalled else
+                 "buffer" if any(buffers.values()) and not any(params.values()) else "param")
         summary = {"loss": loss_kind, "grads": grads_kind,
                    "params": "nan" if params["nan"] else "inf" if params["inf"] else "finite"}
         out = {"step": p.step_index, "first": first,
                "loss": loss if loss_kind not in ("nan", "inf") else loss_kind,
                "summary": summary, "nonfinite_grads": listed_names(grads),
                "nonfinite_params": listed_names(params)}
+        if any(buffers.values()):
+            summary["buffers"] = "nan" if buffers["nan"] else "inf"
+            out["nonfinite_buffers"] = listed_names(buffers)
         if grad_norm is not None:
             out["grad_norm"] = grad_norm if value_kind(grad_norm) == "finite" else \
                 value_kind(grad_norm)

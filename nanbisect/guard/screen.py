@@ -44,27 +44,43 @@ def step_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
     """[2, P]: each parameter's float32 L2 norm (row 0) and its gradient's (row 1; 0 for None),
     from one pass over both (one foreach call where the tensors allow): `tensor_norms`' rules.
     ``out``: a contiguous float32 [2, P] to write them into (the history's ring row), returned."""
+    return step_and_buffer_norms(params, grads, [], device, out)[0]
+
+
+@torch.no_grad()
+def step_and_buffer_norms(params: list[torch.Tensor], grads: list[torch.Tensor | None],
+                          buffers: list[torch.Tensor], device: torch.device,
+                          out: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`step_norms`, and the float32 L2 norm of ``buffers``' norms ([1]; None without buffers)
+    from the same foreach call: non-finite iff some buffer element is (or the sum overflows)."""
     n = len(params)
+    bufs = local_each(buffers)
     if not n:
-        return torch.zeros(2, 0, device=device) if out is None else out
+        return (torch.zeros(2, 0, device=device) if out is None else out), (
+            torch.linalg.vector_norm(tensor_norms(bufs, device)).reshape(1) if bufs else None)
     ps = local_each(params)
     gs = local_each(g for g in grads if g is not None)
     if len(gs) < n:
         zero = torch.zeros(1, dtype=(gs or ps)[0].dtype, device=device)
         gs = [g if g is not None else zero for g in local_each(grads)]
     both = ps + gs
+    every = both + bufs
     try:
         # all on one device, each dtype with a kernel: one call (else an error, below); float32
         # tensors without the dtype argument (it costs them a fifth more: docs/BENCHMARKS.md)
-        norms = foreach_norm(both, 2) if all(t.dtype == torch.float32 for t in both) \
-            else foreach_norm(both, 2, dtype=torch.float32)
+        norms = foreach_norm(every, 2) if all(t.dtype == torch.float32 for t in every) \
+            else foreach_norm(every, 2, dtype=torch.float32)
     except (RuntimeError, TypeError):   # another device, a dtype foreach has no kernel for
         both = torch.stack([tensor_norms(ps, device), tensor_norms(gs, device)])
-        return both if out is None else out.copy_(both)
+        extra = torch.linalg.vector_norm(tensor_norms(bufs, device)).reshape(1) if bufs \
+            else None
+        return (both if out is None else out.copy_(both)), extra
+    extra = torch.linalg.vector_norm(torch.stack(norms[2 * n:])).reshape(1) if bufs else None
     if out is None:
-        return torch.stack(norms).view(2, n)
-    torch.stack(norms, out=out.view(2 * n))
-    return out
+        return torch.stack(norms[:2 * n]).view(2, n), extra
+    torch.stack(norms[:2 * n], out=out.view(2 * n))
+    return out, extra
 
 
 def screen_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

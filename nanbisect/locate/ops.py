@@ -113,6 +113,11 @@ def _record(rep: Replayer, phase: str, wrap, scope: CallId | None,
     names = list(model.named_parameters())
     if phase == "forward" and out.loss_tensor is not None:
         rec.mark("loss", out.loss_tensor)
+    if phase == "forward":     # a buffer the forward made non-finite (a moving average's 0/0)
+        buffers = dict(model.named_buffers())
+        for b in out.bad:
+            if b.where == "buffer" and b.name in buffers:
+                rec.mark(f"buffer:{b.name}", buffers[b.name])
     elif phase == "backward":
         for n, p in names:
             if p.grad is not None:

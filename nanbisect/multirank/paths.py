@@ -58,6 +58,8 @@ def rank_path(summary: RankSummary, summaries: dict[int, RankSummary], keep: int
     """How ``summary``'s rank came to hold its failure (see the module's rules)."""
     first = next((c for c in summary.crossings if c.out_bad), None)
     failed = summary.phase
+    if failed == "input":    # it held the values before the step: it neither made nor got them
+        return RankPath(None, phase=failed)
     if first is None:
         return RankPath("computed" if failed not in (None, "input") else None, phase=failed)
     if failed is not None and _SEEN.get(failed, 9) < _SEEN.get(first.phase, 9):

@@ -12,7 +12,8 @@ from dataclasses import replace
 from nanbisect.multirank.paths import (birth, grouped, overflow_words, rank_paths,
                                       received_words)
 from nanbisect.records import (BadValue, Crossing, Culprit, OpRef, Plan, RankPath, RankResult,
-                               RankRoot, RankSummary, Subset, RunFacts, module_label)
+                               RankRoot, RankSummary, Subset, RunFacts, before_the_step,
+                               module_label)
 from nanbisect.reference.classify import REPLAY_MISMATCH_NOTE, classify_not_reproduced
 from nanbisect.report.model import Report
 from nanbisect.util.spec import NONE
@@ -190,10 +191,17 @@ def _no_rank_report(phase: str | None, facts: RunFacts, results: list[RankResult
             BadValue(b.where, f"rank {r.rank}: {b.name}", b.nan, b.posinf, b.neginf)
             for r in results if r.summary for b in r.summary.input_nonfinite]
         holders = sorted({r.rank for r in results if r.summary and r.summary.input_nonfinite})
-        return Report("input-nonfinite", "data", "input", bad[0].kind if bad else None, None,
-                      input_nonfinite=bad, notes=notes + [
-                          f"{ranks_text(holders)} hold non-finite values before the step"],
-                      **common)
+        classification, note = before_the_step(
+            [b for r in results if r.summary for b in r.summary.input_nonfinite])
+        # buffers alone: the step ran, and a collective may have handed them on (DDP's
+        # buffer broadcast): the ranks that received them, and from whom
+        said = [(r.rank, received_words(r.path)) for r in results
+                if r.rank not in holders and r.path is not None and r.path.how == "received"]
+        return Report("input-nonfinite", classification, "input", bad[0].kind if bad else None,
+                      None, input_nonfinite=bad, notes=notes + [
+                          f"{ranks_text(holders)} {'holds' if len(holders) == 1 else 'hold'} "
+                          "non-finite values before the step",
+                          *grouped(said), *([note] if note else [])], **common)
     how, ranks, born = birth({r.rank: r.path for r in results if r.path is not None})
     if born is not None and how == "collective":
         return _born_in_collective(born, ranks, results, notes, born.kind, common)

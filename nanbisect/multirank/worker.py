@@ -113,10 +113,16 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
     if reference is not None:
         side, ref_observer = rank_reference(chain, part, reference, rep.entry)
     bad_inputs = chain.bad_inputs()
-    if any(_gather(bool(bad_inputs))):   # agree before any collective of the step
-        summary = RankSummary(rank, "input" if bad_inputs else None, None, None,
-                              input_nonfinite=bad_inputs)
-        return RankResult(rank, plan=decide(_gather(summary)), summary=summary)
+    # agree before any collective of the step: every rank stops, unless only buffers are bad
+    # (the model's, made by an earlier step): then the step runs, so that a collective that
+    # hands them on (DDP's buffer broadcast) is seen as the crossing it is
+    held = _gather((bool(bad_inputs), all(b.where == "buffer" for b in bad_inputs)))
+    if any(b for b, _ in held):
+        if not all(only for b, only in held if b):
+            summary = RankSummary(rank, "input" if bad_inputs else None, None, None,
+                                  input_nonfinite=bad_inputs)
+            return RankResult(rank, plan=decide(_gather(summary)), summary=summary)
+        rep.carry_buffers = True
     # every collective and comm-hook op with what this rank fed it and got (`ledger`)
     ledger = observer.ledger = Ledger(model, chain.probe.tracker, ddp=isinstance(model, DDP))
     first, table = chain.first_pass(reference=side is not None, watch=ledger)
@@ -128,8 +134,11 @@ def replay_rank(bundle_path: Path, partial: Path, target: str, inject: str | Non
         theirs, div = reference_record(side, first)
     crossings = ledger.read()
     phase, kind = _first_bad(first.phase, first.kind, crossings)
+    if bad_inputs:      # its buffers were bad before the step: that comes first
+        phase, kind = "input", bad_inputs[0].kind
     summary = RankSummary(rank, phase, json_number(first.loss), kind,
-                          buckets=observer.read(), crossings=crossings)
+                          buckets=observer.read(), crossings=crossings,
+                          input_nonfinite=bad_inputs)
     _stage("after replay pass 1/3: exchanging what each rank saw")
     everyone = _gather(summary)
     plan = decide(everyone)

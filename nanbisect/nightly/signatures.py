@@ -68,7 +68,8 @@ def source_line(source: str | None) -> str | None:
 
 def _non_culprit(report: Report) -> str | None:
     if report.verdict == "input-nonfinite":
-        return "input-nonfinite · data"
+        # the data, or (unknown) buffers the model made in an earlier step: different nights
+        return f"input-nonfinite · {report.classification or 'data'}"
     if report.verdict == "not-reproduced":
         # code-changed, replay-mismatch, unknown and transient are different nights
         return f"not-reproduced · {report.classification or 'unknown'}"

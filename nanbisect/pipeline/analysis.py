@@ -29,7 +29,7 @@ from nanbisect.pipeline.compiler_verdict import (backend_of, compiler_report, op
                                          replay_compiled)
 from nanbisect.records import (CallId, Caught, Culprit, Divergence, Fidelity, Losses,
                                ModuleRepro, OpFinding, OpRecording, RunFacts, StepOutcome,
-                               json_number, module_label)
+                               before_the_step, json_number, module_label)
 from nanbisect.reference.classify import classify_not_reproduced
 from nanbisect.reference.compare import step_rtol
 from nanbisect.reference.side import ReferenceSide, model_dtype
@@ -160,8 +160,9 @@ def _decide(run: StepRun, first: StepOutcome, side: "ReferenceSide | None", ref,
         return Report("clean", "replay-mismatch" if fid and fid.mismatch else None, None, None,
                       None, facts, notes=run.notes)
     if first.phase == "input":
-        return Report("input-nonfinite", "data", "input", first.kind, None, facts,
-                      input_nonfinite=first.bad, notes=run.notes)
+        classification, note = before_the_step(first.bad)
+        return Report("input-nonfinite", classification, "input", first.kind, None, facts,
+                      input_nonfinite=first.bad, notes=run.notes + ([note] if note else []))
     if compiled is not None and compiled.phase is None:
         run.notes.append(opposite_note(backend_of(run.rep)))
     return _culprit_report(run, first, side, ref, tmp)

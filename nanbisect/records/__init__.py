@@ -32,11 +32,12 @@ from nanbisect.records.facts import (Fidelity, Finding, HistoryEntry, Losses, Ru
 from nanbisect.records.remedies import Remedy, RowTrace
 from nanbisect.records.ranks import (Bucket, Crossing, Plan, RankPath, RankReference, RankResult,
                                      RankRoot, RankSummary, ReplicaDiff, Subset)
-from nanbisect.records.seen import BadValue, CallId, Stats, StepOutcome
+from nanbisect.records.seen import BadValue, CallId, Stats, StepOutcome, before_the_step
 from nanbisect.records.words import ROOT, Classification, Verdict, Word, json_number, module_label
 
 __all__ = ["json_number", "Word", "Verdict", "Classification", "ROOT", "module_label", "CallId",
-           "Stats", "BadValue", "StepOutcome", "Culprit", "TraceRow", "TimelineRow", "OpSite",
+           "Stats", "BadValue", "StepOutcome", "before_the_step", "Culprit", "TraceRow",
+           "TimelineRow", "OpSite",
            "OpRef", "ContextRow", "OpFinding", "OpRecording", "Caught", "ModuleCaught",
            "ReproResult", "ModuleRepro", "Comparison", "OpCheck", "Divergence", "Losses",
            "Fidelity", "RunFacts", "HistoryEntry", "Finding", "StepRow", "StepsWindow", "Bucket",

@@ -59,6 +59,30 @@ class BadValue:
     def kind(self) -> str:
         return "nan" if self.nan else "inf"
 
+
+def before_the_step(bad: list[BadValue]) -> tuple[str, str | None]:
+    """The classification of non-finite values found before the step ran, and the note that
+    says why: ``data`` when the batch, a parameter or the optimizer's state holds them (what was
+    fed or loaded); when only the model's buffers do, the model made them in an earlier step's
+    forward (a moving average's 0/0, a running statistic), which is not data: ``unknown`` (the
+    op is in that earlier step), and the note names the buffers and where to look.
+
+    >>> before_the_step([BadValue("buffer", "vq.embed", 4, 0, 0)])[0]
+    'unknown'
+    >>> before_the_step([BadValue("batch", "x", 1, 0, 0), BadValue("buffer", "bn.mean", 1, 0, 0)])
+    ('data', None)
+    """
+    if not bad or any(b.where != "buffer" for b in bad):
+        return "data", None
+    names = ", ".join(b.name for b in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5
+                                                  else "")
+    return "unknown", (
+        f"only the model's buffers held non-finite values before the step ({names}): the "
+        "model's own forward made them in an earlier step (a moving average, a running "
+        "statistic), not the data; a Guard reads buffers with every step and bundles the step "
+        "that made them")
+
+
 @dataclass(frozen=True)
 class StepOutcome:
     """What one replay of the step showed."""

@@ -95,6 +95,10 @@ class Replayer:
         # NB: under torch.distributed every rank must run every collective of the step, so a
         # lockstep replay never stops early; it runs the whole step and reports its first failure
         self.lockstep = False
+        # the step runs even though only the model's buffers were non-finite before it (a
+        # lockstep rank: whether a collective hands them to another rank, as DDP's buffer
+        # broadcast does, is what the run is for)
+        self.carry_buffers = False
         # called at the end of every `restore` (a replay of some ranks rewinds its served
         # collectives there: each run of the step gets them from the first)
         self.restored: list[Callable[[], None]] = []
@@ -297,7 +301,7 @@ class Replayer:
         runs from the state the last run left (a window's next step, `next_step`).
         """
         batch, last, bad = self._prepare(keep_state)
-        if bad:
+        if bad and not (self.carry_buffers and all(b.where == "buffer" for b in bad)):
             return StepOutcome(None, "input", bad)
         task = self.task
         stop_micro = last if micro is None else micro
@@ -316,6 +320,16 @@ class Replayer:
                                                  kept, micro_batch=ev.micro)
                             if not self.lockstep:
                                 return failed
+                        elif failed is None:
+                            # a finite loss, and a buffer the forward made non-finite (a moving
+                            # average's 0/0): the step failed there, in forward
+                            bufs = _scan("buffer", ((n, b) for n, b in task.model.named_buffers()
+                                                    if floating(b)), fused=True)
+                            if bufs:
+                                failed = StepOutcome(loss_v, "forward", bufs, kept,
+                                                     micro_batch=ev.micro)
+                                if not self.lockstep:
+                                    return failed
                     elif ev.phase == "backward" and failed is None and self.grads_fail:
                         grads = _scan("grad", ((n, p.grad) for n, p in
                                                task.model.named_parameters()

@@ -21,6 +21,11 @@ trains FUNC's task with nanbisect.Guard on every rank (gloo, CPU) until it fails
   reduce-scatter hands every rank NaN in its shard;
 - fsdp_healthy: the same model, healthy; captures step 3. Replayed with `--inject
   tests/tasks/corrupt_allreduce.py:corrupt_reduce_scatter` the reduce-scatter is at fault;
+- vq_ema: a VQ-VAE under DDP (broadcast_buffers) whose codebook's moving average is 0/0 for a
+  code no vector picked (tests/tasks/vq_buffer.py): the loss stays finite, the NaN sits in a
+  buffer; the Guard reads buffers with the step and bundles step 0, the step that made it;
+  vq_ema_poisoned: no Guard, rank 0's codebook already holds a NaN row (an earlier step made
+  it) and step 0 is captured on every rank: DDP's forward broadcasts it to rank 1;
 - ddp_adam_eps0, fsdp_adam_eps0: Adam with eps=0 turns a parameter whose gradient is exactly 0
   into NaN in step 0's update (born in the optimizer): the Guard sees it at step 1's reading and
   every rank rebuilds step 0's pre-state from its snapshot; ddp_adam_eps0_rank1_nosnap: rank 1
@@ -36,6 +41,9 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import nanbisect
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import vq_buffer  # noqa: E402 - the task file beside this one
 
 
 class SqrtNet(nn.Module):
@@ -243,7 +251,17 @@ def fsdp_healthy():
     return _fsdp_task()
 
 
+def vq_ema():
+    return vq_buffer.task(ddp=True)
+
+
+def vq_ema_poisoned():
+    return vq_buffer.task(ddp=True)
+
+
 def batch(func: str, step: int):
+    if func.startswith("vq_ema"):
+        return vq_buffer.batch(10 * dist.get_rank() + step)
     if func.startswith("tp_"):    # tensor parallel: every rank sees the same batch
         g = torch.Generator().manual_seed(step)
         return torch.rand(6, 4, generator=g) + 1.0
@@ -275,6 +293,14 @@ def main():
         open(block, "w").close()
         tempfile.tempdir = os.path.join(block, "tmp")    # rank 1's snapshot cannot be written
     task = globals()[func]()
+    if func == "vq_ema_poisoned":
+        if dist.get_rank() == 0:
+            task.model.module.vq.embed[5] = float("nan")    # made by an earlier step
+        path = nanbisect.capture(task, batch(func, 0), f"{out}/captured",
+                                 entry=f"{os.path.abspath(__file__)}:{func}")
+        _say_bundle(path)
+        dist.destroy_process_group()
+        return
     guard = nanbisect.Guard(task, entry=f"{os.path.abspath(__file__)}:{func}", out=out)
     try:
         for step in range(3):
