@@ -125,8 +125,8 @@ def _precision(trials: Trials, c: Culprit, f: OpFinding | None) -> list[Remedy]:
     name, call = c.module, c.module_call
     if origin is not None and (origin.module, origin.module_call) != (c.module, c.module_call):
         name, call = _common(origin.module or "", c.module), None
-    what = ("the model's forward" if not name else f"module {module_label(name)}"
-            + (f" (call {call})" if call is not None else " (every call)"))
+    what = f"module {module_label(name)}" + (f" (call {call})" if call is not None
+                                              else " (every call)")
     change = f"when {what} runs in {wide_name}"
     if trials.left <= 0:
         return out + [trials.spent("precision", change)]
