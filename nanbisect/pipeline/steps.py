@@ -1,5 +1,7 @@
 """``run --steps K``: the recorded window replayed on target and reference, the first step
-that parts found, and that step bisected alone (else the failing step).
+that parts found, and that step bisected alone (else the failing step); and, for a failing step
+whose pre-state already held non-finite buffers, the window replayed on the target to the step
+that made them, which is bisected instead (`trace_back`).
 """
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from nanbisect.pipeline.common import (Progress, RunOptions, captured_type, guar
 from nanbisect.pipeline.analysis import analyse
 from nanbisect.records import fidelity_tier
 from nanbisect.reference import kernels as registry
-from nanbisect.reference.window import replay_window
+from nanbisect.records import before_the_step
+from nanbisect.reference.window import made_in, replay_window
 from nanbisect.replay.fidelity import match_threads
 from nanbisect.replay.replayer import Replayer
 from nanbisect.report.model import Report
@@ -115,3 +118,46 @@ def _reached(bundle: Bundle, reached: dict | None, report: Report, t_dev: torch.
                      "bit for bit, on another machine than the capture's (see the replay's "
                      "note): not a mismatch")
     return report.classification
+
+
+def trace_back(bundle: Bundle, report: Report, rep: Replayer | None, opts: RunOptions,
+               progress: Progress, target: str, t_dev: torch.device,
+               t_dtype: torch.dtype | None, ref: tuple[torch.device, torch.dtype | None] | None,
+               tmp: Path) -> tuple[Report, Replayer | None]:
+    """``report`` (the failing step's) when its pre-state held non-finite values other than
+    buffers, or none; when only the model's buffers held them, the step of the bundle's lookback
+    that made them bisected alone, its culprit the report's (``culprit.step``), or ``report``
+    with a note saying how far back the window looked."""
+    if report.verdict != "input-nonfinite" or before_the_step(report.input_nonfinite)[1] is None:
+        return report, rep
+    where = f"bundle '{bundle.path}'"
+    window = lookback.parse(bundle, where)
+    if window is None or len(window.steps) < 2:
+        return replace(report, notes=[*report.notes, (
+            "the bundle keeps no step before the failing one (Guard(..., lookback=K) keeps K): "
+            "the step that made them cannot be traced back")]), rep
+    failing = window.steps[-1]["step"]
+    wrap, _ = target_wrap(opts, bundle.manifest, t_dev)
+    progress("steps", f"tracing the buffers back over the {len(window.steps) - 1} recorded "
+                      f"step(s) before step {failing}")
+    found = guarded(lambda: made_in(bundle, window, (t_dev, t_dtype), wrap, opts.entry,
+                                    lambda text: progress("steps", text),
+                                    run_top_level=opts.run_top_level),
+                    "replaying the recorded steps")
+    if found is None:
+        return replace(report, notes=[*report.notes, (
+            f"the {len(window.steps) - 1} recorded step(s) before the failing one, replayed from "
+            f"the snapshot of step {window.steps[0]['step']}, made none of them: they were made "
+            "before the bundle's lookback")]), rep
+    step, view = found
+    for child in tmp.iterdir():
+        shutil.rmtree(child) if child.is_dir() else child.unlink()
+    progress("steps", f"bisecting step {step}, which made them")
+    earlier, rep = analyse(view, opts, progress, target, t_dev, t_dtype, tmp, ref)
+    names = ", ".join(b.name for b in report.input_nonfinite[:5])
+    culprit = replace(earlier.culprit, step=step) if earlier.culprit is not None else None
+    facts = replace(earlier.facts, observed=Manifest.of(bundle).observed)
+    return replace(earlier, culprit=culprit, facts=facts, notes=[
+        f"step {failing}'s pre-state held non-finite buffers ({names}); traced back through the "
+        f"bundle's lookback to step {step}, whose replay made them: the culprit is that step's",
+        *earlier.notes]), rep

@@ -182,6 +182,31 @@ def replay_window(bundle: Bundle, window: Window, k: int, target: tuple, referen
     return WindowResult(rows, divergent, first, reached, view, notes)
 
 
+def made_in(bundle: Bundle, window: Window, target: tuple, wrap: Callable[[], ContextManager],
+            entry: str | None, progress: Callable[[str], None] = lambda text: None, *,
+            run_top_level: bool = False) -> tuple[int, BundleView] | None:
+    """The window's first step, before the failing one, that fails on ``target`` alone (a
+    forward that makes a buffer non-finite counts), replayed from the snapshot: (that step, a
+    one-step bundle of its pre-state); None when every earlier step stays finite, or the
+    snapshot itself already holds the values. Where a failing step's non-finite pre-state was
+    made (`nanbisect.pipeline.steps.trace_back`)."""
+    n = len(window.steps)
+    views = [window.state_view(bundle)]
+    views += [views[0].with_step(window, i) for i in range(1, n)]
+    rep = Replayer(views[0], target[0], target[1], entry=entry, run_top_level=run_top_level)
+    for i in range(n - 1):
+        step = window.steps[i]["step"]
+        progress(f"step {step} ({i + 1}/{n - 1}) on the target")
+        pre = _encode_state(rep) if i > 0 else None
+        rep.next_step(views[i])
+        out = rep.run(wrap=wrap, keep_state=i > 0)
+        if out.phase == "input":
+            return None
+        if out.phase is not None:
+            return step, _divergent_view(bundle, window, views, step, pre)
+    return None
+
+
 def _advance(bundle: Bundle, window: Window, views: list, k: int, t_rep: Replayer,
              r_rep: Replayer, wrap, progress) -> None:
     """The steps before the window's start, on the target alone; then the reference starts

@@ -14,7 +14,8 @@ from helpers import TEST_TASKS
 from nanbisect.pipeline import RunOptions, run_bundle
 
 TASK = TEST_TASKS / "vq_buffer.py"
-BUG = next(i for i, t in enumerate(TASK.read_text().splitlines(), 1) if "self.embed.copy_(" in t)
+BUG = next(i for i, t in enumerate(TASK.read_text().splitlines(), 1)
+           if "new = self.embed_sum / self.cluster_size" in t)
 
 
 def guarded(tmp_path, watch: bool):
@@ -67,3 +68,25 @@ def test_a_pre_state_whose_buffers_are_bad_is_the_models_not_the_data(tmp_path):
     nanbisect.capture(vq.task(), batch, tmp_path / "d", entry=f"{TASK}:task")
     r = run_bundle(tmp_path / "d", RunOptions(run_repro=False), tmp_path / "rd")
     assert (r.verdict, r.classification) == ("input-nonfinite", "data")
+
+
+def test_a_pre_state_whose_buffers_are_bad_is_traced_back_through_the_lookback(tmp_path):
+    """The codebook put in the buffer's place (not written in place): the Guard reads it from
+    the next step, whose loss is NaN and whose pre-state holds it. The bundle's lookback holds
+    the step before: its replay from the snapshot makes the NaN in the buffer, and that step is
+    bisected: the division, at step 0."""
+    task = vq.assigning()
+    guard = nanbisect.Guard(task, entry=f"{TASK}:assigning", out=tmp_path / "g", lookback=2)
+    with pytest.raises(nanbisect.NonFiniteStep) as e:
+        for step in range(3):
+            guard.step(vq.batch(step))
+    assert e.value.observed["step"] == 1
+    r = run_bundle(e.value.bundle, RunOptions(run_repro=False), tmp_path / "r")
+    c = r.culprit
+    assert (r.verdict, c.step, c.op, c.module, c.phase) == ("culprit", 0, "aten.div.Tensor",
+                                                            "vq", "forward")
+    assert c.source.endswith(f"vq_buffer.py:{BUG}")
+    assert r.notes[0] == ("step 1's pre-state held non-finite buffers (vq.embed); traced back "
+                          "through the bundle's lookback to step 0, whose replay made them: the "
+                          "culprit is that step's")
+    assert r.facts.observed["step"] == 1

@@ -4,7 +4,9 @@ vector picked yet. The step that makes it keeps a finite loss (the quantised vec
 before the update): the NaN sits in the ``embed`` buffer, and the next step's loss is NaN.
 
 ``task()`` builds it (``ddp=True``: wrapped in DDP, whose forward broadcasts rank 0's buffers to
-the other ranks); ``batch(step)`` is a step's batch.
+the other ranks); ``assigning()`` puts the new codebook in the buffer's place (``self.embed =
+...``) instead of writing it in place: the Guard reads the buffers it walked at the step's start,
+so it sees that one a step late; ``batch(step)`` is a step's batch.
 """
 import torch
 import torch.nn as nn
@@ -16,9 +18,9 @@ K, D = 8, 4
 
 
 class VQ(nn.Module):
-    def __init__(self, decay: float = 0.9):
+    def __init__(self, decay: float = 0.9, assign: bool = False):
         super().__init__()
-        self.decay = decay
+        self.decay, self.assign = decay, assign
         self.register_buffer("embed", torch.randn(K, D, generator=torch.Generator().manual_seed(1)))
         self.register_buffer("cluster_size", torch.zeros(K))
         self.register_buffer("embed_sum", torch.zeros(K, D))
@@ -35,14 +37,18 @@ class VQ(nn.Module):
                 self.cluster_size.mul_(self.decay).add_(onehot.sum(0), alpha=1 - self.decay)
                 self.embed_sum.mul_(self.decay).add_(onehot.t() @ flat, alpha=1 - self.decay)
                 # BUG: a code no vector picked yet has cluster_size 0: 0/0
-                self.embed.copy_(self.embed_sum / self.cluster_size.unsqueeze(1))
+                new = self.embed_sum / self.cluster_size.unsqueeze(1)
+                if self.assign:      # a new tensor in the buffer's place
+                    self.embed = new
+                else:
+                    self.embed.copy_(new)
         return z + (q - z).detach(), q
 
 
 class VQVAE(nn.Module):
-    def __init__(self):
+    def __init__(self, assign: bool = False):
         super().__init__()
-        self.enc, self.vq, self.dec = nn.Linear(8, D), VQ(), nn.Linear(D, 8)
+        self.enc, self.vq, self.dec = nn.Linear(8, D), VQ(assign=assign), nn.Linear(D, 8)
 
     def forward(self, x):
         z = self.enc(x)
@@ -55,14 +61,18 @@ def loss_fn(model, x):
     return F.mse_loss(out, x) + 0.25 * F.mse_loss(z, q.detach())
 
 
-def task(ddp: bool = False) -> nanbisect.Task:
+def task(ddp: bool = False, assign: bool = False) -> nanbisect.Task:
     torch.manual_seed(0)
-    model = VQVAE()
+    model = VQVAE(assign)
     if ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
         model = DDP(model)      # its forward broadcasts rank 0's buffers (the default)
     return nanbisect.Task(model=model, optimizer=torch.optim.Adam(model.parameters(), lr=1e-3),
                           loss_fn=loss_fn)
+
+
+def assigning() -> nanbisect.Task:
+    return task(assign=True)
 
 
 def batch(step: int = 0, rows: int = 4) -> torch.Tensor:
