@@ -248,7 +248,7 @@ def _run_bundle(bundle: Bundle, opts: RunOptions, out: Path, progress: _Clock,
                                     t_dtype, ref, tmp)
         else:
             report, rep = analyse(bundle, opts, progress, target, t_dev, t_dtype, tmp, ref)
-            if report.verdict == "input-nonfinite" and bundle.manifest.get("lookback"):
+            if report.verdict == "input-nonfinite":
                 from nanbisect.pipeline.steps import trace_back
 
                 report, rep = trace_back(bundle, report, rep, opts, progress, target, t_dev,
