@@ -19,10 +19,14 @@ Guarantees:
   Numbers are the one exception in wording: a keyword is named as given (``steps=0``, not
   ``--steps '0'``), with the same range (`nanbisect.util.numbers`).
 - What the caller gives that cannot be used raises `nanbisect.BadInput` (or a subclass), one
-  line naming the problem and the fix; never `SystemExit` (a ``sys.exit`` or an argparse exit in
-  the entry's code becomes a `BadInput` too) and never an exception of the command line's.
+  line naming the problem and the fix (a value of the wrong type included: ``reference=5``,
+  ``entry=object()``; an empty or over-long path); never `SystemExit` (a ``sys.exit`` or an
+  argparse exit in the entry's code becomes a `BadInput` too) and never an exception of the
+  command line's.
   nanbisect prints nothing (the task's own code may): progress goes to ``progress`` only, and a
   torch older than the one nanbisect is checked on is a `TorchTooOld` warning.
+- A Ctrl-C during a run interrupts it, but never in the middle of an import
+  (`nanbisect.proc.imports_whole`): the next `run` in the same interpreter works.
 - Importing this module, and so ``nanbisect.run`` and ``nanbisect.api.triage``, imports no torch;
   a call does.
 
@@ -45,6 +49,7 @@ from nanbisect.options import RunOptions, device_option
 from nanbisect.nightly.backends import check_backend
 from nanbisect.util.numbers import NUMBERS, check_environment
 from nanbisect.util.spec import DeviceSpec
+from nanbisect.util.user_paths import user_path
 
 if TYPE_CHECKING:       # the types only: importing them loads torch
     from nanbisect.report.model import Report
@@ -96,26 +101,39 @@ def run_options(bundle: PathLike, *, target: str | DeviceSpec | None = None,
 def check_triage(dirs: Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
                  known: PathLike | Iterable[str] | None = None, target: str | None = None,
                  backend: str = "loky", scheduler: str | None = None,
-                 address: str | None = None) -> None:
+                 address: str | None = None, cache: PathLike | None = None) -> list[str]:
     """`BadInput` for the first option of a triage that cannot be used, checked without
-    importing torch: the directories, ``out``, a ``known`` file, the backend and its address,
-    the target device."""
+    importing torch: the directories, ``out`` and ``cache``, ``known`` (a file that exists must
+    be a regular one; the signatures given as values must be strings), the backend and its
+    address, the target device. Returns the notes the night carries: a ``known`` file that
+    does not exist yet (a first night: every signature is new).
+
+    >>> check_triage(["fixtures/bundles"], out="nanbisect-triage", known="no/such.json")
+    ["--known 'no/such.json' does not exist yet: every signature is new tonight"]
+    """
+    from nanbisect.nightly.find import check_outputs
+    from nanbisect.nightly.known import check_known, given_known
+
     for d in map(Path, dirs):
         if not d.exists():
             raise BadInput(f"triage: '{d}' does not exist; pass directories holding bundles")
         if not d.is_dir():
             raise BadInput(f"triage: '{d}' is a file, not a directory; pass directories "
                            "holding bundles")
-    out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise BadInput(f"triage: --out '{out}' is a file; pass a directory for triage.json, "
-                       "triage.md and the cache")
-    if _is_path(known) and not Path(known).is_file():    # the words of triage.load_known's
-        why = "Is a directory" if Path(known).is_dir() else "No such file or directory"
-        raise BadInput(f"--known '{known}': {why}; pass a triage.json or a text file")
+    check_outputs(Path(out), None if cache is None else Path(cache))
+    known = given_known(known)
+    note = check_known(known) if isinstance(known, Path) else None
+    for value, name in ((backend, "backend"), (scheduler, "scheduler"), (address, "address"),
+                        (target, "target")):
+        if value is not None and not isinstance(value, str):
+            raise BadInput(f"triage: {name}={value!r} is not a str; pass "
+                           + ("loky, dask or ray" if name == "backend" else
+                              "a device string such as cpu or cuda:1" if name == "target" else
+                              "the cluster's address as a str, or None"))
     check_backend(backend, scheduler, address)
     if target is not None:
         device_option(target)
+    return [note] if note else []
 
 
 # -- run ---------------------------------------------------------------------------------------
@@ -163,12 +181,15 @@ def run(bundle: PathLike, *, target: str | DeviceSpec | None = None,
     options = run_options(path, target=target, reference=reference, entry=entry, inject=inject,
                           code=code, ranks=ranks, steps=steps, remedies=remedies, repro=repro,
                           run_top_level=run_top_level, out=out_dir)
-    start(path, options)
-    from nanbisect.util.torch_internals import check_torch_version
+    from nanbisect.proc import imports_whole
 
-    if (too_old := check_torch_version()) is not None:
-        warnings.warn(f"nanbisect.run: {too_old}", TorchTooOld, stacklevel=2)
-    return replay(path, options, progress)
+    start(path, options)
+    with imports_whole():       # the first import of torch happens here: see `replay`
+        from nanbisect.util.torch_internals import check_torch_version
+
+        if (too_old := check_torch_version()) is not None:
+            warnings.warn(f"nanbisect.run: {too_old}", TorchTooOld, stacklevel=2)
+        return replay(path, options, progress)
 
 
 def start(bundle: Path, options: RunOptions) -> None:
@@ -188,11 +209,16 @@ def replay(bundle: Path, options: RunOptions, progress: Progress | None = None) 
     ``nanbisect run`` both end in (`nanbisect.pipeline.run_bundle`, the report written to
     ``options.out``, else ``BUNDLE/nanbisect-report``); a ``SystemExit`` of the entry's code
     becomes a `BadInput`."""
-    from nanbisect.pipeline import run_bundle
+    from nanbisect.proc import imports_whole
 
     pid = os.getpid()
     try:
-        return run_bundle(bundle, options, options.out, progress or _silent)
+        # a Ctrl-C in the middle of `import torch` (the first run of a fresh interpreter) would
+        # leave torch half-imported for every later run: held until that import is over
+        with imports_whole():
+            from nanbisect.pipeline import run_bundle
+
+            return run_bundle(bundle, options, options.out, progress or _silent)
     except SystemExit as e:
         if os.getpid() != pid:      # a forked child unwinding: it is not this call's to answer
             raise
@@ -207,10 +233,7 @@ def _silent(key: str, text: str) -> None:
 
 
 def _path(value: object, what: str) -> Path:
-    try:
-        return Path(os.fspath(value))
-    except TypeError:
-        raise BadInput(f"{what}={value!r} is not a path; pass a str or a pathlib.Path") from None
+    return user_path(value, f"{what}=")
 
 
 def _is_path(value: object) -> bool:
@@ -268,13 +291,17 @@ def triage(dirs: PathLike | Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
            jobs: int | None = None, known: PathLike | Iterable[str] | None = None,
            target: str | None = None, timeout: float = TRIAGE_TIMEOUT, backend: str = "loky",
            scheduler: str | None = None, address: str | None = None,
-           progress: TriageProgress | None = None) -> TriageReport:
+           progress: TriageProgress | None = None,
+           cache: PathLike | None = None) -> TriageReport:
     """Replay every bundle under ``dirs`` (one directory or several) in parallel, group the
     failures by culprit signature, write triage.json, triage.md, index.html and each bundle's
     report under ``out``: ``nanbisect triage DIRS`` without the printing (each keyword is the
     flag of the same name). ``known``: a previous triage.json or a file of signatures, one a
-    line (as ``--known``), or the signatures themselves (a list or set of strings).
-    ``progress(done, total)`` is told the bundles finished of those found, after each.
+    line (as ``--known``; one that does not exist yet is none, with a note in
+    ``data["notes"]``), or the signatures themselves (a list or set of strings). ``cache``:
+    where the analyses are cached (default ``out/cache``; one directory that several ``out``
+    share, as dated folders do). ``progress(done, total)`` is told the bundles finished of
+    those found, after each.
 
     >>> import shutil, tempfile
     >>> night = Path(tempfile.mkdtemp())
@@ -285,9 +312,23 @@ def triage(dirs: PathLike | Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
     ([(1, False)], 3)
     >>> [r.culprit.op for r in found.reports.values()]
     ['aten.sqrt.default']
+    >>> triage(123)
+    Traceback (most recent call last):
+    ...
+    nanbisect.errors.BadInput: triage: dirs=123 is neither a directory nor a list of them; ...
     """
-    roots = [_path(dirs, "dirs")] if _is_path(dirs) else [_path(d, "dirs") for d in dirs]
+    if _is_path(dirs):
+        roots = [_path(dirs, "dirs")]
+    elif isinstance(dirs, (bytes, Mapping)) or not isinstance(dirs, Iterable):
+        raise BadInput(f"triage: dirs={str(dirs)[:80]!r} is neither a directory nor a list of "
+                       "them; pass a path (str or pathlib.Path) or a list of paths"
+                       if isinstance(dirs, bytes) else
+                       f"triage: dirs={repr(dirs)[:80]} is neither a directory nor a list of "
+                       "them; pass a path (str or pathlib.Path) or a list of paths")
+    else:
+        roots = [_path(d, "dirs") for d in dirs]
     out = _path(out, "out")
+    cache = None if cache is None else _path(cache, "cache")
     timeout = NUMBERS["--timeout"].check(timeout, "triage")
     if jobs is not None:
         jobs = NUMBERS["--jobs"].check(jobs, "triage")
@@ -295,17 +336,20 @@ def triage(dirs: PathLike | Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
         raise BadInput(f"triage: progress={progress!r} is not callable; pass a function of "
                        "(done, total), or None")
     check_environment("triage")
-    check_triage(roots, out=out, known=known, target=target, backend=backend,
-                 scheduler=scheduler, address=address)
+    notes = check_triage(roots, out=out, known=known, target=target, backend=backend,
+                         scheduler=scheduler, address=address, cache=cache)
     from nanbisect.nightly import load_known
     from nanbisect.nightly import triage as run_triage
+    from nanbisect.nightly.known import given_known
 
     kw = {"progress": progress} if progress is not None else {}
+    known = given_known(known)
     try:
-        known_set = load_known(Path(known)) if _is_path(known) else set(known or ())
+        known_set = load_known(known) if isinstance(known, Path) else set(known or ())
         res = run_triage(roots, out=out, jobs=jobs, known=known_set, timeout=timeout,
                          backend=backend, scheduler=scheduler, address=address,
-                         options={"target": target} if target else None, **kw)
+                         options={"target": target} if target else None, cache=cache,
+                         notes=notes, **kw)
     except BadInput:
         raise
     except Exception as e:  # noqa: BLE001 - as the command: one line (the cause kept here)

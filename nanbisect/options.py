@@ -27,6 +27,7 @@ from typing import Iterable
 from nanbisect.errors import BadInput
 from nanbisect.util.numbers import NUMBERS
 from nanbisect.util.spec import NONE, DeviceSpec, check_ranks, split_entry
+from nanbisect.util.user_paths import user_path
 
 CODE_CHOICES = ("local", "bundle")   # ``code``: the files on disk, or the bundle's copies
 
@@ -93,6 +94,14 @@ class RunOptions:
         ...
         nanbisect.errors.BadInput: --code 'git' is neither local nor bundle; pass local ...
         """
+        for name, value, kinds in (("target", target, (str, DeviceSpec)),
+                                   ("reference", reference, (str, DeviceSpec)),
+                                   ("entry", entry, (str,)), ("inject", inject, (str,)),
+                                   ("code", code, (str,))):
+            if value is not None and not isinstance(value, kinds):
+                what = "a device string (e.g. 'cpu', 'cuda:1') or a DeviceSpec" \
+                    if DeviceSpec in kinds else "a str"
+                raise BadInput(f"run: {name}={value!r} is not {what}; pass {what}, or None")
         if steps is not None:
             steps = NUMBERS["--steps"].check(steps, "run")
         budget = _budget(remedies)
@@ -102,12 +111,13 @@ class RunOptions:
         r = reference if reference is None or isinstance(reference, DeviceSpec) else \
             _spec(reference, none_ok=True)
         if entry is not None:
-            split_entry(entry)
+            user_path(split_entry(entry)[0], "--entry's file")
         if inject is not None:
             where, sep, func = inject.rpartition(":")
             if not sep or not where or not func.isidentifier():
                 raise BadInput(f"--inject '{inject}' is not of the form FILE.py:FUNC; name a "
                                "function that returns a context manager")
+            user_path(where, "--inject's file")
         if code is not None and code not in CODE_CHOICES:
             raise BadInput(f"--code '{code}' is neither {' nor '.join(CODE_CHOICES)}; pass "
                            "local (the files on disk) or bundle (the bundle's copies), or "
@@ -116,7 +126,7 @@ class RunOptions:
         return cls(target=t, reference=r, inject=inject, entry=entry, run_repro=bool(repro),
                    ranks=rs, steps=steps, remedies=budget, code=code,
                    run_top_level=bool(run_top_level),
-                   out=Path(os.fspath(out)) if out is not None else None)
+                   out=user_path(out, "--out") if out is not None else None)
 
 
 def device_option(text: str) -> DeviceSpec:

@@ -355,17 +355,29 @@ def gate(path: Path, shown: str | None = None) -> None:
                    "Task(run_top_level=True)) to let it run")
 
 
+_ARGV_LOCK = threading.Lock()
+_argv_state: list = [0, None]      # [blocks inside, the sys.argv the first of them found]
+
+
 @contextmanager
 def _argv(path: Path) -> Iterator[None]:
     """``sys.argv`` is ``[path]`` alone while an entry file is imported and while its task
-    function runs (a ``parse_args()`` there must not read nanbisect's own arguments); restored
-    after."""
-    saved = sys.argv
-    sys.argv = [str(path)]
+    function runs (a ``parse_args()`` there must not read nanbisect's own arguments); the
+    ``sys.argv`` found before is put back when the last such block ends, whatever threads run
+    them at once (two `nanbisect.run` calls on two threads: each saving and restoring its own
+    would leave one's entry file behind)."""
+    with _ARGV_LOCK:
+        if _argv_state[0] == 0:
+            _argv_state[1] = sys.argv
+        _argv_state[0] += 1
+        sys.argv = [str(path)]
     try:
         yield
     finally:
-        sys.argv = saved
+        with _ARGV_LOCK:
+            _argv_state[0] -= 1
+            if _argv_state[0] == 0:
+                sys.argv, _argv_state[1] = _argv_state[1], None
 
 
 @contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from pathlib import PurePath
 from typing import Any, Callable
 
 import typer
@@ -20,6 +21,7 @@ from typer.core import TyperCommand, TyperGroup
 from nanbisect.errors import BadInput
 from nanbisect.util.library_internals import click_exceptions
 from nanbisect.util.numbers import NUMBERS
+from nanbisect.util.user_paths import user_path
 
 click_errors = click_exceptions()     # typer's own copy of click, or click
 
@@ -62,10 +64,42 @@ def _tidy(params: list) -> list:
 
 
 class Command(TyperCommand):
-    """A command: typer's, its on/off flags shown as flags."""
+    """A command: typer's, its on/off flags shown as flags, and every path it was given checked
+    before its code runs (`nanbisect.util.user_paths.user_path`: empty, a NUL byte, a name over
+    the file system's length: one line, exit 2)."""
 
     def get_params(self, ctx):
         return _tidy(super().get_params(ctx))
+
+    def parse_args(self, ctx, args):
+        ctx.meta["nanbisect.args"] = list(args)      # as given: a Path of '' reads as '.'
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx):
+        named = {p.name: p for p in self.params}
+        raw = ctx.meta.get("nanbisect.args") or []
+        for key, value in ctx.params.items():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            p = named.get(key)
+            option = p is not None and p.param_type_name == "option" and p.opts
+            what = max(p.opts, key=len) if option else \
+                (getattr(p, "metavar", None) or key.upper())
+            for v in values:
+                if not isinstance(v, PurePath):
+                    continue
+                if str(v) == "." and _given_empty(raw, p.opts if option else None):
+                    v = ""
+                user_path(v, what)
+        return super().invoke(ctx)
+
+
+def _given_empty(args: list[str], opts: list[str] | None) -> bool:
+    """Was an empty string given for the option ``opts`` (``--out ''``, ``--out=``), or, for an
+    argument (``opts`` None), as a bare argument?"""
+    if opts is None:
+        return "" in args
+    return any((a in opts and i + 1 < len(args) and args[i + 1] == "") or a in
+               {f"{o}=" for o in opts} for i, a in enumerate(args))
 
 
 class Group(TyperGroup):

@@ -12,7 +12,7 @@
   included), `held` around a fork; `signal_child` (a signal to a child, its group where it leads
   one), `signal_pid` (to a process nanbisect did not start itself: a rank found by its pid);
 - signal handlers: `install`, `handling` (set, then put back), `deferred` (a signal held back
-  for a block, then delivered);
+  for a block, then delivered), `imports_whole` (a Ctrl-C held while an import is under way);
 - what the child said: `Output`;
 - the lifeline, from inside the child: `guard_group` (a pipe guardian and
   ``PR_SET_PDEATHSIG``), `exit_when_free` (the starter's lock let go), `exit_when_orphaned`
@@ -36,13 +36,14 @@ from nanbisect.proc.lifeline import exit_when_free, exit_when_orphaned, guard_gr
 from nanbisect.proc.processes import Processes
 from nanbisect.proc.reap import Handle, finish, reaped, signal_child, signal_pid, stop
 from nanbisect.proc.scratch import kill_named, locked, processes_naming, sweep, watched
-from nanbisect.proc.signals import deferred, handling, held, install, unheld
+from nanbisect.proc.signals import deferred, handling, held, imports_whole, install, unheld
 from nanbisect.proc.supervisor import Forked, Output, fork, from_server, start_exec
 
 __all__ = ["Child", "ForkServer", "Forked", "Handle", "Output", "Processes", "Spares", "Waiting",
            "deferred",
            "end_child", "exit_when_free", "exit_when_orphaned", "finish", "fork", "from_server",
-           "guard_group", "handling", "held", "import_env", "install", "kill_named", "locked",
+           "guard_group", "handling", "held", "import_env", "imports_whole", "install",
+           "kill_named", "locked",
            "preload", "processes_naming", "reaped", "run_main", "run_target", "serve",
            "signal_child", "signal_pid", "start_exec", "stop", "sweep", "unheld", "warm_name",
            "watched"]

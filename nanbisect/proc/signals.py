@@ -6,7 +6,12 @@
 - `install` and `handling`: a handler set (and, for `handling`, the previous one put back on the
   way out), e.g. triage's SIGTERM/SIGINT that stop a night cleanly;
 - `deferred`: a signal held back by a handler for a block, then delivered to the handler that
-  was there before (the multi-rank write's SIGTERM).
+  was there before (the multi-rank write's SIGTERM);
+- `imports_whole`: a Ctrl-C that lands while a module is being imported held until that import
+  is over (the Python API's run: an interrupted ``import torch``, or of one of its C-backed
+  submodules, leaves C++ state registered by a module Python then forgets, and every later
+  import of it fails until the interpreter restarts: ``partially initialized module 'torch'
+  has no attribute 'fx'``, ``Only a single TORCH_LIBRARY ...``).
 
 Guarantees: the parent's mask is restored on the way out of `held`; the synchronous signals a
 fault raises are never held; `handling` and `deferred` put back the handler they found, however
@@ -21,6 +26,8 @@ import signal
 import threading
 import time
 from typing import Callable, Iterable, Iterator
+
+from nanbisect.util.library_internals import thread_frame
 
 
 # the synchronous signals a fault raises, never held
@@ -108,3 +115,58 @@ def deferred(sig: int) -> Iterator[Callable[[], float | None]]:
         signal.signal(sig, old)
         if came:
             os.kill(os.getpid(), sig)
+
+
+POLL = 0.02     # seconds between `imports_whole`'s looks at the main thread's stack
+
+
+def _importing(frame) -> bool:
+    """Is an import on the stack from ``frame`` down (a frame of importlib's bootstrap)?"""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+@contextlib.contextmanager
+def imports_whole() -> Iterator[None]:
+    """Inside the block, on the main thread, a SIGINT whose handler finds the main thread inside
+    an import is held; a helper thread watches the main thread and sends the SIGINT again the
+    moment no import is on its stack, so the block's handler (or, after the block, the one it
+    put back) raises it there. A SIGINT outside an import goes at once to the handler that was
+    there (Python's: `KeyboardInterrupt`). Off the main thread, or over SIG_IGN or a handler
+    set from C code, the block changes nothing. Not guaranteed: an import that never ends
+    holds the interrupt for as long.
+
+    >>> with imports_whole():
+    ...     import json
+    >>> signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    True
+    """
+    old = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(old):
+        yield
+        return
+    held_now = threading.Event()
+    main = threading.main_thread().ident
+
+    def redeliver() -> None:
+        while _importing(thread_frame(main)):
+            time.sleep(POLL)
+        held_now.clear()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    def handler(signum, frame) -> None:
+        if _importing(frame):
+            if not held_now.is_set():
+                held_now.set()
+                threading.Thread(target=redeliver, name="nanbisect-sigint", daemon=True).start()
+            return
+        old(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
