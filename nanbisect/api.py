@@ -26,7 +26,9 @@ Guarantees:
   nanbisect prints nothing (the task's own code may): progress goes to ``progress`` only, and a
   torch older than the one nanbisect is checked on is a `TorchTooOld` warning.
 - A Ctrl-C during a run interrupts it, but never in the middle of an import
-  (`nanbisect.proc.imports_whole`): the next `run` in the same interpreter works.
+  (`nanbisect.proc.imports_whole`): the next `run` in the same interpreter works. Runs called
+  from several threads at once replay one at a time (a replay sets torch's global RNG state
+  and hooks every module call); ``sys.argv`` is what it was once they are done.
 - Importing this module, and so ``nanbisect.run`` and ``nanbisect.api.triage``, imports no torch;
   a call does.
 
@@ -37,6 +39,7 @@ does, with the original as its ``__cause__``.
 from __future__ import annotations
 
 import os
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -215,7 +218,7 @@ def replay(bundle: Path, options: RunOptions, progress: Progress | None = None) 
     try:
         # a Ctrl-C in the middle of `import torch` (the first run of a fresh interpreter) would
         # leave torch half-imported for every later run: held until that import is over
-        with imports_whole():
+        with imports_whole(), _ONE_RUN:
             from nanbisect.pipeline import run_bundle
 
             return run_bundle(bundle, options, options.out, progress or _silent)
@@ -226,6 +229,11 @@ def replay(bundle: Path, options: RunOptions, progress: Progress | None = None) 
                        "replay, as sys.exit() or a failed argparse parse_args() does; the "
                        "task's code (make_task, the model, loss_fn) must return, not exit"
                        ) from None
+
+
+# one replay at a time in a process: a replay sets torch's global RNG state, hooks every module
+# call and restores the state in place, so two on two threads would replay each other's
+_ONE_RUN = threading.RLock()
 
 
 def _silent(key: str, text: str) -> None:
@@ -320,10 +328,7 @@ def triage(dirs: PathLike | Sequence[PathLike], *, out: PathLike = TRIAGE_OUT,
     if _is_path(dirs):
         roots = [_path(dirs, "dirs")]
     elif isinstance(dirs, (bytes, Mapping)) or not isinstance(dirs, Iterable):
-        raise BadInput(f"triage: dirs={str(dirs)[:80]!r} is neither a directory nor a list of "
-                       "them; pass a path (str or pathlib.Path) or a list of paths"
-                       if isinstance(dirs, bytes) else
-                       f"triage: dirs={repr(dirs)[:80]} is neither a directory nor a list of "
+        raise BadInput(f"triage: dirs={repr(dirs)[:80]} is neither a directory nor a list of "
                        "them; pass a path (str or pathlib.Path) or a list of paths")
     else:
         roots = [_path(d, "dirs") for d in dirs]

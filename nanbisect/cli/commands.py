@@ -228,20 +228,27 @@ def inspect(
 
 
 @command("Replay every bundle under DIRS in parallel and group failures by culprit "
-         "signature.", exits={0: "all clean", 1: "known signatures only", 2: "errors only (or "
-                              "bad input)", 3: "new signatures"})
+         "signature.", exits={0: "all clean", 1: "known signatures only", 2: "no new signature, "
+                              "but errors or reports not written (or bad input)",
+                              3: "new signatures"})
 def triage(
     dirs: Annotated[list[Path], typer.Argument(
         metavar="DIRS", help="directories to search for bundles", show_default=False)],
     out: Annotated[Path, flag(
-        "--out", metavar="DIR", help="where triage.json/.md and the cache go")
+        "--out", metavar="DIR", help="where triage.json/.md, index.html, the reports and (without "
+        "--cache) the cache go")
     ] = Path("nanbisect-triage"),
     jobs: Annotated[Optional[int], number_flag(
         "--jobs", "parallel replays", "N",
         show_default="by cores and free memory; on a cluster: all its slots")] = None,
     known: Annotated[Optional[Path], flag(
         "--known", metavar="FILE", help="a previous triage.json or a file of known "
-        "signatures, one a line")] = None,
+        "signatures, one a line; one that does not exist yet is none (a first night: every "
+        "signature is new, and a note says so)")] = None,
+    cache: Annotated[Optional[Path], flag(
+        "--cache", metavar="DIR", help="where the analyses are cached: a directory that "
+        "later runs reuse, such as one shared by dated --out folders",
+        show_default="DIR/cache of --out")] = None,
     target: Annotated[Optional[str], flag(
         "--target", metavar="DEVICE", help="device to replay on")] = None,
     timeout: Annotated[float, number_flag(
@@ -264,23 +271,26 @@ def triage(
     """Replay every bundle under DIRS in parallel and group failures by culprit signature.
 
     One bundle that hangs, crashes or is malformed is its own error row; triage.json and
-    triage.md in --out are kept current while it runs and written on SIGTERM/SIGINT too. On a
-    terminal, stderr shows the bundles done of the total, the time and an estimate of the time
-    left (--quiet: none); piped, it shows no progress."""
+    triage.md in --out are kept current while it runs and written on SIGTERM/SIGINT too. A
+    report that cannot be written under --out (a full disk) is named on its row (report_error)
+    and in one line on stderr. On a terminal, stderr shows the bundles done of the total, the
+    time and an estimate of the time left (--quiet: none); piped, it shows no progress."""
     from nanbisect.api import check_triage
 
     checks.environment("triage")
-    check_triage(dirs, out=out, known=known, target=target, backend=backend,
-                 scheduler=scheduler, address=address)
+    notes = check_triage(dirs, out=out, known=known, target=target, backend=backend,
+                         scheduler=scheduler, address=address, cache=cache)
+    for note in notes:              # before the night: a cron log says it first
+        echo(f"nanbisect: note: {note}", err=True)
     from nanbisect import api
     from nanbisect.cli.progress import triage_progress
-    from nanbisect.nightly import to_markdown
+    from nanbisect.nightly import reports_not_written, to_markdown
 
     try:
         with triage_progress(quiet) as progress:
             res = api.triage(dirs, out=out, jobs=jobs, known=known, target=target,
                              timeout=timeout, backend=backend, scheduler=scheduler,
-                             address=address, progress=progress)
+                             address=address, progress=progress, cache=cache)
     except BadInput as e:
         _fail(e)
     except Exception as e:  # noqa: BLE001 - a nightly job gets one line and exit 2, never 1
@@ -294,6 +304,9 @@ def triage(
         echo(to_markdown(res.data).rstrip())
         echo(f"\nIn a browser: {out / 'index.html'} (each bundle's report.html under "
              f"{out / 'reports'})")
+    unkept = reports_not_written(res.data)
+    if unkept:                      # a full disk: the night's one line on it, never silent
+        echo(f"nanbisect: warning: {unkept}", err=True)
     return res.exit_code
 
 

@@ -26,8 +26,17 @@ Guarantees:
   signal) and returns; ``kill -9`` leaves the last summary written.
 - Each bundle's report directory is kept at ``out/reports/NAME`` (never inside the bundle;
   `nanbisect.nightly.reports`), replaced whole, removed when the bundle has no report tonight.
-- Analyses are cached as JSON in ``out/cache`` (nothing pickled), with a copy of each report
-  directory, keyed by the manifest's sha256
+  One that cannot be written there (a full disk, a read-only or foreign directory in its way)
+  leaves the bundle's row in place with ``report_error`` (one line: the OSError's strerror and
+  the path), listed in triage.md; such a night exits 2 unless a signature is new (3), and the
+  command says so in one line on stderr (`summary.reports_not_written`).
+- ``--known FILE`` that does not exist yet (a nightly job's first night) is an empty list, with a
+  note on stderr and in triage.json's ``notes``; one that is not a regular file (a directory,
+  /dev/zero, a FIFO) is refused, one line (`known`).
+- Analyses are cached as JSON in ``out/cache``, or in ``cache`` (``--cache``: a directory that
+  dated ``out`` folders share; made at the start, like ``out``; nothing pickled), with a copy
+  of each report directory (a hit whose copy is gone is replayed), keyed by the manifest's
+  sha256
   (which holds every file's; the files are checked against it before each lookup), the entry
   string, the sha256 of the entry file and of every user source file the manifest lists *as they
   are on disk now* (editing the code invalidates the entry: a fixed bug does not keep its old
@@ -59,8 +68,10 @@ which that function and the command call. The package is named ``nightly`` so th
 by the API and never imports it.
 
 The package's internal interface (what its modules share, not for other stages):
-- `find.check_roots` (the roots refused before anything runs) and `find.MAX_MANIFEST` (the bound
-  on a manifest read while discovering: `read_bundle`'s own), used by `night`, `cache`, `summary`;
+- `find.check_roots` and `find.check_outputs` (the roots, ``--out`` and ``--cache`` refused
+  before anything runs) and `find.MAX_MANIFEST` (the bound on a manifest read while
+  discovering: `read_bundle`'s own), used by `night`, `cache`, `summary` (and by the API's
+  checks, `nanbisect.api.check_triage`);
 - `cache.Cache` (the cache directory: lookups and stores) and `cache.MAX_REPORT` (the bound on a
   cached or replayed report.json), used by `night` and `one_bundle`;
 - `summary.NightState` (the night so far: rows, errors, what triage.json/md and index.html are
@@ -68,14 +79,17 @@ The package's internal interface (what its modules share, not for other stages):
 - `backends.connect_backend` (the cluster connected: joblib's configuration, slots, wave size)
   and `backends.jobs_for` (the slots for a night of bundles), used by `night`;
 - `one_bundle.analyse_one` (one bundle's replay in a process of its own; never raises), which `night`
-  hands to joblib.
+  hands to joblib;
+- `known.check_known`, `known.load_known` and `known.given_known` (the ``--known`` file, or the
+  signatures given as values), used by the API (`nanbisect.api.check_triage`, `triage`).
 
 Exit protocol (for CI):
   0  no failures: every bundle replayed clean
   1  failures, all with known signatures (``--known``)
   3  at least one new signature
-  2  no new signature, but some bundle could not be triaged (listed in ``errors``); an
-     interrupted run is never 0 or 1
+  2  no new signature, but some bundle could not be triaged (listed in ``errors``) or its
+     report could not be written (``report_error`` on its row); an interrupted run is never
+     0 or 1
 """
 from __future__ import annotations
 
@@ -88,8 +102,8 @@ _WHERE = {"BACKENDS": "backends", "CONNECT_TIMEOUT": "backends", "CACHE_SCHEMA":
           "find_bundles": "find", "DEFAULT_TIMEOUT": "night", "triage": "night",
           "normalise_module": "signatures", "signature": "signatures", "EXIT_CLEAN": "summary",
           "EXIT_ERRORS": "summary", "EXIT_KNOWN": "summary", "EXIT_NEW": "summary",
-          "SCHEMA": "summary", "TriageResult": "summary", "load_known": "summary",
-          "to_markdown": "summary"}
+          "SCHEMA": "summary", "TriageResult": "summary", "load_known": "known",
+          "reports_not_written": "summary", "to_markdown": "summary"}
 
 __all__ = sorted(_WHERE)
 

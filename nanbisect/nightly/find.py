@@ -3,6 +3,8 @@ and why.
 
 Guarantees: iterative (any depth), never follows a link, never opens more than the first 4 KiB
 of a manifest, never searches hidden directories, report directories or a bundle's own parts.
+What triage is given to search and to write into is refused before anything runs
+(`check_roots`, `check_outputs`), with the standard library only (no torch).
 """
 from __future__ import annotations
 
@@ -152,3 +154,14 @@ def check_roots(roots: list[Path]) -> None:
         if not Path(root).is_dir():
             raise BadInput(f"triage: '{root}' is a file, not a directory; pass directories "
                            "holding bundles")
+
+
+def check_outputs(out: Path | None, cache: Path | None) -> None:
+    """`BadInput` when ``--out`` or ``--cache`` names something that is not a directory (either
+    may not exist yet: triage makes it)."""
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise BadInput(f"triage: --out '{out}' is a file; pass a directory for triage.json, "
+                       "triage.md and the cache")
+    if cache is not None and Path(cache).exists() and not Path(cache).is_dir():
+        raise BadInput(f"triage: --cache '{cache}' is a file; pass a directory for the cached "
+                       "analyses (a new one, or the --cache of earlier nights)")

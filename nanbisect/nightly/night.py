@@ -16,8 +16,8 @@ from nanbisect import proc
 from nanbisect.errors import BadInput, signal_name
 from nanbisect.nightly.backends import connect_backend, jobs_for
 from nanbisect.nightly.cache import Cache, cache_key
-from nanbisect.nightly.find import check_roots, discover
-from nanbisect.nightly.reports import copy_in, drop
+from nanbisect.nightly.find import check_outputs, check_roots, discover
+from nanbisect.nightly.reports import copy_report, drop
 from nanbisect.nightly.summary import NightState, TriageResult
 from nanbisect.nightly.one_bundle import analyse_one
 from nanbisect.util.numbers import NUMBERS, check_environment
@@ -52,13 +52,17 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
            cache: Path | None = None, options: dict | None = None, out: Path | None = None,
            timeout: float = DEFAULT_TIMEOUT, backend: str = "loky",
            scheduler: str | None = None, address: str | None = None,
-           progress: Callable[[int, int], None] | None = None) -> TriageResult:
+           progress: Callable[[int, int], None] | None = None,
+           notes: list[str] | None = None) -> TriageResult:
     """Triage every bundle under ``roots``; with ``out``, keep ``out/triage.json`` and
-    ``out/triage.md`` current and cache in ``out/cache`` (or ``cache``).
+    ``out/triage.md`` current and cache in ``out/cache`` (or ``cache``: a directory several
+    ``out`` share, such as one dated folder a night).
 
     ``progress(done, total)``, when given, is called in this thread once the bundles are found
     (``done`` 0) and after each bundle finishes (answered from the cache, an error row, or
-    replayed), ``total`` the bundles found; an exception it raises is ignored.
+    replayed), ``total`` the bundles found; an exception it raises is ignored. ``notes``: lines
+    the summary carries (triage.json's ``notes``), such as a ``--known`` file that does not
+    exist yet.
 
     >>> import shutil, tempfile
     >>> night = Path(tempfile.mkdtemp())
@@ -77,17 +81,14 @@ def triage(roots: list[Path], *, jobs: int | None = None, known: set[str] = froz
     if jobs is not None:
         NUMBERS["--jobs"].check(jobs, "triage")
     check_environment("triage")     # every replay reads them: a bad one, before the first
-    if out is not None:
-        out = Path(out)
-        if out.exists() and not out.is_dir():
-            raise BadInput(f"triage: --out '{out}' is a file; pass a directory for triage.json, "
-                           "triage.md and the cache")
-        cache = cache if cache is not None else out / "cache"
+    out = None if out is None else Path(out)
+    cache = Path(cache) if cache is not None else None if out is None else out / "cache"
+    check_outputs(out, cache)
     options = {"reference": "none", **(options or {})}
     previous = _last_night(out)
     state = NightState(roots, set(known), out, options, backend, timeout,
                    previous=previous if previous is not None or not known else set(known),
-                   progress=progress)
+                   progress=progress, notes=list(notes or []))
     store = Cache(cache)
     with _interruptible():
         try:
@@ -125,7 +126,7 @@ def _night(roots: list[Path], state: NightState, store: Cache, out: Path | None,
         state.leftovers = [{"path": "", "bytes": 0, "age_s": 0.0, "kind": "error",
                             "error": f"{type(e).__name__}: {str(e)[:200]}"}]
     with connect_backend(backend, scheduler, address, jobs) as (config, n_jobs, wave):
-        _first_write(out, state)
+        _first_write(out, cache, state)
         todo = _lookup(bundles, options, store, state)
         state.write()
         todo, copies = _copies(todo)
@@ -148,20 +149,24 @@ def _last_night(out: Path | None) -> set[str] | None:
             and isinstance(g.get("signature"), str)}
 
 
-def _first_write(out: Path | None, state: NightState) -> None:
-    """Create ``out`` and write the night's summary once, strictly: a full or read-only --out
-    fails now (`BadInput`, the directories made for it removed again), not after the replays."""
-    made = [] if out is None else [d for d in (out, *out.absolute().parents) if not d.exists()]
-    if out is not None:
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise BadInput(f"triage: cannot create --out '{out}' ({e.strerror}); "
-                           "pass a writable directory") from None
+def _first_write(out: Path | None, cache: Path | None, state: NightState) -> None:
+    """Create ``out`` and ``cache`` and write the night's summary once, strictly: a full or
+    read-only --out, or a --cache that cannot be made, fails now (`BadInput`, the directories
+    made for them removed again), not after the replays."""
+    made = []
     try:
+        for d, flag in ((out, "--out"), (cache, "--cache")):
+            if d is None:
+                continue
+            made += [p for p in (d, *d.absolute().parents) if not p.exists() and p not in made]
+            try:
+                d.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise BadInput(f"triage: cannot create {flag} '{d}' ({e.strerror}); "
+                               "pass a writable directory") from None
         state.write(final=True)
     except BadInput:
-        for d in made:
+        for d in sorted(made, key=lambda p: len(p.parts), reverse=True):
             with contextlib.suppress(OSError):
                 d.rmdir()
         raise
@@ -199,10 +204,14 @@ def _lookup(bundles: list[Path], options: dict, store: Cache, state: NightState
                        "kind": "malformed", "seconds": round(time.monotonic() - t0, 2)}, False)
             continue
         hit = store.get(key)
-        if hit is not None:
-            src, dest = store.report_dir(key), state.report_path(name)
-            kept = {"report_dir": str(dest)} if src and dest and copy_in(src, dest) else {}
-            if dest is not None and not kept:
+        src, dest = store.report_dir(key), state.report_path(name)
+        if hit is not None and (src is not None or dest is None):
+            # NB: a hit whose report copy is gone (the cache could not keep it) is replayed
+            # instead: the night keeps a report of every bundle
+            why = None if dest is None else copy_report(src, dest)
+            kept = {} if dest is None else {"report_dir": str(dest)} if why is None else \
+                {"report_error": why}
+            if why is not None:
                 drop(dest)
             state.add({"bundle": name, "report": hit, **kept,
                        "seconds": round(time.monotonic() - t0, 2)}, True)

@@ -18,7 +18,7 @@ from pathlib import Path
 from nanbisect.errors import signal_name
 from nanbisect.util.numbers import omp_threads
 from nanbisect.nightly.cache import MAX_REPORT
-from nanbisect.nightly.reports import place
+from nanbisect.nightly.reports import place_report
 from nanbisect import proc
 from nanbisect.util import lockdir
 from nanbisect.util.files import read_json
@@ -125,12 +125,14 @@ def _run_args(bundle: str, out: Path, options: dict) -> list[str]:
 
 
 def _outcome(rc: int, tmp: Path, out: Path, keep: str | None) -> dict:
-    """What a replay that exited with ``rc`` gave: {report[, report_dir]} (its report directory
-    ``out`` placed at ``keep`` when given), or {error, kind[, stderr]}."""
+    """What a replay that exited with ``rc`` gave: {report[, report_dir | report_error]} (its
+    report directory ``out`` placed at ``keep`` when given, or why it could not be), or
+    {error, kind[, stderr]}."""
     stderr = _tail(tmp / "stderr")
     report = _read_report(out) if rc in (0, 1, 3) else None
     if report is not None:
-        kept = {"report_dir": keep} if keep and place(out, Path(keep)) else {}
+        why = place_report(out, Path(keep)) if keep else None
+        kept = {} if not keep else {"report_dir": keep} if why is None else {"report_error": why}
         return {"report": report, **kept}
     extra = {"stderr": stderr[-_STDERR_TAIL:]} if stderr.strip() else {}
     if rc < 0:
@@ -150,7 +152,7 @@ def analyse_one(bundle: str, options: dict, timeout: float, parent: int,
     directory goes under ``scratch`` (the triage run's, when this machine has it); its report
     directory is kept at ``keep`` (`place`), when given and writable from here.
 
-    Returns {bundle, report, seconds[, report_dir]} or {bundle, error, kind,
+    Returns {bundle, report, seconds[, report_dir | report_error]} or {bundle, error, kind,
     seconds[, stderr]}."""
     t0 = time.monotonic()
 

@@ -1,7 +1,10 @@
-"""The summary of a run: ``triage.json`` (rows, signature groups, exit code) and ``triage.md``,
-and the known signatures a run is compared with.
+"""The summary of a run: ``triage.json`` (rows, signature groups, exit code, notes) and
+``triage.md``.
 
 Guarantees: each write replaces the whole file atomically (a reader never sees half of one).
+A bundle whose report could not be kept under ``OUT/reports`` says why on its row
+(``report_error``, one line), in triage.md, and in the one line `reports_not_written` makes of
+them all; such a night is never 0 or 1 (`EXIT_ERRORS`, unless a signature is new).
 """
 from __future__ import annotations
 
@@ -57,6 +60,7 @@ class NightState:
     written: float = 0.0
     previous: set | None = None                     # the last night's signatures, if any
     progress: Callable[[int, int], None] | None = None   # (done, total): `tell`
+    notes: list = field(default_factory=list)      # one line each, said once (triage.json)
 
     def report_path(self, bundle: str) -> Path | None:
         """Where ``bundle``'s report is kept: ``out/reports/NAME`` (None without ``out``)."""
@@ -99,9 +103,10 @@ class NightState:
             if created and (g["first_seen"] is None or created < g["first_seen"]):
                 g["first_seen"], g["example"] = created, r["bundle"]
         sigs = sorted(groups.values(), key=lambda g: (-g["count"], g["signature"]))
+        unkept = any(r.get("report_error") for r in results)
         if any(not g["known"] for g in sigs):
             code = EXIT_NEW
-        elif errors or self.interrupted or self.pending:
+        elif errors or self.interrupted or self.pending or unkept:
             code = EXIT_ERRORS
         elif sigs:
             code = EXIT_KNOWN
@@ -118,7 +123,7 @@ class NightState:
                 "bundles": [{k: v for k, v in r.items() if k not in ("created", "older")}
                             for r in results],
                 "signatures": sigs, "errors": errors, "skipped": self.skipped,
-                "leftovers": self.leftovers, "exit_code": code}
+                "leftovers": self.leftovers, "notes": list(self.notes), "exit_code": code}
 
     def write(self, final: bool = False) -> dict | None:
         """Replace the summary files; during the run a failed write is retried at the next
@@ -137,8 +142,11 @@ class NightState:
                 write_atomic(self.out / "index.html", _index(data))
             except OSError as e:
                 if final:
+                    unkept = sum(bool(b.get("report_error")) for b in data["bundles"])
                     raise BadInput(f"triage: cannot write triage.json into --out '{self.out}' "
-                                   f"({e.strerror or e}); pass a writable directory") from None
+                                   f"({e.strerror or e}); pass a writable directory"
+                                   + (f" (the reports of {unkept} bundle(s) could not be "
+                                      "written either)" if unkept else "")) from None
         return data
 
     def tell(self) -> None:
@@ -180,8 +188,11 @@ class NightState:
                            "seconds": res.get("seconds", 0.0), "worker": res.get("worker"),
                            "threads": res.get("threads"),
                            "report_dir": self._relative(res.get("report_dir")),
+                           "report_error": _report_error(res, self.out),
                            **({"same_as": res["same_as"]} if "same_as" in res else {}),
                            "created": _created(Path(b))}
+        if not res.get("report_dir") and self.report_path(b) is not None:
+            drop(self.report_path(b))           # an earlier night's verdict is not tonight's
 
 
     def _relative(self, path: str | None) -> str | None:
@@ -192,6 +203,35 @@ class NightState:
             return Path(path).absolute().relative_to(self.out.absolute()).as_posix()
         except ValueError:
             return path
+
+
+def _report_error(res: dict, out: Path | None) -> str | None:
+    """Why a finished bundle's report is not under ``out`` (one bounded line), None when it
+    is (or when there is no ``out``)."""
+    if out is None or res.get("report_dir"):
+        return None
+    return clip(res.get("report_error") or "its report directory was not kept (no reason "
+                "given)", MAX_ERROR)
+
+
+def reports_not_written(data: dict) -> str | None:
+    """One line for a night some of whose reports could not be written (the count, the first
+    reason, the fix), None when every report was kept.
+
+    >>> print(reports_not_written({"bundles": [{"bundle": "a", "report_error": None},
+    ...     {"bundle": "b", "report_error": "No space left on device: '/n/reports/b-1'"}]}))
+    the report of 1 of 2 bundle(s) could not be written (b: No space left on device:
+    '/n/reports/b-1'); free space there (or make it writable) and run triage again;
+    triage.json's report_error names each
+    """
+    unkept = [b for b in data.get("bundles") or [] if b.get("report_error")]
+    if not unkept:
+        return None
+    first = unkept[0]
+    return (f"the report of {len(unkept)} of {len(data['bundles'])} bundle(s) could not be "
+            f"written ({clip(first['bundle'], 200)}: {clip(first['report_error'], 400)}); "
+            "free space there (or make it writable) and run triage again; triage.json's "
+            "report_error names each")
 
 
 def _index(data: dict) -> str:
@@ -235,26 +275,14 @@ def _created(bundle: Path) -> str | None:
     return None
 
 
-def load_known(path: Path) -> set[str]:
-    """Known signatures: a previous triage.json, or a text file with one signature a line."""
-    try:
-        text = path.read_text()
-    except (OSError, UnicodeDecodeError) as e:
-        raise BadInput(f"--known '{path}': {getattr(e, 'strerror', None) or e}; pass a "
-                       "triage.json or a text file") from None
-    try:
-        return {g["signature"] for g in json.loads(text)["signatures"]}
-    except (ValueError, KeyError, TypeError, RecursionError):
-        return {line.strip() for line in text.splitlines() if line.strip()}
-
-
 def to_markdown(data: dict) -> str:
     state = ("" if data.get("finished", True) else
              f" (running: {len(data.get('pending') or [])} bundle(s) still pending)")
     if data.get("interrupted"):
         state = f" (interrupted by {data['interrupted']})"
+    notes = [f"Note: {clip(n, MAX_ERROR)}" for n in data.get("notes") or []]
     lines = ["# nanbisect triage", "", counts_text(data) + f"; exit code {data['exit_code']}"
-             f"{state}.", "",
+             f"{state}.", ""] + (notes + [""] if notes else []) + [
              "| count | signature (origin @ line, module, phase, dtypes, classification) | "
              "made finite by | "
              "first seen | example | known |", "|---|---|---|---|---|---|"]
@@ -265,6 +293,10 @@ def to_markdown(data: dict) -> str:
     if data["errors"]:
         lines += ["", "## Errors", ""] + [f"- `{e['bundle']}`: {clip(e['error'], MAX_ERROR)}"
                                           for e in data["errors"]]
+    unkept = [b for b in data["bundles"] if b.get("report_error")]
+    if unkept:
+        lines += ["", "## Reports not written", ""] + [
+            f"- `{b['bundle']}`: {clip(b['report_error'], MAX_ERROR)}" for b in unkept]
     clean = [b["bundle"] for b in data["bundles"] if b["signature"] is None]
     if clean:
         lines += ["", "## No failure", ""] + [f"- `{b}`" for b in clean]

@@ -82,7 +82,7 @@ def usage_cases(tmp_path):
         (["triage", b, "--out", f], ["--out", "is a file"]),
         (["triage", b, "--backend", "spark"], ["unknown --backend 'spark'"]),
         (["triage", b, "--scheduler", "tcp://x:1"], ["--scheduler", "--backend dask"]),
-        (["triage", b, "--known", "nope.json"], ["--known 'nope.json'"]),
+        (["triage", b, "--known", "/dev/zero"], ["--known '/dev/zero' is a character device"]),
         (["pack", "nope"], ["pack: 'nope' is not a directory"]),
         (["unpack", "nope.tar.gz", str(tmp_path / "d")], ["unpack: 'nope.tar.gz' is not a file"]),
         (["unpack", f, str(full)], ["exists and is not empty"]),
