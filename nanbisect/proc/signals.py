@@ -139,9 +139,10 @@ def imports_whole() -> Iterator[None]:
     set from C code, the block changes nothing. Not guaranteed: an import that never ends
     holds the interrupt for as long.
 
+    >>> before = signal.getsignal(signal.SIGINT)
     >>> with imports_whole():
     ...     import json
-    >>> signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    >>> signal.getsignal(signal.SIGINT) is before
     True
     """
     old = signal.getsignal(signal.SIGINT)

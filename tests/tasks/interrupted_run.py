@@ -26,6 +26,11 @@ class Trip(importlib.abc.MetaPathFinder):
 
 
 def main() -> None:
+    # as in a terminal or a notebook's kernel: Ctrl-C raises KeyboardInterrupt (a process started
+    # in the background by a shell inherits SIGINT ignored, which Python then leaves ignored;
+    # or blocked)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     sys.meta_path.insert(0, Trip())
     import nanbisect
 
