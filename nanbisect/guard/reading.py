@@ -57,8 +57,8 @@ class Reader:
         """The screen of the step, read back in its one host synchronisation: (the device, the
         scaler's live scale, slot -> value, the ranks' failure flag (under torch.distributed)).
         Slots: the loss, the sum of the parameters' norms (the screen), the gradients' global
-        norm (their finiteness flag), the floating buffers' norm (``buffers``, when the model
-        has some), and what the step or the history adds. ``before``: read
+        norm (their finiteness flag), the floating buffers' NaN flag (``buffers``, when the
+        model has some: NaN when one holds a NaN), and what the step or the history adds. ``before``: read
         just before the update (the parameters are the step's pre-state: they are the previous
         step's "after" in the history); the flag is [a failure, a failure whose update ran].
         """
@@ -80,7 +80,7 @@ class Reader:
                 if g.history is not None else None
             # the model's floating buffers (running statistics, a codebook's moving averages),
             # as the forward left them, in the same pass: a NaN the model makes in one is
-            # caught at that step
+            # caught at that step (inf there may be by design: a mask, an observer's minimum)
             norms, buffers = step_and_buffer_norms(
                 params, [q.grad for q in params], [b for b in p.buffers if floating(b)], dev,
                 out=row)
@@ -170,7 +170,9 @@ class Reader:
         named = list(g.task.model.named_parameters())
         grads = bad_names([(n, q.grad) for n, q in named if q.grad is not None])
         params = bad_names([(n, q.data) for n, q in named])
-        buffers = bad_names([(n, b) for n, b in g.task.model.named_buffers() if floating(b)])
+        # a buffer fails with NaN only (inf may be by design: a mask, an observer's minimum)
+        buffers = {"nan": bad_names([(n, b) for n, b in g.task.model.named_buffers()
+                                     if floating(b)])["nan"], "inf": []}
         loss_kind = value_kind(loss) if loss is not None else "unknown"
         if loss_kind not in ("nan", "inf") and not any(params.values()) and not stalled \
                 and not applied and not any(buffers.values()):
@@ -196,7 +198,7 @@ class Reader:
                "summary": summary, "nonfinite_grads": listed_names(grads),
                "nonfinite_params": listed_names(params)}
         if any(buffers.values()):
-            summary["buffers"] = "nan" if buffers["nan"] else "inf"
+            summary["buffers"] = "nan"
             out["nonfinite_buffers"] = listed_names(buffers)
         if grad_norm is not None:
             out["grad_norm"] = grad_norm if value_kind(grad_norm) == "finite" else \

@@ -52,13 +52,14 @@ def step_and_buffer_norms(params: list[torch.Tensor], grads: list[torch.Tensor |
                           buffers: list[torch.Tensor], device: torch.device,
                           out: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """`step_norms`, and the float32 L2 norm of ``buffers``' norms ([1]; None without buffers)
-    from the same foreach call: non-finite iff some buffer element is (or the sum overflows)."""
+    """`step_norms`, and the buffers' NaN flag ([1]: NaN when some element of ``buffers`` is
+    NaN, else 0; None without buffers) from the same foreach call. Only NaN: a buffer may hold
+    inf by design (an attention mask of -inf, an observer's running minimum of +inf)."""
     n = len(params)
     bufs = local_each(buffers)
     if not n:
         return (torch.zeros(2, 0, device=device) if out is None else out), (
-            torch.linalg.vector_norm(tensor_norms(bufs, device)).reshape(1) if bufs else None)
+            _nan_flag(tensor_norms(bufs, device)) if bufs else None)
     ps = local_each(params)
     gs = local_each(g for g in grads if g is not None)
     if len(gs) < n:
@@ -73,14 +74,18 @@ def step_and_buffer_norms(params: list[torch.Tensor], grads: list[torch.Tensor |
             else foreach_norm(every, 2, dtype=torch.float32)
     except (RuntimeError, TypeError):   # another device, a dtype foreach has no kernel for
         both = torch.stack([tensor_norms(ps, device), tensor_norms(gs, device)])
-        extra = torch.linalg.vector_norm(tensor_norms(bufs, device)).reshape(1) if bufs \
-            else None
+        extra = _nan_flag(tensor_norms(bufs, device)) if bufs else None
         return (both if out is None else out.copy_(both)), extra
-    extra = torch.linalg.vector_norm(torch.stack(norms[2 * n:])).reshape(1) if bufs else None
+    extra = _nan_flag(torch.stack(norms[2 * n:])) if bufs else None
     if out is None:
         return torch.stack(norms[:2 * n]).view(2, n), extra
     torch.stack(norms[:2 * n], out=out.view(2 * n))
     return out, extra
+
+
+def _nan_flag(norms: torch.Tensor) -> torch.Tensor:
+    """[1]: NaN when some of ``norms`` is NaN (a NaN element; an inf one gives inf), else 0."""
+    return torch.zeros(1, device=norms.device).masked_fill(norms.isnan().any(), float("nan"))
 
 
 def screen_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:

@@ -19,9 +19,8 @@ from nanbisect.errors import BadInput
 from nanbisect.pipeline.common import (Progress, RunOptions, captured_type, guarded,
                                        reference_kernels_note, target_wrap)
 from nanbisect.pipeline.analysis import analyse
-from nanbisect.records import fidelity_tier
+from nanbisect.records import before_the_step, fidelity_tier
 from nanbisect.reference import kernels as registry
-from nanbisect.records import before_the_step
 from nanbisect.reference.window import made_in, replay_window
 from nanbisect.replay.fidelity import match_threads
 from nanbisect.replay.replayer import Replayer

@@ -263,12 +263,15 @@ class Replayer:
 
     def input_faults(self, batch: Any) -> list[BadValue]:
         """Non-finite values present before the step runs (``-inf`` in a batch is allowed:
-        masks)."""
+        masks; in a buffer only NaN counts: an attention mask of -inf, an observer's minimum of
+        +inf are buffers by design)."""
         model, opt = self.task.model, self.task.optimizer
         bad = [b for b in _scan("batch", iter_tensors(batch), True) if b.nan or b.posinf]
         bad += _scan("parameter", model.named_parameters(), True)
-        bad += _scan("buffer", ((n, b) for n, b in model.named_buffers() if floating(b)),
-                     True)
+        # a buffer may hold inf by design (an attention mask of -inf, an observer's running
+        # minimum of +inf): only NaN is a fault there
+        bad += [b for b in _scan("buffer", ((n, b) for n, b in model.named_buffers()
+                                            if floating(b)), True) if b.nan]
         if opt is not None:
             names = {p: n for n, p in model.named_parameters()}
             bad += _scan("optimizer", ((f"{names.get(p, '?')}.{k}", v) for p, st in
@@ -321,10 +324,11 @@ class Replayer:
                             if not self.lockstep:
                                 return failed
                         elif failed is None:
-                            # a finite loss, and a buffer the forward made non-finite (a moving
+                            # a finite loss, and a buffer the forward made NaN (a moving
                             # average's 0/0): the step failed there, in forward
-                            bufs = _scan("buffer", ((n, b) for n, b in task.model.named_buffers()
-                                                    if floating(b)), fused=True)
+                            bufs = [b for b in _scan("buffer", (
+                                (n, b) for n, b in task.model.named_buffers() if floating(b)),
+                                fused=True) if b.nan]      # inf there may be by design
                             if bufs:
                                 failed = StepOutcome(loss_v, "forward", bufs, kept,
                                                      micro_batch=ev.micro)

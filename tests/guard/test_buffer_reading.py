@@ -5,6 +5,8 @@ in forward. A pre-state that already holds the NaN (a capture after that step) i
 the report says whose it is."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -90,3 +92,22 @@ def test_a_pre_state_whose_buffers_are_bad_is_traced_back_through_the_lookback(t
                           "through the bundle's lookback to step 0, whose replay made them: the "
                           "culprit is that step's")
     assert r.facts.observed["step"] == 1
+
+
+def test_buffers_that_hold_inf_by_design_are_no_failure(tmp_path):
+    """A -inf causal mask and a +inf running minimum (tests/tasks/inf_buffers.py): the Guard
+    trains on (it bundled step 0 as a failure), and a real NaN in the same model is bisected to
+    its op (the replay stopped at "non-finite values before the step")."""
+    import inf_buffers
+
+    entry = TEST_TASKS / "inf_buffers.py"
+    task = inf_buffers.healthy()
+    guard = nanbisect.Guard(task, entry=f"{entry}:healthy", out=tmp_path / "g")
+    losses = [guard.step(inf_buffers.batch(s)) for s in range(4)]
+    assert all(math.isfinite(v) for v in losses)
+    assert not list((tmp_path / "g").glob("step*"))          # no bundle written
+    nanbisect.capture(inf_buffers.faulty(), inf_buffers.batch(), tmp_path / "b",
+                      entry=f"{entry}:faulty")
+    r = run_bundle(tmp_path / "b", RunOptions(run_repro=False), tmp_path / "r")
+    assert (r.verdict, r.culprit.op, r.culprit.phase) == ("culprit", "aten.sqrt.default",
+                                                          "forward")
