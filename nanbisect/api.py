@@ -187,7 +187,9 @@ def run(bundle: PathLike, *, target: str | DeviceSpec | None = None,
     from nanbisect.proc import imports_whole
 
     start(path, options)
-    with imports_whole():       # the first import of torch happens here: see `replay`
+    # a Ctrl-C in the middle of `import torch` (the first run of a fresh interpreter) would
+    # leave torch half-imported for every later run: held until that import is over
+    with imports_whole(), _ONE_RUN:
         from nanbisect.util.torch_internals import check_torch_version
 
         if (too_old := check_torch_version()) is not None:
@@ -212,16 +214,11 @@ def replay(bundle: Path, options: RunOptions, progress: Progress | None = None) 
     ``nanbisect run`` both end in (`nanbisect.pipeline.run_bundle`, the report written to
     ``options.out``, else ``BUNDLE/nanbisect-report``); a ``SystemExit`` of the entry's code
     becomes a `BadInput`."""
-    from nanbisect.proc import imports_whole
+    from nanbisect.pipeline import run_bundle
 
     pid = os.getpid()
     try:
-        # a Ctrl-C in the middle of `import torch` (the first run of a fresh interpreter) would
-        # leave torch half-imported for every later run: held until that import is over
-        with imports_whole(), _ONE_RUN:
-            from nanbisect.pipeline import run_bundle
-
-            return run_bundle(bundle, options, options.out, progress or _silent)
+        return run_bundle(bundle, options, options.out, progress or _silent)
     except SystemExit as e:
         if os.getpid() != pid:      # a forked child unwinding: it is not this call's to answer
             raise

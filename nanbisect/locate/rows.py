@@ -237,10 +237,16 @@ class RowTracer(ti.ObserverMode):
         else:
             self.bad.pop(key, None)
 
-    def _bad_rows(self, o: torch.Tensor, s: Aligned) -> set[int]:
-        """The batch rows whose entries of ``o`` (rows ``s``) hold the failure's kind."""
-        w = widened(o)
-        bad = w.isnan() if self.kind == "nan" else ~w.isfinite()
+    def _bad(self, t: torch.Tensor) -> torch.Tensor:
+        """Where ``t`` holds the failure's kind (NaN; or NaN and inf)."""
+        w = widened(t)
+        return w.isnan() if self.kind == "nan" else ~w.isfinite()
+
+    def _bad_rows(self, o: torch.Tensor, s: Aligned, bad: torch.Tensor | None = None
+                  ) -> set[int]:
+        """The batch rows whose entries of ``o`` (rows ``s``) hold the failure's kind (``bad``:
+        `_bad` of ``o``, when the caller has it)."""
+        bad = self._bad(o) if bad is None else bad
         if not bool(bad.any()):
             return set()
         per = bad.movedim(s.axis, 0).reshape(o.shape[s.axis], -1).any(1)
@@ -310,8 +316,7 @@ class RowTracer(ti.ObserverMode):
             if seeded is not None and rows:
                 out[seeded] = frozenset(rows)
             return out or None
-        w = widened(t)
-        if carried and not bool((~w.isnan() if self.kind == "nan" else w.isfinite()).all()):
+        if carried and bool(self._bad(t).any()):
             for root, rows in carried.items():
                 self.reached.setdefault(root, set()).update(rows)
                 self.met.setdefault(root, f"{op} in {self.phase}")
@@ -357,8 +362,7 @@ class RowTracer(ti.ObserverMode):
             for o, s in zip(outs, states):
                 if not (o.is_floating_point() or o.is_complex()):
                     continue
-                w = widened(o)
-                bad = w.isnan() if self.kind == "nan" else ~w.isfinite()
+                bad = self._bad(o)
                 if not bool(bad.any()):
                     continue
                 if s is None:
@@ -366,7 +370,7 @@ class RowTracer(ti.ObserverMode):
                                   "from the model's state alone")
                 if isinstance(s, str):
                     return None, f"the first bad value mixes the batch's rows ({s})"
-                found |= self._bad_rows(o, s)
+                found |= self._bad_rows(o, s, bad)
         return (sorted(found), None) if found else (
             None, "no output of the culprit op held the bad value again")
 

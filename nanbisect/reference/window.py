@@ -133,8 +133,7 @@ def replay_window(bundle: Bundle, window: Window, k: int, target: tuple, referen
         raise BadInput(f"--steps {k}: bundle '{bundle.path}' recorded {n} step(s) "
                        f"(steps {window.steps[0]['step']}..{window.steps[-1]['step']}); pass "
                        f"--steps between 1 and {n}")
-    views = [window.state_view(bundle)]
-    views += [views[0].with_step(window, i) for i in range(1, n)]
+    views = _views(bundle, window)
     t_rep = Replayer(views[0], target[0], target[1], entry=entry, run_top_level=run_top_level)
     r_rep = Replayer(views[0], reference[0], reference[1], entry=t_rep.entry,
                      run_top_level=t_rep.run_top_level)
@@ -182,6 +181,13 @@ def replay_window(bundle: Bundle, window: Window, k: int, target: tuple, referen
     return WindowResult(rows, divergent, first, reached, view, notes)
 
 
+def _views(bundle: Bundle, window: Window) -> list[BundleView]:
+    """Each window step's bundle: the snapshot's state with the first step's inputs, then each
+    later step's inputs."""
+    first = window.state_view(bundle)
+    return [first] + [first.with_step(window, i) for i in range(1, len(window.steps))]
+
+
 def made_in(bundle: Bundle, window: Window, target: tuple, wrap: Callable[[], ContextManager],
             entry: str | None, progress: Callable[[str], None] = lambda text: None, *,
             run_top_level: bool = False) -> tuple[int, BundleView] | None:
@@ -191,8 +197,7 @@ def made_in(bundle: Bundle, window: Window, target: tuple, wrap: Callable[[], Co
     snapshot itself already holds the values. Where a failing step's non-finite pre-state was
     made (`nanbisect.pipeline.steps.trace_back`)."""
     n = len(window.steps)
-    views = [window.state_view(bundle)]
-    views += [views[0].with_step(window, i) for i in range(1, n)]
+    views = _views(bundle, window)
     rep = Replayer(views[0], target[0], target[1], entry=entry, run_top_level=run_top_level)
     for i in range(n - 1):
         step = window.steps[i]["step"]

@@ -65,6 +65,13 @@ def _scan(where: str, named, summed: bool = False, fused: bool = False) -> list[
     return out
 
 
+def _buffer_nans(model: torch.nn.Module, **how) -> list[BadValue]:
+    """The model's floating buffers that hold NaN (`_scan` with ``how``). Only NaN: a buffer may
+    hold inf by design (an attention mask of -inf, an observer's running minimum of +inf)."""
+    return [b for b in _scan("buffer", ((n, t) for n, t in model.named_buffers()
+                                        if floating(t)), **how) if b.nan]
+
+
 class Replayer:
     """A bundle's task, built once and restored to the pre-step state before each run.
 
@@ -268,10 +275,7 @@ class Replayer:
         model, opt = self.task.model, self.task.optimizer
         bad = [b for b in _scan("batch", iter_tensors(batch), True) if b.nan or b.posinf]
         bad += _scan("parameter", model.named_parameters(), True)
-        # a buffer may hold inf by design (an attention mask of -inf, an observer's running
-        # minimum of +inf): only NaN is a fault there
-        bad += [b for b in _scan("buffer", ((n, b) for n, b in model.named_buffers()
-                                            if floating(b)), True) if b.nan]
+        bad += _buffer_nans(model, summed=True)
         if opt is not None:
             names = {p: n for n, p in model.named_parameters()}
             bad += _scan("optimizer", ((f"{names.get(p, '?')}.{k}", v) for p, st in
@@ -326,9 +330,7 @@ class Replayer:
                         elif failed is None:
                             # a finite loss, and a buffer the forward made NaN (a moving
                             # average's 0/0): the step failed there, in forward
-                            bufs = [b for b in _scan("buffer", (
-                                (n, b) for n, b in task.model.named_buffers() if floating(b)),
-                                fused=True) if b.nan]      # inf there may be by design
+                            bufs = _buffer_nans(task.model, fused=True)
                             if bufs:
                                 failed = StepOutcome(loss_v, "forward", bufs, kept,
                                                      micro_batch=ev.micro)
