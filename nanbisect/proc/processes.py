@@ -41,6 +41,7 @@ class Processes:
     >>> import sys
     >>> with Processes(grace=0.5) as ps:
     ...     _ = ps.exec("ok", [sys.executable, "-c", "print('hi')"], output=True)
+    ...     _ = ps.wait(timeout=120)      # it ends (on a busy machine, not within 0.2 s)
     ...     _ = ps.exec("hangs", [sys.executable, "-c", "import time; time.sleep(60)"])
     ...     ps.wait(timeout=0.2)          # past its deadline: None, the children go on
     ...     _ = ps.stop()
