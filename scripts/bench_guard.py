@@ -102,11 +102,67 @@ CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-
 # mlp25m (issue 40): Linear 2048->4096->2048->4096 with GELU between, 25.2M parameters, batch 64
 # (about 288 MiB of parameters and AdamW moments)
 SIZES = {"default": {}, "tiny": dict(dim=128, heads=4, n_layers=2, seq=64, batch=8),
-         "mlp25m": dict(model="mlp", widths=(2048, 4096, 2048, 4096), batch=64)}
+         "mlp25m": dict(model="mlp", widths=(2048, 4096, 2048, 4096), batch=64),
+         # float features (frames, patches, embeddings) in, one regression target per position
+         # out: the batch's bytes set by its width (--batch-ratio), the model fixed
+         "features": dict(model="features", dim=128, heads=4, n_layers=3, seq=64, batch=8,
+                          width=128),
+         "features5m": dict(model="features", dim=256, heads=8, n_layers=6, seq=256, batch=8,
+                            width=256)}
 
 
-def mlp_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+class FeatureNet(torch.nn.Module):
+    """The GPT's blocks over float features (B, T, width): a width above ``dim`` is pooled to
+    ``dim`` first (a parameter-free front end, as audio or image patches are downsampled), so
+    the batch's bytes change and the model does not; a regression target per position."""
+
+    def __init__(self, width: int, dim: int, heads: int, n_layers: int) -> None:
+        super().__init__()
+        self.pool = width // dim if width > dim else 1
+        self.inp = torch.nn.Linear(min(width, dim), dim)
+        self.blocks = torch.nn.ModuleList(tinygpt.Block(torch.nn.GELU(), 0.0, dim, heads)
+                                          for _ in range(n_layers))
+        self.ln_f = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, W = x.shape
+        if self.pool > 1:
+            x = x.view(B, T, W // self.pool, self.pool).mean(-1)
+        h = self.inp(x)
+        mask = torch.zeros(B, 1, 1, T, device=x.device)
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(self.ln_f(h)).squeeze(-1)
+
+
+def features_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
+def state_bytes_of(model: torch.nn.Module) -> int:
+    """Parameters and AdamW's two moments, in bytes (the state a snapshot holds)."""
+    return 3 * sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def width_for_ratio(cfg: dict, ratio: float) -> int:
+    """The feature width whose batch (x and y, float32) is nearest ``ratio`` times the state's
+    bytes (a width above ``dim``: a multiple of it, pooled)."""
+    import math
+
+    dim, rows = cfg["dim"], cfg["batch"] * cfg["seq"]
+    blocks = state_bytes_of(torch.nn.ModuleList(
+        tinygpt.Block(torch.nn.GELU(), 0.0, dim, cfg["heads"]) for _ in range(cfg["n_layers"])))
+
+    def ratio_of(w: int) -> float:
+        return rows * (w + 1) * 4 / (blocks + state_bytes_of(FeatureNet(w, dim, 1, 0)))
+    widths = list(range(1, dim + 1)) + [dim * k for k in range(2, 257)]
+    return min(widths, key=lambda w: abs(math.log(ratio_of(w) / ratio)))
+
+
+def batch_bytes(batch) -> int:
+    return sum(v.numel() * v.element_size() for v in batch.values()
+               if isinstance(v, torch.Tensor))
 
 
 def make_task(cfg: dict = CONFIG) -> nanbisect.Task:
@@ -118,6 +174,9 @@ def make_task(cfg: dict = CONFIG) -> nanbisect.Task:
         for i in range(len(w) - 1):
             layers += [torch.nn.Linear(w[i], w[i + 1])] + [torch.nn.GELU()] * (i < len(w) - 2)
         model, loss_fn = torch.nn.Sequential(*layers).to(dev), mlp_loss
+    elif cfg.get("model") == "features":
+        model = FeatureNet(cfg["width"], cfg["dim"], cfg["heads"], cfg["n_layers"]).to(dev)
+        loss_fn = features_loss
     else:
         model = tinygpt.TinyGPT([torch.nn.GELU() for _ in range(cfg["n_layers"])],
                                 vocab=cfg["vocab"], dim=cfg["dim"], heads=cfg["heads"]).to(dev)
@@ -137,6 +196,11 @@ def make_batches(cfg: dict, device: str, n: int = 8) -> list[dict]:
         return [{"x": torch.randn(cfg["batch"], w[0], generator=g).to(device),
                  "y": torch.randn(cfg["batch"], w[-1], generator=g).to(device)}
                 for _ in range(n)]
+    if cfg.get("model") == "features":
+        g = torch.Generator().manual_seed(1)
+        shape = (cfg["batch"], cfg["seq"])
+        return [{"x": torch.randn(*shape, cfg["width"], generator=g).to(device),
+                 "y": torch.randn(*shape, generator=g).to(device)} for _ in range(n)]
     return [{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in
              tinygpt.make_batch(1 + i, pad=0, batch=cfg["batch"], seq=cfg["seq"],
                                 vocab=cfg["vocab"]).items()} for i in range(n)]
@@ -576,6 +640,9 @@ def main() -> None:
                          "measured (1: one step per side per round, all measured)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per batch (the size's)")
     ap.add_argument("--seq", type=int, default=None, help="tokens per sequence (the size's)")
+    ap.add_argument("--batch-ratio", type=float, default=None, metavar="R",
+                    help="--size features/features5m: the feature width whose batch is nearest "
+                         "R times the parameter + AdamW state bytes")
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                     help="wall-clock time, or this thread's CPU time (with --threads 1: robust "
@@ -602,6 +669,10 @@ def main() -> None:
     cfg = dict(CONFIG, **SIZES[args.size], scaler=args.scaler, clip=args.clip,
                device=args.device)
     cfg.update({k: v for k, v in (("batch", args.batch), ("seq", args.seq)) if v is not None})
+    if args.batch_ratio is not None:
+        if cfg.get("model") != "features":
+            ap.error("--batch-ratio needs --size features or features5m")
+        cfg["width"] = width_for_ratio(cfg, args.batch_ratio)
     if args.mem_side:
         print("MEMSIDE " + json.dumps(mem_side(args.mem_side, cfg, args.mem_steps,
                                                args.device)))
@@ -616,6 +687,8 @@ def main() -> None:
                zip(tasks["plain"].model.parameters(), t.model.parameters()))
     n_params = sum(p.numel() for p in tasks["plain"].model.parameters())
     batches = make_batches(cfg, args.device)
+    state = state_bytes_of(tasks["plain"].model)
+    ratio = batch_bytes(batches[0]) / state
 
     times: dict[str, list[float]] = {name: [] for name in names}
     same_loss = True
@@ -660,6 +733,7 @@ def main() -> None:
         "load_average": os.getloadavg(), "torch": torch.__version__,
         "threads": torch.get_num_threads(), "platform": platform.platform(),
         "processor": platform.processor(), "losses_identical": same_loss, "sides": {},
+        "state_bytes": state, "batch_bytes": batch_bytes(batches[0]), "batch_state_ratio": ratio,
         "pieces_ms_median": pieces, "snapshots": snap}
     for name in names:
         ts = times[name]
@@ -667,7 +741,9 @@ def main() -> None:
             "ms": summary(ts),
             "ratio_of_medians": statistics.median(ts) / med_p,
             "ratio_paired_median": statistics.median(t / p for p, t in zip(plain, ts))}
-    print(f"size {args.size}: {cfg} | params: {n_params:,} | AdamW | torch {torch.__version__}, "
+    print(f"size {args.size}: {cfg} | params: {n_params:,} | AdamW | a batch "
+          f"{batch_bytes(batches[0]) / 1e6:.3f} MB, {ratio:.4f}x the state's "
+          f"{state / 1e6:.1f} MB | torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.clock} clock, load average "
           f"{os.getloadavg()[0]:.1f} | {args.warmup} warm-up rounds, then {len(plain)} measured "
           f"steps per side in blocks of {args.block} (order rotating) | losses identical on "

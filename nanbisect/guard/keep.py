@@ -22,6 +22,8 @@ loader's); a rebuild needs every step since the snapshot to replay as it ran.
 from __future__ import annotations
 
 import math
+import shutil
+import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,14 +35,19 @@ from nanbisect.bundle.lookback import Snap
 from nanbisect.bundle.state import (RngState, Tensors, decode, encode, encode_model,
                                     encode_optimizer, hyper_parameters, local, model_entries,
                                     restore_model, restore_modes, restore_optimizer)
-from nanbisect.guard.stores import FileStore, HostStore, LazyFile
+from nanbisect.guard.spill import Spill, Spilled
+from nanbisect.guard.stores import FileStore, HostStore, LazyFile, Scratch
 from nanbisect.util import torch_internals as ti
 
 BUDGET = 0.005          # a snapshot's amortised share of a step's time
 MAX_EVERY = 1000        # steps between snapshots at most (a rebuild replays up to this many)
 CHOOSE_AFTER = 4        # steps timed after a snapshot before K is chosen from their median
 RETRY_AFTER = 16        # steps before a snapshot that could not be written is tried again
-RECORD_SHARE = 0.05     # the kept steps' bytes, as a share of the state's, before a new snapshot
+RECORD_SHARE = 0.05     # the kept steps' copies in memory, as a share of the state's bytes, before
+                        # they are spilled to a file (`nanbisect.guard.spill`); their RNG states
+                        # (not spilled) before a new snapshot
+SPILL_SHARE = 4.0       # the spilled bytes, as a multiple of the state's, before a new snapshot
+SPILL_FLOOR = 256 << 20  # ... or these bytes, if more (and at most a quarter of the free space)
 TOLERANCE = 1e-4        # relative difference of a replayed step's loss and gradient norm
 _RNG_BYTES = 32 * 1024  # a step's RNG states: torch's (5 KB), NumPy's (2.5 KB), Python's (24 KB)
 
@@ -64,10 +71,12 @@ class Record:
     tensors: Tensors          # the batch's and groups' tensors (copies)
     loss: float | None        # as the Guard read it (None: not read)
     grad_norm: float | None   # the gradients' global norm as the Guard read it
-    nbytes: int = 0
+    nbytes: int = 0           # in all: the tensors' and the RNG states' added
     accumulate: int = 1       # the step's micro-batches (a trainer's last window is shorter)
     loss_normalized: bool = False
     groups_key: tuple | None = None     # the hyper-parameters as plain values (None: tensors)
+    tensor_bytes: int = 0     # the tensors' (what a spill moves to the file)
+    kept: bool = True         # still one of the Keeper's records
 
 
 @dataclass
@@ -112,7 +121,11 @@ class Keeper:
     k: int | None = None
     state_bytes: int = 0
     kept_bytes: int = 0                 # the records' bytes
+    tensor_bytes: int = 0               # ... of which their tensors' (the rest: RNG states)
+    spilled_bytes: int = 0              # ... of which in the spill's file, not in memory
     _store: Any = None
+    _spill: Any = None
+    _disk_cap: int = SPILL_FLOOR
     _step_times: deque = field(default_factory=lambda: deque(maxlen=16))
     _last: float | None = None
     _retry_at: int | None = None    # a snapshot failed: the next try (`due`)
@@ -120,7 +133,9 @@ class Keeper:
     failed: str | None = None       # why the last snapshot could not be written
 
     def __post_init__(self) -> None:
-        self._store = FileStore() if self.on_host else HostStore()
+        scratch = Scratch()
+        self._store = FileStore(scratch) if self.on_host else HostStore()
+        self._spill = Spill(scratch)
         if self.every is not None:
             self.k = self.every
 
@@ -132,9 +147,28 @@ class Keeper:
             self._step_times.append(now - self._last)
         self._last = now
 
+    def memory_bytes(self) -> int:
+        """The kept steps' bytes held in memory (the RNG states, and copies not spilled)."""
+        return self.kept_bytes - self.spilled_bytes
+
+    def _copies_in_memory(self) -> int:
+        return self.tensor_bytes - self.spilled_bytes
+
     def over_share(self) -> bool:
-        """Have the kept steps outgrown their share of the state's bytes (big batches)?"""
-        return self.state_bytes > 0 and self.kept_bytes > RECORD_SHARE * self.state_bytes
+        """Must a snapshot come sooner than K? When the kept steps outgrew what the spill can
+        hold (`SPILL_SHARE` of the state's bytes on disk); or what memory should hold while the
+        spill does not keep up (copies of twice the share, beyond the newest two steps', which
+        the writer may still be writing: a slow disk, a failed write, a batch on an accelerator);
+        or when their RNG states, which stay in memory, pass the share (or two steps' states,
+        for a model smaller than that)."""
+        if self.state_bytes <= 0:
+            return False
+        self._spill.collect(self._spilled)
+        share = RECORD_SHARE * self.state_bytes
+        newest = sum(r.tensor_bytes for r in self.records[-2:])
+        return (self._spill.disk_bytes > self._disk_cap or
+                self._copies_in_memory() > 2 * share + newest or
+                self.kept_bytes - self.tensor_bytes > max(share, 2 * _RNG_BYTES))
 
     def due(self, step: int, opt=None, over: bool | None = None) -> bool:
         """Is a snapshot due at ``step``? ``over``: `over_share` as every rank agreed on it
@@ -203,9 +237,20 @@ class Keeper:
         self.snap = Snap(step, meta, opt_meta, scaler_state, modes,
                          seconds=time.perf_counter() - t0)
         self._stateless = opt is not None and not opt.state
-        self._set_records([r for r in self.records if r.step >= step])
+        self._set_records([r for r in self.records if r.step >= step], reset=True)
+        self._disk_cap = self._spill_cap()
         if self.every is None:
             self.k = None         # chosen CHOOSE_AFTER steps from now (`due`)
+
+    def _spill_cap(self) -> int:
+        """The spill's bytes at most before a snapshot comes sooner: `SPILL_SHARE` of the
+        state's bytes or `SPILL_FLOOR`, and at most a quarter of the free space where it is."""
+        cap = int(max(SPILL_SHARE * self.state_bytes, SPILL_FLOOR))
+        try:
+            free = shutil.disk_usage(self._spill.scratch.dir or tempfile.gettempdir()).free
+        except OSError:
+            return cap
+        return min(cap, free // 4)
 
     def _choose_k(self, seconds: float) -> int:
         times = sorted(list(self._step_times)[-CHOOSE_AFTER:])
@@ -226,32 +271,72 @@ class Keeper:
         if self.records and self.records[-1].step >= step:
             self.drop_from(step)
         last = self.records[-1] if self.records else None
+        self._spill.collect(self._spilled)
         ts: Tensors = {}
-        clone = lambda t: local(t).detach().clone()  # noqa: E731
         groups = groups if groups is not None else hyper_parameters(opt)
         key = _plain(groups)
         if key is not None and last is not None and key == last.groups_key:
             g = last.groups        # the same hyper-parameters as the last step: kept once
         else:
-            g = encode(groups, "groups", ts, clone)
-        b = encode(batch, "batch", ts, clone)
+            g = encode(groups, "groups", ts, self._copy)
+        b = encode(batch, "batch", ts, self._copy)
         rng, rng_bytes = _shared(rng, last.rng if last is not None else None)
-        rec = Record(step, rng, g, b, ts, loss, grad_norm, _nbytes(ts) + rng_bytes, accumulate,
-                     loss_normalized, key)
+        tensor_bytes = _nbytes(ts)
+        rec = Record(step, rng, g, b, ts, loss, grad_norm, tensor_bytes + rng_bytes, accumulate,
+                     loss_normalized, key, tensor_bytes)
         self.records.append(rec)
         self.kept_bytes += rec.nbytes
+        self.tensor_bytes += tensor_bytes
+        if self._copies_in_memory() - self._spill.pending() > \
+                RECORD_SHARE * self.state_bytes:
+            self._spill_some()
         if self.failed is not None and (len(self.records) > MAX_EVERY or
-                                        self.kept_bytes > 4 * RECORD_SHARE * self.state_bytes):
+                                        self.memory_bytes() > 4 * RECORD_SHARE *
+                                        self.state_bytes or
+                                        self._spill.disk_bytes > self._disk_cap):
             # snapshots keep failing (a full disk): the kept steps are bounded, the rebuild
             # becomes unavailable until a snapshot is written again
             self.snap = None
-            self._set_records([])
+            self._set_records([], reset=True)
+
+    def _copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A kept copy of a batch's (or a group's) tensor: in host memory, into storage the
+        spill gives back (no new allocation in a steady run); elsewhere, a clone there."""
+        t = local(t).detach()
+        if t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized:
+            return self._spill.buffer(t).copy_(t)
+        return t.clone()
+
+    def _spill_some(self) -> None:
+        """Hand the oldest records held in memory to the spill's writer, until what stays in
+        memory is within its share again."""
+        excess = self._copies_in_memory() - self._spill.pending() - \
+            RECORD_SHARE * self.state_bytes
+        for r in self.records:
+            if excess <= 0:
+                return
+            if r.tensor_bytes and not isinstance(r.tensors, Spilled) and \
+                    self._spill.put(r, r.tensor_bytes):
+                excess -= r.tensor_bytes
+
+    def _spilled(self, rec: Record, nbytes: int) -> None:
+        if rec.kept:
+            self.spilled_bytes += nbytes
 
     def drop_from(self, step: int) -> None:
         self._set_records([r for r in self.records if r.step < step])
 
-    def _set_records(self, records: list[Record]) -> None:
+    def _set_records(self, records: list[Record], reset: bool = False) -> None:
+        keep = {id(r) for r in records}
+        for r in self.records:
+            if id(r) not in keep:
+                r.kept = False
+        if reset:       # a new snapshot: the spill's file holds nothing that is kept
+            self._spill.reset(records)
         self.records, self.kept_bytes = records, sum(r.nbytes for r in records)
+        self.tensor_bytes = sum(r.tensor_bytes for r in records)
+        self.spilled_bytes = sum(r.tensor_bytes for r in records
+                                 if isinstance(r.tensors, Spilled))
 
     def can_rebuild(self, step: int) -> bool:
         """Is step ``step``'s pre-state within reach (a snapshot at or before it, and every step
@@ -303,6 +388,7 @@ class Keeper:
         scaler end as ``step`` began; the gradients are cleared. Returns what it did and
         ``step``'s record."""
         shape = (task.accumulate, task.loss_normalized)
+        self._spill.collect(self._spilled)
         try:
             return self._rebuild(task, step, read)
         finally:
@@ -379,7 +465,8 @@ class Keeper:
         reset_scaler_stage(task.grad_scaler)
 
     def close(self) -> None:
-        """Drop the snapshot (its file too) and the kept steps."""
+        """Drop the snapshot (its file too) and the kept steps (the spill's writer stopped)."""
+        self._spill.close()
         self._store.close()
         self.snap = None
         self._set_records([])

@@ -26,23 +26,43 @@ from nanbisect.util import lockdir
 SCRATCH = "nanbisect-guard-"    # the snapshot file's directory, in the temporary directory
 
 
-class FileStore:
-    """The snapshot's tensors in one safetensors file (read back one tensor at a time), in a
-    directory of the system's temporary directory (``TMPDIR``) that this process holds a lock
-    in (`nanbisect.util.lockdir`): removed when the Guard closes or is collected, or by the next
-    Guard anywhere on the machine once its owner is dead (a killed run)."""
+class Scratch:
+    """A private directory of the system's temporary directory (``TMPDIR``), made when first
+    asked for, that this process holds a lock in (`nanbisect.util.lockdir`): removed by `close`,
+    when its owner is collected, or by the next Guard anywhere on the machine once its owner is
+    dead (a killed run)."""
 
     def __init__(self) -> None:
-        self._dir: str | None = None
+        self.dir: str | None = None
         self._finalizer = None
 
-    def _path(self) -> str:
-        if self._dir is None:
+    def path(self, name: str) -> str:
+        if self.dir is None:
             _sweep()
             path, fd = lockdir.make(f"{SCRATCH}{os.getpid()}-")
-            self._dir = str(path)
-            self._finalizer = weakref.finalize(self, _drop_dir, self._dir, fd, os.getpid())
-        return os.path.join(self._dir, "state.safetensors")
+            self.dir = str(path)
+            self._finalizer = weakref.finalize(self, _drop_dir, self.dir, fd, os.getpid())
+        return os.path.join(self.dir, name)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()
+        self.dir = self._finalizer = None
+
+
+class FileStore:
+    """The snapshot's tensors in one safetensors file (read back one tensor at a time), in a
+    `Scratch` directory (shared with the kept steps' spill, `nanbisect.guard.spill`)."""
+
+    def __init__(self, scratch: Scratch | None = None) -> None:
+        self.scratch = scratch if scratch is not None else Scratch()
+
+    @property
+    def _dir(self) -> str | None:
+        return self.scratch.dir
+
+    def _path(self) -> str:
+        return self.scratch.path("state.safetensors")
 
     def prepare(self) -> None:
         self._path()
@@ -74,7 +94,7 @@ class FileStore:
         os.replace(path + ".tmp", path)
 
     def abort(self) -> None:
-        if self._dir is not None:
+        if self.scratch.dir is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._path() + ".tmp")
 
@@ -85,9 +105,7 @@ class FileStore:
         return LazyFile(self._path())
 
     def close(self) -> None:
-        if self._finalizer is not None:
-            self._finalizer()
-        self._dir = self._finalizer = None
+        self.scratch.close()
 
 
 def _drop_dir(path: str, fd: int, owner: int) -> None:
