@@ -5,7 +5,8 @@ demand), on one process or on every rank of a torchrun job.
 reading and its exact checks), its `Failures` (`failing`: a failing step bundled and raised) and
 its `Spikes` (`spikes`: `Spike`), sharing one `Guarded` and one `Progress` (`guarded`); `entry`
 (the checks before training starts), `snapshot` (the pre-step copies), `keep` and `stores` (the
-snapshot kept off the device and the rebuild), `screen` (the per-step screen and the exact
+snapshot kept off the device and the rebuild), `spill` (the kept steps' copies written to a file
+by a thread of their own), `screen` (the per-step screen and the exact
 check), `freeze` (the bundle's manifest and tensors, `capture`, the rescue), `coord` (rank
 coordination and what the ranks write once), `parts` (the multi-rank bundle on disk), `agree`
 (the ranks' agreement through the store), `deadline` (bounded waits) and `retape` (the failing
@@ -33,7 +34,10 @@ What the package's modules share (their named interface inside the stage; nothin
   layout from every rank's view) and `measured_or_not` (an out-of-sync tensor's largest
   difference, read back from the parts written), with `any_rank`, `broadcast_str`, `rank_info`
   and the replica plan;
-- `stores`: `FileStore`, `HostStore`, `LazyFile` (where `keep.Keeper` keeps a snapshot);
+- `stores`: `Scratch` (the Guard's private directory), `FileStore`, `HostStore`, `LazyFile`
+  (where `keep.Keeper` keeps a snapshot);
+- `spill`: `Spill`, `Spilled` (where `keep.Keeper` keeps the steps' copies that pass their
+  share of memory);
 - `retape`: `record_step`, `Tape`, `TapeRecorder`.
 """
 from __future__ import annotations

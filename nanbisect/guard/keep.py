@@ -15,7 +15,9 @@ training: ``bit-exact``, ``within-tolerance`` (relative difference at most `TOLE
 count the kernels depend on). K is chosen so that a snapshot's cost, amortised, stays under
 `BUDGET` of a step (``Guard(snapshot_every=K)`` fixes it); under torch.distributed every rank
 snapshots at the same steps (one all-reduce of K, once). Memory: the kept steps' batches and RNG
-states, at most `RECORD_SHARE` of the state's bytes (more: a snapshot is taken sooner).
+states, at most `RECORD_SHARE` of the state's bytes: copies beyond it are written to a file by a
+thread of their own (`nanbisect.guard.spill`), up to `SPILL_SHARE` of the state's bytes on disk;
+past those, or RNG states past the share, a snapshot is taken sooner.
 Not guaranteed: state outside the model, the optimizer and the scaler (a scheduler's, a data
 loader's); a rebuild needs every step since the snapshot to replay as it ran.
 """
@@ -126,6 +128,7 @@ class Keeper:
     _store: Any = None
     _spill: Any = None
     _disk_cap: int = SPILL_FLOOR
+    _next_spill: int = 0                # the first record not handed to the spill yet
     _step_times: deque = field(default_factory=lambda: deque(maxlen=16))
     _last: float | None = None
     _retry_at: int | None = None    # a snapshot failed: the next try (`due`)
@@ -165,7 +168,9 @@ class Keeper:
             return False
         self._spill.collect(self._spilled)
         share = RECORD_SHARE * self.state_bytes
-        newest = sum(r.tensor_bytes for r in self.records[-2:])
+        recs = self.records
+        newest = (recs[-1].tensor_bytes if recs else 0) + \
+            (recs[-2].tensor_bytes if len(recs) > 1 else 0)
         return (self._spill.disk_bytes > self._disk_cap or
                 self._copies_in_memory() > 2 * share + newest or
                 self.kept_bytes - self.tensor_bytes > max(share, 2 * _RNG_BYTES))
@@ -308,16 +313,15 @@ class Keeper:
         return t.clone()
 
     def _spill_some(self) -> None:
-        """Hand the oldest records held in memory to the spill's writer, until what stays in
-        memory is within its share again."""
-        excess = self._copies_in_memory() - self._spill.pending() - \
-            RECORD_SHARE * self.state_bytes
-        for r in self.records:
-            if excess <= 0:
-                return
+        """Hand every record held in memory to the spill's writer (all at once: small batches
+        pass the share every few dozen steps, not every step)."""
+        recs = self.records
+        for i in range(self._next_spill, len(recs)):
+            r = recs[i]
             if r.tensor_bytes and not isinstance(r.tensors, Spilled) and \
-                    self._spill.put(r, r.tensor_bytes):
-                excess -= r.tensor_bytes
+                    not self._spill.put(r, r.tensor_bytes):
+                return              # the spill has stopped (a full disk) until `reset`
+        self._next_spill = len(recs)
 
     def _spilled(self, rec: Record, nbytes: int) -> None:
         if rec.kept:
@@ -335,6 +339,7 @@ class Keeper:
             self._spill.reset(records)
         self.records, self.kept_bytes = records, sum(r.nbytes for r in records)
         self.tensor_bytes = sum(r.tensor_bytes for r in records)
+        self._next_spill = 0
         self.spilled_bytes = sum(r.tensor_bytes for r in records
                                  if isinstance(r.tensors, Spilled))
 

@@ -89,7 +89,8 @@ class Spill:
         self._gens = [0]       # [the generation], bumped by `reset`: earlier work is dropped
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._done: collections.deque = collections.deque()   # the writer's reports
-        self._queued: dict[int, tuple] = {}     # id(record) -> (record, its copies)
+        self._queued: dict[int, tuple] = {}     # id(record) -> (record, its copies, bytes)
+        self._pending = 0                  # their bytes
         self._thread: threading.Thread | None = None
         self._pool: dict[tuple, list[torch.Tensor]] = {}    # storage to copy into, by shape
         self._fd: int | None = None        # the training thread's descriptor (reads)
@@ -129,23 +130,25 @@ class Spill:
             self._thread.start()
         items = [(k, t.dtype, tuple(t.shape), _raw(t)) for k, t in ts.items()]
         self._queued[id(record)] = (record, ts, nbytes)
+        self._pending += nbytes
         self._jobs.put((self._gen, id(record), items))
         return True
 
     def pending(self) -> int:
         """Bytes handed to the writer and not reported written yet."""
-        return sum(n for _, _, n in self._queued.values())
+        return self._pending
 
     def collect(self, on_spilled: Callable[[Any, int], None]) -> None:
         """Take the writer's reports: each written record's tensors become a view of the file
         (``on_spilled(record, bytes)``), its copies' storage kept for reuse; a failed write
         stops spilling until `reset`."""
-        while self._done:
+        while self._done:     # (empty: nothing to do, no call made)
             gen, rid, entries, error = self._done.popleft()
             job = self._queued.pop(rid, None) if gen == self._gen else None
             if job is None:
                 continue           # dropped since (a new snapshot)
             record, copies, nbytes = job
+            self._pending -= nbytes
             if error is not None:
                 self.failed = error
                 continue
@@ -191,7 +194,11 @@ class Spill:
                 r.tensors = {k: v for k, v in r.tensors.items()}
         self._gen += 1
         self._queued.clear()
+        self._pending = 0
         self._done.clear()
+        if self._fd is not None:         # the writer makes a new file: read that one
+            os.close(self._fd)
+            self._fd = None
         self.disk_bytes = 0
         self.failed = None
         if self._thread is not None:
@@ -205,6 +212,7 @@ class Spill:
             self._ender()                  # the writer's last job
             self._thread.join(CLOSE_WAIT)
             self._thread = None
+        self._pending = 0
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
@@ -232,13 +240,20 @@ def _write_loop(path: str, jobs: queue.SimpleQueue, done: collections.deque,
             gen, rid, items = job
             if gen != gens[0]:
                 continue                    # dropped before it was written
-            if fd is None:
-                if rid is not None:
-                    done.append((gen, rid, {}, why))
+            if fd is None and rid is not None:
+                done.append((gen, rid, {}, why))
                 continue
-            if rid is None:                 # `reset`: the file emptied
+            if rid is None:                 # `reset`: a new, empty file
+                # NB: not ftruncate(0): ext4 (auto_da_alloc) then writes the file out to
+                # disk when it is closed; an unlinked one is only dropped
+                if fd is not None:
+                    os.close(fd)
                 with contextlib.suppress(OSError):
-                    os.ftruncate(fd, 0)
+                    os.unlink(path)
+                try:
+                    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                except OSError as e:
+                    fd, why = None, f"{type(e).__name__}: {e}"
                 end = 0
                 continue
             entries, error, start = {}, None, end
