@@ -13,7 +13,7 @@ the cache by the other sides' steps, where a training loop, which trains one mod
 there): the plain loop; `Guard.step` as it ships (issue 40's default ``snapshot="rebuild"``,
 history of 64 steps: the step read once just before its update, per step a copy of the buffers
 and the GradScaler's scale only, the step's record (RNG, groups, a copy of the batch), and a
-snapshot of parameters and optimizer state every K steps, K chosen so that it costs <= 0.5% of a
+snapshot of parameters and optimizer state every K steps, K chosen so that it costs <= 0.2% of a
 step); `Guard(history=0).step`; `Guard(snapshot="every-step").step` (the former exact copy of
 the whole state before every step); and the plain loop's step inside `Guard.watch` (a custom
 loop, read from the optimizer's step pre-hook). Every guarded side's Guard is closed at the end
@@ -56,8 +56,15 @@ reported beside the table (K is chosen ``CHOOSE_AFTER`` (4) steps after the firs
 fewer steps it is not chosen yet).
 ``--size mlp25m``: an MLP of 25.2M parameters (Linear 2048->4096->2048->4096, GELU, MSE loss,
 batch 64) with AdamW, about 288 MiB of parameters and moments (issue 40's model).
+``--size features`` / ``features5m`` with ``--batch-ratio R`` (issue 63): the GPT's blocks
+(`FeatureNet`: 3 blocks at dim 128, 0.6M parameters, batch 8x64; 6 blocks at dim 256, 4.9M
+parameters, batch 8x256) fed float features (frames, patches, embeddings) and a regression
+target per position, the features' width chosen so that a batch is R times the parameter +
+AdamW state bytes (a width above dim is mean-pooled to it first: the batch grows, the model
+does not): where the kept batches, not the model, decide what the Guard writes.
 
-    python scripts/bench_guard.py [--size default|tiny|mlp25m] [--steps 30] [--block 5]
+    python scripts/bench_guard.py [--size default|tiny|mlp25m|features|features5m]
+                                  [--batch-ratio R] [--steps 30] [--block 5]
                                   [--threads 2] [--clock wall|cpu] [--batch B] [--seq T]
                                   [--scaler] [--clip 1.0] [--json out.json]
     python scripts/bench_guard.py --memory [--size ...] [--mem-steps 8] [--json out.json]

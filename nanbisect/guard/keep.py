@@ -41,7 +41,7 @@ from nanbisect.guard.spill import Spill, Spilled
 from nanbisect.guard.stores import FileStore, HostStore, LazyFile, Scratch
 from nanbisect.util import torch_internals as ti
 
-BUDGET = 0.005          # a snapshot's amortised share of a step's time
+BUDGET = 0.002          # a snapshot's amortised share of a step's time (a rebuild replays up to K)
 MAX_EVERY = 1000        # steps between snapshots at most (a rebuild replays up to this many)
 CHOOSE_AFTER = 4        # steps timed after a snapshot before K is chosen from their median
 RETRY_AFTER = 16        # steps before a snapshot that could not be written is tried again

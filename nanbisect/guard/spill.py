@@ -260,10 +260,19 @@ def _write_loop(path: str, jobs: queue.SimpleQueue, done: collections.deque,
             try:
                 for key, dtype, shape, raw in items:
                     entries[key] = (end, dtype, shape)
-                    wrote = 0
-                    while wrote < len(raw):
-                        wrote += os.pwrite(fd, raw[wrote:], end + wrote)
                     end += len(raw)
+                # one call for the record (the GIL let go once): a short write is finished
+                bufs, at = [raw for *_, raw in items], start
+                while bufs:
+                    wrote = os.pwritev(fd, bufs, at)
+                    if wrote <= 0:
+                        raise OSError("the kept steps' file took no bytes")
+                    at += wrote
+                    while bufs and wrote >= len(bufs[0]):
+                        wrote -= len(bufs[0])
+                        bufs.pop(0)
+                    if bufs and wrote:
+                        bufs[0] = bufs[0][wrote:]
             except Exception as e:  # noqa: BLE001 - a full disk: the record keeps its copies
                 error, end = f"{type(e).__name__}: {e}", start
                 with contextlib.suppress(OSError):
