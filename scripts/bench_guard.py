@@ -555,7 +555,8 @@ def memory_main(args, cfg: dict) -> None:
                "--size", args.size, "--mem-steps", str(args.mem_steps),
                "--threads", str(args.threads), "--device", args.device]
         cmd += [f for f, on in (("--scaler", args.scaler),) if on]
-        for flag, v in (("--clip", args.clip), ("--batch", args.batch), ("--seq", args.seq)):
+        for flag, v in (("--clip", args.clip), ("--batch", args.batch), ("--seq", args.seq),
+                        ("--batch-ratio", args.batch_ratio)):
             cmd += [flag, str(v)] if v is not None else []
         out = subprocess.run(cmd, capture_output=True, text=True)
         line = [x for x in out.stdout.splitlines() if x.startswith("MEMSIDE ")]
