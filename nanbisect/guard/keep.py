@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from nanbisect import devices
 from nanbisect.bundle.lookback import Snap
 from nanbisect.bundle.state import (RngState, Tensors, decode, encode, encode_model,
                                     encode_optimizer, hyper_parameters, local, model_entries,
@@ -308,7 +309,7 @@ class Keeper:
         """A kept copy of a batch's (or a group's) tensor: in host memory, into storage the
         spill gives back (no new allocation in a steady run); elsewhere, a clone there."""
         t = local(t).detach()
-        if t.device.type == "cpu" and t.layout == torch.strided and not t.is_quantized:
+        if devices.on_host(t.device) and t.layout == torch.strided and not t.is_quantized:
             return self._spill.buffer(t).copy_(t)
         return t.clone()
 

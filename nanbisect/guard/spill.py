@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import torch
 
+from nanbisect import devices
 from nanbisect.guard.stores import Scratch
 
 CLOSE_WAIT = 5.0        # seconds `close` waits for the writer thread
@@ -70,7 +71,7 @@ class Spilled(dict):
 
 def spillable(ts: dict[str, torch.Tensor]) -> bool:
     """Can these tensors be written as raw bytes (dense, contiguous, in host memory)?"""
-    return all(t.device.type == "cpu" and t.layout == torch.strided and t.is_contiguous()
+    return all(devices.on_host(t.device) and t.layout == torch.strided and t.is_contiguous()
                and not t.is_quantized for t in ts.values())
 
 
@@ -128,7 +129,10 @@ class Spill:
                 target=_write_loop, name="nanbisect-spill", daemon=True,
                 args=(self.scratch.path("kept.bin"), self._jobs, self._done, self._gens))
             self._thread.start()
-        items = [(k, t.dtype, tuple(t.shape), _raw(t)) for k, t in ts.items()]
+        try:
+            items = [(k, t.dtype, tuple(t.shape), _raw(t)) for k, t in ts.items()]
+        except Exception:  # noqa: BLE001 - bytes it cannot take: the record keeps its copies
+            return False
         self._queued[id(record)] = (record, ts, nbytes)
         self._pending += nbytes
         self._jobs.put((self._gen, id(record), items))

@@ -162,3 +162,19 @@ def test_the_file_gives_back_every_dtype_and_shape(dtype):
     finally:
         spill.close()
         spill.scratch.close()
+
+
+def test_a_guard_dropped_unclosed_ends_its_writer(tmp_path):
+    """A Guard whose failure ended the loop and that nobody closes: its writer thread holds no
+    reference to it, so collecting the Guard ends the thread and removes its directory."""
+    import gc
+
+    guard = Guard(task(), entry=ENTRY, out=tmp_path / "b")
+    for i in range(3):
+        guard.step(big_batch(i))
+    writer, where = guard._keeper._spill._thread, Path(guard._keeper._store._dir)
+    assert writer.is_alive() and where.is_dir()
+    del guard
+    gc.collect()
+    writer.join(30)
+    assert not writer.is_alive() and not where.exists()
