@@ -34,6 +34,7 @@ from nanbisect import devices
 from nanbisect.guard.stores import Scratch
 
 CLOSE_WAIT = 5.0        # seconds `close` waits for the writer thread
+IOV_MAX = 512           # buffers in one write call (Linux takes at most 1024)
 
 
 class Spilled(dict):
@@ -268,7 +269,7 @@ def _write_loop(path: str, jobs: queue.SimpleQueue, done: collections.deque,
                 # one call for the record (the GIL let go once): a short write is finished
                 bufs, at = [raw for *_, raw in items], start
                 while bufs:
-                    wrote = os.pwritev(fd, bufs, at)
+                    wrote = os.pwritev(fd, bufs[:IOV_MAX], at)
                     if wrote <= 0:
                         raise OSError("the kept steps' file took no bytes")
                     at += wrote

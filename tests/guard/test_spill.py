@@ -135,16 +135,21 @@ def test_a_full_disk_stops_the_spill_and_brings_the_snapshot_sooner(tmp_path, mo
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.bool, torch.int64, torch.float64,
-                                   torch.complex64])
+                                   torch.complex64, "1500 tensors"])
 def test_the_file_gives_back_every_dtype_and_shape(dtype):
     """Raw bytes with dtypes and shapes kept beside them: what goes in comes back, a 0-d and an
-    empty tensor too; a newer snapshot makes the old entries unreadable, not wrong."""
+    empty tensor too, and a batch of more tensors than one write call takes (a list of
+    samples); a newer snapshot makes the old entries unreadable, not wrong."""
     class Rec:
         def __init__(self, ts):
             self.tensors = ts
     g = torch.Generator().manual_seed(0)
-    ts = {"a": (torch.randn(5, 3, generator=g) * 100).to(dtype), "b": torch.ones((), dtype=dtype),
-          "c": torch.empty(0, 4, dtype=dtype)}
+    if dtype == "1500 tensors":
+        ts = {f"a{i}": torch.randn(3, generator=g) for i in range(1500)}
+        ts |= {"b": torch.ones(()), "c": torch.empty(0, 4)}
+    else:
+        ts = {"a": (torch.randn(5, 3, generator=g) * 100).to(dtype),
+              "b": torch.ones((), dtype=dtype), "c": torch.empty(0, 4, dtype=dtype)}
     spill, rec, got = Spill(), Rec(dict(ts)), []
     try:
         assert spill.put(rec, 100)
@@ -152,13 +157,13 @@ def test_the_file_gives_back_every_dtype_and_shape(dtype):
         while not isinstance(rec.tensors, Spilled) and time.monotonic() < end:
             spill.collect(lambda r, n: got.append(n))
             time.sleep(0.01)
-        assert got == [100] and sorted(rec.tensors) == ["a", "b", "c"]
+        assert got == [100] and sorted(rec.tensors) == sorted(ts)
         for k, v in ts.items():
             back = rec.tensors[k]
             assert back.dtype == v.dtype and back.shape == v.shape and torch.equal(back, v)
         spill.reset([])
         with pytest.raises(RuntimeError, match="newer snapshot"):
-            rec.tensors["a"]
+            rec.tensors["b"]
     finally:
         spill.close()
         spill.scratch.close()
