@@ -474,6 +474,7 @@ class Keeper:
         """Drop the snapshot (its file too) and the kept steps (the spill's writer stopped)."""
         self._spill.close()
         self._store.close()
+        self._spill.scratch.close()     # (the spill's directory, on an accelerator too)
         self.snap = None
         self._set_records([])
         self._step_times.clear()

@@ -1,7 +1,8 @@
 """Where `nanbisect.guard.keep.Keeper` keeps a snapshot's tensors: a safetensors file in a
 locked scratch directory of the system's temporary directory (`Scratch`, which the kept steps'
-spill shares: `nanbisect.guard.spill`) when the state lives in host memory (`FileStore`: a copy in memory would double it), else host memory, pinned and filled
-without a host synchronisation where the device allows (`HostStore`). Both stage a new snapshot
+spill shares: `nanbisect.guard.spill`) when the state lives in host memory (`FileStore`: a copy
+in memory would double it), else host memory, pinned and filled without a host synchronisation
+where the device allows (`HostStore`). Both stage a new snapshot
 beside the current one and `commit` it, so the current one is whole until then.
 
 Guarantees: a file store's directory is private (``mkdtemp``: mode 0700) and removed when its Guard
