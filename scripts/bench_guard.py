@@ -100,7 +100,8 @@ import tinygpt  # noqa: E402  (the tests' GPT, built bigger; its plain_step is t
 from tinygpt import plain_step  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers.held import _storage, guard_tensors, state_storages  # noqa: E402  (a Guard holds)
+from helpers.held import (_storage, count_takes, guard_tensors,  # noqa: E402  (a Guard holds)
+                          state_storages)
 
 CONFIG = dict(vocab=1000, dim=256, heads=8, n_layers=6, seq=256, batch=8, lr=3e-4,
               weight_decay=0.1, seed=0)
@@ -389,19 +390,6 @@ SIDES = ["plain", "Guard.step", "Guard.step, history=0", "Guard.step, every-step
 MEM_SIDES = SIDES
 TIME_BARS = {"tiny": 1.03, "default": 1.01}   # issue 40: Guard.step's median, x plain
 MEM_BAR = 0.10      # issue 40's target: the Guard's extra memory, x the parameter + state bytes
-
-
-def count_takes(guard: nanbisect.Guard) -> list[int]:
-    """The steps at which ``guard``'s Keeper takes its K-step snapshot, from now on (a list
-    that grows as it takes them)."""
-    keeper, at = guard._keeper, []
-    take = keeper.take
-
-    def counted(step, *a, **kw):
-        at.append(step)
-        return take(step, *a, **kw)
-    keeper.take = counted
-    return at
 
 
 def make_guard(side: str, task: nanbisect.Task, out: str, **kw) -> nanbisect.Guard:

@@ -31,43 +31,23 @@ from typing import Any, Callable
 import torch
 
 from nanbisect import devices
-from nanbisect.guard.stores import Scratch
+from nanbisect.guard.stores import LazyTensors, Scratch
 
 CLOSE_WAIT = 5.0        # seconds `close` waits for the writer thread
 IOV_MAX = 512           # buffers in one write call (Linux takes at most 1024)
 
 
-class Spilled(dict):
-    """A read-only mapping of one spilled record's tensors, each read from the file when asked
-    for (``entries``: key -> (offset, dtype, shape))."""
+class Spilled(LazyTensors):
+    """One spilled record's tensors, each read from the file when asked for (``entries``: key
+    -> (offset, dtype, shape))."""
 
     def __init__(self, spill: "Spill", gen: int, entries: dict[str, tuple]) -> None:
         super().__init__()
         self._spill, self._gen, self._entries = spill, gen, entries
+        self._keys = set(entries)
 
-    def __contains__(self, k) -> bool:
-        return k in self._entries
-
-    def __getitem__(self, k):
+    def _read(self, k):
         return self._spill.read(self._gen, *self._entries[k])
-
-    def get(self, k, default=None):
-        return self[k] if k in self._entries else default
-
-    def keys(self):
-        return set(self._entries)
-
-    def items(self):
-        return ((k, self[k]) for k in sorted(self._entries))
-
-    def values(self):
-        return (self[k] for k in sorted(self._entries))
-
-    def __iter__(self):
-        return iter(sorted(self._entries))
-
-    def __len__(self) -> int:
-        return len(self._entries)
 
 
 def spillable(ts: dict[str, torch.Tensor]) -> bool:

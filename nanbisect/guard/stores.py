@@ -146,15 +146,15 @@ def _mine(e: os.DirEntry) -> bool:
         return False
 
 
-class LazyFile(dict):
-    """A read-only mapping of a safetensors file's tensors, each read when asked for."""
+class LazyTensors(dict):
+    """A read-only mapping whose tensors are each read when asked for (`_read`), over the keys
+    ``_keys`` (a subclass sets both): what `decode` and a rebuild read as a snapshot's or a kept
+    step's tensors without loading them all."""
 
-    def __init__(self, path: str) -> None:
-        from safetensors import safe_open
+    _keys: set
 
-        super().__init__()
-        self._f = safe_open(path, framework="pt")
-        self._keys = set(self._f.keys())
+    def _read(self, k):
+        raise NotImplementedError
 
     def __contains__(self, k) -> bool:
         return k in self._keys
@@ -162,7 +162,7 @@ class LazyFile(dict):
     def __getitem__(self, k):
         if k not in self._keys:
             raise KeyError(k)
-        return self._f.get_tensor(k)
+        return self._read(k)
 
     def get(self, k, default=None):
         return self[k] if k in self._keys else default
@@ -173,11 +173,28 @@ class LazyFile(dict):
     def items(self):
         return ((k, self[k]) for k in sorted(self._keys))
 
+    def values(self):
+        return (self[k] for k in sorted(self._keys))
+
     def __iter__(self):
         return iter(sorted(self._keys))
 
     def __len__(self) -> int:
         return len(self._keys)
+
+
+class LazyFile(LazyTensors):
+    """A safetensors file's tensors, each read when asked for."""
+
+    def __init__(self, path: str) -> None:
+        from safetensors import safe_open
+
+        super().__init__()
+        self._f = safe_open(path, framework="pt")
+        self._keys = set(self._f.keys())
+
+    def _read(self, k):
+        return self._f.get_tensor(k)
 
     def shape(self, k) -> tuple:
         """A tensor's shape, from the file's header (the tensor is not read)."""

@@ -150,9 +150,11 @@ def test_a_fault_born_in_the_update_is_rebuilt_bit_exact(tmp_path):
     assert out.phase == "optimizer" and {b.name for b in out.bad} == {"dead", "fc1.bias"}
 
 
-def inf_at_step_5(tmp_path, name: str, between=None) -> NonFiniteStep:
+def inf_at_step_5(tmp_path, name: str, between=None, batches=None,
+                  after=None) -> NonFiniteStep:
     """Train ``task()`` (snapshot only at step 0) until the infinite learning rate of step 5
-    makes every weight inf in its update; ``between(model)`` after each step."""
+    makes every weight inf in its update; ``between(model)`` after each step (``after(i,
+    guard)`` too); ``batches(i)``: step i's batch (`batch`)."""
     t = task()
     guard = Guard(t, entry=ENTRY, out=tmp_path / name, snapshot_every=50)
     with pytest.raises(NonFiniteStep) as e:
@@ -160,9 +162,12 @@ def inf_at_step_5(tmp_path, name: str, between=None) -> NonFiniteStep:
             if i == 5:
                 for g in t.optimizer.param_groups:
                     g["lr"] = float("inf")
-            guard.step(batch(i))
+            guard.step((batches or batch)(i))
             if between is not None:
                 between(t.model)
+            if after is not None:
+                after(i, guard)
+    guard.close()
     return e.value
 
 

@@ -16,7 +16,8 @@ from nanbisect import Guard, NonFiniteStep
 from nanbisect.guard import keep
 from nanbisect.guard.spill import Spill, Spilled
 
-from test_rebuild import CPU, task  # noqa: F401  (the same Net, and the entry it names)
+from helpers.held import count_takes
+from test_rebuild import CPU, inf_at_step_5, task  # noqa: F401  (the same Net and entry)
 from nanbisect.bundle.format import read_bundle
 from nanbisect.replay.replayer import Replayer
 
@@ -26,18 +27,6 @@ ROWS = 4096          # a batch of 4096 x 64 float32: 1 MiB, about 2.5x the state
 
 def big_batch(i: int) -> torch.Tensor:
     return torch.randn(ROWS, 64, generator=torch.Generator().manual_seed(i))
-
-
-def takes(guard: Guard) -> list[int]:
-    """The steps at which ``guard`` takes its snapshot, from now on."""
-    k, at = guard._keeper, []
-    take = k.take
-
-    def counted(step, *a, **kw):
-        at.append(step)
-        return take(step, *a, **kw)
-    k.take = counted
-    return at
 
 
 def settle(keeper: keep.Keeper, deadline: float = 30.0) -> None:
@@ -54,7 +43,7 @@ def test_big_batches_are_spilled_and_the_snapshot_keeps_its_cadence(tmp_path):
     cap), and what stays in memory is within the share beyond the step being written."""
     t = task()
     guard = Guard(t, entry=ENTRY, out=tmp_path / "b")
-    at = takes(guard)
+    at = count_takes(guard)
     k = guard._keeper
     over, check = [], k.over_share
     k.over_share = lambda: over.append(check()) or over[-1]
@@ -79,28 +68,21 @@ def test_a_fault_born_in_an_update_is_rebuilt_bit_exact_from_spilled_steps(tmp_p
     """An infinite learning rate at step 5; the snapshot of step 0 and steps 0-4 read back from
     the spill's file: the bundle is step 5 as it began, the rebuild bit-exact, and the replay
     finds the NaN in the optimizer."""
-    t = task()
-    guard = Guard(t, entry=ENTRY, out=tmp_path / "b", snapshot_every=50)
-    with pytest.raises(NonFiniteStep) as e:
-        for i in range(8):
-            if i == 5:
-                for g in t.optimizer.param_groups:
-                    g["lr"] = float("inf")
-            guard.step(big_batch(i))
-            if i == 4:
-                settle(guard._keeper)
-                # each step's copy alone passes the share: every one is in the file
-                assert [isinstance(r.tensors, Spilled) for r in guard._keeper.records] == \
-                    [True] * 5
-    obs = e.value.observed
+    def at_step_4(i, guard):
+        if i == 4:
+            settle(guard._keeper)
+            # each step's copy alone passes the share: every one is in the file
+            assert [isinstance(r.tensors, Spilled) for r in guard._keeper.records] == [True] * 5
+
+    err = inf_at_step_5(tmp_path, "b", batches=big_batch, after=at_step_4)
+    obs = err.observed
     assert (obs["step"], obs["first"]) == (5, "param")
     rb = obs["rebuild"]
     assert (rb["from_step"], rb["steps"], rb["fidelity"]) == (0, 5, "bit-exact")
-    bundle = read_bundle(e.value.bundle)
+    bundle = read_bundle(err.bundle)
     (kept,) = bundle.tensors("batch").values()      # step 5's batch, as training gave it
     assert torch.equal(kept, big_batch(5))
     assert Replayer(bundle, CPU).run().phase == "optimizer"
-    guard.close()
 
 
 def test_a_full_disk_stops_the_spill_and_brings_the_snapshot_sooner(tmp_path, monkeypatch):
@@ -114,7 +96,7 @@ def test_a_full_disk_stops_the_spill_and_brings_the_snapshot_sooner(tmp_path, mo
         monkeypatch.setattr(tempfile, "tempdir", str(tmp))
         t = task()
         guard = Guard(t, entry=ENTRY, out=tmp_path / "b")
-        at = takes(guard)
+        at = count_takes(guard)
         k = guard._keeper
         with warnings.catch_warnings(record=True) as said, pytest.raises(NonFiniteStep) as e:
             warnings.simplefilter("always")

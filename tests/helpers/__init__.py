@@ -1,7 +1,7 @@
 """What many test files share (conftest.py keeps only pytest's fixtures and hooks): where the
 suite's files are (`paths`), running the CLI and Python programs (`run`), file helpers (`files`);
 multi-rank captures shared by the session (`bundles`), tmpfs and read-only mounts (`mounts`), what
-a Guard holds (`held`), the per-file progress line (`progress`)."""
+a Guard holds and when it snapshots (`held`), the per-file progress line (`progress`)."""
 from helpers.files import aged, tree_digest
 from helpers.marks import same_run
 from helpers.paths import FIXTURES, ROOT, TASKS, TEST_TASKS

@@ -1,5 +1,6 @@
 """What a Guard holds: the tensors reachable from it that are not the user's own (the tests of
-issue 40 and scripts/bench_guard.py count them)."""
+issue 40 and scripts/bench_guard.py count them); and the steps its Keeper snapshots at
+(`count_takes`: tests/guard/test_spill.py and the benchmark)."""
 from __future__ import annotations
 
 import sys
@@ -87,3 +88,16 @@ def holds_no_copy(guard: nanbisect.Guard, share: float = 0.10) -> tuple[bool, st
     biggest = max(p.numel() * p.element_size() for p in guard.task.model.parameters())
     ok = total <= share * state and all(n < biggest for _, n, _ in what)
     return ok, f"holds {total} bytes against {state} of state: {what[:4]}"
+
+
+def count_takes(guard: nanbisect.Guard) -> list[int]:
+    """The steps at which ``guard``'s Keeper takes its K-step snapshot, from now on (a list
+    that grows as it takes them)."""
+    keeper, at = guard._keeper, []
+    take = keeper.take
+
+    def counted(step, *a, **kw):
+        at.append(step)
+        return take(step, *a, **kw)
+    keeper.take = counted
+    return at
