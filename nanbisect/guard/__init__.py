@@ -6,11 +6,11 @@ reading and its exact checks), its `Failures` (`failing`: a failing step bundled
 its `Spikes` (`spikes`: `Spike`), sharing one `Guarded` and one `Progress` (`guarded`); `entry`
 (the checks before training starts), `snapshot` (the pre-step copies), `keep` and `stores` (the
 snapshot kept off the device and the rebuild), `spill` (the kept steps' copies written to a file
-by a thread of their own), `screen` (the per-step screen and the exact
-check), `freeze` (the bundle's manifest and tensors, `capture`, the rescue), `coord` (rank
-coordination and what the ranks write once), `parts` (the multi-rank bundle on disk), `agree`
-(the ranks' agreement through the store), `deadline` (bounded waits) and `retape` (the failing
-step run again to record its collectives). Guarantees: importing this package imports those
+by a thread of their own), `screen` (the per-step screen and the exact check), `freeze` (the
+bundle's manifest and tensors, `capture`, the rescue), `coord` (rank coordination and what the
+ranks write once), `parts` (the multi-rank bundle on disk), `agree` (the ranks' agreement through
+the store), `deadline` (bounded waits) and `retape` (the failing step run again to record its
+collectives). Guarantees: importing this package imports those
 modules (and torch); the names in ``__all__`` are the stage's public API.
 
 What the package's modules share (their named interface inside the stage; nothing outside
@@ -35,7 +35,7 @@ What the package's modules share (their named interface inside the stage; nothin
   difference, read back from the parts written), with `any_rank`, `broadcast_str`, `rank_info`
   and the replica plan;
 - `stores`: `Scratch` (the Guard's private directory), `FileStore`, `HostStore`, `LazyFile`
-  (where `keep.Keeper` keeps a snapshot);
+  (where `keep.Keeper` keeps a snapshot), `LazyTensors` (a mapping read one tensor at a time);
 - `spill`: `Spill`, `Spilled` (where `keep.Keeper` keeps the steps' copies that pass their
   share of memory);
 - `retape`: `record_step`, `Tape`, `TapeRecorder`.

@@ -20,6 +20,7 @@ tensors are spilled (a batch on an accelerator stays where it is, counted in mem
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import contextlib
 import os
@@ -104,8 +105,12 @@ class Spill:
             self.failed = "the writer thread ended"
             return False
         if self._thread is None:
-            # a Spill dropped unclosed (a Guard left after its failure) ends its writer too
+            # a Spill dropped unclosed (a Guard left after its failure) ends its writer too;
+            # at the interpreter's exit `_close_all` joins it first (not this finalizer alone:
+            # a thread still running while the interpreter tears down may abort the process)
             self._ender = weakref.finalize(self, self._jobs.put, None)
+            self._ender.atexit = False
+            _LIVE.add(self)
             self._thread = threading.Thread(
                 target=_write_loop, name="nanbisect-spill", daemon=True,
                 args=(self.scratch.path("kept.bin"), self._jobs, self._done, self._gens))
@@ -208,6 +213,17 @@ class Spill:
         self._jobs, self._done = queue.SimpleQueue(), collections.deque()
 
 
+_LIVE: "weakref.WeakSet[Spill]" = weakref.WeakSet()   # the Spills whose writer was started
+
+
+@atexit.register
+def _close_all() -> None:
+    """At the interpreter's exit (a loop that ended on `NonFiniteStep` without `Guard.close`):
+    stop and join every writer while the interpreter is whole."""
+    for spill in list(_LIVE):
+        spill.close()
+
+
 def _write_loop(path: str, jobs: queue.SimpleQueue, done: collections.deque,
                 gens: list[int]) -> None:
     """The writer thread: append each job's bytes to the file and report where they went; it
@@ -263,6 +279,9 @@ def _write_loop(path: str, jobs: queue.SimpleQueue, done: collections.deque,
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, start)
             done.append((gen, rid, entries, error))
+            # hold no view of a record's copies while waiting: they belong to the training
+            # thread, and their memory is torch's (freed on this thread otherwise)
+            job = items = raw = bufs = None
     finally:
         if fd is not None:
             os.close(fd)
