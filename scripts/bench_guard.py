@@ -144,6 +144,10 @@ class FeatureNet(torch.nn.Module):
         return self.head(self.ln_f(h)).squeeze(-1)
 
 
+def mlp_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
+
+
 def features_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(batch["x"]), batch["y"])
 
@@ -388,7 +392,8 @@ MiB = 2.0 ** 20
 SIDES = ["plain", "Guard.step", "Guard.step, history=0", "Guard.step, every-step",
          "Guard.watch"]
 MEM_SIDES = SIDES
-TIME_BARS = {"tiny": 1.03, "default": 1.01}   # issue 40: Guard.step's median, x plain
+TIME_BARS = {"tiny": 1.03, "default": 1.01,   # issue 40: Guard.step's median, x plain
+             "features": 1.03, "features5m": 1.01}   # issue 63: batches up to 0.1x the state
 MEM_BAR = 0.10      # issue 40's target: the Guard's extra memory, x the parameter + state bytes
 
 
@@ -755,8 +760,8 @@ def main() -> None:
     if bar is not None:
         r = res["sides"]["Guard.step"]
         res["bar"] = {"x_plain": bar, "meets": r["ratio_of_medians"] <= bar}
-        print(f"\nissue 40's bar at --size {args.size}: Guard.step <= {bar:.2f}x plain (medians, "
-              f"an idle machine): {r['ratio_of_medians']:.4f}x: "
+        print(f"\nthe bar at --size {args.size} (issues 40 and 63): Guard.step <= {bar:.2f}x "
+              f"plain (medians, an idle machine): {r['ratio_of_medians']:.4f}x: "
               f"{'meets' if res['bar']['meets'] else 'misses'} it (load average "
               f"{os.getloadavg()[0]:.1f})")
     for name, f in snap.items():
