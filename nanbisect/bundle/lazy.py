@@ -24,6 +24,7 @@ import torch
 
 from nanbisect import devices
 from nanbisect.errors import BadInput
+from nanbisect.util.files import read_at
 
 # safetensors' dtype names -> torch's (those `bounded.DTYPE_BITS` admits)
 DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
@@ -101,12 +102,7 @@ class LazyTensors(Mapping):
         try:
             fd = os.open(e.path, os.O_RDONLY)
             try:
-                got = 0
-                while got < n:
-                    k = os.preadv(fd, [buf[got:]], e.begin + got)
-                    if k <= 0:
-                        break
-                    got += k
+                got = read_at(fd, buf, e.begin)
             finally:
                 os.close(fd)
         except OSError as err:

@@ -33,6 +33,8 @@ import torch
 
 from nanbisect import devices
 from nanbisect.guard.stores import LazyTensors, Scratch
+from nanbisect.util.files import read_at
+from nanbisect.util.tensors import tensor_bytes
 
 CLOSE_WAIT = 5.0        # seconds `close` waits for the writer thread
 IOV_MAX = 512           # buffers in one write call (Linux takes at most 1024)
@@ -55,11 +57,6 @@ def spillable(ts: dict[str, torch.Tensor]) -> bool:
     """Can these tensors be written as raw bytes (dense, contiguous, in host memory)?"""
     return all(devices.on_host(t.device) and t.layout == torch.strided and t.is_contiguous()
                and not t.is_quantized for t in ts.values())
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """A host tensor's bytes, without a copy."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 class Spill:
@@ -116,7 +113,8 @@ class Spill:
                 args=(self.scratch.path("kept.bin"), self._jobs, self._done, self._gens))
             self._thread.start()
         try:
-            items = [(k, t.dtype, tuple(t.shape), _raw(t)) for k, t in ts.items()]
+            items = [(k, t.dtype, tuple(t.shape), tensor_bytes(t))   # (host: no copy)
+                     for k, t in ts.items()]
         except Exception:  # noqa: BLE001 - bytes it cannot take: the record keeps its copies
             return False
         self._queued[id(record)] = (record, ts, nbytes)
@@ -161,19 +159,16 @@ class Spill:
         """One spilled tensor, read back (a copy of its own)."""
         if gen != self._gen:
             raise RuntimeError("a spilled step was read after a newer snapshot dropped it")
-        n = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if n == 0:
-            return torch.empty(shape, dtype=dtype)
+        out = torch.empty(shape, dtype=dtype)
+        buf = memoryview(tensor_bytes(out)).cast("B")    # read straight into it
+        if not len(buf):
+            return out
         if self._fd is None:
             self._fd = os.open(self.scratch.path("kept.bin"), os.O_RDONLY | os.O_CLOEXEC)
-        data = bytearray(n)
-        view, got = memoryview(data), 0
-        while got < n:
-            k = os.preadv(self._fd, [view[got:]], offset + got)
-            if k <= 0:
-                raise OSError(f"the kept steps' file ends at {offset + got} of {offset + n}")
-            got += k
-        return torch.frombuffer(data, dtype=dtype).reshape(shape)
+        got = read_at(self._fd, buf, offset)
+        if got != len(buf):
+            raise OSError(f"the kept steps' file ends at {offset + got} of {offset + len(buf)}")
+        return out
 
     def reset(self, survivors: list) -> None:
         """A new snapshot: the records before it are dropped, the file emptied. A surviving
@@ -182,34 +177,33 @@ class Spill:
         for r in survivors:
             if isinstance(r.tensors, Spilled):
                 r.tensors = {k: v for k, v in r.tensors.items()}
+        self._forget()
+        if self._thread is not None:
+            self._jobs.put((self._gen, None, None))     # the writer makes a new, empty file
+
+    def _forget(self) -> None:
+        """A new generation: what was handed to the writer, what it wrote and why it failed
+        are forgotten (its reports for them are dropped), the read descriptor too (the writer
+        makes a new file)."""
         self._gen += 1
         self._queued.clear()
         self._pending = 0
         self._done.clear()
-        if self._fd is not None:         # the writer makes a new file: read that one
+        if self._fd is not None:
             os.close(self._fd)
             self._fd = None
         self.disk_bytes = 0
         self.failed = None
-        if self._thread is not None:
-            self._jobs.put((self._gen, None, None))     # the writer empties the file
 
     def close(self) -> None:
         """Stop the writer (waiting at most `CLOSE_WAIT` s) and forget everything; the file
         goes with the scratch directory."""
-        self._gen += 1
+        self._forget()
         if self._thread is not None:
             self._ender()                  # the writer's last job
             self._thread.join(CLOSE_WAIT)
             self._thread = None
-        self._pending = 0
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-        self._queued.clear()
         self._pool = {}
-        self.disk_bytes = 0
-        self.failed = None
         self._jobs, self._done = queue.SimpleQueue(), collections.deque()
 
 

@@ -1,5 +1,6 @@
 """Small file chores every stage does the same way: sha256 of a file, reading a JSON file that
-may be missing or garbage, writing a small file atomically.
+may be missing or garbage, writing a small file atomically, reading a file's bytes at an offset
+into a buffer (`read_at`).
 
 Guarantees: `file_sha256` streams (a file of any size costs 1 MiB of memory); `source_digest`
 never reads more than ``max_bytes`` nor blocks on a special file; `read_json` never raises for
@@ -121,6 +122,25 @@ def remove_made(made: list[Path]) -> None:
             d.rmdir()
         except OSError:
             break
+
+
+def read_at(fd: int, buf: memoryview, offset: int) -> int:
+    """Read ``fd`` from ``offset`` into ``buf`` (a writable byte view) until it is full or the
+    file ends (a short read is continued); the bytes read.
+
+    >>> import tempfile; f = tempfile.TemporaryFile(); _ = f.write(b"abcdef"); f.flush()
+    >>> buf = bytearray(3); read_at(f.fileno(), memoryview(buf), 2), bytes(buf)
+    (3, b'cde')
+    >>> read_at(f.fileno(), memoryview(bytearray(3)), 5)
+    1
+    """
+    got, n = 0, len(buf)
+    while got < n:
+        k = os.preadv(fd, [buf[got:]], offset + got)
+        if k <= 0:
+            break
+        got += k
+    return got
 
 
 def os_error(e: BaseException) -> OSError | None:
